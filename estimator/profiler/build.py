@@ -1,0 +1,226 @@
+"""Build, wrap-free, the model/optimizer/step exactly as every torch consumer trains it.
+
+The profiler, the CPU fake-tensor oracle and the harness worker all call these functions, so what the estimator
+profiles is what the harness measures. torch and transformers are imported here (never on the predict path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from estimator.spec import TrainingSpec
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def param_dtype(precision: str) -> torch.dtype:
+    """dtype the model's weights are stored in on the GPU."""
+    if precision in ("bf16", "mixed_bf16"):
+        return torch.bfloat16
+    if precision == "mixed_fp16":
+        return torch.float16
+    return torch.float32  # fp32 and amp_* keep fp32 weights
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    return {"amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}.get(precision)
+
+
+def with_num_layers(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Copy of an HF config dict with its decoder depth changed (per-layer type lists truncated too)."""
+    config = copy.deepcopy(config)
+    for key in _LAYER_KEYS:
+        if key in config:
+            config[key] = num_layers
+    if not any(key in config for key in _LAYER_KEYS):
+        config["num_hidden_layers"] = num_layers
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = (config["layer_types"] * num_layers)[:num_layers]
+    if "max_window_layers" in config:
+        config["max_window_layers"] = min(config["max_window_layers"], num_layers)
+    if config.get("model_type") == "gpt_neo":  # attention_types must expand to exactly num_layers
+        pattern = [t for block, repeat in config.get("attention_types", [[["global"], 1]]) for t in block * repeat]
+        config["attention_types"] = [[(pattern * num_layers)[:num_layers], 1]]
+    return config
+
+
+def hf_config(config: dict[str, Any], training: TrainingSpec):
+    from transformers import AutoConfig
+
+    config = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version")}
+    model_type = config.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **config)
+    cfg.use_cache = False
+    return cfg
+
+
+def attn_implementation(attn: str, device: torch.device | str) -> str:
+    """'flash' means FlashAttention-2 where it is installed on CUDA; else the SDPA kernel (same memory shape)."""
+    if attn != "flash":
+        return attn
+    if torch.device(device).type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def build_model(config: dict[str, Any], training: TrainingSpec, device: torch.device | str = "cpu", *,
+                num_layers: int | None = None, meta: bool = False) -> torch.nn.Module:
+    """Randomly initialised causal LM from a config dict, in the spec's precision, checkpointing and LoRA."""
+    from transformers import AutoModelForCausalLM
+
+    if num_layers is not None:
+        config = with_num_layers(config, num_layers)
+    cfg = hf_config(config, training)
+    dtype = param_dtype(training.precision)
+    target = torch.device("meta") if meta else torch.device(device)
+    requested = attn_implementation(training.attn, device)
+    with target:
+        try:
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=requested)
+        except ValueError as err:  # architecture without an SDPA/flash path: HF would refuse; it runs eager
+            if requested == "eager" or "attention implementation" not in str(err):
+                raise
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
+    model.config.use_cache = False
+    if training.grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if training.lora:
+        model = apply_lora(model, training)
+    model.train()
+    return model
+
+
+def effective_attn(model: torch.nn.Module) -> str:
+    """The attention kernel family the built model really uses (eager / sdpa / flash)."""
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    return "flash" if impl.startswith("flash") else impl
+
+
+def materialize_fake(model: torch.nn.Module) -> torch.nn.Module:
+    """Turn a meta-device model into fake CPU tensors (call inside FakeTensorMode) and re-tie embeddings."""
+    model.to_empty(device="cpu")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.tie_weights()
+    return model
+
+
+def lora_target_modules(model: torch.nn.Module, targets: str) -> list[str] | str:
+    if targets == "all-linear":
+        return "all-linear"
+    if targets != "auto":
+        return [t.strip() for t in targets.split(",") if t.strip()]
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
+
+    found = mapping.get(model.config.model_type)
+    if found:
+        return list(found)
+    # peft has no default for this family: attention query/value projections when named the usual way.
+    leaf_names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    return ["q_proj", "v_proj"] if {"q_proj", "v_proj"} <= leaf_names else "all-linear"
+
+
+def apply_lora(model: torch.nn.Module, training: TrainingSpec) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=training.lora_rank, lora_alpha=2 * training.lora_rank, lora_dropout=0.0,
+                      target_modules=lora_target_modules(model, training.lora_targets), task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+def build_optimizer(params, training: TrainingSpec, lr: float = 1e-5) -> torch.optim.Optimizer:
+    """The optimizer as it runs on CUDA by default (foreach AdamW), with fp32 masters for mixed_*."""
+    params = [p for p in params if p.requires_grad]
+    if training.precision.startswith("mixed_"):
+        return MasterWeightOptimizer(params, training, lr)
+    return _inner_optimizer(params, training, lr)
+
+
+def _inner_optimizer(params, training: TrainingSpec, lr: float) -> torch.optim.Optimizer:
+    if training.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr, foreach=True)
+    if training.optimizer == "adamw_fused":
+        return torch.optim.AdamW(params, lr=lr, fused=True)
+    if training.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, foreach=True)
+    if training.optimizer == "adamw_8bit":
+        import bitsandbytes as bnb  # GPU only
+
+        return bnb.optim.AdamW8bit(params, lr=lr)
+    raise ValueError(f"optimizer: {training.optimizer!r} is not supported")
+
+
+class MasterWeightOptimizer(torch.optim.Optimizer):
+    """16-bit model weights and grads, fp32 master copies stepped by the inner optimizer (as DeepSpeed does).
+
+    At ``step`` each 16-bit grad is converted to an fp32 grad on its master and freed at once; the inner
+    optimizer steps the masters; the 16-bit weights are refreshed from them.
+    """
+
+    def __init__(self, params, training: TrainingSpec, lr: float) -> None:
+        self.model_params = list(params)
+        self.masters = [p.detach().float().requires_grad_(True) for p in self.model_params]
+        self.inner = _inner_optimizer(self.masters, training, lr)
+        super().__init__(self.masters, {"lr": lr})
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for master, param in zip(self.masters, self.model_params):
+            master.grad = None if param.grad is None else param.grad.float()
+            param.grad = None
+        self.inner.step()
+        for master, param in zip(self.masters, self.model_params):
+            param.copy_(master)
+            master.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.model_params:
+            param.grad = None
+        for master in self.masters:
+            master.grad = None
+
+
+@contextlib.contextmanager
+def autocast_context(training: TrainingSpec, device: torch.device | str) -> Iterator[None]:
+    dtype = autocast_dtype(training.precision)
+    if dtype is None:
+        yield
+        return
+    with torch.autocast(device_type=torch.device(device).type, dtype=dtype):
+        yield
+
+
+def forward_backward(model: torch.nn.Module, batch: dict[str, torch.Tensor], training: TrainingSpec,
+                     device: torch.device | str = "cpu", scale: float = 1.0) -> torch.Tensor:
+    """Forward and backward of one micro-batch; returns the detached loss. The output object (logits) is
+    dropped before backward, as HF Trainer does."""
+    with autocast_context(training, device):
+        loss = model(**batch).loss
+    (loss * scale if scale != 1.0 else loss).backward()
+    return loss.detach()
+
+
+def train_step(model, optimizer, batch, training: TrainingSpec, device: torch.device | str = "cpu") -> torch.Tensor:
+    loss = forward_backward(model, batch, training, device)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, device: torch.device | str = "cpu",
+                    ) -> dict[str, torch.Tensor]:
+    """Full-length batch (every position attended, every label trained): the worst case the paper measures."""
+    input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), device=device)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}

@@ -1,0 +1,227 @@
+"""The one typed spec that flows through harness, calibrate and estimator.
+
+Hydra stops at the harness entry point; below it only these dataclasses travel (as JSON files, as table
+columns, as API arguments). Every user error raises ``ValueError`` with a one-line message naming the field.
+Pure standard library: importing this must stay cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+METHODS = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "dp_tp", "zero_offload")
+# Methods DeepSpeed runs; their bucket/prefetch settings live in ZeroSpec.
+ZERO_METHODS = ("zero1", "zero2", "zero3", "zero_offload")
+PRECISIONS = ("fp32", "bf16", "amp_bf16", "amp_fp16", "mixed_bf16", "mixed_fp16")
+OPTIMIZERS = ("adamw", "adamw_fused", "sgd", "adamw_8bit")
+ATTENTIONS = ("eager", "sdpa", "flash")
+PADDINGS = ("max_length", "longest")
+
+
+def _fail(field_name: str, message: str) -> None:
+    raise ValueError(f"{field_name}: {message}")
+
+
+def _check_choice(field_name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(field_name, f"{value!r} is not one of {', '.join(choices)}")
+
+
+def _check_positive_int(field_name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        _fail(field_name, f"must be a positive integer, got {value!r}")
+
+
+def _check_nonneg_number(field_name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        _fail(field_name, f"must be a non-negative number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """What one optimizer step looks like on one data-parallel rank."""
+
+    micro_batch_size: int = 1
+    seq_len: int = 512
+    # fp32; bf16 = pure bf16 weights, grads and states; amp_* = fp32 weights + autocast;
+    # mixed_* = 16-bit weights and grads + fp32 master weights in the optimizer (DeepSpeed / LLMem).
+    precision: str = "mixed_bf16"
+    optimizer: str = "adamw"
+    grad_ckpt: bool = False
+    attn: str = "sdpa"
+    # 0 = full fine-tuning. LoRA targets: "auto" = peft's default modules for the architecture,
+    # "all-linear", or a comma-separated list of module names.
+    lora_rank: int = 0
+    lora_targets: str = "auto"
+    qlora: bool = False
+    grad_accum_steps: int = 1
+
+    def __post_init__(self) -> None:
+        _check_positive_int("micro_batch_size", self.micro_batch_size)
+        _check_positive_int("seq_len", self.seq_len)
+        _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice("attn", self.attn, ATTENTIONS)
+        if not isinstance(self.grad_ckpt, bool):
+            _fail("grad_ckpt", f"must be true or false, got {self.grad_ckpt!r}")
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            _fail("lora_rank", f"must be a positive integer (0 disables LoRA), got {self.lora_rank!r}")
+        if self.qlora and self.lora_rank == 0:
+            _fail("qlora", "QLoRA needs a LoRA rank (--lora-rank R)")
+        if not isinstance(self.lora_targets, str) or not self.lora_targets.strip():
+            _fail("lora_targets", f"must be 'auto', 'all-linear' or module names, got {self.lora_targets!r}")
+        _check_positive_int("grad_accum_steps", self.grad_accum_steps)
+        if self.attn == "flash" and self.precision == "fp32":
+            _fail("attn", "flash attention needs 16-bit activations; use sdpa or eager with fp32")
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch_size * self.seq_len
+
+
+@dataclass(frozen=True)
+class ZeroSpec:
+    """DeepSpeed ZeRO settings, with DeepSpeed's own defaults (deepspeed/runtime/zero/config.py).
+
+    Sizes are element counts, as in DeepSpeed's JSON. ``overlap_comm=None`` means DeepSpeed's default:
+    on for stage 3, off otherwise.
+    """
+
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool | None = None
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    sub_group_size: int = 1_000_000_000
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    pin_memory: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                     "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+                     "stage3_max_reuse_distance", "sub_group_size"):
+            _check_nonneg_number(f"zero.{name}", getattr(self, name))
+
+    def overlap_comm_for(self, stage: int) -> bool:
+        return (stage == 3) if self.overlap_comm is None else bool(self.overlap_comm)
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """How the job is split over GPUs. ``world_size`` counts all GPUs; ``tp`` is the tensor-parallel degree."""
+
+    method: str = "single"
+    world_size: int = 1
+    tp: int = 1
+    zero: ZeroSpec = field(default_factory=ZeroSpec)
+
+    def __post_init__(self) -> None:
+        _check_choice("method", self.method, METHODS)
+        _check_positive_int("world_size", self.world_size)
+        _check_positive_int("tp", self.tp)
+        if self.method == "single" and self.world_size != 1:
+            _fail("world_size", f"method 'single' runs on 1 GPU, got {self.world_size}")
+        if self.world_size % self.tp:
+            _fail("tp", f"world size {self.world_size} is not divisible by tp {self.tp}")
+        if self.method == "tp" and self.tp != self.world_size:
+            _fail("tp", f"method 'tp' uses every GPU for tensor parallelism: tp must equal world size "
+                        f"{self.world_size}, got {self.tp} (use dp_tp for a 2-D split)")
+        if self.method == "dp_tp" and (self.tp < 2 or self.tp == self.world_size):
+            _fail("tp", f"dp_tp needs 1 < tp < world size, got tp={self.tp} on {self.world_size} GPUs")
+        if self.method not in ("tp", "dp_tp") and self.tp != 1:
+            _fail("tp", f"method {self.method!r} has no tensor parallelism: tp must be 1, got {self.tp}")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.tp
+
+    @property
+    def zero_stage(self) -> int:
+        return {"zero1": 1, "zero2": 2, "zero3": 3}.get(self.method, 2 if self.method == "zero_offload" else 0)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One fine-tuning configuration: a model (catalogue name, config.json path or hub id), how it is
+    parallelised, how it trains, and the GPU type it runs on."""
+
+    model: str = "facebook/opt-1.3b"
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    training: TrainingSpec = field(default_factory=TrainingSpec)
+    gpu: str = "h100-80gb"
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            _fail("model", "must name a catalogue model, a config.json path or a hub id")
+        if not isinstance(self.gpu, str) or not self.gpu.strip():
+            _fail("gpu", "must be a GPU key such as h100-80gb")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, indent=2)
+
+    @property
+    def spec_id(self) -> str:
+        """Stable id: a hash of the canonical JSON (the same spec always lands in the same run dir)."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunSpec:
+        data = dict(data)
+        version = data.pop("schema_version", SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            _fail("schema_version", f"spec schema {version} is not supported (this build reads {SCHEMA_VERSION})")
+        parallel = dict(data.pop("parallel", {}) or {})
+        zero = _build(ZeroSpec, parallel.pop("zero", {}) or {}, "parallel.zero")
+        return cls(
+            parallel=_build(ParallelSpec, {**parallel, "zero": zero}, "parallel"),
+            training=_build(TrainingSpec, data.pop("training", {}) or {}, "training"),
+            **_known(cls, data, ""),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> RunSpec:
+        return cls.from_dict(json.loads(text))
+
+    def replace(self, **changes: Any) -> RunSpec:
+        """Copy with top-level or dotted changes: ``spec.replace(**{"training.seq_len": 1024})``."""
+        top = {k: v for k, v in changes.items() if "." not in k}
+        nested: dict[str, dict[str, Any]] = {}
+        for key, value in changes.items():
+            if "." in key:
+                head, tail = key.split(".", 1)
+                nested.setdefault(head, {})[tail] = value
+        for head, sub in nested.items():
+            top[head] = dataclasses.replace(getattr(self, head), **sub)
+        return dataclasses.replace(self, **top)
+
+
+def _known(cls: type, data: dict[str, Any], prefix: str) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        _fail(f"{prefix}{unknown[0]}", f"unknown field (known: {', '.join(sorted(names))})")
+    return data
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    return cls(**_known(cls, data, prefix + "."))
