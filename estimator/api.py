@@ -1,0 +1,234 @@
+"""``estimate(spec)``: per-rank peak allocated / reserved / device memory of one fine-tuning configuration."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from estimator import methods
+from estimator.arch import ModelArch, resolve_arch
+from estimator.model_params import expand_params, param_counts
+from estimator.profiles import get_profile
+from estimator.spec import RunSpec, TrainingSpec
+from estimator.timeline import Replay, poly, replay
+
+GIB = 1024**3
+COMPONENTS = ("weights", "gradients", "optimizer_states", "master_weights", "activations", "comm_buffers",
+              "gathered_params", "temporaries", "cublas_workspace")
+
+
+@dataclass(frozen=True)
+class RankEstimate:
+    rank: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    peak_device_bytes: int
+    breakdown: dict[str, int]
+    phase: str
+
+
+@dataclass(frozen=True)
+class Estimate:
+    spec: RunSpec
+    ranks: list[RankEstimate]
+    worst_rank: int
+    capacity_bytes: int
+    upper_bound_bytes: int
+    host_ram_bytes: int
+    calibrated: bool
+    gpu_key: str
+    params: int
+    trainable_params: int
+    notes: list[str] = field(default_factory=list)
+
+    def _worst(self) -> RankEstimate:
+        return next(r for r in self.ranks if r.rank == self.worst_rank)
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        return self._worst().peak_allocated_bytes
+
+    @property
+    def peak_reserved_bytes(self) -> int:
+        return self._worst().peak_reserved_bytes
+
+    @property
+    def peak_device_bytes(self) -> int:
+        return self._worst().peak_device_bytes
+
+    @property
+    def breakdown(self) -> dict[str, int]:
+        return self._worst().breakdown
+
+    @property
+    def phase(self) -> str:
+        return self._worst().phase
+
+    @property
+    def fits(self) -> bool:
+        return self.upper_bound_bytes <= self.capacity_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.capacity_bytes - self.peak_device_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.spec.model, "method": self.spec.parallel.method,
+            "world_size": self.spec.parallel.world_size, "tp": self.spec.parallel.tp, "gpu": self.gpu_key,
+            "peak_allocated_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
+            "peak_device_bytes": self.peak_device_bytes, "upper_bound_bytes": self.upper_bound_bytes,
+            "capacity_bytes": self.capacity_bytes, "fits": self.fits, "headroom_bytes": self.headroom_bytes,
+            "host_ram_bytes": self.host_ram_bytes, "phase": self.phase, "worst_rank": self.worst_rank,
+            "breakdown": self.breakdown, "ranks": [asdict(r) for r in self.ranks],
+            "params": self.params, "trainable_params": self.trainable_params,
+            "calibrated": self.calibrated, "notes": list(self.notes), "spec": self.spec.to_dict(),
+        }
+
+
+@functools.lru_cache(maxsize=256)
+def _arch(model: str) -> ModelArch:
+    return resolve_arch(model)
+
+
+def _tp_local_config(config: dict, tp: int) -> dict:
+    """The per-rank compute of Megatron-style TP: heads, kv heads and MLP width divided, hidden kept."""
+    local = copy.deepcopy(config)
+    heads = config.get("num_attention_heads")
+    local["head_dim"] = config.get("head_dim") or config["hidden_size"] // heads
+    local["num_attention_heads"] = heads // tp
+    local["num_key_value_heads"] = (config.get("num_key_value_heads") or heads) // tp
+    local["intermediate_size"] = config["intermediate_size"] // tp
+    return local
+
+
+_TP_LOCAL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2")
+
+
+def check_spec(spec: RunSpec, arch: ModelArch) -> None:
+    """Model-dependent validation (the spec validates itself on construction)."""
+    training, parallel = spec.training, spec.parallel
+    if arch.max_positions and training.seq_len > arch.max_positions:
+        raise ValueError(f"seq_len: {training.seq_len} exceeds the model's {arch.max_positions} positions")
+    tp = parallel.tp
+    if tp > 1:
+        if arch.num_heads % tp or arch.num_kv_heads % tp:
+            raise ValueError(f"tp: {tp} does not divide the model's {arch.num_heads} attention heads / "
+                             f"{arch.num_kv_heads} kv heads")
+        if arch.model_type not in _TP_LOCAL_FAMILIES:
+            raise ValueError(f"tp: tensor-parallel estimates are available for {', '.join(_TP_LOCAL_FAMILIES)} "
+                             f"families, not {arch.model_type!r} yet")
+        if arch.ffn_size % tp:
+            raise ValueError(f"tp: {tp} does not divide the MLP width {arch.ffn_size}")
+
+
+def load_model_profile(model: str, training: TrainingSpec, tp: int = 1, *, allow_build: bool = True
+                       ) -> tuple[ModelArch, dict]:
+    arch = _arch(model)
+    config = arch.config if tp == 1 else _tp_local_config(arch.config, tp)
+    sha = arch.config_sha if tp == 1 else f"{arch.config_sha}-tp{tp}"
+    return arch, get_profile(config, sha, training, allow_build=allow_build)
+
+
+def _regime(profile: dict, b: int, s: int) -> dict:
+    for regime in profile["regimes"]:
+        if (regime["b_min"] <= b and (regime["b_max"] is None or b <= regime["b_max"])
+                and regime["s_min"] <= s and (regime["s_max"] is None or s <= regime["s_max"])):
+            return regime
+    raise ValueError(f"seq_len: no profiled regime covers micro-batch {b}, sequence {s}")
+
+
+def _step_model(spec: RunSpec, table, profile: dict) -> methods.StepModel:
+    method = spec.parallel.method
+    if method in ("single", "tp"):
+        return methods.single(spec, table)
+    if method == "ddp":
+        return methods.ddp(spec, table)
+    if method in ("fsdp", "dp_tp"):
+        sharded = spec if method == "fsdp" else spec.replace(**{"parallel.world_size": spec.parallel.dp})
+        return methods.fsdp(sharded, table, profile["params"]["layer_prefix"])
+    return methods.zero(spec, table)
+
+
+def _activation_split(segments: dict, peak: Replay, num_layers: int, b: int, s: int) -> tuple[float, float]:
+    """(layer activations, logits/loss and the rest) of the activation bytes at the peak, for display."""
+    layers = poly(segments["prefix"]["net_act"], b, s)
+    for name, reps in (("fw_first", 1), ("fw", max(num_layers - 2, 0)), ("fw_last", 1)):
+        layers += reps * poly(segments[name]["net_act"], b, s)
+    layer_part = min(max(layers, 0.0), peak.peak_act_bytes)
+    return layer_part, peak.peak_act_bytes - layer_part
+
+
+def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, coeffs, rank: int
+                   ) -> tuple[RankEstimate, methods.StepModel]:
+    training = spec.training
+    b, s = training.micro_batch_size, training.seq_len
+    table = expand_params(profile["params"], arch.num_layers)
+    model = _step_model(spec, table, profile)
+    segments = _regime(profile, b, s)["segments"]
+    fb = replay(segments, arch.num_layers, b, s, grad_policy=model.grad_policy, extra_bytes=model.segment_extra)
+    resident = sum(model.resident.values())
+    workspace = coeffs.cublas_total_bytes if coeffs else 0
+    fb_total = resident + fb.peak_bytes
+    step_total = resident + max(fb.end_act_bytes, 0.0) + model.step_grads + model.step_temp
+    layer_act, other_act = _activation_split(segments, fb, arch.num_layers, b, s)
+    if fb_total >= step_total:
+        extra = model.segment_extra(fb.peak_segment) if model.segment_extra else 0.0
+        parts = {**model.resident, "gradients": fb.peak_grad_bytes, "activations": layer_act + other_act,
+                 "gathered_params": extra}
+        phase = fb.phase
+    else:
+        parts = {**model.resident, "gradients": model.step_grads, "activations": max(fb.end_act_bytes, 0.0),
+                 "temporaries": model.step_temp}
+        phase = "optimizer_step"
+    parts["cublas_workspace"] = workspace
+    breakdown = {k: int(round(parts.get(k, 0.0))) for k in COMPONENTS if parts.get(k)}
+    allocated = int(round(max(fb_total, step_total) + workspace))
+    reserved = coeffs.reserved_from_allocated(allocated) if coeffs else allocated
+    communicators = 0 if spec.parallel.world_size == 1 else (2 if spec.parallel.method == "dp_tp" else 1)
+    device = coeffs.device_from_reserved(reserved, communicators) if coeffs else reserved
+    return RankEstimate(rank=rank, peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
+                        peak_device_bytes=device, breakdown=breakdown, phase=f"{phase} (steady step)"), model
+
+
+def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = True) -> Estimate:
+    """Per-rank peak memory of ``spec``. ``coefficients``: a GPU coefficient file path or loaded object."""
+    from estimator import residuals
+    from estimator.gpus import get_gpu
+
+    gpu = get_gpu(spec.gpu)
+    arch = _arch(spec.model)
+    check_spec(spec, arch)
+    coeffs = coefficients if isinstance(coefficients, residuals.Coefficients) else \
+        residuals.load_coefficients(gpu.key, coefficients)
+    arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build)
+    last = spec.parallel.world_size - 1
+    ranks, model = [], None
+    for rank in sorted({0, last}):
+        estimate_r, model = _rank_estimate(spec, arch, profile, coeffs, rank)
+        ranks.append(estimate_r)
+    worst = max(ranks, key=lambda r: r.peak_device_bytes)
+    total, trainable = param_counts(profile["params"], arch.num_layers)
+    notes = list(model.notes) if model else []
+    if not coeffs.calibrated:
+        notes.append(f"{gpu.key}: uncalibrated GPU — reserved/device terms are documented priors")
+    if profile.get("attn_effective") != ("sdpa" if spec.training.attn == "flash" else spec.training.attn):
+        notes.append(f"attn: {arch.model_type} has no {spec.training.attn} path; estimated as "
+                     f"{profile.get('attn_effective')}, as transformers would run it")
+    if spec.parallel.tp > 1:
+        total, trainable = param_counts(_arch_profile_full(spec), arch.num_layers)
+        notes.append("tp: activations from the per-rank local compute (heads and MLP split); "
+                     "DTensor redistribution temporaries not modelled")
+    if spec.training.qlora:
+        notes.append("qlora: 4-bit base approximated; profile of the 16-bit LoRA model")
+    upper = coeffs.upper_bound(worst.peak_device_bytes)
+    return Estimate(spec=spec, ranks=ranks, worst_rank=worst.rank, capacity_bytes=gpu.capacity_bytes,
+                    upper_bound_bytes=upper, host_ram_bytes=int(model.host_bytes) if model else 0,
+                    calibrated=coeffs.calibrated, gpu_key=gpu.key, params=total, trainable_params=trainable,
+                    notes=notes)
+
+
+def _arch_profile_full(spec: RunSpec) -> dict:
+    return load_model_profile(spec.model, spec.training)[1]["params"]

@@ -1,0 +1,71 @@
+"""The full model's parameter tensors, expanded from a profile (non-layer tensors + one generic layer × L)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from estimator.arch import ModelArch
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    elem_bytes: int
+    trainable: bool
+    module_kind: str           # embedding | linear | norm | other
+    layer: int | None
+    tied_names: tuple[str, ...] = ()
+
+    @property
+    def is_bias(self) -> bool:
+        return self.name.endswith("bias")
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.elem_bytes
+
+
+def _info(row: dict, name: str, layer: int | None) -> ParamInfo:
+    return ParamInfo(name=name, shape=tuple(row["shape"]), numel=row["numel"], elem_bytes=row["elem_bytes"],
+                     trainable=row["trainable"], module_kind=row["kind"], layer=layer,
+                     tied_names=tuple(row.get("tied", ())))
+
+
+def expand_params(params: dict, num_layers: int) -> list[ParamInfo]:
+    """Non-layer tensors in profile order, then every decoder layer's tensors."""
+    prefix = params["layer_prefix"]
+    table = [_info(row, row["name"], None) for row in params["non_layer"]]
+    for layer in range(num_layers):
+        table.extend(_info(row, f"{prefix}.{layer}.{row['name']}", layer) for row in params["per_layer"])
+    return table
+
+
+def layer_param_bytes(params: dict, trainable_only: bool = False) -> int:
+    return sum(r["numel"] * r["elem_bytes"] for r in params["per_layer"] if r["trainable"] or not trainable_only)
+
+
+def param_counts(params: dict, num_layers: int) -> tuple[int, int]:
+    """(total, trainable) parameter counts of the full-depth model; tied tensors counted once."""
+    rows = params["non_layer"] + params["per_layer"] * num_layers
+    total = sum(r["numel"] for r in params["non_layer"]) + num_layers * sum(r["numel"] for r in params["per_layer"])
+    trainable = sum(r["numel"] for r in rows if r["trainable"])
+    return total, trainable
+
+
+def param_table(arch: ModelArch, profile: dict) -> list[ParamInfo]:
+    return expand_params(profile["params"], arch.num_layers)
+
+
+def model_summary(model: str) -> dict:
+    """Architecture facts and parameter count of a model (catalogue name, config path or hub id)."""
+    from estimator.api import load_model_profile  # late: api imports this module
+    from estimator.spec import TrainingSpec
+
+    arch, profile = load_model_profile(model, TrainingSpec())
+    total, _ = param_counts(profile["params"], arch.num_layers)
+    return {"name": arch.name, "model_type": arch.model_type, "params": total, "layers": arch.num_layers,
+            "hidden_size": arch.hidden_size, "vocab_size": arch.vocab_size, "num_heads": arch.num_heads,
+            "num_kv_heads": arch.num_kv_heads, "ffn_size": arch.ffn_size, "max_positions": arch.max_positions,
+            "tie_word_embeddings": arch.tie_word_embeddings}

@@ -1,0 +1,318 @@
+"""Work out an architecture's memory profile from fake-tensor traces of a shrunken copy.
+
+The profile is a compact, torch-free description of one steady-state training step (forward + backward):
+segments (prefix, first/generic/last layer forward, middle, first/generic/last layer backward, suffix), each
+reduced to its net change and its non-dominated peak candidates. Every tensor size is an exact polynomial in
+micro-batch ``b`` and sequence ``s`` over the monomials ``MONOMIALS``, fitted per regime (b = 1 differs: size-1
+dims make some reshapes views instead of copies; a sliding attention window changes masks past the window).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from fractions import Fraction
+
+import torch
+
+from estimator.profiles import MONOMIALS, PROFILE_SCHEMA_VERSION
+from estimator.profiler import build
+from estimator.profiler.trace import (StorageRecorder, decoder_layers, install_layer_markers, label_grads)
+from estimator.spec import TrainingSpec
+
+PROFILE_LAYERS = 3
+CHECK_LAYERS = 4
+SEGMENTS = ("prefix", "fw_first", "fw", "fw_last", "mid_fw", "mid_bw", "bw_first", "bw", "bw_last", "suffix")
+
+
+def _monomial_values(b: int, s: int) -> list[int]:
+    return [1, s, s * s, b, b * s, b * s * s]
+
+
+def sliding_window(config: dict) -> int | None:
+    for key in ("sliding_window", "window_size"):
+        value = config.get(key)
+        if isinstance(value, int) and value > 0 and config.get("use_sliding_window", True) is not False:
+            return value
+    return None
+
+
+def regimes_for(config: dict) -> list[dict]:
+    """(b, s) domains whose op sequence is the same; each gets its own fitted timeline."""
+    window = sliding_window(config)
+    max_pos = config.get("max_position_embeddings") or config.get("n_positions") or 1 << 20
+    s_spans = [(1, window)] if window else [(1, None)]
+    if window and window < max_pos:
+        s_spans.append((window + 1, None))
+    return [{"b_min": b_min, "b_max": b_max, "s_min": s_min, "s_max": s_max}
+            for b_min, b_max in ((1, 1), (2, None)) for s_min, s_max in s_spans]
+
+
+def _sample_seqs(regime: dict) -> list[int]:
+    """Three fitting lengths and one check length inside the regime's s-span, kept small (tracing is by op)."""
+    base = regime["s_min"] + 31 if regime["s_min"] > 1 else 32
+    step = 16 if regime["s_max"] is None else max(1, min(16, (regime["s_max"] - base) // 5))
+    return [base, base + step, base + 2 * step, base + 4 * step]
+
+
+def _points(regime: dict) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    s1, s2, s3, s4 = _sample_seqs(regime)
+    if regime["b_max"] == 1:
+        return [(1, s1), (1, s2), (1, s3)], [(1, s4)]
+    return [(b, s) for b in (2, 3) for s in (s1, s2, s3)], [(4, s2), (2, s4)]
+
+
+class _Model:
+    """A fake-tensor model + optimizer kept alive across trace points (params and Adam states persist)."""
+
+    def __init__(self, config: dict, training: TrainingSpec, num_layers: int) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.training = training
+        self.num_layers = num_layers
+        self.vocab = int(config.get("vocab_size"))
+        model = build.build_model(config, training, num_layers=num_layers, meta=True)
+        self.recorder = StorageRecorder()
+        with self.mode, self.recorder:
+            self.model = build.materialize_fake(model)
+            self.optimizer = build.build_optimizer(self.model.parameters(), training)
+        self.base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        self.layers = decoder_layers(self.base, num_layers)
+        self.tracker = install_layer_markers(self.recorder, self.layers)
+
+    def trace_window(self, b: int, s: int) -> list[tuple]:
+        """One warm-up step, then the measured step's events (window_start .. optimizer)."""
+        rec = self.recorder
+        with self.mode, rec:
+            batch = build.synthetic_batch(b, s, min(self.vocab, 1000))
+            build.train_step(self.model, self.optimizer, batch, self.training)
+            rec.mark("window_start")
+            with self.tracker:
+                with build.autocast_context(self.training, "cpu"):
+                    loss = self.model(**batch).loss
+                rec.mark("backward")
+                loss.backward()
+            label_grads(rec, self.model)
+            rec.mark("optimizer")
+            del loss
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        events = rec.timeline.events
+        start = max(i for i, e in enumerate(events) if e == ("m", "window_start"))
+        end = max(i for i, e in enumerate(events) if e == ("m", "optimizer"))
+        return events[start:end]
+
+
+def _normalise(window: list[tuple], timeline) -> tuple[list[tuple], list[int], list[str | None]]:
+    """Events with sids replaced by first-appearance ordinals: comparable across points."""
+    ordinal: dict[int, int] = {}
+    sizes: list[int] = []
+    grads: list[str | None] = []
+    out: list[tuple] = []
+    for event in window:
+        if event[0] == "m":
+            out.append(event)
+            continue
+        sid = event[1]
+        if sid not in ordinal:
+            ordinal[sid] = len(sizes)
+            sizes.append(timeline.sizes[sid])
+            grads.append(timeline.grad_names.get(sid))
+            if event[0] == "f":  # freed in the window, allocated before it (e.g. a step-1 leftover)
+                out.append(("f_pre", ordinal[sid]))
+                continue
+        out.append((event[0], ordinal[sid]))
+    return out, sizes, grads
+
+
+def _solve(points: list[tuple[int, int]], values: list[int]) -> list[Fraction]:
+    """Exact least-structure fit: quadratic in s per b, then linear in b (b=1 regime: no b terms)."""
+    by_b: dict[int, dict[int, int]] = {}
+    for (b, s), v in zip(points, values):
+        by_b.setdefault(b, {})[s] = v
+    quad = {b: _quadratic(list(vals.items())) for b, vals in by_b.items()}
+    if len(quad) == 1:
+        (c0, c1, c2), = quad.values()
+        return [c0, c1, c2, Fraction(0), Fraction(0), Fraction(0)]
+    (b1, q1), (b2, q2) = sorted(quad.items())[:2]
+    slope = [(y - x) / (b2 - b1) for x, y in zip(q1, q2)]
+    intercept = [x - k * b1 for x, k in zip(q1, slope)]
+    return intercept + slope
+
+
+def _quadratic(pairs: list[tuple[int, int]]) -> tuple[Fraction, Fraction, Fraction]:
+    (x0, y0), (x1, y1), (x2, y2) = pairs[:3]
+    # Newton divided differences, exact.
+    d01 = Fraction(y1 - y0, x1 - x0)
+    d12 = Fraction(y2 - y1, x2 - x1)
+    c2 = (d12 - d01) / (x2 - x0)
+    c1 = d01 - c2 * (x0 + x1)
+    c0 = y0 - c1 * x0 - c2 * x0 * x0
+    return c0, c1, c2
+
+
+def _evaluate(coeffs: list[Fraction], b: int, s: int) -> Fraction:
+    return sum(c * m for c, m in zip(coeffs, _monomial_values(b, s)))
+
+
+def _segment_bounds(signature: list[tuple], num_layers: int) -> dict[str, tuple[int, int]]:
+    where = {e[1]: i for i, e in enumerate(signature) if e[0] == "m"}
+    first_where = {}
+    for i, e in enumerate(signature):
+        if e[0] == "m":
+            first_where.setdefault(e[1], i)
+    last = num_layers - 1
+    try:
+        fw = [first_where[f"fw_pre:{i}"] for i in range(num_layers)]
+        fw_end = first_where[f"fw_post:{last}"]
+        bw = [first_where[f"bw_pre:{i}"] for i in range(num_layers)]
+        bw_end = where[f"bw_post:0"]
+        backward = first_where["backward"]
+    except KeyError as err:
+        raise RuntimeError(f"profile: missing layer marker {err} (layer hooks did not fire)") from None
+    return {
+        "prefix": (0, fw[0]), "fw_first": (fw[0], fw[1]), "fw": (fw[1], fw[2]),
+        "fw_last": (fw[last], fw_end), "mid_fw": (fw_end, backward), "mid_bw": (backward, bw[last]),
+        "bw_first": (bw[last], bw[last - 1]), "bw": (bw[last - 1], bw[last - 2]),
+        "bw_last": (bw[0], bw_end), "suffix": (bw_end, len(signature)),
+    }
+
+
+def _segment_summary(events: list[tuple], coeffs: list[list[Fraction]], grads: list[str | None]) -> dict:
+    """Net change and non-dominated local maxima of (activation poly, grad bytes) over one segment."""
+    act = [Fraction(0)] * 6
+    grad = Fraction(0)
+    candidates: list[tuple[list[Fraction], Fraction]] = []
+    for i, event in enumerate(events):
+        kind = event[0]
+        if kind == "m":
+            continue
+        c = coeffs[event[1]]
+        sign = 1 if kind == "a" else -1
+        if grads[event[1]] is not None:
+            grad += sign * c[0]
+        else:
+            act = [a + sign * x for a, x in zip(act, c)]
+        nxt = events[i + 1][0] if i + 1 < len(events) else "end"
+        if kind == "a" and nxt != "a":
+            candidates.append((list(act), grad))
+    candidates.append((list(act), grad))
+    kept = []
+    for k, (a_k, g_k) in enumerate(candidates):
+        dominated = any(j != k and g_j >= g_k and all(x >= y for x, y in zip(a_j, a_k))
+                        and (a_j != a_k or g_j != g_k or j < k)
+                        for j, (a_j, g_j) in enumerate(candidates))
+        if not dominated:
+            kept.append(([float(x) for x in a_k], float(g_k)))
+    return {"net_act": [float(x) for x in act], "net_grad": float(grad), "candidates": kept}
+
+
+def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:
+    fit_points, check_points = _points(regime)
+    traces = {}
+    for b, s in fit_points + check_points:
+        window = model.trace_window(b, s)
+        traces[(b, s)] = _normalise(window, model.recorder.timeline)
+    signature, _, grads = traces[fit_points[0]]
+    for point, (sig, _sizes, _g) in traces.items():
+        if sig != signature:
+            raise RuntimeError(f"profile: op sequence at (b, s) = {point} differs from {fit_points[0]}; "
+                               "this architecture changes control flow with shape")
+    n = len(traces[fit_points[0]][1])
+    coeffs = [_solve(fit_points, [traces[p][1][k] for p in fit_points]) for k in range(n)]
+    worst = 0.0
+    for point in check_points:
+        for k in range(n):
+            actual = traces[point][1][k]
+            predicted = _evaluate(coeffs[k], *point)
+            if predicted != actual:
+                worst = max(worst, abs(float(predicted) - actual) / max(actual, 1))
+    bounds = _segment_bounds(signature, model.num_layers)
+    segments = {name: _segment_summary(signature[lo:hi], coeffs, grads) for name, (lo, hi) in bounds.items()}
+    return {**regime, "segments": segments, "check_max_rel_error": worst}, signature, coeffs
+
+
+def param_table(model: torch.nn.Module, layers: torch.nn.ModuleList, num_layers: int) -> dict:
+    """Parameters of the shrunken model split into non-layer ones and one generic layer's."""
+    prefix = next(name for name, mod in model.named_modules() if mod is layers)
+    kinds = {}
+    for mod_name, mod in model.named_modules():
+        kind = _module_kind(mod)
+        for p_name, _ in mod.named_parameters(recurse=False):
+            kinds[f"{mod_name}.{p_name}" if mod_name else p_name] = kind
+    tied: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(param), []).append(name)
+    non_layer, per_layer = [], []
+    generic = f"{prefix}.1."
+    for name, param in model.named_parameters():
+        row = {"name": name, "shape": list(param.shape), "numel": param.numel(),
+               "elem_bytes": param.element_size(), "trainable": param.requires_grad,
+               "kind": kinds.get(name, "other"), "tied": tied[id(param)][1:]}
+        if name.startswith(generic):
+            per_layer.append({**row, "name": name[len(generic):]})
+        elif not name.startswith(f"{prefix}."):
+            non_layer.append(row)
+    return {"layer_prefix": prefix, "non_layer": non_layer, "per_layer": per_layer}
+
+
+def _module_kind(module: torch.nn.Module) -> str:
+    name = type(module).__name__.lower()
+    if isinstance(module, torch.nn.Embedding) or "embedding" in name:
+        return "embedding"
+    if isinstance(module, torch.nn.Linear) or name in ("conv1d", "linear"):
+        return "linear"
+    if "norm" in name:
+        return "norm"
+    return "other"
+
+
+def build_profile(config: dict, training: TrainingSpec, *, check: bool = True) -> dict:
+    """Trace, fit and summarise. Seconds of CPU on fake tensors; no real memory is used."""
+    started = time.perf_counter()
+    model = _Model(config, training, PROFILE_LAYERS)
+    regimes = []
+    for regime in regimes_for(config):
+        fitted, signature, coeffs = _fit_regime(model, regime)
+        if check:
+            fitted["layer_check"] = _check_depth(config, training, regime, fitted)
+        regimes.append(fitted)
+    import transformers
+
+    return {
+        "schema_version": PROFILE_SCHEMA_VERSION,
+        "model_type": config.get("model_type"),
+        "variant": _variant(training),
+        "attn_effective": build.effective_attn(model.base),
+        "monomials": list(MONOMIALS),
+        "params": param_table(model.base if not training.lora else model.model, model.layers, PROFILE_LAYERS),
+        "regimes": regimes,
+        "provenance": {"torch": torch.__version__, "transformers": transformers.__version__,
+                       "created": _dt.date.today().isoformat(), "trace_s": round(time.perf_counter() - started, 2),
+                       "profile_layers": PROFILE_LAYERS},
+    }
+
+
+def _variant(training: TrainingSpec) -> dict:
+    return {"precision": training.precision, "attn": training.attn, "grad_ckpt": training.grad_ckpt,
+            "lora_rank": training.lora_rank, "lora_targets": training.lora_targets}
+
+
+def _check_depth(config: dict, training: TrainingSpec, regime: dict, fitted: dict) -> dict:
+    """Replay the 3-layer segments for 4 layers and compare with a real 4-layer trace at one point."""
+    from estimator.timeline import replay_activation_peak
+
+    b, s = _points(regime)[1][0]
+    deeper = _Model(config, training, CHECK_LAYERS)
+    window = deeper.trace_window(b, s)
+    signature, sizes, grads = _normalise(window, deeper.recorder.timeline)
+    running, peak = 0, 0
+    for event in signature:
+        if event[0] == "m":
+            continue
+        running += sizes[event[1]] if event[0] == "a" else -sizes[event[1]]
+        peak = max(peak, running)
+    replayed = replay_activation_peak(fitted["segments"], CHECK_LAYERS, b, s)
+    return {"b": b, "s": s, "traced_peak_bytes": peak, "replayed_peak_bytes": replayed,
+            "rel_error": abs(replayed - peak) / max(peak, 1)}

@@ -1,0 +1,100 @@
+"""Record a training step's storage timeline on fake tensors.
+
+A TorchDispatchMode sees every aten op; each new untyped storage is an allocation, its weakref callback a free.
+Decoder-layer boundaries (forward and backward, checkpoint recompute included) come from ModTracker hooks, so a
+shrunken copy of a model yields per-layer segments that can be replayed for any depth.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+@dataclass
+class Timeline:
+    """events: ("a", sid, nbytes) | ("f", sid) | ("m", label). sizes: sid -> nbytes."""
+
+    events: list[tuple] = field(default_factory=list)
+    sizes: dict[int, int] = field(default_factory=dict)
+    grad_names: dict[int, str] = field(default_factory=dict)  # sid -> parameter name, for .grad storages
+
+
+class StorageRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeline = Timeline()
+        self._sid_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._refs: dict[int, weakref.ref] = {}
+        self._next_sid = 0
+
+    def mark(self, label: str) -> None:
+        self.timeline.events.append(("m", label))
+
+    def sid(self, storage: torch.UntypedStorage) -> int | None:
+        return self._sid_of.get(storage)
+
+    def track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        if storage in self._sid_of:
+            return
+        sid = self._next_sid
+        self._next_sid += 1
+        self._sid_of[storage] = sid
+        nbytes = storage.nbytes()
+        self.timeline.sizes[sid] = nbytes
+        self.timeline.events.append(("a", sid, nbytes))
+        events = self.timeline.events
+        self._refs[sid] = weakref.ref(storage, lambda _ref, sid=sid: (events.append(("f", sid)),
+                                                                     self._refs.pop(sid, None)))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for item in tree_flatten(out)[0]:
+            if isinstance(item, torch.Tensor):
+                self.track(item)
+        return out
+
+
+def decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:
+    """The ModuleList holding the decoder blocks (the one with num_layers children and the most parameters)."""
+    best, best_params = None, -1
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
+            params = sum(p.numel() for p in module.parameters())
+            if params > best_params:
+                best, best_params = module, params
+    if best is None:
+        raise ValueError(f"model: found no stack of {num_layers} decoder layers")
+    return best
+
+
+def install_layer_markers(recorder: StorageRecorder, layers: torch.nn.ModuleList) -> ModTracker:
+    index = {id(layer): i for i, layer in enumerate(layers)}
+    tracker = ModTracker()
+
+    def on(kind: str):
+        def hook(module, *_):
+            i = index.get(id(module))
+            if i is not None:
+                recompute = kind == "fw_pre" and tracker.is_bw
+                recorder.mark(f"{'rc_pre' if recompute else kind}:{i}")
+        return hook
+
+    tracker.register_user_hooks(pre_fw_hook=on("fw_pre"), post_fw_hook=on("fw_post"),
+                                pre_bw_hook=on("bw_pre"), post_bw_hook=on("bw_post"))
+    return tracker
+
+
+def label_grads(recorder: StorageRecorder, model: torch.nn.Module) -> None:
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            sid = recorder.sid(param.grad.untyped_storage())
+            if sid is not None:
+                recorder.timeline.grad_names[sid] = name

@@ -1,0 +1,89 @@
+"""Architecture profiles: shipped for the catalogue, cached per user for anything else.
+
+A profile is keyed by the config's fingerprint (layer count excluded) and the training variant that changes
+which tensors exist (precision, attention, checkpointing, LoRA). Loading is pure JSON; building one imports
+torch (``estimator.profiler``) and is done once per key.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from importlib import resources
+from pathlib import Path
+
+from estimator.spec import TrainingSpec
+
+PROFILE_SCHEMA_VERSION = 1
+MONOMIALS = ("1", "s", "s^2", "b", "b*s", "b*s^2")
+
+
+def variant_key(training: TrainingSpec) -> str:
+    # flash attention has the memory shape of the SDPA flash kernel (output + logsumexp, no S×S matrix).
+    attn = "sdpa" if training.attn == "flash" else training.attn
+    lora = f"lora{training.lora_rank}-{training.lora_targets}" if training.lora else "full"
+    return f"{training.precision}_{attn}_{'ckpt' if training.grad_ckpt else 'nockpt'}_{lora}"
+
+
+def profile_key(config_sha: str, training: TrainingSpec) -> str:
+    return f"{config_sha}_{variant_key(training)}"
+
+
+def user_cache_dir() -> Path:
+    root = os.environ.get("LLMEM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llm-memory-estimator")
+    return Path(root) / "profiles"
+
+
+def _shipped_path(key: str):
+    return resources.files("estimator") / "profiles" / f"{key}.json"
+
+
+@functools.lru_cache(maxsize=512)
+def _read(path: str) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def find_profile(key: str) -> dict | None:
+    shipped = _shipped_path(key)
+    if shipped.is_file():
+        return _read(str(shipped))
+    cached = user_cache_dir() / f"{key}.json"
+    if cached.is_file():
+        return _read(str(cached))
+    return None
+
+
+def save_profile(key: str, profile: dict, directory: Path | None = None) -> Path:
+    directory = directory or user_cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{key}.json"
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(profile, separators=(",", ":")))
+    os.replace(tmp, path)
+    return path
+
+
+def get_profile(config: dict, config_sha: str, training: TrainingSpec, *, allow_build: bool = True) -> dict:
+    """The cached profile, or one built now (torch + transformers, seconds) and cached."""
+    key = profile_key(config_sha, training)
+    found = find_profile(key)
+    if found is not None:
+        return found
+    if not allow_build:
+        raise ValueError(f"model: no cached profile for this architecture and variant ({key}); "
+                         "profiling it needs torch and transformers (pip install '.[profile]')")
+    try:
+        from estimator.profiler.profile import build_profile
+    except ImportError as err:
+        raise ValueError(f"model: this architecture/variant has not been profiled yet and profiling needs "
+                         f"torch + transformers ({err.name} missing): pip install '.[profile]'") from None
+    profile = build_profile(config, training)
+    save_profile(key, profile)
+    return profile
+
+
+def config_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

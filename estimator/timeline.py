@@ -1,0 +1,78 @@
+"""Replay a profiled training step for any depth, micro-batch and sequence length (pure arithmetic).
+
+A profile's segments each carry their net change and their peak candidates: (activation polynomial in b and s,
+parameter-gradient bytes allocated so far in the segment). Repeated per-layer segments are linear in the
+repetition index, so only their first and last repetition can hold the maximum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+FORWARD_SEGMENTS = ("prefix", "fw_first", "fw", "fw_last", "mid_fw")
+
+# Held gradient bytes given (gradients of finished segments, gradients allocated so far in this segment).
+GradPolicy = Callable[[float, float], float]
+
+
+def poly(coeffs: list[float], b: int, s: int) -> float:
+    c0, c1, c2, c3, c4, c5 = coeffs
+    return c0 + s * (c1 + c2 * s) + b * (c3 + s * (c4 + c5 * s))
+
+
+def segment_sequence(num_layers: int) -> list[tuple[str, int]]:
+    """(segment, repetitions) for a decoder of num_layers blocks, as profiled on three."""
+    if num_layers == 1:  # first and last block are the same block: keep the outer two (approximation)
+        return [("prefix", 1), ("fw_first", 1), ("mid_fw", 1), ("mid_bw", 1), ("bw_last", 1), ("suffix", 1)]
+    middle = num_layers - 2
+    return [("prefix", 1), ("fw_first", 1), ("fw", middle), ("fw_last", 1), ("mid_fw", 1), ("mid_bw", 1),
+            ("bw_first", 1), ("bw", middle), ("bw_last", 1), ("suffix", 1)]
+
+
+@dataclass(frozen=True)
+class Replay:
+    peak_bytes: float          # activations + held gradients at the peak, above the step's starting state
+    peak_act_bytes: float
+    peak_grad_bytes: float
+    peak_segment: str
+    end_act_bytes: float       # still alive when the optimizer step starts (loss, leftovers)
+    end_grad_bytes: float      # all parameter gradients produced by backward
+
+    @property
+    def phase(self) -> str:
+        return "forward" if self.peak_segment in FORWARD_SEGMENTS else "backward"
+
+
+def _full(prev: float, within: float) -> float:
+    return prev + within
+
+
+def replay(segments: dict, num_layers: int, b: int, s: int, grad_policy: GradPolicy = _full,
+           extra_bytes: Callable[[str], float] | None = None) -> Replay:
+    act = 0.0
+    grad = 0.0
+    best = (float("-inf"), 0.0, 0.0, "prefix")
+    for name, repeats in segment_sequence(num_layers):
+        if repeats == 0:
+            continue
+        seg = segments[name]
+        net_act = poly(seg["net_act"], b, s)
+        net_grad = seg["net_grad"]
+        extra = extra_bytes(name) if extra_bytes else 0.0
+        for k in {0, repeats - 1}:
+            base_act = act + k * net_act
+            base_grad = grad + k * net_grad
+            for cand_act, cand_grad in seg["candidates"]:
+                a = base_act + poly(cand_act, b, s)
+                g = grad_policy(base_grad, cand_grad)
+                if a + g + extra > best[0]:
+                    best = (a + g + extra, a, g, name)
+        act += repeats * net_act
+        grad += repeats * net_grad
+    return Replay(peak_bytes=best[0], peak_act_bytes=best[1], peak_grad_bytes=best[2], peak_segment=best[3],
+                  end_act_bytes=act, end_grad_bytes=grad)
+
+
+def replay_activation_peak(segments: dict, num_layers: int, b: int, s: int) -> int:
+    return round(replay(segments, num_layers, b, s).peak_bytes)
