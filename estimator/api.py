@@ -7,8 +7,9 @@ import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from estimator import methods
+from estimator import methods, residuals
 from estimator.arch import ModelArch, resolve_arch
+from estimator.gpus import get_gpu
 from estimator.model_params import expand_params, param_counts
 from estimator.profiles import get_profile
 from estimator.spec import RunSpec, TrainingSpec
@@ -170,7 +171,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, coeffs, rank: 
     segments = _regime(profile, b, s)["segments"]
     fb = replay(segments, arch.num_layers, b, s, grad_policy=model.grad_policy, extra_bytes=model.segment_extra)
     resident = sum(model.resident.values())
-    workspace = coeffs.cublas_total_bytes if coeffs else 0
+    workspace = residuals.cublas_workspace_bytes(coeffs)
     fb_total = resident + fb.peak_bytes
     step_total = resident + max(fb.end_act_bytes, 0.0) + model.step_grads + model.step_temp
     layer_act, other_act = _activation_split(segments, fb, arch.num_layers, b, s)
@@ -186,17 +187,15 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, coeffs, rank: 
     parts["cublas_workspace"] = workspace
     breakdown = {k: int(round(parts.get(k, 0.0))) for k in COMPONENTS if parts.get(k)}
     allocated = int(round(max(fb_total, step_total) + workspace))
-    reserved = coeffs.reserved_from_allocated(allocated) if coeffs else allocated
+    reserved = residuals.reserved_from_allocated(allocated, coeffs)
     communicators = 0 if spec.parallel.world_size == 1 else (2 if spec.parallel.method == "dp_tp" else 1)
-    device = coeffs.device_from_reserved(reserved, communicators) if coeffs else reserved
+    device = residuals.device_from_reserved(reserved, coeffs, communicators)
     return RankEstimate(rank=rank, peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
                         peak_device_bytes=device, breakdown=breakdown, phase=f"{phase} (steady step)"), model
 
 
 def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = True) -> Estimate:
     """Per-rank peak memory of ``spec``. ``coefficients``: a GPU coefficient file path or loaded object."""
-    from estimator import residuals
-    from estimator.gpus import get_gpu
 
     gpu = get_gpu(spec.gpu)
     arch = _arch(spec.model)
@@ -223,7 +222,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
                      "DTensor redistribution temporaries not modelled")
     if spec.training.qlora:
         notes.append("qlora: 4-bit base approximated; profile of the 16-bit LoRA model")
-    upper = coeffs.upper_bound(worst.peak_device_bytes)
+    upper = residuals.upper_bound_bytes(worst.peak_device_bytes, coeffs)
     return Estimate(spec=spec, ranks=ranks, worst_rank=worst.rank, capacity_bytes=gpu.capacity_bytes,
                     upper_bound_bytes=upper, host_ram_bytes=int(model.host_bytes) if model else 0,
                     calibrated=coeffs.calibrated, gpu_key=gpu.key, params=total, trainable_params=trainable,

@@ -80,13 +80,16 @@ class _Model:
         self.base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         self.layers = decoder_layers(self.base, num_layers)
         self.tracker = install_layer_markers(self.recorder, self.layers)
+        self.warm = False  # after one step Adam states exist; every later window starts from the same state
 
     def trace_window(self, b: int, s: int) -> list[tuple]:
         """One warm-up step, then the measured step's events (window_start .. optimizer)."""
         rec = self.recorder
         with self.mode, rec:
             batch = build.synthetic_batch(b, s, min(self.vocab, 1000))
-            build.train_step(self.model, self.optimizer, batch, self.training)
+            if not self.warm:
+                build.train_step(self.model, self.optimizer, batch, self.training)
+                self.warm = True
             rec.mark("window_start")
             with self.tracker:
                 with build.autocast_context(self.training, "cpu"):

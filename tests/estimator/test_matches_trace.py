@@ -1,0 +1,38 @@
+"""The estimator's allocated peak vs a full-depth fake-tensor trace of the real transformers model."""
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from estimator.api import estimate  # noqa: E402
+from estimator.spec import RunSpec, TrainingSpec  # noqa: E402
+
+from .oracle_util import traced_peak_bytes  # noqa: E402
+
+TINY = {
+    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+              "intermediate_size": 160, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 1000, "max_position_embeddings": 512, "tie_word_embeddings": False},
+    "opt": {"model_type": "opt", "architectures": ["OPTForCausalLM"], "hidden_size": 64, "ffn_dim": 256,
+            "num_hidden_layers": 6, "num_attention_heads": 4, "vocab_size": 1000, "max_position_embeddings": 512,
+            "word_embed_proj_dim": 64},
+}
+
+
+def _tensor_peak(est) -> int:
+    return est.peak_allocated_bytes - est.breakdown.get("cublas_workspace", 0)
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+@pytest.mark.parametrize("training", [
+    TrainingSpec(precision="fp32", micro_batch_size=3, seq_len=96, attn="eager"),
+    TrainingSpec(precision="mixed_bf16", micro_batch_size=1, seq_len=64, grad_ckpt=True),
+])
+def test_single_gpu_allocated_peak_within_1_percent(tmp_path, family, training):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY[family]))
+    est = estimate(RunSpec(model=str(path), training=training))
+    reference = traced_peak_bytes(TINY[family], training)
+    assert abs(_tensor_peak(est) - reference) / reference < 0.01

@@ -1,0 +1,78 @@
+import json
+
+import pytest
+
+from estimator.arch import arch_from_config, catalogue_models, load_config, resolve_arch
+from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"micro_batch_size": 0}, "micro_batch_size"), ({"seq_len": -1}, "seq_len"),
+    ({"precision": "fp8"}, "precision"), ({"optimizer": "lion"}, "optimizer"), ({"attn": "xformers"}, "attn"),
+    ({"lora_rank": -2}, "lora_rank"), ({"qlora": True}, "qlora"), ({"attn": "flash", "precision": "fp32"}, "attn"),
+])
+def test_training_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        TrainingSpec(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"method": "pipeline"}, "method"), ({"method": "ddp", "world_size": 0}, "world_size"),
+    ({"method": "dp_tp", "world_size": 6, "tp": 4}, "tp"), ({"method": "tp", "world_size": 4, "tp": 2}, "tp"),
+    ({"method": "single", "world_size": 2}, "world_size"), ({"method": "ddp", "world_size": 2, "tp": 2}, "tp"),
+])
+def test_parallel_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        ParallelSpec(**kwargs)
+
+
+def test_json_round_trip_and_stable_id():
+    spec = RunSpec(model="facebook/opt-125m", parallel=ParallelSpec(method="zero3", world_size=8),
+                   training=TrainingSpec(micro_batch_size=4, grad_ckpt=True))
+    again = RunSpec.from_json(spec.to_json())
+    assert again == spec and again.spec_id == spec.spec_id
+    assert spec.replace(**{"training.seq_len": 1024}).spec_id != spec.spec_id
+
+
+def test_unknown_field_is_named():
+    data = json.loads(RunSpec().to_json())
+    data["training"]["batch"] = 3
+    with pytest.raises(ValueError, match=r"^training\.batch: unknown field"):
+        RunSpec.from_dict(data)
+
+
+def test_catalogue_has_paper_and_current_models():
+    names = set(catalogue_models())
+    for name in ("facebook/opt-125m", "facebook/opt-2.7b", "bigscience/bloom-3b", "Salesforce/codegen-2B-nl",
+                 "microsoft/BioGPT-Large", "bigcode/gpt_bigcode-santacoder", "EleutherAI/gpt-neo-1.3B",
+                 "huggyllama/llama-7b", "meta-llama/Llama-3.1-8B", "mistralai/Mistral-7B-v0.1", "Qwen/Qwen2.5-7B"):
+        assert name in names
+
+
+def test_arch_facts_come_from_config_not_name(tmp_path):
+    config = dict(load_config("meta-llama/Llama-3.1-8B"), _name_or_path="facebook/opt-125m")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    arch = resolve_arch(str(path))
+    assert (arch.model_type, arch.num_kv_heads, arch.vocab_size) == ("llama", 8, 128256)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "not valid JSON"), ("[1, 2]", "JSON object"),
+    ('{"model_type": "t5", "d_model": 512}', "not a decoder-only"),
+    ('{"model_type": "llama", "hidden_size": 64}', "num_hidden_layers"),
+])
+def test_bad_config_files(tmp_path, content, message):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        resolve_arch(str(path))
+
+
+def test_unknown_model_suggests_close_names():
+    with pytest.raises(ValueError, match="did you mean.*opt-1.3b"):
+        resolve_arch("facebook/opt-1.3")
+
+
+def test_case_insensitive_and_bare_names():
+    assert arch_from_config(load_config("OPT-125M")).hidden_size == 768
