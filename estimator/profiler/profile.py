@@ -15,9 +15,9 @@ from fractions import Fraction
 
 import torch
 
-from estimator.profiles import MONOMIALS, PROFILE_SCHEMA_VERSION
 from estimator.profiler import build
-from estimator.profiler.trace import (StorageRecorder, decoder_layers, install_layer_markers, label_grads)
+from estimator.profiler.trace import StorageRecorder, decoder_layers, install_layer_markers, label_grads
+from estimator.profiles import MONOMIALS, PROFILE_SCHEMA_VERSION
 from estimator.spec import TrainingSpec
 
 PROFILE_LAYERS = 3
@@ -170,7 +170,7 @@ def _segment_bounds(signature: list[tuple], num_layers: int) -> dict[str, tuple[
         fw = [first_where[f"fw_pre:{i}"] for i in range(num_layers)]
         fw_end = first_where[f"fw_post:{last}"]
         bw = [first_where[f"bw_pre:{i}"] for i in range(num_layers)]
-        bw_end = where[f"bw_post:0"]
+        bw_end = where["bw_post:0"]
         backward = first_where["backward"]
     except KeyError as err:
         raise RuntimeError(f"profile: missing layer marker {err} (layer hooks did not fire)") from None

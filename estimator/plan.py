@@ -1,0 +1,659 @@
+"""The planner: for a model on N GPUs of one type, the fastest method and micro-batch that fit.
+
+Pure standard library. For every candidate (each method the estimator knows, every dp x tp split of N,
+with and without gradient checkpointing) it searches the largest micro-batch whose *calibrated safety
+bound* (``Estimate.upper_bound_bytes``) fits the GPU, predicts its throughput with
+:mod:`estimator.throughput`, and ranks the candidates by tokens/s per job. With a global batch it counts
+gradient-accumulation steps. When nothing fits it says what would: offload, how many GPUs, LoRA, a shorter
+sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from estimator import throughput as tput
+from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
+
+GIB = 1024**3
+MAX_MICRO_BATCH = 4096          # search ceiling (reported as ">= cap" when reached)
+MAX_GPUS = 4096                 # the largest N the planner (and its "how many GPUs" advice) considers
+ADVICE_LORA_RANK = 16
+METHOD_ORDER = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "dp_tp", "zero_offload")
+_SIMPLICITY = {m: i for i, m in enumerate(METHOD_ORDER)}
+
+EstimateFn = Callable[[RunSpec], Any]
+
+
+# --- model facts ----------------------------------------------------------------------------------------
+_LEARNED_POSITIONS = {"opt", "gpt2", "gpt_neo", "biogpt", "gpt_bigcode", "gptj"}
+_GATED_MLP = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral", "olmo", "olmo2"}
+
+
+def _closed_form_params(arch) -> int:
+    """Parameter count from the config when ``estimator.model_params`` is unavailable (weights only)."""
+    h, kv = arch.hidden_size, arch.num_kv_heads * arch.head_dim
+    attention = 2 * h * h + 2 * h * kv
+    mlp = (3 if arch.model_type in _GATED_MLP else 2) * h * arch.ffn_size
+    embed = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
+    return arch.num_layers * (attention + mlp) + embed + _position_params(arch)
+
+
+def _position_params(arch) -> int:
+    if arch.model_type in _LEARNED_POSITIONS and arch.max_positions:
+        return arch.max_positions * arch.hidden_size
+    return 0
+
+
+def _lora_params(arch, rank: int, targets: str) -> int:
+    """Approximate LoRA adapter count: r*(in+out) per adapted linear ("auto" = query and value)."""
+    h, kv = arch.hidden_size, arch.num_kv_heads * arch.head_dim
+    if targets == "all-linear":
+        per_layer = rank * (2 * h + (h + kv) * 2 + 2 * h) + rank * (h + arch.ffn_size) * (
+            3 if arch.model_type in _GATED_MLP else 2)
+    else:
+        per_layer = rank * ((h + h) + (h + kv))
+    return arch.num_layers * per_layer
+
+
+@functools.lru_cache(maxsize=128)
+def model_facts(model: str) -> dict[str, Any]:
+    """Architecture facts (``estimator.arch``); raises ``ValueError("model: ...")`` for an unknown model."""
+    from estimator.arch import resolve_arch
+    return {"arch": resolve_arch(model)}
+
+
+def _param_count(model: str, arch) -> int:
+    """Total parameters when no estimate has reported them (``estimator.model_params``, else closed form)."""
+    try:
+        from estimator.model_params import model_summary
+        return int(model_summary(model)["params"])
+    except ImportError:
+        return _closed_form_params(arch)
+
+
+@functools.lru_cache(maxsize=256)
+def model_shape(model: str, lora_rank: int = 0, lora_targets: str = "auto", *, params: int | None = None,
+                trainable: int | None = None) -> tput.ModelShape:
+    """The throughput model's view of ``model``. ``params`` / ``trainable`` come from an estimate (exact:
+    the profiled parameter table, LoRA adapters included); otherwise they are counted here."""
+    arch = model_facts(model)["arch"]
+    params = params or _param_count(model, arch)
+    vh = arch.vocab_size * arch.hidden_size
+    positions = _position_params(arch)
+    matmul = params - positions - (0 if arch.tie_word_embeddings else vh)
+    replicated = vh + positions + (0 if arch.tie_word_embeddings else vh)
+    if lora_rank:
+        trainable = trainable or _lora_params(arch, lora_rank, lora_targets)
+    return tput.ModelShape(params=params, matmul_params=matmul, layers=arch.num_layers,
+                           hidden_size=arch.hidden_size, head_params=vh, replicated_params=replicated,
+                           trainable_params=trainable if lora_rank else None)
+
+
+def _check_tp(arch, tp: int) -> None:
+    try:
+        from estimator.tp_plans import check_tp
+    except ImportError:
+        if arch.num_heads % tp:
+            raise ValueError(f"tp: {tp} does not divide the {arch.num_heads} attention heads") from None
+        return
+    check_tp(arch, tp)
+
+
+# --- candidates -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Candidate:
+    method: str
+    world_size: int
+    tp: int = 1
+    grad_ckpt: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.tp
+
+    @property
+    def label(self) -> str:
+        if self.method == "dp_tp":
+            return f"dp_tp {self.dp}x{self.tp}"
+        return self.method
+
+
+def enumerate_candidates(world_size: int, ckpt_options: Iterable[bool] = (False, True),
+                         methods: Iterable[str] | None = None) -> list[Candidate]:
+    """Every (method, tp, checkpointing) the estimator knows for ``world_size`` GPUs."""
+    if world_size == 1:
+        layouts = [("single", 1), ("zero_offload", 1)]
+    else:
+        layouts = [(m, 1) for m in ("ddp", "zero1", "zero2", "zero3", "fsdp")] + [("tp", world_size)]
+        layouts += [("dp_tp", t) for t in range(2, world_size) if world_size % t == 0]
+        layouts.append(("zero_offload", 1))
+    wanted = set(methods) if methods is not None else None
+    return [Candidate(m, world_size, t, ckpt) for m, t in layouts for ckpt in ckpt_options
+            if wanted is None or m in wanted]
+
+
+# --- micro-batch search ---------------------------------------------------------------------------------
+def search_max_micro_batch(bytes_at: Callable[[int], int], capacity: int, cap: int = MAX_MICRO_BATCH) -> int:
+    """Largest ``mb`` in ``[1, cap]`` with ``bytes_at(mb) <= capacity`` (0 if none), for ``bytes_at``
+    non-decreasing in ``mb``.
+
+    Exponential search up to the first micro-batch that does not fit, then binary search inside the
+    bracket. Memory is (piecewise) affine in the micro-batch, so both phases step to the secant's
+    prediction when they have one (an affine memory curve is solved in four probes); the bracket phase
+    falls back to halving whenever a step fails to halve the bracket, so it never needs more than about
+    twice the probes of plain bisection.
+    """
+    memo: dict[int, int] = {}
+
+    def fits(mb: int) -> bool:
+        if mb not in memo:
+            memo[mb] = int(bytes_at(mb))
+        return memo[mb] <= capacity
+
+    if cap < 1 or not fits(1):
+        return 0
+    prev, lo, hi = 1, 1, None
+    while hi is None:                                    # exponential phase
+        if lo >= cap:
+            return cap
+        slope = (memo[lo] - memo[prev]) / (lo - prev) if lo != prev else 0.0
+        probe = lo + int((capacity - memo[lo]) // slope) + 1 if slope > 0 else 2 * lo
+        probe = min(cap, max(lo + 1, probe))
+        if fits(probe):
+            prev, lo = lo, probe
+        else:
+            hi = probe
+    halve = False
+    while hi - lo > 1:                                   # binary phase
+        width = hi - lo
+        if halve:
+            probe = (lo + hi) // 2
+        else:
+            probe = lo + (capacity - memo[lo]) * width // (memo[hi] - memo[lo])
+        probe = min(hi - 1, max(lo + 1, probe))
+        lo, hi = (probe, hi) if fits(probe) else (lo, probe)
+        halve = (hi - lo) * 2 > width
+    return lo
+
+
+def micro_batch_for_global(global_batch: int, dp: int, max_mb: int) -> tuple[int, int]:
+    """Largest micro-batch <= ``max_mb`` with ``global_batch % (dp * mb) == 0``; (mb, accumulation)."""
+    for mb in range(min(max_mb, global_batch // dp), 0, -1):
+        if global_batch % (dp * mb) == 0:
+            return mb, global_batch // (dp * mb)
+    return 0, 0
+
+
+# --- results --------------------------------------------------------------------------------------------
+@dataclass
+class CandidateResult:
+    candidate: Candidate
+    status: str = "ok"                 # ok | oom | invalid
+    reason: str = ""                   # why it is invalid / does not fit / lost
+    max_micro_batch: int = 0
+    micro_batch: int = 0
+    grad_accum: int = 0
+    peak_bytes: int | None = None      # estimate's peak device bytes (worst rank) at micro_batch (or 1 if OOM)
+    bound_bytes: int | None = None     # calibrated safety bound at the same point
+    capacity_bytes: int | None = None
+    host_ram_bytes: int | None = None
+    time: tput.StepTime | None = None
+    rank: int | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.time.tokens_per_s if self.time else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.candidate
+        return {"method": c.method, "label": c.label, "world_size": c.world_size, "dp": c.dp, "tp": c.tp,
+                "grad_ckpt": c.grad_ckpt, "status": self.status, "fits": self.fits, "reason": self.reason,
+                "max_micro_batch": self.max_micro_batch, "micro_batch": self.micro_batch,
+                "grad_accum": self.grad_accum, "peak_bytes": self.peak_bytes, "bound_bytes": self.bound_bytes,
+                "capacity_bytes": self.capacity_bytes, "host_ram_bytes": self.host_ram_bytes,
+                "tokens_per_s": round(self.tokens_per_s, 1) if self.time else None,
+                "step_time": self.time.to_dict() if self.time else None, "rank": self.rank}
+
+
+@dataclass
+class Plan:
+    model: str
+    gpu_key: str
+    gpu_name: str
+    world_size: int
+    seq_len: int
+    precision: str
+    optimizer: str
+    global_batch: int | None
+    lora_rank: int
+    results: list[CandidateResult]
+    best: CandidateResult | None
+    advice: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    assumptions: dict[str, Any] = field(default_factory=dict)
+    memory_calibrated: bool | None = None
+    estimates: int = 0
+    elapsed_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "gpu": self.gpu_key, "gpu_name": self.gpu_name,
+                "world_size": self.world_size, "seq_len": self.seq_len, "precision": self.precision,
+                "optimizer": self.optimizer, "global_batch": self.global_batch, "lora_rank": self.lora_rank,
+                "recommendation": self.best.to_dict() if self.best else None,
+                "candidates": [r.to_dict() for r in self.results], "advice": self.advice, "notes": self.notes,
+                "throughput_model": self.assumptions, "memory_calibrated": self.memory_calibrated,
+                "estimates": self.estimates, "elapsed_s": round(self.elapsed_s, 4)}
+
+
+# --- the planner ----------------------------------------------------------------------------------------
+@dataclass
+class _Context:
+    model: str
+    gpu: tput.GpuPerf
+    training: TrainingSpec
+    estimate_fn: EstimateFn
+    eff: tput.Efficiency
+    interconnect: str | None
+    bandwidth_gbs: float | None
+    cache: dict = field(default_factory=dict)
+    shapes: dict = field(default_factory=dict)
+    calibrated: bool | None = None
+
+    def shape(self, lora_rank: int, lora_targets: str) -> tput.ModelShape:
+        """Parameter counts from this plan's first estimate with the same LoRA setting, when it has them."""
+        key = (lora_rank, lora_targets)
+        if key not in self.shapes:
+            est = next((e for (_, _, extra), e in self.cache.items()
+                        if dict(extra).get("lora_rank", self.training.lora_rank) == lora_rank), None)
+            params = getattr(est, "params", None)
+            trainable = getattr(est, "trainable_params", None)
+            self.shapes[key] = model_shape(self.model, lora_rank, lora_targets,
+                                           params=int(params) if isinstance(params, int) else None,
+                                           trainable=int(trainable) if isinstance(trainable, int) else None)
+        return self.shapes[key]
+
+    def spec(self, cand: Candidate, mb: int, **training: Any) -> RunSpec:
+        train = dataclasses.replace(self.training, micro_batch_size=mb, grad_ckpt=cand.grad_ckpt, **training)
+        return RunSpec(model=self.model, gpu=self.gpu.key, training=train,
+                       parallel=ParallelSpec(method=cand.method, world_size=cand.world_size, tp=cand.tp))
+
+    def estimate(self, cand: Candidate, mb: int, **training: Any):
+        key = (cand, mb, tuple(sorted(training.items())))
+        if key not in self.cache:
+            est = self.estimate_fn(self.spec(cand, mb, **training))
+            self.cache[key] = est
+            if self.calibrated is None:
+                self.calibrated = bool(getattr(est, "calibrated", False))
+        return self.cache[key]
+
+    def links(self, cand: Candidate) -> tuple[tput.Link, tput.Link]:
+        dp_link = tput.resolve_link(self.gpu, cand.world_size, self.interconnect, self.bandwidth_gbs)
+        tp_link = tput.resolve_link(self.gpu, cand.tp, self.interconnect, self.bandwidth_gbs)
+        return dp_link, tp_link
+
+    def step_time(self, cand: Candidate, mb: int, accum: int, **training: Any) -> tput.StepTime:
+        dp_link, tp_link = self.links(cand)
+        train = {**self.training.__dict__, **training}
+        setup = tput.Setup(method=cand.method, world_size=cand.world_size, tp=cand.tp, micro_batch=mb,
+                           seq_len=train["seq_len"], grad_accum=accum, grad_ckpt=cand.grad_ckpt,
+                           precision=train["precision"], optimizer=train["optimizer"],
+                           lora=train["lora_rank"] > 0)
+        shape = self.shape(train["lora_rank"], train["lora_targets"])
+        return tput.step_time(shape, setup, self.gpu, self.eff, dp_link=dp_link, tp_link=tp_link)
+
+    def max_micro_batch(self, cand: Candidate, cap: int, **training: Any) -> tuple[int, int]:
+        """(largest fitting micro-batch, capacity bytes)."""
+        capacity = int(self.estimate(cand, 1, **training).capacity_bytes)
+        best = search_max_micro_batch(lambda mb: int(self.estimate(cand, mb, **training).upper_bound_bytes),
+                                      capacity, cap)
+        return best, capacity
+
+
+def _evaluate(ctx: _Context, cand: Candidate, global_batch: int | None) -> CandidateResult:
+    res = CandidateResult(cand)
+    if global_batch is not None and global_batch % cand.dp:
+        res.status, res.reason = "invalid", f"global batch {global_batch} is not divisible by dp={cand.dp}"
+        return res
+    cap = MAX_MICRO_BATCH if global_batch is None else min(MAX_MICRO_BATCH, global_batch // cand.dp)
+    try:
+        if cand.tp > 1:
+            _check_tp(model_facts(ctx.model)["arch"], cand.tp)
+        best, capacity = ctx.max_micro_batch(cand, cap)
+    except ValueError as err:
+        res.status, res.reason = "invalid", str(err)
+        return res
+    res.capacity_bytes, res.max_micro_batch = capacity, best
+    if best == 0:
+        est = ctx.estimate(cand, 1)
+        res.status = "oom"
+        res.peak_bytes, res.bound_bytes = int(est.peak_device_bytes), int(est.upper_bound_bytes)
+        res.host_ram_bytes = getattr(est, "host_ram_bytes", None)
+        res.reason = (f"does not fit at micro-batch 1: bound {res.bound_bytes / GIB:.1f} GiB > "
+                      f"{capacity / GIB:.1f} GiB")
+        return res
+    if global_batch is None:
+        mb, accum = best, 1
+    else:
+        mb, accum = micro_batch_for_global(global_batch, cand.dp, best)
+    est = ctx.estimate(cand, mb)
+    res.micro_batch, res.grad_accum = mb, accum
+    res.peak_bytes, res.bound_bytes = int(est.peak_device_bytes), int(est.upper_bound_bytes)
+    res.host_ram_bytes = getattr(est, "host_ram_bytes", None)
+    try:
+        res.time = ctx.step_time(cand, mb, accum)
+    except ValueError as err:
+        res.status, res.reason = "invalid", str(err)
+    return res
+
+
+def _per_token(res: CandidateResult) -> dict[str, float]:
+    t = res.time
+    tokens = res.tokens_per_s * t.step_s
+    return {"compute": t.compute_s / tokens, "comm": t.exposed_comm_s / tokens,
+            "offload": t.offload_s / tokens, "optimizer": t.optimizer_s / tokens}
+
+
+def _loss_reason(res: CandidateResult, best: CandidateResult) -> str:
+    """Why ``res`` ranks below ``best``: the per-token cost term with the largest gap."""
+    ratio = res.tokens_per_s / best.tokens_per_s
+    if ratio > 0.995:
+        return f"{ratio:.2f}x the best: a tie on predicted speed, ranked below on peak memory or simplicity"
+    mine, theirs = _per_token(res), _per_token(best)
+    term = max(mine, key=lambda k: mine[k] - theirs[k])
+    c, w, a, b = res.candidate, best.candidate, res.time, best.time
+    ms = 1e3 * {"compute": a.compute_s, "comm": a.exposed_comm_s, "offload": a.offload_s,
+                "optimizer": a.optimizer_s}[term]
+    if term == "compute":
+        if c.grad_ckpt and not w.grad_ckpt:
+            why = "checkpointing recomputes the forward (+1/3 FLOPs)"
+        elif c.tp > w.tp:
+            why = f"tp={c.tp} narrows the GEMMs (efficiency {a.efficiency:.2f} vs {b.efficiency:.2f})"
+        else:
+            why = f"micro-batch {res.micro_batch} vs {best.micro_batch} (efficiency {a.efficiency:.2f} vs " \
+                  f"{b.efficiency:.2f})"
+    elif term == "comm":
+        why = f"exposed communication {ms:.0f} ms/step"
+    elif term == "offload":
+        why = f"PCIe transfers + CPU Adam {ms:.0f} ms/step"
+    else:
+        sharded = c.method in ("zero1", "zero2", "zero3", "fsdp", "dp_tp")
+        why = f"optimizer update {ms:.0f} ms/step ({'sharded' if sharded else 'not sharded'})"
+    return f"{ratio:.2f}x the best: {why}"
+
+
+def _rank(results: list[CandidateResult]) -> CandidateResult | None:
+    ok = [r for r in results if r.fits and r.time]
+    ok.sort(key=lambda r: (-round(r.tokens_per_s, 6), r.bound_bytes or 0, _SIMPLICITY[r.candidate.method],
+                           r.candidate.grad_ckpt, r.candidate.tp))
+    for i, r in enumerate(ok, 1):
+        r.rank = i
+    if not ok:
+        return None
+    for r in ok[1:]:
+        r.reason = _loss_reason(r, ok[0])
+    ok[0].reason = "recommended"
+    return ok[0]
+
+
+def _default_precision(gpu: tput.GpuPerf) -> str:
+    return "mixed_bf16" if gpu.supports_bf16() else "mixed_fp16"
+
+
+def _validate(world_size: Any, seq_len: Any, global_batch: Any) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"gpus: must be a positive integer, got {world_size!r}")
+    if world_size > MAX_GPUS:
+        raise ValueError(f"gpus: {world_size} GPUs is more than the planner considers ({MAX_GPUS})")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len: must be a positive integer, got {seq_len!r}")
+    if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
+                                     or global_batch < 1):
+        raise ValueError(f"global_batch: must be a positive integer, got {global_batch!r}")
+
+
+def _default_estimate() -> EstimateFn:
+    from estimator.api import estimate
+    return estimate
+
+
+def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: int | None = None,
+         precision: str | None = None, optimizer: str = "adamw", attn: str = "sdpa", lora_rank: int = 0,
+         lora_targets: str = "auto", ckpt_options: Iterable[bool] = (False, True),
+         methods: Iterable[str] | None = None, interconnect: str | None = None,
+         bandwidth_gbs: float | None = None, advise: bool = True,
+         estimate_fn: EstimateFn | None = None, gpu_info: tput.GpuPerf | None = None) -> Plan:
+    """Search, rank and advise. Raises ``ValueError("field: ...")`` for bad input (unknown GPU or model,
+    impossible N, a global batch no candidate can split)."""
+    started = time.perf_counter()
+    _validate(gpus, seq_len, global_batch)
+    gpu_perf = gpu_info or tput.gpu_perf(gpu)
+    arch = model_facts(model)["arch"]
+    if arch.max_positions and seq_len > arch.max_positions:
+        raise ValueError(f"seq_len: {seq_len} is longer than the model's {arch.max_positions} positions")
+    precision = precision or _default_precision(gpu_perf)
+    training = TrainingSpec(micro_batch_size=1, seq_len=seq_len, precision=precision, optimizer=optimizer,
+                            attn=attn, lora_rank=lora_rank, lora_targets=lora_targets)
+    if not any(gpu_perf.peak_flops.values()) or not gpu_perf.capacity_bytes:
+        raise ValueError(f"gpu: {gpu_perf.key!r} has no capacity or peak FLOP/s in the catalogue; "
+                         "the planner needs a known GPU type")
+    if gpu_perf.flops_for(precision) <= 0:
+        raise ValueError(f"precision: {gpu_perf.name} has no {precision} tensor throughput; use mixed_fp16")
+    tput.resolve_link(gpu_perf, gpus, interconnect, bandwidth_gbs)          # validates the override
+    ctx = _Context(model=model, gpu=gpu_perf, training=training, estimate_fn=estimate_fn or _default_estimate(),
+                   eff=tput.load_efficiency(gpu_perf),
+                   interconnect=interconnect, bandwidth_gbs=bandwidth_gbs)
+    cands = enumerate_candidates(gpus, tuple(ckpt_options), methods)
+    if global_batch is not None and all(global_batch % c.dp for c in cands):
+        dps = sorted({c.dp for c in cands}, reverse=True)
+        raise ValueError(f"global_batch: {global_batch} is not divisible by the data-parallel degree of any "
+                         f"layout on {gpus} GPUs (dp in {', '.join(map(str, dps))})")
+    results = [_evaluate(ctx, c, global_batch) for c in cands]
+    _raise_if_all_invalid(results)
+    best = _rank(results)
+    dp_link, tp_link = ctx.links(Candidate("dp_tp" if gpus > 1 else "single", gpus, 1))
+    result = Plan(model=model, gpu_key=gpu_perf.key, gpu_name=gpu_perf.name, world_size=gpus, seq_len=seq_len,
+                  precision=precision, optimizer=optimizer, global_batch=global_batch, lora_rank=lora_rank,
+                  results=results, best=best,
+                  assumptions=tput.assumptions(gpu_perf, ctx.eff, dp_link, tp_link))
+    result.notes += _notes(ctx, result)
+    if advise:
+        result.advice = _advice(ctx, result)
+    result.memory_calibrated = ctx.calibrated
+    result.estimates = len(ctx.cache)
+    result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+def _raise_if_all_invalid(results: list[CandidateResult]) -> None:
+    """A reason shared by every candidate is the user's input, not the candidate: report it as an error."""
+    reasons = {r.reason for r in results}
+    if results and all(r.status == "invalid" for r in results) and len(reasons) == 1:
+        raise ValueError(reasons.pop())
+
+
+def _notes(ctx: _Context, result: Plan) -> list[str]:
+    notes = []
+    if not ctx.eff.calibrated:
+        notes.append(f"throughput: compute efficiency is a prior for {ctx.gpu.family} GPUs (no measured step "
+                     f"times for {ctx.gpu.key} yet); rankings between methods with similar compute are "
+                     "reliable, absolute tokens/s are not")
+    if ctx.calibrated is False:
+        notes.append("memory: the estimator's coefficients for this GPU are uncalibrated priors")
+    best = result.best
+    if best and result.global_batch and best.micro_batch < best.max_micro_batch:
+        notes.append(f"global batch {result.global_batch} forces micro-batch {best.micro_batch} "
+                     f"(up to {best.max_micro_batch} fits) with {best.grad_accum} accumulation steps")
+    if best and best.max_micro_batch >= MAX_MICRO_BATCH:
+        notes.append(f"the micro-batch search stops at {MAX_MICRO_BATCH}")
+    if ctx.training.lora:
+        notes.append("LoRA: compute counted as 4*P*tokens (no weight gradients for the frozen base)")
+    return notes
+
+
+# --- advice ---------------------------------------------------------------------------------------------
+def _min_gpus(ctx: _Context, start: int) -> tuple[int, Candidate] | None:
+    """Fewest GPUs (> start) on which ZeRO-3 or FSDP with checkpointing fits micro-batch 1; assumes the
+    per-rank bound falls as GPUs are added (sharded states)."""
+    found: list[tuple[int, Candidate]] = []
+    for method in ("zero3", "fsdp"):
+        def fits(n: int, method: str = method) -> bool:
+            cand = Candidate(method, n, 1, True)
+            try:
+                est = ctx.estimate(cand, 1)
+            except ValueError:
+                return False
+            return est.upper_bound_bytes <= est.capacity_bytes
+        lo, hi = start, start + 1
+        while hi < MAX_GPUS and not fits(hi):        # exponential
+            lo, hi = hi, min(MAX_GPUS, hi * 2)
+        if hi >= MAX_GPUS and not fits(MAX_GPUS):
+            continue
+        while hi - lo > 1:                           # binary
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if not fits(mid) else (lo, mid)
+        found.append((hi, Candidate(method, hi, 1, True)))
+    return min(found, key=lambda f: f[0]) if found else None
+
+
+def _max_seq_len(ctx: _Context, cand: Candidate) -> int:
+    """Longest sequence (multiple of 64) at which ``cand`` fits micro-batch 1; 0 if none."""
+    def fits(s: int) -> bool:
+        try:
+            est = ctx.estimate(cand, 1, seq_len=s)
+        except ValueError:
+            return False
+        return est.upper_bound_bytes <= est.capacity_bytes
+    lo, hi = 0, ctx.training.seq_len // 64
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(64 * mid) else (lo, mid)
+    return 64 * lo if lo and fits(64 * lo) else 0
+
+
+def _advice(ctx: _Context, result: Plan) -> list[str]:
+    advice: list[str] = []
+    n = result.world_size
+    on_gpu = [r for r in result.results if r.fits and r.candidate.method != "zero_offload"]
+    offload = [r for r in result.results if r.fits and r.candidate.method == "zero_offload"]
+    if on_gpu:
+        if not any(r.candidate.grad_ckpt is False for r in on_gpu) and any(
+                r.candidate.grad_ckpt is False for r in result.results):
+            advice.append("only gradient checkpointing makes it fit (every method without it runs out of memory)")
+        return advice
+    cap = f"{ctx.gpu.name} ({(result.results[0].capacity_bytes or 0) / GIB:.1f} GiB)" if result.results \
+        else ctx.gpu.name
+    advice.append(f"no GPU-resident method fits {n} x {cap} at micro-batch 1, even with checkpointing")
+    if offload:
+        best = max(offload, key=lambda r: r.tokens_per_s)
+        ram = f"; host RAM ~{best.host_ram_bytes / GIB:.0f} GiB" if best.host_ram_bytes else ""
+        advice.append(f"offload: ZeRO-Offload (optimizer states and update on the CPU) fits up to micro-batch "
+                      f"{best.max_micro_batch}, ~{best.tokens_per_s:,.0f} tokens/s{ram}")
+    else:
+        worst = [r for r in result.results if r.candidate.method == "zero_offload" and r.bound_bytes]
+        if worst:
+            advice.append(f"offload: even ZeRO-Offload needs {min(r.bound_bytes for r in worst) / GIB:.1f} GiB "
+                          "per GPU at micro-batch 1")
+    more = _min_gpus(ctx, n)
+    if more:
+        count, cand = more
+        advice.append(f"more GPUs: {count} x {ctx.gpu.name} fit {cand.method} with checkpointing at "
+                      f"micro-batch 1 (fewest that fit; bound falls as states shard)")
+    else:
+        advice.append(f"more GPUs: no sharded method fits micro-batch 1 on up to {MAX_GPUS} GPUs of this type "
+                      "(activations or replicated tensors alone exceed the GPU)")
+    if ctx.training.lora_rank == 0:
+        advice += _lora_advice(ctx, n)
+    shortest = _max_seq_len(ctx, Candidate("zero3" if n > 1 else "single", n, 1, True))
+    if 0 < shortest < ctx.training.seq_len:
+        advice.append(f"shorter sequences: {'zero3' if n > 1 else 'single'} with checkpointing fits micro-batch 1 "
+                      f"up to --seq-len {shortest}")
+    return advice
+
+
+def _lora_advice(ctx: _Context, n: int) -> list[str]:
+    methods = ("ddp", "zero3") if n > 1 else ("single",)
+    best: tuple[float, Candidate, int] | None = None
+    for method in methods:
+        cand = Candidate(method, n, 1, True)
+        try:
+            mb, _ = ctx.max_micro_batch(cand, MAX_MICRO_BATCH, lora_rank=ADVICE_LORA_RANK)
+            if mb == 0:
+                continue
+            speed = ctx.step_time(cand, mb, 1, lora_rank=ADVICE_LORA_RANK).tokens_per_s
+        except ValueError:
+            continue
+        if best is None or speed > best[0]:
+            best = (speed, cand, mb)
+    if best is None:
+        return [f"LoRA (r={ADVICE_LORA_RANK}) with checkpointing does not fit either"]
+    speed, cand, mb = best
+    return [f"LoRA: --lora-rank {ADVICE_LORA_RANK} fits {cand.method} with checkpointing up to micro-batch {mb} "
+            f"(~{speed:,.0f} tokens/s)"]
+
+
+# --- presentation ---------------------------------------------------------------------------------------
+def _gib(value: int | None) -> str:
+    return f"{value / GIB:.1f}" if value is not None else "-"
+
+
+def format_plan(p: Plan) -> str:
+    gb = f", global batch {p.global_batch}" if p.global_batch else ""
+    lora = f", LoRA r={p.lora_rank}" if p.lora_rank else ""
+    lines = [f"Plan: {p.model} on {p.world_size} x {p.gpu_name}, seq {p.seq_len}, {p.precision}, "
+             f"{p.optimizer}{lora}{gb}", ""]
+    header = (f"{'method':<13}{'tp':>3} {'ckpt':<5}{'fits':<5}{'max mb':>7}{'mb':>6}{'accum':>6}"
+              f"{'peak GiB':>9}{'bound GiB':>10}{'tokens/s':>11}  rank / why lost")
+    lines += [header, "-" * len(header)]
+    order = sorted(p.results, key=lambda r: (r.rank is None, r.rank or 0, r.status != "oom",
+                                             _SIMPLICITY[r.candidate.method], r.candidate.tp))
+    for r in order:
+        c = r.candidate
+        why = f"{r.rank}" + ("" if r.rank == 1 else f"  {r.reason}") if r.rank else r.reason
+        mx = "-" if r.status == "invalid" else (f">={r.max_micro_batch}" if r.max_micro_batch >= MAX_MICRO_BATCH
+                                                  else str(r.max_micro_batch))
+        lines.append(f"{c.label:<13}{c.tp:>3} {'yes' if c.grad_ckpt else 'no':<5}"
+                     f"{'yes' if r.fits else ('-' if r.status == 'invalid' else 'no'):<5}{mx:>7}"
+                     f"{r.micro_batch or '-':>6}{r.grad_accum or '-':>6}{_gib(r.peak_bytes):>9}"
+                     f"{_gib(r.bound_bytes):>10}{(f'{r.tokens_per_s:,.0f}' if r.time else '-'):>11}  {why}")
+    lines.append("")
+    lines.append(recommendation_line(p))
+    lines += [f"  advice: {a}" for a in p.advice]
+    lines += [f"  note: {n}" for n in p.notes]
+    lines.append(_assumptions_line(p))
+    return "\n".join(lines)
+
+
+def recommendation_line(p: Plan) -> str:
+    b = p.best
+    if b is None:
+        return "Recommendation: nothing fits (see advice)"
+    c = b.candidate
+    layout = f"{c.label}" + (f" (tp={c.tp})" if c.method == "tp" else "")
+    return (f"Recommendation: {layout}{' with' if c.grad_ckpt else ' without'} gradient checkpointing, "
+            f"micro-batch {b.micro_batch} x {b.grad_accum} accumulation x dp {c.dp}: "
+            f"~{b.tokens_per_s:,.0f} tokens/s, peak {_gib(b.peak_bytes)} GiB/rank "
+            f"(bound {_gib(b.bound_bytes)} of {_gib(b.capacity_bytes)} GiB)")
+
+
+def _assumptions_line(p: Plan) -> str:
+    a = p.assumptions
+    if not a:
+        return ""
+    e, dl, tl = a["compute_efficiency"], a["dp_link"], a["tp_link"]
+    kind = "calibrated" if e["calibrated"] else "prior"
+    links = f"dp {dl['name']} {dl['bus_bandwidth_gbs']:.0f} GB/s ({dl['source']})"
+    if p.world_size > 1:
+        links += f", tp {tl['name']} {tl['bus_bandwidth_gbs']:.0f} GB/s"
+    return (f"Throughput model: efficiency {kind} e_max {e['e_max']:.2f}, half at {e['tokens_half']:.0f} tokens "
+            f"({e['source']}); {links}; DP overlap {a['overlap_priors']['ddp']:.0%} of backward (prior); "
+            f"CPU Adam {a['cpu_adam_params_per_s'] / 1e9:.1f} Gparam/s (prior). See estimator/throughput.py.")

@@ -1,0 +1,154 @@
+"""Per-GPU residual coefficients (``coefficients/<gpu-key>.json``): allocator slack, CUDA context, cuBLAS, NCCL.
+
+Pure standard library; the JSON is applied with plain arithmetic:
+
+    allocated += cublas_workspace_bytes(coeffs)                       (workspaces come from the allocator)
+    reserved   = reserved_from_allocated(allocated, coeffs)           allocated x (1 + ratio) + bytes
+    device     = device_from_reserved(reserved, coeffs, n_comms)      + CUDA context + NCCL x communicators
+
+A file with ``"calibrated": false`` holds documented priors (each term's source is in its ``notes``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+# term -> (integer-valued?, minimum)
+REQUIRED_TERMS: dict[str, tuple[bool, float]] = {
+    "cuda_context_bytes": (True, 0),
+    "cublas_workspace_bytes": (True, 0),
+    "cublas_workspaces": (True, 0),
+    "reserved_slack_ratio": (False, 0),
+    "reserved_slack_bytes": (True, 0),
+    "nccl_bytes_per_communicator": (True, 0),
+    "upper_bound_ratio": (False, 1),
+}
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    gpu_key: str
+    calibrated: bool
+    source: str
+    description: str
+    cuda_context_bytes: int
+    cublas_workspace_bytes: int
+    cublas_workspaces: int
+    reserved_slack_ratio: float
+    reserved_slack_bytes: int
+    nccl_bytes_per_communicator: int
+    upper_bound_ratio: float
+    path: str = ""
+    # Further terms a calibrated file may carry, and the documentation blocks, kept as read.
+    extra_terms: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    notes: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    valid_range: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    provenance: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+
+def _fail(where: str, key: str, message: str) -> None:
+    raise ValueError(f"coefficients: {where}: {key!r} {message}")
+
+
+def parse_coefficients(data: Any, where: str) -> Coefficients:
+    """Validate a decoded coefficient file; ``where`` names it in the one-line ``ValueError``."""
+    if not isinstance(data, dict):
+        raise ValueError(f"coefficients: {where}: must hold a JSON object")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        _fail(where, "schema_version", f"is {version!r}; this build reads {SCHEMA_VERSION}")
+    for key, kind in (("gpu_key", str), ("calibrated", bool)):
+        if not isinstance(data.get(key), kind):
+            _fail(where, key, f"must be a {kind.__name__}, got {data.get(key)!r}")
+    terms = data.get("terms")
+    if not isinstance(terms, dict):
+        _fail(where, "terms", "must be an object of named numbers")
+    values: dict[str, Any] = {}
+    for name, (integer, minimum) in REQUIRED_TERMS.items():
+        if name not in terms:
+            _fail(where, f"terms.{name}", "is missing")
+        value = terms[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            _fail(where, f"terms.{name}", f"must be a number, got {value!r}")
+        if value < minimum:
+            _fail(where, f"terms.{name}", f"must be >= {minimum}, got {value!r}")
+        if integer and value != int(value):
+            _fail(where, f"terms.{name}", f"must be a whole number, got {value!r}")
+        values[name] = int(value) if integer else float(value)
+    blocks = {}
+    for key in ("notes", "valid_range", "provenance"):
+        block = data.get(key, {})
+        if not isinstance(block, dict):
+            _fail(where, key, "must be an object")
+        blocks[key] = block
+    return Coefficients(
+        gpu_key=data["gpu_key"], calibrated=data["calibrated"], source=str(data.get("source", "")),
+        description=str(data.get("description", "")), path=where,
+        extra_terms={k: v for k, v in terms.items() if k not in REQUIRED_TERMS}, **values, **blocks)
+
+
+def _read(path: Path | Any, where: str) -> Coefficients:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as err:
+        raise ValueError(f"coefficients: cannot read {where} ({err.__class__.__name__})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"coefficients: {where} is not valid JSON ({err.__class__.__name__})") from None
+    return parse_coefficients(data, where)
+
+
+@functools.lru_cache(maxsize=64)
+def _packaged(key: str) -> Coefficients:
+    resource = resources.files("estimator") / "coefficients" / f"{key}.json"
+    where = f"coefficients/{key}.json"
+    if not resource.is_file():
+        raise ValueError(f"coefficients: no {where} shipped for GPU {key!r}; pass a file path")
+    coeffs = _read(resource, where)
+    if coeffs.gpu_key != key:
+        _fail(where, "gpu_key", f"is {coeffs.gpu_key!r}, expected {key!r}")
+    return coeffs
+
+
+def load_coefficients(gpu_key: str, path: str | Path | None = None) -> Coefficients:
+    """The shipped coefficients of a GPU (key or alias; ``"generic"`` for an unknown device), or ``path``'s.
+
+    A user file (``path``) overrides the shipped one whatever GPU it names; it is validated the same way.
+    """
+    if path is not None:
+        return _read(Path(path).expanduser(), str(path))
+    from estimator.gpus import get_gpu  # key or alias -> catalogue key ("gpu: ..." error if unknown)
+
+    return _packaged(get_gpu(gpu_key).key)
+
+
+def cublas_workspace_bytes(coeffs: Coefficients) -> int:
+    """Allocator bytes held by cuBLAS workspaces (one per handle and stream; forward + backward threads)."""
+    return coeffs.cublas_workspace_bytes * coeffs.cublas_workspaces
+
+
+def reserved_from_allocated(allocated_bytes: int, coeffs: Coefficients) -> int:
+    """Caching-allocator reserved bytes at an allocated peak: ``allocated x (1 + ratio) + slack bytes``."""
+    if allocated_bytes < 0:
+        raise ValueError(f"allocated_bytes: must be >= 0, got {allocated_bytes!r}")
+    return math.ceil(allocated_bytes * (1.0 + coeffs.reserved_slack_ratio)) + coeffs.reserved_slack_bytes
+
+
+def device_from_reserved(reserved_bytes: int, coeffs: Coefficients, num_communicators: int) -> int:
+    """Device (nvidia-smi) bytes: reserved + CUDA context + NCCL buffers of each communicator."""
+    if reserved_bytes < 0:
+        raise ValueError(f"reserved_bytes: must be >= 0, got {reserved_bytes!r}")
+    if isinstance(num_communicators, bool) or not isinstance(num_communicators, int) or num_communicators < 0:
+        raise ValueError(f"num_communicators: must be a non-negative integer, got {num_communicators!r}")
+    return reserved_bytes + coeffs.cuda_context_bytes + num_communicators * coeffs.nccl_bytes_per_communicator
+
+
+def upper_bound_bytes(device_bytes: int, coeffs: Coefficients) -> int:
+    """Upper end of the device estimate's range: ``device x upper_bound_ratio``."""
+    return math.ceil(device_bytes * coeffs.upper_bound_ratio)

@@ -1,0 +1,146 @@
+"""Hydra side: structured-config schemas and the one conversion ``cfg -> (RunSpec, HarnessOptions)``.
+
+The spec schemas are generated from the RunSpec dataclasses (same fields, same types, not frozen, no
+validation), so a typo or a bad type fails at composition time with the key named, and the two can never drift.
+Value checks stay in ``RunSpec.__post_init__`` / ``validate_options``; ``to_run`` re-raises them with the full
+dotted key (``training.seq_len: must be a positive integer, got -1``).
+"""
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
+
+# No `from __future__ import annotations` here: MeasureConf's annotations must be the generated classes
+# themselves for OmegaConf to type the nodes.
+from harness.options import (
+    DataOptions,
+    EmulateOptions,
+    HarnessOptions,
+    LauncherOptions,
+    MemoryOptions,
+    ModelOptions,
+    PathsOptions,
+    StepsOptions,
+    validate_options,
+)
+
+
+def _mirror(cls: type, name: str, overrides: dict[str, tuple[Any, Any]] | None = None) -> type:
+    """A mutable, validation-free copy of a spec dataclass for OmegaConf (frozen dataclasses become read-only
+    configs and would run __post_init__ on defaults). ``overrides``: field -> (type, default or field())."""
+    hints = typing.get_type_hints(cls)
+    overrides = overrides or {}
+    fields = []
+    for f in dataclasses.fields(cls):
+        if f.name in overrides:
+            fields.append((f.name, *overrides[f.name]))
+        elif f.default_factory is not dataclasses.MISSING:
+            fields.append((f.name, hints[f.name], field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, hints[f.name], f.default))
+    return dataclasses.make_dataclass(name, fields)
+
+
+ZeroConf = _mirror(ZeroSpec, "ZeroConf")
+ParallelConf = _mirror(ParallelSpec, "ParallelConf", {"zero": (ZeroConf, field(default_factory=ZeroConf))})
+TrainingConf = _mirror(TrainingSpec, "TrainingConf")
+
+
+@dataclass
+class MeasureConf:
+    """Schema of ``conf/measure.yaml``. ``model`` is a node (the config group's choice) whose ``name`` is
+    RunSpec.model; ``gpu: auto`` means the key of the device the run lands on."""
+
+    model: ModelOptions = field(default_factory=ModelOptions)
+    parallel: ParallelConf = field(default_factory=ParallelConf)  # type: ignore[valid-type]
+    training: TrainingConf = field(default_factory=TrainingConf)  # type: ignore[valid-type]
+    gpu: str = "auto"
+    campaign: str = "default"
+    backend: str = "auto"
+    dry_run: bool = False
+    rerun_errors: bool = False
+    force: bool = False
+    allow_dirty: bool = True
+    deepspeed_config: str | None = None
+    seed: int = 0
+    inject_oom: str | None = None
+    data: DataOptions = field(default_factory=DataOptions)
+    steps: StepsOptions = field(default_factory=StepsOptions)
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
+    emulate: EmulateOptions = field(default_factory=EmulateOptions)
+    launcher: LauncherOptions = field(default_factory=LauncherOptions)
+    paths: PathsOptions = field(default_factory=PathsOptions)
+    # Machine-specific settings from the gitignored conf/local/default.yaml (Slurm partition, account, ...).
+    local: dict[str, Any] = field(default_factory=dict)
+
+
+_REGISTERED = False
+
+
+def register_configs() -> None:
+    """Store the schema (``measure_schema``) and the first-of resolver; idempotent."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="measure_schema", node=MeasureConf)
+    # ${harness.first:a,b}: the first non-null argument (emulate.world_size, when set, is the job's world size).
+    if not OmegaConf.has_resolver("harness.first"):
+        OmegaConf.register_new_resolver("harness.first",
+                                        lambda *args: next((a for a in args if a is not None), None))
+    _REGISTERED = True
+
+
+register_configs()
+
+
+def _prefixed(prefix: str, build):
+    try:
+        return build()
+    except ValueError as err:
+        message = str(err)
+        raise ValueError(message if message.startswith(prefix) else f"{prefix}{message}") from None
+    except TypeError as err:  # a wrong type that slipped past the schema (e.g. a list for an int)
+        raise ValueError(f"{prefix.rstrip('.') or 'config'}: {err}") from None
+
+
+def to_run(cfg: DictConfig | dict[str, Any], *, gpu_key: str | None = None) -> tuple[RunSpec, HarnessOptions]:
+    """The composed config as (RunSpec, HarnessOptions). Raises ValueError naming the dotted key."""
+    if isinstance(cfg, DictConfig):  # the hydra node needs a running app to resolve; it is not ours anyway
+        cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+        data = OmegaConf.to_container(cfg, resolve=True)
+    else:
+        data = {k: v for k, v in cfg.items() if k != "hydra"}
+    opts = validate_options(_options(data))
+    parallel = dict(data.get("parallel") or {})
+    zero = _prefixed("parallel.zero.", lambda: ZeroSpec(**(parallel.pop("zero", None) or {})))
+    if opts.emulate.world_size is not None:
+        if parallel.get("world_size", 1) not in (1, opts.emulate.world_size):
+            raise ValueError(f"emulate.world_size: {opts.emulate.world_size} disagrees with parallel.world_size "
+                             f"{parallel['world_size']} (set one of them)")
+        parallel["world_size"] = opts.emulate.world_size
+    parallel_spec = _prefixed("parallel.", lambda: ParallelSpec(**parallel, zero=zero))
+    training = _prefixed("training.", lambda: TrainingSpec(**(data.get("training") or {})))
+    gpu = data.get("gpu") or "auto"
+    if gpu == "auto":
+        gpu = gpu_key or "auto"
+    spec = _prefixed("", lambda: RunSpec(model=opts.model.name, parallel=parallel_spec, training=training,
+                                         gpu=gpu))
+    if spec.model != (opts.model.name or "").strip():
+        raise ValueError("model.name: must not have surrounding spaces")
+    if opts.emulated and spec.parallel.world_size < 2:
+        raise ValueError("emulate.world_size: emulation needs a world size of at least 2")
+    return spec, opts
+
+
+def _options(data: dict[str, Any]) -> HarnessOptions:
+    from harness.options import options_from_dict
+
+    keys = {f.name for f in dataclasses.fields(HarnessOptions)}
+    return options_from_dict({k: v for k, v in data.items() if k in keys})

@@ -1,0 +1,194 @@
+"""Where a run happened: GPU key, device, library versions, allocator config, git state (``env.json``).
+
+``normalize_gpu_name`` is a stand-in for ``estimator.gpus.normalize_gpu_name`` (owned by the estimator); when
+that module exists it is used instead, so both sides key GPUs the same way.
+
+The launcher (the Hydra process) must not create a CUDA context on a GPU the workers measure, so it reads the
+device through NVML only (``detect_device``); the full capture with torch happens in the worker.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import platform
+import re
+import socket
+import subprocess
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GIB = 1024**3
+# Marketed memory sizes (GB) per family; the key takes the one nearest the device's total memory in GiB.
+_FAMILIES = (  # most specific first (l40s before l40, a100 before a10, h200 before h20)
+    ("h200", r"\bh200\b", (141,)),
+    ("h100", r"\bh100\b", (80, 94, 96)),
+    ("a100", r"\ba100\b", (40, 80)),
+    ("v100", r"\bv100", (16, 32)),
+    ("l40s", r"\bl40s\b", (48,)),
+    ("l40", r"\bl40\b", (48,)),
+    ("a10", r"\ba10\b", (24,)),
+    ("l4", r"\bl4\b", (24,)),
+    ("rtx4090", r"\brtx\s*4090\b", (24,)),
+    ("t4", r"\bt4\b", (16,)),
+)
+_GENERIC_SIZES = (8, 10, 11, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 141, 192, 288)
+VERSIONED_PACKAGES = ("torch", "transformers", "deepspeed", "peft", "tokenizers", "datasets", "hydra-core",
+                      "accelerate", "nvidia-ml-py", "bitsandbytes", "flash-attn")
+
+
+def _nearest(value: float, sizes: tuple[int, ...]) -> int:
+    return min(sizes, key=lambda size: abs(size - value))
+
+
+def _local_normalize(name: str, total_memory_bytes: int) -> str:
+    lowered = name.lower().replace("-", " ")
+    total_gib = total_memory_bytes / GIB
+    for key, pattern, sizes in _FAMILIES:
+        if re.search(pattern, lowered):
+            return f"{key}-{_nearest(total_gib, sizes)}gb"
+    words = [w for w in re.split(r"[^a-z0-9]+", lowered) if w and w not in ("nvidia", "geforce", "tesla", "gpu")]
+    return f"{''.join(words[:2]) or 'gpu'}-{_nearest(total_gib, _GENERIC_SIZES)}gb"
+
+
+def normalize_gpu_name(name: str, total_memory_bytes: int) -> str:
+    """Our GPU key (``h100-80gb``) for a device name and its total memory; ``cpu`` for the CPU."""
+    if name.strip().lower() == "cpu":
+        return "cpu"
+    try:
+        from estimator.gpus import normalize_gpu_name as estimator_normalize  # the shared one, once it exists
+    except ImportError:
+        return _local_normalize(name, total_memory_bytes)
+    return estimator_normalize(name, total_memory_bytes)
+
+
+# --------------------------------------------------------------------------------------------- device
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    kind: str  # cuda | cpu
+    name: str
+    total_memory_bytes: int | None
+    count: int
+    driver_version: str | None = None
+
+    @property
+    def gpu_key(self) -> str:
+        return "cpu" if self.kind == "cpu" else normalize_gpu_name(self.name, self.total_memory_bytes or 0)
+
+
+CPU_DEVICE = DeviceInfo(kind="cpu", name="cpu", total_memory_bytes=None, count=0)
+
+
+@functools.lru_cache(maxsize=1)
+def detect_device() -> DeviceInfo:
+    """The first visible GPU through NVML (no CUDA context), else the CPU."""
+    if not Path("/dev/nvidiactl").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES", "").strip():
+        return CPU_DEVICE
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handles = _visible_nvml_handles(pynvml)
+        if not handles:
+            return CPU_DEVICE
+        name = pynvml.nvmlDeviceGetName(handles[0])
+        name = name.decode() if isinstance(name, bytes) else name
+        total = int(pynvml.nvmlDeviceGetMemoryInfo(handles[0]).total)
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else driver
+        return DeviceInfo(kind="cuda", name=name, total_memory_bytes=total, count=len(handles),
+                          driver_version=driver)
+    except Exception:  # noqa: BLE001 - no NVML library or no driver: treat as CPU
+        return CPU_DEVICE
+
+
+def _visible_nvml_handles(pynvml) -> list[Any]:
+    count = pynvml.nvmlDeviceGetCount()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+    handles = []
+    for token in (t.strip() for t in visible.split(",") if t.strip()):
+        if token.isdigit() and int(token) < count:
+            handles.append(pynvml.nvmlDeviceGetHandleByIndex(int(token)))
+        elif token.startswith(("GPU-", "MIG-")):
+            handles.append(pynvml.nvmlDeviceGetHandleByUUID(token))
+        else:
+            break  # CUDA stops at the first invalid entry
+    return handles
+
+
+# --------------------------------------------------------------------------------------------- env.json
+
+def package_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for name in VERSIONED_PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+@functools.lru_cache(maxsize=1)
+def git_state() -> tuple[str | None, bool | None]:
+    """(sha, dirty) of the repository the harness runs from; (None, None) outside a git checkout."""
+    try:
+        sha = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        status = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10, check=True).stdout
+        return sha, bool(status.strip())
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
+def capture_env(device: DeviceInfo | None = None, torch_device: Any = None) -> dict[str, Any]:
+    """Provenance for env.json. With ``torch_device`` (in a worker) the CUDA facts come from torch."""
+    device = device or detect_device()
+    versions = package_versions()
+    sha, dirty = git_state()
+    env: dict[str, Any] = {
+        "hostname": socket.gethostname(), "python_version": platform.python_version(),
+        "platform": platform.platform(), "captured_at": utc_now(),
+        "gpu_key": device.gpu_key, "device_kind": device.kind, "gpu_name": device.name,
+        "gpu_count": device.count, "total_memory_bytes": device.total_memory_bytes,
+        "driver_version": device.driver_version, "compute_capability": None, "cuda_version": None,
+        "nccl_version": None,
+        "torch_version": versions["torch"], "transformers_version": versions["transformers"],
+        "deepspeed_version": versions["deepspeed"], "versions": versions,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "slurm_nodelist": os.environ.get("SLURM_JOB_NODELIST"),
+        "git_sha": sha, "git_dirty": dirty,
+    }
+    if torch_device is not None:
+        env.update(_torch_facts(torch_device))
+    return env
+
+
+def _torch_facts(torch_device: Any) -> dict[str, Any]:
+    import torch
+
+    facts: dict[str, Any] = {"torch_version": torch.__version__, "cuda_version": torch.version.cuda}
+    device = torch.device(torch_device)
+    if device.type != "cuda":
+        return facts
+    props = torch.cuda.get_device_properties(device)
+    facts.update({"gpu_name": props.name, "total_memory_bytes": int(props.total_memory),
+                  "compute_capability": f"{props.major}.{props.minor}",
+                  "gpu_key": normalize_gpu_name(props.name, int(props.total_memory))})
+    try:
+        facts["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:  # noqa: BLE001 - NCCL absent (e.g. ROCm/CPU builds)
+        pass
+    return facts
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

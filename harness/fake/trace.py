@@ -1,0 +1,346 @@
+"""Trace the real transformers model of a RunSpec on fake tensors and a fake process group, per rank.
+
+See ``harness.fake`` for the contract. Everything torch-related is imported here, lazily from the package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from estimator.spec import RunSpec
+from harness.fake.counter import StorageCounter
+from harness.fake.wrap import (
+    FSDP_METHODS,
+    TORCH_METHODS,
+    build_method_optimizer,
+    build_training,
+    make_mesh,
+    wrap_model,
+)
+
+_UNSUPPORTED_OPTIMIZERS = {"adamw_8bit": "bitsandbytes' 8-bit AdamW needs CUDA"}
+
+
+def _check(spec: RunSpec, config: dict[str, Any]) -> None:
+    method = spec.parallel.method
+    if method not in TORCH_METHODS:
+        raise ValueError(f"method: the fake-tensor oracle traces torch-native methods only "
+                         f"({', '.join(TORCH_METHODS)}); {method!r} runs under DeepSpeed, measure it on a GPU")
+    if spec.training.qlora:
+        raise ValueError("qlora: 4-bit bitsandbytes weights cannot be traced on fake CPU tensors")
+    if spec.training.optimizer in _UNSUPPORTED_OPTIMIZERS:
+        raise ValueError(f"optimizer: {spec.training.optimizer!r} cannot be traced "
+                         f"({_UNSUPPORTED_OPTIMIZERS[spec.training.optimizer]})")
+    if method in ("tp", "dp_tp"):
+        from estimator.tp_plans import check_tp
+
+        check_tp(config, spec.parallel.tp)
+
+
+def _ranks(spec: RunSpec, ranks) -> list[int]:
+    n = spec.parallel.world_size
+    if ranks is None:
+        ranks = (0, n - 1)
+    out = sorted({int(r) for r in ranks})
+    bad = [r for r in out if not 0 <= r < n]
+    if bad or not out:
+        raise ValueError(f"ranks: {bad or 'none'} not in 0..{n - 1} (world size {n})")
+    return out
+
+
+@contextlib.contextmanager
+def _fsdp_tags(counter: StorageCounter) -> Iterator[None]:
+    """Count FSDP2's all-gather / unsharded-param / reduce-scatter buffers under their own categories."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
+
+    categories = {"foreach_all_gather": "All Gather", "foreach_all_gather_copy_out": "Unsharded Param",
+                  "foreach_reduce": "Reduce Scatter"}
+    saved = {name: getattr(group_mod, name) for name in categories}
+
+    def tagged(fn, cat):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with counter.tagged(cat):
+                return fn(*args, **kwargs)
+        return inner
+
+    try:
+        for name, cat in categories.items():
+            setattr(group_mod, name, tagged(saved[name], cat))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(group_mod, name, fn)
+
+
+@contextlib.contextmanager
+def _device_mesh_outside_fake() -> Iterator[None]:
+    """DeviceMesh builds and reads its small rank tensors (``nonzero``, ``tolist``) — impossible on fake
+    tensors. FSDP2 creates meshes inside the trace (e.g. the 2-D SPMD mesh of FSDP+TP), so run DeviceMesh's
+    constructor and its ``mesh`` property with fake mode suspended."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    orig_init = DeviceMesh.__init__
+    orig_mesh = DeviceMesh.__dict__["mesh"]
+
+    @functools.wraps(orig_init)
+    def init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            orig_init(self, *args, **kwargs)
+
+    def mesh(self):
+        with unset_fake_temporarily():
+            return orig_mesh.fget(self)
+
+    DeviceMesh.__init__ = init
+    DeviceMesh.mesh = property(mesh)
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = orig_init
+        DeviceMesh.mesh = orig_mesh
+
+
+@contextlib.contextmanager
+def _skip_dtensor_meta_propagation(counter: StorageCounter) -> Iterator[None]:
+    """DTensor computes output metadata by running each new (op, specs) combination on fake tensors of the
+    *global* shape (``ShardingPropagator._propagate_tensor_meta_non_cached``). Without an outer fake mode it
+    uses its own FakeTensorMode, which the counter ignores; under our FakeTensorMode it reuses ours, and those
+    global-shape temporaries would be counted as allocations. They never exist on a GPU: pause counting there.
+
+    This is what inflated "FSDP2's first step on fake tensors" (env-recipes §4): the propagation results are
+    cached (lru_cache, process-wide), so only the first trace in a process paid it, in its first step.
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    orig = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    @functools.wraps(orig)
+    def propagate(self, *args, **kwargs):
+        with counter.paused():
+            return orig(self, *args, **kwargs)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = orig
+
+
+def _instrument_optimizer(optimizer, counter: StorageCounter) -> None:
+    """After the optimizer lazily creates its state (``_init_group``), count state and stepped grads as such."""
+    for opt in getattr(optimizer, "optimizers", None) or [optimizer]:
+        _instrument_one_optimizer(opt, counter)
+
+
+def _instrument_one_optimizer(optimizer, counter: StorageCounter) -> None:
+    inner = getattr(optimizer, "inner", optimizer)
+    if not hasattr(inner, "_init_group"):
+        return
+    orig = inner._init_group
+
+    @functools.wraps(orig)
+    def init_group(group, *args, **kwargs):
+        out = orig(group, *args, **kwargs)
+        for p in group["params"]:
+            if p.grad is not None:
+                counter.retag(p.grad, "Gradient")
+            state = inner.state.get(p)
+            if state:
+                counter.retag([v for v in state.values() if isinstance(v, torch.Tensor)], "Optstate")
+        return out
+
+    inner._init_group = init_group
+
+
+def _instrument_ddp(ddp: nn.Module, counter: StorageCounter) -> None:
+    """DDP rebuilds its buckets in the pre-forward of the second iteration: count those as buckets."""
+    orig = ddp._pre_forward
+
+    @functools.wraps(orig)
+    def pre_forward(*args, **kwargs):
+        with counter.tagged("DDP Bucket"):
+            return orig(*args, **kwargs)
+
+    ddp._pre_forward = pre_forward
+
+
+def materialize_on_fake_cpu(model: nn.Module) -> nn.Module:
+    """Replace every meta parameter/buffer by an empty cpu tensor (fake under FakeTensorMode), keeping ties.
+
+    ``estimator.profiler.build.materialize_fake`` (``model.to_empty``) fails on torch 2.13: under
+    FakeTensorMode the meta->fake conversion memoizes a weakref to each meta param and ``_apply`` then
+    refuses to ``swap_tensors`` ("Couldn't swap Embedding.weight"). Building the model on meta *outside*
+    FakeTensorMode and allocating fresh tensors inside it avoids both that and peft's ``.to()`` swap failure.
+    """
+    memo: dict[int, torch.Tensor] = {}
+    keep: list[torch.Tensor] = []  # keep the meta tensors alive so ids are not reused while we walk
+    for module in model.modules():
+        for table, make_param in ((module._parameters, True), (module._buffers, False)):
+            for name, old in list(table.items()):
+                if old is None:
+                    continue
+                keep.append(old)
+                new = memo.get(id(old))
+                if new is None:
+                    new = torch.empty(old.shape, dtype=old.dtype, device="cpu")
+                    if make_param:
+                        new = nn.Parameter(new, requires_grad=old.requires_grad)
+                    memo[id(old)] = new
+                table[name] = new
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(base, "tie_weights"):
+        base.tie_weights()
+    return model
+
+
+def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: int, steps: int
+                ) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from estimator.profiler.build import build_model, forward_backward, synthetic_batch
+
+    n = spec.parallel.world_size
+    method = spec.parallel.method
+    training = spec.training
+    built = build_training(spec)
+    t0 = time.perf_counter()
+    if n > 1:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+        if dist.is_initialized():
+            raise RuntimeError("a default process group is already initialized; trace_run needs its own")
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=n)
+    try:
+        mesh = make_mesh(spec, "cpu")  # outside FakeTensorMode (init_device_mesh reads a scalar)
+        meta_model = build_model(config, built, "cpu", meta=True)  # outside FakeTensorMode too (see below)
+        counter = StorageCounter(round_to=round_to)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_device_mesh_outside_fake())
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(counter)
+            stack.enter_context(_skip_dtensor_meta_propagation(counter))
+            if method in FSDP_METHODS:
+                stack.enter_context(_fsdp_tags(counter))
+            model = materialize_on_fake_cpu(meta_model)
+            del meta_model
+            vocab = model.config.vocab_size
+            if method == "ddp":
+                with counter.tagged("DDP Bucket"):
+                    model = wrap_model(model, spec, mesh, config, fake=True)
+                _instrument_ddp(model, counter)
+            else:
+                model = wrap_model(model, spec, mesh, config, fake=True)
+            optimizer = build_method_optimizer(model, spec)
+            batch = synthetic_batch(training.micro_batch_size, training.seq_len, vocab, "cpu")
+            counter.retag(list(model.buffers()), "Buffer")
+            counter.retag(list(model.parameters()), "Parameter")
+            counter.retag(getattr(optimizer, "masters", []), "Master Param")
+            counter.retag(list(batch.values()), "Inputs")
+            _instrument_optimizer(optimizer, counter)
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(lambda p: counter.retag(p.grad, "Gradient"))
+            model.register_forward_pre_hook(lambda *a: counter.set_phase("forward"), prepend=True)
+            model.register_forward_hook(lambda *a: counter.set_phase("backward"), always_call=True)
+            setup_bytes, setup_peak = counter.current, counter.max_total
+            setup_breakdown = counter.snapshot()
+            t_setup = time.perf_counter() - t0
+
+            accum = training.grad_accum_steps
+            records = []
+            for _ in range(steps):
+                counter.begin_step()
+                counter.set_phase("forward")
+                for micro in range(accum):
+                    # DDP syncs only the last micro-batch (no_sync), as the harness does; FSDP syncs each one.
+                    sync = contextlib.nullcontext() if method != "ddp" or micro == accum - 1 else model.no_sync()
+                    with sync:
+                        forward_backward(model, batch, training, "cpu", scale=1.0 / accum)
+                counter.set_phase("optimizer")
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                records.append(counter.end_step())
+                counter.set_phase("setup")
+            local_params = sum(_local_numel(p) for p in model.parameters())
+            del model, optimizer, batch
+    finally:
+        if n > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+    steady = records[1:] if method in FSDP_METHODS and len(records) > 1 else records
+    best = max(steady, key=lambda r: r["peaks"]["peak"])
+    return {
+        "peak_allocated_bytes": best["peaks"]["peak"],
+        "step_peaks": [r["peaks"] for r in records],
+        "step_breakdowns": [r["breakdown"] for r in records],
+        "step_peak_phases": [r["phase"] for r in records],
+        "breakdown_at_peak": best["breakdown"],
+        "peak_step": records.index(best) + 1,
+        "peak_phase": best["phase"],
+        "setup_bytes": int(setup_bytes),
+        "setup_peak_bytes": int(setup_peak),
+        "setup_breakdown": setup_breakdown,
+        "local_param_numel": int(local_params),
+        "setup_s": round(t_setup, 3),
+        "trace_s": round(time.perf_counter() - t0, 3),
+    }
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    local = getattr(p, "_local_tensor", None)
+    return (local if local is not None else p).numel()
+
+
+def _notes(spec: RunSpec, round_to: int) -> list[str]:
+    method, training = spec.parallel.method, spec.training
+    notes = [f"bytes: each live tensor storage rounded up to {round_to} B (the CUDA caching allocator's block "
+             "granularity); kernel workspaces (cuBLAS, NCCL, CUDA context) and allocator slack are not counted",
+             "peaks cover the training steps only (model build / wrapping excluded: setup_peak_bytes)"]
+    if method in FSDP_METHODS:
+        notes.append("fsdp: FSDP2's first step is inflated on fake tensors (env-recipes §4); "
+                     "peak_allocated_bytes and breakdown_at_peak are the steady state, max over steps >= 2")
+    if method == "ddp":
+        notes.append("ddp: fake run uses init_sync=False and a no-op comm hook; buckets are torch defaults "
+                     "(25 MiB, first 1 MiB, gradient_as_bucket_view=False)")
+    if method in ("tp", "dp_tp"):
+        notes.append("tp: decoder-layer linears split (estimator.tp_plans); embeddings, norms and lm_head "
+                     "replicated, so every rank holds the full logits")
+    if training.precision.startswith("amp_"):
+        notes.append("amp: traced under CPU autocast, whose op cast lists differ slightly from CUDA's")
+    if training.attn == "flash":
+        notes.append("attn flash: traced with SDPA's CPU flash-style kernel (no S x S matrix)")
+    if training.grad_ckpt:
+        notes.append("grad_ckpt: recomputed activations are counted as Temp (created in backward)")
+    if method in FSDP_METHODS and training.precision.startswith("mixed_"):
+        notes.append("fsdp mixed_*: fp32 sharded params + MixedPrecisionPolicy(param_dtype=16-bit, "
+                     "reduce_dtype=fp32); AdamW steps the fp32 shards directly")
+    return notes
+
+
+def trace_run(spec: RunSpec, ranks=None, *, config: dict[str, Any] | None = None, round_to: int = 512,
+              steps: int = 2) -> dict[str, Any]:
+    """Per-rank peak allocated bytes of ``steps`` training steps of ``spec`` (see ``harness.fake``)."""
+    from estimator.arch import load_config
+
+    if config is None:
+        config = load_config(spec.model)
+    _check(spec, config)
+    if steps < 1:
+        raise ValueError(f"steps: must be >= 1, got {steps}")
+    t0 = time.perf_counter()
+    per_rank = {}
+    for rank in _ranks(spec, ranks):
+        per_rank[rank] = _trace_rank(spec, config, rank, round_to=round_to, steps=steps)
+    return {"per_rank": per_rank, "trace_s": round(time.perf_counter() - t0, 3),
+            "measured_by": "fake_tensor_trace", "notes": _notes(spec, round_to),
+            "spec_id": spec.spec_id, "round_to": round_to, "steps": steps}

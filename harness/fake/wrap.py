@@ -1,0 +1,201 @@
+"""How each torch-native method wraps the model: the contract between the CPU oracle and the real harness.
+
+The oracle (``harness.fake.trace``) calls these with ``fake=True`` on a fake process group; the harness worker
+should call them (or do exactly the same) with ``fake=False`` on NCCL, so that both trace the same program.
+
+Methods (``spec.parallel.method``), N = world size:
+
+``single``
+    The model from ``estimator.profiler.build.build_model``; the optimizer from ``build_optimizer``.
+``ddp``
+    ``DistributedDataParallel(model)`` with torch defaults: ``bucket_cap_mb=25`` (first bucket 1 MiB),
+    ``gradient_as_bucket_view=False`` (param ``.grad`` and the flat buckets are separate tensors, so a rank
+    holds grads + buckets), ``find_unused_parameters=False``, ``broadcast_buffers=True``. Real runs:
+    ``device_ids=[local_rank]``. Fake runs add ``init_sync=False`` (no data to broadcast) and a no-op comm hook
+    (the fake PG's all-reduce future returns None, which DDP rejects); NCCL all-reduce is in place on the
+    bucket, so the no-op hook changes no allocation.
+``fsdp``
+    FSDP2: ``fully_shard(layer, mesh=mesh, mp_policy=mp)`` on every decoder layer in order, then
+    ``fully_shard(model, mesh=mesh, mp_policy=mp)`` on the root (embeddings, final norm, lm_head and anything
+    outside the layers go to the root group); defaults otherwise (``reshard_after_forward=True``; FSDP2 keeps the
+    root's parameters unsharded between forward and backward). The optimizer is built on ``model.parameters()``
+    after sharding (the sharded DTensors).
+``tp``
+    ``harness.tp.apply_tp(model, mesh_1d(N), config)`` (see ``estimator.tp_plans``). Optimizer: foreach AdamW
+    cannot take DTensor (split) and plain (replicated: embeddings, norms, lm_head) tensors in one list (torch
+    raises "got mixed torch.Tensor and DTensor"), so ``build_method_optimizer`` builds one optimizer per kind
+    (split params first, then replicated) and steps them in that order (= two param groups; foreach
+    temporaries are per group).
+``dp_tp``
+    2-D mesh ``init_device_mesh(dev, (dp, tp), mesh_dim_names=("dp", "tp"))``; rank r sits at
+    ``(r // tp, r % tp)`` (TP groups are consecutive ranks). ``apply_tp`` over ``mesh["tp"]``, then FSDP2 exactly as
+    ``fsdp`` over ``mesh["dp"]``.
+
+Precision (``spec.training.precision``) per method:
+
+* ``fp32``: fp32 weights, grads and AdamW states. ``bf16``: everything bf16 (no master copy; FSDP2 without a
+  mixed-precision policy). ``amp_bf16`` / ``amp_fp16``: fp32 weights, grads, states; forward under
+  ``torch.autocast(dtype)``.
+* ``mixed_bf16`` / ``mixed_fp16`` for ``single``/``ddp``/``tp``: 16-bit model weights and grads; fp32 masters
+  and AdamW states in ``build.MasterWeightOptimizer`` (DDP buckets are 16-bit).
+* ``mixed_bf16`` / ``mixed_fp16`` for ``fsdp``/``dp_tp``: the model is built in **fp32** and sharded; the fp32
+  shards are the master weights and AdamW steps them directly (no MasterWeightOptimizer);
+  ``MixedPrecisionPolicy(param_dtype=bfloat16|float16, reduce_dtype=float32)`` (``output_dtype=None``,
+  ``cast_forward_inputs=True``): FSDP2 casts each shard to 16 bits into the all-gather buffer, runs forward and
+  backward with 16-bit unsharded params, upcasts the 16-bit unsharded grads to fp32 for the reduce-scatter,
+  and leaves fp32 sharded grads. No autocast. (No GradScaler for fp16 anywhere.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from estimator.spec import RunSpec, TrainingSpec
+
+FSDP_METHODS = ("fsdp", "dp_tp")
+TORCH_METHODS = ("single", "ddp", "fsdp", "tp", "dp_tp")
+
+
+def _fp32_variant(training: TrainingSpec) -> TrainingSpec:
+    """Same spec with fp32 weights and a plain optimizer (amp_* builds fp32 weights; no autocast is applied
+    because the forward uses the original spec)."""
+    return dataclasses.replace(training, precision="amp_fp16" if training.precision == "mixed_fp16" else "amp_bf16")
+
+
+def build_training(spec: RunSpec) -> TrainingSpec:
+    """Training spec to pass to ``build_model`` and ``build_optimizer`` for this method."""
+    if spec.parallel.method in FSDP_METHODS and spec.training.precision.startswith("mixed_"):
+        return _fp32_variant(spec.training)
+    return spec.training
+
+
+def fsdp_mp_policy(training: TrainingSpec):
+    """FSDP2 MixedPrecisionPolicy for mixed_*; None otherwise."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if training.precision == "mixed_bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if training.precision == "mixed_fp16":
+        return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    return None
+
+
+class OptimizerChain:
+    """Several optimizers stepped in order, as one (what a multi-group optimizer does group by group)."""
+
+    def __init__(self, optimizers: list) -> None:
+        self.optimizers = list(optimizers)
+
+    def step(self, closure=None) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def masters(self) -> list:
+        return [m for opt in self.optimizers for m in getattr(opt, "masters", [])]
+
+
+def build_method_optimizer(model: nn.Module, spec: RunSpec, lr: float = 1e-5):
+    """``build.build_optimizer`` over the wrapped model's trainable params, split by kind for ``tp``."""
+    from torch.distributed.tensor import DTensor
+
+    from estimator.profiler.build import build_optimizer
+
+    training = build_training(spec)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if spec.parallel.method == "tp":
+        split = [p for p in params if isinstance(p, DTensor)]
+        plain = [p for p in params if not isinstance(p, DTensor)]
+        if split and plain:
+            return OptimizerChain([build_optimizer(split, training, lr), build_optimizer(plain, training, lr)])
+    return build_optimizer(params, training, lr)
+
+
+def make_mesh(spec: RunSpec, device_type: str):
+    """DeviceMesh for the method (None for single/ddp). Create it *outside* FakeTensorMode."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    method, n = spec.parallel.method, spec.parallel.world_size
+    if method == "fsdp":
+        return init_device_mesh(device_type, (n,))
+    if method == "tp":
+        return init_device_mesh(device_type, (n,))
+    if method == "dp_tp":
+        return init_device_mesh(device_type, (spec.parallel.dp, spec.parallel.tp), mesh_dim_names=("dp", "tp"))
+    return None
+
+
+def apply_fsdp(model: nn.Module, mesh, training: TrainingSpec, model_type: str) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    from harness.tp import decoder_layers
+
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    policy = fsdp_mp_policy(training)
+    if policy is not None:
+        kwargs["mp_policy"] = policy
+    for layer in decoder_layers(model, model_type):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+class _NoRebuildReducer:
+    """Fake-PG only: DDP's bucket rebuild (2nd iteration's pre-forward) syncs bucket indices by writing a
+    tensor's data in C++, impossible on fake tensors. The rebuild only reorders parameters among buckets
+    (``initialize_buckets`` frees the old buckets before allocating the new ones), so total bucket bytes are
+    unchanged; the fake run keeps the initial bucket assignment."""
+
+    def __init__(self, reducer: Any) -> None:
+        object.__setattr__(self, "_reducer", reducer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+
+def apply_ddp(model: nn.Module, *, fake: bool, device: torch.device | str) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if fake:
+        from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+        ddp = DDP(model, init_sync=False)
+        ddp.register_comm_hook(None, noop_hook)
+        ddp.reducer = _NoRebuildReducer(ddp.reducer)
+        return ddp
+    device = torch.device(device)
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def wrap_model(model: nn.Module, spec: RunSpec, mesh, config: dict[str, Any], *, fake: bool,
+               device: torch.device | str = "cpu") -> nn.Module:
+    """Apply ``spec.parallel.method`` to a model built with ``build_model(config, build_training(spec))``."""
+    method = spec.parallel.method
+    model_type = config["model_type"]
+    if method == "single":
+        return model
+    if method == "ddp":
+        return apply_ddp(model, fake=fake, device=device)
+    if method == "fsdp":
+        return apply_fsdp(model, mesh, spec.training, model_type)
+    if method == "tp":
+        from harness.tp import apply_tp
+
+        return apply_tp(model, mesh, config)
+    if method == "dp_tp":
+        from harness.tp import apply_tp
+
+        apply_tp(model, mesh["tp"], config)
+        return apply_fsdp(model, mesh["dp"], spec.training, model_type)
+    raise ValueError(f"method: {method!r} is not a torch-native method ({', '.join(TORCH_METHODS)})")

@@ -1,0 +1,387 @@
+"""One point, from a (RunSpec, HarnessOptions) to a finished run directory. No Hydra and no torch here.
+
+``plan_point`` resolves everything a run depends on (backend, GPU key, run id, run dir) and checks the point
+before any work (one-line ``ValueError`` naming the key). ``run_point`` then:
+
+1. skips the point when ``result.json`` already says ok / oom (and error / timeout unless ``rerun_errors``);
+2. writes ``spec.json``, ``harness.json`` and ``env.json``;
+3. runs the ranks: ``torchrun --standalone`` (or ``srun torchrun`` across nodes) for real multi-rank runs, one
+   ``python -m harness.worker`` subprocess (or this process, ``launcher.isolation=inprocess``) for single-rank,
+   emulated and fake-backend points; a timeout or crash becomes ``status: timeout|error`` with the stderr tail;
+4. merges ``rank*.json`` into ``result.json`` and upserts the tidy rows into
+   ``<measurements_dir>/<gpu-key>/<campaign>.csv``. ``result.json`` is written last: a point killed before
+   it is simply re-run on resume.
+
+Run directory: ``<results_dir>/<campaign>/<gpu-key>/<run_id>/`` where run_id is the spec id, suffixed with a
+hash of the measurement variant (emulation, memory cap, padding, steps, ...) when it is not the default one,
+so an emulated or capped measurement never overwrites (or is mistaken for) a plain one.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from estimator.spec import RunSpec
+from harness.environment import DeviceInfo, capture_env, detect_device, git_state, utc_now
+from harness.files import locked, read_json, write_json
+from harness.options import DataOptions, HarnessOptions, StepsOptions, options_to_dict, resolve_ranks
+from harness.records import RunRecord, merge_ranks, rank_from_dict, run_from_dict, to_dict
+
+DONE = ("ok", "oom")
+RETRYABLE = ("error", "timeout")
+STDERR_TAIL_CHARS = 4000
+
+
+@dataclass
+class Point:
+    spec: RunSpec
+    opts: HarnessOptions  # backend and data.online resolved
+    gpu_key: str
+    run_id: str
+    run_dir: Path
+    variant: dict[str, Any]
+    expected_ranks: list[int]
+
+    @property
+    def needs_torchrun(self) -> bool:
+        return self.opts.backend in ("cuda", "cpu") and self.spec.parallel.world_size > 1 and not self.opts.emulated
+
+
+# --------------------------------------------------------------------------------------------- planning
+
+def resolve_backend(backend: str, device: DeviceInfo) -> str:
+    if backend == "auto":
+        return "cuda" if device.kind == "cuda" else "cpu"
+    if backend == "cuda" and device.kind != "cuda":
+        raise ValueError("backend: cuda requested but no GPU is visible (use backend=cpu or backend=fake)")
+    return backend
+
+
+def variant_of(opts: HarnessOptions, ranks: list[int]) -> dict[str, Any]:
+    """The measurement options that change the numbers, when not the defaults (they key the run dir)."""
+    variant: dict[str, Any] = {}
+    if opts.backend == "fake":
+        variant["backend"] = "fake"
+    if opts.emulated:
+        variant["emulate_ranks"] = ranks
+    if opts.memory.cap_gib is not None:
+        variant["cap_gib"] = opts.memory.cap_gib
+    if opts.memory.cap_fraction is not None:
+        variant["cap_fraction"] = opts.memory.cap_fraction
+    defaults = DataOptions()
+    for key in ("padding", "keep"):
+        if getattr(opts.data, key) != getattr(defaults, key):
+            variant[key] = getattr(opts.data, key)
+    if dataclasses.asdict(opts.steps) != dataclasses.asdict(StepsOptions()):
+        variant["steps"] = [opts.steps.warmup, opts.steps.measured]
+    if opts.deepspeed_config:
+        variant["deepspeed_config_sha256"] = hashlib.sha256(Path(opts.deepspeed_config).read_bytes()).hexdigest()
+    if opts.model.pretrained:
+        variant["pretrained"] = True
+    if opts.inject_oom:
+        variant["inject_oom"] = opts.inject_oom
+    return variant
+
+
+def run_id_of(spec_id: str, variant: dict[str, Any]) -> str:
+    if not variant:
+        return spec_id
+    digest = hashlib.sha256(json.dumps(variant, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{spec_id}-{digest}"
+
+
+def plan_point(spec: RunSpec, opts: HarnessOptions, device: DeviceInfo | None = None, *,
+               check_data: bool = True) -> Point:
+    """Resolve and check a point (cheap: standard library, no torch). Raises ValueError naming the key."""
+    device = device or detect_device()
+    opts = copy.deepcopy(opts)  # resolved fields are written into it; the caller's stays as composed
+    opts.backend = resolve_backend(opts.backend, device)
+    if spec.gpu == "auto":
+        spec = spec.replace(gpu=device.gpu_key)
+    spec = _apply_deepspeed_config(spec, opts)
+    _check_model(spec)
+    world_size = spec.parallel.world_size
+    ranks = resolve_ranks(opts.emulate.ranks, world_size) if (opts.emulated or opts.backend == "fake") \
+        and world_size > 1 else list(range(world_size))
+    if opts.backend == "fake" and world_size == 1:
+        ranks = [0]
+    _check_launch(spec, opts, device)
+    if check_data and opts.data.source == "file":
+        from harness.data import read_records_file
+
+        read_records_file(opts.data.path)  # fail now, not in every rank
+    gpu_key = "fake" if opts.backend == "fake" else ("cpu" if opts.backend == "cpu" else device.gpu_key)
+    variant = variant_of(opts, ranks)
+    run_id = run_id_of(spec.spec_id, variant)
+    run_dir = Path(opts.paths.results_dir).expanduser() / opts.campaign / gpu_key / run_id
+    return Point(spec=spec, opts=opts, gpu_key=gpu_key, run_id=run_id, run_dir=run_dir, variant=variant,
+                 expected_ranks=ranks)
+
+
+def _apply_deepspeed_config(spec: RunSpec, opts: HarnessOptions) -> RunSpec:
+    """A user DeepSpeed JSON defines the ZeRO part of the spec (so --from-run predicts what really ran)."""
+    if not opts.deepspeed_config:
+        return spec
+    if spec.parallel.zero_stage == 0:
+        raise ValueError(f"deepspeed_config: only used by zero1/zero2/zero3/zero_offload, not method "
+                         f"{spec.parallel.method!r}")
+    from estimator.deepspeed_config import spec_from_deepspeed
+    from harness.models import load_model_config
+
+    hidden = load_model_config(spec.model).get("hidden_size")
+    try:
+        derived = spec_from_deepspeed(opts.deepspeed_config, spec, hidden)
+    except ValueError as err:
+        raise ValueError(f"deepspeed_config: {err}") from None
+    if derived.parallel.method != spec.parallel.method:
+        raise ValueError(f"deepspeed_config: the file runs {derived.parallel.method}, but method is "
+                         f"{spec.parallel.method!r} (pick method={derived.parallel.method})")
+    return derived
+
+
+def _check_model(spec: RunSpec) -> None:
+    from harness.models import load_model_config, max_positions
+
+    config = load_model_config(spec.model)
+    limit = max_positions(config)
+    if limit is not None and spec.training.seq_len > limit:
+        raise ValueError(f"training.seq_len: {spec.training.seq_len} exceeds {spec.model}'s "
+                         f"{limit} positions")
+    if spec.parallel.method in ("tp", "dp_tp"):
+        from estimator.tp_plans import check_tp
+
+        check_tp(config, spec.parallel.tp)
+
+
+def _check_launch(spec: RunSpec, opts: HarnessOptions, device: DeviceInfo) -> None:
+    world_size = spec.parallel.world_size
+    if opts.backend == "fake" and spec.parallel.zero_stage:
+        raise ValueError(f"backend: the fake-tensor trace runs torch-native methods only, not "
+                         f"{spec.parallel.method!r} (DeepSpeed needs real tensors: use a GPU)")
+    if opts.backend in ("cuda", "cpu") and world_size > 1 and not opts.emulated:
+        nproc = opts.launcher.nproc_per_node or world_size // opts.launcher.nnodes
+        if nproc * opts.launcher.nnodes != world_size:
+            raise ValueError(f"launcher.nproc_per_node: {opts.launcher.nnodes} node(s) x {nproc} != world size "
+                             f"{world_size}")
+        if opts.backend == "cuda" and nproc > device.count:
+            raise ValueError(f"parallel.world_size: {nproc} ranks per node need {nproc} GPUs, {device.count} "
+                             f"visible (emulate.enabled=true measures ranks on one GPU)")
+
+
+# --------------------------------------------------------------------------------------------- running
+
+def should_skip(run_dir: Path, opts: HarnessOptions) -> RunRecord | None:
+    """The finished record when this point must not run again, else None."""
+    data = read_json(run_dir / "result.json")
+    if data is None or opts.force:
+        return None
+    try:
+        record = run_from_dict(data)
+    except (ValueError, TypeError):
+        return None  # unreadable or another schema: measure again
+    if record.status in DONE or (record.status in RETRYABLE and not opts.rerun_errors):
+        return record
+    return None
+
+
+def prepare(point: Point) -> None:
+    """Write the inputs of a run and clear any rank files of an interrupted earlier attempt."""
+    point.run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in point.run_dir.glob("rank*.json"):
+        stale.unlink()
+    write_json(point.run_dir / "spec.json", json.loads(point.spec.to_json()))
+    write_json(point.run_dir / "harness.json", options_to_dict(point.opts))
+    write_json(point.run_dir / "env.json", capture_env())
+
+
+def run_point(spec: RunSpec, opts: HarnessOptions, *, device: DeviceInfo | None = None,
+              extra_files: dict[str, str] | None = None) -> RunRecord:
+    """Measure one point (or skip it, or only prepare it for a dry run); returns its RunRecord."""
+    point = plan_point(spec, opts, device)
+    if not point.opts.allow_dirty and not point.opts.dry_run and git_state()[1]:
+        raise ValueError("allow_dirty: the git tree has uncommitted changes; commit them (measurements record "
+                         "the sha) or pass allow_dirty=true")
+    skipped = should_skip(point.run_dir, point.opts)
+    if skipped is not None:
+        print(f"skip {point.run_id} ({skipped.status}) {point.run_dir}", flush=True)
+        return skipped
+    if point.opts.backend != "fake" and not point.opts.dry_run and str(point.opts.data.online).lower() == "auto":
+        from harness.data import hub_reachable
+
+        point.opts.data.online = "true" if hub_reachable() else "false"  # probed once per process
+    prepare(point)
+    for name, text in (extra_files or {}).items():
+        (point.run_dir / name).write_text(text)
+    if point.opts.dry_run:
+        return RunRecord(spec_id=point.spec.spec_id, run_id=point.run_id, campaign=point.opts.campaign,
+                         gpu_key=point.gpu_key, status="dry_run", world_size=point.spec.parallel.world_size,
+                         variant=point.variant)
+    started, t0 = utc_now(), time.perf_counter()
+    outcome = execute(point)
+    record = finish(point, outcome, started=started, duration_s=time.perf_counter() - t0)
+    print(summary_line(record, point.run_dir), flush=True)
+    return record
+
+
+@dataclass
+class Outcome:
+    returncode: int | None
+    timed_out: bool
+    stderr_tail: str | None
+
+
+def worker_command(point: Point, rank: int | None = None) -> list[str]:
+    worker = ["-m", "harness.worker", "--run-dir", str(point.run_dir)]
+    if rank is not None:
+        worker += ["--rank", str(rank)]
+    launcher = point.opts.launcher
+    if not point.needs_torchrun:
+        return [sys.executable, *worker]
+    nproc = launcher.nproc_per_node or point.spec.parallel.world_size // launcher.nnodes
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    if launcher.command == "torchrun":
+        return [*torchrun, "--standalone", "--nnodes=1", f"--nproc_per_node={nproc}", *launcher.extra_args, *worker]
+    endpoint = launcher.rdzv_endpoint or f"{head_node()}:{launcher.rdzv_port}"
+    return ["srun", f"--nodes={launcher.nnodes}", f"--ntasks={launcher.nnodes}", "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1", *torchrun, f"--nnodes={launcher.nnodes}", f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", f"--rdzv_id={point.run_id}",
+            *launcher.extra_args, *worker]
+
+
+def head_node() -> str:
+    """First host of the Slurm allocation (torchtitan's multinode_trainer.slurm does the same)."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise ValueError("launcher.rdzv_endpoint: not inside a Slurm allocation; set launcher.rdzv_endpoint")
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    return out.stdout.split()[0]
+
+
+def execute(point: Point) -> Outcome:
+    log_path, timeout_s = point.run_dir / "worker.log", point.opts.launcher.timeout_s
+    if point.opts.emulated and point.opts.backend != "fake":
+        # One process per emulated rank, in turn (see harness.worker: fake groups do not survive re-creation).
+        outcomes = [_execute_subprocess(worker_command(point, rank), log_path, timeout_s, append=index > 0)
+                    for index, rank in enumerate(point.expected_ranks)]
+        codes = [o.returncode for o in outcomes if o.returncode]
+        return Outcome(codes[0] if codes else 0, any(o.timed_out for o in outcomes), outcomes[-1].stderr_tail)
+    if point.opts.launcher.isolation == "inprocess" and not point.needs_torchrun:
+        return _execute_inprocess(point)
+    return _execute_subprocess(worker_command(point), log_path, timeout_s)
+
+
+def _execute_inprocess(point: Point) -> Outcome:
+    from harness import worker
+
+    try:
+        return Outcome(worker.run(point.run_dir, point.spec, point.opts), False, None)
+    except Exception as err:  # noqa: BLE001 - a harness bug in one point must not end the sweep
+        return Outcome(1, False, f"{type(err).__name__}: {err}"[-STDERR_TAIL_CHARS:])
+
+
+def _execute_subprocess(command: list[str], log_path: Path, timeout_s: float, *, append: bool = False) -> Outcome:
+    """Run in its own session (so a timeout kills torchrun and every rank), output to the run's log file."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log_path, "a" if append else "w") as log:
+        log.write(f"$ {' '.join(command)}\n")
+        log.flush()
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            returncode, timed_out = proc.wait(timeout=timeout_s), False
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            returncode, timed_out = proc.returncode, True
+        except BaseException:  # Ctrl-C / Slurm's SIGTERM: take the ranks down with us
+            _kill_group(proc)
+            raise
+    return Outcome(returncode, timed_out, _tail(log_path))
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tail(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")[-STDERR_TAIL_CHARS:]
+    except OSError:
+        return ""
+
+
+# --------------------------------------------------------------------------------------------- finishing
+
+def finish(point: Point, outcome: Outcome, *, started: str, duration_s: float) -> RunRecord:
+    """Merge ranks, append the table rows, then write result.json (the 'done' marker) last."""
+    from harness.records import RankRecord
+    from harness.table import rank_rows, table_path, upsert_rows
+
+    ranks: list[RankRecord] = []
+    for rank in point.expected_ranks:
+        data = read_json(point.run_dir / f"rank{rank}.json")
+        if data is not None:
+            ranks.append(rank_from_dict(data))
+    record = merge_ranks(ranks, spec_id=point.spec.spec_id, run_id=point.run_id, campaign=point.opts.campaign,
+                         gpu_key=point.gpu_key, world_size=point.spec.parallel.world_size,
+                         expected_ranks=point.expected_ranks)
+    if outcome.timed_out and record.status != "oom":
+        record.status = "timeout"
+        record.error = f"timed out after {point.opts.launcher.timeout_s} s (launcher.timeout_s)"
+    elif not ranks and outcome.returncode:
+        record.error = f"worker exited with code {outcome.returncode} before writing a rank record"
+    record.returncode = outcome.returncode
+    if record.status != "ok" or outcome.returncode:
+        record.stderr_tail = outcome.stderr_tail
+    record.variant = point.variant
+    record.started_at, record.finished_at, record.duration_s = started, utc_now(), round(duration_s, 3)
+    env = read_json(point.run_dir / "env.json") or {}
+    options = options_to_dict(point.opts)
+    path = table_path(Path(point.opts.paths.measurements_dir).expanduser(), point.gpu_key, point.opts.campaign)
+    upsert_rows(path, rank_rows(point.spec, record, ranks, env, options))
+    update_meta(path.with_suffix(".meta.json"), env, point.opts.campaign)
+    write_json(point.run_dir / "result.json", to_dict(record))
+    return record
+
+
+def update_meta(path: Path, env: dict[str, Any], campaign: str) -> None:
+    """``<campaign>.meta.json`` beside the table: provenance of every run appended to it."""
+    with locked(path):
+        meta = read_json(path) or {"campaign": campaign, "git_shas": [], "hosts": [], "versions": {},
+                                   "first_run_at": env.get("captured_at")}
+        for key, value in (("git_shas", env.get("git_sha")), ("hosts", env.get("hostname"))):
+            if value and value not in meta[key]:
+                meta[key].append(value)
+        for package, version in (env.get("versions") or {}).items():
+            seen = meta["versions"].setdefault(package, [])
+            if version and version not in seen:
+                seen.append(version)
+        meta["dirty_runs"] = meta.get("dirty_runs", 0) + (1 if env.get("git_dirty") else 0)
+        meta["last_run_at"] = env.get("captured_at")
+        write_json(path, meta)
+
+
+def summary_line(record: RunRecord, run_dir: Path) -> str:
+    peak = record.peak_allocated_bytes
+    peak_text = f"{peak / 1024**3:.2f} GiB" if peak is not None else "n/a"
+    rate = f" {record.tokens_per_s:.0f} tok/s" if record.tokens_per_s else ""
+    error = f" ({record.error[:160]})" if record.error and record.status != "ok" else ""
+    return f"{record.status:7s} {record.run_id} peak_allocated={peak_text}{rate} {run_dir}{error}"

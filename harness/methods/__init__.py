@@ -1,0 +1,42 @@
+"""Method registry: ``spec.parallel.method`` -> a function ``wrap(ctx) -> Trainer`` that builds the model on the
+rank's device, wraps it and builds the optimizer. One module per family; the torch-native ones delegate to
+``harness.fake.wrap`` so the GPU harness and the CPU fake-tensor oracle run the same program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from harness.methods.base import TorchTrainer, WrapContext
+
+
+def _lazy(module: str, attr: str = "wrap") -> Callable[[WrapContext], Any]:
+    # Import on use: DeepSpeed costs ~2 s to import and is not needed by the torch-native methods.
+    def wrap(ctx: WrapContext) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(f"harness.methods.{module}"), attr)(ctx)
+    wrap.__name__ = f"{module}.{attr}"
+    return wrap
+
+
+WRAPPERS: dict[str, Callable[[WrapContext], Any]] = {
+    "single": _lazy("single"),
+    "ddp": _lazy("ddp"),
+    "fsdp": _lazy("fsdp"),
+    "tp": _lazy("tp"),
+    "dp_tp": _lazy("tp", "wrap_dp_tp"),
+    "zero1": _lazy("deepspeed"),
+    "zero2": _lazy("deepspeed"),
+    "zero3": _lazy("deepspeed"),
+    "zero_offload": _lazy("deepspeed"),
+}
+
+
+def wrap(ctx: WrapContext) -> Any:
+    """The Trainer (forward / backward / step / micro_batch / close) for the spec's method."""
+    return WRAPPERS[ctx.spec.parallel.method](ctx)
+
+
+__all__ = ["WRAPPERS", "TorchTrainer", "WrapContext", "wrap"]

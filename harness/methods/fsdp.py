@@ -1,0 +1,34 @@
+"""``fsdp``: FSDP2 (``fully_shard``), through ``harness.fake.wrap`` (the contract shared with the CPU oracle).
+
+What the estimator needs to know, exactly:
+
+* Sharding: ``fully_shard(layer, mesh=mesh, mp_policy=mp)`` on every decoder layer in order (the layer list of
+  ``harness.tp.decoder_layers``), then ``fully_shard(model, ...)`` on the root; embeddings, final norm and
+  lm_head belong to the root group. FSDP2 defaults otherwise: ``reshard_after_forward=True`` (the root keeps
+  its parameters unsharded between forward and backward), no CPU offload.
+* Precision: ``fp32`` / ``bf16`` build the model in that dtype, no policy. ``amp_*``: fp32 model, forward under
+  ``torch.autocast``. ``mixed_bf16`` / ``mixed_fp16``: the model is built in **fp32** and the fp32 shards are
+  the master weights; ``MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)`` all-gathers 16-bit
+  copies for forward/backward, upcasts the 16-bit unsharded grads to fp32 for the reduce-scatter and leaves
+  fp32 sharded grads. AdamW (torch, foreach) steps the fp32 shards directly: no MasterWeightOptimizer, no
+  autocast, no GradScaler.
+* The optimizer is built after sharding, on the sharded DTensor parameters.
+* The model is built full-size on the device first, then sharded (setup peak = full model; not in the step
+  peaks, which are reset per phase).
+"""
+
+from __future__ import annotations
+
+from estimator.profiler.build import build_optimizer
+from harness.fake.wrap import build_training, make_mesh, wrap_model
+from harness.methods.base import TorchTrainer, WrapContext, build_on_device
+
+
+def wrap(ctx: WrapContext) -> TorchTrainer:
+    built = build_training(ctx.spec)  # fp32 weights for mixed_* (the shards are the masters)
+    mesh = make_mesh(ctx.spec, ctx.device.type)
+    model = build_on_device(ctx, built)
+    model = wrap_model(model, ctx.spec, mesh, ctx.config, fake=ctx.fake_pg, device=ctx.device)
+    optimizer = build_optimizer(model.parameters(), built)
+    # Forward uses the spec's precision: autocast only for amp_* (mixed_* casts through the FSDP policy).
+    return TorchTrainer(model, optimizer, ctx.spec.training, ctx.device)

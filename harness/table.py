@@ -1,0 +1,137 @@
+"""The tidy measurement table: one row per run x rank, units in column names, one CSV per campaign under
+``data/measurements/<gpu-key>/<campaign>.csv``. The column meanings are in ``data/README.md``.
+
+Spec columns are the RunSpec fields flattened: ``training.*`` and ``parallel.*`` fields keep their names,
+``parallel.zero.X`` becomes ``zero_X``, ``schema_version`` becomes ``spec_schema_version``.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+from pathlib import Path
+from typing import Any
+
+from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
+from harness.files import atomic_write_text, locked
+from harness.records import RankRecord, RunRecord
+
+ID_COLUMNS = ["run_id", "spec_id", "campaign", "gpu_key", "rank", "world_size", "run_status", "rank_status",
+              "emulated", "measured_by", "memory_source"]
+SPEC_COLUMNS = (["model", "gpu", "spec_schema_version", "method", "tp", "dp", "zero_stage"]
+                + [f.name for f in dataclasses.fields(TrainingSpec)]
+                + [f"zero_{f.name}" for f in dataclasses.fields(ZeroSpec)])
+MEASURE_COLUMNS = ["peak_allocated_bytes", "peak_reserved_bytes", "peak_active_bytes", "peak_requested_bytes",
+                   "peak_device_bytes", "peak_forward_allocated_bytes", "peak_backward_allocated_bytes",
+                   "peak_optimizer_allocated_bytes", "setup_allocated_bytes", "cuda_context_bytes",
+                   "cuda_context_after_warmup_bytes", "num_alloc_retries", "num_ooms", "device_total_bytes",
+                   "memory_cap_bytes", "host_peak_rss_bytes", "step_time_s", "tokens_per_s", "num_steps",
+                   "seq_len_max", "effective_attn", "oom_step", "oom_phase"]
+RUN_COLUMNS = ["padding", "data_keep", "data_source", "tokenizer", "warmup_steps", "measured_steps",
+               "finished_at", "error"]
+ENV_COLUMNS = ["gpu_name", "compute_capability", "driver_version", "cuda_version", "torch_version",
+               "transformers_version", "deepspeed_version", "alloc_conf", "git_sha", "git_dirty", "hostname"]
+COLUMNS = ID_COLUMNS + SPEC_COLUMNS + MEASURE_COLUMNS + RUN_COLUMNS + ENV_COLUMNS
+
+
+def spec_columns(spec: RunSpec) -> dict[str, Any]:
+    row: dict[str, Any] = {"model": spec.model, "gpu": spec.gpu, "spec_schema_version": spec.schema_version,
+                           "method": spec.parallel.method, "tp": spec.parallel.tp, "dp": spec.parallel.dp,
+                           "zero_stage": spec.parallel.zero_stage}
+    row.update(dataclasses.asdict(spec.training))
+    row.update({f"zero_{k}": v for k, v in dataclasses.asdict(spec.parallel.zero).items()})
+    return row
+
+
+def spec_from_columns(row: dict[str, Any]) -> RunSpec:
+    """Inverse of spec_columns for rows read back as strings (what csv.DictReader gives)."""
+    def typed(cls: type, prefix: str) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(cls):
+            default = getattr(cls(), f.name)
+            out[f.name] = _parse(row[prefix + f.name], default)
+        return out
+    zero = ZeroSpec(**typed(ZeroSpec, "zero_"))
+    parallel = ParallelSpec(method=row["method"], world_size=int(row["world_size"]), tp=int(row["tp"]), zero=zero)
+    return RunSpec(model=row["model"], gpu=row["gpu"], parallel=parallel,
+                   training=TrainingSpec(**typed(TrainingSpec, "")))
+
+
+def _parse(text: Any, default: Any) -> Any:
+    if not isinstance(text, str):
+        return text
+    if text == "":
+        return None
+    if isinstance(default, bool) or text in ("True", "False"):
+        return text == "True"
+    if isinstance(default, int):
+        return int(text)
+    if isinstance(default, float):
+        return float(text)
+    return text
+
+
+def rank_rows(spec: RunSpec, run: RunRecord, ranks: list[RankRecord], env: dict[str, Any],
+              options: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows of one run. A run with no rank file (crash before any rank wrote) still gets one row (rank -1)
+    so a failed point is visible in the table."""
+    data_opts = options.get("data", {})
+    steps_opts = options.get("steps", {})
+    base = {"run_id": run.run_id, "spec_id": run.spec_id, "campaign": run.campaign, "gpu_key": run.gpu_key,
+            "world_size": spec.parallel.world_size, "run_status": run.status, **spec_columns(spec),
+            "padding": data_opts.get("padding"), "data_keep": data_opts.get("keep"),
+            "warmup_steps": steps_opts.get("warmup"), "measured_steps": steps_opts.get("measured"),
+            "finished_at": run.finished_at, **{k: env.get(k) for k in ENV_COLUMNS}}
+    if not ranks:
+        return [{**base, "rank": -1, "rank_status": run.status, "emulated": run.emulated,
+                 "measured_by": run.measured_by, "memory_source": run.memory_source, "error": run.error}]
+    rows = []
+    for record in sorted(ranks, key=lambda r: r.rank):
+        row = dict(base)
+        row.update({"rank": record.rank, "rank_status": record.status, "emulated": record.emulated,
+                    "measured_by": record.measured_by, "memory_source": record.memory_source,
+                    "num_steps": len(record.steps),
+                    "seq_len_max": max((s.seq_len_max for s in record.steps), default=None),
+                    "data_source": record.data.get("source"), "tokenizer": record.data.get("tokenizer"),
+                    "error": record.error})
+        row.update({k: getattr(record, k) for k in MEASURE_COLUMNS if hasattr(record, k)})
+        rows.append(row)
+    return rows
+
+
+def table_path(measurements_dir: Path | str, gpu_key: str, campaign: str) -> Path:
+    return Path(measurements_dir) / gpu_key / f"{campaign}.csv"
+
+
+def upsert_rows(path: Path | str, rows: list[dict[str, Any]]) -> None:
+    """Replace this run's rows (by run_id) and rewrite the file atomically under a lock: re-running a point
+    never duplicates it, and a kill mid-write leaves the previous file intact."""
+    path = Path(path)
+    run_ids = {row["run_id"] for row in rows}
+    with locked(path):
+        existing, columns = _read(path)
+        kept = [row for row in existing if row.get("run_id") not in run_ids]
+        columns = columns + [c for c in COLUMNS if c not in columns]  # older files gain new columns at the end
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+        writer.writeheader()
+        for row in kept + rows:
+            writer.writerow({k: _cell(row.get(k)) for k in columns})
+        atomic_write_text(path, buffer.getvalue())
+
+
+def read_rows(path: Path | str) -> list[dict[str, str]]:
+    return _read(Path(path))[0]
+
+
+def _read(path: Path) -> tuple[list[dict[str, str]], list[str]]:
+    if not path.exists():
+        return [], []
+    with open(path, newline="") as handle:
+        reader = csv.DictReader(handle)
+        return list(reader), list(reader.fieldnames or [])
+
+
+def _cell(value: Any) -> Any:
+    return "" if value is None else value
