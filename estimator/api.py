@@ -12,7 +12,7 @@ from estimator.arch import ModelArch, resolve_arch
 from estimator.gpus import get_gpu
 from estimator.model_params import expand_params, param_counts
 from estimator.profiles import get_profile
-from estimator.spec import RunSpec, TrainingSpec
+from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 from estimator.timeline import Replay, poly, replay
 
 GIB = 1024**3
@@ -148,7 +148,9 @@ def _step_model(spec: RunSpec, table, profile: dict) -> methods.StepModel:
     if method == "ddp":
         return methods.ddp(spec, table)
     if method in ("fsdp", "dp_tp"):
-        sharded = spec if method == "fsdp" else spec.replace(**{"parallel.world_size": spec.parallel.dp})
+        # dp_tp: FSDP2 over the dp axis of a TP-local model.
+        sharded = spec if method == "fsdp" else spec.replace(parallel=ParallelSpec(method="fsdp",
+                                                                                   world_size=spec.parallel.dp))
         return methods.fsdp(sharded, table, profile["params"]["layer_prefix"])
     return methods.zero(spec, table)
 
