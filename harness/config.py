@@ -11,7 +11,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
 
@@ -23,7 +24,6 @@ from harness.options import (
     HarnessOptions,
     LauncherOptions,
     MemoryOptions,
-    ModelOptions,
     PathsOptions,
     StepsOptions,
     validate_options,
@@ -52,11 +52,20 @@ TrainingConf = _mirror(TrainingSpec, "TrainingConf")
 
 
 @dataclass
+class ModelConf:
+    """ModelOptions with a required name: every conf/model file sets it (``custom`` leaves it ``???``)."""
+
+    name: str = MISSING
+    tokenizer: str | None = None
+    pretrained: bool = False
+
+
+@dataclass
 class MeasureConf:
     """Schema of ``conf/measure.yaml``. ``model`` is a node (the config group's choice) whose ``name`` is
     RunSpec.model; ``gpu: auto`` means the key of the device the run lands on."""
 
-    model: ModelOptions = field(default_factory=ModelOptions)
+    model: ModelConf = field(default_factory=ModelConf)
     parallel: ParallelConf = field(default_factory=ParallelConf)  # type: ignore[valid-type]
     training: TrainingConf = field(default_factory=TrainingConf)  # type: ignore[valid-type]
     gpu: str = "auto"
@@ -104,20 +113,34 @@ def _prefixed(prefix: str, build):
     try:
         return build()
     except ValueError as err:
-        message = str(err)
-        raise ValueError(message if message.startswith(prefix) else f"{prefix}{message}") from None
+        raise ValueError(_with_prefix(prefix, str(err))) from None
     except TypeError as err:  # a wrong type that slipped past the schema (e.g. a list for an int)
         raise ValueError(f"{prefix.rstrip('.') or 'config'}: {err}") from None
+
+
+def _with_prefix(prefix: str, message: str) -> str:
+    """``parallel.zero.`` + ``zero.x: ...`` -> ``parallel.zero.x: ...`` (spec messages may carry part of the path)."""
+    parts = prefix.rstrip(".").split(".") if prefix else []
+    for start in range(len(parts)):
+        if message.startswith(".".join(parts[start:]) + "."):
+            return ".".join(parts[:start]) + "." + message if start else message
+    return prefix + message
 
 
 def to_run(cfg: DictConfig | dict[str, Any], *, gpu_key: str | None = None) -> tuple[RunSpec, HarnessOptions]:
     """The composed config as (RunSpec, HarnessOptions). Raises ValueError naming the dotted key."""
     if isinstance(cfg, DictConfig):  # the hydra node needs a running app to resolve; it is not ours anyway
         cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
-        data = OmegaConf.to_container(cfg, resolve=True)
+        try:
+            data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        except OmegaConfBaseException as err:  # a ??? left unset, a broken interpolation
+            key = getattr(err, "full_key", None) or "config"
+            raise ValueError(f"{key}: {str(err).splitlines()[0]}") from None
     else:
         data = {k: v for k, v in cfg.items() if k != "hydra"}
     opts = validate_options(_options(data))
+    if opts.model.name in (None, "???", ""):
+        raise ValueError("model.name: required (model=custom model.name=<config.json path, catalogue name or hub id>)")
     parallel = dict(data.get("parallel") or {})
     zero = _prefixed("parallel.zero.", lambda: ZeroSpec(**(parallel.pop("zero", None) or {})))
     if opts.emulate.world_size is not None:

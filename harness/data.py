@@ -94,16 +94,17 @@ def read_records_file(path: str | Path) -> list[dict[str, Any]]:
 
 @functools.lru_cache(maxsize=1)
 def hub_reachable(timeout_s: float = 3.0) -> bool:
-    """One HEAD request to the hub (honours proxies), once per process; False offline or with HF_HUB_OFFLINE."""
+    """One HEAD request to the hub (urllib honours HTTPS_PROXY), once per process; False offline or with
+    HF_HUB_OFFLINE set."""
     import os
+    import urllib.request
 
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
         return False
+    request = urllib.request.Request(os.environ.get("HF_ENDPOINT", "https://huggingface.co"), method="HEAD")
     try:
-        import requests
-
-        requests.head(os.environ.get("HF_ENDPOINT", "https://huggingface.co"), timeout=timeout_s)
-        return True
+        with urllib.request.urlopen(request, timeout=timeout_s):
+            return True
     except Exception:  # noqa: BLE001 - any failure means offline here
         return False
 

@@ -1,7 +1,6 @@
 """Where a run happened: GPU key, device, library versions, allocator config, git state (``env.json``).
 
-``normalize_gpu_name`` is a stand-in for ``estimator.gpus.normalize_gpu_name`` (owned by the estimator); when
-that module exists it is used instead, so both sides key GPUs the same way.
+GPU keys come from ``estimator.gpus.normalize_gpu_name`` (one table for the harness and the estimator).
 
 The launcher (the Hydra process) must not create a CUDA context on a GPU the workers measure, so it reads the
 device through NVML only (``detect_device``); the full capture with torch happens in the worker.
@@ -23,47 +22,37 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3
-# Marketed memory sizes (GB) per family; the key takes the one nearest the device's total memory in GiB.
-_FAMILIES = (  # most specific first (l40s before l40, a100 before a10, h200 before h20)
-    ("h200", r"\bh200\b", (141,)),
-    ("h100", r"\bh100\b", (80, 94, 96)),
-    ("a100", r"\ba100\b", (40, 80)),
-    ("v100", r"\bv100", (16, 32)),
-    ("l40s", r"\bl40s\b", (48,)),
-    ("l40", r"\bl40\b", (48,)),
-    ("a10", r"\ba10\b", (24,)),
-    ("l4", r"\bl4\b", (24,)),
-    ("rtx4090", r"\brtx\s*4090\b", (24,)),
-    ("t4", r"\bt4\b", (16,)),
-)
+# Marketed memory sizes (GB); an unknown board's key takes the one nearest its total memory in GiB.
 _GENERIC_SIZES = (8, 10, 11, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 141, 192, 288)
 VERSIONED_PACKAGES = ("torch", "transformers", "deepspeed", "peft", "tokenizers", "datasets", "hydra-core",
                       "accelerate", "nvidia-ml-py", "bitsandbytes", "flash-attn")
 
 
-def _nearest(value: float, sizes: tuple[int, ...]) -> int:
-    return min(sizes, key=lambda size: abs(size - value))
-
-
-def _local_normalize(name: str, total_memory_bytes: int) -> str:
-    lowered = name.lower().replace("-", " ")
-    total_gib = total_memory_bytes / GIB
-    for key, pattern, sizes in _FAMILIES:
-        if re.search(pattern, lowered):
-            return f"{key}-{_nearest(total_gib, sizes)}gb"
-    words = [w for w in re.split(r"[^a-z0-9]+", lowered) if w and w not in ("nvidia", "geforce", "tesla", "gpu")]
-    return f"{''.join(words[:2]) or 'gpu'}-{_nearest(total_gib, _GENERIC_SIZES)}gb"
-
-
 def normalize_gpu_name(name: str, total_memory_bytes: int) -> str:
-    """Our GPU key (``h100-80gb``) for a device name and its total memory; ``cpu`` for the CPU."""
+    """The GPU key of a device: ``estimator.gpus.normalize_gpu_name`` (the catalogue keys, ``h100-80gb`` ...);
+    ``cpu`` for the CPU. A board the catalogue does not know (the estimator says ``generic``) gets a key of its
+    own, ``<model>-<GB>gb`` (``rtxa6000-48gb``), so measurements of different unknown GPUs never share a table."""
     if name.strip().lower() == "cpu":
         return "cpu"
-    try:
-        from estimator.gpus import normalize_gpu_name as estimator_normalize  # the shared one, once it exists
-    except ImportError:
-        return _local_normalize(name, total_memory_bytes)
-    return estimator_normalize(name, total_memory_bytes)
+    from estimator.gpus import GENERIC
+    from estimator.gpus import normalize_gpu_name as catalogue_key
+
+    key = catalogue_key(name, total_memory_bytes)
+    return key if key != GENERIC else generic_gpu_key(name, total_memory_bytes)
+
+
+def catalogue_gpu_key(name: str, total_memory_bytes: int) -> str:
+    """What RunSpec.gpu says for this device: the estimator's key (``generic`` for an unknown board)."""
+    from estimator.gpus import normalize_gpu_name as catalogue_key
+
+    return "cpu" if name.strip().lower() == "cpu" else catalogue_key(name, total_memory_bytes)
+
+
+def generic_gpu_key(name: str, total_memory_bytes: int) -> str:
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower())
+             if w and w not in ("nvidia", "geforce", "tesla", "gpu", "generation")]
+    size = min(_GENERIC_SIZES, key=lambda gb: abs(gb - total_memory_bytes / GIB))
+    return f"{''.join(words[:2]) or 'gpu'}-{size}gb"
 
 
 # --------------------------------------------------------------------------------------------- device
@@ -78,7 +67,13 @@ class DeviceInfo:
 
     @property
     def gpu_key(self) -> str:
+        """Directory / table key (unknown boards get their own)."""
         return "cpu" if self.kind == "cpu" else normalize_gpu_name(self.name, self.total_memory_bytes or 0)
+
+    @property
+    def spec_gpu(self) -> str:
+        """RunSpec.gpu (the estimator's key; ``generic`` for a board it does not know)."""
+        return "cpu" if self.kind == "cpu" else catalogue_gpu_key(self.name, self.total_memory_bytes or 0)
 
 
 CPU_DEVICE = DeviceInfo(kind="cpu", name="cpu", total_memory_bytes=None, count=0)
@@ -125,6 +120,7 @@ def _visible_nvml_handles(pynvml) -> list[Any]:
 
 # --------------------------------------------------------------------------------------------- env.json
 
+@functools.lru_cache(maxsize=1)
 def package_versions() -> dict[str, str | None]:
     versions: dict[str, str | None] = {}
     for name in VERSIONED_PACKAGES:
@@ -151,7 +147,7 @@ def git_state() -> tuple[str | None, bool | None]:
 def capture_env(device: DeviceInfo | None = None, torch_device: Any = None) -> dict[str, Any]:
     """Provenance for env.json. With ``torch_device`` (in a worker) the CUDA facts come from torch."""
     device = device or detect_device()
-    versions = package_versions()
+    versions = dict(package_versions())
     sha, dirty = git_state()
     env: dict[str, Any] = {
         "hostname": socket.gethostname(), "python_version": platform.python_version(),
@@ -170,6 +166,15 @@ def capture_env(device: DeviceInfo | None = None, torch_device: Any = None) -> d
     if torch_device is not None:
         env.update(_torch_facts(torch_device))
     return env
+
+
+def enrich_env_file(path: Path, torch_device: Any) -> None:
+    """Add what only a process on the device knows (compute capability, CUDA, NCCL) to env.json."""
+    from harness.files import read_json, write_json
+
+    env = read_json(path) or {}
+    env.update(_torch_facts(torch_device))
+    write_json(path, env)
 
 
 def _torch_facts(torch_device: Any) -> dict[str, Any]:

@@ -102,31 +102,52 @@ def run_id_of(spec_id: str, variant: dict[str, Any]) -> str:
 
 
 def plan_point(spec: RunSpec, opts: HarnessOptions, device: DeviceInfo | None = None, *,
-               check_data: bool = True) -> Point:
-    """Resolve and check a point (cheap: standard library, no torch). Raises ValueError naming the key."""
+               check_data: bool = True, check_device: bool = True) -> Point:
+    """Resolve and check a point (cheap: standard library, no torch). Raises ValueError naming the key.
+
+    ``check_device=False`` (dry runs): the local device does not have to be able to run the point. With a
+    Slurm launcher the point runs elsewhere: ``backend=auto`` means the GPU the job will land on."""
     device = device or detect_device()
     opts = copy.deepcopy(opts)  # resolved fields are written into it; the caller's stays as composed
-    opts.backend = resolve_backend(opts.backend, device)
+    remote = opts.launcher.name.startswith("slurm")  # submitit jobs land on other (GPU) nodes
+    if opts.backend == "auto":
+        opts.backend = "cuda" if device.kind == "cuda" or remote else "cpu"
+    elif check_device and not remote:
+        opts.backend = resolve_backend(opts.backend, device)
+    gpu_key = gpu_key_of(opts.backend, device, spec.gpu)
     if spec.gpu == "auto":
-        spec = spec.replace(gpu=device.gpu_key)
+        # The estimator's key of the device (what --from-run predicts for); cpu for CPU runs and CPU traces.
+        spec = spec.replace(gpu=device.spec_gpu if device.kind == "cuda" and opts.backend != "cpu" else
+                            gpu_key if opts.backend == "cuda" else "cpu")
     spec = _apply_deepspeed_config(spec, opts)
     _check_model(spec)
     world_size = spec.parallel.world_size
-    ranks = resolve_ranks(opts.emulate.ranks, world_size) if (opts.emulated or opts.backend == "fake") \
-        and world_size > 1 else list(range(world_size))
-    if opts.backend == "fake" and world_size == 1:
-        ranks = [0]
-    _check_launch(spec, opts, device)
+    if opts.emulated or (opts.backend == "fake" and world_size > 1):
+        ranks = resolve_ranks(opts.emulate.ranks, world_size)
+    else:
+        ranks = [0] if opts.backend == "fake" else list(range(world_size))
+    _check_launch(spec, opts, device if check_device and not remote else None)
     if check_data and opts.data.source == "file":
         from harness.data import read_records_file
 
         read_records_file(opts.data.path)  # fail now, not in every rank
-    gpu_key = "fake" if opts.backend == "fake" else ("cpu" if opts.backend == "cpu" else device.gpu_key)
     variant = variant_of(opts, ranks)
     run_id = run_id_of(spec.spec_id, variant)
     run_dir = Path(opts.paths.results_dir).expanduser() / opts.campaign / gpu_key / run_id
     return Point(spec=spec, opts=opts, gpu_key=gpu_key, run_id=run_id, run_dir=run_dir, variant=variant,
                  expected_ranks=ranks)
+
+
+def gpu_key_of(backend: str, device: DeviceInfo, configured: str) -> str:
+    """The directory / table key: the device's GPU key, ``cpu``, ``fake`` (fake-tensor traces), or for a GPU
+    point planned where no GPU is (a dry run on a login node) the configured ``gpu`` else ``unknown-gpu``."""
+    if backend == "fake":
+        return "fake"
+    if backend == "cpu":
+        return "cpu"
+    if device.kind == "cuda":
+        return device.gpu_key
+    return configured if configured != "auto" else "unknown-gpu"
 
 
 def _apply_deepspeed_config(spec: RunSpec, opts: HarnessOptions) -> RunSpec:
@@ -153,6 +174,9 @@ def _apply_deepspeed_config(spec: RunSpec, opts: HarnessOptions) -> RunSpec:
 def _check_model(spec: RunSpec) -> None:
     from harness.models import load_model_config, max_positions
 
+    if spec.training.qlora:  # measuring plain LoRA under a qlora=true spec would be silently wrong data
+        raise ValueError("training.qlora: not measurable yet: estimator.profiler.build.build_model does not "
+                         "quantize the base weights")
     config = load_model_config(spec.model)
     limit = max_positions(config)
     if limit is not None and spec.training.seq_len > limit:
@@ -164,7 +188,7 @@ def _check_model(spec: RunSpec) -> None:
         check_tp(config, spec.parallel.tp)
 
 
-def _check_launch(spec: RunSpec, opts: HarnessOptions, device: DeviceInfo) -> None:
+def _check_launch(spec: RunSpec, opts: HarnessOptions, device: DeviceInfo | None) -> None:
     world_size = spec.parallel.world_size
     if opts.backend == "fake" and spec.parallel.zero_stage:
         raise ValueError(f"backend: the fake-tensor trace runs torch-native methods only, not "
@@ -174,7 +198,7 @@ def _check_launch(spec: RunSpec, opts: HarnessOptions, device: DeviceInfo) -> No
         if nproc * opts.launcher.nnodes != world_size:
             raise ValueError(f"launcher.nproc_per_node: {opts.launcher.nnodes} node(s) x {nproc} != world size "
                              f"{world_size}")
-        if opts.backend == "cuda" and nproc > device.count:
+        if device is not None and opts.backend == "cuda" and nproc > device.count:
             raise ValueError(f"parallel.world_size: {nproc} ranks per node need {nproc} GPUs, {device.count} "
                              f"visible (emulate.enabled=true measures ranks on one GPU)")
 
@@ -208,7 +232,7 @@ def prepare(point: Point) -> None:
 def run_point(spec: RunSpec, opts: HarnessOptions, *, device: DeviceInfo | None = None,
               extra_files: dict[str, str] | None = None) -> RunRecord:
     """Measure one point (or skip it, or only prepare it for a dry run); returns its RunRecord."""
-    point = plan_point(spec, opts, device)
+    point = plan_point(spec, opts, device, check_device=not opts.dry_run)
     if not point.opts.allow_dirty and not point.opts.dry_run and git_state()[1]:
         raise ValueError("allow_dirty: the git tree has uncommitted changes; commit them (measurements record "
                          "the sha) or pass allow_dirty=true")
@@ -224,6 +248,7 @@ def run_point(spec: RunSpec, opts: HarnessOptions, *, device: DeviceInfo | None 
     for name, text in (extra_files or {}).items():
         (point.run_dir / name).write_text(text)
     if point.opts.dry_run:
+        print(f"dry run {point.run_id} {point.run_dir}", flush=True)
         return RunRecord(spec_id=point.spec.spec_id, run_id=point.run_id, campaign=point.opts.campaign,
                          gpu_key=point.gpu_key, status="dry_run", world_size=point.spec.parallel.world_size,
                          variant=point.variant)
@@ -381,7 +406,7 @@ def update_meta(path: Path, env: dict[str, Any], campaign: str) -> None:
 
 def summary_line(record: RunRecord, run_dir: Path) -> str:
     peak = record.peak_allocated_bytes
-    peak_text = f"{peak / 1024**3:.2f} GiB" if peak is not None else "n/a"
+    peak_text = "n/a" if peak is None else f"{peak / 1024**3:.2f} GiB" if peak >= 1024**3 else f"{peak / 1024**2:.1f} MiB"
     rate = f" {record.tokens_per_s:.0f} tok/s" if record.tokens_per_s else ""
     error = f" ({record.error[:160]})" if record.error and record.status != "ok" else ""
     return f"{record.status:7s} {record.run_id} peak_allocated={peak_text}{rate} {run_dir}{error}"

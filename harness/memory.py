@@ -133,7 +133,6 @@ class MemoryProbe:
         self._sampler: _Sampler | None = None
         if self.enabled:
             self._nvml_handle = _nvml_handle(self.device)
-            self.device_source = "nvml_process" if self._process_used_nvml() is not None else "mem_get_info"
             if sample_interval_s > 0:
                 self._sampler = _Sampler(self.device_used_bytes, sample_interval_s)
 
@@ -141,10 +140,12 @@ class MemoryProbe:
     def device_used_bytes(self) -> int | None:
         if not self.enabled:
             return None
-        used = self._process_used_nvml()
+        used = self._process_used_nvml()  # None before this process has a context, or when NVML cannot see it
         if used is not None:
+            self.device_source = "nvml_process"
             return used
         free, total = self.torch.cuda.mem_get_info(self.device)
+        self.device_source = self.device_source or "mem_get_info"
         return int(total - free)
 
     def _process_used_nvml(self) -> int | None:

@@ -20,8 +20,9 @@ def resolve_model_path(model: str) -> str:
     return model
 
 
-def load_model_config(model: str, *, allow_hub: bool = False) -> dict[str, Any]:
-    """The HF config dict; raises ValueError("model: ...") with the estimator's wording when unknown."""
+def load_model_config(model: str, *, allow_hub: bool = True) -> dict[str, Any]:
+    """The HF config dict; raises ValueError("model: ...") with the estimator's wording when unknown. Hub ids
+    outside the catalogue are fetched when the hub is reachable (the harness may download; the estimator not)."""
     return load_config(resolve_model_path(model), allow_hub=allow_hub)
 
 

@@ -67,9 +67,12 @@ class JobComposer:
         return cfg
 
     def _is_plain(self, override) -> bool:
-        head = override.key_or_group.split(".")[0].split("/")[0]
+        """A value override (``training.seq_len=1024``), not a group choice (``training=paper``,
+        ``hydra/launcher=...``), an addition/deletion or a hydra setting."""
+        key = override.key_or_group
         return (override.package is None and not override.is_add() and not override.is_delete()
-                and not override.is_force_add() and head not in self.groups)
+                and not override.is_force_add() and key not in self.groups and "/" not in key
+                and not key.startswith("hydra."))
 
 
 def validate_jobs(config: DictConfig, jobs: list[list[str]]) -> str | None:
@@ -83,7 +86,7 @@ def validate_jobs(config: DictConfig, jobs: list[list[str]]) -> str | None:
     for job in jobs:
         try:
             spec, opts = to_run(composer.compose(job))
-            plan_point(spec, opts, device, check_data=False)
+            plan_point(spec, opts, device, check_data=False, check_device=not opts.dry_run)
         except ValueError as err:
             return f"{err}  [point: {' '.join(job)}]"
     return None
@@ -95,6 +98,10 @@ class SweepCallback(Callback):
         self.started = 0.0
         self.total = 0
 
+    def __getstate__(self) -> dict[str, Any]:
+        # submitit pickles Hydra's context, callbacks included, into every job: the bar stays here.
+        return {**self.__dict__, "bar": None}
+
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.started = time.perf_counter()
         jobs = expand_sweep(config)
@@ -103,6 +110,8 @@ class SweepCallback(Callback):
         if problem is not None:
             print(f"error: {problem}", file=sys.stderr)
             sys.exit(EXIT_USAGE)
+        if not str(OmegaConf.select(config, "hydra.launcher._target_") or "").endswith("BasicLauncher"):
+            return  # jobs end in other processes (submitit): only the summary line is meaningful here
         try:
             from tqdm import tqdm
 

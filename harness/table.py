@@ -27,7 +27,7 @@ MEASURE_COLUMNS = ["peak_allocated_bytes", "peak_reserved_bytes", "peak_active_b
                    "peak_optimizer_allocated_bytes", "setup_allocated_bytes", "cuda_context_bytes",
                    "cuda_context_after_warmup_bytes", "num_alloc_retries", "num_ooms", "device_total_bytes",
                    "memory_cap_bytes", "host_peak_rss_bytes", "step_time_s", "tokens_per_s", "num_steps",
-                   "seq_len_max", "effective_attn", "oom_step", "oom_phase"]
+                   "seq_len_max", "effective_attn", "oom_step", "oom_phase", "oom_request_bytes"]
 RUN_COLUMNS = ["padding", "data_keep", "data_source", "tokenizer", "warmup_steps", "measured_steps",
                "finished_at", "error"]
 ENV_COLUMNS = ["gpu_name", "compute_capability", "driver_version", "cuda_version", "torch_version",

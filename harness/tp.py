@@ -129,7 +129,7 @@ def codegen_permutation(num_heads: int, head_dim: int, tp: int) -> tuple[list[in
     return rows, cols
 
 
-def _codegen_permute(layer: nn.Module, config: dict[str, Any], tp: int) -> None:
+def _codegen_permute(layer: nn.Module, tp: int) -> None:
     attn = layer.attn
     heads = attn.num_attention_heads
     rows, cols = codegen_permutation(heads, attn.head_dim, tp)
@@ -172,14 +172,13 @@ def apply_tp(model: nn.Module, mesh, arch_config: Any) -> nn.Module:
     tp = mesh.size()
     tp_plans.check_tp(arch_config, tp)
     model_type = _model_type(arch_config)
-    config = arch_config if isinstance(arch_config, dict) else arch_config.config
     if tp == 1:
         return model
     rank = mesh.get_local_rank()
     specials = tp_plans.tp_specials(model_type)
     for layer in decoder_layers(model, model_type):
         if "codegen_mp4" in specials:
-            _codegen_permute(layer, config, tp)
+            _codegen_permute(layer, tp)
         parallelize_module(layer, mesh, _layer_plan(layer, model_type))
         for attr in tp_plans.tp_attr_patches(model_type):
             value = _get(layer, attr)

@@ -70,7 +70,7 @@ def run(run_dir: Path, spec, opts, *, rank: int | None = None) -> int:
     from harness.options import resolve_ranks
 
     if opts.backend == "fake":
-        records = run_fake(spec, opts)
+        records = run_fake(spec, opts, run_dir)
     elif (env := torchrun_env()) is not None:
         real_rank, world_size, local_rank = env
         records = [measure_rank(spec, opts, run_dir, rank=real_rank, world_size=world_size,
@@ -115,6 +115,10 @@ def measure_rank(spec, opts, run_dir: Path, *, rank: int, world_size: int, local
         probe = MemoryProbe(device, sample_interval_s=opts.memory.sample_interval_s)
         record.memory_source = probe.source
         _init_device(probe, record, opts)
+        if rank == 0:
+            from harness.environment import enrich_env_file
+
+            enrich_env_file(run_dir / "env.json", device)
         dist_ctx = distributed.init(method=spec.parallel.method, rank=rank, world_size=world_size,
                                     local_rank=local_rank, device=device, emulated=emulated,
                                     timeout_s=opts.launcher.timeout_s)
@@ -131,7 +135,8 @@ def measure_rank(spec, opts, run_dir: Path, *, rank: int, world_size: int, local
         _notes(record, emulated, probe)
         record.finalize()
         _cleanup(trainer, probe)
-        distributed.teardown()
+        if record.status == "ok" or emulated:
+            distributed.teardown()  # after a failure the peers may sit in a collective: exit instead (main)
     print(f"[rank {rank}/{world_size}] {record.status} peak_allocated={record.peak_allocated_bytes} "
           f"steps={len(record.steps)} {record.error or ''}".rstrip(), flush=True)
     return record
@@ -179,8 +184,11 @@ def _setup(spec, opts, dist_ctx, probe, record):
 
 
 def _hf_model(model):
-    """The transformers model under DDP / DeepSpeed (.module) wrappers (peft models expose .config too)."""
-    while hasattr(model, "module") and not hasattr(model, "config"):
+    """The transformers model under DDP / DeepSpeed (.module) wrappers (a DeepSpeed engine has a ``config`` of
+    its own, so unwrap by ``.module`` first; peft models expose the HF config too)."""
+    import torch
+
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module
     return model
 
@@ -316,14 +324,14 @@ def _cleanup(trainer, probe) -> None:
 
 # --------------------------------------------------------------------------------------------- fake backend
 
-def run_fake(spec, opts):
+def run_fake(spec, opts, run_dir: Path):
     """``harness.fake.trace_run`` results as rank records (status ok, measured_by fake_tensor_trace)."""
     from harness.options import resolve_ranks
     from harness.records import RankRecord
 
     world_size = spec.parallel.world_size
     ranks = resolve_ranks(opts.emulate.ranks, world_size) if world_size > 1 else [0]
-    base = dict(world_size=world_size, spec_id=spec.spec_id, emulated=world_size > 1,
+    base = dict(world_size=world_size, spec_id=spec.spec_id, run_id=run_dir.name, emulated=world_size > 1,
                 measured_by="fake_tensor_trace", memory_source="fake_tensor_trace")
     try:
         from harness.fake import trace_run
@@ -361,4 +369,11 @@ def fake_rank_record(rank, out: dict[str, Any], result: dict[str, Any], spec, op
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A failed rank leaves NCCL communicators whose peers are stuck in a collective: skip interpreter cleanup
+    # (records are already written and fsynced) so torchrun sees the exit and stops the other ranks at once.
+    if code:
+        os._exit(code)
+    sys.exit(0)

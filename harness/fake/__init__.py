@@ -10,12 +10,29 @@ counts live storages (rounded to 512 B like the CUDA caching allocator) by categ
 
 Result::
 
-    {"per_rank": {rank: {"peak_allocated_bytes": int,          # steady state (fsdp/dp_tp: steps >= 2)
-                         "step_peaks": [{"forward", "backward", "optimizer", "peak"}, ...],   # one per step
-                         "breakdown_at_peak": {category: bytes},   # at the reported peak
-                         "peak_step", "peak_phase", "setup_bytes", "setup_peak_bytes", "setup_breakdown",
-                         "local_param_numel", "setup_s", "trace_s"}},
+    {"per_rank": {rank: {
+        "peak_allocated_bytes": int,        # fsdp/dp_tp: max over steps >= 2 (steady state); else max over steps
+        "step_peaks": [{"forward": int, "backward": int, "optimizer": int, "peak": int}, ...],  # one per step
+        "breakdown_at_peak": {category: bytes},     # category totals at that peak (they sum to it)
+        "step_breakdowns": [...], "step_peak_phases": [...],  # the same for every step
+        "peak_step": int (1-based), "peak_phase": str,
+        "setup_bytes", "setup_peak_bytes", "setup_breakdown",  # after / during build + wrap + optimizer init
+        "local_param_numel": int,            # parameters this rank holds (local shards)
+        "setup_s", "trace_s"}},
      "trace_s": float, "measured_by": "fake_tensor_trace", "notes": [...], "spec_id", "round_to", "steps"}
+
+Bytes are live tensor storages, each rounded up to 512 B (``round_to``) like the CUDA caching allocator's
+``memory_allocated``; phase peaks are the highest total while that phase ran (optimizer = ``step()`` +
+``zero_grad``). Categories (``harness.fake.counter.CATEGORIES``): Parameter, Buffer, Gradient, Optstate,
+Master Param, Activation, Temp, Optimizer Temp, Unsharded Param, All Gather, Reduce Scatter, DDP Bucket, Inputs,
+Other. Not counted: kernel workspaces (cuBLAS, cuDNN, NCCL), the CUDA context, allocator slack/fragmentation.
+
+Validated: step-2 peaks equal torch's ``MemTracker`` / ``FSDPMemTracker`` byte for byte (``round_to=1``,
+tests/oracle); torch's trackers over-count DTensor sharding-propagation temporaries the first time an op is seen
+in a process (the "first-step inflation" of FSDP2 on fake tensors), which this counter excludes.
+
+Extra keyword arguments: ``config=`` (an HF config dict instead of looking up ``spec.model``, e.g. a copy with
+fewer layers), ``round_to=512``, ``steps=2``.
 
 Ranks default to ``(0, world_size - 1)``. Importing this package has no side effects (torch is imported on
 the first ``trace_run`` call).

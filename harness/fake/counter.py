@@ -42,6 +42,14 @@ CATEGORIES = (
     "Inputs",           # the batch (input_ids, attention_mask, labels)
     "Other",            # anything allocated during setup and not claimed
 )
+# How these categories map onto torch's MemTracker (FSDPMemTracker) reference types, for comparisons.
+MEMTRACKER_CATEGORY = {
+    "Parameter": "Parameter (Sharded Param)", "Buffer": "Buffer", "Gradient": "Gradient (Sharded Grad)",
+    "Optstate": "Optstate", "Optimizer Temp": "Optstate", "Master Param": "Optstate",
+    "Activation": "Activation", "Temp": "Temp (incl. Unsharded Grad)", "Unsharded Param": "Unsharded Param",
+    "All Gather": "All Gather", "Reduce Scatter": "Reduce Scatter", "DDP Bucket": "Temp / Other",
+    "Inputs": "Other (Inputs)", "Other": "Other",
+}
 _PHASE_DEFAULT = {"setup": "Other", "forward": "Activation", "backward": "Temp", "optimizer": "Optimizer Temp"}
 STEP_PHASES = ("forward", "backward", "optimizer")
 

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
 
 from estimator.spec import RunSpec
 from harness.fake.counter import StorageCounter
@@ -80,24 +79,60 @@ def _fsdp_tags(counter: StorageCounter) -> Iterator[None]:
             setattr(group_mod, name, fn)
 
 
+_last_dtensor_world: tuple | None = None
+
+
+def _clear_dtensor_caches_if_world_changed(key: tuple) -> None:
+    """DTensor caches sharding decisions process-wide, keyed by DeviceMesh equality, which ignores the rank and
+    the process-group names (group names depend on the rank: rank 0 of a 2x2 mesh gets groups "1", "3", rank 3
+    gets "2", "4"). After a trace destroys its process group, a later trace of another rank or world would reuse
+    output specs carrying the old mesh (stale group names: "Could not resolve the process group registered under
+    the name 3"; the old rank's coordinate). Clear the caches whenever (rank, world, mesh shape) changes; the
+    same key gives the same group names and coordinates, so the cache stays valid (and warm) then."""
+    global _last_dtensor_world
+    if key != _last_dtensor_world:
+        _clear_dtensor_caches()
+        _last_dtensor_world = key
+
+
+def _clear_dtensor_caches() -> None:
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python LRU caches and the C++ fast-path cache
+    for fn in (ShardingPropagator._propagate_tensor_meta_cached, getattr(_redistribute, "_gen_transform_infos", None)):
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+
+
 @contextlib.contextmanager
-def _device_mesh_outside_fake() -> Iterator[None]:
-    """DeviceMesh builds and reads its small rank tensors (``nonzero``, ``tolist``) — impossible on fake
-    tensors. FSDP2 creates meshes inside the trace (e.g. the 2-D SPMD mesh of FSDP+TP), so run DeviceMesh's
-    constructor and its ``mesh`` property with fake mode suspended."""
+def _device_mesh_untracked(counter: StorageCounter | None, fake: bool = True) -> Iterator[None]:
+    """DeviceMesh builds and reads small host-side rank tensors (``nonzero``, ``tolist``): impossible on fake
+    tensors, and never device memory on a GPU. FSDP2 creates meshes inside the trace (e.g. the 2-D SPMD mesh of
+    FSDP+TP), so run DeviceMesh's constructor and its ``mesh`` property with fake mode suspended (``fake``) and
+    the counter paused."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
 
     orig_init = DeviceMesh.__init__
     orig_mesh = DeviceMesh.__dict__["mesh"]
 
+    def untracked():
+        stack = contextlib.ExitStack()
+        if fake:
+            stack.enter_context(unset_fake_temporarily())
+        if counter is not None:
+            stack.enter_context(counter.paused())
+        return stack
+
     @functools.wraps(orig_init)
     def init(self, *args, **kwargs):
-        with unset_fake_temporarily():
+        with untracked():
             orig_init(self, *args, **kwargs)
 
     def mesh(self):
-        with unset_fake_temporarily():
+        with untracked():
             return orig_mesh.fget(self)
 
     DeviceMesh.__init__ = init
@@ -135,6 +170,34 @@ def _skip_dtensor_meta_propagation(counter: StorageCounter) -> Iterator[None]:
         ShardingPropagator._propagate_tensor_meta_non_cached = orig
 
 
+@contextlib.contextmanager
+def _hf_full_length_mask() -> Iterator[None]:
+    """Let transformers skip the 4-D attention mask for SDPA as it does on the GPU for our batch.
+
+    The traced batch is ``synthetic_batch``: full length, ``attention_mask`` all ones. On real tensors
+    transformers checks that (``fast_all``) and calls SDPA with ``attn_mask=None, is_causal=True`` (flash /
+    memory-efficient kernels, ``enable_gqa`` instead of ``repeat_kv``). On fake tensors it cannot read the mask
+    (``is_tracing`` is true for FakeTensor) and materialises a ``(b, 1, s, s)`` mask instead, which changes the
+    SDPA path and adds per-layer mask copies. We tell it what the data would have told it: no padding.
+    """
+    from torch._subclasses.fake_tensor import is_fake
+    from transformers import masking_utils
+
+    orig = masking_utils._ignore_causal_mask_sdpa
+
+    @functools.wraps(orig)
+    def ignore_causal_mask_sdpa(padding_mask, *args, **kwargs):
+        if padding_mask is not None and is_fake(padding_mask):
+            padding_mask = None  # all ones by construction (synthetic_batch)
+        return orig(padding_mask, *args, **kwargs)
+
+    masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask_sdpa
+    try:
+        yield
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = orig
+
+
 def _instrument_optimizer(optimizer, counter: StorageCounter) -> None:
     """After the optimizer lazily creates its state (``_init_group``), count state and stepped grads as such."""
     for opt in getattr(optimizer, "optimizers", None) or [optimizer]:
@@ -161,53 +224,12 @@ def _instrument_one_optimizer(optimizer, counter: StorageCounter) -> None:
     inner._init_group = init_group
 
 
-def _instrument_ddp(ddp: nn.Module, counter: StorageCounter) -> None:
-    """DDP rebuilds its buckets in the pre-forward of the second iteration: count those as buckets."""
-    orig = ddp._pre_forward
-
-    @functools.wraps(orig)
-    def pre_forward(*args, **kwargs):
-        with counter.tagged("DDP Bucket"):
-            return orig(*args, **kwargs)
-
-    ddp._pre_forward = pre_forward
-
-
-def materialize_on_fake_cpu(model: nn.Module) -> nn.Module:
-    """Replace every meta parameter/buffer by an empty cpu tensor (fake under FakeTensorMode), keeping ties.
-
-    ``estimator.profiler.build.materialize_fake`` (``model.to_empty``) fails on torch 2.13: under
-    FakeTensorMode the meta->fake conversion memoizes a weakref to each meta param and ``_apply`` then
-    refuses to ``swap_tensors`` ("Couldn't swap Embedding.weight"). Building the model on meta *outside*
-    FakeTensorMode and allocating fresh tensors inside it avoids both that and peft's ``.to()`` swap failure.
-    """
-    memo: dict[int, torch.Tensor] = {}
-    keep: list[torch.Tensor] = []  # keep the meta tensors alive so ids are not reused while we walk
-    for module in model.modules():
-        for table, make_param in ((module._parameters, True), (module._buffers, False)):
-            for name, old in list(table.items()):
-                if old is None:
-                    continue
-                keep.append(old)
-                new = memo.get(id(old))
-                if new is None:
-                    new = torch.empty(old.shape, dtype=old.dtype, device="cpu")
-                    if make_param:
-                        new = nn.Parameter(new, requires_grad=old.requires_grad)
-                    memo[id(old)] = new
-                table[name] = new
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if hasattr(base, "tie_weights"):
-        base.tie_weights()
-    return model
-
-
-def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: int, steps: int
-                ) -> dict[str, Any]:
+def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: int, steps: int,
+                fake_tensors: bool = True) -> dict[str, Any]:
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from estimator.profiler.build import build_model, forward_backward, synthetic_batch
+    from estimator.profiler.build import build_model, forward_backward, materialize_fake, synthetic_batch
 
     n = spec.parallel.world_size
     method = spec.parallel.method
@@ -220,25 +242,32 @@ def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: i
         if dist.is_initialized():
             raise RuntimeError("a default process group is already initialized; trace_run needs its own")
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=n)
+    _clear_dtensor_caches_if_world_changed((rank, n, method, spec.parallel.tp))
     try:
         mesh = make_mesh(spec, "cpu")  # outside FakeTensorMode (init_device_mesh reads a scalar)
-        meta_model = build_model(config, built, "cpu", meta=True)  # outside FakeTensorMode too (see below)
+        # Built on meta *outside* FakeTensorMode: built inside it, the meta->fake conversion memoizes a weakref to
+        # every meta param and to_empty's swap_tensors then fails ("Couldn't swap Embedding.weight").
+        meta_model = build_model(config, built, "cpu", meta=True) if fake_tensors else None
         counter = StorageCounter(round_to=round_to)
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_device_mesh_outside_fake())
-            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(_device_mesh_untracked(counter, fake=fake_tensors))
+            if fake_tensors:
+                stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             stack.enter_context(counter)
             stack.enter_context(_skip_dtensor_meta_propagation(counter))
+            if fake_tensors:
+                stack.enter_context(_hf_full_length_mask())
             if method in FSDP_METHODS:
                 stack.enter_context(_fsdp_tags(counter))
-            model = materialize_on_fake_cpu(meta_model)
-            del meta_model
+            if fake_tensors:
+                model = materialize_fake(meta_model)
+                del meta_model
+            else:  # validation mode: real CPU tensors (small models only), same program otherwise
+                torch.manual_seed(0)
+                model = build_model(config, built, "cpu")
             vocab = model.config.vocab_size
-            if method == "ddp":
-                with counter.tagged("DDP Bucket"):
-                    model = wrap_model(model, spec, mesh, config, fake=True)
-                _instrument_ddp(model, counter)
-            else:
+            # DDP allocates its gradient buckets in its constructor (C++ Reducer, seen by the dispatch mode)
+            with counter.tagged("DDP Bucket") if method == "ddp" else contextlib.nullcontext():
                 model = wrap_model(model, spec, mesh, config, fake=True)
             optimizer = build_method_optimizer(model, spec)
             batch = synthetic_batch(training.micro_batch_size, training.seq_len, vocab, "cpu")
@@ -307,8 +336,10 @@ def _notes(spec: RunSpec, round_to: int) -> list[str]:
              "granularity); kernel workspaces (cuBLAS, NCCL, CUDA context) and allocator slack are not counted",
              "peaks cover the training steps only (model build / wrapping excluded: setup_peak_bytes)"]
     if method in FSDP_METHODS:
-        notes.append("fsdp: FSDP2's first step is inflated on fake tensors (env-recipes §4); "
-                     "peak_allocated_bytes and breakdown_at_peak are the steady state, max over steps >= 2")
+        notes.append("fsdp: peak_allocated_bytes and breakdown_at_peak are the steady state, max over steps >= 2 "
+                     "(step 1 has no optimizer state before its optimizer step). The first-step inflation seen "
+                     "with MemTracker on fake tensors (env-recipes §4) was DTensor sharding-propagation "
+                     "temporaries counted as allocations; this counter excludes them")
     if method == "ddp":
         notes.append("ddp: fake run uses init_sync=False and a no-op comm hook; buckets are torch defaults "
                      "(25 MiB, first 1 MiB, gradient_as_bucket_view=False)")
@@ -328,8 +359,11 @@ def _notes(spec: RunSpec, round_to: int) -> list[str]:
 
 
 def trace_run(spec: RunSpec, ranks=None, *, config: dict[str, Any] | None = None, round_to: int = 512,
-              steps: int = 2) -> dict[str, Any]:
-    """Per-rank peak allocated bytes of ``steps`` training steps of ``spec`` (see ``harness.fake``)."""
+              steps: int = 2, fake_tensors: bool = True) -> dict[str, Any]:
+    """Per-rank peak allocated bytes of ``steps`` training steps of ``spec`` (see ``harness.fake``).
+
+    ``fake_tensors=False`` runs the same program on real CPU tensors (same fake process group): a validation
+    mode for small configs (it allocates the memory it reports)."""
     from estimator.arch import load_config
 
     if config is None:
@@ -340,7 +374,8 @@ def trace_run(spec: RunSpec, ranks=None, *, config: dict[str, Any] | None = None
     t0 = time.perf_counter()
     per_rank = {}
     for rank in _ranks(spec, ranks):
-        per_rank[rank] = _trace_rank(spec, config, rank, round_to=round_to, steps=steps)
+        per_rank[rank] = _trace_rank(spec, config, rank, round_to=round_to, steps=steps,
+                                     fake_tensors=fake_tensors)
     return {"per_rank": per_rank, "trace_s": round(time.perf_counter() - t0, 3),
-            "measured_by": "fake_tensor_trace", "notes": _notes(spec, round_to),
+            "measured_by": "fake_tensor_trace" if fake_tensors else "cpu_tensor_trace", "notes": _notes(spec, round_to),
             "spec_id": spec.spec_id, "round_to": round_to, "steps": steps}

@@ -13,13 +13,16 @@ Methods (``spec.parallel.method``), N = world size:
     holds grads + buckets), ``find_unused_parameters=False``, ``broadcast_buffers=True``. Real runs:
     ``device_ids=[local_rank]``. Fake runs add ``init_sync=False`` (no data to broadcast) and a no-op comm hook
     (the fake PG's all-reduce future returns None, which DDP rejects); NCCL all-reduce is in place on the
-    bucket, so the no-op hook changes no allocation.
+    bucket, so the no-op hook changes no allocation. Fake runs also skip DDP's bucket rebuild (2nd iteration):
+    it writes a tensor's data in C++ (impossible on fake tensors) and only regroups the same bytes.
+    Gradient accumulation: ``no_sync()`` on every micro-batch but the last.
 ``fsdp``
     FSDP2: ``fully_shard(layer, mesh=mesh, mp_policy=mp)`` on every decoder layer in order, then
     ``fully_shard(model, mesh=mesh, mp_policy=mp)`` on the root (embeddings, final norm, lm_head and anything
     outside the layers go to the root group); defaults otherwise (``reshard_after_forward=True``; FSDP2 keeps the
     root's parameters unsharded between forward and backward). The optimizer is built on ``model.parameters()``
-    after sharding (the sharded DTensors).
+    after sharding (the sharded DTensors). Gradient accumulation: every micro-batch reduce-scatters (no
+    ``set_requires_gradient_sync(False)``).
 ``tp``
     ``harness.tp.apply_tp(model, mesh_1d(N), config)`` (see ``estimator.tp_plans``). Optimizer: foreach AdamW
     cannot take DTensor (split) and plain (replicated: embeddings, norms, lm_head) tensors in one list (torch
@@ -30,6 +33,9 @@ Methods (``spec.parallel.method``), N = world size:
     2-D mesh ``init_device_mesh(dev, (dp, tp), mesh_dim_names=("dp", "tp"))``; rank r sits at
     ``(r // tp, r % tp)`` (TP groups are consecutive ranks). ``apply_tp`` over ``mesh["tp"]``, then FSDP2 exactly as
     ``fsdp`` over ``mesh["dp"]``.
+
+Optimizer, every method: ``build_method_optimizer(model, spec)`` (= ``build.build_optimizer`` over the wrapped
+model's trainable parameters, split in two for ``tp``), built after wrapping.
 
 Precision (``spec.training.precision``) per method:
 

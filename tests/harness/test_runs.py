@@ -1,0 +1,93 @@
+"""Real training runs on the CPU: the record contract per method, OOM as data, the fake-tensor backend.
+
+Default suite: one in-process single-rank run with an injected OOM, one fake-backend trace and one 2-process
+gloo DDP run. Every other method (2 gloo ranks, or emulated ranks on a fake process group) is ``slow``.
+"""
+
+import pytest
+
+from estimator.spec import RunSpec
+from harness.environment import CPU_DEVICE
+from harness.files import read_json
+from harness.records import PHASES, rank_from_dict
+from harness.table import read_rows
+from tests.harness.conftest import TINY_OVERRIDES, run_point
+
+
+def assert_contract(tmp_path, record, *, ranks, status="ok", gpu_key="cpu", emulated=False):
+    """The files and fields calibrate relies on."""
+    run_dir = tmp_path / "runs/default" / gpu_key / record.run_id
+    for name in ("spec.json", "env.json", "harness.json", "result.json", *(f"rank{r}.json" for r in ranks)):
+        assert (run_dir / name).is_file(), name
+    RunSpec.from_json((run_dir / "spec.json").read_text())  # what `python -m estimator --from-run` reads
+    result = read_json(run_dir / "result.json")
+    assert result["status"] == status, (result.get("error"), result.get("stderr_tail"))
+    assert result["rank_status"] == {str(r): status for r in ranks}
+    for rank in ranks:
+        rank_record = rank_from_dict(read_json(run_dir / f"rank{rank}.json"))
+        assert rank_record.emulated is emulated and len(rank_record.steps) == 2
+        assert [p.phase for p in rank_record.steps[-1].phases] == list(PHASES)
+        assert rank_record.steps[-1].step_time_s > 0 and rank_record.steps[-1].tokens > 0
+        assert (rank_record.tokens_per_s is None) is emulated  # no throughput from emulated ranks
+        assert rank_record.data["synthetic"] is True and rank_record.effective_attn == "sdpa"
+    rows = read_rows(tmp_path / "data/measurements" / gpu_key / "default.csv")
+    assert sorted(int(r["rank"]) for r in rows if r["run_id"] == record.run_id) == ranks
+    return result
+
+
+def test_oom_is_recorded_as_data_with_the_phase_and_step(tmp_path):
+    record = run_point(tmp_path, *TINY_OVERRIDES, "inject_oom=backward", "launcher.isolation=inprocess",
+                       device=CPU_DEVICE)
+    assert record.status == "oom"
+    rank0 = rank_from_dict(read_json(tmp_path / "runs/default/cpu" / record.run_id / "rank0.json"))
+    assert (rank0.oom_step, rank0.oom_phase, rank0.oom_request_bytes) == (1, "backward", 1024**3)
+    assert [p.phase for p in rank0.steps[1].phases] == ["forward", "backward"]  # the phases reached
+    assert rank0.memory_source == "none-cpu" and rank0.peak_allocated_bytes is None
+    rows = read_rows(tmp_path / "data/measurements/cpu/default.csv")
+    assert rows[0]["run_status"] == "oom" and rows[0]["oom_phase"] == "backward"
+    # OOM is data: the point is finished and a resumed sweep skips it
+    again = run_point(tmp_path, *TINY_OVERRIDES, "inject_oom=backward", "launcher.isolation=inprocess",
+                      device=CPU_DEVICE)
+    assert again.status == "oom" and again.finished_at == record.finished_at
+
+
+def test_fake_backend_is_recorded_in_the_same_format(tmp_path):
+    pytest.importorskip("harness.fake")
+    record = run_point(tmp_path, *TINY_OVERRIDES, "backend=fake", "launcher.isolation=inprocess",
+                       device=CPU_DEVICE)
+    run_dir = tmp_path / "runs/default/fake" / record.run_id
+    result = read_json(run_dir / "result.json")
+    assert result["status"] == "ok" and result["measured_by"] == "fake_tensor_trace", result.get("error")
+    rank0 = rank_from_dict(read_json(run_dir / "rank0.json"))
+    assert rank0.peak_allocated_bytes > 0 and rank0.steps[0].phase("backward").peak_allocated_bytes > 0
+    assert read_rows(tmp_path / "data/measurements/fake/default.csv")[0]["measured_by"] == "fake_tensor_trace"
+
+
+def test_ddp_two_gloo_ranks(tmp_path):
+    record = run_point(tmp_path, *TINY_OVERRIDES, "method=ddp", "parallel.world_size=2", device=CPU_DEVICE)
+    assert_contract(tmp_path, record, ranks=[0, 1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fsdp", "tp", "zero1", "zero2", "zero3", "zero_offload"])
+def test_two_gloo_ranks(method, tmp_path):
+    record = run_point(tmp_path, *TINY_OVERRIDES, f"method={method}", "parallel.world_size=2", device=CPU_DEVICE)
+    assert_contract(tmp_path, record, ranks=[0, 1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("method", "precision"), [("dp_tp", "mixed_bf16"), ("zero3", "mixed_fp16"),
+                                                   ("ddp", "fp32"), ("fsdp", "mixed_bf16")])
+def test_emulated_ranks_on_a_fake_process_group(method, precision, tmp_path):
+    record = run_point(tmp_path, *TINY_OVERRIDES, f"method={method}", "emulate.world_size=4",
+                       f"training.precision={precision}", device=CPU_DEVICE)
+    assert_contract(tmp_path, record, ranks=[0, 3], emulated=True)
+
+
+@pytest.mark.slow
+def test_fake_backend_emulates_first_and_last_rank(tmp_path):
+    pytest.importorskip("harness.fake")
+    record = run_point(tmp_path, *TINY_OVERRIDES, "backend=fake", "method=fsdp", "parallel.world_size=4",
+                       device=CPU_DEVICE)
+    result = read_json(tmp_path / "runs/default/fake" / record.run_id / "result.json")
+    assert result["status"] == "ok" and sorted(result["rank_status"]) == ["0", "3"]
