@@ -74,9 +74,11 @@ class LlmemChoice:
                 "reasons": self.reasons}
 
     def describe(self) -> str:
-        parts = ", ".join(f"{m} bs={self.batches.get(m, 0)} score={self.scores.get(m, 0):g}" for m, _ in MENU)
-        pick = self.method if self.method == OFFLOAD else f"{self.method} at batch {self.batch}"
-        return f"LLMem Algorithm 1 ({self.memory_source}): {pick} [{parts}]"
+        scores = ", ".join(f"{m} {self.batches.get(m, 0)}->{self.scores.get(m, 0):g}" for m, _ in MENU)
+        pick = "CPU offloading (no method fits batch 1)" if self.method == OFFLOAD else \
+            f"{self.method} at batch {self.batch}"
+        return (f"LLMem Algorithm 1 picks {pick}; batch->score {scores} "
+                f"(scores: samples per iteration, CDP x{CDP_BONUS:g}; memory: {self.memory_source})")
 
 
 def select(batches: dict[str, int], gpus: int, dp_of_dptp: int) -> tuple[str, dict[str, float]]:

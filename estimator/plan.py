@@ -25,7 +25,7 @@ MAX_MICRO_BATCH = 4096          # search ceiling (reported as ">= cap" when reac
 MAX_GPUS = 4096                 # the largest N the planner (and its "how many GPUs" advice) considers
 ADVICE_LORA_RANK = 16
 METHOD_ORDER = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "dp_tp", "zero_offload")
-_SIMPLICITY = {m: i for i, m in enumerate(METHOD_ORDER)}
+METHOD_RANK = {m: i for i, m in enumerate(METHOD_ORDER)}   # simpler first, for ties
 
 EstimateFn = Callable[[RunSpec], Any]
 
@@ -393,7 +393,7 @@ def _loss_reason(res: CandidateResult, best: CandidateResult) -> str:
 
 def _rank(results: list[CandidateResult]) -> CandidateResult | None:
     ok = [r for r in results if r.fits and r.time]
-    ok.sort(key=lambda r: (-round(r.tokens_per_s, 6), r.bound_bytes or 0, _SIMPLICITY[r.candidate.method],
+    ok.sort(key=lambda r: (-round(r.tokens_per_s, 6), r.bound_bytes or 0, METHOD_RANK[r.candidate.method],
                            r.candidate.grad_ckpt, r.candidate.tp))
     for i, r in enumerate(ok, 1):
         r.rank = i
@@ -458,7 +458,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
         raise ValueError(f"global_batch: {global_batch} is not divisible by the data-parallel degree of any "
                          f"layout on {gpus} GPUs (dp in {', '.join(map(str, dps))})")
     results = [_evaluate(ctx, c, global_batch) for c in cands]
-    _raise_if_all_invalid(results)
+    _raise_if_all_invalid(results, global_batch)
     best = _rank(results)
     dp_link, tp_link = ctx.links(Candidate("dp_tp" if gpus > 1 else "single", gpus, 1))
     result = Plan(model=model, gpu_key=gpu_perf.key, gpu_name=gpu_perf.name, world_size=gpus, seq_len=seq_len,
@@ -474,11 +474,17 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     return result
 
 
-def _raise_if_all_invalid(results: list[CandidateResult]) -> None:
-    """A reason shared by every candidate is the user's input, not the candidate: report it as an error."""
-    reasons = {r.reason for r in results}
-    if results and all(r.status == "invalid" for r in results) and len(reasons) == 1:
-        raise ValueError(reasons.pop())
+def _raise_if_all_invalid(results: list[CandidateResult], global_batch: int | None) -> None:
+    """No candidate can even be evaluated: that is the user's input, not a plan. One line, as an error."""
+    if not results or any(r.status != "invalid" for r in results):
+        return
+    split = sorted({r.candidate.dp for r in results if r.reason.startswith("global batch")}, reverse=True)
+    others = [r.reason for r in results if not r.reason.startswith("global batch")]
+    if split:
+        rest = f"; the other layouts cannot run ({others[0]})" if others else ""
+        raise ValueError(f"global_batch: {global_batch} is not divisible by the data-parallel degree "
+                         f"(dp={', '.join(map(str, split))}){rest}")
+    raise ValueError(others[0])
 
 
 def _notes(ctx: _Context, result: Plan) -> list[str]:
@@ -550,8 +556,8 @@ def _advice(ctx: _Context, result: Plan) -> list[str]:
                 r.candidate.grad_ckpt is False for r in result.results):
             advice.append("only gradient checkpointing makes it fit (every method without it runs out of memory)")
         return advice
-    cap = f"{ctx.gpu.name} ({(result.results[0].capacity_bytes or 0) / GIB:.1f} GiB)" if result.results \
-        else ctx.gpu.name
+    capacity = next((r.capacity_bytes for r in result.results if r.capacity_bytes), ctx.gpu.capacity_bytes)
+    cap = f"{ctx.gpu.name} ({capacity / GIB:.1f} GiB)"
     advice.append(f"no GPU-resident method fits {n} x {cap} at micro-batch 1, even with checkpointing")
     if offload:
         best = max(offload, key=lambda r: r.tokens_per_s)
@@ -566,8 +572,10 @@ def _advice(ctx: _Context, result: Plan) -> list[str]:
     more = _min_gpus(ctx, n)
     if more:
         count, cand = more
+        split = (f"; --global-batch must then be a multiple of {count}"
+                 if result.global_batch and result.global_batch % count else "")
         advice.append(f"more GPUs: {count} x {ctx.gpu.name} fit {cand.method} with checkpointing at "
-                      f"micro-batch 1 (fewest that fit; bound falls as states shard)")
+                      f"micro-batch 1 (fewest that fit; bound falls as states shard){split}")
     else:
         advice.append(f"more GPUs: no sharded method fits micro-batch 1 on up to {MAX_GPUS} GPUs of this type "
                       "(activations or replicated tensors alone exceed the GPU)")
@@ -599,61 +607,3 @@ def _lora_advice(ctx: _Context, n: int) -> list[str]:
     speed, cand, mb = best
     return [f"LoRA: --lora-rank {ADVICE_LORA_RANK} fits {cand.method} with checkpointing up to micro-batch {mb} "
             f"(~{speed:,.0f} tokens/s)"]
-
-
-# --- presentation ---------------------------------------------------------------------------------------
-def _gib(value: int | None) -> str:
-    return f"{value / GIB:.1f}" if value is not None else "-"
-
-
-def format_plan(p: Plan) -> str:
-    gb = f", global batch {p.global_batch}" if p.global_batch else ""
-    lora = f", LoRA r={p.lora_rank}" if p.lora_rank else ""
-    lines = [f"Plan: {p.model} on {p.world_size} x {p.gpu_name}, seq {p.seq_len}, {p.precision}, "
-             f"{p.optimizer}{lora}{gb}", ""]
-    header = (f"{'method':<13}{'tp':>3} {'ckpt':<5}{'fits':<5}{'max mb':>7}{'mb':>6}{'accum':>6}"
-              f"{'peak GiB':>9}{'bound GiB':>10}{'tokens/s':>11}  rank / why lost")
-    lines += [header, "-" * len(header)]
-    order = sorted(p.results, key=lambda r: (r.rank is None, r.rank or 0, r.status != "oom",
-                                             _SIMPLICITY[r.candidate.method], r.candidate.tp))
-    for r in order:
-        c = r.candidate
-        why = f"{r.rank}" + ("" if r.rank == 1 else f"  {r.reason}") if r.rank else r.reason
-        mx = "-" if r.status == "invalid" else (f">={r.max_micro_batch}" if r.max_micro_batch >= MAX_MICRO_BATCH
-                                                  else str(r.max_micro_batch))
-        lines.append(f"{c.label:<13}{c.tp:>3} {'yes' if c.grad_ckpt else 'no':<5}"
-                     f"{'yes' if r.fits else ('-' if r.status == 'invalid' else 'no'):<5}{mx:>7}"
-                     f"{r.micro_batch or '-':>6}{r.grad_accum or '-':>6}{_gib(r.peak_bytes):>9}"
-                     f"{_gib(r.bound_bytes):>10}{(f'{r.tokens_per_s:,.0f}' if r.time else '-'):>11}  {why}")
-    lines.append("")
-    lines.append(recommendation_line(p))
-    lines += [f"  advice: {a}" for a in p.advice]
-    lines += [f"  note: {n}" for n in p.notes]
-    lines.append(_assumptions_line(p))
-    return "\n".join(lines)
-
-
-def recommendation_line(p: Plan) -> str:
-    b = p.best
-    if b is None:
-        return "Recommendation: nothing fits (see advice)"
-    c = b.candidate
-    layout = f"{c.label}" + (f" (tp={c.tp})" if c.method == "tp" else "")
-    return (f"Recommendation: {layout}{' with' if c.grad_ckpt else ' without'} gradient checkpointing, "
-            f"micro-batch {b.micro_batch} x {b.grad_accum} accumulation x dp {c.dp}: "
-            f"~{b.tokens_per_s:,.0f} tokens/s, peak {_gib(b.peak_bytes)} GiB/rank "
-            f"(bound {_gib(b.bound_bytes)} of {_gib(b.capacity_bytes)} GiB)")
-
-
-def _assumptions_line(p: Plan) -> str:
-    a = p.assumptions
-    if not a:
-        return ""
-    e, dl, tl = a["compute_efficiency"], a["dp_link"], a["tp_link"]
-    kind = "calibrated" if e["calibrated"] else "prior"
-    links = f"dp {dl['name']} {dl['bus_bandwidth_gbs']:.0f} GB/s ({dl['source']})"
-    if p.world_size > 1:
-        links += f", tp {tl['name']} {tl['bus_bandwidth_gbs']:.0f} GB/s"
-    return (f"Throughput model: efficiency {kind} e_max {e['e_max']:.2f}, half at {e['tokens_half']:.0f} tokens "
-            f"({e['source']}); {links}; DP overlap {a['overlap_priors']['ddp']:.0%} of backward (prior); "
-            f"CPU Adam {a['cpu_adam_params_per_s'] / 1e9:.1f} Gparam/s (prior). See estimator/throughput.py.")

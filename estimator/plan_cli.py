@@ -10,7 +10,11 @@ import argparse
 import json
 import sys
 
+from estimator import plan as planner
+from estimator.plan import Plan
 from estimator.spec import ATTENTIONS, OPTIMIZERS, PRECISIONS
+
+GIB = 1024**3
 
 
 def _positive_int(text: str) -> int:
@@ -54,16 +58,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 def _methods(text: str | None) -> list[str] | None:
     if text is None:
         return None
-    from estimator.plan import METHOD_ORDER
     chosen = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in chosen if m not in METHOD_ORDER]
+    unknown = [m for m in chosen if m not in planner.METHOD_ORDER]
     if unknown or not chosen:
-        raise ValueError(f"methods: {', '.join(unknown) or repr(text)} not among {', '.join(METHOD_ORDER)}")
+        raise ValueError(f"methods: {', '.join(unknown) or repr(text)} not among {', '.join(planner.METHOD_ORDER)}")
     return chosen
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from estimator import plan as planner
     try:
         ckpt = {"both": (False, True), "on": (True,), "off": (False,)}[args.ckpt]
         result = planner.plan(args.model, gpus=args.gpus, gpu=args.gpu, seq_len=args.seq_len,
@@ -84,11 +86,69 @@ def run_plan(args: argparse.Namespace) -> int:
             out["llmem_algorithm1"] = baseline.to_dict()
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
-    print(planner.format_plan(result))
+    print(format_plan(result))
     if baseline is not None:
         print()
         print(baseline.describe())
     return 0
+
+
+def _gib(value: int | None) -> str:
+    return f"{value / GIB:.1f}" if value is not None else "-"
+
+
+def format_plan(p: Plan) -> str:
+    """The fixed-width table, the recommendation, advice, notes and the throughput assumptions."""
+    gb = f", global batch {p.global_batch}" if p.global_batch else ""
+    lora = f", LoRA r={p.lora_rank}" if p.lora_rank else ""
+    lines = [f"Plan: {p.model} on {p.world_size} x {p.gpu_name}, seq {p.seq_len}, {p.precision}, "
+             f"{p.optimizer}{lora}{gb}", ""]
+    header = (f"{'method':<13}{'tp':>3} {'ckpt':<5}{'fits':<5}{'max mb':>7}{'mb':>6}{'accum':>6}"
+              f"{'peak GiB':>9}{'bound GiB':>10}{'tokens/s':>11}  rank / why lost")
+    lines += [header, "-" * len(header)]
+    order = sorted(p.results, key=lambda r: (r.rank is None, r.rank or 0, r.status != "oom",
+                                             planner.METHOD_RANK[r.candidate.method], r.candidate.tp))
+    for r in order:
+        c = r.candidate
+        why = f"{r.rank}" + ("" if r.rank == 1 else f"  {r.reason}") if r.rank else r.reason
+        mx = "-" if r.status == "invalid" else (f">={r.max_micro_batch}" if r.max_micro_batch >= planner.MAX_MICRO_BATCH
+                                                  else str(r.max_micro_batch))
+        lines.append(f"{c.label:<13}{c.tp:>3} {'yes' if c.grad_ckpt else 'no':<5}"
+                     f"{'yes' if r.fits else ('-' if r.status == 'invalid' else 'no'):<5}{mx:>7}"
+                     f"{r.micro_batch or '-':>6}{r.grad_accum or '-':>6}{_gib(r.peak_bytes):>9}"
+                     f"{_gib(r.bound_bytes):>10}{(f'{r.tokens_per_s:,.0f}' if r.time else '-'):>11}  {why}")
+    lines.append("")
+    lines.append(recommendation_line(p))
+    lines += [f"  advice: {a}" for a in p.advice]
+    lines += [f"  note: {n}" for n in p.notes]
+    lines.append(_assumptions_line(p))
+    return "\n".join(lines)
+
+
+def recommendation_line(p: Plan) -> str:
+    b = p.best
+    if b is None:
+        return "Recommendation: nothing fits (see advice)"
+    c = b.candidate
+    layout = f"{c.label}" + (f" (tp={c.tp})" if c.method == "tp" else "")
+    return (f"Recommendation: {layout}{' with' if c.grad_ckpt else ' without'} gradient checkpointing, "
+            f"micro-batch {b.micro_batch} x {b.grad_accum} accumulation x dp {c.dp}: "
+            f"~{b.tokens_per_s:,.0f} tokens/s, peak {_gib(b.peak_bytes)} GiB/rank "
+            f"(bound {_gib(b.bound_bytes)} of {_gib(b.capacity_bytes)} GiB)")
+
+
+def _assumptions_line(p: Plan) -> str:
+    a = p.assumptions
+    if not a:
+        return ""
+    e, dl, tl = a["compute_efficiency"], a["dp_link"], a["tp_link"]
+    kind = "calibrated" if e["calibrated"] else "prior"
+    links = f"dp {dl['name']} {dl['bus_bandwidth_gbs']:.0f} GB/s ({dl['source']})"
+    if p.world_size > 1:
+        links += f", tp {tl['name']} {tl['bus_bandwidth_gbs']:.0f} GB/s"
+    return (f"Throughput model: efficiency {kind} e_max {e['e_max']:.2f}, half at {e['tokens_half']:.0f} tokens "
+            f"({e['source']}); {links}; DP overlap {a['overlap_priors']['ddp']:.0%} of backward (prior); "
+            f"CPU Adam {a['cpu_adam_params_per_s'] / 1e9:.1f} Gparam/s (prior). See estimator/throughput.py.")
 
 
 class _OneLineParser(argparse.ArgumentParser):

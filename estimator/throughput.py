@@ -542,13 +542,17 @@ def fit_efficiency(rows: list[dict], *, out_dir: Path | None = None, gpu_lookup=
     Rows are dicts (e.g. ``csv.DictReader``) with ``gpu_key``, ``method``, ``step_time_s`` (or
     ``tokens_per_s``), ``micro_batch_size``, ``seq_len``, ``precision``, the model's ``params``,
     ``num_layers`` and ``hidden_size`` (or a catalogue ``model`` name), and optionally ``grad_ckpt``,
-    ``lora_rank``, ``optimizer``, ``grad_accum_steps``, ``status`` (rows not ``ok`` are skipped). Returns
+    ``lora_rank``, ``optimizer``, ``grad_accum_steps``. The harness table (``harness/table.py``) has all of
+    these but the parameter counts, which then come from ``model``; rows whose ``status`` / ``run_status`` /
+    ``rank_status`` is not ``ok``, and ``emulated`` (CPU fake-tensor) rows, are skipped. Returns
     ``{gpu_key: coefficients}``; with ``out_dir``, also writes ``throughput_<gpu-key>.json`` there.
     """
     lookup = gpu_lookup or gpu_perf
     groups: dict[str, list[dict]] = {}
     for row in rows:
-        if str(row.get("method", "")) != "single" or str(row.get("status", "ok")) not in ("ok", ""):
+        if str(row.get("method", "")) != "single" or _truthy(row.get("emulated", False)):
+            continue                                   # multi-GPU rows, or CPU fake-tensor runs (no timing)
+        if any(str(row.get(k) or "ok") != "ok" for k in ("status", "run_status", "rank_status")):
             continue
         if _row_value(row, "step_time_s", "tokens_per_s") is None:
             continue

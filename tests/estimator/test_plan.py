@@ -12,7 +12,7 @@ import pytest
 from estimator import plan as P
 from estimator import throughput as T
 from estimator.arch import arch_from_config
-from estimator.plan_cli import add_plan_arguments, run_plan
+from estimator.plan_cli import add_plan_arguments, format_plan, run_plan
 
 GIB = 1024**3
 MODEL = "fake/llama-1b"
@@ -212,6 +212,9 @@ def test_global_batch_not_divisible_by_a_layouts_dp_marks_that_layout():
 def test_global_batch_no_layout_can_split_is_an_error():
     with pytest.raises(ValueError, match=r"^global_batch: 5 is not divisible"):
         run(gpus=4, global_batch=5, methods=["ddp", "zero3"])
+    # dp=32 cannot split 48, and tp=32 (dp=1) cannot split 16 heads: an input error, not "nothing fits"
+    with pytest.raises(ValueError, match=r"^global_batch: 48 is not divisible .*dp=32.*cannot run \(tp: 32"):
+        run(gpus=32, global_batch=48, methods=["ddp", "tp"])
 
 
 # --- advice ---------------------------------------------------------------------------------------------------
@@ -273,7 +276,7 @@ def test_an_error_every_candidate_shares_is_the_users():
 
 def test_table_and_json(capsys):
     result = run(global_batch=64)
-    text = P.format_plan(result)
+    text = format_plan(result)
     assert "Recommendation:" in text and "Throughput model:" in text
     header = text.splitlines()[2]
     for column in ("method", "tp", "ckpt", "fits", "max mb", "accum", "peak GiB", "tokens/s", "why lost"):
@@ -331,7 +334,7 @@ def test_end_to_end_on_a_catalogue_model(monkeypatch):
     assert result.best is not None and result.best.fits
     assert result.best.bound_bytes <= result.best.capacity_bytes
     assert result.best.max_micro_batch >= 1
-    assert "Recommendation:" in P.format_plan(result)
+    assert "Recommendation:" in format_plan(result)
 
 
 # --- LLMem's Algorithm 1 baseline ---------------------------------------------------------------------------------

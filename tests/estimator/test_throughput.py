@@ -172,6 +172,8 @@ def _rows(e_max, tokens_half, *, gpu_key="test-gpu"):
                          "num_layers": str(SHAPE.layers), "hidden_size": str(SHAPE.hidden_size)})
     rows.append({**rows[0], "method": "ddp"})                             # ignored: not single-GPU
     rows.append({**rows[0], "status": "oom"})                             # ignored: failed
+    rows.append({**rows[0], "run_status": "ok", "rank_status": "oom"})     # ignored: the harness's columns
+    rows.append({**rows[0], "emulated": "True"})                          # ignored: CPU fake run
     return rows
 
 
@@ -205,7 +207,7 @@ def test_fit_cli(tmp_path, capsys):
     rows = _rows(0.42, 700.0, gpu_key="a100-80gb")
     path = tmp_path / "runs.csv"
     with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(handle, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
         writer.writeheader()
         writer.writerows(rows)
     pytest.importorskip("estimator.gpus")
