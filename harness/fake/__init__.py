@@ -31,8 +31,16 @@ Validated: step-2 peaks equal torch's ``MemTracker`` / ``FSDPMemTracker`` byte f
 tests/oracle); torch's trackers over-count DTensor sharding-propagation temporaries the first time an op is seen
 in a process (the "first-step inflation" of FSDP2 on fake tensors), which this counter excludes.
 
+Fake-tensor artefacts neutralised (each checked by tests/oracle: fake == real CPU tensors, byte for byte):
+transformers materialises a 4-D SDPA mask (and ``repeat_kv`` for GQA) when it cannot read the padding mask of a
+fake batch — the oracle tells it the synthetic batch has no padding, as the data would on a GPU; DTensor's
+global-shape metadata propagation runs under our fake mode and is not counted; DeviceMesh's host-side rank
+tensors are built outside fake mode; DTensor's process-wide sharding caches are cleared when the traced
+(rank, world) changes.
+
 Extra keyword arguments: ``config=`` (an HF config dict instead of looking up ``spec.model``, e.g. a copy with
-fewer layers), ``round_to=512``, ``steps=2``.
+fewer layers), ``round_to=512``, ``steps=2``, ``fake_tensors=True`` (False: the same program on real CPU
+tensors, a validation mode for small configs).
 
 Ranks default to ``(0, world_size - 1)``. Importing this package has no side effects (torch is imported on
 the first ``trace_run`` call).

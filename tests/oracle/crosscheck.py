@@ -18,8 +18,8 @@ def memtracker_step2_peak(spec: RunSpec, config: dict) -> int:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from estimator.profiler.build import build_model, forward_backward, synthetic_batch
-    from harness.fake.trace import _device_mesh_outside_fake, materialize_on_fake_cpu
+    from estimator.profiler.build import build_model, forward_backward, materialize_fake, synthetic_batch
+    from harness.fake.trace import _device_mesh_untracked, _hf_full_length_mask
     from harness.fake.wrap import build_method_optimizer, build_training, make_mesh, wrap_model
 
     n = spec.parallel.world_size
@@ -31,9 +31,10 @@ def memtracker_step2_peak(spec: RunSpec, config: dict) -> int:
         mesh = make_mesh(spec, "cpu")
         meta = build_model(config, build_training(spec), "cpu", meta=True)
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_device_mesh_outside_fake())
+            stack.enter_context(_device_mesh_untracked(None))
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-            model = wrap_model(materialize_on_fake_cpu(meta), spec, mesh, config, fake=True)
+            stack.enter_context(_hf_full_length_mask())  # the same program as the oracle's
+            model = wrap_model(materialize_fake(meta), spec, mesh, config, fake=True)
             opt = build_method_optimizer(model, spec)
             batch = synthetic_batch(spec.training.micro_batch_size, spec.training.seq_len,
                                     config["vocab_size"], "cpu")
