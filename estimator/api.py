@@ -164,11 +164,10 @@ def _activation_split(segments: dict, peak: Replay, num_layers: int, b: int, s: 
     return layer_part, peak.peak_act_bytes - layer_part
 
 
-def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, coeffs, rank: int
+def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, rank: int
                    ) -> tuple[RankEstimate, methods.StepModel]:
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
-    table = expand_params(profile["params"], arch.num_layers)
     model = _step_model(spec, table, profile)
     segments = _regime(profile, b, s)["segments"]
     fb = replay(segments, arch.num_layers, b, s, grad_policy=model.grad_policy, extra_bytes=model.segment_extra)
@@ -200,15 +199,18 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     """Per-rank peak memory of ``spec``. ``coefficients``: a GPU coefficient file path or loaded object."""
 
     gpu = get_gpu(spec.gpu)
+    if gpu.capacity_bytes is None:
+        raise ValueError(f"gpu: {gpu.key!r} has no known capacity; name the GPU type (see --list-gpus)")
     arch = _arch(spec.model)
     check_spec(spec, arch)
     coeffs = coefficients if isinstance(coefficients, residuals.Coefficients) else \
         residuals.load_coefficients(gpu.key, coefficients)
     arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build)
     last = spec.parallel.world_size - 1
+    table = expand_params(profile["params"], arch.num_layers)
     ranks, model = [], None
     for rank in sorted({0, last}):
-        estimate_r, model = _rank_estimate(spec, arch, profile, coeffs, rank)
+        estimate_r, model = _rank_estimate(spec, arch, profile, table, coeffs, rank)
         ranks.append(estimate_r)
     worst = max(ranks, key=lambda r: r.peak_device_bytes)
     total, trainable = param_counts(profile["params"], arch.num_layers)

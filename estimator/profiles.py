@@ -8,7 +8,6 @@ torch (``estimator.profiler``) and is done once per key.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 from importlib import resources
@@ -83,7 +82,3 @@ def get_profile(config: dict, config_sha: str, training: TrainingSpec, *, allow_
     profile = build_profile(config, training)
     save_profile(key, profile)
     return profile
-
-
-def config_digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
