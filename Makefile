@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: predict test test-slow lint bench clean
+.PHONY: predict test test-slow lint bench calibrate report clean
 
 # The estimator's predict path is pure standard library: a bare venv with the package is enough.
 $(VENV)/.installed-core: pyproject.toml
@@ -32,6 +32,13 @@ lint: $(VENV)/.installed-dev
 
 bench: $(VENV)/.installed-dev
 	$(PY) benchmarks/bench_estimator.py
+
+# Fit estimator/coefficients/<gpu>.json from data/measurements/ (ARGS: --gpu KEY, --dry-run, ...).
+calibrate: $(VENV)/.installed-dev
+	$(PY) -m calibrate fit $(ARGS)
+
+report: $(VENV)/.installed-dev
+	$(PY) -m calibrate report $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -27,17 +27,18 @@ import json, sys, time, warnings
 warnings.filterwarnings("ignore")
 args = json.loads(sys.argv[1])
 from estimator.plan import plan
-t = time.perf_counter()
+t, c = time.perf_counter(), time.process_time()
 kw = {"gpus": args["gpus"], "gpu": args["gpu"], "seq_len": args["seq_len"], "attn": args["attn"]}
 p = plan(args["model"], **kw)
-first = time.perf_counter() - t
+first, first_cpu = time.perf_counter() - t, time.process_time() - c
 warm = []
 for _ in range(args["repeat"]):
     t = time.perf_counter()
     plan(args["model"], **kw)
     warm.append(time.perf_counter() - t)
 best = p.best.candidate.label + (" +ckpt" if p.best.candidate.grad_ckpt else "") if p.best else "nothing fits"
-print(json.dumps({"first_s": first, "warm_s": warm, "estimates": p.estimates, "best": best}))
+print(json.dumps({"first_s": first, "first_cpu_s": first_cpu, "warm_s": warm, "estimates": p.estimates,
+                  "best": best}))
 """
 
 
@@ -66,25 +67,28 @@ def main(argv: list[str] | None = None) -> int:
     models = args.models or catalogue_models()
 
     print(f"plan on {args.gpus} x {args.gpu}, seq {args.seq_len}, {args.attn}; budget {BUDGET_MS:.0f} ms per plan")
-    print(f"{'model':<48}{'estimates':>10}{'fresh ms':>10}{'warm ms':>9}  {'ok':<4}recommendation")
-    worst = 0.0
+    print(f"{'model':<48}{'estimates':>10}{'fresh ms':>10}{'cpu ms':>8}{'warm ms':>9}  {'ok':<4}recommendation")
+    worst = worst_cpu = 0.0
     for model in models:
         base = {"model": model, "gpus": args.gpus, "gpu": args.gpu, "seq_len": args.seq_len, "attn": args.attn,
                 "repeat": 0}
         t = time.perf_counter()
         warmup = _child(base)                                  # builds missing profiles: not timed
         if "error" in warmup:
-            print(f"{model:<48}{'-':>10}{'-':>10}{'-':>9}  {'-':<4}error: {warmup['error']}")
+            print(f"{model:<48}{'-':>10}{'-':>10}{'-':>8}{'-':>9}  {'-':<4}error: {warmup['error']}")
             continue
         runs = [_child({**base, "repeat": args.repeat}) for _ in range(args.runs)]
         fresh = statistics.median(r["first_s"] for r in runs) * 1e3
         warm = statistics.median(w for r in runs for w in r["warm_s"]) * 1e3 if args.repeat else float("nan")
-        worst = max(worst, fresh)
+        cpu = statistics.median(r["first_cpu_s"] for r in runs) * 1e3
+        worst, worst_cpu = max(worst, fresh), max(worst_cpu, cpu)
         ok = "yes" if fresh <= BUDGET_MS else "NO"
         note = f" (profile build {time.perf_counter() - t:.0f} s)" if warmup["first_s"] > 2 else ""
-        print(f"{model:<48}{runs[0]['estimates']:>10}{fresh:>10.0f}{warm:>9.0f}  {ok:<4}{runs[0]['best']}{note}")
-    print(f"worst fresh-process plan: {worst:.0f} ms ({'within' if worst <= BUDGET_MS else 'OVER'} the "
-          f"{BUDGET_MS:.0f} ms budget)")
+        print(f"{model:<48}{runs[0]['estimates']:>10}{fresh:>10.0f}{cpu:>8.0f}{warm:>9.0f}  {ok:<4}"
+              f"{runs[0]['best']}{note}")
+    print(f"worst fresh-process plan: {worst:.0f} ms wall, {worst_cpu:.0f} ms CPU "
+          f"({'within' if worst <= BUDGET_MS else 'OVER'} the {BUDGET_MS:.0f} ms budget; on a shared machine the "
+          "CPU time is what an idle core would take)")
     return 0
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -10,13 +9,14 @@ from typing import Any
 from estimator import methods, residuals
 from estimator.arch import ModelArch, resolve_arch
 from estimator.gpus import get_gpu
-from estimator.model_params import expand_params, param_counts
+from estimator.model_params import buffer_bytes, expand_params, param_counts, quantize_4bit
 from estimator.profiles import get_profile
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 from estimator.timeline import Replay, poly, replay
+from estimator.tp_plans import check_tp
 
 GIB = 1024**3
-COMPONENTS = ("weights", "gradients", "optimizer_states", "master_weights", "activations", "comm_buffers",
+COMPONENTS = ("weights", "buffers", "gradients", "optimizer_states", "master_weights", "activations", "comm_buffers",
               "gathered_params", "temporaries", "cublas_workspace")
 
 
@@ -94,43 +94,21 @@ def _arch(model: str) -> ModelArch:
     return resolve_arch(model)
 
 
-def _tp_local_config(config: dict, tp: int) -> dict:
-    """The per-rank compute of Megatron-style TP: heads, kv heads and MLP width divided, hidden kept."""
-    local = copy.deepcopy(config)
-    heads = config.get("num_attention_heads")
-    local["head_dim"] = config.get("head_dim") or config["hidden_size"] // heads
-    local["num_attention_heads"] = heads // tp
-    local["num_key_value_heads"] = (config.get("num_key_value_heads") or heads) // tp
-    local["intermediate_size"] = config["intermediate_size"] // tp
-    return local
-
-
-_TP_LOCAL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2")
-
-
 def check_spec(spec: RunSpec, arch: ModelArch) -> None:
     """Model-dependent validation (the spec validates itself on construction)."""
     training, parallel = spec.training, spec.parallel
     if arch.max_positions and training.seq_len > arch.max_positions:
         raise ValueError(f"seq_len: {training.seq_len} exceeds the model's {arch.max_positions} positions")
-    tp = parallel.tp
-    if tp > 1:
-        if arch.num_heads % tp or arch.num_kv_heads % tp:
-            raise ValueError(f"tp: {tp} does not divide the model's {arch.num_heads} attention heads / "
-                             f"{arch.num_kv_heads} kv heads")
-        if arch.model_type not in _TP_LOCAL_FAMILIES:
-            raise ValueError(f"tp: tensor-parallel estimates are available for {', '.join(_TP_LOCAL_FAMILIES)} "
-                             f"families, not {arch.model_type!r} yet")
-        if arch.ffn_size % tp:
-            raise ValueError(f"tp: {tp} does not divide the MLP width {arch.ffn_size}")
+    if parallel.tp > 1:
+        check_tp(arch, parallel.tp)  # "tp: ..." for a family without a plan or a split that does not divide
 
 
 def load_model_profile(model: str, training: TrainingSpec, tp: int = 1, *, allow_build: bool = True
                        ) -> tuple[ModelArch, dict]:
+    """The architecture and its profile; ``tp > 1``: the profile of one rank of the ``tp``-way TP model (local
+    shards in its parameter table, replicated parts and full logits in its activations)."""
     arch = _arch(model)
-    config = arch.config if tp == 1 else _tp_local_config(arch.config, tp)
-    sha = arch.config_sha if tp == 1 else f"{arch.config_sha}-tp{tp}"
-    return arch, get_profile(config, sha, training, allow_build=allow_build)
+    return arch, get_profile(arch.config, arch.config_sha, training, allow_build=allow_build, tp=tp)
 
 
 def _regime(profile: dict, b: int, s: int) -> dict:
@@ -164,27 +142,53 @@ def _activation_split(segments: dict, peak: Replay, num_layers: int, b: int, s: 
     return layer_part, peak.peak_act_bytes - layer_part
 
 
+def _dequantized_weight_bytes(table: list) -> float:
+    return float(max((p.numel * p.elem_bytes for p in table if p.stored_bytes_per_elem is not None), default=0))
+
+
+def _replay(model: methods.StepModel, segments: dict, num_layers: int, b: int, s: int, *, accumulating: bool
+            ) -> Replay:
+    if model.replay is not None:
+        return model.replay(segments, num_layers, b, s, accumulating)
+    policy = model.grad_policy
+    if accumulating:
+        held, in_flight = model.accumulated_grad_bytes, model.largest_grad_bytes
+
+        def policy(prev: float, within: float) -> float:
+            return held + min(within, in_flight)
+    return replay(segments, num_layers, b, s, grad_policy=policy, extra_bytes=model.segment_extra)
+
+
 def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, rank: int
                    ) -> tuple[RankEstimate, methods.StepModel]:
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
     model = _step_model(spec, table, profile)
     segments = _regime(profile, b, s)["segments"]
-    fb = replay(segments, arch.num_layers, b, s, grad_policy=model.grad_policy, extra_bytes=model.segment_extra)
-    resident = sum(model.resident.values())
+    fb = _replay(model, segments, arch.num_layers, b, s, accumulating=False)
+    if training.grad_accum_steps > 1:  # later micro-batches start with every gradient held
+        later = _replay(model, segments, arch.num_layers, b, s, accumulating=True)
+        if later.peak_bytes > fb.peak_bytes:
+            fb = later
+    buffers = buffer_bytes(profile["params"], arch.num_layers)  # module buffers: every rank, never sharded
+    resident = sum(model.resident.values()) + buffers
     workspace = residuals.cublas_workspace_bytes(coeffs)
-    fb_total = resident + fb.peak_bytes
+    # QLoRA dequantizes one frozen weight to 16 bits for each matmul, forward and backward.
+    fb_total = resident + fb.peak_bytes + _dequantized_weight_bytes(table)
     step_total = resident + max(fb.end_act_bytes, 0.0) + model.step_grads + model.step_temp
     layer_act, other_act = _activation_split(segments, fb, arch.num_layers, b, s)
     if fb_total >= step_total:
         extra = model.segment_extra(fb.peak_segment) if model.segment_extra else 0.0
         parts = {**model.resident, "gradients": fb.peak_grad_bytes, "activations": layer_act + other_act,
                  "gathered_params": extra}
+        for key, value in fb.peak_parts.items():
+            parts[key] = parts.get(key, 0.0) + value
         phase = fb.phase
     else:
         parts = {**model.resident, "gradients": model.step_grads, "activations": max(fb.end_act_bytes, 0.0),
                  "temporaries": model.step_temp}
         phase = "optimizer_step"
+    parts["buffers"] = buffers
     parts["cublas_workspace"] = workspace
     breakdown = {k: int(round(parts.get(k, 0.0))) for k in COMPONENTS if parts.get(k)}
     allocated = int(round(max(fb_total, step_total) + workspace))
@@ -208,6 +212,8 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build)
     last = spec.parallel.world_size - 1
     table = expand_params(profile["params"], arch.num_layers)
+    if spec.training.qlora:
+        table = quantize_4bit(table)
     ranks, model = [], None
     for rank in sorted({0, last}):
         estimate_r, model = _rank_estimate(spec, arch, profile, table, coeffs, rank)
@@ -221,17 +227,14 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         notes.append(f"attn: {arch.model_type} has no {spec.training.attn} path; estimated as "
                      f"{profile.get('attn_effective')}, as transformers would run it")
     if spec.parallel.tp > 1:
-        total, trainable = param_counts(_arch_profile_full(spec), arch.num_layers)
-        notes.append("tp: activations from the per-rank local compute (heads and MLP split); "
-                     "DTensor redistribution temporaries not modelled")
+        notes.append("tp: traced profile of one TP rank (decoder-layer linears split; embeddings, norms and lm_head "
+                     "replicated, so every rank holds the full logits)")
     if spec.training.qlora:
-        notes.append("qlora: 4-bit base approximated; profile of the 16-bit LoRA model")
+        notes.append("qlora: frozen linear weights as bitsandbytes NF4 with double quantization (0.516 B/weight); "
+                     "activations from the 16-bit LoRA profile plus one dequantized weight in flight")
+    notes += residuals.range_notes(coeffs, spec, gpu_key=gpu.key, params=total, model_family=arch.model_type)
     upper = residuals.upper_bound_bytes(worst.peak_device_bytes, coeffs)
     return Estimate(spec=spec, ranks=ranks, worst_rank=worst.rank, capacity_bytes=gpu.capacity_bytes,
                     upper_bound_bytes=upper, host_ram_bytes=int(model.host_bytes) if model else 0,
                     calibrated=coeffs.calibrated, gpu_key=gpu.key, params=total, trainable_params=trainable,
                     notes=notes)
-
-
-def _arch_profile_full(spec: RunSpec) -> dict:
-    return load_model_profile(spec.model, spec.training)[1]["params"]

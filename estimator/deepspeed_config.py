@@ -23,8 +23,8 @@ Mapping to methods:
   fp32 master + Adam states, and gradients are all-reduced. That is ``ddp`` on several GPUs and
   ``single`` on one.
 * Stages 1, 2 and 3 map to ``zero1``, ``zero2`` and ``zero3``.
-* Any CPU/NVMe offload maps to ``zero_offload``, with ``ZeroSpec.offload_optimizer`` / ``offload_param``
-  set.
+* Optimizer offload at stage 1 or 2 maps to ``zero_offload`` (ZeRO-Offload); at stage 3 the method stays
+  ``zero3`` with ``ZeroSpec.offload_optimizer`` / ``offload_param`` set (ZeRO-3 Offload, ZeRO-Infinity).
 """
 
 from __future__ import annotations
@@ -272,7 +272,9 @@ def spec_from_deepspeed(ds_config: dict[str, Any] | str | Path, base: RunSpec, h
         _fail("zero_optimization", f"the base spec has tensor parallelism (tp={base.parallel.tp}); a DeepSpeed "
                                    f"config maps to data-parallel methods only")
     world = base.parallel.world_size
-    if opt_on or param_on:
+    if stage == 3:  # ZeRO-3 Offload / ZeRO-Infinity: stage 3 with the offload flags
+        method = "zero3"
+    elif opt_on:
         method = "zero_offload"
     elif stage == 0:
         method = "single" if world == 1 else "ddp"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,8 +27,10 @@ CDP_BONUS = 1.5
 OFFLOAD = "CPU offload"
 
 # The paper's setting for Table 3 (llmem-paper.md §4: Colossal-AI Gemini fp16, HybridAdam, checkpointing on,
-# HF 4.29 eager attention, Alpaca truncated to 512).
-PAPER = {"gpus": 4, "gpu": "v100-16gb", "seq_len": 512, "precision": "mixed_fp16", "attn": "eager"}
+# HF 4.29 eager attention, Alpaca truncated to 512). HybridAdam is a fused multi-tensor CUDA Adam: no
+# per-group temporaries, which is what ``adamw_fused`` models (torch's foreach AdamW would add a sqrt buffer).
+PAPER = {"gpus": 4, "gpu": "v100-16gb", "seq_len": 512, "precision": "mixed_fp16", "attn": "eager",
+         "optimizer": "adamw_fused"}
 # Table 3 (llmem-paper.md §5.6, from the [deep-dive] reading): LLMem's selection and the measured
 # fine-tuning times in seconds (None = OOM). "4DP" is ADP (Gemini, ZeRO-3-like).
 TABLE3: dict[str, tuple[str, dict[str, int | None]]] = {
@@ -52,7 +55,7 @@ def column_of(method: str, tp: int = 1) -> str:
         return "4TP"
     if method == "dp_tp":
         return "2DP+2TP" if tp == 2 else f"dp_tp tp={tp}"
-    if method == "zero_offload":
+    if method in ("zero_offload", "zero3_offload", "zero_infinity"):
         return OFFLOAD
     return "4DP"
 
@@ -102,7 +105,7 @@ def _layout(name: str, gpus: int) -> tuple[str, int] | None:
 
 def _spec(model: str, method: str, gpus: int, tp: int, gpu: str, seq_len: int) -> RunSpec:
     training = TrainingSpec(micro_batch_size=1, seq_len=seq_len, precision=PAPER["precision"], grad_ckpt=True,
-                            attn=PAPER["attn"])
+                            attn=PAPER["attn"], optimizer=PAPER["optimizer"])
     return RunSpec(model=model, gpu=gpu, training=training,
                    parallel=ParallelSpec(method=method, world_size=gpus, tp=tp))
 
@@ -118,7 +121,8 @@ def _llmem_batches(model: str, layouts: dict[str, tuple[str, int]], gpus: int, g
     except ImportError:
         return _fallback_batches(model, layouts, gpus, gpu, seq_len, reasons)
     arch, profile = load_model_profile(model, TrainingSpec(precision=PAPER["precision"], grad_ckpt=True,
-                                                           attn=PAPER["attn"], seq_len=seq_len))
+                                                           attn=PAPER["attn"], seq_len=seq_len,
+                                                           optimizer=PAPER["optimizer"]))
     params = expand_params(profile["params"], arch.num_layers)
     batches: dict[str, int] = {}
     for name, (method, tp) in layouts.items():
@@ -173,6 +177,7 @@ class Comparison:
     ours_menu: dict[str, Any] | None          # our best within LLMem's menu (ddp, zero3/fsdp, tp, dp_tp 2x2)
     columns: dict[str, dict[str, Any]]        # per Table 3 column: our fit, mb, tokens/s, reason
     explanation: list[str]
+    at_llmem_batch: dict[str, Any] | None = None   # our estimate of our pick's layout at LLMem's batch
 
     @property
     def measured_fastest(self) -> str:
@@ -183,7 +188,7 @@ class Comparison:
         return {"model": self.model, "paper_choice": self.paper_choice, "measured_s": self.measured_s,
                 "measured_fastest": self.measured_fastest, "llmem_algorithm1": self.llmem.to_dict(),
                 "ours": self.ours, "ours_llmem_menu": self.ours_menu, "columns": self.columns,
-                "explanation": self.explanation}
+                "at_llmem_batch": self.at_llmem_batch, "explanation": self.explanation}
 
 
 def _pick(res) -> dict[str, Any] | None:
@@ -200,7 +205,8 @@ def compare_model(model: str, *, estimate_fn=None) -> Comparison:
     paper_choice, measured = TABLE3[model]
     baseline = algorithm1(model, gpus=PAPER["gpus"], gpu=PAPER["gpu"], seq_len=PAPER["seq_len"])
     ours = plan(model, gpus=PAPER["gpus"], gpu=PAPER["gpu"], seq_len=PAPER["seq_len"],
-                precision=PAPER["precision"], attn=PAPER["attn"], ckpt_options=(True,), advise=False,
+                precision=PAPER["precision"], attn=PAPER["attn"], optimizer=PAPER["optimizer"],
+                ckpt_options=(True,), advise=False,
                 estimate_fn=estimate_fn)
     menu = {"ddp", "zero3", "fsdp", "tp"}          # FSDP full sharding is ADP too (baselines.LLMEM_METHODS)
     in_menu = [r for r in ours.results if r.fits and r.time and (r.candidate.method in menu or (
@@ -208,15 +214,76 @@ def compare_model(model: str, *, estimate_fn=None) -> Comparison:
     best_menu = max(in_menu, key=lambda r: r.tokens_per_s, default=None)
     columns: dict[str, dict[str, Any]] = {}
     for column, (method, tp) in COLUMN_LAYOUT.items():
-        res = next((r for r in ours.results if r.candidate.method == method and r.candidate.tp == tp), None)
-        columns[column] = {"fits": bool(res and res.fits), "status": res.status if res else "absent",
+        # the column's best layout of ours: 4DP is zero3 or fsdp (both shard everything, as Gemini does)
+        family = [r for r in ours.results if r.candidate.tp == tp and (
+            r.candidate.method in (("zero3", "fsdp") if method == "zero3" else (method,)))]
+        res = max(family, key=lambda r: (r.fits, r.tokens_per_s), default=None)
+        columns[column] = {"layout": res.candidate.label if res else None,
+                           "fits": bool(res and res.fits), "status": res.status if res else "absent",
                            "micro_batch": res.micro_batch if res else 0,
                            "tokens_per_s": round(res.tokens_per_s, 1) if res and res.time else None,
-                           "reason": res.reason if res and not res.fits else ""}
+                           "reason": res.reason if res and not res.fits else "",
+                           "why_slower": res.reason if res and res.fits and res.rank != 1 else ""}
     comp = Comparison(model=model, paper_choice=paper_choice, measured_s=measured, llmem=baseline,
                       ours=_pick(ours.best), ours_menu=_pick(best_menu), columns=columns, explanation=[])
+    for info in columns.values():                 # where ours runs out of memory: at what, and by how much
+        res = next((r for r in ours.results if r.candidate.label == info["layout"]), None)
+        if res is not None and res.status == "oom":
+            info["detail"] = detail = _estimate_detail(model, res.candidate, 1, estimate_fn)
+            if detail and res.candidate.tp > 1:
+                from estimator.plan import model_shape
+                shape, tp = model_shape(model), res.candidate.tp
+                rep = shape.replicated_params
+                detail["replicated_params"] = rep
+                detail["replicated_share"] = round(rep / (rep + (shape.params - rep) / tp), 3)
+    comp.at_llmem_batch = _at_llmem_batch(comp, ours, estimate_fn)
     comp.explanation = explain(comp)
     return comp
+
+
+def _estimate_detail(model: str, cand, batch: int, estimate_fn) -> dict[str, Any] | None:
+    """Our estimate of ``cand`` at ``batch`` in the paper's setting: peaks, phase and largest components (GiB)."""
+    from estimator.plan import _default_estimate
+    training = TrainingSpec(micro_batch_size=batch, seq_len=PAPER["seq_len"], precision=PAPER["precision"],
+                            grad_ckpt=True, attn=PAPER["attn"], optimizer=PAPER["optimizer"])
+    spec = RunSpec(model=model, gpu=PAPER["gpu"], training=training, parallel=cand.parallel_spec())
+    try:
+        est = (estimate_fn or _default_estimate())(spec)
+    except ValueError:
+        return None
+    gib = 1024**3
+    parts = dict(getattr(est, "breakdown", {}) or {})
+    top = sorted(((k, v / gib) for k, v in parts.items()), key=lambda kv: -kv[1])
+    phase = str(getattr(est, "phase", "") or "").split(" (")[0]
+    return {"layout": cand.label, "batch": batch, "phase": phase, "peak_gib": round(est.peak_device_bytes / gib, 2),
+            "bound_gib": round(est.upper_bound_bytes / gib, 2), "capacity_gib": round(est.capacity_bytes / gib, 2),
+            "top": [(k, round(v, 2)) for k, v in top[:3]]}
+
+
+def _at_llmem_batch(comp: Comparison, ours, estimate_fn) -> dict[str, Any] | None:
+    """Our estimate, at LLMem's batch, of our best layout in the column LLMem picked: where the two memory models
+    part ways (the largest components of ours at that batch)."""
+    alg = comp.llmem
+    column = PAPER_COLUMN.get(alg.method)
+    info = comp.columns.get(column or "", {})
+    res = next((r for r in ours.results if r.candidate.label == info.get("layout")), None)
+    if res is None or not res.fits or alg.batch <= res.max_micro_batch:
+        return None
+    detail = _estimate_detail(comp.model, res.candidate, alg.batch, estimate_fn)
+    return {**detail, "max_micro_batch": res.max_micro_batch} if detail else None
+
+
+def _detail_text(d: dict[str, Any]) -> str:
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in d["top"])
+    margin = (f"the mean estimate {d['peak_gib']:.1f} GiB fits; only the uncalibrated safety bound "
+              f"{d['bound_gib']:.1f} GiB exceeds {d['capacity_gib']:.1f} GiB" if d["peak_gib"] <= d["capacity_gib"]
+              else f"device peak {d['peak_gib']:.1f} GiB, bound {d['bound_gib']:.1f} > {d['capacity_gib']:.1f} GiB")
+    text = f"{margin}; the peak is in the {d['phase'] or 'step'} ({parts} GiB)"
+    if d.get("replicated_params"):
+        text += (f"; our TP keeps the {d['replicated_params'] / 1e6:,.0f}M embedding/LM-head parameters whole on every "
+                 f"rank ({d['replicated_share']:.0%} of each rank's parameters and their optimizer states), where the "
+                 "paper's Colossal-AI 1D TP splits every parameter, embeddings included (llmem-paper.md §2.7)")
+    return text
 
 
 def _time_ratios(comp: Comparison) -> tuple[dict[str, float], dict[str, float]]:
@@ -240,40 +307,68 @@ def _ours_column(comp: Comparison) -> str:
     return comp.ours["column"] if comp.ours else OFFLOAD     # nothing fits: the paper's "CPU offload" row
 
 
+LLMEM_NAME = {"4DP": "ADP", "4TP": "TP", "2DP+2TP": "DP+TP"}
+
+
+def _paper_pick_condition(alg: LlmemChoice, paper_choice: str) -> str:
+    """What Algorithm 1's own scores would need for it to pick the paper's method: derived from its rule."""
+    if paper_choice == OFFLOAD:
+        live = [m for m, _ in MENU if alg.batches.get(m)]
+        return (f" The paper's CPU-offload answer needs every method at batch 0; these equations fit "
+                f"{', '.join(f'{m} at {alg.batches[m]}' for m in live)}.")
+    want = LLMEM_NAME[paper_choice]
+    target = alg.scores.get(want, 0.0)
+    if target <= 0:
+        return f" The paper's {want} has no batch that fits by these equations (score 0), so it cannot win."
+    order = [m for m, _ in MENU]
+    needs = []
+    for name in order:
+        batch, score = alg.batches.get(name, 0), alg.scores.get(name, 0.0)
+        strict = order.index(name) < order.index(want)            # ties go to the earlier method
+        if name == want or not batch or (score < target if strict else score <= target):
+            continue
+        bound = target / (score / batch)                            # the batch at which its score meets the target
+        limit = max((math.ceil(bound) - 1) if strict else math.floor(bound), 0)
+        needs.append(f"{name}'s batch <= {limit} (these equations give {batch})")
+    return (f" For Algorithm 1 to pick {want} (score {target:g}) it needs {' and '.join(needs)}. The equations are a "
+            "reconstruction that computes m_base and the chunk memory LLMem measured on the GPU "
+            "(llmem-paper.md §6.3), so batches near the limit can differ from the paper's run.")
+
+
 def explain(comp: Comparison) -> list[str]:
-    """Why each pick differs (or agrees), as sentences built from the numbers."""
+    """Why each pick differs (or agrees), as sentences built from the numbers of this comparison."""
     out: list[str] = []
     alg, fastest, ours = comp.llmem, comp.measured_fastest, comp.ours
     if PAPER_COLUMN[alg.method] == comp.paper_choice:
         out.append(f"Algorithm 1 on LLMem's equations reproduces the paper's pick {comp.paper_choice} "
                    f"(batch->score: {_scores_text(alg)}).")
     else:
-        why = ""
-        if alg.method == "DP+TP" and comp.paper_choice == "4TP":
-            why = (f" The paper's TP pick needs DP+TP's batch <= TP's / 2; these equations give "
-                   f"{alg.batches['DP+TP']} vs {alg.batches['TP']}. LLMem measured m_base and the chunk memory on "
-                   "the GPU rather than computing them, and its DP+TP fp16 term is exact only for 2x2.")
         out.append(f"Algorithm 1 on LLMem's equations picks {alg.method} (batch->score: {_scores_text(alg)}); "
-                   f"the paper reports {comp.paper_choice}.{why}")
+                   f"the paper reports {comp.paper_choice}.{_paper_pick_condition(alg, comp.paper_choice)}")
     column = _ours_column(comp)
     if ours is None:
-        out.append("Ours: nothing fits at micro-batch 1, not even ZeRO-Offload; the advice names the GPU count "
+        out.append("Ours: nothing fits at micro-batch 1, not even with CPU offload; the advice names the GPU count "
                    "that would. The paper likewise found no GPU-resident method (its answer: CPU offload).")
     elif column == fastest:
         line = f"Ours picks {ours['label']} (micro-batch {ours['micro_batch']}) in the measured fastest layout {fastest}."
-        if column == "4DP" and alg.batches.get("ADP"):
-            line += (f" LLMem's ADP batch is {alg.batches['ADP']}: its equations put the peak at the loss with no "
-                     "margin; ours is a safety bound that also counts DeepSpeed/FSDP buffers and the backward.")
+        check = comp.at_llmem_batch
+        if check and PAPER_COLUMN[alg.method] == column:
+            line += (f" LLMem's {alg.method} batch is {alg.batch}; at that batch ours predicts, on {check['layout']}: "
+                     f"{_detail_text(check)}, so ours stops at {check['max_micro_batch']}. LLMem puts the peak at "
+                     "the loss and leaves out the allocator, CUDA context and NCCL memory.")
         out.append(line)
     else:
         info = comp.columns.get(fastest, {})
-        if info.get("status") == "invalid":
+        if fastest == OFFLOAD:
+            cause = "the paper found no GPU-resident layout; ours fits one"
+        elif info.get("status") == "invalid":
             cause = f"ours cannot estimate {fastest} for this model ({info['reason']})"
         elif info.get("status") == "oom":
             cause = f"ours says {fastest} does not fit ({info['reason']}) although the paper ran it"
         elif info.get("tokens_per_s") and ours.get("tokens_per_s"):
-            cause = (f"ours predicts {fastest} at {info['tokens_per_s'] / ours['tokens_per_s']:.2f}x the throughput "
-                     f"of its pick")
+            why = info.get("why_slower", "").split(": ", 1)[-1]
+            cause = (f"ours predicts {fastest} ({info.get('layout')}) at {info['tokens_per_s'] / ours['tokens_per_s']:.2f}x "
+                     f"the throughput of its pick" + (f" ({why})" if why else ""))
         else:
             cause = "the layouts differ"
         out.append(f"Ours picks {ours['label']} ({column}, micro-batch {ours['micro_batch']}); the paper measured "
@@ -290,12 +385,18 @@ def explain(comp: Comparison) -> list[str]:
         elif info["status"] == "oom" and measured is None:
             out.append(f"{name}: out of memory in both (ours: {info['reason']}).")
         elif info["fits"] and measured is None:
-            out.append(f"{name}: ours fits micro-batch {info['micro_batch']} where the paper measured OOM "
-                       "(Gemini keeps the whole fp16 model gathered through the forward and pre-allocates "
-                       "whole chunks; DeepSpeed/FSDP release each layer's gathered weights).")
+            llmem_batch = alg.batches.get(LLMEM_NAME[name], 0)
+            agree = (f"LLMem's own equations give {LLMEM_NAME[name]} batch {llmem_batch}"
+                     + (", agreeing with the paper" if llmem_batch == 0 else ", yet the paper's run ran out of memory"))
+            out.append(f"{name}: ours fits {info['layout']} at micro-batch {info['micro_batch']} where the paper "
+                       f"measured OOM; {agree}. Gemini (Colossal-AI 0.3.0) keeps every fp16 chunk gathered until its "
+                       "gradients are reduced, so the whole fp16 model is resident at the end of the forward "
+                       "(llmem-paper.md §2.6); DeepSpeed ZeRO-3 and FSDP release each layer's gathered weights.")
         elif info["status"] == "oom" and measured is not None:
-            out.append(f"{name}: ours says it does not fit ({info['reason']}) but the paper ran it: our bound "
-                       "carries the uncalibrated safety margin and DeepSpeed/FSDP buffers.")
+            detail = info.get("detail")
+            why = f"{_detail_text(detail)}" if detail else info["reason"]
+            out.append(f"{name}: ours says {info['layout']} does not fit at micro-batch 1 but the paper ran it: "
+                       f"{why}.")
     for reason, names in invalid.items():
         out.append(f"{' and '.join(names)}: not {'candidates' if len(names) > 1 else 'a candidate'} for ours "
                    f"({reason}).")
@@ -304,6 +405,13 @@ def explain(comp: Comparison) -> list[str]:
     if len(both) > 1:
         pairs = ", ".join(f"{k} {m_ratio[k]:.2f}/{p_ratio[k]:.2f}" for k in both)
         out.append(f"Time relative to {fastest} (measured/predicted): {pairs}.")
+        off = [k for k in both if k != fastest and not 0.8 <= p_ratio[k] / m_ratio[k] <= 1.25]
+        for k in off:
+            why = comp.columns[k].get("why_slower", "").split(": ", 1)[-1]
+            side = "under" if p_ratio[k] < m_ratio[k] else "over"
+            out.append(f"{k}: ours {side}-predicts its slowdown ({p_ratio[k]:.2f}x vs {m_ratio[k]:.2f}x measured); in "
+                       f"the throughput model it loses on: {why or 'n/a'}. Priors, not fitted: compute efficiency "
+                       "(no V100 runs), TP all-reduce overlap 0, link bandwidth from the catalogue.")
     if alg.method in ("TP", "DP+TP") and column == "4DP":
         out.append("LLMem scores TP by its batch alone; ours charges TP its narrow GEMMs, replicated LM head "
                    "and per-layer all-reduces, so data parallelism wins wherever a sharded DP layout fits.")

@@ -29,6 +29,13 @@ class StepModel:
     host_bytes: float = 0.0                           # CPU RAM (offload)
     notes: list[str] = field(default_factory=list)
     extra_components: dict[str, str] = field(default_factory=dict)
+    # A method that changes the step's event sequence replays it itself:
+    # (segments, layers, b, s, accumulating) -> Replay.
+    replay: Callable | None = None
+    # Gradient accumulation, micro-batches after the first: gradients already held, and the largest one
+    # that can be in flight before autograd adds it in place.
+    accumulated_grad_bytes: float = 0.0
+    largest_grad_bytes: float = 0.0
 
 
 def _trainable(table: list[ParamInfo]) -> list[ParamInfo]:
@@ -80,26 +87,49 @@ def _full(prev: float, within: float) -> float:
     return prev + within
 
 
+def _optimizer_groups(table: list[ParamInfo]) -> list[list[ParamInfo]]:
+    """Trainable params per optimizer, in step order: one group, except on a ``tp`` rank, where DTensor params
+    and plain (replicated) ones have one optimizer each, stepped in that order (``ParamInfo.opt_group``;
+    ``estimator.profiler.tp.build_tp_optimizer``)."""
+    groups: dict[int, list[ParamInfo]] = {}
+    for p in _trainable(table):
+        groups.setdefault(p.opt_group, []).append(p)
+    return [groups[k] for k in sorted(groups)]
+
+
 def single(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
-    """One GPU, or any replicated-model rank. Mixed precision: MasterWeightOptimizer (build.py)."""
+    """One GPU, or any replicated-model rank (a ``tp`` rank: its local shards). Mixed precision:
+    MasterWeightOptimizer (build.py), one per optimizer group."""
     training = spec.training
     mixed = training.precision.startswith("mixed_")
     grads = grad_bytes(table)
     resident = {"weights": weights_bytes(table),
                 "optimizer_states": optimizer_state_bytes(table, training.optimizer, mixed)}
+    groups = _optimizer_groups(table)
     if mixed:
         resident["master_weights"] = master_bytes(table)
-        # Grads are converted to fp32 one tensor at a time (the 16-bit one freed at once).
-        last = _trainable(table)[-1] if _trainable(table) else None
-        fp32_grads = sum(FP32 * p.numel for p in _trainable(table))
-        convert_peak = (last.nbytes if last and last.elem_bytes < FP32 else 0.0)
-        step_grads = float(fp32_grads)
-        step_temp = max(convert_peak, step_temp_bytes(table, training.optimizer, True))
+        # Each optimizer in turn converts its grads to fp32 one tensor at a time (the 16-bit one freed at once),
+        # steps, and drops its fp32 grads; later optimizers' grads are still 16-bit meanwhile.
+        phases = [(0.0, 0.0)]
+        for k, group in enumerate(groups):
+            last = group[-1]
+            fp32_grads = sum(FP32 * p.numel for p in group)
+            later16 = sum(p.nbytes for g in groups[k + 1:] for p in g)
+            convert_peak = last.nbytes if last.elem_bytes < FP32 else 0.0
+            phases.append((float(fp32_grads + later16),
+                           max(convert_peak, step_temp_bytes(group, training.optimizer, True))))
+        step_grads, step_temp = max(phases, key=sum)
     else:
+        # Every grad is held until zero_grad; each optimizer's foreach temporaries are freed before the next's.
         step_grads = grads
-        step_temp = step_temp_bytes(table, training.optimizer, False)
+        step_temp = max((step_temp_bytes(group, training.optimizer, False) for group in groups), default=0.0)
     return StepModel(resident=resident, grad_policy=_full, segment_extra=None,
-                     step_grads=step_grads, step_temp=step_temp)
+                     step_grads=step_grads, step_temp=step_temp, accumulated_grad_bytes=grads,
+                     largest_grad_bytes=_largest_grad(table))
+
+
+def _largest_grad(table: list[ParamInfo]) -> float:
+    return float(max((p.nbytes for p in _trainable(table)), default=0))
 
 
 def ddp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
@@ -115,49 +145,46 @@ def _shard_rows(p: ParamInfo, world: int) -> int:
     return math.ceil(rows / world) * (p.numel // rows if rows else 0)
 
 
+def _fsdp_group_sizes(params: list[ParamInfo], world: int, reduce_elem: Callable[[ParamInfo], int]
+                      ) -> tuple[float, float, float]:
+    """(unsharded bytes, all-gather buffer bytes, reduce-scatter input bytes) of one FSDP2 group."""
+    unsharded = sum(p.nbytes for p in params)
+    gather = world * sum(_shard_rows(p, world) * p.elem_bytes for p in params)
+    rs_in = world * sum(_shard_rows(p, world) * reduce_elem(p) for p in _trainable(params))
+    return float(unsharded), float(gather), float(rs_in)
+
+
 def fsdp(spec: RunSpec, table: list[ParamInfo], layer_prefix: str) -> StepModel:
     """FSDP2 ``fully_shard`` per decoder layer then root; mixed_*: fp32 sharded params, 16-bit compute,
-    fp32 gradient reduction (MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32))."""
+    fp32 gradient reduction (MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)). The step's
+    buffers are replayed event by event (``estimator.fsdp``)."""
+    from estimator.fsdp import FsdpSizes, replay_fsdp
+
     training = spec.training
     world = spec.parallel.world_size
     mixed = training.precision.startswith("mixed_")
-    compute_elem = {p.name: p.elem_bytes for p in table}
-    shard_elem = {p.name: (FP32 if mixed else p.elem_bytes) for p in table}
-    sharded = sum(_shard_rows(p, world) * shard_elem[p.name] for p in table)
-    sharded_grads = sum(_shard_rows(p, world) * shard_elem[p.name] for p in _trainable(table))
-    trainable_shard = [ParamInfo(p.name, p.shape, _shard_rows(p, world), shard_elem[p.name], True,
+
+    def shard_elem(p: ParamInfo) -> int:
+        return FP32 if mixed else p.elem_bytes
+
+    trainable_shard = [ParamInfo(p.name, p.shape, _shard_rows(p, world), shard_elem(p), True,
                                  p.module_kind, p.layer) for p in _trainable(table)]
-    layer_full = {}
-    for p in table:
-        key = p.layer if p.layer is not None else "root"
-        layer_full[key] = layer_full.get(key, 0.0) + p.numel * compute_elem[p.name]
-    root_full = layer_full.get("root", 0.0)
-    one_layer = max((v for k, v in layer_full.items() if k != "root"), default=0.0)
-    grads_total = grad_bytes(table)
-    layer_grads = max(grads_total - sum(p.nbytes for p in _trainable(table) if p.layer is None), 0.0)
-    num_layers = max((p.layer for p in table if p.layer is not None), default=-1) + 1
-    per_layer_grads = layer_grads / max(num_layers, 1)
-    shard_ratio = sharded_grads / max(grads_total, 1.0)
-
-    def held_grads(prev: float, within: float) -> float:
-        # Finished units are reduce-scattered to shards; the current unit's unsharded grads are live.
-        return prev * shard_ratio + within
-
-    def gathered(segment: str) -> float:
-        # Root stays unsharded from its pre-forward to its post-backward; one layer unsharded at a time in
-        # forward, two in backward (the current one and the prefetched next).
-        if segment in ("prefix", "mid_fw", "mid_bw", "suffix"):
-            return root_full
-        if segment.startswith("fw"):
-            return root_full + one_layer
-        return root_full + 2 * one_layer + per_layer_grads * (FP32 / 2 if mixed else 1)
-
-    resident = {"weights": float(sharded),
+    root = [p for p in table if p.layer is None]
+    first_layer = min((p.layer for p in table if p.layer is not None), default=None)
+    layer = [p for p in table if p.layer is not None and p.layer == first_layer]
+    root_bytes, root_gather, root_rs = _fsdp_group_sizes(root, world, shard_elem)
+    layer_bytes, layer_gather, layer_rs = _fsdp_group_sizes(layer, world, shard_elem)
+    sizes = FsdpSizes(root_bytes=root_bytes, root_gather_bytes=root_gather, layer_bytes=layer_bytes,
+                      layer_gather_bytes=layer_gather, layer_rs_in_bytes=layer_rs,
+                      layer_rs_out_bytes=layer_rs / world, root_rs_in_bytes=root_rs,
+                      root_rs_out_bytes=root_rs / world)
+    resident = {"weights": float(sum(_shard_rows(p, world) * shard_elem(p) for p in table)),
                 "optimizer_states": optimizer_state_bytes(trainable_shard, training.optimizer, False)}
-    return StepModel(resident=resident, grad_policy=held_grads, segment_extra=gathered,
-                     step_grads=float(sharded_grads),
+    return StepModel(resident=resident, grad_policy=_full, segment_extra=None,
+                     step_grads=float(sum(p.nbytes for p in trainable_shard)),
                      step_temp=step_temp_bytes(trainable_shard, training.optimizer, False),
-                     extra_components={"segment_extra": "gathered_params"})
+                     replay=lambda segments, num_layers, b, s, accumulating=False: replay_fsdp(
+                         segments, num_layers, b, s, sizes, accumulating=accumulating))
 
 
 def _zero_buffers(zero: ZeroSpec, stage: int, elem: int, grads_total: float) -> float:
@@ -176,9 +203,8 @@ def zero(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
     world = parallel.world_size
     stage = parallel.zero_stage
     offload_opt = parallel.method == "zero_offload" or zcfg.offload_optimizer
-    offload_param = zcfg.offload_param
-    if offload_param:
-        stage = 3
+    # DeepSpeed offloads parameters only under stage 3 (ZeRO-Infinity); below it offload_param is ignored.
+    offload_param = zcfg.offload_param and stage == 3
     mixed = training.precision.startswith("mixed_") or training.precision == "bf16"
     elem16 = min(p.elem_bytes for p in table)
     trainable = _trainable(table)
@@ -203,7 +229,7 @@ def zero(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
         persistent = sum(p.nbytes for p in table if p.numel <= zcfg.stage3_param_persistence_threshold)
         resident["weights"] = 0.0 if offload_param else weights * part + persistent
         if offload_param:
-            host += weights
+            host += weights * part  # each rank offloads its own partition
         live = min(zcfg.stage3_prefetch_bucket_size * elem16 + max(p.nbytes for p in table),
                    zcfg.stage3_max_live_parameters * elem16)
         layer_bytes: dict[int | None, float] = {}
@@ -233,7 +259,8 @@ def zero(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
         return prev * part + within
 
     return StepModel(resident=resident, grad_policy=held, segment_extra=extra, step_grads=step_grads,
-                     step_temp=temp, host_bytes=host, notes=notes)
+                     step_temp=temp, host_bytes=host, notes=notes, accumulated_grad_bytes=held_partition,
+                     largest_grad_bytes=_largest_grad(table))
 
 
 def tensor_parallel_table(table: list[ParamInfo], shard_dim: Callable[[str], int | None], tp: int

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from estimator.arch import ModelArch
@@ -17,6 +18,8 @@ class ParamInfo:
     module_kind: str           # embedding | linear | norm | other
     layer: int | None
     tied_names: tuple[str, ...] = ()
+    opt_group: int = 0         # which optimizer steps it, in step order (tp: 0 = DTensor params, 1 = plain ones)
+    stored_bytes_per_elem: float | None = None  # quantized storage (QLoRA 4-bit), else elem_bytes
 
     @property
     def is_bias(self) -> bool:
@@ -24,22 +27,54 @@ class ParamInfo:
 
     @property
     def nbytes(self) -> int:
+        if self.stored_bytes_per_elem is not None:
+            return int(round(self.numel * self.stored_bytes_per_elem))
         return self.numel * self.elem_bytes
 
 
-def _info(row: dict, name: str, layer: int | None) -> ParamInfo:
+# bitsandbytes NF4 with double quantization (the QLoRA recipe): 4 bits per weight, an 8-bit absmax per block of
+# 64 and an fp32 absmax per 256 of those.
+NF4_DOUBLE_QUANT_BYTES_PER_ELEM = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+
+def is_4bit_quantized(p: ParamInfo) -> bool:
+    """What ``BitsAndBytesConfig(load_in_4bit=True)`` replaces: frozen nn.Linear weights, the output head
+    (and anything tied to the embeddings) excepted."""
+    return (p.module_kind == "linear" and len(p.shape) == 2 and not p.trainable and not p.tied_names
+            and "lm_head" not in p.name and not p.is_bias)
+
+
+def quantize_4bit(table: list[ParamInfo]) -> list[ParamInfo]:
+    return [dataclasses.replace(p, stored_bytes_per_elem=NF4_DOUBLE_QUANT_BYTES_PER_ELEM) if is_4bit_quantized(p)
+            else p for p in table]
+
+
+def _info(row: dict, name: str, layer: int | None, tp: bool = False) -> ParamInfo:
     return ParamInfo(name=name, shape=tuple(row["shape"]), numel=row["numel"], elem_bytes=row["elem_bytes"],
                      trainable=row["trainable"], module_kind=row["kind"], layer=layer,
-                     tied_names=tuple(row.get("tied", ())))
+                     tied_names=tuple(row.get("tied", ())), opt_group=1 if tp and not row.get("dtensor") else 0)
+
+
+def is_tp_table(params: dict) -> bool:
+    """A TP profile's table: rows of DTensor params carry their local shard (``dtensor``, ``global_numel``)."""
+    return any(row.get("dtensor") for row in params["non_layer"] + params["per_layer"])
 
 
 def expand_params(params: dict, num_layers: int) -> list[ParamInfo]:
-    """Non-layer tensors in profile order, then every decoder layer's tensors."""
+    """Non-layer tensors in profile order, then every decoder layer's tensors (a TP profile: as one rank holds
+    them, local shards, with the DTensor / plain optimizer split in ``opt_group``)."""
     prefix = params["layer_prefix"]
-    table = [_info(row, row["name"], None) for row in params["non_layer"]]
+    tp = is_tp_table(params)
+    table = [_info(row, row["name"], None, tp) for row in params["non_layer"]]
     for layer in range(num_layers):
-        table.extend(_info(row, f"{prefix}.{layer}.{row['name']}", layer) for row in params["per_layer"])
+        table.extend(_info(row, f"{prefix}.{layer}.{row['name']}", layer, tp) for row in params["per_layer"])
     return table
+
+
+def buffer_bytes(params: dict, num_layers: int) -> int:
+    """Module buffers of the full-depth model (0 for profiles recorded before buffers were)."""
+    buffers = params.get("buffers") or {}
+    return int(buffers.get("non_layer", 0) + num_layers * buffers.get("per_layer", 0))
 
 
 def layer_param_bytes(params: dict, trainable_only: bool = False) -> int:
@@ -47,10 +82,14 @@ def layer_param_bytes(params: dict, trainable_only: bool = False) -> int:
 
 
 def param_counts(params: dict, num_layers: int) -> tuple[int, int]:
-    """(total, trainable) parameter counts of the full-depth model; tied tensors counted once."""
+    """(total, trainable) parameter counts of the full-depth model; tied tensors counted once. A TP profile's
+    table counts the whole (global) parameters, not one rank's shards."""
+    def numel(row: dict) -> int:
+        return row.get("global_numel", row["numel"])
+
     rows = params["non_layer"] + params["per_layer"] * num_layers
-    total = sum(r["numel"] for r in params["non_layer"]) + num_layers * sum(r["numel"] for r in params["per_layer"])
-    trainable = sum(r["numel"] for r in rows if r["trainable"])
+    total = sum(numel(r) for r in params["non_layer"]) + num_layers * sum(numel(r) for r in params["per_layer"])
+    trainable = sum(numel(r) for r in rows if r["trainable"])
     return total, trainable
 
 

@@ -1,11 +1,13 @@
 """The planner: for a model on N GPUs of one type, the fastest method and micro-batch that fit.
 
 Pure standard library. For every candidate (each method the estimator knows, every dp x tp split of N,
+ZeRO-Offload and ZeRO-3 with the optimizer -- and for ZeRO-Infinity also the parameters -- on the CPU, each
 with and without gradient checkpointing) it searches the largest micro-batch whose *calibrated safety
 bound* (``Estimate.upper_bound_bytes``) fits the GPU, predicts its throughput with
-:mod:`estimator.throughput`, and ranks the candidates by tokens/s per job. With a global batch it counts
+:mod:`estimator.throughput`, and ranks the candidates by tokens/s per job. Offload layouts report the host
+RAM of a node (and do not fit when it exceeds ``host_ram_gb``). With a global batch it counts
 gradient-accumulation steps. When nothing fits it says what would: offload, how many GPUs, LoRA, a shorter
-sequence.
+sequence -- from profiles already shipped or cached, never by building one.
 """
 
 from __future__ import annotations
@@ -18,14 +20,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from estimator import throughput as tput
-from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
+from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
 
 GIB = 1024**3
 MAX_MICRO_BATCH = 4096          # search ceiling (reported as ">= cap" when reached)
 MAX_GPUS = 4096                 # the largest N the planner (and its "how many GPUs" advice) considers
 ADVICE_LORA_RANK = 16
-METHOD_ORDER = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "dp_tp", "zero_offload")
+# The planner's layouts: the estimator's methods, plus ZeRO-3 with CPU offload (a ``zero3`` spec with
+# ``ZeroSpec.offload_optimizer`` / ``offload_param``: DeepSpeed's "ZeRO-3 Offload" and ZeRO-Infinity on the CPU).
+METHOD_ORDER = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "dp_tp", "zero_offload", "zero3_offload",
+                "zero_infinity")
 METHOD_RANK = {m: i for i, m in enumerate(METHOD_ORDER)}   # simpler first, for ties
+OFFLOAD_METHODS = ("zero_offload", "zero3_offload", "zero_infinity")
+# What each layout is, in the terms of the framework that runs it (printed with the recommendation).
+RUN_AS = {
+    "single": "one GPU, plain PyTorch",
+    "ddp": "PyTorch DDP",
+    "zero1": "DeepSpeed ZeRO stage 1",
+    "zero2": "DeepSpeed ZeRO stage 2",
+    "zero3": "DeepSpeed ZeRO stage 3",
+    "fsdp": "PyTorch FSDP2 (fully_shard per decoder layer)",
+    "tp": "DTensor tensor parallelism over every GPU",
+    "dp_tp": "DTensor tensor parallelism inside, FSDP2 over the data-parallel axis",
+    "zero_offload": "DeepSpeed ZeRO-Offload: stage 2, offload_optimizer cpu",
+    "zero3_offload": "DeepSpeed ZeRO stage 3, offload_optimizer cpu",
+    "zero_infinity": "DeepSpeed ZeRO-Infinity: stage 3, offload_optimizer cpu + offload_param cpu",
+}
 
 EstimateFn = Callable[[RunSpec], Any]
 
@@ -108,7 +128,7 @@ def _check_tp(arch, tp: int) -> None:
 # --- candidates -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Candidate:
-    method: str
+    method: str                  # one of METHOD_ORDER (the planner's layout name)
     world_size: int
     tp: int = 1
     grad_ckpt: bool = False
@@ -116,6 +136,17 @@ class Candidate:
     @property
     def dp(self) -> int:
         return self.world_size // self.tp
+
+    @property
+    def offload(self) -> bool:
+        return self.method in OFFLOAD_METHODS
+
+    def parallel_spec(self) -> ParallelSpec:
+        """The estimator's spec for this layout (ZeRO-3 offload: ``zero3`` with ZeroSpec offload flags)."""
+        if self.method in ("zero3_offload", "zero_infinity"):
+            zero = ZeroSpec(offload_optimizer=True, offload_param=self.method == "zero_infinity")
+            return ParallelSpec(method="zero3", world_size=self.world_size, zero=zero)
+        return ParallelSpec(method=self.method, world_size=self.world_size, tp=self.tp)
 
     @property
     def label(self) -> str:
@@ -126,16 +157,22 @@ class Candidate:
 
 def enumerate_candidates(world_size: int, ckpt_options: Iterable[bool] = (False, True),
                          methods: Iterable[str] | None = None) -> list[Candidate]:
-    """Every (method, tp, checkpointing) the estimator knows for ``world_size`` GPUs."""
+    """Every (method, tp, checkpointing) the estimator knows for ``world_size`` GPUs. ``methods`` limits them;
+    raises ``ValueError("methods: ...")`` when none of the wanted methods has a layout on ``world_size``."""
     if world_size == 1:
-        layouts = [("single", 1), ("zero_offload", 1)]
+        layouts = [("single", 1)]
     else:
         layouts = [(m, 1) for m in ("ddp", "zero1", "zero2", "zero3", "fsdp")] + [("tp", world_size)]
         layouts += [("dp_tp", t) for t in range(2, world_size) if world_size % t == 0]
-        layouts.append(("zero_offload", 1))
+    layouts += [(m, 1) for m in OFFLOAD_METHODS]
     wanted = set(methods) if methods is not None else None
-    return [Candidate(m, world_size, t, ckpt) for m, t in layouts for ckpt in ckpt_options
-            if wanted is None or m in wanted]
+    cands = [Candidate(m, world_size, t, ckpt) for m, t in layouts for ckpt in ckpt_options
+             if wanted is None or m in wanted]
+    if not cands and wanted:
+        why = {"single": "it is the 1-GPU layout", "dp_tp": "it needs a tp degree with 1 < tp < N dividing N"}
+        names = ", ".join(f"{m} ({why.get(m, 'it needs 2 or more GPUs')})" for m in sorted(wanted, key=METHOD_RANK.get))
+        raise ValueError(f"methods: no layout on {world_size} GPU(s) for {names}")
+    return cands
 
 
 # --- micro-batch search ---------------------------------------------------------------------------------
@@ -169,7 +206,7 @@ def search_max_micro_batch(bytes_at: Callable[[int], int], capacity: int, cap: i
             prev, lo = lo, probe
         else:
             hi = probe
-    halve = False
+    halve = checked = False
     while hi - lo > 1:                                   # binary phase
         width = hi - lo
         if halve:
@@ -177,7 +214,12 @@ def search_max_micro_batch(bytes_at: Callable[[int], int], capacity: int, cap: i
         else:
             probe = lo + (capacity - memo[lo]) * width // (memo[hi] - memo[lo])
         probe = min(hi - 1, max(lo + 1, probe))
-        lo, hi = (probe, hi) if fits(probe) else (lo, probe)
+        secant_fit = not halve and fits(probe)
+        lo, hi = (probe, hi) if secant_fit or (halve and fits(probe)) else (lo, probe)
+        if secant_fit and not checked and hi - lo > 2:
+            # Both ends on one affine piece make the secant exact: try its neighbour once before halving.
+            checked = True
+            lo, hi = (lo + 1, hi) if fits(lo + 1) else (lo, lo + 1)
         halve = (hi - lo) * 2 > width
     return lo
 
@@ -202,9 +244,16 @@ class CandidateResult:
     peak_bytes: int | None = None      # estimate's peak device bytes (worst rank) at micro_batch (or 1 if OOM)
     bound_bytes: int | None = None     # calibrated safety bound at the same point
     capacity_bytes: int | None = None
-    host_ram_bytes: int | None = None
+    host_ram_bytes: int | None = None  # CPU RAM one rank's offloaded states need (estimator); 0 without offload
     time: tput.StepTime | None = None
     rank: int | None = None
+
+    @property
+    def host_ram_node_bytes(self) -> int | None:
+        """Host RAM of one node: every rank on it holds its own offloaded partition."""
+        if not self.host_ram_bytes:
+            return None
+        return self.host_ram_bytes * min(self.candidate.world_size, tput.GPUS_PER_NODE)
 
     @property
     def fits(self) -> bool:
@@ -221,6 +270,7 @@ class CandidateResult:
                 "max_micro_batch": self.max_micro_batch, "micro_batch": self.micro_batch,
                 "grad_accum": self.grad_accum, "peak_bytes": self.peak_bytes, "bound_bytes": self.bound_bytes,
                 "capacity_bytes": self.capacity_bytes, "host_ram_bytes": self.host_ram_bytes,
+                "host_ram_node_bytes": self.host_ram_node_bytes, "run_as": RUN_AS[c.method],
                 "tokens_per_s": round(self.tokens_per_s, 1) if self.time else None,
                 "step_time": self.time.to_dict() if self.time else None, "rank": self.rank}
 
@@ -265,6 +315,9 @@ class _Context:
     eff: tput.Efficiency
     interconnect: str | None
     bandwidth_gbs: float | None
+    probe_fn: EstimateFn | None = None     # for the advice's what-ifs: never builds a profile (default estimator)
+    ckpt_options: tuple[bool, ...] = (False, True)
+    host_ram_bytes: int | None = None      # the user's host RAM per node (offload layouts), if given
     cache: dict = field(default_factory=dict)
     shapes: dict = field(default_factory=dict)
     calibrated: bool | None = None
@@ -284,13 +337,15 @@ class _Context:
 
     def spec(self, cand: Candidate, mb: int, **training: Any) -> RunSpec:
         train = dataclasses.replace(self.training, micro_batch_size=mb, grad_ckpt=cand.grad_ckpt, **training)
-        return RunSpec(model=self.model, gpu=self.gpu.key, training=train,
-                       parallel=ParallelSpec(method=cand.method, world_size=cand.world_size, tp=cand.tp))
+        return RunSpec(model=self.model, gpu=self.gpu.key, training=train, parallel=cand.parallel_spec())
 
-    def estimate(self, cand: Candidate, mb: int, **training: Any):
+    def estimate(self, cand: Candidate, mb: int, *, probe: bool = False, **training: Any):
+        """The estimate of ``cand`` at micro-batch ``mb`` (memoised). ``probe``: an advice what-if, which must
+        not build a profile (seconds to minutes of torch): it raises ``ValueError`` naming the missing profile."""
         key = (cand, mb, tuple(sorted(training.items())))
         if key not in self.cache:
-            est = self.estimate_fn(self.spec(cand, mb, **training))
+            fn = self.probe_fn if probe and self.probe_fn is not None else self.estimate_fn
+            est = fn(self.spec(cand, mb, **training))
             self.cache[key] = est
             if self.calibrated is None:
                 self.calibrated = bool(getattr(est, "calibrated", False))
@@ -311,12 +366,18 @@ class _Context:
         shape = self.shape(train["lora_rank"], train["lora_targets"])
         return tput.step_time(shape, setup, self.gpu, self.eff, dp_link=dp_link, tp_link=tp_link)
 
-    def max_micro_batch(self, cand: Candidate, cap: int, **training: Any) -> tuple[int, int]:
+    def max_micro_batch(self, cand: Candidate, cap: int, *, probe: bool = False, **training: Any
+                        ) -> tuple[int, int]:
         """(largest fitting micro-batch, capacity bytes)."""
-        capacity = int(self.estimate(cand, 1, **training).capacity_bytes)
-        best = search_max_micro_batch(lambda mb: int(self.estimate(cand, mb, **training).upper_bound_bytes),
-                                      capacity, cap)
+        capacity = int(self.estimate(cand, 1, probe=probe, **training).capacity_bytes)
+        best = search_max_micro_batch(
+            lambda mb: int(self.estimate(cand, mb, probe=probe, **training).upper_bound_bytes), capacity, cap)
         return best, capacity
+
+    @property
+    def advice_ckpt(self) -> bool:
+        """Checkpointing setting of the advice's what-ifs: on, unless the plan excluded it (no profile then)."""
+        return True in self.ckpt_options
 
 
 def _evaluate(ctx: _Context, cand: Candidate, global_batch: int | None) -> CandidateResult:
@@ -349,6 +410,12 @@ def _evaluate(ctx: _Context, cand: Candidate, global_batch: int | None) -> Candi
     res.micro_batch, res.grad_accum = mb, accum
     res.peak_bytes, res.bound_bytes = int(est.peak_device_bytes), int(est.upper_bound_bytes)
     res.host_ram_bytes = getattr(est, "host_ram_bytes", None)
+    node_ram = res.host_ram_node_bytes
+    if ctx.host_ram_bytes and node_ram and node_ram > ctx.host_ram_bytes:
+        res.status = "oom"
+        res.reason = (f"host RAM: the offloaded states need {node_ram / GIB:.1f} GiB per node > "
+                      f"{ctx.host_ram_bytes / GIB:.1f} GiB")
+        return res
     try:
         res.time = ctx.step_time(cand, mb, accum)
     except ValueError as err:
@@ -421,21 +488,39 @@ def _validate(world_size: Any, seq_len: Any, global_batch: Any) -> None:
         raise ValueError(f"global_batch: must be a positive integer, got {global_batch!r}")
 
 
-def _default_estimate() -> EstimateFn:
+def _default_estimate(allow_build: bool = True) -> EstimateFn:
     from estimator.api import estimate
-    return estimate
+    return estimate if allow_build else functools.partial(estimate, allow_build=False)
+
+
+def _check_options(methods: Iterable[str] | None, ckpt_options: tuple[bool, ...], host_ram_gb: Any) -> None:
+    if methods is not None:
+        unknown = [m for m in methods if m not in METHOD_RANK]
+        if unknown:
+            raise ValueError(f"methods: {unknown[0]!r} is not one of {', '.join(METHOD_ORDER)}")
+    if not ckpt_options or any(not isinstance(c, bool) for c in ckpt_options):
+        raise ValueError(f"ckpt_options: need a non-empty set of true/false, got {ckpt_options!r}")
+    if host_ram_gb is not None and (isinstance(host_ram_gb, bool) or not isinstance(host_ram_gb, (int, float))
+                                    or not 0 < host_ram_gb < float("inf")):
+        raise ValueError(f"host_ram: must be a positive number of GiB, got {host_ram_gb!r}")
 
 
 def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: int | None = None,
          precision: str | None = None, optimizer: str = "adamw", attn: str = "sdpa", lora_rank: int = 0,
          lora_targets: str = "auto", ckpt_options: Iterable[bool] = (False, True),
          methods: Iterable[str] | None = None, interconnect: str | None = None,
-         bandwidth_gbs: float | None = None, advise: bool = True,
+         bandwidth_gbs: float | None = None, host_ram_gb: float | None = None, advise: bool = True,
          estimate_fn: EstimateFn | None = None, gpu_info: tput.GpuPerf | None = None) -> Plan:
     """Search, rank and advise. Raises ``ValueError("field: ...")`` for bad input (unknown GPU or model,
-    impossible N, a global batch no candidate can split)."""
+    impossible N, a global batch no candidate can split, a method with no layout on N GPUs).
+
+    ``host_ram_gb``: host RAM per node (GiB); offload layouts whose offloaded states need more do not fit.
+    The advice's what-ifs (LoRA, more GPUs, shorter sequences) never build a profile: with the default
+    estimator they use only profiles already shipped or cached, and say so when one is missing."""
     started = time.perf_counter()
     _validate(gpus, seq_len, global_batch)
+    ckpt_options = tuple(ckpt_options)
+    _check_options(methods, ckpt_options, host_ram_gb)
     gpu_perf = gpu_info or tput.gpu_perf(gpu)
     arch = model_facts(model)["arch"]
     if arch.max_positions and seq_len > arch.max_positions:
@@ -450,9 +535,11 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
         raise ValueError(f"precision: {gpu_perf.name} has no {precision} tensor throughput; use mixed_fp16")
     tput.resolve_link(gpu_perf, gpus, interconnect, bandwidth_gbs)          # validates the override
     ctx = _Context(model=model, gpu=gpu_perf, training=training, estimate_fn=estimate_fn or _default_estimate(),
-                   eff=tput.load_efficiency(gpu_perf),
-                   interconnect=interconnect, bandwidth_gbs=bandwidth_gbs)
-    cands = enumerate_candidates(gpus, tuple(ckpt_options), methods)
+                   eff=tput.load_efficiency(gpu_perf), interconnect=interconnect, bandwidth_gbs=bandwidth_gbs,
+                   probe_fn=None if estimate_fn else _default_estimate(allow_build=False),
+                   ckpt_options=ckpt_options,
+                   host_ram_bytes=int(host_ram_gb * GIB) if host_ram_gb is not None else None)
+    cands = enumerate_candidates(gpus, ckpt_options, methods)
     if global_batch is not None and all(global_batch % c.dp for c in cands):
         dps = sorted({c.dp for c in cands}, reverse=True)
         raise ValueError(f"global_batch: {global_batch} is not divisible by the data-parallel degree of any "
@@ -507,18 +594,36 @@ def _notes(ctx: _Context, result: Plan) -> list[str]:
 
 
 # --- advice ---------------------------------------------------------------------------------------------
+UNPROFILED = "no cached profile"     # estimator.profiles' message when a probe would need a profile build
+
+
+class _Unprofiled(Exception):
+    """An advice what-if needs a profile that is not shipped or cached (building it would take minutes)."""
+
+
+def _probe_fits(ctx: _Context, cand: Candidate, **training: Any) -> bool:
+    """Does ``cand`` fit micro-batch 1 (safety bound)? An invalid layout does not; a missing profile raises."""
+    try:
+        est = ctx.estimate(cand, 1, probe=True, **training)
+    except ValueError as err:
+        if UNPROFILED in str(err):
+            raise _Unprofiled(str(err)) from None
+        return False
+    return est.upper_bound_bytes <= est.capacity_bytes
+
+
+def _ckpt_words(ckpt: bool) -> str:
+    return "with checkpointing" if ckpt else "without checkpointing"
+
+
 def _min_gpus(ctx: _Context, start: int) -> tuple[int, Candidate] | None:
-    """Fewest GPUs (> start) on which ZeRO-3 or FSDP with checkpointing fits micro-batch 1; assumes the
-    per-rank bound falls as GPUs are added (sharded states)."""
+    """Fewest GPUs (> start) on which ZeRO-3 or FSDP fits micro-batch 1 (checkpointing on unless the plan
+    excluded it); assumes the per-rank bound falls as GPUs are added (sharded states)."""
     found: list[tuple[int, Candidate]] = []
+    ckpt = ctx.advice_ckpt
     for method in ("zero3", "fsdp"):
         def fits(n: int, method: str = method) -> bool:
-            cand = Candidate(method, n, 1, True)
-            try:
-                est = ctx.estimate(cand, 1)
-            except ValueError:
-                return False
-            return est.upper_bound_bytes <= est.capacity_bytes
+            return _probe_fits(ctx, Candidate(method, n, 1, ckpt))
         lo, hi = start, start + 1
         while hi < MAX_GPUS and not fits(hi):        # exponential
             lo, hi = hi, min(MAX_GPUS, hi * 2)
@@ -527,30 +632,41 @@ def _min_gpus(ctx: _Context, start: int) -> tuple[int, Candidate] | None:
         while hi - lo > 1:                           # binary
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if not fits(mid) else (lo, mid)
-        found.append((hi, Candidate(method, hi, 1, True)))
+        found.append((hi, Candidate(method, hi, 1, ckpt)))
     return min(found, key=lambda f: f[0]) if found else None
 
 
 def _max_seq_len(ctx: _Context, cand: Candidate) -> int:
     """Longest sequence (multiple of 64) at which ``cand`` fits micro-batch 1; 0 if none."""
-    def fits(s: int) -> bool:
-        try:
-            est = ctx.estimate(cand, 1, seq_len=s)
-        except ValueError:
-            return False
-        return est.upper_bound_bytes <= est.capacity_bytes
     lo, hi = 0, ctx.training.seq_len // 64
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(64 * mid) else (lo, mid)
-    return 64 * lo if lo and fits(64 * lo) else 0
+        lo, hi = (mid, hi) if _probe_fits(ctx, cand, seq_len=64 * mid) else (lo, mid)
+    return 64 * lo if lo and _probe_fits(ctx, cand, seq_len=64 * lo) else 0
+
+
+def _offload_advice(result: Plan) -> list[str]:
+    fitting = [r for r in result.results if r.fits and r.candidate.offload]
+    if fitting:
+        best = max(fitting, key=lambda r: r.tokens_per_s)
+        node = best.host_ram_node_bytes
+        ram = f"; host RAM ~{node / GIB:.0f} GiB per node" if node else ""
+        return [f"offload: {best.candidate.label} ({RUN_AS[best.candidate.method]}) fits up to micro-batch "
+                f"{best.max_micro_batch}, ~{best.tokens_per_s:,.0f} tokens/s{ram}"]
+    tried = [r for r in result.results if r.candidate.offload and r.bound_bytes]
+    if not tried:
+        return []
+    least = min(tried, key=lambda r: r.bound_bytes or 0)
+    if least.reason.startswith("host RAM"):
+        return [f"offload: {least.candidate.label} would fit the GPU but not the host ({least.reason})"]
+    return [f"offload: even {least.candidate.label} needs {least.bound_bytes / GIB:.1f} GiB per GPU at "
+            "micro-batch 1"]
 
 
 def _advice(ctx: _Context, result: Plan) -> list[str]:
     advice: list[str] = []
     n = result.world_size
-    on_gpu = [r for r in result.results if r.fits and r.candidate.method != "zero_offload"]
-    offload = [r for r in result.results if r.fits and r.candidate.method == "zero_offload"]
+    on_gpu = [r for r in result.results if r.fits and not r.candidate.offload]
     if on_gpu:
         if not any(r.candidate.grad_ckpt is False for r in on_gpu) and any(
                 r.candidate.grad_ckpt is False for r in result.results):
@@ -558,52 +674,56 @@ def _advice(ctx: _Context, result: Plan) -> list[str]:
         return advice
     capacity = next((r.capacity_bytes for r in result.results if r.capacity_bytes), ctx.gpu.capacity_bytes)
     cap = f"{ctx.gpu.name} ({capacity / GIB:.1f} GiB)"
-    advice.append(f"no GPU-resident method fits {n} x {cap} at micro-batch 1, even with checkpointing")
-    if offload:
-        best = max(offload, key=lambda r: r.tokens_per_s)
-        ram = f"; host RAM ~{best.host_ram_bytes / GIB:.0f} GiB" if best.host_ram_bytes else ""
-        advice.append(f"offload: ZeRO-Offload (optimizer states and update on the CPU) fits up to micro-batch "
-                      f"{best.max_micro_batch}, ~{best.tokens_per_s:,.0f} tokens/s{ram}")
-    else:
-        worst = [r for r in result.results if r.candidate.method == "zero_offload" and r.bound_bytes]
-        if worst:
-            advice.append(f"offload: even ZeRO-Offload needs {min(r.bound_bytes for r in worst) / GIB:.1f} GiB "
-                          "per GPU at micro-batch 1")
-    more = _min_gpus(ctx, n)
-    if more:
-        count, cand = more
-        split = (f"; --global-batch must then be a multiple of {count}"
-                 if result.global_batch and result.global_batch % count else "")
-        advice.append(f"more GPUs: {count} x {ctx.gpu.name} fit {cand.method} with checkpointing at "
-                      f"micro-batch 1 (fewest that fit; bound falls as states shard){split}")
-    else:
-        advice.append(f"more GPUs: no sharded method fits micro-batch 1 on up to {MAX_GPUS} GPUs of this type "
-                      "(activations or replicated tensors alone exceed the GPU)")
+    even = ", even with checkpointing" if ctx.advice_ckpt else " (checkpointing was not considered: --ckpt off)"
+    advice.append(f"no GPU-resident method fits {n} x {cap} at micro-batch 1{even}")
+    advice += _offload_advice(result)
+    ckpt = ctx.advice_ckpt
+    try:
+        more = _min_gpus(ctx, n)
+        if more:
+            count, cand = more
+            split = (f"; --global-batch must then be a multiple of {count}"
+                     if result.global_batch and result.global_batch % count else "")
+            advice.append(f"more GPUs: {count} x {ctx.gpu.name} fit {cand.method} {_ckpt_words(ckpt)} at "
+                          f"micro-batch 1 (fewest that fit; bound falls as states shard){split}")
+        else:
+            advice.append(f"more GPUs: no sharded method fits micro-batch 1 on up to {MAX_GPUS} GPUs of this "
+                          "type (activations or replicated tensors alone exceed the GPU)")
+    except _Unprofiled:
+        advice.append("more GPUs: not checked (needs a profile this plan did not build)")
     if ctx.training.lora_rank == 0:
         advice += _lora_advice(ctx, n)
-    shortest = _max_seq_len(ctx, Candidate("zero3" if n > 1 else "single", n, 1, True))
+    method = "zero3" if n > 1 else "single"
+    try:
+        shortest = _max_seq_len(ctx, Candidate(method, n, 1, ckpt))
+    except _Unprofiled:
+        shortest = 0
     if 0 < shortest < ctx.training.seq_len:
-        advice.append(f"shorter sequences: {'zero3' if n > 1 else 'single'} with checkpointing fits micro-batch 1 "
-                      f"up to --seq-len {shortest}")
+        advice.append(f"shorter sequences: {method} {_ckpt_words(ckpt)} fits micro-batch 1 up to --seq-len "
+                      f"{shortest}")
     return advice
 
 
 def _lora_advice(ctx: _Context, n: int) -> list[str]:
     methods = ("ddp", "zero3") if n > 1 else ("single",)
+    ckpt = ctx.advice_ckpt
     best: tuple[float, Candidate, int] | None = None
     for method in methods:
-        cand = Candidate(method, n, 1, True)
+        cand = Candidate(method, n, 1, ckpt)
         try:
-            mb, _ = ctx.max_micro_batch(cand, MAX_MICRO_BATCH, lora_rank=ADVICE_LORA_RANK)
+            mb, _ = ctx.max_micro_batch(cand, MAX_MICRO_BATCH, probe=True, lora_rank=ADVICE_LORA_RANK)
             if mb == 0:
                 continue
             speed = ctx.step_time(cand, mb, 1, lora_rank=ADVICE_LORA_RANK).tokens_per_s
-        except ValueError:
+        except ValueError as err:
+            if UNPROFILED in str(err):
+                return [f"LoRA: not checked (no LoRA profile shipped or cached for this model; "
+                        f"`--lora-rank {ADVICE_LORA_RANK}` plans it, after building the profile once)"]
             continue
         if best is None or speed > best[0]:
             best = (speed, cand, mb)
     if best is None:
-        return [f"LoRA (r={ADVICE_LORA_RANK}) with checkpointing does not fit either"]
+        return [f"LoRA (r={ADVICE_LORA_RANK}) {_ckpt_words(ckpt)} does not fit either"]
     speed, cand, mb = best
-    return [f"LoRA: --lora-rank {ADVICE_LORA_RANK} fits {cand.method} with checkpointing up to micro-batch {mb} "
+    return [f"LoRA: --lora-rank {ADVICE_LORA_RANK} fits {cand.method} {_ckpt_words(ckpt)} up to micro-batch {mb} "
             f"(~{speed:,.0f} tokens/s)"]

@@ -49,6 +49,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="link for collectives (default: the GPU's own within a node, InfiniBand beyond 8 GPUs)")
     parser.add_argument("--bandwidth", type=float, default=None, metavar="GB/S",
                         help="override the collective bus bandwidth per GPU, GB/s")
+    parser.add_argument("--host-ram", type=float, default=None, metavar="GIB",
+                        help="host RAM per node, GiB: offload layouts that need more do not fit (default: unchecked)")
     parser.add_argument("--llmem", action="store_true",
                         help="also show LLMem's Algorithm 1 choice for this setting")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -72,7 +74,7 @@ def run_plan(args: argparse.Namespace) -> int:
                               global_batch=args.global_batch, precision=args.precision, optimizer=args.optimizer,
                               attn=args.attn, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
                               ckpt_options=ckpt, methods=_methods(args.methods), interconnect=args.interconnect,
-                              bandwidth_gbs=args.bandwidth)
+                              bandwidth_gbs=args.bandwidth, host_ram_gb=args.host_ram)
         baseline = None
         if args.llmem:
             from estimator import llmem_select
@@ -103,8 +105,8 @@ def format_plan(p: Plan) -> str:
     lora = f", LoRA r={p.lora_rank}" if p.lora_rank else ""
     lines = [f"Plan: {p.model} on {p.world_size} x {p.gpu_name}, seq {p.seq_len}, {p.precision}, "
              f"{p.optimizer}{lora}{gb}", ""]
-    header = (f"{'method':<13}{'tp':>3} {'ckpt':<5}{'fits':<5}{'max mb':>7}{'mb':>6}{'accum':>6}"
-              f"{'peak GiB':>9}{'bound GiB':>10}{'tokens/s':>11}  rank / why lost")
+    header = (f"{'method':<14}{'tp':>3} {'ckpt':<5}{'fits':<5}{'max mb':>7}{'mb':>6}{'accum':>6}"
+              f"{'peak GiB':>9}{'bound GiB':>10}{'host GiB':>9}{'tokens/s':>11}  rank / why lost")
     lines += [header, "-" * len(header)]
     order = sorted(p.results, key=lambda r: (r.rank is None, r.rank or 0, r.status != "oom",
                                              planner.METHOD_RANK[r.candidate.method], r.candidate.tp))
@@ -113,11 +115,15 @@ def format_plan(p: Plan) -> str:
         why = f"{r.rank}" + ("" if r.rank == 1 else f"  {r.reason}") if r.rank else r.reason
         mx = "-" if r.status == "invalid" else (f">={r.max_micro_batch}" if r.max_micro_batch >= planner.MAX_MICRO_BATCH
                                                   else str(r.max_micro_batch))
-        lines.append(f"{c.label:<13}{c.tp:>3} {'yes' if c.grad_ckpt else 'no':<5}"
+        lines.append(f"{c.label:<14}{c.tp:>3} {'yes' if c.grad_ckpt else 'no':<5}"
                      f"{'yes' if r.fits else ('-' if r.status == 'invalid' else 'no'):<5}{mx:>7}"
                      f"{r.micro_batch or '-':>6}{r.grad_accum or '-':>6}{_gib(r.peak_bytes):>9}"
-                     f"{_gib(r.bound_bytes):>10}{(f'{r.tokens_per_s:,.0f}' if r.time else '-'):>11}  {why}")
+                     f"{_gib(r.bound_bytes):>10}{_gib(r.host_ram_node_bytes):>9}"
+                     f"{(f'{r.tokens_per_s:,.0f}' if r.time else '-'):>11}  {why}")
     lines.append("")
+    if any(r.host_ram_node_bytes for r in p.results):
+        lines.append("host GiB: CPU RAM per node for the offloaded states (optimizer partitions, fp32 master "
+                     "weights and gradients; ZeRO-Infinity also the parameters)")
     lines.append(recommendation_line(p))
     lines += [f"  advice: {a}" for a in p.advice]
     lines += [f"  note: {n}" for n in p.notes]
@@ -131,10 +137,11 @@ def recommendation_line(p: Plan) -> str:
         return "Recommendation: nothing fits (see advice)"
     c = b.candidate
     layout = f"{c.label}" + (f" (tp={c.tp})" if c.method == "tp" else "")
-    return (f"Recommendation: {layout}{' with' if c.grad_ckpt else ' without'} gradient checkpointing, "
-            f"micro-batch {b.micro_batch} x {b.grad_accum} accumulation x dp {c.dp}: "
+    host = f", host RAM ~{_gib(b.host_ram_node_bytes)} GiB/node" if b.host_ram_node_bytes else ""
+    return (f"Recommendation: {layout} [{planner.RUN_AS[c.method]}]{' with' if c.grad_ckpt else ' without'} "
+            f"gradient checkpointing, micro-batch {b.micro_batch} x {b.grad_accum} accumulation x dp {c.dp}: "
             f"~{b.tokens_per_s:,.0f} tokens/s, peak {_gib(b.peak_bytes)} GiB/rank "
-            f"(bound {_gib(b.bound_bytes)} of {_gib(b.capacity_bytes)} GiB)")
+            f"(bound {_gib(b.bound_bytes)} of {_gib(b.capacity_bytes)} GiB){host}")
 
 
 def _assumptions_line(p: Plan) -> str:
@@ -142,12 +149,13 @@ def _assumptions_line(p: Plan) -> str:
     if not a:
         return ""
     e, dl, tl = a["compute_efficiency"], a["dp_link"], a["tp_link"]
-    kind = "calibrated" if e["calibrated"] else "prior"
+    kind = "FITTED" if e["calibrated"] else "PRIOR"
     links = f"dp {dl['name']} {dl['bus_bandwidth_gbs']:.0f} GB/s ({dl['source']})"
     if p.world_size > 1:
         links += f", tp {tl['name']} {tl['bus_bandwidth_gbs']:.0f} GB/s"
-    return (f"Throughput model: efficiency {kind} e_max {e['e_max']:.2f}, half at {e['tokens_half']:.0f} tokens "
-            f"({e['source']}); {links}; DP overlap {a['overlap_priors']['ddp']:.0%} of backward (prior); "
+    return (f"Throughput model: compute efficiency {kind} [{e['source']}]: e_max {e['e_max']:.2f}, half at "
+            f"{e['tokens_half']:.0f} tokens/micro-batch, GEMM-width half point {e['width_half']:.0f} (prior); "
+            f"{links}; DP overlap {a['overlap_priors']['ddp']:.0%} of backward (prior); "
             f"CPU Adam {a['cpu_adam_params_per_s'] / 1e9:.1f} Gparam/s (prior). See estimator/throughput.py.")
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from estimator.spec import TrainingSpec
 
-PROFILE_SCHEMA_VERSION = 1
+# 2: SDPA traced without the 4-D mask transformers skips for full-length batches on the GPU.
+PROFILE_SCHEMA_VERSION = 2
 MONOMIALS = ("1", "s", "s^2", "b", "b*s", "b*s^2")
 
 
@@ -26,8 +27,9 @@ def variant_key(training: TrainingSpec) -> str:
     return f"{training.precision}_{attn}_{'ckpt' if training.grad_ckpt else 'nockpt'}_{lora}"
 
 
-def profile_key(config_sha: str, training: TrainingSpec) -> str:
-    return f"{config_sha}_{variant_key(training)}"
+def profile_key(config_sha: str, training: TrainingSpec, tp: int = 1) -> str:
+    """``<config sha>_<variant>``, plus ``_tp<N>`` for the profile of one rank of an N-way tensor-parallel model."""
+    return f"{config_sha}_{variant_key(training)}" + (f"_tp{tp}" if tp > 1 else "")
 
 
 def user_cache_dir() -> Path:
@@ -51,7 +53,9 @@ def find_profile(key: str) -> dict | None:
         return _read(str(shipped))
     cached = user_cache_dir() / f"{key}.json"
     if cached.is_file():
-        return _read(str(cached))
+        profile = _read(str(cached))
+        if profile.get("schema_version") == PROFILE_SCHEMA_VERSION:  # older ones are rebuilt
+            return profile
     return None
 
 
@@ -65,9 +69,11 @@ def save_profile(key: str, profile: dict, directory: Path | None = None) -> Path
     return path
 
 
-def get_profile(config: dict, config_sha: str, training: TrainingSpec, *, allow_build: bool = True) -> dict:
-    """The cached profile, or one built now (torch + transformers, seconds) and cached."""
-    key = profile_key(config_sha, training)
+def get_profile(config: dict, config_sha: str, training: TrainingSpec, *, allow_build: bool = True,
+                tp: int = 1) -> dict:
+    """The cached profile, or one built now (torch + transformers, seconds) and cached. ``tp > 1``: the profile
+    of one rank of the ``tp``-way tensor-parallel model (its own key)."""
+    key = profile_key(config_sha, training, tp)
     found = find_profile(key)
     if found is not None:
         return found
@@ -79,6 +85,6 @@ def get_profile(config: dict, config_sha: str, training: TrainingSpec, *, allow_
     except ImportError as err:
         raise ValueError(f"model: this architecture/variant has not been profiled yet and profiling needs "
                          f"torch + transformers ({err.name} missing): pip install '.[profile]'") from None
-    profile = build_profile(config, training)
+    profile = build_profile(config, training, tp=tp) if tp > 1 else build_profile(config, training)
     save_profile(key, profile)
     return profile

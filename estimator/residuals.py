@@ -6,7 +6,9 @@ Pure standard library; the JSON is applied with plain arithmetic:
     reserved   = reserved_from_allocated(allocated, coeffs)           allocated x (1 + ratio) + bytes
     device     = device_from_reserved(reserved, coeffs, n_comms)      + CUDA context + NCCL x communicators
 
-A file with ``"calibrated": false`` holds documented priors (each term's source is in its ``notes``).
+A file with ``"calibrated": false`` holds documented priors (each term's source is in its ``notes``). A fitted
+file (``python -m calibrate fit``) has ``"calibrated": true``, ``"source": "fit"``, the fit's provenance, and a
+``valid_range``: ``range_notes`` says when a spec lies outside what the fit saw.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 1
+# valid_range keys: numeric [min, max] spans, and lists of the categorical values a fit saw.
+RANGE_SPANS = ("params", "world_size", "micro_batch_size", "seq_len", "lora_rank")
+RANGE_SETS = ("methods", "precisions", "optimizers", "attn", "model_families")
 # term -> (integer-valued?, minimum)
 REQUIRED_TERMS: dict[str, tuple[bool, float]] = {
     "cuda_context_bytes": (True, 0),
@@ -88,10 +93,27 @@ def parse_coefficients(data: Any, where: str) -> Coefficients:
         if not isinstance(block, dict):
             _fail(where, key, "must be an object")
         blocks[key] = block
+    _check_valid_range(blocks["valid_range"], where)
     return Coefficients(
         gpu_key=data["gpu_key"], calibrated=data["calibrated"], source=str(data.get("source", "")),
         description=str(data.get("description", "")), path=where,
         extra_terms={k: v for k, v in terms.items() if k not in REQUIRED_TERMS}, **values, **blocks)
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _check_valid_range(block: dict[str, Any], where: str) -> None:
+    for key in RANGE_SPANS:
+        span = block.get(key)
+        if span is not None and not (isinstance(span, list) and len(span) == 2 and all(map(_is_number, span))
+                                     and span[0] <= span[1]):
+            _fail(where, f"valid_range.{key}", f"must be [min, max], got {span!r}")
+    for key in RANGE_SETS:
+        values = block.get(key)
+        if values is not None and not (isinstance(values, list) and all(isinstance(v, str) for v in values)):
+            _fail(where, f"valid_range.{key}", f"must be a list of names, got {values!r}")
 
 
 def _read(path: Path | Any, where: str) -> Coefficients:
@@ -152,3 +174,35 @@ def device_from_reserved(reserved_bytes: int, coeffs: Coefficients, num_communic
 def upper_bound_bytes(device_bytes: int, coeffs: Coefficients) -> int:
     """Upper end of the device estimate's range: ``device x upper_bound_ratio``."""
     return math.ceil(device_bytes * coeffs.upper_bound_ratio)
+
+
+def range_notes(coeffs: Coefficients, spec: Any, *, gpu_key: str | None = None, params: int | None = None,
+                model_family: str | None = None) -> list[str]:
+    """Notes for ``Estimate.notes``: coefficients fitted for another GPU, or a spec outside the fitted file's
+    ``valid_range`` (the residual terms are then extrapolated). ``spec`` is a RunSpec; ``params`` the model's
+    parameter count and ``model_family`` its config's model_type, when known. Priors (no range) add nothing."""
+    notes = []
+    name = coeffs.path or f"coefficients/{coeffs.gpu_key}.json"
+    if gpu_key is not None and coeffs.gpu_key != gpu_key:
+        notes.append(f"coefficients: {name} describes {coeffs.gpu_key!r}, applied to {gpu_key!r}")
+    block = coeffs.valid_range
+    if not block:
+        return notes
+    values = {"params": params, "world_size": spec.parallel.world_size,
+              "micro_batch_size": spec.training.micro_batch_size, "seq_len": spec.training.seq_len,
+              "lora_rank": spec.training.lora_rank, "methods": spec.parallel.method,
+              "precisions": spec.training.precision, "optimizers": spec.training.optimizer,
+              "attn": spec.training.attn, "model_families": model_family}
+    outside = []
+    for key in RANGE_SPANS:
+        span, value = block.get(key), values[key]
+        if span is not None and value is not None and not span[0] <= value <= span[1]:
+            outside.append(f"{key} {value:,} not in {span[0]:,}..{span[1]:,}")
+    for key in RANGE_SETS:
+        seen, value = block.get(key), values[key]
+        if seen and value is not None and value not in seen:
+            outside.append(f"{key} {value!r} not in {', '.join(seen)}")
+    if outside:
+        notes.append(f"{coeffs.gpu_key}: spec outside the calibrated range of {name} ({'; '.join(outside)}); "
+                     "the residual terms are extrapolated")
+    return notes

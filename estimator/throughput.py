@@ -31,7 +31,12 @@ Pure standard library. One optimizer step on one rank takes
     over the dp group for the rank's TP shard.
   - zero_offload (ZeRO-2 + optimizer on the CPU): ZeRO-2's collectives, plus over PCIe the rank's gradient
     shard to the host each micro-batch and its 16-bit weight shard back each step, plus CPU Adam over the
-    rank's shard (the CPU is shared by the ranks on a node).
+    rank's shard (the CPU is shared by the ranks on a node). Host copies run at pageable speed unless
+    ``pin_memory`` (DeepSpeed's ``offload_optimizer.pin_memory`` default is false).
+  - zero3_offload (ZeRO-3 + optimizer on the CPU): ZeRO-3's collectives plus the same PCIe and CPU Adam terms.
+  - zero_infinity (ZeRO-3 + optimizer and parameters on the CPU): as zero3_offload, but the parameter
+    partition crosses PCIe at every gather (forward, backward, and the recomputed forward) instead of once
+    per step; not overlapped (prior).
 * **overlap**: DP communication hides behind compute up to ``overlap * window`` (window = backward for
   DDP/ZeRO-1/2, forward+backward for ZeRO-3/FSDP which prefetch); the fractions are priors in
   :data:`OVERLAP`. DeepSpeed ZeRO-1/2 do not overlap unless ``overlap_comm`` is on (their default is off).
@@ -122,6 +127,10 @@ OPTIMIZER_BYTES_PER_PARAM = {"adamw": 32.0, "adamw_fused": 32.0, "adamw_8bit": 2
 HBM_EFFICIENCY = 0.7
 
 _SIXTEEN_BIT = ("bf16", "mixed_bf16", "mixed_fp16")
+# The planner's offload layouts (estimator.plan): ZeRO-Offload is stage 2 + optimizer on the CPU; the ZeRO-3
+# ones shard the parameters too, ZeRO-Infinity (CPU) also keeps the parameter partitions on the host.
+OFFLOAD_METHODS = ("zero_offload", "zero3_offload", "zero_infinity")
+ZERO3_OFFLOAD = ("zero3_offload", "zero_infinity")
 
 
 def gpu_family(key: str, name: str = "") -> str:
@@ -231,7 +240,7 @@ def resolve_link(gpu: GpuPerf, span_gpus: int, name: str | None = None,
     (catalogue, else the preset); across nodes the slowest hop, InfiniBand. ``name`` / ``bandwidth_gbs``
     (GB/s) override."""
     if bandwidth_gbs is not None:
-        if not bandwidth_gbs > 0:
+        if not 0 < bandwidth_gbs < float("inf"):
             raise ValueError(f"bandwidth: must be a positive number of GB/s, got {bandwidth_gbs!r}")
         return Link(name or "custom", float(bandwidth_gbs) * 1e9, "user override")
     if name is not None and name not in INTERCONNECTS:
@@ -269,23 +278,29 @@ def coefficients_dir() -> Path:
 def prior_efficiency(gpu: GpuPerf) -> Efficiency:
     prior = EFFICIENCY_PRIORS.get(gpu.family, EFFICIENCY_PRIORS["generic"])
     return Efficiency(gpu.key, prior["e_max"], prior["tokens_half"], WIDTH_HALF, False,
-                      f"prior for {gpu.family} (no throughput calibration for {gpu.key})")
+                      f"{gpu.family} prior; no fit for {gpu.key} yet: python -m estimator.throughput fit")
 
 
 @functools.lru_cache(maxsize=64)
-def _read_coefficients(path: str) -> dict:
+def _read_coefficients(path: str, mtime_ns: int) -> dict:
     return json.loads(Path(path).read_text())
 
 
 def load_efficiency(gpu: GpuPerf, directory: Path | None = None) -> Efficiency:
-    """Calibrated efficiency from ``coefficients/throughput_<gpu-key>.json`` if shipped, else the prior."""
+    """Fitted efficiency from ``coefficients/throughput_<gpu-key>.json`` (written by :func:`fit_efficiency`)
+    if there is one, else the prior of the GPU's generation."""
     path = (directory or coefficients_dir()) / f"throughput_{gpu.key}.json"
     if not path.is_file():
         return prior_efficiency(gpu)
-    data = _read_coefficients(str(path))
-    return Efficiency(gpu.key, float(data["e_max"]), float(data["tokens_half"]),
-                      float(data.get("width_half", WIDTH_HALF)), bool(data.get("calibrated", True)),
-                      f"{path.name} ({data.get('fit', {}).get('n_rows', '?')} runs)")
+    try:
+        data = _read_coefficients(str(path), path.stat().st_mtime_ns)
+        e_max, half = float(data["e_max"]), float(data["tokens_half"])
+        width = float(data.get("width_half", WIDTH_HALF))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"coefficients: {path} is not a throughput fit ({err})") from None
+    fit = data.get("fit", {})
+    return Efficiency(gpu.key, e_max, half, width, bool(data.get("calibrated", True)),
+                      f"fitted to {fit.get('n_rows', '?')} single-GPU runs, {path.name}")
 
 
 # --- FLOPs ----------------------------------------------------------------------------------------------
@@ -408,12 +423,12 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
         step_comm = dp_link.time("all_gather", psi, dp, buckets)
         parts["dp_reduce_scatter"], parts["dp_all_gather"] = micro_comm * accum, step_comm
         hidden_micro = zero_overlap * bwd_micro
-    elif m in ("zero3", "fsdp", "dp_tp"):             # dp_tp: FSDP2 over the dp axis of the (dp, tp) mesh
+    elif m in ("zero3", "fsdp", "dp_tp") + ZERO3_OFFLOAD:   # dp_tp: FSDP2 over the dp axis of the (dp, tp) mesh
         micro_comm = 3 * dp_link.time("all_gather", psi, dp, shape.layers + 1)
         parts["dp_gather_scatter"] = micro_comm * accum
-        overlap = OVERLAP["zero3" if m == "zero3" else "fsdp"] if setup.overlap_comm is not False else 0.0
+        overlap = OVERLAP["fsdp" if m in ("fsdp", "dp_tp") else "zero3"] if setup.overlap_comm is not False else 0.0
         hidden_micro = overlap * compute_micro        # prefetch hides under forward and backward
-    sharded = "fsdp" if m == "dp_tp" and dp > 1 else m
+    sharded = "fsdp" if m == "dp_tp" else ("zero3" if m in ZERO3_OFFLOAD else m)
     sharding = SHARDING_OVERHEAD_S.get(sharded, 0.0) * shape.layers * (3 if setup.grad_ckpt else 2)
     if sharding:
         parts["sharding_overhead"] = sharding * accum
@@ -428,13 +443,17 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
     micro_comm += tp_micro
 
     offload = 0.0
-    if m == "zero_offload":
-        shard = shape.trainable / dp
+    if m in OFFLOAD_METHODS:
+        shard = shape.trainable / dp                  # this rank's optimizer partition
         pcie = host_bandwidth(gpu, setup.pin_memory)
-        grads_d2h = shard * grad_elem / pcie
-        params_h2d = shard * 2.0 / pcie
+        grads_d2h = shard * grad_elem / pcie          # every micro-batch (accumulated in fp32 on the host)
         ranks_per_node = min(setup.world_size, GPUS_PER_NODE)
         cpu_adam = shard * ranks_per_node / CPU_ADAM_PARAMS_PER_S
+        if m == "zero_infinity":                      # parameters live on the host: every gather fetches them
+            passes = 3 if setup.grad_ckpt else 2
+            params_h2d = passes * shape.params / dp * grad_elem / pcie * accum
+        else:                                         # the updated 16-bit partition goes back once per step
+            params_h2d = shard * grad_elem / pcie
         parts.update(offload_grads_d2h=grads_d2h * accum, offload_params_h2d=params_h2d, cpu_adam=cpu_adam)
         offload = accum * max(0.0, grads_d2h - OVERLAP["offload_grads"] * bwd_micro) \
             + params_h2d * (1 - OVERLAP["offload_params"]) + cpu_adam
@@ -472,7 +491,14 @@ def assumptions(gpu: GpuPerf, eff: Efficiency, dp_link: Link, tp_link: Link) -> 
     }
 
 
-# --- calibration hook -----------------------------------------------------------------------------------
+# --- calibration: compute efficiency from measured step times ----------------------------------------------
+# fit_efficiency() turns the harness's single-GPU rows into e_max and tokens_half per GPU type. It uses the same
+# FLOP count as the predictions (micro_batch_flops) and subtracts the optimizer update the model predicts, so
+# what it measures is exactly the knob the planner turns. Pure standard library, like the predict path.
+SKIPPED_GPU_KEYS = ("cpu", "fake")           # data/measurements/cpu (CPU runs) and fake (traces): no GPU time
+FIT_PRECISIONS = ("bf16", "mixed_bf16", "mixed_fp16", "amp_bf16", "amp_fp16")   # tensor-core matmuls
+
+
 def _row_value(row: dict, *names: str) -> Any:
     for name in names:
         if row.get(name) not in (None, ""):
@@ -485,45 +511,72 @@ def _truthy(value: Any) -> bool:
 
 
 def _row_shape(row: dict) -> ModelShape:
+    """The model as the FLOP count sees it: explicit ``params``/``num_layers``/``hidden_size`` columns, else the
+    estimator's parameter table for the row's ``model`` (``estimator.plan.model_shape``)."""
     params = _row_value(row, "params", "model_params", "num_params", "param_count")
     layers = _row_value(row, "num_layers", "layers", "num_hidden_layers")
     hidden = _row_value(row, "hidden_size")
     matmul = _row_value(row, "matmul_params")
+    lora_rank = int(float(_row_value(row, "lora_rank") or 0))
     if params is None or layers is None or hidden is None:
         model = _row_value(row, "model")
         if model is None:
             raise ValueError("rows: need 'params', 'num_layers', 'hidden_size' or a 'model' column")
         from estimator.plan import model_shape  # lazy: plan imports this module
-        return model_shape(str(model))
+        return model_shape(str(model), lora_rank, str(_row_value(row, "lora_targets") or "auto"))
     p = int(float(params))
+    trainable = _row_value(row, "trainable_params")
     return ModelShape(params=p, matmul_params=int(float(matmul)) if matmul is not None else p,
-                      layers=int(float(layers)), hidden_size=int(float(hidden)))
+                      layers=int(float(layers)), hidden_size=int(float(hidden)),
+                      trainable_params=int(float(trainable)) if trainable is not None else None)
 
 
-def _measured_efficiency(row: dict, gpu: GpuPerf) -> tuple[float, float, float]:
-    """(tokens per micro-batch, GEMM width, efficiency) of one measured single-GPU row."""
+@dataclass(frozen=True)
+class MeasuredPoint:
+    """One single-GPU run as the fit sees it."""
+
+    model: str
+    tokens: float            # tokens per micro-batch actually fed (padding included)
+    width: float             # GEMM width (hidden size; tp = 1)
+    efficiency: float        # achieved fraction of the precision's peak FLOP/s
+    step_s: float
+
+
+def measured_point(row: dict, gpu: GpuPerf) -> MeasuredPoint:
+    """Achieved efficiency of one measured single-GPU row: the model's training FLOPs over (step time minus the
+    predicted optimizer update) over peak FLOP/s. Tokens come from ``tokens_per_s * step_time_s`` when both are
+    there (right under ``padding=longest``), else ``micro_batch_size * seq_len``."""
     shape = _row_shape(row)
     mb = int(float(_row_value(row, "micro_batch_size", "micro_batch")))
     seq = int(float(_row_value(row, "seq_len")))
     accum = int(float(_row_value(row, "grad_accum_steps") or 1))
-    step = _row_value(row, "step_time_s")
-    step_s = float(step) if step is not None else mb * seq * accum / float(_row_value(row, "tokens_per_s"))
-    setup = Setup(method="single", world_size=1, tp=1, micro_batch=mb, seq_len=seq, grad_accum=accum,
-                  grad_ckpt=_truthy(_row_value(row, "grad_ckpt") or False),
-                  precision=str(_row_value(row, "precision") or "mixed_bf16"),
-                  optimizer=str(_row_value(row, "optimizer") or "adamw"),
-                  lora=int(float(_row_value(row, "lora_rank") or 0)) > 0)
-    flops = micro_batch_flops(shape, mb * seq, seq, grad_ckpt=setup.grad_ckpt, lora=setup.lora) * accum
-    optimizer_s = shape.trainable * OPTIMIZER_BYTES_PER_PARAM.get(setup.optimizer, 32.0) \
+    step, rate = _row_value(row, "step_time_s"), _row_value(row, "tokens_per_s")
+    step_s = float(step) if step is not None else mb * seq * accum / float(rate)
+    tokens = float(rate) * step_s / accum if step is not None and rate is not None else float(mb * seq)
+    if not (step_s > 0 and tokens > 0):
+        raise ValueError(f"rows: step time {step_s!r} s with {tokens!r} tokens is not a measurement")
+    seq_eff = tokens / mb
+    precision = str(_row_value(row, "precision") or "mixed_bf16")
+    grad_ckpt = _truthy(_row_value(row, "grad_ckpt") or False)
+    lora = int(float(_row_value(row, "lora_rank") or 0)) > 0
+    optimizer = str(_row_value(row, "optimizer") or "adamw")
+    flops = micro_batch_flops(shape, tokens, seq_eff, grad_ckpt=grad_ckpt, lora=lora) * accum
+    optimizer_s = shape.trainable * OPTIMIZER_BYTES_PER_PARAM.get(optimizer, 32.0) \
         / (gpu.memory_bandwidth * HBM_EFFICIENCY)
     compute_s = max(step_s - optimizer_s, 0.05 * step_s)
-    return float(mb * seq), float(shape.hidden_size), flops / (compute_s * gpu.flops_for(setup.precision))
+    peak = gpu.flops_for(precision)
+    if peak <= 0:
+        raise ValueError(f"rows: {gpu.key} has no {precision} peak FLOP/s in the catalogue")
+    return MeasuredPoint(str(_row_value(row, "model") or "?"), tokens, float(shape.hidden_size),
+                         flops / (compute_s * peak), step_s)
 
 
-def _fit_one(points: list[tuple[float, float, float]], prior: Efficiency) -> tuple[float, float]:
-    """Least squares of 1/y = 1/e_max + (k/e_max)/x, y = efficiency / width factor. (e_max, k)."""
-    xs = [x for x, _, _ in points]
-    ys = [e / (w / (w + prior.width_half)) for _, w, e in points]
+def _fit_one(points: list[MeasuredPoint], prior: Efficiency) -> tuple[float, float]:
+    """(e_max, tokens_half) by least squares on the linear form 1/y = 1/e_max + (tokens_half/e_max) * 1/T,
+    y = efficiency / width factor. With one token count (or a fit that would make efficiency fall with the
+    micro-batch) ``tokens_half`` keeps its prior and ``e_max`` is the median that matches the points."""
+    xs = [p.tokens for p in points]
+    ys = [p.efficiency / (p.width / (p.width + prior.width_half)) for p in points]
     if len(set(xs)) >= 2:
         u, v = [1.0 / x for x in xs], [1.0 / y for y in ys]
         mu, mv = statistics.fmean(u), statistics.fmean(v)
@@ -536,45 +589,76 @@ def _fit_one(points: list[tuple[float, float, float]], prior: Efficiency) -> tup
     return min(1.0, statistics.median(y * (x + k) / x for x, y in zip(xs, ys, strict=True))), k
 
 
-def fit_efficiency(rows: list[dict], *, out_dir: Path | None = None, gpu_lookup=None) -> dict[str, dict]:
-    """Fit ``e_max`` and ``tokens_half`` per GPU type from harness rows with ``method == "single"``.
+def usable_row(row: dict) -> str:
+    """Why a harness row cannot calibrate compute efficiency ('' if it can)."""
+    if str(row.get("method", "")) != "single" or str(row.get("world_size") or "1") not in ("1", "1.0"):
+        return "not a single-GPU run"
+    if _truthy(row.get("emulated", False)) or str(row.get("measured_by") or "real_run") != "real_run":
+        return "emulated rank or fake trace (no timing)"
+    if any(str(row.get(k) or "ok") != "ok" for k in ("status", "run_status", "rank_status")):
+        return "failed run"
+    if str(row.get("gpu_key") or "") in SKIPPED_GPU_KEYS or not row.get("gpu_key"):
+        return "no GPU"
+    if _row_value(row, "step_time_s", "tokens_per_s") is None:
+        return "no step time"
+    if str(_row_value(row, "precision") or "mixed_bf16") not in FIT_PRECISIONS:
+        return "fp32 (the fit is for 16-bit tensor-core matmuls)"
+    if int(float(_row_value(row, "num_alloc_retries") or 0)) > 0:
+        return "allocator retries (cache flushes slow the step)"
+    return ""
 
-    Rows are dicts (e.g. ``csv.DictReader``) with ``gpu_key``, ``method``, ``step_time_s`` (or
-    ``tokens_per_s``), ``micro_batch_size``, ``seq_len``, ``precision``, the model's ``params``,
-    ``num_layers`` and ``hidden_size`` (or a catalogue ``model`` name), and optionally ``grad_ckpt``,
-    ``lora_rank``, ``optimizer``, ``grad_accum_steps``. The harness table (``harness/table.py``) has all of
-    these but the parameter counts, which then come from ``model``; rows whose ``status`` / ``run_status`` /
-    ``rank_status`` is not ``ok``, and ``emulated`` (CPU fake-tensor) rows, are skipped. Returns
-    ``{gpu_key: coefficients}``; with ``out_dir``, also writes ``throughput_<gpu-key>.json`` there.
+
+def fit_efficiency(rows: list[dict], *, out_dir: Path | None = None, gpu_lookup=None,
+                   sources: list[str] | None = None) -> dict[str, dict]:
+    """Fit ``e_max`` and ``tokens_half`` per GPU type from the harness's single-GPU rows.
+
+    Rows are dicts (``csv.DictReader`` over ``data/measurements/<gpu-key>/*.csv``, schema in
+    ``harness/table.py``): ``gpu_key``, ``method``, ``world_size``, ``step_time_s`` (or ``tokens_per_s``),
+    ``micro_batch_size``, ``seq_len``, ``precision``, ``grad_ckpt``, ``lora_rank``, ``optimizer``,
+    ``grad_accum_steps``, ``model``; parameter counts come from the estimator for ``model`` unless the row
+    has ``params``, ``num_layers`` and ``hidden_size``. Rows :func:`usable_row` rejects are skipped and
+    counted. Returns ``{gpu_key: fit}``; with ``out_dir``, writes ``throughput_<gpu-key>.json`` there (what
+    :func:`load_efficiency` reads). ``sources`` (input file names) go into the provenance.
     """
     lookup = gpu_lookup or gpu_perf
     groups: dict[str, list[dict]] = {}
+    skipped: dict[str, int] = {}
     for row in rows:
-        if str(row.get("method", "")) != "single" or _truthy(row.get("emulated", False)):
-            continue                                   # multi-GPU rows, or CPU fake-tensor runs (no timing)
-        if any(str(row.get(k) or "ok") != "ok" for k in ("status", "run_status", "rank_status")):
-            continue
-        if _row_value(row, "step_time_s", "tokens_per_s") is None:
+        why = usable_row(row)
+        if why:
+            skipped[why] = skipped.get(why, 0) + 1
             continue
         groups.setdefault(str(row["gpu_key"]), []).append(row)
     result: dict[str, dict] = {}
     for key, group in sorted(groups.items()):
         gpu = lookup(key)
         prior = prior_efficiency(gpu)
-        points = [_measured_efficiency(row, gpu) for row in group]
+        points = [measured_point(row, gpu) for row in group]
         e_max, k = _fit_one(points, prior)
         fitted = Efficiency(key, e_max, k, prior.width_half, True)
-        rel = [abs(fitted.at(x, w) - e) / e for x, w, e in points]
+        rel = [abs(fitted.at(p.tokens, p.width) - p.efficiency) / p.efficiency for p in points]
+        one_x = len({p.tokens for p in points}) < 2
         result[key] = {
             "schema_version": SCHEMA_VERSION, "gpu_key": key, "target": "compute_efficiency",
             "form": "e_max * T/(T + tokens_half) * w/(w + width_half); T = micro-batch tokens, w = hidden/tp",
             "e_max": round(e_max, 6), "tokens_half": round(k, 3), "width_half": prior.width_half,
             "calibrated": True,
-            "fit": {"n_rows": len(points), "tokens_range": [min(p[0] for p in points), max(p[0] for p in points)],
+            "fitted": ["e_max"] + ([] if one_x else ["tokens_half"]),
+            "priors": {"width_half": prior.width_half, **({"tokens_half": k} if one_x else {})},
+            "fit": {"n_rows": len(points), "tokens_range": [min(p.tokens for p in points),
+                                                            max(p.tokens for p in points)],
                     "median_abs_rel_error": round(statistics.median(rel), 4), "max_abs_rel_error": round(max(rel), 4),
-                    "date": _dt.date.today().isoformat()},
-            "description": "Fraction of peak FLOP/s reached by single-GPU harness runs, from measured step "
-                           "times (optimizer update time subtracted). width_half is a prior, not fitted.",
+                    "skipped_rows": dict(sorted(skipped.items()))},
+            "points": [{"model": p.model, "tokens": p.tokens, "measured": round(p.efficiency, 4),
+                        "fitted": round(fitted.at(p.tokens, p.width), 4), "step_time_s": round(p.step_s, 6)}
+                       for p in sorted(points, key=lambda p: (p.model, p.tokens))],
+            "provenance": {"kind": "fit", "written": _dt.date.today().isoformat(),
+                           "command": "python -m estimator.throughput fit", "inputs": sorted(sources or []),
+                           "models": sorted({p.model for p in points})},
+            "description": "Fraction of the precision's peak FLOP/s reached by single-GPU harness runs: training "
+                           "FLOPs (estimator.throughput.micro_batch_flops) over the measured step time minus the "
+                           "predicted optimizer update. width_half (TP narrowing) stays a prior: single-GPU runs "
+                           "cannot see it.",
         }
         if out_dir is not None:
             out = Path(out_dir)
@@ -583,28 +667,60 @@ def fit_efficiency(rows: list[dict], *, out_dir: Path | None = None, gpu_lookup=
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m estimator.throughput",
-                                     description="Fit compute efficiency per GPU type from harness CSVs.")
-    parser.add_argument("csv", nargs="+", type=Path, help="measurement CSV(s) with single-GPU rows")
-    parser.add_argument("--out-dir", type=Path, default=None,
-                        help="where to write throughput_<gpu-key>.json (default: the package's coefficients/)")
-    args = parser.parse_args(argv)
+def default_measurements_dir() -> Path:
+    """``data/measurements`` of the checkout this package runs from (else of the working directory)."""
+    repo = Path(__file__).resolve().parents[1] / "data" / "measurements"
+    return repo if repo.is_dir() else Path.cwd() / "data" / "measurements"
+
+
+def read_measurements(paths: list[Path]) -> tuple[list[dict], list[str]]:
+    """Rows of the given CSV files, or of every ``<dir>/<gpu-key>/*.csv`` for a directory."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            files += sorted(path.glob("*/*.csv")) + sorted(path.glob("*.csv"))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ValueError(f"csv: {path} does not exist")
     rows: list[dict] = []
-    for path in args.csv:
+    for path in files:
         with path.open(newline="") as handle:
             rows.extend(csv.DictReader(handle))
+    return rows, [str(p) for p in files]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m estimator.throughput fit [CSV or DIR ...] [--out-dir DIR] [--dry-run]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["fit"]:
+        argv = argv[1:]
+    parser = argparse.ArgumentParser(prog="python -m estimator.throughput fit",
+                                     description="Fit the planner's compute efficiency per GPU type from the "
+                                                 "harness's single-GPU step times.")
+    parser.add_argument("inputs", nargs="*", type=Path,
+                        help="measurement CSVs or directories (default: data/measurements/*/*.csv)")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="where to write throughput_<gpu-key>.json (default: the package's coefficients/)")
+    parser.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
+    args = parser.parse_args(argv)
     try:
-        fitted = fit_efficiency(rows, out_dir=args.out_dir or coefficients_dir())
+        rows, sources = read_measurements(args.inputs or [default_measurements_dir()])
+        out_dir = None if args.dry_run else (args.out_dir or coefficients_dir())
+        fitted = fit_efficiency(rows, out_dir=out_dir, sources=sources)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if not fitted:
-        print("error: no usable rows (need method == 'single' with a step time)", file=sys.stderr)
+        print(f"error: no usable rows in {len(sources)} file(s) (need real single-GPU runs with a step time)",
+              file=sys.stderr)
         return 2
     for key, data in fitted.items():
+        fit = data["fit"]
         print(f"{key}: e_max={data['e_max']:.3f} tokens_half={data['tokens_half']:.0f} "
-              f"({data['fit']['n_rows']} runs, median error {100 * data['fit']['median_abs_rel_error']:.1f} %)")
+              f"({fit['n_rows']} runs, median error {100 * fit['median_abs_rel_error']:.1f} %, "
+              f"fitted: {', '.join(data['fitted'])}; priors: {', '.join(data['priors'])})"
+              + ("" if args.dry_run else f" -> {(out_dir / f'throughput_{key}.json')}"))
     return 0
 
 

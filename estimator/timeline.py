@@ -8,7 +8,7 @@ repetition index, so only their first and last repetition can hold the maximum.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 FORWARD_SEGMENTS = ("prefix", "fw_first", "fw", "fw_last", "mid_fw")
 
@@ -38,6 +38,7 @@ class Replay:
     peak_segment: str
     end_act_bytes: float       # still alive when the optimizer step starts (loss, leftovers)
     end_grad_bytes: float      # all parameter gradients produced by backward
+    peak_parts: dict[str, float] = field(default_factory=dict)  # method buffers at the peak, by component
 
     @property
     def phase(self) -> str:

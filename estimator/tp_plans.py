@@ -1,6 +1,6 @@
 """Tensor-parallel (TP) plans per model family: which decoder-layer linears are split, and how.
 
-Pure standard library (imported on the estimator's no-torch predict path). ``harness/tp.py`` applies these
+Pure standard library (imported on the estimator's no-torch predict path). ``estimator/profiler/tp.py`` applies these
 plans with ``torch.distributed.tensor.parallel.parallelize_module``; the estimator reads the same data to
 know which parameter dimension is split (``param_shard_dim``) and whether a split is legal (``check_tp``).
 
@@ -25,7 +25,7 @@ Per-family attribute patches (``attr_div``): modules that store a head count and
 count divided by ``tp`` on every rank (e.g. OPT's ``self_attn.num_heads``; without the patch the
 ``view(b, -1, num_heads, head_dim)`` silently folds the missing heads into the *sequence* dimension).
 Families whose reshape infers the head count (``view(..., -1, head_dim)``: Llama, Mistral, Qwen2, BioGPT,
-GPT-NeoX) need none. ``special`` names extra transformations implemented in ``harness/tp.py``:
+GPT-NeoX) need none. ``special`` names extra transformations implemented in ``estimator/profiler/tp.py``:
 
 * ``bloom_alibi``: BLOOM builds the ALiBi bias for all ``n_head`` heads in the model and passes it to every
   layer as ``(batch * n_head, 1, kv)``; each rank keeps the slice of its own heads. BLOOM's fused

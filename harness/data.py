@@ -39,6 +39,7 @@ PROMPT_DICT = {
     ),
 }
 EOS_TOKEN = "<|endoftext|>"
+BPE_TRAIN_CHARS = 1_000_000  # characters of record text a byte-level BPE is trained on, at most
 _SYLLABLES = ("ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "de", "ba", "zu", "fe", "go", "hi", "ju", "ve",
               "an", "el", "or", "um", "is", "at", "en", "ol")
 
@@ -63,7 +64,7 @@ def synthetic_records(num_records: int, *, seed: int = 0, long_words: int = 512,
     words = [rng.choice(_SYLLABLES) + rng.choice(_SYLLABLES) + rng.choice(("", *_SYLLABLES)) for _ in range(2000)]
 
     def sentence(num_words: int) -> str:
-        return " ".join(rng.choice(words) for _ in range(num_words))
+        return " ".join(rng.choices(words, k=num_words))  # one call per sentence: ~4x faster than per word
 
     records = []
     for index in range(num_records):
@@ -191,7 +192,13 @@ def bpe_tokenizer(records: list[dict[str, Any]], vocab_size: int, cache_dir: str
     the training text and vocab size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    texts = [format_prompt(r) + r.get("output", "") for r in records[:5000]]
+    texts = []
+    budget = BPE_TRAIN_CHARS  # enough text for the merges; more only costs time (long synthetic rows are ~13k chars)
+    for record in records[:5000]:
+        if budget <= 0:
+            break
+        texts.append((format_prompt(record) + record.get("output", ""))[:budget])
+        budget -= len(texts[-1])
     digest = hashlib.sha256(("\n".join(texts) + f"|{vocab_size}").encode()).hexdigest()[:16]
     cache = Path(cache_dir).expanduser() / "tokenizers" / f"bpe-{digest}.json" if cache_dir else None
     if cache is not None and cache.is_file():

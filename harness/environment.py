@@ -133,7 +133,9 @@ def package_versions() -> dict[str, str | None]:
 
 @functools.lru_cache(maxsize=1)
 def git_state() -> tuple[str | None, bool | None]:
-    """(sha, dirty) of the repository the harness runs from; (None, None) outside a git checkout."""
+    """(sha, dirty) of the repository the harness runs from. Outside a git checkout (a copy of the working tree
+    without .git, e.g. on a lent GPU machine): ``HARNESS_GIT_SHA`` / ``HARNESS_GIT_DIRTY`` (0/1) as the caller
+    read them from the checkout the copy was made of, else (None, None)."""
     try:
         sha = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=10, check=True).stdout.strip()
@@ -141,7 +143,9 @@ def git_state() -> tuple[str | None, bool | None]:
                                 capture_output=True, text=True, timeout=10, check=True).stdout
         return sha, bool(status.strip())
     except (OSError, subprocess.SubprocessError):
-        return None, None
+        sha = os.environ.get("HARNESS_GIT_SHA", "").strip() or None
+        dirty = os.environ.get("HARNESS_GIT_DIRTY", "").strip().lower()
+        return sha, (dirty in ("1", "true", "yes")) if sha and dirty else None
 
 
 def capture_env(device: DeviceInfo | None = None, torch_device: Any = None) -> dict[str, Any]:

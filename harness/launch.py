@@ -6,8 +6,9 @@ before any work (one-line ``ValueError`` naming the key). ``run_point`` then:
 1. skips the point when ``result.json`` already says ok / oom (and error / timeout unless ``rerun_errors``);
 2. writes ``spec.json``, ``harness.json`` and ``env.json``;
 3. runs the ranks: ``torchrun --standalone`` (or ``srun torchrun`` across nodes) for real multi-rank runs, one
-   ``python -m harness.worker`` subprocess (or this process, ``launcher.isolation=inprocess``) for single-rank,
-   emulated and fake-backend points; a timeout or crash becomes ``status: timeout|error`` with the stderr tail;
+   ``python -m harness.worker`` subprocess (or this process, ``launcher.isolation=inprocess``; or a fork of this
+   process, ``launcher.isolation=fork``) for single-rank, emulated and fake-backend points; a timeout or crash
+   becomes ``status: timeout|error`` with the stderr tail;
 4. merges ``rank*.json`` into ``result.json`` and upserts the tidy rows into
    ``<measurements_dir>/<gpu-key>/<campaign>.csv``. ``result.json`` is written last: a point killed before
    it is simply re-run on resume.
@@ -295,15 +296,111 @@ def head_node() -> str:
 
 def execute(point: Point) -> Outcome:
     log_path, timeout_s = point.run_dir / "worker.log", point.opts.launcher.timeout_s
+    fork = point.opts.launcher.isolation == "fork" and hasattr(os, "fork")
     if point.opts.emulated and point.opts.backend != "fake":
         # One process per emulated rank, in turn (see harness.worker: fake groups do not survive re-creation).
-        outcomes = [_execute_subprocess(worker_command(point, rank), log_path, timeout_s, append=index > 0)
+        outcomes = [_execute_fork(point, rank, log_path, timeout_s, append=index > 0) if fork else
+                    _execute_subprocess(worker_command(point, rank), log_path, timeout_s, append=index > 0)
                     for index, rank in enumerate(point.expected_ranks)]
         codes = [o.returncode for o in outcomes if o.returncode]
         return Outcome(codes[0] if codes else 0, any(o.timed_out for o in outcomes), outcomes[-1].stderr_tail)
     if point.opts.launcher.isolation == "inprocess" and not point.needs_torchrun:
         return _execute_inprocess(point)
+    if fork and not point.needs_torchrun:
+        return _execute_fork(point, None, log_path, timeout_s)
     return _execute_subprocess(worker_command(point), log_path, timeout_s)
+
+
+def fork_unsafe_reason() -> str | None:
+    """Why this process must not fork a CUDA worker, or None. CUDA does not survive a fork once initialised
+    in the parent (the launcher never needs it: NVML answers its questions; set PYTORCH_NVML_BASED_CUDA_CHECK=1
+    before importing torch so ``torch.cuda.is_available()`` asks NVML too)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch, "cuda", None) is not None and torch.cuda.is_initialized():
+        return "CUDA is initialised in the launcher process"
+    return None
+
+
+def _execute_fork(point: Point, rank: int | None, log_path: Path, timeout_s: float, *,
+                  append: bool = False) -> Outcome:
+    """``harness.worker.run`` in a forked child: a fresh process for the rank (own CUDA context, allocator,
+    process group, DeepSpeed patches) without paying the interpreter + torch + transformers import again (the
+    launcher's imports are inherited). Same records, same timeout handling as a subprocess."""
+    reason = fork_unsafe_reason()
+    if reason is not None:  # fall back to a fresh interpreter: correct, only slower
+        return _execute_subprocess(worker_command(point, rank), log_path, timeout_s, append=append)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with open(log_path, "a" if append else "w") as log:
+        log.write(f"$ fork: harness.worker.run --run-dir {point.run_dir}"
+                  f"{'' if rank is None else f' --rank {rank}'}\n")
+        log.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            _fork_child(point, rank, log.fileno())
+    return _wait_child(pid, timeout_s, log_path)
+
+
+def _fork_child(point: Point, rank: int | None, log_fd: int) -> None:
+    code = 1
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's handler (if any) is not the rank's
+        os.setsid()  # its own process group: a timeout kills it and anything it started
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        # Fresh stream objects on the log (the parent's may be a test runner's capture, not fds 1/2).
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        os.environ.update({"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
+        from harness import worker
+
+        code = worker.run(point.run_dir, point.spec, point.opts, rank=rank)
+    except BaseException:  # noqa: BLE001 - the child reports and exits; the parent records it as an error
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)  # no interpreter teardown: no atexit of the parent, records are already fsynced
+
+
+def _wait_child(pid: int, timeout_s: float, log_path: Path) -> Outcome:
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return Outcome(os.waitstatus_to_exitcode(status), False, _tail(log_path))
+            if time.monotonic() >= deadline:
+                status = _terminate_child(pid)
+                return Outcome(os.waitstatus_to_exitcode(status), True, _tail(log_path))
+            time.sleep(0.05)
+    except BaseException:  # Ctrl-C / SIGTERM: take the child down with us
+        _terminate_child(pid)
+        raise
+
+
+def _terminate_child(pid: int, grace_s: float = 10.0) -> int:
+    """SIGTERM to the child's process group, SIGKILL after ``grace_s``; returns its wait status."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:  # not yet its own group leader: the pid itself
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return status
+            time.sleep(0.05)
+    return os.waitpid(pid, 0)[1]
 
 
 def _execute_inprocess(point: Point) -> Outcome:

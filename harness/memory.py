@@ -213,13 +213,24 @@ class MemoryProbe:
         if fraction is None:
             return None
         self.torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+        self._capped = True
         return cap_bytes
 
     def release(self) -> None:
-        """Between emulated ranks: hand cached blocks back so the next rank's reserved peak is its own."""
+        """After a rank: hand cached blocks back so the next rank's reserved peak is its own, and lift this
+        rank's cap (a process reused for the next point, ``launcher.isolation=inprocess``, must not inherit it)."""
         if self.enabled:
             self.torch.cuda.empty_cache()
             self.torch.cuda.reset_peak_memory_stats(self.device)
+            if getattr(self, "_capped", False):
+                self.torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+                self._capped = False
+
+    def reset_counters(self) -> None:
+        """Zero the cumulative allocator counters (retries, OOMs) at a rank's start: per point, even when the
+        process is reused (a fresh process starts at zero anyway)."""
+        if self.enabled:
+            self.torch.cuda.reset_accumulated_memory_stats(self.device)
 
     def close(self) -> None:
         if self._sampler:

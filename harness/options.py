@@ -20,7 +20,7 @@ PADDINGS = ("max_length", "longest")
 # packed: consecutive examples concatenated into seq_len rows.
 KEEPS = ("full_rows", "full_batches", "all", "packed")
 LAUNCH_COMMANDS = ("torchrun", "srun")
-ISOLATIONS = ("subprocess", "inprocess")
+ISOLATIONS = ("subprocess", "inprocess", "fork")
 INJECT_PHASES = ("forward", "backward", "optimizer")
 
 
@@ -80,7 +80,10 @@ class LauncherOptions:
     rdzv_endpoint: str | None = None  # srun: head:port; None = first node of SLURM_JOB_NODELIST
     rdzv_port: int = 29500
     timeout_s: int = 3600
-    isolation: str = "subprocess"  # inprocess: single-process points run in the launcher (reuses the process)
+    # subprocess: a fresh `python -m harness.worker` per single-process rank; inprocess: in the launcher (reuses
+    # the process: allocator, CUDA context and process state carry over); fork: a fork of the launcher per rank
+    # (fresh process state, the launcher's imports inherited: the cheap fresh process; harness/campaign.py)
+    isolation: str = "subprocess"
     extra_args: list[str] = field(default_factory=list)
 
 

@@ -8,68 +8,28 @@ Spec columns are the RunSpec fields flattened: ``training.*`` and ``parallel.*``
 from __future__ import annotations
 
 import csv
-import dataclasses
 import io
 from pathlib import Path
 from typing import Any
 
-from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
+# The schema and the spec <-> columns mapping live in the estimator: calibrate reads these tables and may not
+# import the harness. Re-exported here under their historical names.
+from estimator.columns import (
+    COLUMNS,
+    ENV_COLUMNS,
+    ID_COLUMNS,
+    MEASURE_COLUMNS,
+    RUN_COLUMNS,
+    SPEC_COLUMNS,
+    spec_columns,
+    spec_from_columns,
+)
+from estimator.spec import RunSpec
 from harness.files import atomic_write_text, locked
 from harness.records import RankRecord, RunRecord
 
-ID_COLUMNS = ["run_id", "spec_id", "campaign", "gpu_key", "rank", "world_size", "run_status", "rank_status",
-              "emulated", "measured_by", "memory_source"]
-SPEC_COLUMNS = (["model", "gpu", "spec_schema_version", "method", "tp", "dp", "zero_stage"]
-                + [f.name for f in dataclasses.fields(TrainingSpec)]
-                + [f"zero_{f.name}" for f in dataclasses.fields(ZeroSpec)])
-MEASURE_COLUMNS = ["peak_allocated_bytes", "peak_reserved_bytes", "peak_active_bytes", "peak_requested_bytes",
-                   "peak_device_bytes", "peak_forward_allocated_bytes", "peak_backward_allocated_bytes",
-                   "peak_optimizer_allocated_bytes", "setup_allocated_bytes", "cuda_context_bytes",
-                   "cuda_context_after_warmup_bytes", "num_alloc_retries", "num_ooms", "device_total_bytes",
-                   "memory_cap_bytes", "host_peak_rss_bytes", "step_time_s", "tokens_per_s", "num_steps",
-                   "seq_len_max", "effective_attn", "oom_step", "oom_phase", "oom_request_bytes"]
-RUN_COLUMNS = ["padding", "data_keep", "data_source", "tokenizer", "warmup_steps", "measured_steps",
-               "finished_at", "error"]
-ENV_COLUMNS = ["gpu_name", "compute_capability", "driver_version", "cuda_version", "torch_version",
-               "transformers_version", "deepspeed_version", "alloc_conf", "git_sha", "git_dirty", "hostname"]
-COLUMNS = ID_COLUMNS + SPEC_COLUMNS + MEASURE_COLUMNS + RUN_COLUMNS + ENV_COLUMNS
-
-
-def spec_columns(spec: RunSpec) -> dict[str, Any]:
-    row: dict[str, Any] = {"model": spec.model, "gpu": spec.gpu, "spec_schema_version": spec.schema_version,
-                           "method": spec.parallel.method, "tp": spec.parallel.tp, "dp": spec.parallel.dp,
-                           "zero_stage": spec.parallel.zero_stage}
-    row.update(dataclasses.asdict(spec.training))
-    row.update({f"zero_{k}": v for k, v in dataclasses.asdict(spec.parallel.zero).items()})
-    return row
-
-
-def spec_from_columns(row: dict[str, Any]) -> RunSpec:
-    """Inverse of spec_columns for rows read back as strings (what csv.DictReader gives)."""
-    def typed(cls: type, prefix: str) -> dict[str, Any]:
-        out = {}
-        for f in dataclasses.fields(cls):
-            default = getattr(cls(), f.name)
-            out[f.name] = _parse(row[prefix + f.name], default)
-        return out
-    zero = ZeroSpec(**typed(ZeroSpec, "zero_"))
-    parallel = ParallelSpec(method=row["method"], world_size=int(row["world_size"]), tp=int(row["tp"]), zero=zero)
-    return RunSpec(model=row["model"], gpu=row["gpu"], parallel=parallel,
-                   training=TrainingSpec(**typed(TrainingSpec, "")))
-
-
-def _parse(text: Any, default: Any) -> Any:
-    if not isinstance(text, str):
-        return text
-    if text == "":
-        return None
-    if isinstance(default, bool) or text in ("True", "False"):
-        return text == "True"
-    if isinstance(default, int):
-        return int(text)
-    if isinstance(default, float):
-        return float(text)
-    return text
+__all__ = ["COLUMNS", "ENV_COLUMNS", "ID_COLUMNS", "MEASURE_COLUMNS", "RUN_COLUMNS", "SPEC_COLUMNS", "rank_rows",
+           "read_rows", "spec_columns", "spec_from_columns", "table_path", "upsert_rows"]
 
 
 def rank_rows(spec: RunSpec, run: RunRecord, ranks: list[RankRecord], env: dict[str, Any],

@@ -151,6 +151,7 @@ def _init_device(probe, record, opts) -> None:
     if not probe.enabled:
         return
     torch.empty(1, device=probe.device)  # the context exists from here on
+    probe.reset_counters()
     record.device_total_bytes = probe.total_bytes()
     cap = opts.memory.cap_gib * GIB if opts.memory.cap_gib else (
         opts.memory.cap_fraction * record.device_total_bytes if opts.memory.cap_fraction else None)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -94,7 +96,11 @@ def build_model(config: dict[str, Any], training: TrainingSpec, device: torch.de
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
     model.config.use_cache = False
     if training.grad_ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if training.lora:
         model = apply_lora(model, training)
     model.train()
@@ -135,7 +141,9 @@ def apply_lora(model: torch.nn.Module, training: TrainingSpec) -> torch.nn.Modul
 
     lora = LoraConfig(r=training.lora_rank, lora_alpha=2 * training.lora_rank, lora_dropout=0.0,
                       target_modules=lora_target_modules(model, training.lora_targets), task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
+    with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing: harmless
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated", category=FutureWarning)
+        return get_peft_model(model, lora)
 
 
 def build_optimizer(params, training: TrainingSpec, lr: float = 1e-5) -> torch.optim.Optimizer:
@@ -224,3 +232,31 @@ def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, device: torc
     """Full-length batch (every position attended, every label trained): the worst case the paper measures."""
     input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), device=device)
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
+
+
+@contextlib.contextmanager
+def full_length_attention_mask() -> Iterator[None]:
+    """Let transformers skip the 4-D attention mask for SDPA as it does on the GPU for our batch.
+
+    The traced batch is ``synthetic_batch``: full length, ``attention_mask`` all ones. On real tensors
+    transformers checks that (``fast_all``) and calls SDPA with ``attn_mask=None, is_causal=True`` (flash /
+    memory-efficient kernels, ``enable_gqa`` instead of ``repeat_kv``). On fake tensors it cannot read the mask
+    (``is_tracing`` is true for FakeTensor) and materialises a ``(b, 1, s, s)`` mask instead, which changes the
+    SDPA path and adds per-layer mask copies. We tell it what the data would have told it: no padding.
+    """
+    from torch._subclasses.fake_tensor import is_fake
+    from transformers import masking_utils
+
+    orig = masking_utils._ignore_causal_mask_sdpa
+
+    @functools.wraps(orig)
+    def ignore_causal_mask_sdpa(padding_mask, *args, **kwargs):
+        if padding_mask is not None and is_fake(padding_mask):
+            padding_mask = None  # all ones by construction (synthetic_batch)
+        return orig(padding_mask, *args, **kwargs)
+
+    masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask_sdpa
+    try:
+        yield
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = orig

@@ -9,6 +9,7 @@ dims make some reshapes views instead of copies; a sliding attention window chan
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import time
 from fractions import Fraction
@@ -63,35 +64,62 @@ def _points(regime: dict) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]
 
 
 class _Model:
-    """A fake-tensor model + optimizer kept alive across trace points (params and Adam states persist)."""
+    """A fake-tensor model + optimizer kept alive across trace points (params and Adam states persist).
 
-    def __init__(self, config: dict, training: TrainingSpec, num_layers: int) -> None:
+    ``tp > 1``: the model as TP rank 0 of ``tp`` runs it (``estimator.profiler.tp.apply_tp`` over a 1-D mesh, one
+    optimizer per parameter kind, ``build_tp_optimizer``), exactly as the oracle and the harness wrap ``tp``.
+    Needs the fake process group of ``build_profile`` (``estimator.profiler.fake_pg.fake_process_group``)."""
+
+    def __init__(self, config: dict, training: TrainingSpec, num_layers: int, tp: int = 1) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.training = training
         self.num_layers = num_layers
+        self.tp = tp
         self.vocab = int(config.get("vocab_size"))
         model = build.build_model(config, training, num_layers=num_layers, meta=True)
         self.recorder = StorageRecorder()
-        with self.mode, self.recorder:
+        mesh = None
+        if tp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (tp,))  # outside FakeTensorMode (it reads a scalar)
+        with self._dtensor_patches(), self.mode, self.recorder:
             self.model = build.materialize_fake(model)
-            self.optimizer = build.build_optimizer(self.model.parameters(), training)
+            if mesh is None:
+                self.optimizer = build.build_optimizer(self.model.parameters(), training)
+            else:
+                from estimator.profiler.tp import apply_tp, build_tp_optimizer
+
+                apply_tp(self.model, mesh, config)
+                self.optimizer = build_tp_optimizer(self.model.parameters(), training)
         self.base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         self.layers = decoder_layers(self.base, num_layers)
         self.tracker = install_layer_markers(self.recorder, self.layers)
         self.warm = False  # after one step Adam states exist; every later window starts from the same state
 
+    def _dtensor_patches(self) -> contextlib.AbstractContextManager:
+        """TP: DeviceMesh host tensors and DTensor's global-shape metadata propagation kept out of the trace."""
+        stack = contextlib.ExitStack()
+        if self.tp > 1:
+            from estimator.profiler.fake_pg import device_mesh_untracked, skip_dtensor_meta_propagation
+
+            stack.enter_context(device_mesh_untracked(self.recorder))
+            stack.enter_context(skip_dtensor_meta_propagation(self.recorder))
+        return stack
+
     def trace_window(self, b: int, s: int) -> list[tuple]:
         """One warm-up step, then the measured step's events (window_start .. optimizer)."""
         rec = self.recorder
-        with self.mode, rec:
+        with self._dtensor_patches(), self.mode, rec:
             batch = build.synthetic_batch(b, s, min(self.vocab, 1000))
             if not self.warm:
-                build.train_step(self.model, self.optimizer, batch, self.training)
+                with build.full_length_attention_mask():
+                    build.train_step(self.model, self.optimizer, batch, self.training)
                 self.warm = True
             rec.mark("window_start")
-            with self.tracker:
+            with self.tracker, build.full_length_attention_mask():
                 with build.autocast_context(self.training, "cpu"):
                     loss = self.model(**batch).loss
                 rec.mark("backward")
@@ -237,7 +265,11 @@ def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:
 
 
 def param_table(model: torch.nn.Module, layers: torch.nn.ModuleList, num_layers: int) -> dict:
-    """Parameters of the shrunken model split into non-layer ones and one generic layer's."""
+    """Parameters of the shrunken model split into non-layer ones and one generic layer's.
+
+    Shapes and sizes are what this rank holds: a TP model's DTensor parameters give their local shard (row
+    ``dtensor: true`` with ``global_shape`` / ``global_numel`` of the whole parameter); plain ones are whole.
+    ``buffers``: bytes of module buffers outside the layers and in one generic layer."""
     prefix = next(name for name, mod in model.named_modules() if mod is layers)
     kinds = {}
     for mod_name, mod in model.named_modules():
@@ -250,14 +282,25 @@ def param_table(model: torch.nn.Module, layers: torch.nn.ModuleList, num_layers:
     non_layer, per_layer = [], []
     generic = f"{prefix}.1."
     for name, param in model.named_parameters():
-        row = {"name": name, "shape": list(param.shape), "numel": param.numel(),
-               "elem_bytes": param.element_size(), "trainable": param.requires_grad,
+        local = getattr(param, "_local_tensor", None)  # TP: a DTensor; this rank holds its local shard
+        held = param if local is None else local
+        row = {"name": name, "shape": list(held.shape), "numel": held.numel(),
+               "elem_bytes": held.element_size(), "trainable": param.requires_grad,
                "kind": kinds.get(name, "other"), "tied": tied[id(param)][1:]}
+        if local is not None:  # stepped by the DTensor optimizer (build_tp_optimizer); global size for counts
+            row.update(dtensor=True, global_shape=list(param.shape), global_numel=param.numel())
         if name.startswith(generic):
             per_layer.append({**row, "name": name[len(generic):]})
         elif not name.startswith(f"{prefix}."):
             non_layer.append(row)
-    return {"layer_prefix": prefix, "non_layer": non_layer, "per_layer": per_layer}
+    buffers = {"non_layer": 0, "per_layer": 0}  # resident on every rank (e.g. CodeGen's sin/cos, GPT-Neo's masks)
+    for name, buf in model.named_buffers():
+        held = getattr(buf, "_local_tensor", buf)
+        if name.startswith(generic):
+            buffers["per_layer"] += held.numel() * held.element_size()
+        elif not name.startswith(f"{prefix}."):
+            buffers["non_layer"] += held.numel() * held.element_size()
+    return {"layer_prefix": prefix, "non_layer": non_layer, "per_layer": per_layer, "buffers": buffers}
 
 
 def _module_kind(module: torch.nn.Module) -> str:
@@ -271,30 +314,49 @@ def _module_kind(module: torch.nn.Module) -> str:
     return "other"
 
 
-def build_profile(config: dict, training: TrainingSpec, *, check: bool = True) -> dict:
-    """Trace, fit and summarise. Seconds of CPU on fake tensors; no real memory is used."""
+def build_profile(config: dict, training: TrainingSpec, *, check: bool = True, tp: int = 1) -> dict:
+    """Trace, fit and summarise. Seconds of CPU on fake tensors; no real memory is used.
+
+    ``tp > 1``: the profile of TP rank 0 of ``tp`` (layers split by ``estimator.tp_plans``, embeddings, norms and
+    lm_head replicated), traced on a fake process group that exists only during this call."""
     started = time.perf_counter()
-    model = _Model(config, training, PROFILE_LAYERS)
-    regimes = []
-    for regime in regimes_for(config):
-        fitted, signature, coeffs = _fit_regime(model, regime)
-        if check:
-            fitted["layer_check"] = _check_depth(config, training, regime, fitted)
-        regimes.append(fitted)
+    with _process_group(tp):
+        model = _Model(config, training, PROFILE_LAYERS, tp)
+        regimes = []
+        for regime in regimes_for(config):
+            fitted, signature, coeffs = _fit_regime(model, regime)
+            if check:
+                fitted["layer_check"] = _check_depth(config, training, regime, fitted, tp)
+            regimes.append(fitted)
+        params = param_table(model.base if not training.lora else model.model, model.layers, PROFILE_LAYERS)
+        attn = build.effective_attn(model.base)
+        del model
     import transformers
 
-    return {
+    profile = {
         "schema_version": PROFILE_SCHEMA_VERSION,
         "model_type": config.get("model_type"),
         "variant": _variant(training),
-        "attn_effective": build.effective_attn(model.base),
+        "attn_effective": attn,
         "monomials": list(MONOMIALS),
-        "params": param_table(model.base if not training.lora else model.model, model.layers, PROFILE_LAYERS),
+        "params": params,
         "regimes": regimes,
         "provenance": {"torch": torch.__version__, "transformers": transformers.__version__,
                        "created": _dt.date.today().isoformat(), "trace_s": round(time.perf_counter() - started, 2),
                        "profile_layers": PROFILE_LAYERS},
     }
+    if tp > 1:
+        profile["tp"] = tp
+    return profile
+
+
+def _process_group(tp: int) -> contextlib.AbstractContextManager:
+    if tp <= 1:
+        return contextlib.nullcontext()
+    from estimator.profiler.fake_pg import fake_process_group
+
+    # The cache key the oracle uses for rank 0 of a 1-D tp mesh: the same group names, so DTensor's caches stay.
+    return fake_process_group(0, tp, cache_key=(0, tp, "tp", tp))
 
 
 def _variant(training: TrainingSpec) -> dict:
@@ -302,12 +364,12 @@ def _variant(training: TrainingSpec) -> dict:
             "lora_rank": training.lora_rank, "lora_targets": training.lora_targets}
 
 
-def _check_depth(config: dict, training: TrainingSpec, regime: dict, fitted: dict) -> dict:
+def _check_depth(config: dict, training: TrainingSpec, regime: dict, fitted: dict, tp: int = 1) -> dict:
     """Replay the 3-layer segments for 4 layers and compare with a real 4-layer trace at one point."""
     from estimator.timeline import replay_activation_peak
 
     b, s = _points(regime)[1][0]
-    deeper = _Model(config, training, CHECK_LAYERS)
+    deeper = _Model(config, training, CHECK_LAYERS, tp)
     window = deeper.trace_window(b, s)
     signature, sizes, grads = _normalise(window, deeper.recorder.timeline)
     running, peak = 0, 0

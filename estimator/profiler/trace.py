@@ -1,18 +1,24 @@
 """Record a training step's storage timeline on fake tensors.
 
 A TorchDispatchMode sees every aten op; each new untyped storage is an allocation, its weakref callback a free.
+DTensor ops are let through to their local-tensor ops (what a rank allocates); DTensor's global-shape
+metadata propagation is not recorded (``paused``, see ``estimator.profiler.fake_pg``).
 Decoder-layer boundaries (forward and backward, checkpoint recompute included) come from ModTracker hooks, so a
 shrunken copy of a model yields per-layer segments that can be replayed for any depth.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch._guards import active_fake_mode
 from torch.distributed._tools.mod_tracker import ModTracker
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -33,6 +39,7 @@ class StorageRecorder(TorchDispatchMode):
         self._sid_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._refs: dict[int, weakref.ref] = {}
         self._next_sid = 0
+        self._paused = 0
 
     def mark(self, label: str) -> None:
         self.timeline.events.append(("m", label))
@@ -41,7 +48,10 @@ class StorageRecorder(TorchDispatchMode):
         return self._sid_of.get(storage)
 
     def track(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
+        for storage in _storages(tensor):
+            self._track_storage(storage)
+
+    def _track_storage(self, storage: torch.UntypedStorage) -> None:
         if storage in self._sid_of:
             return
         sid = self._next_sid
@@ -54,12 +64,44 @@ class StorageRecorder(TorchDispatchMode):
         self._refs[sid] = weakref.ref(storage, lambda _ref, sid=sid: (events.append(("f", sid)),
                                                                      self._refs.pop(sid, None)))
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Storages created inside are not recorded (metadata-only computations, e.g. DTensor's global-shape
+        sharding propagation on fake tensors; see ``estimator.profiler.fake_pg``)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for item in tree_flatten(out)[0]:
-            if isinstance(item, torch.Tensor):
-                self.track(item)
+        if any(issubclass(t, _dtensor_type()) for t in types):
+            return NotImplemented  # DTensor desugars into ops on its local tensors, which come back here
+        if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode() is not None:
+            out = args[0]  # the fake impl returns a new tensor; on a GPU wait_tensor returns its input
+        else:
+            out = func(*args, **(kwargs or {}))
+        if not self._paused:
+            for item in tree_flatten(out)[0]:
+                if isinstance(item, torch.Tensor):
+                    self.track(item)
         return out
+
+
+@functools.cache
+def _dtensor_type() -> type:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages holding ``tensor``'s data: a DTensor's (or another wrapper subclass's) inner tensors'."""
+    if is_traceable_wrapper_subclass(tensor):
+        from torch.distributed._tools.common_utils import get_untyped_storages
+
+        return list(get_untyped_storages(tensor))
+    return [tensor.untyped_storage()]
 
 
 def decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:
@@ -95,6 +137,7 @@ def install_layer_markers(recorder: StorageRecorder, layers: torch.nn.ModuleList
 def label_grads(recorder: StorageRecorder, model: torch.nn.Module) -> None:
     for name, param in model.named_parameters():
         if param.grad is not None:
-            sid = recorder.sid(param.grad.untyped_storage())
+            grad = getattr(param.grad, "_local_tensor", param.grad)  # TP: the DTensor grad's local shard
+            sid = recorder.sid(grad.untyped_storage())
             if sid is not None:
                 recorder.timeline.grad_names[sid] = name

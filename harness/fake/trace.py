@@ -13,6 +13,13 @@ from typing import Any
 
 import torch
 
+from estimator.profiler.fake_pg import (
+    clear_dtensor_caches,
+    clear_dtensor_caches_if_world_changed,
+    device_mesh_untracked,
+    fake_process_group,
+    skip_dtensor_meta_propagation,
+)
 from estimator.spec import RunSpec
 from harness.fake.counter import StorageCounter
 from harness.fake.wrap import (
@@ -79,123 +86,11 @@ def _fsdp_tags(counter: StorageCounter) -> Iterator[None]:
             setattr(group_mod, name, fn)
 
 
-_last_dtensor_world: tuple | None = None
-
-
-def _clear_dtensor_caches_if_world_changed(key: tuple) -> None:
-    """DTensor caches sharding decisions process-wide, keyed by DeviceMesh equality, which ignores the rank and
-    the process-group names (group names depend on the rank: rank 0 of a 2x2 mesh gets groups "1", "3", rank 3
-    gets "2", "4"). After a trace destroys its process group, a later trace of another rank or world would reuse
-    output specs carrying the old mesh (stale group names: "Could not resolve the process group registered under
-    the name 3"; the old rank's coordinate). Clear the caches whenever (rank, world, mesh shape) changes; the
-    same key gives the same group names and coordinates, so the cache stays valid (and warm) then."""
-    global _last_dtensor_world
-    if key != _last_dtensor_world:
-        _clear_dtensor_caches()
-        _last_dtensor_world = key
-
-
-def _clear_dtensor_caches() -> None:
-    from torch.distributed.tensor import _redistribute
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()  # the Python LRU caches and the C++ fast-path cache
-    for fn in (ShardingPropagator._propagate_tensor_meta_cached, getattr(_redistribute, "_gen_transform_infos", None)):
-        if hasattr(fn, "cache_clear"):
-            fn.cache_clear()
-
-
-@contextlib.contextmanager
-def _device_mesh_untracked(counter: StorageCounter | None, fake: bool = True) -> Iterator[None]:
-    """DeviceMesh builds and reads small host-side rank tensors (``nonzero``, ``tolist``): impossible on fake
-    tensors, and never device memory on a GPU. FSDP2 creates meshes inside the trace (e.g. the 2-D SPMD mesh of
-    FSDP+TP), so run DeviceMesh's constructor and its ``mesh`` property with fake mode suspended (``fake``) and
-    the counter paused."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
-
-    orig_init = DeviceMesh.__init__
-    orig_mesh = DeviceMesh.__dict__["mesh"]
-
-    def untracked():
-        stack = contextlib.ExitStack()
-        if fake:
-            stack.enter_context(unset_fake_temporarily())
-        if counter is not None:
-            stack.enter_context(counter.paused())
-        return stack
-
-    @functools.wraps(orig_init)
-    def init(self, *args, **kwargs):
-        with untracked():
-            orig_init(self, *args, **kwargs)
-
-    def mesh(self):
-        with untracked():
-            return orig_mesh.fget(self)
-
-    DeviceMesh.__init__ = init
-    DeviceMesh.mesh = property(mesh)
-    try:
-        yield
-    finally:
-        DeviceMesh.__init__ = orig_init
-        DeviceMesh.mesh = orig_mesh
-
-
-@contextlib.contextmanager
-def _skip_dtensor_meta_propagation(counter: StorageCounter) -> Iterator[None]:
-    """DTensor computes output metadata by running each new (op, specs) combination on fake tensors of the
-    *global* shape (``ShardingPropagator._propagate_tensor_meta_non_cached``). Without an outer fake mode it
-    uses its own FakeTensorMode, which the counter ignores; under our FakeTensorMode it reuses ours, and those
-    global-shape temporaries would be counted as allocations. They never exist on a GPU: pause counting there.
-
-    This is what inflated "FSDP2's first step on fake tensors" (env-recipes §4): the propagation results are
-    cached (lru_cache, process-wide), so only the first trace in a process paid it, in its first step.
-    """
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-    orig = ShardingPropagator._propagate_tensor_meta_non_cached
-
-    @functools.wraps(orig)
-    def propagate(self, *args, **kwargs):
-        with counter.paused():
-            return orig(self, *args, **kwargs)
-
-    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
-    try:
-        yield
-    finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = orig
-
-
-@contextlib.contextmanager
-def _hf_full_length_mask() -> Iterator[None]:
-    """Let transformers skip the 4-D attention mask for SDPA as it does on the GPU for our batch.
-
-    The traced batch is ``synthetic_batch``: full length, ``attention_mask`` all ones. On real tensors
-    transformers checks that (``fast_all``) and calls SDPA with ``attn_mask=None, is_causal=True`` (flash /
-    memory-efficient kernels, ``enable_gqa`` instead of ``repeat_kv``). On fake tensors it cannot read the mask
-    (``is_tracing`` is true for FakeTensor) and materialises a ``(b, 1, s, s)`` mask instead, which changes the
-    SDPA path and adds per-layer mask copies. We tell it what the data would have told it: no padding.
-    """
-    from torch._subclasses.fake_tensor import is_fake
-    from transformers import masking_utils
-
-    orig = masking_utils._ignore_causal_mask_sdpa
-
-    @functools.wraps(orig)
-    def ignore_causal_mask_sdpa(padding_mask, *args, **kwargs):
-        if padding_mask is not None and is_fake(padding_mask):
-            padding_mask = None  # all ones by construction (synthetic_batch)
-        return orig(padding_mask, *args, **kwargs)
-
-    masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask_sdpa
-    try:
-        yield
-    finally:
-        masking_utils._ignore_causal_mask_sdpa = orig
+# Shared with the estimator's TP profiler (moved to estimator.profiler.fake_pg; the old names stay importable).
+_clear_dtensor_caches_if_world_changed = clear_dtensor_caches_if_world_changed
+_clear_dtensor_caches = clear_dtensor_caches
+_device_mesh_untracked = device_mesh_untracked
+_skip_dtensor_meta_propagation = skip_dtensor_meta_propagation
 
 
 def _instrument_optimizer(optimizer, counter: StorageCounter) -> None:
@@ -226,24 +121,27 @@ def _instrument_one_optimizer(optimizer, counter: StorageCounter) -> None:
 
 def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: int, steps: int,
                 fake_tensors: bool = True) -> dict[str, Any]:
-    import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from estimator.profiler.build import build_model, forward_backward, materialize_fake, synthetic_batch
+    from estimator.profiler.build import (
+        build_model,
+        forward_backward,
+        full_length_attention_mask,
+        materialize_fake,
+        synthetic_batch,
+    )
 
     n = spec.parallel.world_size
     method = spec.parallel.method
     training = spec.training
     built = build_training(spec)
     t0 = time.perf_counter()
-    if n > 1:
-        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-        if dist.is_initialized():
-            raise RuntimeError("a default process group is already initialized; trace_run needs its own")
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=n)
-    _clear_dtensor_caches_if_world_changed((rank, n, method, spec.parallel.tp))
-    try:
+    with contextlib.ExitStack() as pg:
+        cache_key = (rank, n, method, spec.parallel.tp)
+        if n > 1:
+            pg.enter_context(fake_process_group(rank, n, cache_key))
+        else:
+            clear_dtensor_caches_if_world_changed(cache_key)
         mesh = make_mesh(spec, "cpu")  # outside FakeTensorMode (init_device_mesh reads a scalar)
         # Built on meta *outside* FakeTensorMode: built inside it, the meta->fake conversion memoizes a weakref to
         # every meta param and to_empty's swap_tensors then fails ("Couldn't swap Embedding.weight").
@@ -256,7 +154,7 @@ def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: i
             stack.enter_context(counter)
             stack.enter_context(_skip_dtensor_meta_propagation(counter))
             if fake_tensors:
-                stack.enter_context(_hf_full_length_mask())
+                stack.enter_context(full_length_attention_mask())
             if method in FSDP_METHODS:
                 stack.enter_context(_fsdp_tags(counter))
             if fake_tensors:
@@ -302,9 +200,6 @@ def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: i
                 counter.set_phase("setup")
             local_params = sum(_local_numel(p) for p in model.parameters())
             del model, optimizer, batch
-    finally:
-        if n > 1 and dist.is_initialized():
-            dist.destroy_process_group()
 
     steady = records[1:] if method in FSDP_METHODS and len(records) > 1 else records
     best = max(steady, key=lambda r: r["peaks"]["peak"])

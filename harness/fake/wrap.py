@@ -24,11 +24,11 @@ Methods (``spec.parallel.method``), N = world size:
     after sharding (the sharded DTensors). Gradient accumulation: every micro-batch reduce-scatters (no
     ``set_requires_gradient_sync(False)``).
 ``tp``
-    ``harness.tp.apply_tp(model, mesh_1d(N), config)`` (see ``estimator.tp_plans``). Optimizer: foreach AdamW
+    ``estimator.profiler.tp.apply_tp(model, mesh_1d(N), config)`` (see ``estimator.tp_plans``). Optimizer: foreach AdamW
     cannot take DTensor (split) and plain (replicated: embeddings, norms, lm_head) tensors in one list (torch
     raises "got mixed torch.Tensor and DTensor"), so ``build_method_optimizer`` builds one optimizer per kind
-    (split params first, then replicated) and steps them in that order (= two param groups; foreach
-    temporaries are per group).
+    (DTensor params first, then plain ones) and steps them in that order (``estimator.profiler.tp
+    .build_tp_optimizer``, ``OptimizerChain``; foreach temporaries and mixed_* grad conversion per optimizer).
 ``dp_tp``
     2-D mesh ``init_device_mesh(dev, (dp, tp), mesh_dim_names=("dp", "tp"))``; rank r sits at
     ``(r // tp, r % tp)`` (TP groups are consecutive ranks). ``apply_tp`` over ``mesh["tp"]``, then FSDP2 exactly as
@@ -60,6 +60,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from estimator.profiler.tp import OptimizerChain  # noqa: F401  (re-exported: it moved there)
 from estimator.spec import RunSpec, TrainingSpec
 
 FSDP_METHODS = ("fsdp", "dp_tp")
@@ -90,39 +91,16 @@ def fsdp_mp_policy(training: TrainingSpec):
     return None
 
 
-class OptimizerChain:
-    """Several optimizers stepped in order, as one (what a multi-group optimizer does group by group)."""
-
-    def __init__(self, optimizers: list) -> None:
-        self.optimizers = list(optimizers)
-
-    def step(self, closure=None) -> None:
-        for opt in self.optimizers:
-            opt.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=set_to_none)
-
-    @property
-    def masters(self) -> list:
-        return [m for opt in self.optimizers for m in getattr(opt, "masters", [])]
-
-
 def build_method_optimizer(model: nn.Module, spec: RunSpec, lr: float = 1e-5):
-    """``build.build_optimizer`` over the wrapped model's trainable params, split by kind for ``tp``."""
-    from torch.distributed.tensor import DTensor
-
+    """``build.build_optimizer`` over the wrapped model's trainable params, split by kind for ``tp``
+    (``estimator.profiler.tp.build_tp_optimizer``: the estimator's TP profiles build it the same way)."""
     from estimator.profiler.build import build_optimizer
+    from estimator.profiler.tp import build_tp_optimizer
 
     training = build_training(spec)
-    params = [p for p in model.parameters() if p.requires_grad]
     if spec.parallel.method == "tp":
-        split = [p for p in params if isinstance(p, DTensor)]
-        plain = [p for p in params if not isinstance(p, DTensor)]
-        if split and plain:
-            return OptimizerChain([build_optimizer(split, training, lr), build_optimizer(plain, training, lr)])
-    return build_optimizer(params, training, lr)
+        return build_tp_optimizer(model.parameters(), training, lr)
+    return build_optimizer([p for p in model.parameters() if p.requires_grad], training, lr)
 
 
 def make_mesh(spec: RunSpec, device_type: str):
@@ -142,7 +120,7 @@ def make_mesh(spec: RunSpec, device_type: str):
 def apply_fsdp(model: nn.Module, mesh, training: TrainingSpec, model_type: str) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    from harness.tp import decoder_layers
+    from estimator.profiler.tp import decoder_layers
 
     kwargs: dict[str, Any] = {"mesh": mesh}
     policy = fsdp_mp_policy(training)
@@ -196,11 +174,11 @@ def wrap_model(model: nn.Module, spec: RunSpec, mesh, config: dict[str, Any], *,
     if method == "fsdp":
         return apply_fsdp(model, mesh, spec.training, model_type)
     if method == "tp":
-        from harness.tp import apply_tp
+        from estimator.profiler.tp import apply_tp
 
         return apply_tp(model, mesh, config)
     if method == "dp_tp":
-        from harness.tp import apply_tp
+        from estimator.profiler.tp import apply_tp
 
         apply_tp(model, mesh["tp"], config)
         return apply_fsdp(model, mesh["dp"], spec.training, model_type)

@@ -115,17 +115,21 @@ def test_stage3_aliases_and_other_fields():
     assert (zero.overlap_comm, zero.contiguous_gradients, zero.reduce_scatter) == (False, False, False)
 
 
-@pytest.mark.parametrize("zero, opt, param, pin", [
-    ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, True, False, True),
-    ({"stage": 1, "offload_optimizer": {"device": "nvme", "pin_memory": False}}, True, False, False),
-    ({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, True, True, True),
-    ({"stage": 3, "offload_param": {"device": "nvme", "pin_memory": "false"}}, False, True, False),
-    ({"stage": 2, "cpu_offload": True}, True, False, True),                        # deprecated spelling
-    ({"stage": 3, "cpu_offload_param": True, "cpu_offload_use_pin_memory": False}, False, True, False),
+@pytest.mark.parametrize("zero, method, opt, param, pin", [
+    ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "zero_offload", True, False, True),
+    ({"stage": 1, "offload_optimizer": {"device": "nvme", "pin_memory": False}}, "zero_offload", True, False, False),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, "zero3", True, True,
+     True),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, "zero3", True, False, True),  # ZeRO-3 Offload
+    ({"stage": 3, "offload_param": {"device": "nvme", "pin_memory": "false"}}, "zero3", False, True, False),
+    ({"stage": 2, "cpu_offload": True}, "zero_offload", True, False, True),          # deprecated spelling
+    ({"stage": 3, "cpu_offload_param": True, "cpu_offload_use_pin_memory": False}, "zero3", False, True, False),
 ])
-def test_offload_maps_to_zero_offload(zero, opt, param, pin):
+def test_offload_keeps_the_stage(zero, method, opt, param, pin):
+    """Stage 1/2 + optimizer offload is ZeRO-Offload; stage 3 keeps stage 3 (ZeRO-3 Offload, ZeRO-Infinity)."""
     spec = ds({"zero_optimization": zero})
-    assert spec.parallel.method == "zero_offload"
+    assert spec.parallel.method == method
+    assert spec.parallel.zero_stage == min(max(zero["stage"], 2), 3)
     flags = spec.parallel.zero
     assert (flags.offload_optimizer, flags.offload_param, flags.pin_memory) == (opt, param, pin)
 

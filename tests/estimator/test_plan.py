@@ -34,13 +34,22 @@ def state_bytes(method: str, dp: int, tp: int, lora: bool) -> float:
         return 2 * psi / (tp if method in ("tp", "dp_tp") else 1) / (dp if method in ("zero3", "fsdp") else 1)
     return {"single": 16 * psi, "ddp": 16 * psi, "zero1": 4 * psi + 12 * psi / dp, "zero2": 2 * psi + 14 * psi / dp,
             "zero3": 16 * psi / dp, "fsdp": 16 * psi / dp, "tp": 16 * psi / tp, "dp_tp": 16 * psi / tp,
-            "zero_offload": 2 * psi + 2 * psi / dp}[method]
+            "zero_offload": 2 * psi + 2 * psi / dp, "zero3_offload": 4 * psi / dp, "zero_infinity": 2 * psi / dp,
+            }[method]
+
+
+def layout(par) -> str:
+    """The planner's layout name of a spec (ZeRO-3 offload layouts are ``zero3`` specs with offload flags)."""
+    zero = getattr(par, "zero", None)
+    if par.method == "zero3" and zero is not None and zero.offload_optimizer:
+        return "zero_infinity" if zero.offload_param else "zero3_offload"
+    return par.method
 
 
 def fake_memory(spec) -> int:
     par, tr = spec.parallel, spec.training
-    per_sample = tr.seq_len * (2_000 if tr.grad_ckpt else 40_000) * (1 if par.method in ("tp", "dp_tp") else 1)
-    states = state_bytes(par.method, par.dp, par.tp, tr.lora_rank > 0)
+    per_sample = tr.seq_len * (2_000 if tr.grad_ckpt else 40_000)
+    states = state_bytes(layout(par), par.dp, par.tp, tr.lora_rank > 0)
     return int(states + per_sample * tr.micro_batch_size * 1024 / par.tp + 0.5 * GIB)
 
 
@@ -147,8 +156,36 @@ def test_candidates_cover_every_method_and_factorisation():
         (m, t) for m, t, _ in labels}
     assert {t for m, t, _ in labels if m == "dp_tp"} == {2, 3, 4, 6}
     assert ("tp", 12, True) in labels and ("tp", 12, False) in labels
-    assert len(labels) == 2 * (5 + 1 + 4 + 1)
-    assert {c.method for c in P.enumerate_candidates(1)} == {"single", "zero_offload"}
+    assert {m for m, _, _ in labels} >= {"zero_offload", "zero3_offload", "zero_infinity"}
+    assert len(labels) == 2 * (5 + 1 + 4 + 3)
+    assert {c.method for c in P.enumerate_candidates(1)} == {"single", "zero_offload", "zero3_offload",
+                                                               "zero_infinity"}
+
+
+def test_offload_layouts_are_deepspeeds():
+    """ZeRO-Offload = stage 2 + optimizer on the CPU (no parameter offload); ZeRO-3 offload and ZeRO-Infinity are
+    stage-3 specs (DeepSpeed accepts offload_param only with stage 3)."""
+    z2 = P.Candidate("zero_offload", 4).parallel_spec()
+    assert z2.method == "zero_offload" and z2.zero_stage == 2 and not z2.zero.offload_param
+    z3 = P.Candidate("zero3_offload", 4).parallel_spec()
+    assert z3.zero_stage == 3 and z3.zero.offload_optimizer and not z3.zero.offload_param
+    inf = P.Candidate("zero_infinity", 4).parallel_spec()
+    assert inf.zero_stage == 3 and inf.zero.offload_optimizer and inf.zero.offload_param
+    for spec in (z2, z3, inf):
+        assert spec.zero.pin_memory is False                 # DeepSpeed's offload_*.pin_memory default
+
+
+def test_methods_without_a_layout_on_n_gpus_are_an_error():
+    with pytest.raises(ValueError, match=r"^methods: no layout on 4 GPU\(s\) for single \(it is the 1-GPU"):
+        run(gpus=4, methods=["single"])
+    with pytest.raises(ValueError, match=r"^methods: no layout on 1 GPU\(s\) for ddp \(it needs 2 or more"):
+        run(gpus=1, methods=["ddp"])
+    with pytest.raises(ValueError, match=r"^methods: no layout on 3 GPU\(s\) for dp_tp"):
+        run(gpus=3, methods=["dp_tp"])
+    with pytest.raises(ValueError, match=r"^methods: 'magic' is not one of"):
+        run(methods=["magic"])
+    with pytest.raises(ValueError, match=r"^ckpt_options:"):
+        run(ckpt_options=())
 
 
 def test_invalid_tp_is_skipped_with_the_reason():
@@ -219,7 +256,9 @@ def test_global_batch_no_layout_can_split_is_an_error():
 
 # --- advice ---------------------------------------------------------------------------------------------------
 def test_advice_when_nothing_fits_counts_the_gpus_needed():
-    est = make_fake(memory=lambda spec: fake_memory(spec) + 11 * GIB)     # a fat model: nothing fits on 4
+    def memory(spec):   # a fat model: nothing fits on 4, not even offloaded
+        return fake_memory(spec) + (14 if layout(spec.parallel) in P.OFFLOAD_METHODS else 11) * GIB
+    est = make_fake(memory=memory)
     result = run(estimate_fn=est)
     assert result.best is None
     text = " | ".join(result.advice)
@@ -233,7 +272,49 @@ def test_advice_when_nothing_fits_counts_the_gpus_needed():
         return (fake_memory(spec) + 11 * GIB) * 1.1 <= 16 * GIB
     assert zero3_fits(needed) and not zero3_fits(needed - 1)
     assert any(a.startswith("LoRA: --lora-rank 16 fits") for a in result.advice)
-    assert any(a.startswith("offload: even ZeRO-Offload needs") for a in result.advice)
+    assert any(a.startswith("offload: even zero_infinity needs") for a in result.advice)   # the least memory
+
+
+def test_advice_probes_never_build_a_profile(monkeypatch):
+    """The advice's what-ifs use only shipped/cached profiles: a missing one is said, not built (minutes)."""
+    main, probed = make_fake(memory=lambda s: fake_memory(s) + 14 * GIB), []
+
+    def probe(spec):                               # the estimator with allow_build=False
+        probed.append(spec)
+        if spec.training.lora_rank:
+            raise ValueError("model: no cached profile for this architecture and variant (x_lora16-auto)")
+        return main(spec)
+    monkeypatch.setattr(P, "_default_estimate", lambda allow_build=True: main if allow_build else probe)
+    result = P.plan(MODEL, gpus=4, gpu=GPU.key, gpu_info=GPU)
+    assert result.best is None and probed
+    assert any(s.training.lora_rank for s in probed)
+    assert any(a.startswith("LoRA: not checked (no LoRA profile") for a in result.advice)
+    assert any(a.startswith("more GPUs:") for a in result.advice)
+
+
+def test_advice_with_checkpointing_excluded_probes_without_it():
+    seen = []
+
+    def est(spec):
+        seen.append(spec.training.grad_ckpt)
+        return make_fake(memory=lambda s: fake_memory(s) + 14 * GIB)(spec)
+    result = run(estimate_fn=est, ckpt_options=(False,))
+    assert result.best is None and set(seen) == {False}     # no what-if asked for a checkpointing profile
+    assert "checkpointing was not considered" in result.advice[0]
+    assert any(a.startswith("more GPUs:") for a in result.advice)
+
+
+def test_host_ram_limit_rules_out_offload_layouts():
+    def memory(spec):
+        return fake_memory(spec) + (0 if layout(spec.parallel) in P.OFFLOAD_METHODS else 100 * GIB)
+    result = run(estimate_fn=make_fake(memory), host_ram_gb=10, ckpt_options=(True,))   # each needs 4 x 12 x P
+    offload = [r for r in result.results if r.candidate.offload]
+    assert offload and all(r.status == "oom" and r.reason.startswith("host RAM: the offloaded states need")
+                           for r in offload)
+    assert result.best is None
+    assert any("would fit the GPU but not the host" in a for a in result.advice)
+    with pytest.raises(ValueError, match="^host_ram: must be a positive number"):
+        run(host_ram_gb=0)
 
 
 def test_advice_when_only_offload_fits():
@@ -241,7 +322,12 @@ def test_advice_when_only_offload_fits():
         return fake_memory(spec) + (0 if spec.parallel.method == "zero_offload" else 100 * GIB)
     result = run(estimate_fn=make_fake(memory))
     assert result.best.candidate.method == "zero_offload"
-    assert any(a.startswith("offload: ZeRO-Offload") and "host RAM" in a for a in result.advice)
+    line = next(a for a in result.advice if a.startswith("offload: zero_offload (DeepSpeed ZeRO-Offload"))
+    assert f"host RAM ~{12 * PARAMS * 4 / GIB:.0f} GiB per node" in line        # 4 ranks' partitions
+    text = format_plan(result)
+    assert "host GiB" in text.splitlines()[2]
+    row = next(r for r in text.splitlines() if r.startswith("zero_offload") and " yes " in r[17:30])
+    assert f"{12 * PARAMS * 4 / GIB:.1f}" in row
 
 
 def test_advice_when_only_checkpointing_fits():
@@ -374,16 +460,94 @@ def test_comparison_explains_agreement_and_differences():
     from estimator.llmem_select import Comparison, LlmemChoice, explain
     alg = LlmemChoice("m", 4, "TP", 6, {"CDP": 0, "ADP": 0, "TP": 6, "DP+TP": 4}, {"CDP": 0, "ADP": 0, "TP": 6,
                                                                                    "DP+TP": 2}, "test")
-    columns = {"4DP": {"fits": True, "status": "ok", "micro_batch": 3, "tokens_per_s": 9000.0, "reason": ""},
-               "2DP+2TP": {"fits": False, "status": "invalid", "micro_batch": 0, "tokens_per_s": None,
-                           "reason": "tp: nope"},
-               "4TP": {"fits": True, "status": "ok", "micro_batch": 8, "tokens_per_s": 6000.0, "reason": ""}}
+    columns = {"4DP": {"layout": "zero3", "fits": True, "status": "ok", "micro_batch": 3, "tokens_per_s": 9000.0,
+                       "reason": "", "why_slower": ""},
+               "2DP+2TP": {"layout": "dp_tp 2x2", "fits": False, "status": "invalid", "micro_batch": 0,
+                           "tokens_per_s": None, "reason": "tp: nope", "why_slower": ""},
+               "4TP": {"layout": "tp", "fits": True, "status": "ok", "micro_batch": 8, "tokens_per_s": 6000.0,
+                       "reason": "", "why_slower": "0.67x the best: tp=4 narrows the GEMMs (efficiency 0.18 vs 0.23)"}}
     ours = {"method": "zero3", "label": "zero3", "tp": 1, "column": "4DP", "micro_batch": 3,
             "tokens_per_s": 9000.0, "bound_gib": 15.0}
     comp = Comparison("m", "4TP", {"4DP": None, "2DP+2TP": 900, "4TP": 600}, alg, ours, ours, columns, [])
     text = " ".join(explain(comp))
     assert "reproduces the paper's pick 4TP" in text
     assert "the paper measured 4TP fastest" in text and "0.67x the throughput" in text
-    assert "4DP: ours fits micro-batch 3 where the paper measured OOM" in text
+    assert "(tp=4 narrows the GEMMs (efficiency 0.18 vs 0.23))" in text               # the throughput model's why
+    assert "4DP: ours fits zero3 at micro-batch 3 where the paper measured OOM" in text
+    assert "LLMem's own equations give ADP batch 0, agreeing with the paper" in text
     assert "2DP+2TP: not a candidate for ours (tp: nope)" in text
     assert "LLMem scores TP by its batch alone" in text
+
+
+def test_comparison_derives_what_algorithm1_would_need():
+    """A disagreement with the paper's pick is explained by the batch Algorithm 1's own rule would need."""
+    from estimator.llmem_select import Comparison, LlmemChoice, explain, select
+    batches = {"CDP": 0, "ADP": 2, "TP": 6, "DP+TP": 4}
+    method, scores = select(batches, gpus=4, dp_of_dptp=2)
+    assert method == "ADP" and scores == {"CDP": 0.0, "ADP": 8, "TP": 6.0, "DP+TP": 8}   # the tie goes to ADP
+    alg = LlmemChoice("m", 4, "ADP", 2, scores, batches, "test")
+    columns = {k: {"layout": k, "fits": False, "status": "oom", "micro_batch": 0, "tokens_per_s": None,
+                   "reason": "does not fit", "why_slower": ""} for k in ("4DP", "2DP+2TP", "4TP")}
+    comp = Comparison("m", "4TP", {"4DP": None, "2DP+2TP": 900, "4TP": 600}, alg, None, None, columns, [])
+    text = " ".join(explain(comp))
+    # TP's score is 6: ADP (earlier in the tie order, x4) must score below it, DP+TP (later, x2) at most equal it
+    assert ("For Algorithm 1 to pick TP (score 6) it needs ADP's batch <= 1 (these equations give 2) and "
+            "DP+TP's batch <= 3 (these equations give 4)") in text
+    assert "Ours: nothing fits" in text
+    # where ours runs out of memory in a layout the paper ran: the numbers say whether only the margin is at fault
+    columns["4TP"]["layout"] = "tp"
+    columns["4TP"]["detail"] = {"layout": "tp", "batch": 1, "phase": "optimizer_step", "peak_gib": 15.3,
+                                "bound_gib": 17.6, "capacity_gib": 16.0,
+                                "top": [("optimizer_states", 5.7), ("master_weights", 2.9), ("gradients", 2.6)]}
+    columns["2DP+2TP"]["detail"] = {**columns["4TP"]["detail"], "peak_gib": 16.5, "bound_gib": 19.0}
+    text = " ".join(explain(comp))
+    assert ("4TP: ours says tp does not fit at micro-batch 1 but the paper ran it: the mean estimate 15.3 GiB fits; "
+            "only the uncalibrated safety bound 17.6 GiB exceeds 16.0 GiB; the peak is in the optimizer_step "
+            "(optimizer_states 5.7, master_weights 2.9, gradients 2.6 GiB)") in text
+    assert "2DP+2TP: ours says 2DP+2TP does not fit at micro-batch 1 but the paper ran it: device peak 16.5 GiB" in text
+    columns["4TP"]["detail"].update(replicated_params=642_000_000, replicated_share=0.52)
+    text = " ".join(explain(comp))
+    assert "our TP keeps the 642M embedding/LM-head parameters whole on every rank (52% of each rank's" in text
+
+
+def test_comparison_time_ratio_mismatch_is_explained():
+    from estimator.llmem_select import Comparison, LlmemChoice, explain
+    alg = LlmemChoice("m", 4, "ADP", 9, {"CDP": 0, "ADP": 36, "TP": 9, "DP+TP": 18},
+                      {"CDP": 0, "ADP": 9, "TP": 9, "DP+TP": 9}, "test")
+    columns = {"4DP": {"layout": "fsdp", "fits": True, "status": "ok", "micro_batch": 9, "tokens_per_s": 1000.0,
+                       "reason": "", "why_slower": ""},
+               "2DP+2TP": {"layout": "dp_tp 2x2", "fits": True, "status": "ok", "micro_batch": 9,
+                           "tokens_per_s": 800.0, "reason": "", "why_slower": "0.80x the best: tp=2 narrows"},
+               "4TP": {"layout": "tp", "fits": True, "status": "ok", "micro_batch": 9, "tokens_per_s": 500.0,
+                       "reason": "", "why_slower": "0.50x the best: exposed communication 90 ms/step"}}
+    ours = {"method": "fsdp", "label": "fsdp", "tp": 1, "column": "4DP", "micro_batch": 9, "tokens_per_s": 1000.0}
+    comp = Comparison("m", "4DP", {"4DP": 100, "2DP+2TP": 250, "4TP": 210}, alg, ours, ours, columns, [])
+    text = " ".join(explain(comp))
+    assert "Time relative to 4DP (measured/predicted): 4DP 1.00/1.00, 2DP+2TP 2.50/1.25, 4TP 2.10/2.00" in text
+    assert "2DP+2TP: ours under-predicts its slowdown (1.25x vs 2.50x measured)" in text and "tp=2 narrows" in text
+    assert "4TP: ours" not in text                                  # 2.00 vs 2.10 is within the tolerance
+
+
+def test_the_plan_says_whether_efficiency_is_a_prior_or_fitted(tmp_path, monkeypatch):
+    monkeypatch.setattr(T, "coefficients_dir", lambda: tmp_path)
+    prior = run()
+    assert "compute efficiency PRIOR" in format_plan(prior)
+    assert any(n.startswith("throughput: compute efficiency is a prior") for n in prior.notes)
+    (tmp_path / f"throughput_{GPU.key}.json").write_text(json.dumps(
+        {"e_max": 0.6, "tokens_half": 100.0, "width_half": 256.0, "calibrated": True, "fit": {"n_rows": 7}}))
+    fitted = run()
+    text = format_plan(fitted)
+    assert "compute efficiency FITTED [fitted to 7 single-GPU runs" in text
+    assert not any(n.startswith("throughput: compute efficiency is a prior") for n in fitted.notes)
+    assert fitted.assumptions["compute_efficiency"]["calibrated"] is True
+    assert fitted.best.tokens_per_s > prior.best.tokens_per_s              # 0.6 beats the 0.45 ampere prior
+
+
+def test_cli_bad_inputs_are_one_line_exit_2(capsys):
+    from estimator.plan_cli import main
+    for argv in (["--gpus", "0"], ["--gpus", "-2"], ["--gpus", "2.5"], ["--gpus", "four"], ["--gpus", "4", "--seq-len", "0"],
+                 ["--gpus", "4", "--global-batch", "-8"], ["--gpus", "4", "--host-ram", "x"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--model", MODEL, "--gpu", GPU.key, *argv])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, argv

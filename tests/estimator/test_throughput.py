@@ -214,3 +214,116 @@ def test_fit_cli(tmp_path, capsys):
     assert T.main([str(path), "--out-dir", str(tmp_path)]) == 0
     assert (tmp_path / "throughput_a100-80gb.json").is_file()
     assert "a100-80gb: e_max=" in capsys.readouterr().out
+
+
+def test_zero3_offload_layouts(no_latency):
+    z3 = step("zero3", world=4, ckpt=True)
+    off = step("zero3_offload", world=4, ckpt=True)
+    inf = step("zero_infinity", world=4, ckpt=True)
+    shard = SHAPE.params / 4
+    pcie = 20e9 * T.PAGEABLE_FACTOR                       # pin_memory off: DeepSpeed's default
+    for s in (off, inf):                                   # ZeRO-3's collectives, the CPU does the update
+        assert s.parts["dp_gather_scatter"] == pytest.approx(z3.parts["dp_gather_scatter"])
+        assert s.optimizer_s == 0 and s.parts["cpu_adam"] == pytest.approx(shard * 4 / T.CPU_ADAM_PARAMS_PER_S)
+    assert off.parts["offload_params_h2d"] == pytest.approx(shard * 2 / pcie)          # once per step
+    assert inf.parts["offload_params_h2d"] == pytest.approx(3 * shard * 2 / pcie)      # every gather (+recompute)
+    assert inf.step_s > off.step_s > z3.step_s
+    pinned = step("zero3_offload", world=4, ckpt=True, pin_memory=True)
+    assert pinned.parts["offload_params_h2d"] == pytest.approx(off.parts["offload_params_h2d"] / 2)
+
+
+# --- calibration from a harness-shaped table ----------------------------------------------------------------
+HARNESS_COLUMNS = ["run_id", "campaign", "gpu_key", "rank", "world_size", "run_status", "rank_status", "emulated",
+                   "measured_by", "model", "gpu", "method", "tp", "dp", "micro_batch_size", "seq_len", "precision",
+                   "optimizer", "grad_ckpt", "attn", "lora_rank", "lora_targets", "grad_accum_steps", "step_time_s",
+                   "tokens_per_s", "num_alloc_retries", "padding"]
+
+
+def _harness_rows(model, gpu, truth, shape):
+    """Rows as harness/table.py writes them, step times from the forward model with planted coefficients."""
+    rows = []
+    for mb, seq, ckpt in ((1, 256, False), (2, 256, False), (4, 512, True), (8, 512, False), (16, 1024, True)):
+        tokens = mb * seq
+        flops = T.micro_batch_flops(shape, tokens, seq, grad_ckpt=ckpt, lora=False)
+        optimizer = shape.trainable * 32.0 / (gpu.memory_bandwidth * T.HBM_EFFICIENCY)
+        step_s = flops / (gpu.flops_for("mixed_bf16") * truth.at(tokens, shape.hidden_size)) + optimizer
+        rows.append({"run_id": f"r{mb}-{seq}", "campaign": "c", "gpu_key": gpu.key, "rank": "0", "world_size": "1",
+                     "run_status": "ok", "rank_status": "ok", "emulated": "False", "measured_by": "real_run",
+                     "model": model, "gpu": gpu.key, "method": "single", "tp": "1", "dp": "1",
+                     "micro_batch_size": str(mb), "seq_len": str(seq), "precision": "mixed_bf16", "optimizer": "adamw",
+                     "grad_ckpt": str(ckpt), "attn": "sdpa", "lora_rank": "0", "lora_targets": "auto",
+                     "grad_accum_steps": "1", "step_time_s": repr(step_s), "tokens_per_s": repr(tokens / step_s),
+                     "num_alloc_retries": "0", "padding": "max_length"})
+    good = rows[0]
+    rows += [{**good, "run_id": "ddp", "method": "ddp", "world_size": "2", "step_time_s": "9"},    # multi-GPU
+             {**good, "run_id": "emu", "emulated": "True", "measured_by": "emulated_fake_pg", "step_time_s": "9"},
+             {**good, "run_id": "oom", "run_status": "oom", "rank_status": "oom", "step_time_s": "9"},
+             {**good, "run_id": "fp32", "precision": "fp32", "step_time_s": "9"},
+             {**good, "run_id": "retry", "num_alloc_retries": "3", "step_time_s": "9"},
+             {**good, "run_id": "nostep", "step_time_s": "", "tokens_per_s": ""}]
+    return rows
+
+
+def _write_csv(path, rows):
+    import csv
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=HARNESS_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_fit_cli_on_a_harness_table_recovers_planted_efficiency(tmp_path, capsys):
+    pytest.importorskip("estimator.gpus")
+    from estimator.plan import model_shape
+    model = "HuggingFaceTB/SmolLM2-135M"
+    try:
+        shape = model_shape(model)                       # parameter counts from the estimator's profile
+    except ValueError as err:
+        pytest.skip(f"profile not available: {err}")
+    gpu = T.gpu_perf("a100-80gb")
+    truth = T.Efficiency(gpu.key, 0.37, 900.0)
+    data = tmp_path / "data" / "measurements"
+    _write_csv(data / "a100-80gb" / "sweep.csv", _harness_rows(model, gpu, truth, shape))
+    _write_csv(data / "cpu" / "smoke.csv", [{**_harness_rows(model, gpu, truth, shape)[0], "gpu_key": "cpu"}])
+    out = tmp_path / "coefficients"
+    assert T.main(["fit", str(data), "--out-dir", str(out)]) == 0
+    assert "a100-80gb: e_max=0.370 tokens_half=900" in capsys.readouterr().out
+    fit = json.loads((out / "throughput_a100-80gb.json").read_text())
+    assert fit["e_max"] == pytest.approx(0.37, rel=1e-4) and fit["tokens_half"] == pytest.approx(900, rel=1e-3)
+    assert fit["fit"]["n_rows"] == 5 and fit["fitted"] == ["e_max", "tokens_half"]
+    assert fit["priors"] == {"width_half": T.WIDTH_HALF}
+    assert sum(fit["fit"]["skipped_rows"].values()) == 7              # 6 bad rows + the cpu directory's
+    assert fit["provenance"]["inputs"] and fit["provenance"]["models"] == [model]
+    assert all(p["measured"] == pytest.approx(p["fitted"], rel=1e-3) for p in fit["points"])
+    assert not (out / "throughput_cpu.json").exists()
+    eff = T.load_efficiency(gpu, out)
+    assert eff.calibrated and eff.e_max == pytest.approx(0.37, rel=1e-4) and "fitted to 5" in eff.source
+    # --dry-run writes nothing; no usable rows is a one-line error
+    assert T.main(["fit", str(data / "a100-80gb"), "--out-dir", str(tmp_path / "dry"), "--dry-run"]) == 0
+    assert not (tmp_path / "dry").exists()
+    assert T.main(["fit", str(data / "cpu")]) == 2
+    assert capsys.readouterr().err.startswith("error: no usable rows")
+
+
+def test_fit_uses_the_fed_tokens_under_padding_longest():
+    rows = [r for r in _rows(0.42, 700.0) if r["method"] == "single" and r["status"] == "ok"
+            and "rank_status" not in r and "emulated" not in r]
+    padded = []
+    for r in rows:            # the same runs, logged with a longer nominal seq_len but the real tokens/s
+        tokens_per_s = int(r["micro_batch_size"]) * int(r["seq_len"]) / float(r["step_time_s"])
+        padded.append({**r, "seq_len": str(2 * int(r["seq_len"])), "tokens_per_s": repr(tokens_per_s)})
+    a = T.fit_efficiency(rows, gpu_lookup=lambda key: GPU)["test-gpu"]
+    b = T.fit_efficiency(padded, gpu_lookup=lambda key: GPU)["test-gpu"]
+    assert b["e_max"] == pytest.approx(a["e_max"], rel=1e-6) and b["tokens_half"] == pytest.approx(a["tokens_half"])
+
+
+def test_a_broken_fit_file_is_a_one_line_error(tmp_path):
+    (tmp_path / "throughput_test-gpu.json").write_text('{"e_max": 0.3}')
+    with pytest.raises(ValueError, match="^coefficients: .* is not a throughput fit"):
+        T.load_efficiency(GPU, tmp_path)
+
+
+def test_links_reject_non_finite_bandwidth():
+    with pytest.raises(ValueError, match="^bandwidth:"):
+        T.resolve_link(GPU, 4, bandwidth_gbs=float("inf"))

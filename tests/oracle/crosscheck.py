@@ -18,8 +18,14 @@ def memtracker_step2_peak(spec: RunSpec, config: dict) -> int:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from estimator.profiler.build import build_model, forward_backward, materialize_fake, synthetic_batch
-    from harness.fake.trace import _device_mesh_untracked, _hf_full_length_mask
+    from estimator.profiler.build import (
+        build_model,
+        forward_backward,
+        full_length_attention_mask,
+        materialize_fake,
+        synthetic_batch,
+    )
+    from harness.fake.trace import _device_mesh_untracked
     from harness.fake.wrap import build_method_optimizer, build_training, make_mesh, wrap_model
 
     n = spec.parallel.world_size
@@ -33,7 +39,7 @@ def memtracker_step2_peak(spec: RunSpec, config: dict) -> int:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_device_mesh_untracked(None))
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-            stack.enter_context(_hf_full_length_mask())  # the same program as the oracle's
+            stack.enter_context(full_length_attention_mask())  # the same program as the oracle's
             model = wrap_model(materialize_fake(meta), spec, mesh, config, fake=True)
             opt = build_method_optimizer(model, spec)
             batch = synthetic_batch(spec.training.micro_batch_size, spec.training.seq_len,

@@ -1,0 +1,111 @@
+"""The estimator's analytical terms for every measured row, computed by the estimator itself.
+
+``estimate`` is called once per distinct spec with *probe* coefficients: no workspace, no slack, no context
+and one byte per NCCL communicator. Its allocated peak is then the analytical allocated bytes (model states,
+activations, temporaries) and ``device - reserved`` counts the communicators it assumes. Nothing of the
+estimator's accounting is re-implemented here, so a change in the estimator is a change in what is fitted.
+
+Predictions for given coefficients apply ``estimator.residuals``' own functions to those terms: the same
+arithmetic ``estimate`` runs, so an exported file reproduces them exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pandas as pd
+
+from estimator import residuals
+from estimator.api import estimate
+from estimator.arch import resolve_arch
+from estimator.columns import spec_from_columns
+from estimator.residuals import Coefficients
+from estimator.spec import RunSpec
+
+PROBE = Coefficients(gpu_key="probe", calibrated=True, source="probe", description="analytical terms only",
+                     cuda_context_bytes=0, cublas_workspace_bytes=0, cublas_workspaces=0, reserved_slack_ratio=0.0,
+                     reserved_slack_bytes=0, nccl_bytes_per_communicator=1, upper_bound_ratio=1.0)
+TERM_COLUMNS = ["analytic_allocated_bytes", "communicators", "model_family", "params", "estimate_error"]
+
+
+def _probe(spec: RunSpec, allow_build: bool) -> dict:
+    est = estimate(spec, PROBE, allow_build=allow_build)
+    ranks = {r.rank: r for r in est.ranks}
+    return {"ranks": {k: (r.peak_allocated_bytes, r.peak_device_bytes - r.peak_reserved_bytes)
+                      for k, r in ranks.items()},
+            "worst": est.worst_rank, "params": est.params}
+
+
+def analytic_terms(rows: pd.DataFrame, *, allow_build: bool = True,
+                   progress: Callable[[int, int], None] | None = None) -> pd.DataFrame:
+    """Per row: ``analytic_allocated_bytes``, ``communicators`` (the estimator's, for a real job),
+    ``model_family`` (the config's model_type), ``params``, and ``estimate_error`` (why the estimator could not
+    estimate the row; the other cells are then empty). Ranks the estimator does not model separately (it
+    computes ranks 0 and N-1) take its worst rank."""
+    cache: dict[RunSpec, dict | str] = {}
+    out = {c: [] for c in TERM_COLUMNS}
+    total = len(rows)
+    for n, (_, row) in enumerate(rows.iterrows()):
+        if progress:
+            progress(n, total)
+        result: dict | str
+        try:
+            spec = spec_from_columns(row.to_dict())
+        except (ValueError, TypeError, KeyError) as err:
+            result = f"spec: {err}"
+        else:
+            if spec not in cache:
+                try:
+                    cache[spec] = _probe(spec, allow_build)
+                except ValueError as err:
+                    cache[spec] = str(err).splitlines()[0]
+            result = cache[spec]
+        if isinstance(result, str):
+            for c in ("analytic_allocated_bytes", "communicators", "params"):
+                out[c].append(math.nan)
+            out["model_family"].append(_family(str(row["model"])))
+            out["estimate_error"].append(result)
+            continue
+        rank = int(row["rank"]) if not pd.isna(row["rank"]) else -1
+        allocated, comms = result["ranks"].get(rank, result["ranks"][result["worst"]])
+        out["analytic_allocated_bytes"].append(allocated)
+        out["communicators"].append(comms)
+        out["model_family"].append(_family(str(row["model"])))
+        out["params"].append(result["params"])
+        out["estimate_error"].append("")
+    return pd.DataFrame(out, index=rows.index)
+
+
+def _family(model: str) -> str:
+    """The model family used for leave-one-family-out: the config's ``model_type`` (opt, llama, bloom, ...)."""
+    try:
+        return resolve_arch(model).model_type
+    except ValueError:
+        return model
+
+
+def effective_communicators(communicators: pd.Series, emulated: pd.Series) -> pd.Series:
+    """Communicators that really held NCCL buffers: none on emulated ranks (a fake process group)."""
+    return communicators.where(~emulated.astype(bool), 0)
+
+
+def predict(terms: pd.DataFrame, emulated: pd.Series, coeffs: Coefficients) -> pd.DataFrame:
+    """Allocated / reserved / device predictions of every row, with the estimator's own arithmetic
+    (``estimator.api`` adds the workspace to the analytical bytes, then applies ``estimator.residuals``)."""
+    comms = effective_communicators(terms["communicators"], emulated)
+    workspace = residuals.cublas_workspace_bytes(coeffs)
+    alloc, reserved, device = [], [], []
+    for analytic, n_comm in zip(terms["analytic_allocated_bytes"], comms):
+        if pd.isna(analytic):
+            alloc.append(math.nan)
+            reserved.append(math.nan)
+            device.append(math.nan)
+            continue
+        a = int(round(analytic + workspace))
+        r = residuals.reserved_from_allocated(a, coeffs)
+        alloc.append(a)
+        reserved.append(r)
+        device.append(residuals.device_from_reserved(r, coeffs, int(n_comm)))
+    return pd.DataFrame({"pred_allocated_bytes": alloc, "pred_reserved_bytes": reserved,
+                         "pred_device_bytes": device}, index=terms.index)
