@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -142,6 +143,24 @@ def _activation_split(segments: dict, peak: Replay, num_layers: int, b: int, s: 
     return layer_part, peak.peak_act_bytes - layer_part
 
 
+_TABLES: dict[tuple, tuple[dict, list]] = {}
+
+
+def _param_table(profile: dict, num_layers: int, qlora: bool) -> list:
+    """The expanded parameter table, memoized per loaded profile (a plan asks for it ~100 times)."""
+    key = (id(profile), num_layers, qlora)
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    table = expand_params(profile["params"], num_layers)
+    if qlora:
+        table = quantize_4bit(table)
+    if len(_TABLES) > 256:
+        _TABLES.clear()
+    _TABLES[key] = (profile, table)
+    return table
+
+
 def _dequantized_weight_bytes(table: list) -> float:
     return float(max((p.numel * p.elem_bytes for p in table if p.stored_bytes_per_elem is not None), default=0))
 
@@ -211,13 +230,11 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         residuals.load_coefficients(gpu.key, coefficients)
     arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build)
     last = spec.parallel.world_size - 1
-    table = expand_params(profile["params"], arch.num_layers)
-    if spec.training.qlora:
-        table = quantize_4bit(table)
-    ranks, model = [], None
-    for rank in sorted({0, last}):
-        estimate_r, model = _rank_estimate(spec, arch, profile, table, coeffs, rank)
-        ranks.append(estimate_r)
+    table = _param_table(profile, arch.num_layers, spec.training.qlora)
+    # Rank 0 and the last rank are reported (FSDP/ZeRO padding and TP layouts put any asymmetry there); the
+    # accounting has no rank-dependent term yet, so one computation serves both.
+    first, model = _rank_estimate(spec, arch, profile, table, coeffs, 0)
+    ranks = [first] + ([dataclasses.replace(first, rank=last)] if last else [])
     worst = max(ranks, key=lambda r: r.peak_device_bytes)
     total, trainable = param_counts(profile["params"], arch.num_layers)
     notes = list(model.notes) if model else []

@@ -47,6 +47,27 @@ def _current_or_carried(path: Path) -> bool:
     return False
 
 
+def backfill_buffers(path: Path) -> bool:
+    """Profiles shipped before module buffers were recorded lack ``params.buffers``: add them from a meta-device
+    build of the same shrunken model (buffers are created at construction; no trace needed). True if changed."""
+    from estimator.profiler import build
+    from estimator.profiler.profile import PROFILE_LAYERS, param_table
+    from estimator.profiler.trace import decoder_layers
+
+    profile = json.loads(path.read_text())
+    if "buffers" in profile["params"]:
+        return False
+    variant = profile["variant"]
+    training = TrainingSpec(precision=variant["precision"], attn=variant["attn"], grad_ckpt=variant["grad_ckpt"],
+                            lora_rank=variant["lora_rank"], lora_targets=variant["lora_targets"])
+    model = build.build_model(resolve_arch(profile["model"]).config, training, num_layers=PROFILE_LAYERS, meta=True)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    table = param_table(base, decoder_layers(base, PROFILE_LAYERS), PROFILE_LAYERS)
+    profile["params"]["buffers"] = table["buffers"]
+    save_profile(path.stem, profile, path.parent)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=None)
