@@ -247,16 +247,23 @@ def full_length_attention_mask() -> Iterator[None]:
     from torch._subclasses.fake_tensor import is_fake
     from transformers import masking_utils
 
-    orig = masking_utils._ignore_causal_mask_sdpa
+    def make(orig):
+        def ignore_causal_mask_sdpa(padding_mask, *args, **kwargs):
+            if padding_mask is not None and is_fake(padding_mask):
+                padding_mask = None  # all ones by construction (synthetic_batch)
+            return orig(padding_mask, *args, **kwargs)
+        return ignore_causal_mask_sdpa
 
-    @functools.wraps(orig)
-    def ignore_causal_mask_sdpa(padding_mask, *args, **kwargs):
-        if padding_mask is not None and is_fake(padding_mask):
-            padding_mask = None  # all ones by construction (synthetic_batch)
-        return orig(padding_mask, *args, **kwargs)
+    with patched_attr(masking_utils, "_ignore_causal_mask_sdpa", make):
+        yield
 
-    masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask_sdpa
+
+@contextlib.contextmanager
+def patched_attr(owner: Any, name: str, make) -> Iterator[None]:
+    """``owner.name`` replaced by ``make(original)`` (wrapped to keep its name) for the duration."""
+    orig = getattr(owner, name)
+    setattr(owner, name, functools.wraps(orig)(make(orig)))
     try:
         yield
     finally:
-        masking_utils._ignore_causal_mask_sdpa = orig
+        setattr(owner, name, orig)

@@ -115,15 +115,13 @@ def skip_dtensor_meta_propagation(counter: Any) -> Iterator[None]:
     """
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
-    orig = ShardingPropagator._propagate_tensor_meta_non_cached
+    from estimator.profiler.build import patched_attr
 
-    @functools.wraps(orig)
-    def propagate(self, *args, **kwargs):
-        with counter.paused():
-            return orig(self, *args, **kwargs)
+    def make(orig):
+        def propagate(self, *args, **kwargs):
+            with counter.paused():
+                return orig(self, *args, **kwargs)
+        return propagate
 
-    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
-    try:
+    with patched_attr(ShardingPropagator, "_propagate_tensor_meta_non_cached", make):
         yield
-    finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = orig
