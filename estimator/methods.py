@@ -261,19 +261,3 @@ def zero(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
     return StepModel(resident=resident, grad_policy=held, segment_extra=extra, step_grads=step_grads,
                      step_temp=temp, host_bytes=host, notes=notes, accumulated_grad_bytes=held_partition,
                      largest_grad_bytes=_largest_grad(table))
-
-
-def tensor_parallel_table(table: list[ParamInfo], shard_dim: Callable[[str], int | None], tp: int
-                          ) -> list[ParamInfo]:
-    """Parameters as one TP rank holds them (sharded dims divided, others replicated)."""
-    out = []
-    for p in table:
-        dim = shard_dim(p.name)
-        if dim is None or not p.shape:
-            out.append(p)
-            continue
-        shape = list(p.shape)
-        shape[dim] = math.ceil(shape[dim] / tp)
-        out.append(ParamInfo(p.name, tuple(shape), math.prod(shape), p.elem_bytes, p.trainable, p.module_kind,
-                             p.layer, p.tied_names))
-    return out
