@@ -120,7 +120,7 @@ def _regime(profile: dict, b: int, s: int) -> dict:
     raise ValueError(f"seq_len: no profiled regime covers micro-batch {b}, sequence {s}")
 
 
-def _step_model(spec: RunSpec, table, profile: dict) -> methods.StepModel:
+def _step_model(spec: RunSpec, table) -> methods.StepModel:
     method = spec.parallel.method
     if method in ("single", "tp"):
         return methods.single(spec, table)
@@ -130,7 +130,7 @@ def _step_model(spec: RunSpec, table, profile: dict) -> methods.StepModel:
         # dp_tp: FSDP2 over the dp axis of a TP-local model.
         sharded = spec if method == "fsdp" else spec.replace(parallel=ParallelSpec(method="fsdp",
                                                                                    world_size=spec.parallel.dp))
-        return methods.fsdp(sharded, table, profile["params"]["layer_prefix"])
+        return methods.fsdp(sharded, table)
     return methods.zero(spec, table)
 
 
@@ -182,7 +182,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
                    ) -> tuple[RankEstimate, methods.StepModel]:
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
-    model = _step_model(spec, table, profile)
+    model = _step_model(spec, table)
     segments = _regime(profile, b, s)["segments"]
     fb = _replay(model, segments, arch.num_layers, b, s, accumulating=False)
     if training.grad_accum_steps > 1:  # later micro-batches start with every gradient held

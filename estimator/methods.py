@@ -28,7 +28,6 @@ class StepModel:
     step_temp: float                                  # optimizer-step temporaries at their peak
     host_bytes: float = 0.0                           # CPU RAM (offload)
     notes: list[str] = field(default_factory=list)
-    extra_components: dict[str, str] = field(default_factory=dict)
     # A method that changes the step's event sequence replays it itself:
     # (segments, layers, b, s, accumulating) -> Replay.
     replay: Callable | None = None
@@ -154,7 +153,7 @@ def _fsdp_group_sizes(params: list[ParamInfo], world: int, reduce_elem: Callable
     return float(unsharded), float(gather), float(rs_in)
 
 
-def fsdp(spec: RunSpec, table: list[ParamInfo], layer_prefix: str) -> StepModel:
+def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
     """FSDP2 ``fully_shard`` per decoder layer then root; mixed_*: fp32 sharded params, 16-bit compute,
     fp32 gradient reduction (MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)). The step's
     buffers are replayed event by event (``estimator.fsdp``)."""

@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             key = profile_key(arch.config_sha, training, tp)
             path = out / f"{key}.json"
             if path.exists() and _current_or_carried(path):
+                backfill_buffers(path)
                 continue  # resume; an older schema is rebuilt
             started = time.perf_counter()
             profile = build_profile(arch.config, training, tp=tp)
