@@ -120,7 +120,7 @@ def _regime(profile: dict, b: int, s: int) -> dict:
     raise ValueError(f"seq_len: no profiled regime covers micro-batch {b}, sequence {s}")
 
 
-def _step_model(spec: RunSpec, table) -> methods.StepModel:
+def _step_model(spec: RunSpec, table, rank: int = 0) -> methods.StepModel:
     method = spec.parallel.method
     if method in ("single", "tp"):
         return methods.single(spec, table)
@@ -131,7 +131,7 @@ def _step_model(spec: RunSpec, table) -> methods.StepModel:
         sharded = spec if method == "fsdp" else spec.replace(parallel=ParallelSpec(method="fsdp",
                                                                                    world_size=spec.parallel.dp))
         return methods.fsdp(sharded, table)
-    return methods.zero(spec, table)
+    return methods.zero(spec, table, rank)
 
 
 def _activation_split(segments: dict, peak: Replay, num_layers: int, b: int, s: int) -> tuple[float, float]:
@@ -182,7 +182,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
                    ) -> tuple[RankEstimate, methods.StepModel]:
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
-    model = _step_model(spec, table)
+    model = _step_model(spec, table, rank)
     segments = _regime(profile, b, s)["segments"]
     fb = _replay(model, segments, arch.num_layers, b, s, accumulating=False)
     if training.grad_accum_steps > 1:  # later micro-batches start with every gradient held
@@ -197,14 +197,14 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     step_total = resident + max(fb.end_act_bytes, 0.0) + model.step_grads + model.step_temp
     layer_act, other_act = _activation_split(segments, fb, arch.num_layers, b, s)
     if fb_total >= step_total:
-        extra = model.segment_extra(fb.peak_segment) if model.segment_extra else 0.0
-        parts = {**model.resident, "gradients": fb.peak_grad_bytes, "activations": layer_act + other_act,
-                 "gathered_params": extra}
+        parts = {**model.resident, "gradients": model.resident.get("gradients", 0.0) + fb.peak_grad_bytes,
+                 "activations": layer_act + other_act}
         for key, value in fb.peak_parts.items():
             parts[key] = parts.get(key, 0.0) + value
         phase = fb.phase
     else:
-        parts = {**model.resident, "gradients": model.step_grads, "activations": max(fb.end_act_bytes, 0.0),
+        parts = {**model.resident, "gradients": model.resident.get("gradients", 0.0) + model.step_grads,
+                 "activations": max(fb.end_act_bytes, 0.0),
                  "temporaries": model.step_temp}
         phase = "optimizer_step"
     parts["buffers"] = buffers
@@ -231,10 +231,14 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build)
     last = spec.parallel.world_size - 1
     table = _param_table(profile, arch.num_layers, spec.training.qlora)
-    # Rank 0 and the last rank are reported (FSDP/ZeRO padding and TP layouts put any asymmetry there); the
-    # accounting has no rank-dependent term yet, so one computation serves both.
+    # Rank 0 and the last rank are reported (FSDP/ZeRO padding and TP layouts put any asymmetry there). Only
+    # ZeRO-2's gradient partition buffer depends on the rank (when backward reaches the rank's partition), so
+    # one computation serves both elsewhere.
     first, model = _rank_estimate(spec, arch, profile, table, coeffs, 0)
-    ranks = [first] + ([dataclasses.replace(first, rank=last)] if last else [])
+    if last and spec.parallel.zero_stage == 2:
+        ranks = [first, _rank_estimate(spec, arch, profile, table, coeffs, last)[0]]
+    else:
+        ranks = [first] + ([dataclasses.replace(first, rank=last)] if last else [])
     worst = max(ranks, key=lambda r: r.peak_device_bytes)
     total, trainable = param_counts(profile["params"], arch.num_layers)
     notes = list(model.notes) if model else []

@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0 = full fine-tuning)")
     p.add_argument("--lora-targets", default="auto", help="auto | all-linear | comma-separated module names")
     p.add_argument("--qlora", action="store_true", help="4-bit base weights (needs --lora-rank)")
-    p.add_argument("--gpu", help="GPU type key (--list-gpus), case-insensitive")
+    p.add_argument("--gpu", help="GPU type key (--list-gpus), case-insensitive; with --from-run, the GPU to "
+                   "predict the run for instead of the one it ran on")
     p.add_argument("--deepspeed", metavar="DS_CONFIG_JSON", help="read ZeRO stage, offload, precision and "
                                                                   "bucket sizes from a DeepSpeed config")
     p.add_argument("--from-run", metavar="RUN_DIR", help="predict a harness run (reads RUN_DIR/spec.json)")
@@ -68,6 +69,12 @@ def _training(args, base: TrainingSpec) -> TrainingSpec:
                         qlora=args.qlora or base.qlora)
 
 
+# CPU runs and fake-tensor traces carry gpu "cpu": their allocated level is a GPU's minus the cuBLAS workspace,
+# so they are predicted for a GPU (--gpu, else this one) and compared at the allocated level.
+CPU_RUN_GPUS = ("cpu", "fake")
+CPU_RUN_PREDICT_GPU = "h100-80gb"
+
+
 def spec_from_args(args) -> tuple[RunSpec, bool]:
     """(spec, compare_all). No model/method given: the embedded default comparison."""
     if args.from_run:
@@ -79,6 +86,10 @@ def spec_from_args(args) -> tuple[RunSpec, bool]:
             spec = RunSpec.from_json(path.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"from_run: {str(path)!r} is not valid JSON ({err.msg})") from None
+        if args.gpu:
+            spec = spec.replace(gpu=args.gpu.lower())
+        elif spec.gpu in CPU_RUN_GPUS:
+            spec = spec.replace(gpu=CPU_RUN_PREDICT_GPU)
         return spec, False
     use_default = args.model is None
     base = TrainingSpec(micro_batch_size=DEFAULT["micro_batch_size"], seq_len=DEFAULT["seq_len"],
@@ -245,10 +256,19 @@ def _run(args) -> int:
             print(render_compare(results, spec, gpus))
         return 0
     est = estimate(spec, args.coefficients)
+    if args.from_run and not args.gpu and _run_gpu(args.from_run) in CPU_RUN_GPUS:
+        est.notes.append(f"from_run: measured without a GPU; predicted for {CPU_RUN_PREDICT_GPU} (--gpu names "
+                         "another). Compare the allocated level less cublas_workspace, which CPU runs lack")
     if args.plot:
         _plot([est], args.plot)
     print(json.dumps(est.to_dict(), indent=2) if args.json else render_detail(est))
     return 1 if args.check and not est.fits else 0
+
+
+def _run_gpu(run: str) -> str | None:
+    path = Path(run)
+    path = path / "spec.json" if path.is_dir() else path
+    return json.loads(path.read_text()).get("gpu")
 
 
 def _plot(estimates: list, path: str) -> None:

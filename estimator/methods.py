@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from estimator.model_params import ParamInfo
 from estimator.spec import RunSpec, ZeroSpec
+from estimator.timeline import ExtraBytes
 
 FP32 = 4
 
@@ -23,7 +24,7 @@ FP32 = 4
 class StepModel:
     resident: dict[str, float]                       # present for the whole step
     grad_policy: Callable[[float, float], float]     # (grads of finished segments, grads so far in segment)
-    segment_extra: Callable[[str], float] | None     # transient bytes per timeline segment (gathered params)
+    segment_extra: ExtraBytes | None                  # transient bytes per (segment, repetition): gathered params
     step_grads: float                                 # gradient bytes held when the optimizer step runs
     step_temp: float                                  # optimizer-step temporaries at their peak
     host_bytes: float = 0.0                           # CPU RAM (offload)
@@ -186,17 +187,71 @@ def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
                          segments, num_layers, b, s, sizes, accumulating=accumulating))
 
 
-def _zero_buffers(zero: ZeroSpec, stage: int, elem: int, grads_total: float) -> float:
-    """IPG gradient buckets: reduce_bucket_size elements, doubled when overlap_comm (DeepSpeed)."""
-    if stage == 0:
-        return 0.0
-    bucket = min(zero.reduce_bucket_size * elem, grads_total)
-    return bucket * (2 if zero.overlap_comm_for(stage) else 1)
+def _zero_layout(table: list[ParamInfo]) -> tuple[float, float, float, int]:
+    """(pre-layer numel, one decoder layer's numel, post-layer numel, layers) for ZeRO-3's gather schedule:
+    embeddings come before the layers, the rest (final norm, head) after."""
+    layers: dict[int, float] = {}
+    pre = post = 0.0
+    for p in table:
+        if p.layer is not None:
+            layers[p.layer] = layers.get(p.layer, 0.0) + p.numel
+        elif p.module_kind == "embedding":
+            pre += p.numel
+        else:
+            post += p.numel
+    return pre, max(layers.values(), default=0.0), post, len(layers)
 
 
-def zero(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
-    """DeepSpeed ZeRO-1/2/3 (and ZeRO-Offload), 16-bit weights with fp32 master partitions for mixed_*,
-    fp32 everything for fp32, torch AdamW (``torch_adam: true``) on the partitions."""
+def _zero3_gathered(zcfg: ZeroSpec, table: list[ParamInfo], elem: int) -> ExtraBytes:
+    """Bytes of gathered (unpartitioned) parameters per (segment, repetition) under DeepSpeed ZeRO-3.
+
+    As measured on DeepSpeed 0.19 (``benchmarks/zero_cpu_check.py``, docs/LOG.md 2026-11-22): from the second
+    step on, the parameter coordinator's prefetcher runs ahead through the recorded trace and marks parameters
+    it finds already gathered as needed again at their backward use, so a layer gathered in forward stays
+    gathered until its backward (``stage3_max_reuse_distance`` 0, 2e6 and 1e9 gave identical peaks). What
+    bounds it is ``stage3_max_live_parameters``: prefetching, and with it the marking, stops once that many
+    elements are gathered. On top: the module in use and up to ``stage3_prefetch_bucket_size`` elements of the
+    modules ahead. Not modelled: the flat buffer of a coalesced gather, which briefly doubles what one gather
+    brings in. Persistent parameters (<= ``stage3_param_persistence_threshold`` elements) are resident and not
+    counted here."""
+    big = [p for p in table if p.numel > zcfg.stage3_param_persistence_threshold]
+    pre, layer, post, num_layers = _zero_layout(big)
+    bucket = zcfg.stage3_prefetch_bucket_size
+    live = zcfg.stage3_max_live_parameters
+
+    def layer_index(segment: str, k: int) -> int:
+        return {"fw_first": 1, "fw": 2 + k, "fw_last": num_layers, "bw_first": num_layers,
+                "bw": num_layers - 1 - k, "bw_last": 1}[segment]
+
+    def gathered(segment: str, k: int) -> float:
+        if segment == "prefix":
+            numel = pre + min(bucket, num_layers * layer + post)
+        elif segment == "suffix":
+            numel = pre
+        elif segment in ("mid_fw", "mid_bw"):
+            numel = min(pre + num_layers * layer, live) + post
+        else:
+            i = layer_index(segment, k)
+            ahead = (num_layers - i) * layer + post if segment.startswith("fw") else 0.0  # backward: all held
+            numel = min(pre + (i - 1) * layer, live) + layer + min(bucket, ahead)
+        return elem * numel
+    return gathered
+
+
+def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> StepModel:
+    """DeepSpeed ZeRO-1/2/3 and ZeRO-Offload as DeepSpeed 0.19 allocates (``harness/methods/deepspeed.py``
+    config: torch AdamW on the partitions), checked against real DeepSpeed runs on CPU with every storage
+    counted (``benchmarks/zero_cpu_check.py``).
+
+    Stages 1/2: the 16-bit (or fp32) weights flattened in full; an fp32 master partition, cloned even for fp32
+    weights; Adam states on the partition. Gradients go through IPG buckets of ``reduce_bucket_size`` elements,
+    allocated in full at the first gradient of backward (two with ``overlap_comm``) and freed after it, into a
+    16-bit partition buffer (``grads_in_partition``). Stage 2 reduces during backward (the buffer appears at the
+    first bucket flush holding a gradient of the rank's partition: early on the last rank, late on rank 0, so
+    the two are computed apart); stage 1 holds every gradient until backward ends and reduces then. The step
+    flattens the partition, casts it to fp32, computes the norm in fp64 per gradient, and runs Adam.
+    Stage 3: the weight partition, an IPG bucket and the gradient partition buffer live from initialization;
+    gathered parameters follow ``_zero3_gathered``."""
     training, parallel = spec.training, spec.parallel
     zcfg = parallel.zero
     world = parallel.world_size
@@ -204,59 +259,77 @@ def zero(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
     offload_opt = parallel.method == "zero_offload" or zcfg.offload_optimizer
     # DeepSpeed offloads parameters only under stage 3 (ZeRO-Infinity); below it offload_param is ignored.
     offload_param = zcfg.offload_param and stage == 3
-    mixed = training.precision.startswith("mixed_") or training.precision == "bf16"
     elem16 = min(p.elem_bytes for p in table)
     trainable = _trainable(table)
     n_train = sum(p.numel for p in trainable)
-    weights = weights_bytes(table)
-    grads16 = grad_bytes(table)
     part = 1.0 / world
-    master = (FP32 * n_train * part) if mixed else 0.0
+    weights = weights_bytes(table)
+    master = FP32 * n_train * part
     states = optimizer_state_bytes(trainable, training.optimizer, True, shard=part)
     fp32_grads = FP32 * n_train * part
-    temp = step_temp_bytes(trainable, training.optimizer, True, shard=part)
+    partition16 = elem16 * n_train * part  # the 16-bit gradient partition buffer
+    cast32 = fp32_grads if elem16 != FP32 else 0.0  # .to(fp32) of an fp32 tensor is the tensor itself
+    adam_temp = step_temp_bytes(trainable, training.optimizer, True, shard=part)
     if stage == 3:
-        temp = min(temp, FP32 * zcfg.sub_group_size)
-    buckets = _zero_buffers(zcfg, stage, elem16, grads16)
-    notes = ["ZeRO accounting follows DeepSpeed's documented buffers; uncalibrated until GPU data lands"]
+        adam_temp = min(adam_temp, FP32 * zcfg.sub_group_size)
+    largest = max((p.numel for p in trainable), default=0)
+    norm_temp = 8.0 * min(largest, n_train * part)  # one gradient (piece) of the partition in fp64
+    ipg = zcfg.reduce_bucket_size * elem16 if zcfg.contiguous_gradients else 0.0
+    in_flight = float(largest * elem16)
+    notes = ["ZeRO accounting follows DeepSpeed 0.19's allocations (checked on CPU runs); uncalibrated until GPU "
+             "data lands"]
     host = 0.0
-    if offload_opt:
+    if offload_opt:  # masters, states and fp32 gradients live in host RAM and the step runs there
         host = master + states + fp32_grads
-        master = states = fp32_grads = temp = 0.0
+        master = states = partition16 = cast32 = adam_temp = norm_temp = 0.0
     resident: dict[str, float] = {}
+    extra = None
     if stage == 3:
         persistent = sum(p.nbytes for p in table if p.numel <= zcfg.stage3_param_persistence_threshold)
         resident["weights"] = 0.0 if offload_param else weights * part + persistent
         if offload_param:
             host += weights * part  # each rank offloads its own partition
-        live = min(zcfg.stage3_prefetch_bucket_size * elem16 + max(p.nbytes for p in table),
-                   zcfg.stage3_max_live_parameters * elem16)
-        layer_bytes: dict[int | None, float] = {}
-        for p in table:
-            layer_bytes[p.layer] = layer_bytes.get(p.layer, 0.0) + p.nbytes
-        one_layer = max((v for k, v in layer_bytes.items() if k is not None), default=0.0)
-        gathered = min(max(one_layer, live), weights)
+        resident["comm_buffers"] = ipg
+        resident["gradients"] = partition16
+        extra = _zero3_gathered(zcfg, table, elem16)
 
-        def extra(segment: str) -> float:
-            return gathered + (layer_bytes.get(None, 0.0) if segment in ("prefix", "mid_fw", "mid_bw", "suffix")
-                               else 0.0)
-        held_partition = grads16 * part
-        step_grads = held_partition + fp32_grads
+        def held(prev: float, within: float) -> float:
+            return min(within, in_flight)
+        # The gradient partition buffer stays: the fp64 norm of one gradient, or the fp32 gradients + Adam.
+        step_grads = accumulated = 0.0
+        step_candidates = [norm_temp, cast32 + adam_temp]
     else:
         resident["weights"] = weights
-        extra = None
-        held_partition = grads16 * part if stage == 2 else grads16
-        step_grads = held_partition + fp32_grads
+        buckets = ipg * (2 if zcfg.overlap_comm_for(stage) else 1)
+        flush_bytes = zcfg.reduce_bucket_size * elem16
+        # grads_in_partition holds every parameter that overlaps the partition, in full: the partition plus the
+        # parameter cut by its boundary (a decoder-layer matrix, in a model worth partitioning).
+        layer_params = [p.numel for p in trainable if p.layer is not None] or [largest]
+        in_partition = 0.0 if offload_opt else partition16 + elem16 * max(layer_params)
+        # Above that buffer: the fp64 norm of one gradient; the flattened partition + its fp32 cast; then (the
+        # 16-bit buffers freed) the fp32 gradient + Adam's temporaries.
+        step_candidates = [norm_temp, partition16 + cast32, max(cast32, partition16) + adam_temp - in_partition]
+        if stage == 1:
+            # The reduction after backward: the gradients, the buckets and the new partition buffer at once
+            # (measured within a few % of all gradients on every rank, so all are counted).
+            step_candidates.append(grad_bytes(table) + buckets)
+
+            def held(prev: float, within: float) -> float:
+                return prev + within + (buckets if prev + within > 0 else 0.0)
+        else:
+            # Backward produces gradients from the end of the model, and the flat partitions run in model
+            # order: the buffer appears at the first bucket flush holding a gradient of this rank's partition.
+            behind = grad_bytes(table) * (world - 1 - rank) / world
+            appears = max(flush_bytes, behind)
+
+            def held(prev: float, within: float) -> float:
+                produced = prev + within
+                return (min(within, in_flight) + (buckets if produced > 0 else 0.0)
+                        + (in_partition if produced >= appears else 0.0))
+        step_grads = in_partition
+        accumulated = grad_bytes(table) if stage == 1 else in_partition
     resident["master_weights"] = master
     resident["optimizer_states"] = states
-    resident["comm_buffers"] = buckets
-
-    def held(prev: float, within: float) -> float:
-        if stage == 1:
-            return prev + within
-        # Gradients leave through the IPG buckets: partitions of finished layers, current layer in flight.
-        return prev * part + within
-
     return StepModel(resident=resident, grad_policy=held, segment_extra=extra, step_grads=step_grads,
-                     step_temp=temp, host_bytes=host, notes=notes, accumulated_grad_bytes=held_partition,
-                     largest_grad_bytes=_largest_grad(table))
+                     step_temp=max(step_candidates), host_bytes=host, notes=notes,
+                     accumulated_grad_bytes=accumulated, largest_grad_bytes=in_flight)

@@ -49,30 +49,36 @@ def _full(prev: float, within: float) -> float:
     return prev + within
 
 
+# Method bytes held during a segment besides activations and gradients (ZeRO-3's gathered parameters), given
+# (segment, repetition index k); must be monotonic in k, as only the first and last repetition are evaluated.
+ExtraBytes = Callable[[str, int], float]
+
+
 def replay(segments: dict, num_layers: int, b: int, s: int, grad_policy: GradPolicy = _full,
-           extra_bytes: Callable[[str], float] | None = None) -> Replay:
+           extra_bytes: ExtraBytes | None = None) -> Replay:
     act = 0.0
     grad = 0.0
-    best = (float("-inf"), 0.0, 0.0, "prefix")
+    best = (float("-inf"), 0.0, 0.0, "prefix", 0.0)
     for name, repeats in segment_sequence(num_layers):
         if repeats == 0:
             continue
         seg = segments[name]
         net_act = poly(seg["net_act"], b, s)
         net_grad = seg["net_grad"]
-        extra = extra_bytes(name) if extra_bytes else 0.0
         for k in {0, repeats - 1}:
             base_act = act + k * net_act
             base_grad = grad + k * net_grad
+            extra = extra_bytes(name, k) if extra_bytes else 0.0
             for cand_act, cand_grad in seg["candidates"]:
                 a = base_act + poly(cand_act, b, s)
                 g = grad_policy(base_grad, cand_grad)
                 if a + g + extra > best[0]:
-                    best = (a + g + extra, a, g, name)
+                    best = (a + g + extra, a, g, name, extra)
         act += repeats * net_act
         grad += repeats * net_grad
     return Replay(peak_bytes=best[0], peak_act_bytes=best[1], peak_grad_bytes=best[2], peak_segment=best[3],
-                  end_act_bytes=act, end_grad_bytes=grad)
+                  end_act_bytes=act, end_grad_bytes=grad,
+                  peak_parts={"gathered_params": best[4]} if extra_bytes else {})
 
 
 def replay_activation_peak(segments: dict, num_layers: int, b: int, s: int) -> int:

@@ -1,14 +1,15 @@
 """Hydra side: structured-config schemas and the one conversion ``cfg -> (RunSpec, HarnessOptions)``.
 
-The spec schemas are generated from the RunSpec dataclasses (same fields, same types, not frozen, no
-validation), so a typo or a bad type fails at composition time with the key named, and the two can never drift.
+The schemas are generated from the RunSpec dataclasses and from HarnessOptions (same fields, same types, not
+frozen, no validation), so a typo or a bad type fails at composition time with the key named, and the schema
+can never drift from what the worker reads.
 Value checks stay in ``RunSpec.__post_init__`` / ``validate_options``; ``to_run`` re-raises them with the full
 dotted key (``training.seq_len: must be a positive integer, got -1``).
 """
 
 import dataclasses
 import typing
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -16,34 +17,31 @@ from omegaconf.errors import OmegaConfBaseException
 
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
 
-# No `from __future__ import annotations` here: MeasureConf's annotations must be the generated classes
+# No `from __future__ import annotations` here: the generated schemas' annotations must be the classes
 # themselves for OmegaConf to type the nodes.
-from harness.options import (
-    DataOptions,
-    EmulateOptions,
-    HarnessOptions,
-    LauncherOptions,
-    MemoryOptions,
-    PathsOptions,
-    StepsOptions,
-    validate_options,
-)
+from harness.options import HarnessOptions, ModelOptions, validate_options
+
+
+def _field_specs(cls: type, overrides: dict[str, tuple[Any, Any]] | None = None) -> list[tuple[str, Any, Any]]:
+    """``cls``'s fields as ``make_dataclass`` specs with resolved types. ``overrides``: field -> (type, default
+    or field())."""
+    hints = typing.get_type_hints(cls)
+    overrides = overrides or {}
+    specs = []
+    for f in dataclasses.fields(cls):
+        if f.name in overrides:
+            specs.append((f.name, *overrides[f.name]))
+        elif f.default_factory is not dataclasses.MISSING:
+            specs.append((f.name, hints[f.name], field(default_factory=f.default_factory)))
+        else:
+            specs.append((f.name, hints[f.name], f.default))
+    return specs
 
 
 def _mirror(cls: type, name: str, overrides: dict[str, tuple[Any, Any]] | None = None) -> type:
     """A mutable, validation-free copy of a spec dataclass for OmegaConf (frozen dataclasses become read-only
-    configs and would run __post_init__ on defaults). ``overrides``: field -> (type, default or field())."""
-    hints = typing.get_type_hints(cls)
-    overrides = overrides or {}
-    fields = []
-    for f in dataclasses.fields(cls):
-        if f.name in overrides:
-            fields.append((f.name, *overrides[f.name]))
-        elif f.default_factory is not dataclasses.MISSING:
-            fields.append((f.name, hints[f.name], field(default_factory=f.default_factory)))
-        else:
-            fields.append((f.name, hints[f.name], f.default))
-    return dataclasses.make_dataclass(name, fields)
+    configs and would run __post_init__ on defaults)."""
+    return dataclasses.make_dataclass(name, _field_specs(cls, overrides))
 
 
 ZeroConf = _mirror(ZeroSpec, "ZeroConf")
@@ -51,41 +49,26 @@ ParallelConf = _mirror(ParallelSpec, "ParallelConf", {"zero": (ZeroConf, field(d
 TrainingConf = _mirror(TrainingSpec, "TrainingConf")
 
 
-@dataclass
-class ModelConf:
-    """ModelOptions with a required name: every conf/model file sets it (``custom`` leaves it ``???``)."""
-
-    name: str = MISSING
-    tokenizer: str | None = None
-    pretrained: bool = False
+# Every conf/model file sets the name (``custom`` leaves it ``???``), so the schema requires it.
+ModelConf = _mirror(ModelOptions, "ModelConf", {"name": (str, MISSING)})
 
 
-@dataclass
-class MeasureConf:
-    """Schema of ``conf/measure.yaml``. ``model`` is a node (the config group's choice) whose ``name`` is
-    RunSpec.model; ``gpu: auto`` means the key of the device the run lands on."""
+def _measure_conf() -> type:
+    """Schema of ``conf/measure.yaml``: the RunSpec nodes (``model`` is the config group's node whose ``name``
+    is RunSpec.model; ``gpu: auto`` means the key of the device the run lands on), then every HarnessOptions
+    field as declared there, then ``local``: machine-specific settings from the gitignored
+    conf/local/default.yaml (Slurm partition, account, ...)."""
+    spec_nodes = {"model": (ModelConf, field(default_factory=ModelConf)),
+                  "parallel": (ParallelConf, field(default_factory=ParallelConf)),
+                  "training": (TrainingConf, field(default_factory=TrainingConf)),
+                  "gpu": (str, "auto")}
+    fields = [(name, *spec) for name, spec in spec_nodes.items()]
+    fields += [spec for spec in _field_specs(HarnessOptions) if spec[0] not in spec_nodes]
+    fields.append(("local", dict[str, Any], field(default_factory=dict)))
+    return dataclasses.make_dataclass("MeasureConf", fields)
 
-    model: ModelConf = field(default_factory=ModelConf)
-    parallel: ParallelConf = field(default_factory=ParallelConf)  # type: ignore[valid-type]
-    training: TrainingConf = field(default_factory=TrainingConf)  # type: ignore[valid-type]
-    gpu: str = "auto"
-    campaign: str = "default"
-    backend: str = "auto"
-    dry_run: bool = False
-    rerun_errors: bool = False
-    force: bool = False
-    allow_dirty: bool = True
-    deepspeed_config: str | None = None
-    seed: int = 0
-    inject_oom: str | None = None
-    data: DataOptions = field(default_factory=DataOptions)
-    steps: StepsOptions = field(default_factory=StepsOptions)
-    memory: MemoryOptions = field(default_factory=MemoryOptions)
-    emulate: EmulateOptions = field(default_factory=EmulateOptions)
-    launcher: LauncherOptions = field(default_factory=LauncherOptions)
-    paths: PathsOptions = field(default_factory=PathsOptions)
-    # Machine-specific settings from the gitignored conf/local/default.yaml (Slurm partition, account, ...).
-    local: dict[str, Any] = field(default_factory=dict)
+
+MeasureConf = _measure_conf()
 
 
 _REGISTERED = False

@@ -238,9 +238,10 @@ def choose_tokenizer(opts: DataOptions, *, model_name: str, tokenizer_name: str 
 
 # --------------------------------------------------------------------------------------------- examples
 
-def tokenize_example(record: dict[str, Any], tok: TextTokenizer, seq_len: int, max_id: int,
+def tokenize_example(record: dict[str, Any], tok: TextTokenizer, seq_len: int | None, max_id: int,
                      ) -> tuple[list[int], list[int], int]:
-    """(input_ids, labels, untruncated length). Prompt positions are labelled IGNORE_INDEX."""
+    """(input_ids, labels, untruncated length), truncated to seq_len unless it is None (packing: a row's
+    response tokens may lie past seq_len). Prompt positions are labelled IGNORE_INDEX."""
     prompt = format_prompt(record)
     source_ids = tok.encode(prompt)
     full_ids = tok.encode(prompt + record.get("output", "")) + [tok.eos_id]
@@ -251,12 +252,15 @@ def tokenize_example(record: dict[str, Any], tok: TextTokenizer, seq_len: int, m
     return ids, labels, length
 
 
-def _examples(records: Iterable[dict[str, Any]], tok: TextTokenizer, seq_len: int, max_id: int
+def _examples(records: Iterable[dict[str, Any]], tok: TextTokenizer, seq_len: int | None, max_id: int
               ) -> Iterator[tuple[list[int], list[int], int]]:
     for record in records:
-        ids, labels, length = tokenize_example(record, tok, seq_len, max_id)
-        if any(label != IGNORE_INDEX for label in labels):  # a prompt that fills seq_len trains nothing (NaN loss)
-            yield ids, labels, length
+        yield tokenize_example(record, tok, seq_len, max_id)
+
+
+def _trains(example: tuple[list[int], list[int], int]) -> bool:
+    """A row whose labels are all prompt trains nothing (NaN loss): a prompt that fills seq_len."""
+    return any(label != IGNORE_INDEX for label in example[1])
 
 
 def _packed(examples: Iterator[tuple[list[int], list[int], int]], seq_len: int
@@ -274,8 +278,9 @@ def _packed(examples: Iterator[tuple[list[int], list[int], int]], seq_len: int
 def select_batches(examples: Iterator[tuple[list[int], list[int], int]], *, micro_batch_size: int, seq_len: int,
                    keep: str, num_batches: int, dp_rank: int, dp_size: int) -> list[list[tuple]]:
     """This data-parallel rank's share (batch j goes to rank j % dp_size) of the kept batches."""
-    if keep == "packed":
+    if keep == "packed":  # rows packed from several examples: judged after packing
         examples = _packed(examples, seq_len)
+    examples = (e for e in examples if _trains(e))
     if keep in ("full_rows", "packed"):
         examples = (e for e in examples if e[2] >= seq_len)
     mine: list[list[tuple]] = []
@@ -324,7 +329,7 @@ def build_batches(opts: DataOptions, *, model_name: str, tokenizer_name: str | N
     records, info = load_records(opts, num_needed=num_rows, long_words=seq_len, online=online)
     tok = choose_tokenizer(opts, model_name=model_name, tokenizer_name=tokenizer_name, model_vocab=model_vocab,
                            records=records, online=online, cache_dir=cache_dir)
-    examples = _examples(records, tok, seq_len, model_vocab - 1)
+    examples = _examples(records, tok, None if opts.keep == "packed" else seq_len, model_vocab - 1)
     chosen = select_batches(examples, micro_batch_size=micro_batch_size, seq_len=seq_len, keep=opts.keep,
                             num_batches=num_batches, dp_rank=dp_rank, dp_size=dp_size)
     batches = [collate(b, seq_len=seq_len, padding=opts.padding, pad_id=min(tok.pad_id, model_vocab - 1))

@@ -9,7 +9,10 @@ processes on the GPU). Driver memory is sampled at phase boundaries, plus by a b
 driver used - allocator reserved, right after CUDA init (context + nothing) and after the first step (context +
 cuBLAS/cuDNN workspaces outside the allocator + NCCL buffers on real multi-rank runs).
 
-On CPU there are no allocator statistics: every memory field is None and ``source`` is "none-cpu".
+On CPU there are no allocator statistics. With ``count_cpu`` (the default) the allocated level is counted from
+live tensor storages instead (``harness.fake.counter``, 512-byte blocks as the CUDA allocator rounds; source
+"counted-cpu"): what a CUDA run of the same program would allocate, up to CPU-only kernel differences; reserved
+and device levels stay None. Without it every memory field is None and ``source`` is "none-cpu".
 The conversion functions at the top are pure (unit-tested without a GPU).
 """
 
@@ -121,13 +124,19 @@ def host_peak_rss_bytes() -> int:
 class MemoryProbe:
     """Reads the allocator and the driver for one device. Usage per phase: ``begin()`` ... ``end(phase)``."""
 
-    def __init__(self, device: Any, *, sample_interval_s: float = 0.0) -> None:
+    def __init__(self, device: Any, *, sample_interval_s: float = 0.0, count_cpu: bool = False) -> None:
         import torch
 
         self.torch = torch
         self.device = torch.device(device)
         self.enabled = self.device.type == "cuda"
         self.source = "cuda" if self.enabled else "none-cpu"
+        self._counter = None
+        if not self.enabled and count_cpu:
+            from harness.fake.counter import StorageCounter
+
+            self._counter = StorageCounter(round_to=512)
+            self.source = "counted-cpu"
         self.device_source: str | None = None
         self._nvml_handle = None
         self._sampler: _Sampler | None = None
@@ -174,8 +183,19 @@ class MemoryProbe:
         if self.enabled:
             self.torch.cuda.synchronize(self.device)
 
+    @property
+    def counting(self) -> bool:
+        return self._counter is not None
+
+    def start(self) -> None:
+        """Begin counting CPU storages (before the model is built, so its weights count)."""
+        if self._counter is not None:
+            self._counter.__enter__()
+
     def begin(self) -> None:
         """Start a phase: peaks now count from the current values."""
+        if self._counter is not None:
+            self._counter.max_total = self._counter.current
         if not self.enabled:
             return
         self.synchronize()
@@ -184,6 +204,9 @@ class MemoryProbe:
             self._sampler.reset()
 
     def end(self, phase: str, time_s: float | None = None) -> PhaseRecord:
+        if self._counter is not None:
+            return PhaseRecord(phase=phase, peak_allocated_bytes=int(self._counter.max_total),
+                               allocated_bytes=int(self._counter.current), time_s=time_s)
         if not self.enabled:
             return PhaseRecord(phase=phase, time_s=time_s)
         self.synchronize()
@@ -205,6 +228,8 @@ class MemoryProbe:
         return context_bytes(self.device_used_bytes(), int(self.torch.cuda.memory_reserved(self.device)))
 
     def allocated_bytes(self) -> int | None:
+        if self._counter is not None:
+            return int(self._counter.current)
         return int(self.torch.cuda.memory_allocated(self.device)) if self.enabled else None
 
     def set_cap(self, cap_bytes: int | None) -> int | None:
@@ -235,6 +260,8 @@ class MemoryProbe:
     def close(self) -> None:
         if self._sampler:
             self._sampler.stop()
+        if self._counter is not None and self._counter._depth:
+            self._counter.__exit__(None, None, None)
 
 
 def _nvml_handle(device: Any) -> Any | None:

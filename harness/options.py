@@ -61,6 +61,9 @@ class MemoryOptions:
     cap_gib: float | None = None  # cap the allocator (set_per_process_memory_fraction), e.g. 16 for the paper
     cap_fraction: float | None = None  # same, as a fraction of the device's memory
     sample_interval_s: float = 0.0  # > 0: also sample driver memory in a background thread
+    # CPU runs: count live tensor storages (512-byte blocks, as the CUDA caching allocator rounds) through a
+    # dispatch mode, for allocated-level peaks without a GPU (memory_source counted-cpu); slows CPU steps.
+    count_cpu: bool = True
 
 
 @dataclass

@@ -74,7 +74,7 @@ class RankRecord:
     emulated: bool = False
     # real_run | emulated_fake_pg | fake_tensor_trace
     measured_by: str = "real_run"
-    # cuda | none-cpu | fake_tensor_trace
+    # cuda | counted-cpu | none-cpu | fake_tensor_trace
     memory_source: str = "cuda"
     error: str | None = None
     traceback: str | None = None

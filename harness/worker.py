@@ -112,8 +112,10 @@ def measure_rank(spec, opts, run_dir: Path, *, rank: int, world_size: int, local
     probe = trainer = None
     try:
         device = distributed.pick_device(opts.backend, local_rank)
-        probe = MemoryProbe(device, sample_interval_s=opts.memory.sample_interval_s)
+        probe = MemoryProbe(device, sample_interval_s=opts.memory.sample_interval_s,
+                            count_cpu=opts.memory.count_cpu)
         record.memory_source = probe.source
+        probe.start()
         _init_device(probe, record, opts)
         if rank == 0:
             from harness.environment import enrich_env_file
@@ -301,7 +303,10 @@ def _setup_oom_step(record, probe) -> None:
 
 
 def _notes(record, emulated: bool, probe) -> None:
-    if probe is not None and not probe.enabled:
+    if probe is not None and probe.counting:
+        record.notes.append("memory: CPU run, allocated level counted from live tensor storages in 512-byte "
+                            "blocks (memory_source counted-cpu); no reserved or device level")
+    elif probe is not None and not probe.enabled:
         record.notes.append("memory: CPU run, no allocator statistics (memory_source none-cpu)")
     if probe is not None and probe.device_source:
         record.notes.append(f"memory: driver-level used memory from {probe.device_source}, sampled at phase "

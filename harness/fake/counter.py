@@ -208,7 +208,9 @@ class StorageCounter(TorchDispatchMode):
         if not self._paused and active_fake_mode() is self._fake_mode_on_entry:  # skip DTensor sharding-propagation fake ops
             cat = self._category()
             for t in tree_leaves(res):
-                if isinstance(t, torch.Tensor):
+                # Meta tensors (shape-only copies DeepSpeed keeps of its params) use no memory; fake tensors
+                # report the device they fake, so they are still counted.
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
                     for st in _storages(t):
                         self._track_storage(st, cat)
         return res

@@ -39,6 +39,17 @@ def test_from_run(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["model"] == "facebook/opt-125m"
 
 
+def test_from_run_of_a_cpu_run_predicts_for_a_gpu(tmp_path, capsys):
+    from estimator.spec import RunSpec
+
+    (tmp_path / "spec.json").write_text(RunSpec(model="facebook/opt-125m", gpu="cpu").to_json())
+    assert main(["--from-run", str(tmp_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["gpu"] == "h100-80gb" and any("measured without a GPU" in n for n in data["notes"])
+    assert main(["--from-run", str(tmp_path), "--gpu", "a100-40gb", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["gpu"] == "a100-40gb"
+
+
 def test_check_exit_code_when_not_fitting():
     assert main(["--model", "facebook/opt-1.3b", "--method", "single", "--gpu", "t4-16gb", "--check",
                  "--micro-batch-size", "8"]) == 1

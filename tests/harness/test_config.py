@@ -7,7 +7,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
 from harness.__main__ import config_error_line
-from harness.config import ParallelConf, TrainingConf, ZeroConf, to_run
+from harness.config import MeasureConf, ModelConf, ParallelConf, TrainingConf, ZeroConf, to_run
+from harness.options import HarnessOptions, ModelOptions
 from tests.harness.conftest import CONF, compose
 
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml") if p.stem != "custom")
@@ -17,6 +18,13 @@ METHODS = sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
 def test_schemas_mirror_the_spec():
     for conf, spec in ((ZeroConf, ZeroSpec), (ParallelConf, ParallelSpec), (TrainingConf, TrainingSpec)):
         assert [f.name for f in dataclasses.fields(conf)] == [f.name for f in dataclasses.fields(spec)]
+
+
+def test_schema_mirrors_the_harness_options():
+    names = [f.name for f in dataclasses.fields(MeasureConf)]
+    assert names[:4] == ["model", "parallel", "training", "gpu"] and names[-1] == "local"
+    assert names[4:-1] == [f.name for f in dataclasses.fields(HarnessOptions) if f.name != "model"]
+    assert [f.name for f in dataclasses.fields(ModelConf)] == [f.name for f in dataclasses.fields(ModelOptions)]
 
 
 def test_default_config_is_the_default_spec():

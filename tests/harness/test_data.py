@@ -123,3 +123,14 @@ def test_build_batches_offline_full_length(tmp_path):
         assert all(len(row) == 128 and max(row) < 1000 for row in batch["input_ids"])
         assert all(all(m == 1 for m in row) for row in batch["attention_mask"])  # full rows: no padding
         assert all(any(label != IGNORE_INDEX for label in row) for row in batch["labels"])
+
+
+def test_packed_rows_shorter_than_the_prompt_still_train(tmp_path):
+    # The Alpaca prompt alone is longer than 16 tokens: truncated examples are all prompt and train nothing,
+    # so packing works on whole examples and keeps the rows that hold response tokens.
+    built = build_batches(DataOptions(keep="packed"), model_name="facebook/opt-125m", tokenizer_name=None,
+                          model_vocab=1000, micro_batch_size=1, seq_len=16, num_batches=2, cache_dir=str(tmp_path),
+                          online=False)
+    for batch in built.batches:
+        assert all(len(row) == 16 for row in batch["input_ids"])
+        assert all(any(label != IGNORE_INDEX for label in row) for row in batch["labels"])

@@ -63,7 +63,27 @@ def test_oom_classification_and_request_size():
     assert not is_oom(RuntimeError("shape mismatch"))
 
 
-def test_cpu_probe_reports_nothing_and_says_so():
+def test_cpu_probe_counts_live_storages_in_allocator_blocks():
+    import torch
+
+    probe = MemoryProbe("cpu", count_cpu=True)
+    probe.start()
+    try:
+        kept = torch.empty(1000, dtype=torch.float32)  # 4000 B -> one 4096 B block
+        probe.begin()
+        temp = torch.empty(100, dtype=torch.float32)  # 400 B -> 512 B, freed within the phase
+        del temp
+        meta = torch.empty(10**9, device="meta")  # no memory
+        phase = probe.end("forward", 0.1)
+    finally:
+        probe.close()
+    assert probe.source == "counted-cpu" and probe.counting and not probe.enabled
+    assert (phase.allocated_bytes, phase.peak_allocated_bytes) == (4096, 4096 + 512)
+    assert phase.peak_reserved_bytes is None and phase.peak_device_bytes is None
+    assert kept.numel() and meta.numel()
+
+
+def test_cpu_probe_without_counting_reports_nothing_and_says_so():
     probe = MemoryProbe("cpu")
     probe.begin()
     phase = probe.end("forward", 0.1)
