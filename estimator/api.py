@@ -10,7 +10,7 @@ from typing import Any
 from estimator import methods, residuals
 from estimator.arch import ModelArch, resolve_arch
 from estimator.gpus import get_gpu
-from estimator.model_params import buffer_bytes, expand_params, param_counts, quantize_4bit
+from estimator.model_params import buffer_bytes, expand_params, param_counts
 from estimator.profiles import get_profile
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 from estimator.timeline import Replay, poly, replay
@@ -146,23 +146,17 @@ def _activation_split(segments: dict, peak: Replay, num_layers: int, b: int, s: 
 _TABLES: dict[tuple, tuple[dict, list]] = {}
 
 
-def _param_table(profile: dict, num_layers: int, qlora: bool) -> list:
+def _param_table(profile: dict, num_layers: int) -> list:
     """The expanded parameter table, memoized per loaded profile (a plan asks for it ~100 times)."""
-    key = (id(profile), num_layers, qlora)
+    key = (id(profile), num_layers)
     hit = _TABLES.get(key)
     if hit is not None and hit[0] is profile:
         return hit[1]
     table = expand_params(profile["params"], num_layers)
-    if qlora:
-        table = quantize_4bit(table)
     if len(_TABLES) > 256:
         _TABLES.clear()
     _TABLES[key] = (profile, table)
     return table
-
-
-def _dequantized_weight_bytes(table: list) -> float:
-    return float(max((p.numel * p.elem_bytes for p in table if p.stored_bytes_per_elem is not None), default=0))
 
 
 def _replay(model: methods.StepModel, segments: dict, num_layers: int, b: int, s: int, *, accumulating: bool
@@ -192,8 +186,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     buffers = buffer_bytes(profile["params"], arch.num_layers)  # module buffers: every rank, never sharded
     resident = sum(model.resident.values()) + buffers
     workspace = residuals.cublas_workspace_bytes(coeffs)
-    # QLoRA dequantizes one frozen weight to 16 bits for each matmul, forward and backward.
-    fb_total = resident + fb.peak_bytes + _dequantized_weight_bytes(table)
+    fb_total = resident + fb.peak_bytes
     step_total = resident + max(fb.end_act_bytes, 0.0) + model.step_grads + model.step_temp
     layer_act, other_act = _activation_split(segments, fb, arch.num_layers, b, s)
     if fb_total >= step_total:
@@ -230,7 +223,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         residuals.load_coefficients(gpu.key, coefficients)
     arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build)
     last = spec.parallel.world_size - 1
-    table = _param_table(profile, arch.num_layers, spec.training.qlora)
+    table = _param_table(profile, arch.num_layers)
     # Rank 0 and the last rank are reported (FSDP/ZeRO padding and TP layouts put any asymmetry there). Only
     # ZeRO-2's gradient partition buffer depends on the rank (when backward reaches the rank's partition), so
     # one computation serves both elsewhere.
@@ -251,8 +244,8 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         notes.append("tp: traced profile of one TP rank (decoder-layer linears split; embeddings, norms and lm_head "
                      "replicated, so every rank holds the full logits)")
     if spec.training.qlora:
-        notes.append("qlora: frozen linear weights as bitsandbytes NF4 with double quantization (0.516 B/weight); "
-                     "activations from the 16-bit LoRA profile plus one dequantized weight in flight")
+        notes.append("qlora: traced as transformers + peft run it (bitsandbytes NF4 with double quantization, "
+                     "prepare_model_for_kbit_training: other weights and the adapters in fp32)")
     notes += residuals.range_notes(coeffs, spec, gpu_key=gpu.key, params=total, model_family=arch.model_type)
     upper = residuals.upper_bound_bytes(worst.peak_device_bytes, coeffs)
     return Estimate(spec=spec, ranks=ranks, worst_rank=worst.rank, capacity_bytes=gpu.capacity_bytes,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from estimator.arch import ModelArch
@@ -32,27 +31,11 @@ class ParamInfo:
         return self.numel * self.elem_bytes
 
 
-# bitsandbytes NF4 with double quantization (the QLoRA recipe): 4 bits per weight, an 8-bit absmax per block of
-# 64 and an fp32 absmax per 256 of those.
-NF4_DOUBLE_QUANT_BYTES_PER_ELEM = 0.5 + 1 / 64 + 4 / (64 * 256)
-
-
-def is_4bit_quantized(p: ParamInfo) -> bool:
-    """What ``BitsAndBytesConfig(load_in_4bit=True)`` replaces: frozen nn.Linear weights, the output head
-    (and anything tied to the embeddings) excepted."""
-    return (p.module_kind == "linear" and len(p.shape) == 2 and not p.trainable and not p.tied_names
-            and "lm_head" not in p.name and not p.is_bias)
-
-
-def quantize_4bit(table: list[ParamInfo]) -> list[ParamInfo]:
-    return [dataclasses.replace(p, stored_bytes_per_elem=NF4_DOUBLE_QUANT_BYTES_PER_ELEM) if is_4bit_quantized(p)
-            else p for p in table]
-
-
 def _info(row: dict, name: str, layer: int | None, tp: bool = False) -> ParamInfo:
     return ParamInfo(name=name, shape=tuple(row["shape"]), numel=row["numel"], elem_bytes=row["elem_bytes"],
                      trainable=row["trainable"], module_kind=row["kind"], layer=layer,
-                     tied_names=tuple(row.get("tied", ())), opt_group=1 if tp and not row.get("dtensor") else 0)
+                     tied_names=tuple(row.get("tied", ())), opt_group=1 if tp and not row.get("dtensor") else 0,
+                     stored_bytes_per_elem=row["stored_bytes"] / row["numel"] if "stored_bytes" in row else None)
 
 
 def is_tp_table(params: dict) -> bool:

@@ -23,7 +23,8 @@ MONOMIALS = ("1", "s", "s^2", "b", "b*s", "b*s^2")
 def variant_key(training: TrainingSpec) -> str:
     # flash attention has the memory shape of the SDPA flash kernel (output + logsumexp, no S×S matrix).
     attn = "sdpa" if training.attn == "flash" else training.attn
-    lora = f"lora{training.lora_rank}-{training.lora_targets}" if training.lora else "full"
+    lora = f"{'qlora' if training.qlora else 'lora'}{training.lora_rank}-{training.lora_targets}" if training.lora \
+        else "full"
     return f"{training.precision}_{attn}_{'ckpt' if training.grad_ckpt else 'nockpt'}_{lora}"
 
 
@@ -82,9 +83,15 @@ def get_profile(config: dict, config_sha: str, training: TrainingSpec, *, allow_
                          "profiling it needs torch and transformers (pip install '.[profile]')")
     try:
         from estimator.profiler.profile import build_profile
+
+        if training.lora:
+            import peft  # noqa: F401
+        if training.qlora:
+            import bitsandbytes  # noqa: F401
     except ImportError as err:
         raise ValueError(f"model: this architecture/variant has not been profiled yet and profiling needs "
-                         f"torch + transformers ({err.name} missing): pip install '.[profile]'") from None
+                         f"torch + transformers (+ peft for LoRA, bitsandbytes for QLoRA; {err.name} missing): "
+                         "pip install '.[profile]'") from None
     profile = build_profile(config, training, tp=tp) if tp > 1 else build_profile(config, training)
     save_profile(key, profile)
     return profile

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import signal
@@ -175,9 +176,8 @@ def _apply_deepspeed_config(spec: RunSpec, opts: HarnessOptions) -> RunSpec:
 def _check_model(spec: RunSpec) -> None:
     from harness.models import load_model_config, max_positions
 
-    if spec.training.qlora:  # measuring plain LoRA under a qlora=true spec would be silently wrong data
-        raise ValueError("training.qlora: not measurable yet: estimator.profiler.build.build_model does not "
-                         "quantize the base weights")
+    if spec.training.qlora and importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError("training.qlora: needs bitsandbytes (pip install 'bitsandbytes>=0.50')")
     config = load_model_config(spec.model)
     limit = max_positions(config)
     if limit is not None and spec.training.seq_len > limit:

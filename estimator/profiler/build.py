@@ -101,10 +101,83 @@ def build_model(config: dict[str, Any], training: TrainingSpec, device: torch.de
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if training.qlora:
+        model = prepare_qlora_base(model, param_dtype(training.precision))
+        if not meta:
+            quantize_4bit_weights(model, target)
     if training.lora:
         model = apply_lora(model, training)
     model.train()
     return model
+
+
+def prepare_qlora_base(model: torch.nn.Module, compute_dtype: torch.dtype) -> torch.nn.Module:
+    """The QLoRA recipe on a randomly initialised model, as ``from_pretrained(quantization_config=
+    BitsAndBytesConfig(load_in_4bit, nf4, double quant, compute_dtype))`` then ``peft.prepare_model_for_kbit_training``
+    (what TRL's SFTTrainer and the QLoRA reference code run) would leave it: every ``nn.Linear`` but the output
+    head (and anything tied to the embeddings) becomes a bitsandbytes ``Linear4bit`` holding its weight unquantized
+    until ``quantize_4bit_weights``; every other 16-bit parameter is cast to fp32. Gradient checkpointing stays as
+    ``build_model`` set it (non-reentrant: peft's input-grad hook is not needed)."""
+    import bitsandbytes as bnb
+    from peft import prepare_model_for_kbit_training
+
+    keep = {name for name, module in model.named_modules() if module is model.get_output_embeddings()}
+    tied = {id(p) for p in model.get_input_embeddings().parameters()}
+    for name, module in list(model.named_modules()):
+        if type(module) is not torch.nn.Linear or name in keep or id(module.weight) in tied:
+            continue
+        quantized = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
+                                      compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
+                                      device=module.weight.device)
+        quantized.weight = bnb.nn.Params4bit(module.weight.data.to(compute_dtype), requires_grad=False,
+                                             compress_statistics=True, quant_type="nf4")
+        if module.bias is not None:
+            quantized.bias = module.bias
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, quantized)
+    model.is_loaded_in_4bit = True
+    with warnings.catch_warnings():  # peft's fp32 cast may warn about the allocator cache on CPU: harmless
+        warnings.simplefilter("ignore")
+        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def quantize_4bit_weights(model: torch.nn.Module, device: torch.device | str) -> None:
+    """Quantize every ``Linear4bit`` weight still in 16 bits, as bitsandbytes does on the move to a device (the
+    16-bit copy is freed). On fake tensors (the profiler, the CPU oracle) ``Params4bit`` cannot wrap a FakeTensor
+    and quantizing reads values: the weight becomes a frozen parameter of the packed shape carrying a
+    ``quant_state`` of the real layout (``fake_quantized``), which ``Linear4bit.forward`` uses as it is."""
+    import bitsandbytes as bnb
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for module in model.modules():
+        if not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        weight = module.weight
+        if isinstance(weight, FakeTensor):
+            if getattr(weight, "quant_state", None) is None:
+                module.weight = fake_quantized(weight)
+        elif not weight.bnb_quantized:
+            module.weight = weight.to(device)
+
+
+def fake_quantized(weight: torch.Tensor) -> torch.nn.Parameter:
+    """A fake NF4 (double-quantized) weight: bitsandbytes' own ``quantize_4bit`` run on a meta tensor of the
+    weight's shape gives every tensor of the layout; each becomes an uninitialised fake tensor."""
+    import bitsandbytes as bnb
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        packed, state = bnb.functional.quantize_4bit(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                                                     blocksize=64, compress_statistics=True, quant_type="nf4")
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device=weight.device)
+    state.absmax, state.code, state.offset = fake(state.absmax), fake(state.code), fake(state.offset)
+    state.state2.absmax, state.state2.code = fake(state.state2.absmax), fake(state.state2.code)
+    state.dtype = weight.dtype
+    out = torch.nn.Parameter(fake(packed), requires_grad=False)
+    out.quant_state = state
+    return out
 
 
 def effective_attn(model: torch.nn.Module) -> str:
@@ -118,6 +191,8 @@ def materialize_fake(model: torch.nn.Module) -> torch.nn.Module:
     model.to_empty(device="cpu")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.tie_weights()
+    if getattr(base, "is_loaded_in_4bit", False):
+        quantize_4bit_weights(model, "cpu")
     return model
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import math
 import time
 from fractions import Fraction
 
@@ -287,6 +288,10 @@ def param_table(model: torch.nn.Module, layers: torch.nn.ModuleList, num_layers:
         row = {"name": name, "shape": list(held.shape), "numel": held.numel(),
                "elem_bytes": held.element_size(), "trainable": param.requires_grad,
                "kind": kinds.get(name, "other"), "tied": tied[id(param)][1:]}
+        state = getattr(param, "quant_state", None)
+        if state is not None:  # QLoRA: the logical weight, stored packed with its quantization state
+            row.update(shape=list(state.shape), numel=math.prod(state.shape), elem_bytes=state.dtype.itemsize,
+                       stored_bytes=quantized_bytes(held, state))
         if local is not None:  # stepped by the DTensor optimizer (build_tp_optimizer); global size for counts
             row.update(dtensor=True, global_shape=list(param.shape), global_numel=param.numel())
         if name.startswith(generic):
@@ -301,6 +306,15 @@ def param_table(model: torch.nn.Module, layers: torch.nn.ModuleList, num_layers:
         elif not name.startswith(f"{prefix}."):
             buffers["non_layer"] += held.numel() * held.element_size()
     return {"layer_prefix": prefix, "non_layer": non_layer, "per_layer": per_layer, "buffers": buffers}
+
+
+def quantized_bytes(packed: torch.Tensor, state) -> int:
+    """Bytes of a bitsandbytes 4-bit weight: the packed values and every tensor of its (nested) quant state, each
+    in whole 512-byte allocator blocks (most of the state is a few bytes: a code table, an offset)."""
+    tensors = [packed, state.absmax, state.code, state.offset]
+    if state.state2 is not None:
+        tensors += [state.state2.absmax, state.state2.code]
+    return sum(-(-t.numel() * t.element_size() // 512) * 512 for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _module_kind(module: torch.nn.Module) -> str:

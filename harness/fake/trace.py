@@ -39,8 +39,6 @@ def _check(spec: RunSpec, config: dict[str, Any]) -> None:
     if method not in TORCH_METHODS:
         raise ValueError(f"method: the fake-tensor oracle traces torch-native methods only "
                          f"({', '.join(TORCH_METHODS)}); {method!r} runs under DeepSpeed, measure it on a GPU")
-    if spec.training.qlora:
-        raise ValueError("qlora: 4-bit bitsandbytes weights cannot be traced on fake CPU tensors")
     if spec.training.optimizer in _UNSUPPORTED_OPTIMIZERS:
         raise ValueError(f"optimizer: {spec.training.optimizer!r} cannot be traced "
                          f"({_UNSUPPORTED_OPTIMIZERS[spec.training.optimizer]})")

@@ -123,7 +123,5 @@ def test_preflight_rejects_points_that_cannot_run(tmp_path):
         plan_point(*point_args(tmp_path, "backend=cuda"), CPU_DEVICE)
     with pytest.raises(ValueError, match="^backend:"):
         plan_point(*point_args(tmp_path, "backend=fake", "method=zero2", "parallel.world_size=2"), CPU_DEVICE)
-    with pytest.raises(ValueError, match="^training.qlora:"):
-        plan_point(*point_args(tmp_path, "training.lora_rank=8", "training.qlora=true"), CPU_DEVICE)
     with pytest.raises(ValueError, match="^emulate.ranks:"):
         plan_point(*point_args(tmp_path, "method=ddp", "emulate.world_size=2", "emulate.ranks=[0,5]"), CPU_DEVICE)

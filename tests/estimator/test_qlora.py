@@ -1,0 +1,65 @@
+"""QLoRA: the estimator and the fake-tensor trace against real bitsandbytes NF4 weights on CPU tensors."""
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("bitsandbytes")
+
+from estimator.api import estimate  # noqa: E402
+from estimator.spec import RunSpec, TrainingSpec  # noqa: E402
+
+SMALL = {
+    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128,
+              "intermediate_size": 320, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 2048, "max_position_embeddings": 512, "tie_word_embeddings": False},
+    "opt": {"model_type": "opt", "architectures": ["OPTForCausalLM"], "hidden_size": 128, "ffn_dim": 512,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 2048, "max_position_embeddings": 512,
+            "word_embed_proj_dim": 128},
+}
+
+
+def _spec(tmp_path, family: str, training: TrainingSpec) -> RunSpec:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(SMALL[family]))
+    return RunSpec(model=str(path), training=training)
+
+
+@pytest.mark.parametrize("family", sorted(SMALL))
+@pytest.mark.parametrize("training", [
+    TrainingSpec(precision="bf16", micro_batch_size=2, seq_len=64, attn="eager", lora_rank=8, qlora=True),
+    TrainingSpec(precision="mixed_bf16", micro_batch_size=1, seq_len=96, grad_ckpt=True, lora_rank=4, qlora=True),
+])
+def test_qlora_estimate_matches_real_bitsandbytes_run(tmp_path, family, training):
+    """Real NF4 weights (quantized by bitsandbytes on the move to the CPU), peft's kbit preparation, two AdamW
+    steps, every storage counted in 512-byte blocks; and the fake-tensor trace of the same program."""
+    from harness.fake import trace_run
+
+    spec = _spec(tmp_path, family, training)
+    real = trace_run(spec, config=SMALL[family], fake_tensors=False)["per_rank"][0]
+    fake = trace_run(spec, config=SMALL[family])["per_rank"][0]
+    rank = estimate(spec).ranks[0]
+    predicted = rank.peak_allocated_bytes - rank.breakdown.get("cublas_workspace", 0)
+    measured = real["peak_allocated_bytes"]
+    assert abs(fake["peak_allocated_bytes"] - measured) / measured < 0.001
+    assert abs(predicted - measured) / measured < 0.005
+
+
+def test_qlora_weights_are_nf4_and_the_rest_fp32(tmp_path):
+    """The kbit recipe: decoder linears packed 4-bit with an 8-bit absmax per 64 (+ a few small state tensors
+    each), embeddings, norms, head and the adapters in fp32."""
+    training = TrainingSpec(precision="bf16", micro_batch_size=1, seq_len=64, lora_rank=8, qlora=True)
+    qlora = estimate(_spec(tmp_path, "llama", training))
+    cfg = SMALL["llama"]
+    h, ffn, layers, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    linear = layers * (2 * h * h + 2 * h * kv + 3 * h * ffn)
+    non_linear = 2 * vocab * h + (2 * layers + 1) * h
+    adapters = layers * 8 * (h + h + h + kv)  # q_proj and v_proj: A (r x h) and B (out x r)
+    packed = linear * (0.5 + 1 / 64)
+    lower = packed + 4 * (non_linear + adapters)
+    # Per weight: the absmax rounded up, the code tables, the offset, the nested absmax: six 512-byte blocks at most.
+    small_state = 7 * layers * 6 * 512
+    assert lower <= qlora.breakdown["weights"] <= lower + small_state
+    assert any(n.startswith("qlora:") for n in qlora.notes)
