@@ -1,6 +1,9 @@
 """QLoRA: the estimator and the fake-tensor trace against real bitsandbytes NF4 weights on CPU tensors."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,12 +13,13 @@ pytest.importorskip("bitsandbytes")
 from estimator.api import estimate  # noqa: E402
 from estimator.spec import RunSpec, TrainingSpec  # noqa: E402
 
+from .test_matches_trace import TINY  # noqa: E402
+
+# The tiny oracle configs, wide enough that the NF4 blocks (64 values) and 512-byte rounding do not dominate.
 SMALL = {
-    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128,
-              "intermediate_size": 320, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 2048, "max_position_embeddings": 512, "tie_word_embeddings": False},
-    "opt": {"model_type": "opt", "architectures": ["OPTForCausalLM"], "hidden_size": 128, "ffn_dim": 512,
-            "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 2048, "max_position_embeddings": 512,
+    "llama": {**TINY["llama"], "hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 4,
+              "vocab_size": 2048},
+    "opt": {**TINY["opt"], "hidden_size": 128, "ffn_dim": 512, "num_hidden_layers": 4, "vocab_size": 2048,
             "word_embed_proj_dim": 128},
 }
 
@@ -33,11 +37,18 @@ def _spec(tmp_path, family: str, training: TrainingSpec) -> RunSpec:
 ])
 def test_qlora_estimate_matches_real_bitsandbytes_run(tmp_path, family, training):
     """Real NF4 weights (quantized by bitsandbytes on the move to the CPU), peft's kbit preparation, two AdamW
-    steps, every storage counted in 512-byte blocks; and the fake-tensor trace of the same program."""
+    steps, every storage counted in 512-byte blocks; and the fake-tensor trace of the same program. The real run
+    is a subprocess: real CPU kernels start OpenMP threads, and a later fork of this process (the campaign's
+    fork isolation test) would deadlock on them."""
     from harness.fake import trace_run
 
     spec = _spec(tmp_path, family, training)
-    real = trace_run(spec, config=SMALL[family], fake_tensors=False)["per_rank"][0]
+    code = ("import json, sys; from estimator.spec import RunSpec; from harness.fake import trace_run; "
+            "spec = RunSpec.from_json(sys.stdin.read()); "
+            "print(json.dumps(trace_run(spec, fake_tensors=False)['per_rank'][0]))")
+    out = subprocess.run([sys.executable, "-c", code], input=spec.to_json(), capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2], check=True)
+    real = json.loads(out.stdout.strip().splitlines()[-1])
     fake = trace_run(spec, config=SMALL[family])["per_rank"][0]
     rank = estimate(spec).ranks[0]
     predicted = rank.peak_allocated_bytes - rank.breakdown.get("cublas_workspace", 0)
