@@ -143,11 +143,15 @@ def _gib(value: float) -> str:
     return f"{value / GIB:7.2f}"
 
 
+def _lora_label(t) -> str:
+    return f", {'QLoRA' if t.qlora else 'LoRA'} r={t.lora_rank}" if t.lora else ""
+
+
 def render_compare(results: list[tuple[str, object, str]], spec: RunSpec, gpus: int) -> str:
     t = spec.training
     head = (f"{spec.model} on {gpus} x {spec.gpu}  |  micro-batch {t.micro_batch_size}, seq {t.seq_len}, "
             f"{t.precision}, {t.optimizer}, attn {t.attn}, checkpointing {'on' if t.grad_ckpt else 'off'}"
-            + (f", {'QLoRA' if t.qlora else 'LoRA'} r={t.lora_rank}" if t.lora else ""))
+            + _lora_label(t))
     lines = [head, "", f"{'method':<16}{'alloc GiB':>10}{'reserved':>10}{'device':>10}{'fits':>6}{'headroom':>10}"
                        f"  {'peak phase':<28}{'host RAM':>9}"]
     capacity = None
@@ -173,7 +177,7 @@ def render_detail(est) -> str:
     lines = [f"{s.model}  {s.parallel.method}  world {s.parallel.world_size}"
              + (f" tp {s.parallel.tp}" if s.parallel.tp > 1 else "") + f"  on {est.gpu_key}",
              f"micro-batch {t.micro_batch_size}, seq {t.seq_len}, {t.precision}, {t.optimizer}, attn {t.attn}, "
-             f"checkpointing {'on' if t.grad_ckpt else 'off'}" + (f", {'QLoRA' if t.qlora else 'LoRA'} r={t.lora_rank}" if t.lora else "")
+             f"checkpointing {'on' if t.grad_ckpt else 'off'}" + _lora_label(t)
              + f"  |  {est.params / 1e9:.3f} B params ({est.trainable_params / 1e9:.3f} B trainable)", ""]
     lines.append(f"{'rank':<6}{'allocated GiB':>14}{'reserved GiB':>14}{'device GiB':>12}  phase")
     for r in est.ranks:

@@ -18,6 +18,7 @@ SCHEMA_VERSION = 1
 METHODS = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "dp_tp", "zero_offload")
 # Methods DeepSpeed runs; their bucket/prefetch settings live in ZeroSpec.
 ZERO_METHODS = ("zero1", "zero2", "zero3", "zero_offload")
+QLORA_UNSUPPORTED_METHODS = ("fsdp", "tp", "dp_tp")
 PRECISIONS = ("fp32", "bf16", "amp_bf16", "amp_fp16", "mixed_bf16", "mixed_fp16")
 OPTIMIZERS = ("adamw", "adamw_fused", "sgd", "adamw_8bit")
 ATTENTIONS = ("eager", "sdpa", "flash")
@@ -171,6 +172,9 @@ class RunSpec:
             _fail("model", "must name a catalogue model, a config.json path or a hub id")
         if not isinstance(self.gpu, str) or not self.gpu.strip():
             _fail("gpu", "must be a GPU key such as h100-80gb")
+        if self.training.qlora and self.parallel.method in QLORA_UNSUPPORTED_METHODS:
+            _fail("qlora", f"bitsandbytes 4-bit weights cannot be sharded by {self.parallel.method} here (FSDP2 and "
+                           "DTensor cannot wrap Params4bit); use single, ddp or a ZeRO method")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -19,6 +19,7 @@ from estimator.spec import TrainingSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+NF4 = {"quant_type": "nf4", "compress_statistics": True}  # QLoRA's 4-bit format: NF4, double quantization
 
 
 def param_dtype(precision: str) -> torch.dtype:
@@ -127,10 +128,8 @@ def prepare_qlora_base(model: torch.nn.Module, compute_dtype: torch.dtype) -> to
         if type(module) is not torch.nn.Linear or name in keep or id(module.weight) in tied:
             continue
         quantized = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
-                                      compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
-                                      device=module.weight.device)
-        quantized.weight = bnb.nn.Params4bit(module.weight.data.to(compute_dtype), requires_grad=False,
-                                             compress_statistics=True, quant_type="nf4")
+                                      compute_dtype=compute_dtype, device=module.weight.device, **NF4)
+        quantized.weight = bnb.nn.Params4bit(module.weight.data.to(compute_dtype), requires_grad=False, **NF4)
         if module.bias is not None:
             quantized.bias = module.bias
         parent, _, leaf = name.rpartition(".")
@@ -168,13 +167,12 @@ def fake_quantized(weight: torch.Tensor) -> torch.nn.Parameter:
 
     with unset_fake_temporarily():
         packed, state = bnb.functional.quantize_4bit(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
-                                                     blocksize=64, compress_statistics=True, quant_type="nf4")
+                                                     **NF4)
 
     def fake(t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype, device=weight.device)
     state.absmax, state.code, state.offset = fake(state.absmax), fake(state.code), fake(state.offset)
     state.state2.absmax, state.state2.code = fake(state.state2.absmax), fake(state.state2.code)
-    state.dtype = weight.dtype
     out = torch.nn.Parameter(fake(packed), requires_grad=False)
     out.quant_state = state
     return out

@@ -6,6 +6,14 @@ from estimator.arch import arch_from_config, catalogue_models, load_config, reso
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
 
+def test_qlora_with_fsdp_or_tp_is_refused():
+    qlora = TrainingSpec(lora_rank=8, qlora=True)
+    for method, tp in (("fsdp", 1), ("tp", 4), ("dp_tp", 2)):
+        with pytest.raises(ValueError, match="^qlora: "):
+            RunSpec(model="m", training=qlora, parallel=ParallelSpec(method=method, world_size=4, tp=tp))
+    RunSpec(model="m", training=qlora, parallel=ParallelSpec(method="zero3", world_size=4))
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"micro_batch_size": 0}, "micro_batch_size"), ({"seq_len": -1}, "seq_len"),
     ({"precision": "fp8"}, "precision"), ({"optimizer": "lion"}, "optimizer"), ({"attn": "xformers"}, "attn"),
