@@ -9,7 +9,7 @@ tensors on the CPU accelerator as on CUDA. Each point is a real harness run (``b
 N-1 on torch's fake process group, ``memory_source counted-cpu``: every storage rounded to 512 bytes) compared
 with ``estimate()``'s allocated peak less the cuBLAS workspace (CPU runs have none). ``--buckets small`` shrinks
 every ZeRO bucket to 1e5 elements so a 5 M-parameter model spans several buckets, as real models do with the
-defaults. Results: docs/error_matrix/zero_cpu.csv; log entry in docs/LOG.md.
+defaults. Results: docs/error_matrix/zero_cpu_*.csv (table in docs/error_matrix/README.md); log in docs/LOG.md.
 """
 
 from __future__ import annotations

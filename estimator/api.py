@@ -120,7 +120,8 @@ def _regime(profile: dict, b: int, s: int) -> dict:
     raise ValueError(f"seq_len: no profiled regime covers micro-batch {b}, sequence {s}")
 
 
-def _step_model(spec: RunSpec, table, rank: int = 0) -> methods.StepModel:
+def _step_model(spec: RunSpec, table, rank: int = 0, path: methods.Zero12Rank | None = None
+                ) -> methods.StepModel:
     method = spec.parallel.method
     if method in ("single", "tp"):
         return methods.single(spec, table)
@@ -131,7 +132,7 @@ def _step_model(spec: RunSpec, table, rank: int = 0) -> methods.StepModel:
         sharded = spec if method == "fsdp" else spec.replace(parallel=ParallelSpec(method="fsdp",
                                                                                    world_size=spec.parallel.dp))
         return methods.fsdp(sharded, table)
-    return methods.zero(spec, table, rank)
+    return methods.zero(spec, table, rank, path)
 
 
 def _activation_split(segments: dict, peak: Replay, num_layers: int, b: int, s: int) -> tuple[float, float]:
@@ -172,11 +173,11 @@ def _replay(model: methods.StepModel, segments: dict, num_layers: int, b: int, s
     return replay(segments, num_layers, b, s, grad_policy=policy, extra_bytes=model.segment_extra)
 
 
-def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, rank: int
-                   ) -> tuple[RankEstimate, methods.StepModel]:
+def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, rank: int,
+                   path: methods.Zero12Rank | None = None) -> tuple[RankEstimate, methods.StepModel]:
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
-    model = _step_model(spec, table, rank)
+    model = _step_model(spec, table, rank, path)
     segments = _regime(profile, b, s)["segments"]
     fb = _replay(model, segments, arch.num_layers, b, s, accumulating=False)
     if training.grad_accum_steps > 1:  # later micro-batches start with every gradient held
@@ -211,6 +212,20 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
                         peak_device_bytes=device, breakdown=breakdown, phase=f"{phase} (steady step)"), model
 
 
+def _undominated(paths: list[methods.Zero12Rank]) -> list[int]:
+    """Ranks whose ZeRO-1/2 gradient path no other rank's dominates (a rank with at least as large a buffer,
+    norm piece and reduction peak, whose buffer appears no later in backward holds at least as much at every
+    moment); the lowest rank of identical ones."""
+    def key(r: int) -> tuple:
+        p = paths[r]
+        return (p.buffer_numel, p.largest_piece, p.reduction_held, -p.appears_at)
+    front: list[int] = []
+    for r in sorted(range(len(paths)), key=lambda r: (tuple(-x for x in key(r)), r)):
+        if not any(all(a >= b for a, b in zip(key(f), key(r))) for f in front):
+            front.append(r)
+    return sorted(front)
+
+
 def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = True) -> Estimate:
     """Per-rank peak memory of ``spec``. ``coefficients``: a GPU coefficient file path or loaded object."""
 
@@ -224,13 +239,23 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build)
     last = spec.parallel.world_size - 1
     table = _param_table(profile, arch.num_layers)
-    # Rank 0 and the last rank are reported (FSDP/ZeRO padding and TP layouts put any asymmetry there). Only
-    # ZeRO-2's gradient partition buffer depends on the rank (when backward reaches the rank's partition), so
-    # one computation serves both elsewhere.
-    first, model = _rank_estimate(spec, arch, profile, table, coeffs, 0)
-    if last and spec.parallel.zero_stage == 2:
-        ranks = [first, _rank_estimate(spec, arch, profile, table, coeffs, last)[0]]
+    # Rank 0 and the last rank are reported (FSDP/ZeRO padding and TP layouts put any asymmetry there), and under
+    # ZeRO-1/2 a middle rank when it is worse than both. Only ZeRO-1/2's gradient partition buffer depends on the
+    # rank (its size, and when backward or the reduction after it reaches the rank's partition), so one
+    # computation serves every rank elsewhere.
+    if last and spec.parallel.zero_stage in (1, 2):
+        paths = methods.zero12_ranks(table, spec.parallel.world_size, spec.parallel.zero.reduce_bucket_size)
+        first, model = _rank_estimate(spec, arch, profile, table, coeffs, 0, paths[0])
+        ranks = [first, _rank_estimate(spec, arch, profile, table, coeffs, last, paths[last])[0]]
+        # A middle rank can hold more (its buffer includes the tensors cut by both of its boundaries): report the
+        # worst of those no other rank dominates, when it is worse than both ends.
+        middle = [_rank_estimate(spec, arch, profile, table, coeffs, r, paths[r])[0]
+                  for r in _undominated(paths) if 0 < r < last]
+        worst_middle = max(middle, key=lambda r: r.peak_device_bytes, default=None)
+        if worst_middle is not None and worst_middle.peak_device_bytes > max(r.peak_device_bytes for r in ranks):
+            ranks.insert(1, worst_middle)
     else:
+        first, model = _rank_estimate(spec, arch, profile, table, coeffs, 0)
         ranks = [first] + ([dataclasses.replace(first, rank=last)] if last else [])
     worst = max(ranks, key=lambda r: r.peak_device_bytes)
     total, trainable = param_counts(profile["params"], arch.num_layers)

@@ -27,7 +27,7 @@ MEASURE_COLUMNS = ["peak_allocated_bytes", "peak_reserved_bytes", "peak_active_b
                    "memory_cap_bytes", "host_peak_rss_bytes", "step_time_s", "tokens_per_s", "num_steps",
                    "seq_len_max", "effective_attn", "oom_step", "oom_phase", "oom_request_bytes"]
 RUN_COLUMNS = ["padding", "data_keep", "data_source", "tokenizer", "warmup_steps", "measured_steps",
-               "finished_at", "error"]
+               "finished_at", "error", "node"]
 ENV_COLUMNS = ["gpu_name", "compute_capability", "driver_version", "cuda_version", "torch_version",
                "transformers_version", "deepspeed_version", "alloc_conf", "git_sha", "git_dirty", "hostname"]
 COLUMNS = ID_COLUMNS + SPEC_COLUMNS + MEASURE_COLUMNS + RUN_COLUMNS + ENV_COLUMNS

@@ -238,7 +238,125 @@ def _zero3_gathered(zcfg: ZeroSpec, table: list[ParamInfo], elem: int) -> ExtraB
     return gathered
 
 
-def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> StepModel:
+def _zero_flat_order(trainable: list[ParamInfo]) -> list[ParamInfo]:
+    """DeepSpeed ZeRO-1/2 flattens the trainable tensors in ``model.parameters()`` order (one parameter group,
+    ``round_robin_gradients`` off): the non-layer tensors registered before the decoder layers, the layers, the
+    rest. A profile that does not record the layers' place: embeddings and tied tensors first."""
+    def before(p: ParamInfo) -> bool:
+        return p.before_layers if p.before_layers is not None else (p.module_kind == "embedding" or bool(p.tied_names))
+    outer = [p for p in trainable if p.layer is None]
+    return ([p for p in outer if before(p)] + [p for p in trainable if p.layer is not None]
+            + [p for p in outer if not before(p)])
+
+
+def _zero_backward_order(trainable: list[ParamInfo], flat: list[ParamInfo]) -> list[ParamInfo]:
+    """The order backward finishes the gradients, whose hooks feed DeepSpeed's buckets: recorded by the profiler
+    (``ParamInfo.backward_index``; a trainable tensor it never saw finished gets no gradient and is left out),
+    else the flat order reversed with tied tensors last (finished at their last use's gradient)."""
+    if any(p.backward_index is not None for p in trainable):
+        return sorted((p for p in trainable if p.backward_index is not None), key=lambda p: p.backward_index)
+    reverse = flat[::-1]
+    return [p for p in reverse if not p.tied_names] + [p for p in reverse if p.tied_names]
+
+
+def _ipg_flushes(sequence: list[ParamInfo], bucket: float):
+    """DeepSpeed's IPG bucketing of gradients arriving in ``sequence``
+    (``reduce_independent_p_g_buckets_and_remove_grads``): a gradient that would overflow the bucket first
+    flushes it. Yields (index of the gradient whose arrival flushes, or ``len(sequence)`` for the flush after
+    backward; the tensors flushed)."""
+    pending: list[ParamInfo] = []
+    elements = 0
+    for i, p in enumerate(sequence):
+        if pending and elements + p.numel > bucket:
+            yield i, pending
+            pending, elements = [], 0
+        pending.append(p)
+        elements += p.numel
+    if pending:
+        yield len(sequence), pending
+
+
+@dataclass(frozen=True)
+class Zero12Rank:
+    """One rank's gradient path under DeepSpeed 0.19 ZeRO-1/2 (``deepspeed/runtime/zero/stage_1_and_2.py``)."""
+
+    partition_numel: int   # elements of each rank's flat partition (the flat buffer padded to 2 x world)
+    buffer_numel: int      # grads_in_partition: every tensor that overlaps the partition, in full
+    largest_piece: int     # the largest gradient piece inside the partition (its fp64 norm in the step)
+    appears_at: float      # stage 2: gradient bytes produced in backward when grads_in_partition is allocated
+    reduction_held: float  # stage 1: gradients + grads_in_partition at the worst moment of the reduction after
+    #                        backward (IPG buckets not included)
+
+
+def zero12_ranks(table: list[ParamInfo], world: int, bucket: float) -> list[Zero12Rank]:
+    """Every rank's ``Zero12Rank``, from the parameter table alone (one pass over the tensors and the ranks)."""
+    trainable = _trainable(table)
+    elem = min((p.elem_bytes for p in table), default=2)
+    flat = _zero_flat_order(trainable)
+    offsets = []
+    total = 0
+    for p in flat:
+        offsets.append(total)
+        total += p.numel
+    align = 2 * world  # nccl_start_alignment_factor x world
+    size = max(1, -(-total // align) * align // world)
+
+    def ranks_of(k: int) -> range:
+        """The partitions flat tensor k overlaps (get_partition_info: it starts inside, or the start cuts it)."""
+        if flat[k].numel == 0:
+            return range(0)
+        return range(offsets[k] // size, min((offsets[k] + flat[k].numel - 1) // size, world - 1) + 1)
+
+    buffer = [0] * world
+    largest = [0] * world
+    for k, p in enumerate(flat):
+        for r in ranks_of(k):
+            buffer[r] += p.numel
+            largest[r] = max(largest[r], min(offsets[k] + p.numel, (r + 1) * size) - max(offsets[k], r * size))
+    index = {id(p): k for k, p in enumerate(flat)}
+
+    def grad(p: ParamInfo) -> float:
+        return float(p.numel * p.elem_bytes)
+
+    # Stage 2 reduces in backward: grads_in_partition is allocated by the first flush that holds a gradient of
+    # the partition, in the hook of the gradient that triggers the flush (after that gradient was produced).
+    order = _zero_backward_order(trainable, flat)
+    produced = [0.0]
+    for p in order:
+        produced.append(produced[-1] + grad(p))
+    appears = [produced[-1]] * world
+    seen = [False] * world
+    for i, flushed in _ipg_flushes(order, bucket):
+        for q in flushed:
+            for r in ranks_of(index[id(q)]):
+                if not seen[r]:
+                    seen[r] = True
+                    appears[r] = produced[min(i + 1, len(order))]
+    # Stage 1 holds every gradient to the end of backward, then reduces them in flat order
+    # (``reduce_gradients``): a gradient that fits the bucket is copied into it and its own storage freed; an
+    # oversized one keeps its storage until it is copied into its own rank's buffer (the other ranks keep it to
+    # the end of the reduction). grads_in_partition appears at the first flush holding the partition; from there
+    # on the rank only frees.
+    arrives = {id(p) for p in order}
+    reduced = [p for p in flat if id(p) in arrives]  # tensors without a gradient are skipped
+    held_all = produced[-1]
+    reduction = [held_all] * world
+    seen = [False] * world
+    flushes = dict(_ipg_flushes(reduced, bucket))
+    freed = 0.0
+    for i in range(len(reduced) + 1):
+        for q in flushes.get(i, ()):
+            for r in ranks_of(index[id(q)]):
+                if not seen[r]:
+                    seen[r] = True
+                    reduction[r] = max(held_all, held_all - freed + elem * buffer[r])
+        if i < len(reduced) and reduced[i].numel <= bucket:
+            freed += grad(reduced[i])
+    return [Zero12Rank(partition_numel=size, buffer_numel=buffer[r], largest_piece=largest[r],
+                       appears_at=appears[r], reduction_held=reduction[r]) for r in range(world)]
+
+
+def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank | None = None) -> StepModel:
     """DeepSpeed ZeRO-1/2/3 and ZeRO-Offload as DeepSpeed 0.19 allocates (``harness/methods/deepspeed.py``
     config: torch AdamW on the partitions), checked against real DeepSpeed runs on CPU with every storage
     counted (``benchmarks/zero_cpu_check.py``).
@@ -246,10 +364,13 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> StepModel:
     Stages 1/2: the 16-bit (or fp32) weights flattened in full; an fp32 master partition, cloned even for fp32
     weights; Adam states on the partition. Gradients go through IPG buckets of ``reduce_bucket_size`` elements,
     allocated in full at the first gradient of backward (two with ``overlap_comm``) and freed after it, into a
-    16-bit partition buffer (``grads_in_partition``). Stage 2 reduces during backward (the buffer appears at the
-    first bucket flush holding a gradient of the rank's partition: early on the last rank, late on rank 0, so
-    the two are computed apart); stage 1 holds every gradient until backward ends and reduces then. The step
-    flattens the partition, casts it to fp32, computes the norm in fp64 per gradient, and runs Adam.
+    16-bit partition buffer (``grads_in_partition``) holding every tensor that overlaps the rank's partition of
+    the flat buffer (``model.parameters()`` order, so OPT's final norm sits with the embeddings in rank 0's).
+    Stage 2 reduces during backward, the buckets filled in the order backward finishes the gradients (recorded
+    by the profiler; a tied embedding is finished last): the buffer appears at the first flush that holds a
+    gradient of the partition. Stage 1 holds every gradient until backward ends and reduces them then, in flat
+    order, freeing each gradient that fits the bucket as it goes. Both are per rank (``zero12_ranks``). The step
+    flattens the partition, casts it to fp32, computes the norm in fp64 per gradient piece, and runs Adam.
     Stage 3: the weight partition, an IPG bucket and the gradient partition buffer live from initialization;
     gathered parameters follow ``_zero3_gathered``."""
     training, parallel = spec.training, spec.parallel
@@ -301,31 +422,38 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> StepModel:
     else:
         resident["weights"] = weights
         buckets = ipg * (2 if zcfg.overlap_comm_for(stage) else 1)
-        flush_bytes = zcfg.reduce_bucket_size * elem16
-        # grads_in_partition holds every parameter that overlaps the partition, in full: the partition plus the
-        # parameter cut by its boundary (a decoder-layer matrix, in a model worth partitioning).
-        layer_params = [p.numel for p in trainable if p.layer is not None] or [largest]
-        in_partition = 0.0 if offload_opt else partition16 + elem16 * max(layer_params)
-        # Above that buffer: the fp64 norm of one gradient; the flattened partition + its fp32 cast; then (the
-        # 16-bit buffers freed) the fp32 gradient + Adam's temporaries.
+        path = path or zero12_ranks(table, world, zcfg.reduce_bucket_size)[rank]
+        if not offload_opt:  # the fp32 master partition and the flat partitions of the step are P elements each
+            master = FP32 * path.partition_numel
+            partition16 = elem16 * path.partition_numel
+            cast32 = FP32 * path.partition_numel if elem16 != FP32 else 0.0
+            norm_temp = 8.0 * path.largest_piece
+        in_partition = 0.0 if offload_opt else float(elem16 * path.buffer_numel)
+        # Above that buffer: the fp64 norm of one gradient piece; the flattened partition + its fp32 cast; then
+        # (the 16-bit buffers freed) the fp32 gradient + Adam's temporaries.
         step_candidates = [norm_temp, partition16 + cast32, max(cast32, partition16) + adam_temp - in_partition]
-        if stage == 1:
-            # The reduction after backward: the gradients, the buckets and the new partition buffer at once
-            # (measured within a few % of all gradients on every rank, so all are counted).
+        if stage == 1 and not zcfg.overlap_comm_for(stage) and not offload_opt:
+            # Every gradient is held to the end of backward; the reduction after it (activations gone but the
+            # loss) frees them as it goes, in flat order, and allocates this rank's buffer (``zero12_ranks``).
+            step_candidates.append(path.reduction_held + buckets - in_partition)
+
+            def held(prev: float, within: float) -> float:
+                return prev + within + (buckets if prev + within > 0 else 0.0)
+        elif stage == 1:
+            # overlap_comm (or offload) reduces in backward, but keeps the other partitions' oversized gradients:
+            # counted as every gradient held, plus the buffer after backward (an upper bound).
             step_candidates.append(grad_bytes(table) + buckets)
 
             def held(prev: float, within: float) -> float:
                 return prev + within + (buckets if prev + within > 0 else 0.0)
         else:
-            # Backward produces gradients from the end of the model, and the flat partitions run in model
-            # order: the buffer appears at the first bucket flush holding a gradient of this rank's partition.
-            behind = grad_bytes(table) * (world - 1 - rank) / world
-            appears = max(flush_bytes, behind)
+            appears = path.appears_at
 
             def held(prev: float, within: float) -> float:
                 produced = prev + within
                 return (min(within, in_flight) + (buckets if produced > 0 else 0.0)
-                        + (in_partition if produced >= appears else 0.0))
+                        + (in_partition if produced >= appears - 0.5 else 0.0))
+            held.breakpoints = (appears,)
         step_grads = in_partition
         accumulated = grad_bytes(table) if stage == 1 else in_partition
     resident["master_weights"] = master

@@ -16,7 +16,9 @@ from pathlib import Path
 from estimator.spec import TrainingSpec
 
 # 2: SDPA traced without the 4-D mask transformers skips for full-length batches on the GPU.
-PROFILE_SCHEMA_VERSION = 2
+# 3: the parameter table records the decoder layers' place in model.parameters() (``layers_at``) and the order
+#    backward finishes the gradients (``grad_order``), which DeepSpeed ZeRO-1/2's partitions and buckets follow.
+PROFILE_SCHEMA_VERSION = 3
 MONOMIALS = ("1", "s", "s^2", "b", "b*s", "b*s^2")
 
 

@@ -2,11 +2,13 @@
 
 A profile's segments each carry their net change and their peak candidates: (activation polynomial in b and s,
 parameter-gradient bytes allocated so far in the segment). Repeated per-layer segments are linear in the
-repetition index, so only their first and last repetition can hold the maximum.
+repetition index, so only their first and last repetition can hold the maximum, except where the gradient policy
+steps (a ZeRO-1/2 rank's gradient buffer appearing mid-stack): the repetitions around the step are evaluated too.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -54,18 +56,36 @@ def _full(prev: float, within: float) -> float:
 ExtraBytes = Callable[[str, int], float]
 
 
+def _repetitions(repeats: int, produced: float, net_grad: float, breakpoints: tuple[float, ...]) -> set[int]:
+    """The repetitions of a repeated segment at which one of its candidates can peak. The candidate is linear in
+    the repetition index except where the gradient policy steps (``breakpoints``: gradient bytes produced at which
+    it does, e.g. when a ZeRO-2 rank's gradient buffer appears): the first and the last repetition, and the two
+    around each step. ``produced``: the candidate's gradient bytes produced at the first repetition."""
+    ks = {0, repeats - 1}
+    if net_grad > 0:
+        for point in breakpoints:
+            j = math.ceil((point - produced) / net_grad)  # first repetition at or past the step
+            ks.update(k for k in (j - 1, j) if 0 <= k < repeats)
+    return ks
+
+
 def replay(segments: dict, num_layers: int, b: int, s: int, grad_policy: GradPolicy = _full,
            extra_bytes: ExtraBytes | None = None) -> Replay:
+    """``grad_policy`` may carry ``breakpoints``: gradient bytes produced at which what it holds steps."""
     act = 0.0
     grad = 0.0
     best = (float("-inf"), 0.0, 0.0, "prefix", 0.0)
+    breakpoints = tuple(getattr(grad_policy, "breakpoints", ()))
     for name, repeats in segment_sequence(num_layers):
         if repeats == 0:
             continue
         seg = segments[name]
         net_act = poly(seg["net_act"], b, s)
         net_grad = seg["net_grad"]
-        for k in {0, repeats - 1}:
+        ks: set[int] = set()
+        for _, cand_grad in seg["candidates"]:
+            ks |= _repetitions(repeats, grad + cand_grad, net_grad, breakpoints)
+        for k in sorted(ks):
             base_act = act + k * net_act
             base_grad = grad + k * net_grad
             extra = extra_bytes(name, k) if extra_bytes else 0.0

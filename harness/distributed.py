@@ -74,10 +74,19 @@ def init(*, method: str, rank: int, world_size: int, local_rank: int, device: to
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     else:
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        kwargs = {"device_id": device} if device.type == "cuda" and bind_device_id(torch.__version__) else {}
         dist.init_process_group(backend, timeout=timeout, **kwargs)
     ctx.backend = backend
     return ctx
+
+
+def bind_device_id(torch_version: str) -> bool:
+    """Whether to pass ``device_id`` to ``init_process_group`` (eager NCCL init on this rank's GPU; the device is
+    set either way). Not in 2.6.0 < torch < 2.7.1, where it makes NCCL collectives hang at random
+    (pytorch/pytorch#153960): DeepSpeed's own init skips it there too (deepspeed/comm/torch.py)."""
+    from packaging.version import Version
+
+    return not Version("2.6.0") < Version(torch_version) < Version("2.7.1")
 
 
 def _set_rank_env(rank: int, world_size: int, local_rank: int) -> None:

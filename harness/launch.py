@@ -194,6 +194,13 @@ def _check_launch(spec: RunSpec, opts: HarnessOptions, device: DeviceInfo | None
     if opts.backend == "fake" and spec.parallel.zero_stage:
         raise ValueError(f"backend: the fake-tensor trace runs torch-native methods only, not "
                          f"{spec.parallel.method!r} (DeepSpeed needs real tensors: use a GPU)")
+    offload = spec.parallel.method == "zero_offload" or spec.parallel.zero.offload_optimizer
+    if offload and spec.training.precision == "bf16" and not opts.deepspeed_config:
+        # DeepSpeed asserts on bf16 master weights + offload unless the optimizer is its JIT-compiled
+        # DeepSpeedCPUAdam (runtime/base_optimizer.py); the generated config steps with torch's AdamW.
+        raise ValueError("training.precision: bf16 with optimizer offload needs DeepSpeed's compiled "
+                         "DeepSpeedCPUAdam, which the generated config does not use (use mixed_bf16, or "
+                         "deepspeed_config=<your JSON>)")
     if opts.backend in ("cuda", "cpu") and world_size > 1 and not opts.emulated:
         nproc = opts.launcher.nproc_per_node or world_size // opts.launcher.nnodes
         if nproc * opts.launcher.nnodes != world_size:

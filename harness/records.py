@@ -76,6 +76,8 @@ class RankRecord:
     measured_by: str = "real_run"
     # cuda | counted-cpu | none-cpu | fake_tensor_trace
     memory_source: str = "cuda"
+    # Where the rank ran: Slurm's node name under srun/sbatch, else the host name (multi-node runs).
+    node: str | None = None
     error: str | None = None
     traceback: str | None = None
     oom_step: int | None = None  # -1: during setup (model build / wrap)

@@ -54,7 +54,7 @@ def rank_rows(spec: RunSpec, run: RunRecord, ranks: list[RankRecord], env: dict[
                     "num_steps": len(record.steps),
                     "seq_len_max": max((s.seq_len_max for s in record.steps), default=None),
                     "data_source": record.data.get("source"), "tokenizer": record.data.get("tokenizer"),
-                    "error": record.error})
+                    "error": record.error, "node": record.node})
         row.update({k: getattr(record, k) for k in MEASURE_COLUMNS if hasattr(record, k)})
         rows.append(row)
     return rows

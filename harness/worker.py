@@ -107,7 +107,7 @@ def measure_rank(spec, opts, run_dir: Path, *, rank: int, world_size: int, local
     t0 = time.perf_counter()
     record = RankRecord(rank=rank, world_size=world_size, status="error", spec_id=spec.spec_id,
                         run_id=run_dir.name, emulated=emulated,
-                        measured_by="emulated_fake_pg" if emulated else "real_run")
+                        measured_by="emulated_fake_pg" if emulated else "real_run", node=node_name())
     where = Where()
     probe = trainer = None
     try:
@@ -138,10 +138,20 @@ def measure_rank(spec, opts, run_dir: Path, *, rank: int, world_size: int, local
         record.finalize()
         _cleanup(trainer, probe)
         if record.status == "ok" or emulated:
-            distributed.teardown()  # after a failure the peers may sit in a collective: exit instead (main)
+            try:
+                distributed.teardown()  # after a failure the peers may sit in a collective: exit instead (main)
+            except Exception as err:  # noqa: BLE001 - a failed teardown must not lose the measurement
+                record.notes.append(f"teardown: {type(err).__name__}: {str(err)[:200]}")
     print(f"[rank {rank}/{world_size}] {record.status} peak_allocated={record.peak_allocated_bytes} "
           f"steps={len(record.steps)} {record.error or ''}".rstrip(), flush=True)
     return record
+
+
+def node_name() -> str:
+    """Slurm's name for this node (set in every job step; several slurmd may share a host), else the host."""
+    import socket
+
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def _init_device(probe, record, opts) -> None:
@@ -175,7 +185,8 @@ def _setup(spec, opts, dist_ctx, probe, record):
                                dp_rank=dist_ctx.rank // spec.parallel.tp, dp_size=spec.parallel.dp,
                                cache_dir=opts.paths.cache_dir, online=str(opts.data.online).lower() == "true")
     record.data = built.info
-    ctx = methods.WrapContext(spec=spec, options=opts, dist=dist_ctx, config=config)
+    ctx = methods.WrapContext(spec=spec, options=opts, dist=dist_ctx, config=config,
+                              memory_cap_bytes=record.memory_cap_bytes)
     probe.begin()
     trainer = methods.wrap(ctx)
     record.notes.extend(ctx.notes)
@@ -183,6 +194,9 @@ def _setup(spec, opts, dist_ctx, probe, record):
     record.setup_allocated_bytes = setup.allocated_bytes
     record.extra["setup_peak_allocated_bytes"] = setup.peak_allocated_bytes
     record.effective_attn = effective_attn(_hf_model(trainer.model))
+    if record.effective_attn != spec.training.attn:  # flash-attn missing, fp32 attention, or not in the architecture
+        record.notes.append(f"attention: {spec.training.attn} asked, {record.effective_attn} ran "
+                            "(estimator.profiler.build.attn_implementation)")
     return trainer, built.batches
 
 
@@ -215,6 +229,11 @@ def run_steps(trainer, batches, probe, record, spec, opts, where: Where) -> None
             record.cuda_context_after_warmup_bytes = probe.context_bytes()
         print(f"[rank {record.rank}] step {step} loss={rec.loss:.4f} time={rec.step_time_s:.3f}s "
               f"peak_allocated={rec.peak_allocated_bytes}", flush=True)
+    skipped = getattr(trainer, "skipped_steps", 0)
+    if skipped:  # DeepSpeed fp16: an overflow skips the update, and with it the optimizer phase's temporaries
+        record.extra["optimizer_steps_skipped"] = skipped
+        record.notes.append(f"deepspeed: {skipped} of {total} optimizer updates skipped on fp16 overflow (dynamic "
+                            "loss scale); the optimizer phase of those steps ran no update")
 
 
 def _one_step(trainer, micro_batches, probe, rec, where: Where, inject: str | None, *, emulated: bool) -> None:
@@ -324,7 +343,10 @@ def _cleanup(trainer, probe) -> None:
             pass
     gc.collect()
     if probe is not None:
-        probe.release()
+        try:
+            probe.release()
+        except Exception:  # noqa: BLE001 - after a sticky CUDA error (illegal address, device-side assert)
+            pass  # empty_cache raises too; the record of that error must still be written
         probe.close()
 
 

@@ -63,11 +63,13 @@ def hf_config(config: dict[str, Any], training: TrainingSpec):
     return cfg
 
 
-def attn_implementation(attn: str, device: torch.device | str) -> str:
-    """'flash' means FlashAttention-2 where it is installed on CUDA; else the SDPA kernel (same memory shape)."""
+def attn_implementation(attn: str, device: torch.device | str, precision: str | None = None) -> str:
+    """'flash' means FlashAttention-2 where it is installed on CUDA and the attention computes in 16 bits; else the
+    SDPA kernel (same memory shape). ``fp32`` (no autocast) would reach flash-attn with fp32 q/k/v, which it
+    refuses at the first forward ("FlashAttention only support fp16 and bf16 data type")."""
     if attn != "flash":
         return attn
-    if torch.device(device).type == "cuda":
+    if torch.device(device).type == "cuda" and precision != "fp32":
         try:
             import flash_attn  # noqa: F401
 
@@ -80,21 +82,14 @@ def attn_implementation(attn: str, device: torch.device | str) -> str:
 def build_model(config: dict[str, Any], training: TrainingSpec, device: torch.device | str = "cpu", *,
                 num_layers: int | None = None, meta: bool = False) -> torch.nn.Module:
     """Randomly initialised causal LM from a config dict, in the spec's precision, checkpointing and LoRA."""
-    from transformers import AutoModelForCausalLM
-
     if num_layers is not None:
         config = with_num_layers(config, num_layers)
     cfg = hf_config(config, training)
     dtype = param_dtype(training.precision)
     target = torch.device("meta") if meta else torch.device(device)
-    requested = attn_implementation(training.attn, device)
+    requested = attn_implementation(training.attn, device, training.precision)
     with target:
-        try:
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=requested)
-        except ValueError as err:  # architecture without an SDPA/flash path: HF would refuse; it runs eager
-            if requested == "eager" or "attention implementation" not in str(err):
-                raise
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
+        model = _from_config(cfg, dtype, requested)
     model.config.use_cache = False
     if training.grad_ckpt:
         kwargs = {"use_reentrant": False}
@@ -110,6 +105,25 @@ def build_model(config: dict[str, Any], training: TrainingSpec, device: torch.de
         model = apply_lora(model, training)
     model.train()
     return model
+
+
+_ATTN_FALLBACK = {"flash_attention_2": "sdpa", "sdpa": "eager"}
+
+
+def _from_config(cfg, dtype: torch.dtype, attn: str) -> torch.nn.Module:
+    """``from_config`` with the attention kernel the architecture has: HF refuses one it lacks with a ValueError
+    (BLOOM and CodeGen have neither FlashAttention-2 nor SDPA), so fall back flash -> sdpa -> eager, as a CPU build
+    of the same spec ends up (there 'flash' already means sdpa)."""
+    from transformers import AutoModelForCausalLM
+
+    while True:
+        try:
+            return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
+        except ValueError as err:
+            text = str(err)
+            if attn not in _ATTN_FALLBACK or ("attention implementation" not in text and "Flash Attention" not in text):
+                raise
+            attn = _ATTN_FALLBACK[attn]
 
 
 def prepare_qlora_base(model: torch.nn.Module, compute_dtype: torch.dtype) -> torch.nn.Module:

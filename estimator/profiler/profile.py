@@ -13,6 +13,7 @@ import contextlib
 import datetime as _dt
 import math
 import time
+from collections.abc import Callable
 from fractions import Fraction
 
 import torch
@@ -109,6 +110,13 @@ class _Model:
             stack.enter_context(device_mesh_untracked(self.recorder))
             stack.enter_context(skip_dtensor_meta_propagation(self.recorder))
         return stack
+
+    def warm_step(self, b: int = 1, s: int = 16) -> None:
+        """One training step, not recorded (e.g. to read the gradient-hook order)."""
+        with self._dtensor_patches(), self.mode:
+            batch = build.synthetic_batch(b, s, min(self.vocab, 1000))
+            with build.full_length_attention_mask():
+                build.train_step(self.model, self.optimizer, batch, self.training)
 
     def trace_window(self, b: int, s: int) -> list[tuple]:
         """One warm-up step, then the measured step's events (window_start .. optimizer)."""
@@ -282,7 +290,10 @@ def param_table(model: torch.nn.Module, layers: torch.nn.ModuleList, num_layers:
         tied.setdefault(id(param), []).append(name)
     non_layer, per_layer = [], []
     generic = f"{prefix}.1."
+    layers_at = None  # how many non-layer tensors model.parameters() yields before the decoder layers
     for name, param in model.named_parameters():
+        if layers_at is None and name.startswith(f"{prefix}."):
+            layers_at = len(non_layer)
         local = getattr(param, "_local_tensor", None)  # TP: a DTensor; this rank holds its local shard
         held = param if local is None else local
         row = {"name": name, "shape": list(held.shape), "numel": held.numel(),
@@ -305,7 +316,32 @@ def param_table(model: torch.nn.Module, layers: torch.nn.ModuleList, num_layers:
             buffers["per_layer"] += held.numel() * held.element_size()
         elif not name.startswith(f"{prefix}."):
             buffers["non_layer"] += held.numel() * held.element_size()
-    return {"layer_prefix": prefix, "non_layer": non_layer, "per_layer": per_layer, "buffers": buffers}
+    return {"layer_prefix": prefix, "non_layer": non_layer, "per_layer": per_layer, "buffers": buffers,
+            "layers_at": len(non_layer) if layers_at is None else layers_at}
+
+
+def grad_hook_order(top: torch.nn.Module, base: torch.nn.Module, layers: torch.nn.ModuleList,
+                    step: Callable[[], None]) -> list[list]:
+    """The order in which backward finishes each trainable parameter's gradient, as ``[layer, name]`` pairs
+    (``layer`` None for non-layer tensors, named as in ``param_table``; layer tensors by their name inside the
+    layer). Read from post-accumulate-grad hooks, the hooks DeepSpeed's ZeRO-1/2 reduce gradients from, during
+    one ``step()``: a tensor used twice (tied embeddings and head) is finished once, when its last use's
+    gradient arrives."""
+    key: dict[int, list] = {}
+    for i, layer in enumerate(layers):
+        for name, param in layer.named_parameters():
+            key[id(param)] = [i, name]
+    for name, param in base.named_parameters():
+        key.setdefault(id(param), [None, name])
+    order: list[list] = []
+    handles = [param.register_post_accumulate_grad_hook(lambda p: order.append(key[id(p)]))
+               for param in top.parameters() if param.requires_grad and id(param) in key]
+    try:
+        step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return order
 
 
 def quantized_bytes(packed: torch.Tensor, state) -> int:
@@ -342,7 +378,10 @@ def build_profile(config: dict, training: TrainingSpec, *, check: bool = True, t
             if check:
                 fitted["layer_check"] = _check_depth(config, training, regime, fitted, tp)
             regimes.append(fitted)
-        params = param_table(model.base if not training.lora else model.model, model.layers, PROFILE_LAYERS)
+        table_model = model.base if not training.lora else model.model
+        params = param_table(table_model, model.layers, PROFILE_LAYERS)
+        if tp <= 1:  # DeepSpeed ZeRO-1/2 reduces gradients in this order (ZeRO runs on the untouched model)
+            params["grad_order"] = grad_hook_order(model.model, table_model, model.layers, model.warm_step)
         attn = build.effective_attn(model.base)
         del model
     import transformers

@@ -33,18 +33,43 @@ DEFAULT_VARIANTS = {
 
 
 def _current_or_carried(path: Path) -> bool:
-    """True when the shipped profile is current. Schema 2 changed only SDPA traces (no 4-D mask for a
-    full-length batch): a schema-1 profile traced with eager attention is carried over unchanged (rebuilding
-    OPT-125m and Qwen2.5-0.5B eager profiles gave identical segments, 2026-11-22)."""
+    """True when the shipped profile is current or could be carried over. Schema 2 changed only SDPA traces (no
+    4-D mask for a full-length batch): a schema-1 profile traced with eager attention is carried over unchanged
+    (rebuilding OPT-125m and Qwen2.5-0.5B eager profiles gave identical segments, 2026-11-22). Schema 3 added two
+    facts about the parameters, not the trace (``layers_at``, ``grad_order``): a schema-2 profile gets them from
+    the same shrunken model built on fake tensors (``backfill_order``)."""
     profile = json.loads(path.read_text())
-    if profile.get("schema_version") == PROFILE_SCHEMA_VERSION:
+    version = profile.get("schema_version")
+    if version == PROFILE_SCHEMA_VERSION:
         return True
-    if profile.get("schema_version") == 1 and profile.get("attn_effective") == "eager":
+    if version == 2 or (version == 1 and profile.get("attn_effective") == "eager"):
+        if version == 1:
+            profile.setdefault("provenance", {})["carried_over"] = "schema 1 -> 2: eager trace unaffected"
+        backfill_order(profile)
         profile["schema_version"] = PROFILE_SCHEMA_VERSION
-        profile.setdefault("provenance", {})["carried_over"] = "schema 1 -> 2: eager trace unaffected"
+        profile.setdefault("provenance", {})["carried_over_3"] = "schema 2 -> 3: layers_at, grad_order backfilled"
         save_profile(path.stem, profile, path.parent)
         return True
     return False
+
+
+def _variant_training(profile: dict) -> TrainingSpec:
+    variant = profile["variant"]
+    return TrainingSpec(precision=variant["precision"], attn=variant["attn"], grad_ckpt=variant["grad_ckpt"],
+                        lora_rank=variant["lora_rank"], lora_targets=variant["lora_targets"])
+
+
+def backfill_order(profile: dict) -> None:
+    """Add ``params.layers_at`` and (single-rank profiles) ``params.grad_order`` to a profile that lacks them,
+    from the shrunken model on fake tensors and one untraced training step (seconds)."""
+    from estimator.profiler.profile import PROFILE_LAYERS, _Model, grad_hook_order, param_table
+
+    training = _variant_training(profile)
+    model = _Model(resolve_arch(profile["model"]).config, training, PROFILE_LAYERS)
+    table_model = model.base if not training.lora else model.model
+    profile["params"]["layers_at"] = param_table(table_model, model.layers, PROFILE_LAYERS)["layers_at"]
+    if not profile.get("tp"):
+        profile["params"]["grad_order"] = grad_hook_order(model.model, table_model, model.layers, model.warm_step)
 
 
 def backfill_buffers(path: Path) -> bool:
@@ -57,9 +82,7 @@ def backfill_buffers(path: Path) -> bool:
     profile = json.loads(path.read_text())
     if "buffers" in profile["params"]:
         return False
-    variant = profile["variant"]
-    training = TrainingSpec(precision=variant["precision"], attn=variant["attn"], grad_ckpt=variant["grad_ckpt"],
-                            lora_rank=variant["lora_rank"], lora_targets=variant["lora_targets"])
+    training = _variant_training(profile)
     model = build.build_model(resolve_arch(profile["model"]).config, training, num_layers=PROFILE_LAYERS, meta=True)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     table = param_table(base, decoder_layers(base, PROFILE_LAYERS), PROFILE_LAYERS)

@@ -7,6 +7,7 @@ output object dropped before backward, ``optimizer.step()`` then ``zero_grad(set
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ class WrapContext:
     dist: DistContext
     config: dict[str, Any]  # the model's HF config dict
     notes: list[str] = field(default_factory=list)
+    memory_cap_bytes: int | None = None  # the allocator cap the worker applied (memory.cap_gib / cap_fraction)
 
     @property
     def device(self) -> torch.device:
@@ -77,3 +79,80 @@ def build_on_device(ctx: WrapContext, training: TrainingSpec) -> torch.nn.Module
 
         ctx.notes.append(load_pretrained(model, ctx.options.model.name))
     return model
+
+
+def build_sharded(ctx: WrapContext, training: TrainingSpec,
+                  shard: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
+    """fsdp / tp / dp_tp: parameters created on the meta device, sharded by ``shard``, then materialised on this
+    rank's device and initialised, as torchtitan initialises: no rank ever holds the whole model, so a model that
+    only fits sharded trains instead of OOMing in setup (the step peaks are the same either way). Buffers (rotary
+    tables, attention masks) are computed for real on the host and copied into their device copies. Pretrained
+    weights are copied into a whole model: that case builds full-size on the device, then shards."""
+    if ctx.options.model.pretrained:
+        return shard(build_on_device(ctx, training))
+    torch.manual_seed(ctx.options.seed)
+    with parameters_on_meta():
+        model = build_model(ctx.config, training, "cpu")
+    host_buffers = dict(model.named_buffers())
+    model = shard(model)
+    tied = tied_parameter_names(model)
+    model.to_empty(device=ctx.device)
+    retie(model, tied)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(host_buffers[name])
+    del host_buffers
+    initialize_parameters(model)
+    return model
+
+
+def tied_parameter_names(model: torch.nn.Module) -> list[list[str]]:
+    """Names that share one parameter (a tied embedding and LM head), each group in registration order."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def retie(model: torch.nn.Module, tied: list[list[str]]) -> None:
+    """``to_empty`` gives a plain (replicated) parameter a new tensor per module that holds it, which unties it
+    (FSDP2 keeps its own shared parameters tied): point the others back at the first."""
+    for first_name, *others in tied:
+        first = model.get_parameter(first_name)
+        for name in others:
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            if module._parameters[attr] is not first:
+                setattr(module, attr, first)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every ``nn.Module`` parameter is registered on the meta device; buffers stay where they are built
+    (accelerate's ``init_empty_weights(include_buffers=False)``). A parameter already on meta is registered as is,
+    so a tied weight assigned to a second module stays one tensor."""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def initialize_parameters(model: torch.nn.Module) -> None:
+    """Random values for materialised (``to_empty``) parameters, with the model's own init (transformers'
+    ``_init_weights``, which works on DTensor shards). The construction on meta marked every module initialised,
+    so the marks go first."""
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the HF model
+    for item in [*hf.modules(), *hf.parameters(), *hf.buffers()]:
+        item.__dict__.pop("_is_hf_initialized", None)
+    if hasattr(hf, "initialize_weights"):
+        hf.initialize_weights()
+    else:  # transformers < 5
+        hf.apply(hf._init_weights)

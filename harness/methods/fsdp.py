@@ -13,22 +13,23 @@ What the estimator needs to know, exactly:
   fp32 sharded grads. AdamW (torch, foreach) steps the fp32 shards directly: no MasterWeightOptimizer, no
   autocast, no GradScaler.
 * The optimizer is built after sharding, on the sharded DTensor parameters.
-* The model is built full-size on the device first, then sharded (setup peak = full model; not in the step
-  peaks, which are reset per phase).
+* Initialisation (``build_sharded``): parameters on the meta device, ``fully_shard``, then ``to_empty`` on the
+  rank's device and the model's own init; buffers computed on the host and copied in. No rank holds the whole
+  model (torchtitan's recipe); the step peaks are what a full-size build then sharding gives, byte for byte.
 """
 
 from __future__ import annotations
 
 from estimator.profiler.build import build_optimizer
 from harness.fake.wrap import build_training, make_mesh, wrap_model
-from harness.methods.base import TorchTrainer, WrapContext, build_on_device
+from harness.methods.base import TorchTrainer, WrapContext, build_sharded
 
 
 def wrap(ctx: WrapContext) -> TorchTrainer:
     built = build_training(ctx.spec)  # fp32 weights for mixed_* (the shards are the masters)
     mesh = make_mesh(ctx.spec, ctx.device.type)
-    model = build_on_device(ctx, built)
-    model = wrap_model(model, ctx.spec, mesh, ctx.config, fake=ctx.fake_pg, device=ctx.device)
+    model = build_sharded(ctx, built, lambda m: wrap_model(m, ctx.spec, mesh, ctx.config, fake=ctx.fake_pg,
+                                                           device=ctx.device))
     optimizer = build_optimizer(model.parameters(), built)
     # Forward uses the spec's precision: autocast only for amp_* (mixed_* casts through the FSDP policy).
     return TorchTrainer(model, optimizer, ctx.spec.training, ctx.device)

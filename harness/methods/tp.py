@@ -11,6 +11,9 @@ the CPU oracle and the estimator's TP profiles).
 
 Data: all ranks of a TP group read the same micro-batches (data-parallel rank = rank // tp).
 
+Initialisation: ``build_sharded`` (parameters on meta, split, then materialised and initialised on the device; a
+tied embedding and head re-tied after ``to_empty``), as ``fsdp``.
+
 Optimizer: ``harness.fake.wrap.build_method_optimizer``, as the oracle and the estimator build it. torch's
 foreach AdamW refuses one list that mixes DTensors (split layers) and plain tensors (the replicated embeddings,
 norms, lm_head of ``tp``): ``got mixed torch.Tensor and DTensor``. So ``tp`` runs one optimizer per kind,
@@ -22,14 +25,14 @@ a DTensor).
 from __future__ import annotations
 
 from harness.fake.wrap import build_method_optimizer, build_training, make_mesh, wrap_model
-from harness.methods.base import TorchTrainer, WrapContext, build_on_device
+from harness.methods.base import TorchTrainer, WrapContext, build_sharded
 
 
 def wrap(ctx: WrapContext) -> TorchTrainer:
     built = build_training(ctx.spec)
     mesh = make_mesh(ctx.spec, ctx.device.type)
-    model = build_on_device(ctx, built)
-    model = wrap_model(model, ctx.spec, mesh, ctx.config, fake=ctx.fake_pg, device=ctx.device)
+    model = build_sharded(ctx, built, lambda m: wrap_model(m, ctx.spec, mesh, ctx.config, fake=ctx.fake_pg,
+                                                           device=ctx.device))
     optimizer = build_method_optimizer(model, ctx.spec)
     return TorchTrainer(model, optimizer, ctx.spec.training, ctx.device)
 

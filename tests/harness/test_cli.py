@@ -20,3 +20,10 @@ def test_sweep_with_one_invalid_point_stops_before_running(tmp_path):
     assert result.returncode == 2
     assert "error: training.seq_len: must be a positive integer, got -1  [point: " in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_pure_bf16_with_optimizer_offload_is_refused_before_running(tmp_path):
+    result = cli("model=tiny-llama", "method=zero_offload", "training.precision=bf16", "dry_run=true",
+                 *path_overrides(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: training.precision: bf16 with optimizer offload needs")

@@ -51,9 +51,15 @@ def test_single_gpu_peaks_are_real_and_ordered(reference):
 def test_fork_isolation_measures_what_a_subprocess_measures(reference, tmp_path):
     """The campaign runner's cheap fresh process: same allocator peaks (same program, same fresh allocator), a
     CUDA context of its own."""
+    from harness.launch import fork_unsafe_reason
+
+    if (reason := fork_unsafe_reason()) is not None:  # e.g. a collected module imported bitsandbytes (CUDA init)
+        pytest.skip(f"no fork from this process ({reason}): run this file alone")
     root, record = reference
     forked = run_point(tmp_path, *GPU_OVERRIDES, "launcher.isolation=fork")
     assert forked.status == "ok", (forked.error, forked.stderr_tail)
+    log = (tmp_path / "runs/default" / forked.gpu_key / forked.run_id / "worker.log").read_text()
+    assert log.startswith("$ fork:"), log[:200]  # it really forked (no silent fallback to a subprocess)
     assert forked.run_id == record.run_id  # isolation is not part of the measurement's identity
     a, b = rank_record(root, record), rank_record(tmp_path, forked)
     for name in ("peak_allocated_bytes", "setup_allocated_bytes", "peak_forward_allocated_bytes"):

@@ -1,7 +1,8 @@
 """Real training runs on the CPU: the record contract per method, OOM as data, the fake-tensor backend.
 
-Default suite: one in-process single-rank run with an injected OOM, one fake-backend trace and one 2-process
-gloo DDP run. Every other method (2 gloo ranks, or emulated ranks on a fake process group) is ``slow``.
+Default suite: one in-process single-rank run with an injected OOM, one fake-backend trace, every multi-rank
+method as real gloo ranks under torchrun (2 ranks; dp_tp 2 x 2), about 10-20 s each. Emulated ranks on a fake
+process group are ``slow``.
 """
 
 import pytest
@@ -11,7 +12,7 @@ from harness.environment import CPU_DEVICE
 from harness.files import read_json
 from harness.records import PHASES, rank_from_dict
 from harness.table import read_rows
-from tests.harness.conftest import TINY_OVERRIDES, run_point
+from tests.harness.conftest import TINY, TINY_OVERRIDES, run_point
 
 
 def assert_contract(tmp_path, record, *, ranks, status="ok", gpu_key="cpu", emulated=False):
@@ -63,16 +64,41 @@ def test_fake_backend_is_recorded_in_the_same_format(tmp_path):
     assert read_rows(tmp_path / "data/measurements/fake/default.csv")[0]["measured_by"] == "fake_tensor_trace"
 
 
-def test_ddp_two_gloo_ranks(tmp_path):
-    record = run_point(tmp_path, *TINY_OVERRIDES, "method=ddp", "parallel.world_size=2", device=CPU_DEVICE)
-    assert_contract(tmp_path, record, ranks=[0, 1])
+def full_model_bytes() -> int:
+    """The tiny model's fp32 parameters, whole (built on meta with the harness's builder)."""
+    from estimator.profiler.build import build_model
+    from estimator.spec import TrainingSpec
+    from harness.models import load_model_config
+
+    model = build_model(load_model_config(TINY), TrainingSpec(precision="fp32"), meta=True)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", ["fsdp", "tp", "zero1", "zero2", "zero3", "zero_offload"])
+def assert_never_whole(tmp_path, record, ranks):
+    """Sharded methods build on meta and materialise shards: no rank's setup ever held the whole model."""
+    for rank in ranks:
+        rank_record = rank_from_dict(read_json(tmp_path / "runs/default/cpu" / record.run_id / f"rank{rank}.json"))
+        assert rank_record.extra["setup_peak_allocated_bytes"] < 0.6 * full_model_bytes()
+
+
+@pytest.mark.parametrize("method", ["ddp", "fsdp", "tp", "zero1", "zero2", "zero3", "zero_offload"])
 def test_two_gloo_ranks(method, tmp_path):
     record = run_point(tmp_path, *TINY_OVERRIDES, f"method={method}", "parallel.world_size=2", device=CPU_DEVICE)
     assert_contract(tmp_path, record, ranks=[0, 1])
+    if method == "fsdp":
+        assert_never_whole(tmp_path, record, [0, 1])
+
+
+def test_dp_tp_four_gloo_ranks(tmp_path):
+    record = run_point(tmp_path, *TINY_OVERRIDES, "method=dp_tp", "parallel.world_size=4", "parallel.tp=2",
+                       device=CPU_DEVICE)
+    result = assert_contract(tmp_path, record, ranks=[0, 1, 2, 3])
+    # TP groups are consecutive ranks reading the same batches (same loss); the two dp groups read different ones.
+    losses = {r: rank_from_dict(read_json(tmp_path / "runs/default/cpu" / record.run_id / f"rank{r}.json"))
+              .steps[0].loss for r in range(4)}
+    assert losses[0] == pytest.approx(losses[1]) and losses[2] == pytest.approx(losses[3]), (losses, result)
+    assert losses[0] != pytest.approx(losses[2])
+    assert_never_whole(tmp_path, record, [0, 1, 2, 3])
 
 
 @pytest.mark.slow

@@ -1,0 +1,162 @@
+"""DeepSpeed ZeRO-1/2 gradient path per rank (``estimator.methods.zero12_ranks``) on hand-made parameter tables.
+
+What is checked is DeepSpeed 0.19's logic as read in ``deepspeed/runtime/zero/stage_1_and_2.py`` and measured on CPU
+(docs/LOG.md 2026-11-23): partitions of the flat buffer in ``model.parameters()`` order, a buffer holding every
+tensor that overlaps the partition in full, the IPG flush that allocates it, and stage 1's reduction after backward.
+"""
+
+from __future__ import annotations
+
+from estimator.api import _undominated
+from estimator.methods import Zero12Rank, _zero_backward_order, _zero_flat_order, zero12_ranks
+from estimator.model_params import ParamInfo, backward_order, expand_params
+from estimator.timeline import replay, segment_sequence
+
+
+def _p(name, numel, layer=None, kind="linear", before=None, index=None, tied=()):
+    return ParamInfo(name=name, shape=(numel,), numel=numel, elem_bytes=4, trainable=True, module_kind=kind,
+                     layer=layer, tied_names=tied, before_layers=before, backward_index=index)
+
+
+def _opt_like():
+    """OPT's registration order: tied embedding, final norm, then the layers; backward finishes the final norm
+    first and the tied embedding last."""
+    emb = _p("embed", 1000, kind="embedding", before=True, index=5, tied=("lm_head.weight",))
+    norm = _p("final_norm", 10, kind="norm", before=True, index=0)
+    layers = [_p(f"l{i}.w", 500, layer=i, index=1 + 2 * (1 - i)) for i in range(2)]
+    biases = [_p(f"l{i}.b", 5, layer=i, index=2 + 2 * (1 - i)) for i in range(2)]
+    return [emb, norm, layers[0], biases[0], layers[1], biases[1]]
+
+
+def test_flat_order_follows_registration_and_backward_order_the_hooks():
+    table = _opt_like()
+    assert [p.name for p in _zero_flat_order(table)] == ["embed", "final_norm", "l0.w", "l0.b", "l1.w", "l1.b"]
+    assert [p.name for p in _zero_backward_order(table, _zero_flat_order(table))] == [
+        "final_norm", "l1.w", "l1.b", "l0.w", "l0.b", "embed"]
+    # Without recorded facts: embeddings / tied tensors first in the flat order, and finished last in backward.
+    bare = [ParamInfo(p.name, p.shape, p.numel, 4, True, p.module_kind, p.layer, p.tied_names) for p in table]
+    assert [p.name for p in _zero_flat_order(bare)][0] == "embed"
+    assert [p.name for p in _zero_backward_order(bare, _zero_flat_order(bare))][-1] == "embed"
+
+
+def test_partition_buffer_holds_every_overlapping_tensor_in_full():
+    # 2020 elements padded to 2 x 2 = 4 -> partitions of 1010: [0, 1010) and [1010, 2020).
+    ranks = zero12_ranks(_opt_like(), 2, bucket=10_000)
+    assert [r.partition_numel for r in ranks] == [1010, 1010]
+    assert ranks[0].buffer_numel == 1000 + 10           # embed, final norm
+    assert ranks[1].buffer_numel == 500 + 5 + 500 + 5    # the layers
+    assert ranks[0].largest_piece == 1000 and ranks[1].largest_piece == 500
+    # With 3 ranks (2022 padded, partitions of 674) the embedding and l0.w are cut: rank 1 holds both in full.
+    three = zero12_ranks(_opt_like(), 3, bucket=10_000)
+    assert three[1].buffer_numel == 1000 + 10 + 500 and three[1].largest_piece == 1348 - 1010
+
+
+def test_stage2_buffer_appears_at_the_first_flush_holding_the_partition():
+    # Bucket of 600 elements: final_norm (10) then l1.w (500) fit; l1.b fits (515); l0.w overflows -> flush of
+    # {final_norm, l1.w, l1.b} in l0.w's hook. Rank 0 holds final_norm (registered before the layers), so its
+    # buffer appears there, after 10 + 500 + 5 + 500 elements of gradients (4 bytes each) -- not after half of them.
+    ranks = zero12_ranks(_opt_like(), 2, bucket=600)
+    assert ranks[0].appears_at == 4 * (10 + 500 + 5 + 500)
+    assert ranks[1].appears_at == 4 * (10 + 500 + 5 + 500)
+    # Llama-like order (final norm after the layers): rank 0 waits for the flush holding its layer, rank 1 not.
+    table = [_p("embed", 1000, kind="embedding", before=True, index=5), _p("l0.w", 500, layer=0, index=3),
+             _p("l0.b", 5, layer=0, index=4), _p("l1.w", 500, layer=1, index=1), _p("l1.b", 5, layer=1, index=2),
+             _p("norm", 10, kind="norm", before=False, index=0)]
+    ranks = zero12_ranks(table, 2, bucket=600)
+    assert ranks[1].appears_at == 4 * (10 + 500 + 5 + 500)
+    assert ranks[0].appears_at == 4 * 2020  # l0's flush, in the embedding's hook: every gradient produced
+
+
+def test_stage1_reduction_frees_bucketed_gradients_and_keeps_oversized_ones():
+    # Flat order embed (1000, oversized for a 600 bucket), final_norm, l0.w, l0.b, l1.w, l1.b; all 2020 gradient
+    # elements held when the reduction starts. Rank 1's buffer (1010) appears at the flush holding l0.w, in l1.w's
+    # arrival: by then final_norm, l0.w, l0.b went into the bucket (515 freed) while the oversized embedding keeps
+    # its storage (rank 0's, reduced but not freed for rank 1).
+    ranks = zero12_ranks(_opt_like(), 2, bucket=600)
+    assert ranks[1].reduction_held == 4 * (2020 - 515 + 1010)
+    # Rank 0's buffer appears at the first flush (the embedding alone), with everything still held.
+    assert ranks[0].reduction_held == 4 * (2020 + 1010)
+
+
+def test_backward_order_expands_the_generic_layer():
+    params = {"layer_prefix": "model.layers", "layers_at": 1,
+              "non_layer": [{"name": "emb", "shape": [8], "numel": 8, "elem_bytes": 2, "trainable": True,
+                             "kind": "embedding", "tied": []},
+                            {"name": "norm", "shape": [2], "numel": 2, "elem_bytes": 2, "trainable": True,
+                             "kind": "norm", "tied": []}],
+              "per_layer": [{"name": name, "shape": [4], "numel": 4, "elem_bytes": 2, "trainable": True,
+                             "kind": "linear", "tied": []} for name in ("a", "b")],
+              "grad_order": [[None, "norm"], [2, "b"], [2, "a"], [1, "b"], [1, "a"], [0, "b"], [0, "a"],
+                             [None, "emb"]]}
+    order = backward_order(params, 4)
+    assert [key for key, _ in sorted(order.items(), key=lambda kv: kv[1])] == [
+        (None, "norm"), (3, "b"), (3, "a"), (2, "b"), (2, "a"), (1, "b"), (1, "a"), (0, "b"), (0, "a"), (None, "emb")]
+    table = expand_params(params, 4)
+    assert [p.before_layers for p in table if p.layer is None] == [True, False]
+    assert all(p.backward_index is not None for p in table)
+    assert backward_order({**params, "grad_order": [[None, "norm"], [1, "a"]]}, 4) == {}  # layer does not match
+
+
+def test_undominated_ranks():
+    def path(buffer, appears, largest=1, reduction=0.0):
+        return Zero12Rank(partition_numel=10, buffer_numel=buffer, largest_piece=largest, appears_at=appears,
+                          reduction_held=reduction)
+    paths = [path(10, 90.0), path(12, 10.0), path(12, 10.0), path(11, 50.0), path(10, 5.0)]
+    assert _undominated(paths) == [1, 4]
+
+
+def test_replay_evaluates_the_repetition_where_the_policy_steps():
+    # Activations fall by 10 per backward layer, each layer produces 1 byte of gradient; a buffer of 100 appears
+    # once 5.5 bytes are produced: the peak is in the 6th backward layer (a middle repetition of "bw").
+    def seg(net_act, net_grad):
+        return {"net_act": [net_act, 0, 0, 0, 0, 0], "net_grad": net_grad,
+                "candidates": [([0.0] * 6, net_grad)]}
+    segments = {name: seg(0.0, 0.0) for name, _ in segment_sequence(20)}
+    for name in ("fw_first", "fw", "fw_last"):
+        segments[name] = seg(10.0, 0.0)
+    for name in ("bw_first", "bw", "bw_last"):
+        segments[name] = seg(-10.0, 1.0)
+
+    def held(prev, within):
+        return 100.0 if prev + within >= 5.5 else 0.0
+    held.breakpoints = (5.5,)
+    result = replay(segments, 20, 1, 1, grad_policy=held)
+    assert result.peak_bytes == 200 - 50 + 100  # after 5 layers' backward (act 150), the 6th layer's gradient
+
+
+def test_replay_with_a_stepping_policy_equals_explicit_iteration():
+    import random
+
+    from estimator.timeline import poly
+
+    rng = random.Random(1)
+    for _ in range(1000):
+        def seg():
+            return {"net_act": [rng.uniform(-10, 10) for _ in range(6)], "net_grad": rng.uniform(0, 10),
+                    "candidates": [([rng.uniform(-5, 50) for _ in range(6)], rng.uniform(0, 20)) for _ in range(3)]}
+        segments = {name: seg() for name, _ in segment_sequence(5)}
+        layers, b, s = rng.randint(2, 40), rng.randint(1, 4), rng.randint(1, 100)
+        point, step = rng.uniform(0, 300), rng.uniform(0, 5000)
+
+        def held(prev, within, point=point, step=step):
+            return prev + within + (step if prev + within >= point else 0.0)
+        held.breakpoints = (point,)
+        act = grad = 0.0
+        best = float("-inf")
+        for name, reps in segment_sequence(layers):
+            for _ in range(reps):
+                for cand_act, cand_grad in segments[name]["candidates"]:
+                    best = max(best, act + poly(cand_act, b, s) + held(grad, cand_grad))
+                act += poly(segments[name]["net_act"], b, s)
+                grad += segments[name]["net_grad"]
+        assert abs(replay(segments, layers, b, s, grad_policy=held).peak_bytes - best) < 1e-6
+
+
+def test_a_tensor_backward_never_finishes_holds_no_gradient_but_sits_in_the_buffer():
+    # An unused trainable tensor after the layers: 2120 elements -> partitions of 1060; rank 1's buffer counts it
+    # (and l0.w, cut by the boundary, in full), but no gradient of it is ever held or reduced.
+    table = [*_opt_like(), _p("unused", 100, layer=None, kind="other", before=False, index=None)]
+    ranks = zero12_ranks(table, 2, bucket=600)
+    assert ranks[0].buffer_numel == 1000 + 10 + 500 and ranks[1].buffer_numel == 500 + 5 + 500 + 5 + 100
+    assert ranks[0].reduction_held == 4 * (2020 + 1510)
+    assert ranks[1].reduction_held == 4 * (2020 - 515 + 1110)
