@@ -432,17 +432,15 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
         # Above that buffer: the fp64 norm of one gradient piece; the flattened partition + its fp32 cast; then
         # (the 16-bit buffers freed) the fp32 gradient + Adam's temporaries.
         step_candidates = [norm_temp, partition16 + cast32, max(cast32, partition16) + adam_temp - in_partition]
-        if stage == 1 and not zcfg.overlap_comm_for(stage) and not offload_opt:
-            # Every gradient is held to the end of backward; the reduction after it (activations gone but the
-            # loss) frees them as it goes, in flat order, and allocates this rank's buffer (``zero12_ranks``).
-            step_candidates.append(path.reduction_held + buckets - in_partition)
-
-            def held(prev: float, within: float) -> float:
-                return prev + within + (buckets if prev + within > 0 else 0.0)
-        elif stage == 1:
-            # overlap_comm (or offload) reduces in backward, but keeps the other partitions' oversized gradients:
-            # counted as every gradient held, plus the buffer after backward (an upper bound).
-            step_candidates.append(grad_bytes(table) + buckets)
+        if stage == 1:
+            if not zcfg.overlap_comm_for(stage) and not offload_opt:
+                # Every gradient is held to the end of backward; the reduction after it (activations gone but the
+                # loss) frees them as it goes, in flat order, and allocates this rank's buffer (``zero12_ranks``).
+                step_candidates.append(path.reduction_held + buckets - in_partition)
+            else:
+                # overlap_comm (or offload) reduces in backward, but keeps the other partitions' oversized
+                # gradients: counted as every gradient held, plus the buffer after backward (an upper bound).
+                step_candidates.append(grad_bytes(table) + buckets)
 
             def held(prev: float, within: float) -> float:
                 return prev + within + (buckets if prev + within > 0 else 0.0)
