@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from estimator.columns import SPEC_INPUT_COLUMNS, spec_from_columns
+from estimator.columns import ADDED_SPEC_FIELDS, SPEC_INPUT_COLUMNS, spec_from_columns
 from estimator.gpus import get_gpu
 
 # Keys whose rows hold no GPU memory to fit: CPU runs, and fake-tensor traces (allocated bytes only, device
@@ -24,13 +24,13 @@ RUN_STATUSES = ("ok", "oom", "error", "timeout")
 IDENTITY_COLUMNS = ["run_id", "gpu_key", "rank", "world_size", "run_status", "rank_status", "emulated",
                     "measured_by", "memory_source"]
 LEVEL_COLUMNS = ["peak_allocated_bytes", "peak_reserved_bytes", "peak_device_bytes"]
-REQUIRED_COLUMNS = list(dict.fromkeys(IDENTITY_COLUMNS + SPEC_INPUT_COLUMNS + LEVEL_COLUMNS
-                                      + ["device_total_bytes"]))
+REQUIRED_COLUMNS = list(dict.fromkeys(IDENTITY_COLUMNS + [c for c in SPEC_INPUT_COLUMNS if c not in ADDED_SPEC_FIELDS]
+                                      + LEVEL_COLUMNS + ["device_total_bytes"]))
 # Read when present (older tables may lack them): added as empty columns otherwise.
 OPTIONAL_COLUMNS = ["spec_id", "campaign", "memory_cap_bytes", "num_alloc_retries", "tokens_per_s", "step_time_s",
                     "oom_step", "peak_active_bytes", "cuda_context_bytes", "cuda_context_after_warmup_bytes",
                     "torch_version", "driver_version", "cuda_version", "gpu_name", "padding", "data_keep",
-                    "effective_attn"]
+                    "effective_attn", *ADDED_SPEC_FIELDS]
 NUMERIC_COLUMNS = ["rank", "world_size", "micro_batch_size", "seq_len", "device_total_bytes", "memory_cap_bytes",
                    "num_alloc_retries", "tokens_per_s", "step_time_s", "oom_step", "peak_active_bytes",
                    "cuda_context_bytes", "cuda_context_after_warmup_bytes"] + LEVEL_COLUMNS

@@ -17,8 +17,8 @@ from estimator.timeline import Replay, poly, replay
 from estimator.tp_plans import check_tp
 
 GIB = 1024**3
-COMPONENTS = ("weights", "buffers", "gradients", "optimizer_states", "master_weights", "activations", "comm_buffers",
-              "gathered_params", "temporaries", "cublas_workspace")
+COMPONENTS = ("weights", "buffers", "gradients", "optimizer_states", "master_weights", "activations", "outputs_held",
+              "comm_buffers", "gathered_params", "temporaries", "cublas_workspace")
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,19 @@ def _regime(profile: dict, b: int, s: int) -> dict:
     raise ValueError(f"seq_len: no profiled regime covers micro-batch {b}, sequence {s}")
 
 
+def loop_segments(regime: dict, loop: str) -> dict:
+    """The regime's step as the training loop runs it (``TrainingSpec.loop``)."""
+    return regime["segments_manual"] if loop == "manual" else regime["segments"]
+
+
+def held_outputs_bytes(regime: dict, loop: str, b: int, s: int) -> float:
+    """What a manual loop keeps bound besides the loss at every moment of the step: the model's output object
+    (logits, and any other tensor the model returns)."""
+    if loop != "manual":
+        return 0.0
+    return sum(poly(coeffs, b, s) for coeffs in regime["outputs_held"].values())
+
+
 def _step_model(spec: RunSpec, table, rank: int = 0, path: methods.Zero12Rank | None = None
                 ) -> methods.StepModel:
     method = spec.parallel.method
@@ -178,7 +191,8 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
     model = _step_model(spec, table, rank, path)
-    segments = _regime(profile, b, s)["segments"]
+    regime = _regime(profile, b, s)
+    segments = loop_segments(regime, training.loop)
     fb = _replay(model, segments, arch.num_layers, b, s, accumulating=False)
     if training.grad_accum_steps > 1:  # later micro-batches start with every gradient held
         later = _replay(model, segments, arch.num_layers, b, s, accumulating=True)
@@ -189,18 +203,20 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     workspace = residuals.cublas_workspace_bytes(coeffs)
     fb_total = resident + fb.peak_bytes
     step_total = resident + max(fb.end_act_bytes, 0.0) + model.step_grads + model.step_temp
-    layer_act, other_act = _activation_split(segments, fb, arch.num_layers, b, s)
+    held = held_outputs_bytes(regime, training.loop, b, s)
     if fb_total >= step_total:
+        layer_act, other_act = _activation_split(regime["segments"], fb, arch.num_layers, b, s)
         parts = {**model.resident, "gradients": model.resident.get("gradients", 0.0) + fb.peak_grad_bytes,
-                 "activations": layer_act + other_act}
+                 "activations": layer_act + other_act - held}
         for key, value in fb.peak_parts.items():
             parts[key] = parts.get(key, 0.0) + value
         phase = fb.phase
     else:
         parts = {**model.resident, "gradients": model.resident.get("gradients", 0.0) + model.step_grads,
-                 "activations": max(fb.end_act_bytes, 0.0),
+                 "activations": max(fb.end_act_bytes, 0.0) - held,
                  "temporaries": model.step_temp}
         phase = "optimizer_step"
+    parts["outputs_held"] = held
     parts["buffers"] = buffers
     parts["cublas_workspace"] = workspace
     breakdown = {k: int(round(parts.get(k, 0.0))) for k in COMPONENTS if parts.get(k)}
@@ -210,6 +226,17 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     device = residuals.device_from_reserved(reserved, coeffs, communicators)
     return RankEstimate(rank=rank, peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
                         peak_device_bytes=device, breakdown=breakdown, phase=f"{phase} (steady step)"), model
+
+
+def _loop_note(training: TrainingSpec, profile: dict) -> str:
+    """Which training loop the estimate assumed, and what the other one would hold besides."""
+    b, s = training.micro_batch_size, training.seq_len
+    held_gib = held_outputs_bytes(_regime(profile, b, s), "manual", b, s) / GIB
+    if training.loop == "manual":
+        return (f"loop: manual — the model's output object ({held_gib:.2f} GiB: logits and any other returned "
+                "tensor) stays bound through backward and the optimizer step, until the next forward rebinds it")
+    return (f"loop: trainer — the output object is dropped before backward (HF Trainer, TRL, torchtune); a loop "
+            f"that keeps `outputs` alive (--loop manual) holds {held_gib:.2f} GiB more")
 
 
 def _undominated(paths: list[methods.Zero12Rank]) -> list[int]:
@@ -268,6 +295,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     if spec.parallel.tp > 1:
         notes.append("tp: traced profile of one TP rank (decoder-layer linears split; embeddings, norms and lm_head "
                      "replicated, so every rank holds the full logits)")
+    notes.append(_loop_note(spec.training, profile))
     if spec.training.qlora:
         notes.append("qlora: traced as transformers + peft run it (bitsandbytes NF4 with double quantization, "
                      "prepare_model_for_kbit_training: other weights and the adapters in fp32)")

@@ -11,7 +11,16 @@ import json
 import sys
 from pathlib import Path
 
-from estimator.spec import ATTENTIONS, METHODS, OPTIMIZERS, PRECISIONS, ParallelSpec, RunSpec, TrainingSpec
+from estimator.spec import (
+    ATTENTIONS,
+    LOOPS,
+    METHODS,
+    OPTIMIZERS,
+    PRECISIONS,
+    ParallelSpec,
+    RunSpec,
+    TrainingSpec,
+)
 
 GIB = 1024**3
 # The embedded default: the paper's setting (a paper model on 4 x V100-16GB, seq 512, fp16, checkpointing).
@@ -42,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0 = full fine-tuning)")
     p.add_argument("--lora-targets", default="auto", help="auto | all-linear | comma-separated module names")
     p.add_argument("--qlora", action="store_true", help="4-bit base weights (needs --lora-rank)")
+    p.add_argument("--loop", choices=LOOPS, help="training loop: 'trainer' (default: HF Trainer, TRL, torchtune drop "
+                   "the model's output object before backward) or 'manual' (outputs = model(**batch); "
+                   "loss = outputs.loss; loss.backward(): the logits stay alive)")
     p.add_argument("--gpu", help="GPU type key (--list-gpus), case-insensitive; with --from-run, the GPU to "
                    "predict the run for instead of the one it ran on")
     p.add_argument("--deepspeed", metavar="DS_CONFIG_JSON", help="read ZeRO stage, offload, precision and "
@@ -66,7 +78,7 @@ def _training(args, base: TrainingSpec) -> TrainingSpec:
                         grad_ckpt=pick(args.grad_ckpt, base.grad_ckpt), attn=pick(args.attn, base.attn),
                         lora_rank=args.lora_rank or base.lora_rank,
                         lora_targets=args.lora_targets if args.lora_targets != "auto" else base.lora_targets,
-                        qlora=args.qlora or base.qlora)
+                        qlora=args.qlora or base.qlora, loop=pick(args.loop, base.loop))
 
 
 # CPU runs and fake-tensor traces carry gpu "cpu": their allocated level is a GPU's minus the cuBLAS workspace,
@@ -147,11 +159,15 @@ def _lora_label(t) -> str:
     return f", {'QLoRA' if t.qlora else 'LoRA'} r={t.lora_rank}" if t.lora else ""
 
 
+def _loop_label(t) -> str:
+    return f", {t.loop} loop"
+
+
 def render_compare(results: list[tuple[str, object, str]], spec: RunSpec, gpus: int) -> str:
     t = spec.training
     head = (f"{spec.model} on {gpus} x {spec.gpu}  |  micro-batch {t.micro_batch_size}, seq {t.seq_len}, "
             f"{t.precision}, {t.optimizer}, attn {t.attn}, checkpointing {'on' if t.grad_ckpt else 'off'}"
-            + _lora_label(t))
+            + _lora_label(t) + _loop_label(t))
     lines = [head, "", f"{'method':<16}{'alloc GiB':>10}{'reserved':>10}{'device':>10}{'fits':>6}{'headroom':>10}"
                        f"  {'peak phase':<28}{'host RAM':>9}"]
     capacity = None
@@ -177,7 +193,7 @@ def render_detail(est) -> str:
     lines = [f"{s.model}  {s.parallel.method}  world {s.parallel.world_size}"
              + (f" tp {s.parallel.tp}" if s.parallel.tp > 1 else "") + f"  on {est.gpu_key}",
              f"micro-batch {t.micro_batch_size}, seq {t.seq_len}, {t.precision}, {t.optimizer}, attn {t.attn}, "
-             f"checkpointing {'on' if t.grad_ckpt else 'off'}" + _lora_label(t)
+             f"checkpointing {'on' if t.grad_ckpt else 'off'}" + _lora_label(t) + _loop_label(t)
              + f"  |  {est.params / 1e9:.3f} B params ({est.trainable_params / 1e9:.3f} B trainable)", ""]
     lines.append(f"{'rank':<6}{'allocated GiB':>14}{'reserved GiB':>14}{'device GiB':>12}  phase")
     for r in est.ranks:

@@ -30,6 +30,8 @@ RUN_COLUMNS = ["padding", "data_keep", "data_source", "tokenizer", "warmup_steps
                "finished_at", "error", "node"]
 ENV_COLUMNS = ["gpu_name", "compute_capability", "driver_version", "cuda_version", "torch_version",
                "transformers_version", "deepspeed_version", "alloc_conf", "git_sha", "git_dirty", "hostname"]
+# Spec fields added after tables were first written; a table without the column means the field's default.
+ADDED_SPEC_FIELDS = ("loop",)
 COLUMNS = ID_COLUMNS + SPEC_COLUMNS + MEASURE_COLUMNS + RUN_COLUMNS + ENV_COLUMNS
 # Columns spec_from_columns reads (``world_size`` is an identity column; ``dp``/``zero_stage`` are derived).
 SPEC_INPUT_COLUMNS = ["model", "gpu", "method", "world_size", "tp"] + [
@@ -52,7 +54,10 @@ def spec_from_columns(row: dict[str, Any]) -> RunSpec:
         out = {}
         for f in dataclasses.fields(cls):
             default = getattr(cls(), f.name)
-            out[f.name] = parse_cell(row[prefix + f.name], default)
+            value = parse_cell(row.get(prefix + f.name), default)
+            if value is None and f.name in ADDED_SPEC_FIELDS:
+                continue  # a table written before the field existed: the harness ran the default
+            out[f.name] = value
         return out
     zero = ZeroSpec(**typed(ZeroSpec, "zero_"))
     parallel = ParallelSpec(method=str(row["method"]), world_size=_int(row["world_size"]), tp=_int(row["tp"]),

@@ -286,6 +286,7 @@ class Plan:
     optimizer: str
     global_batch: int | None
     lora_rank: int
+    loop: str
     results: list[CandidateResult]
     best: CandidateResult | None
     advice: list[str] = field(default_factory=list)
@@ -299,7 +300,7 @@ class Plan:
         return {"model": self.model, "gpu": self.gpu_key, "gpu_name": self.gpu_name,
                 "world_size": self.world_size, "seq_len": self.seq_len, "precision": self.precision,
                 "optimizer": self.optimizer, "global_batch": self.global_batch, "lora_rank": self.lora_rank,
-                "recommendation": self.best.to_dict() if self.best else None,
+                "loop": self.loop, "recommendation": self.best.to_dict() if self.best else None,
                 "candidates": [r.to_dict() for r in self.results], "advice": self.advice, "notes": self.notes,
                 "throughput_model": self.assumptions, "memory_calibrated": self.memory_calibrated,
                 "estimates": self.estimates, "elapsed_s": round(self.elapsed_s, 4)}
@@ -510,7 +511,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
          lora_targets: str = "auto", ckpt_options: Iterable[bool] = (False, True),
          methods: Iterable[str] | None = None, interconnect: str | None = None,
          bandwidth_gbs: float | None = None, host_ram_gb: float | None = None, advise: bool = True,
-         estimate_fn: EstimateFn | None = None, gpu_info: tput.GpuPerf | None = None) -> Plan:
+         estimate_fn: EstimateFn | None = None, gpu_info: tput.GpuPerf | None = None, loop: str = "trainer"
+         ) -> Plan:
     """Search, rank and advise. Raises ``ValueError("field: ...")`` for bad input (unknown GPU or model,
     impossible N, a global batch no candidate can split, a method with no layout on N GPUs).
 
@@ -527,7 +529,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
         raise ValueError(f"seq_len: {seq_len} is longer than the model's {arch.max_positions} positions")
     precision = precision or _default_precision(gpu_perf)
     training = TrainingSpec(micro_batch_size=1, seq_len=seq_len, precision=precision, optimizer=optimizer,
-                            attn=attn, lora_rank=lora_rank, lora_targets=lora_targets)
+                            attn=attn, lora_rank=lora_rank, lora_targets=lora_targets, loop=loop)
     if not any(gpu_perf.peak_flops.values()) or not gpu_perf.capacity_bytes:
         raise ValueError(f"gpu: {gpu_perf.key!r} has no capacity or peak FLOP/s in the catalogue; "
                          "the planner needs a known GPU type")
@@ -550,7 +552,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     dp_link, tp_link = ctx.links(Candidate("dp_tp" if gpus > 1 else "single", gpus, 1))
     result = Plan(model=model, gpu_key=gpu_perf.key, gpu_name=gpu_perf.name, world_size=gpus, seq_len=seq_len,
                   precision=precision, optimizer=optimizer, global_batch=global_batch, lora_rank=lora_rank,
-                  results=results, best=best,
+                  loop=loop, results=results, best=best,
                   assumptions=tput.assumptions(gpu_perf, ctx.eff, dp_link, tp_link))
     result.notes += _notes(ctx, result)
     if advise:

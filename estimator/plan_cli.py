@@ -12,7 +12,7 @@ import sys
 
 from estimator import plan as planner
 from estimator.plan import Plan
-from estimator.spec import ATTENTIONS, OPTIMIZERS, PRECISIONS
+from estimator.spec import ATTENTIONS, LOOPS, OPTIMIZERS, PRECISIONS
 
 GIB = 1024**3
 
@@ -53,6 +53,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="host RAM per node, GiB: offload layouts that need more do not fit (default: unchecked)")
     parser.add_argument("--llmem", action="store_true",
                         help="also show LLMem's Algorithm 1 choice for this setting")
+    parser.add_argument("--loop", choices=LOOPS, default="trainer",
+                        help="training loop: 'trainer' drops the output object before backward (HF Trainer, TRL); "
+                             "'manual' keeps `outputs` (the logits) alive through backward")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -74,7 +77,7 @@ def run_plan(args: argparse.Namespace) -> int:
                               global_batch=args.global_batch, precision=args.precision, optimizer=args.optimizer,
                               attn=args.attn, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
                               ckpt_options=ckpt, methods=_methods(args.methods), interconnect=args.interconnect,
-                              bandwidth_gbs=args.bandwidth, host_ram_gb=args.host_ram)
+                              bandwidth_gbs=args.bandwidth, host_ram_gb=args.host_ram, loop=args.loop)
         baseline = None
         if args.llmem:
             from estimator import llmem_select
@@ -104,7 +107,7 @@ def format_plan(p: Plan) -> str:
     gb = f", global batch {p.global_batch}" if p.global_batch else ""
     lora = f", LoRA r={p.lora_rank}" if p.lora_rank else ""
     lines = [f"Plan: {p.model} on {p.world_size} x {p.gpu_name}, seq {p.seq_len}, {p.precision}, "
-             f"{p.optimizer}{lora}{gb}", ""]
+             f"{p.optimizer}{lora}{gb}, {p.loop} loop", ""]
     header = (f"{'method':<14}{'tp':>3} {'ckpt':<5}{'fits':<5}{'max mb':>7}{'mb':>6}{'accum':>6}"
               f"{'peak GiB':>9}{'bound GiB':>10}{'host GiB':>9}{'tokens/s':>11}  rank / why lost")
     lines += [header, "-" * len(header)]

@@ -18,7 +18,9 @@ from estimator.spec import TrainingSpec
 # 2: SDPA traced without the 4-D mask transformers skips for full-length batches on the GPU.
 # 3: the parameter table records the decoder layers' place in model.parameters() (``layers_at``) and the order
 #    backward finishes the gradients (``grad_order``), which DeepSpeed ZeRO-1/2's partitions and buckets follow.
-PROFILE_SCHEMA_VERSION = 3
+# 4: each regime also holds ``segments_manual`` (the step as a manual loop runs it, the output object bound until
+#    the next forward) and ``outputs_held`` (that object's storages besides the loss: dropped / saved by the graph).
+PROFILE_SCHEMA_VERSION = 4
 MONOMIALS = ("1", "s", "s^2", "b", "b*s", "b*s^2")
 
 
@@ -50,14 +52,15 @@ def _read(path: str) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def find_profile(key: str) -> dict | None:
+def find_profile(key: str, *, stale: bool = False) -> dict | None:
+    """The shipped or cached profile at this schema; ``stale``: a cached one of an older schema instead."""
     shipped = _shipped_path(key)
-    if shipped.is_file():
+    if shipped.is_file() and not stale:
         return _read(str(shipped))
     cached = user_cache_dir() / f"{key}.json"
     if cached.is_file():
         profile = _read(str(cached))
-        if profile.get("schema_version") == PROFILE_SCHEMA_VERSION:  # older ones are rebuilt
+        if (profile.get("schema_version") == PROFILE_SCHEMA_VERSION) != stale:  # older ones are carried or rebuilt
             return profile
     return None
 
@@ -94,6 +97,14 @@ def get_profile(config: dict, config_sha: str, training: TrainingSpec, *, allow_
         raise ValueError(f"model: this architecture/variant has not been profiled yet and profiling needs "
                          f"torch + transformers (+ peft for LoRA, bitsandbytes for QLoRA; {err.name} missing): "
                          "pip install '.[profile]'") from None
+    stale = find_profile(key, stale=True)
+    if stale is not None:
+        from estimator.profiler.ship import carry_over
+
+        stale = json.loads(json.dumps(stale))  # _read's cached object stays as read
+        if carry_over(stale, config):  # seconds instead of a full trace
+            save_profile(key, stale)
+            return stale
     profile = build_profile(config, training, tp=tp) if tp > 1 else build_profile(config, training)
     save_profile(key, profile)
     return profile

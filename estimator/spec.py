@@ -23,6 +23,9 @@ PRECISIONS = ("fp32", "bf16", "amp_bf16", "amp_fp16", "mixed_bf16", "mixed_fp16"
 OPTIMIZERS = ("adamw", "adamw_fused", "sgd", "adamw_8bit")
 ATTENTIONS = ("eager", "sdpa", "flash")
 PADDINGS = ("max_length", "longest")
+# How the training loop treats the model's output object: "trainer" drops it before backward (HF Trainer, TRL,
+# torchtune), "manual" keeps ``outputs`` bound through backward and the optimizer step (accelerate's examples).
+LOOPS = ("trainer", "manual")
 
 
 def _fail(field_name: str, message: str) -> None:
@@ -62,6 +65,7 @@ class TrainingSpec:
     lora_targets: str = "auto"
     qlora: bool = False
     grad_accum_steps: int = 1
+    loop: str = "trainer"
 
     def __post_init__(self) -> None:
         _check_positive_int("micro_batch_size", self.micro_batch_size)
@@ -78,6 +82,7 @@ class TrainingSpec:
         if not isinstance(self.lora_targets, str) or not self.lora_targets.strip():
             _fail("lora_targets", f"must be 'auto', 'all-linear' or module names, got {self.lora_targets!r}")
         _check_positive_int("grad_accum_steps", self.grad_accum_steps)
+        _check_choice("loop", self.loop, LOOPS)
         if self.attn == "flash" and self.precision == "fp32":
             _fail("attn", "flash attention needs 16-bit activations; use sdpa or eager with fp32")
 

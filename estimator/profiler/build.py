@@ -297,18 +297,43 @@ def autocast_context(training: TrainingSpec, device: torch.device | str) -> Iter
         yield
 
 
+class HeldOutputs:
+    """The model's output object across micro-batches, as the user's training loop keeps it.
+
+    ``trainer`` (HF Trainer, TRL, torchtune): only the loss is taken from the output object, which is dropped
+    before ``backward()``. ``manual`` (accelerate's examples, most hand-written loops): ``outputs = model(**batch);
+    loss = outputs.loss; loss.backward()`` keeps ``outputs`` (the logits) bound through backward and the optimizer
+    step, until the next forward's result is bound to the name."""
+
+    def __init__(self, loop: str) -> None:
+        self.loop = loop
+        self.outputs: Any = None
+
+    def forward(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        outputs = model(**batch)
+        if self.loop == "manual":
+            self.outputs = outputs  # rebinding frees the previous micro-batch's outputs only now
+        return outputs.loss
+
+    def clear(self) -> None:
+        self.outputs = None
+
+
 def forward_backward(model: torch.nn.Module, batch: dict[str, torch.Tensor], training: TrainingSpec,
-                     device: torch.device | str = "cpu", scale: float = 1.0) -> torch.Tensor:
-    """Forward and backward of one micro-batch; returns the detached loss. The output object (logits) is
-    dropped before backward, as HF Trainer does."""
+                     device: torch.device | str = "cpu", scale: float = 1.0,
+                     held: HeldOutputs | None = None) -> torch.Tensor:
+    """Forward and backward of one micro-batch; returns the detached loss. The output object is dropped before
+    backward unless ``held`` keeps it (``training.loop`` "manual": pass one ``HeldOutputs`` for every step)."""
+    held = held if held is not None else HeldOutputs("trainer")
     with autocast_context(training, device):
-        loss = model(**batch).loss
+        loss = held.forward(model, batch)
     (loss * scale if scale != 1.0 else loss).backward()
     return loss.detach()
 
 
-def train_step(model, optimizer, batch, training: TrainingSpec, device: torch.device | str = "cpu") -> torch.Tensor:
-    loss = forward_backward(model, batch, training, device)
+def train_step(model, optimizer, batch, training: TrainingSpec, device: torch.device | str = "cpu",
+               held: HeldOutputs | None = None) -> torch.Tensor:
+    loss = forward_backward(model, batch, training, device, held=held)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss

@@ -13,6 +13,7 @@ import contextlib
 import datetime as _dt
 import math
 import time
+import weakref
 from collections.abc import Callable
 from fractions import Fraction
 
@@ -118,6 +119,23 @@ class _Model:
             with build.full_length_attention_mask():
                 build.train_step(self.model, self.optimizer, batch, self.training)
 
+    def output_bytes(self, b: int, s: int) -> list[tuple[int, bool]]:
+        """(bytes, saved by the graph) of each storage the output object holds besides the loss's, from one
+        recorded forward (no backward): what a manual loop keeps bound that the trainer loop drops."""
+        rec = self.recorder
+        with self._dtensor_patches(), self.mode, rec, build.full_length_attention_mask():
+            batch = build.synthetic_batch(b, s, min(self.vocab, 1000))
+            with build.autocast_context(self.training, "cpu"):
+                outputs = self.model(**batch)
+            loss = outputs.loss
+            held = output_storages(outputs, loss)
+            sizes = [storage.nbytes() for storage in held]
+            refs = [weakref.ref(storage) for storage in held]
+            del outputs, held
+            result = [(size, ref() is not None) for size, ref in zip(sizes, refs)]
+            del loss
+        return result
+
     def trace_window(self, b: int, s: int) -> list[tuple]:
         """One warm-up step, then the measured step's events (window_start .. optimizer)."""
         rec = self.recorder
@@ -130,7 +148,14 @@ class _Model:
             rec.mark("window_start")
             with self.tracker, build.full_length_attention_mask():
                 with build.autocast_context(self.training, "cpu"):
-                    loss = self.model(**batch).loss
+                    outputs = self.model(**batch)
+                loss = outputs.loss
+                held = output_storages(outputs, loss)
+                sids = [rec.sid(storage) for storage in held]
+                refs = [weakref.ref(storage) for storage in held]
+                del outputs, held  # the trainer loop: the output object goes before backward
+                # (sid, still alive: the autograd graph saved it) for what a manual loop would keep bound
+                self.held_outputs = [(sid, ref() is not None) for sid, ref in zip(sids, refs)]
                 rec.mark("backward")
                 loss.backward()
             label_grads(rec, self.model)
@@ -144,8 +169,27 @@ class _Model:
         return events[start:end]
 
 
-def _normalise(window: list[tuple], timeline) -> tuple[list[tuple], list[int], list[str | None]]:
-    """Events with sids replaced by first-appearance ordinals: comparable across points."""
+def output_storages(outputs, loss: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages the model's output object holds besides the loss's (logits; auxiliary losses, hidden states
+    or attentions when the model returns them), each once."""
+    from torch.utils._pytree import tree_flatten
+
+    values = outputs.to_tuple() if hasattr(outputs, "to_tuple") else outputs
+    skip = {id(loss.untyped_storage())}
+    found: list[torch.UntypedStorage] = []
+    for item in tree_flatten(values)[0]:
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            if id(storage) not in skip:
+                skip.add(id(storage))
+                found.append(storage)
+    return found
+
+
+def _normalise(window: list[tuple], timeline, held: list[tuple[int | None, bool]] = ()
+               ) -> tuple[list[tuple], list[int], list[str | None], tuple]:
+    """Events with sids replaced by first-appearance ordinals: comparable across points. ``held``: (sid, saved by
+    the graph) of the output object's storages, returned as (ordinal, saved) pairs."""
     ordinal: dict[int, int] = {}
     sizes: list[int] = []
     grads: list[str | None] = []
@@ -163,7 +207,8 @@ def _normalise(window: list[tuple], timeline) -> tuple[list[tuple], list[int], l
                 out.append(("f_pre", ordinal[sid]))
                 continue
         out.append((event[0], ordinal[sid]))
-    return out, sizes, grads
+    held_ordinals = tuple(sorted((ordinal[sid], saved) for sid, saved in held if sid in ordinal))
+    return out, sizes, grads, held_ordinals
 
 
 def _solve(points: list[tuple[int, int]], values: list[int]) -> list[Fraction]:
@@ -253,10 +298,10 @@ def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:
     traces = {}
     for b, s in fit_points + check_points:
         window = model.trace_window(b, s)
-        traces[(b, s)] = _normalise(window, model.recorder.timeline)
-    signature, _, grads = traces[fit_points[0]]
-    for point, (sig, _sizes, _g) in traces.items():
-        if sig != signature:
+        traces[(b, s)] = _normalise(window, model.recorder.timeline, model.held_outputs)
+    signature, _, grads, held = traces[fit_points[0]]
+    for point, (sig, _sizes, _g, point_held) in traces.items():
+        if sig != signature or point_held != held:
             raise RuntimeError(f"profile: op sequence at (b, s) = {point} differs from {fit_points[0]}; "
                                "this architecture changes control flow with shape")
     n = len(traces[fit_points[0]][1])
@@ -268,9 +313,44 @@ def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:
             predicted = _evaluate(coeffs[k], *point)
             if predicted != actual:
                 worst = max(worst, abs(float(predicted) - actual) / max(actual, 1))
-    bounds = _segment_bounds(signature, model.num_layers)
-    segments = {name: _segment_summary(signature[lo:hi], coeffs, grads) for name, (lo, hi) in bounds.items()}
-    return {**regime, "segments": segments, "check_max_rel_error": worst}, signature, coeffs
+    segments = _summarise(signature, coeffs, grads, model.num_layers)
+    manual_signature, manual_coeffs, manual_grads = manual_loop_events(signature, coeffs, grads, held)
+    outputs = {kind: [float(x) for x in _sum_polys([coeffs[k] for k, saved in held if saved == want])]
+               for kind, want in (("dropped", False), ("saved", True))}
+    return {**regime, "segments": segments,
+            "segments_manual": _summarise(manual_signature, manual_coeffs, manual_grads, model.num_layers),
+            "outputs_held": outputs, "check_max_rel_error": worst}, signature, coeffs
+
+
+def _summarise(signature: list[tuple], coeffs: list, grads: list, num_layers: int) -> dict:
+    bounds = _segment_bounds(signature, num_layers)
+    return {name: _segment_summary(signature[lo:hi], coeffs, grads) for name, (lo, hi) in bounds.items()}
+
+
+def _sum_polys(polys: list[list[Fraction]]) -> list[Fraction]:
+    return [sum(column, Fraction(0)) for column in zip(*polys)] if polys else [Fraction(0)] * len(MONOMIALS)
+
+
+def manual_loop_events(signature: list[tuple], coeffs: list, grads: list, held: tuple
+                       ) -> tuple[list[tuple], list, list]:
+    """The traced (trainer-loop) step as a manual loop runs it. The previous step's output object is alive from
+    the window's start until the forward's result is bound to ``outputs``, where the trainer loop dropped its
+    own; this step's stays bound to the end (frees of it removed, saved-for-backward ones included)."""
+    ordinals = [k for k, _saved in held]
+    if not ordinals:
+        return signature, coeffs, grads
+    previous = list(range(len(coeffs), len(coeffs) + len(ordinals)))
+    coeffs = coeffs + [coeffs[k] for k in ordinals]
+    grads = grads + [None] * len(ordinals)
+    mine = set(ordinals)
+    out: list[tuple] = [("a", k) for k in previous]
+    for event in signature:
+        if event == ("m", "backward"):  # the rebinding: after forward returned, before backward
+            out.extend(("f", k) for k in previous)
+        if event[0] in ("f", "f_pre") and event[1] in mine:
+            continue
+        out.append(event)
+    return out, coeffs, grads
 
 
 def param_table(model: torch.nn.Module, layers: torch.nn.ModuleList, num_layers: int) -> dict:
@@ -424,7 +504,7 @@ def _check_depth(config: dict, training: TrainingSpec, regime: dict, fitted: dic
     b, s = _points(regime)[1][0]
     deeper = _Model(config, training, CHECK_LAYERS, tp)
     window = deeper.trace_window(b, s)
-    signature, sizes, grads = _normalise(window, deeper.recorder.timeline)
+    signature, sizes, grads, _held = _normalise(window, deeper.recorder.timeline)
     running, peak = 0, 0
     for event in signature:
         if event[0] == "m":

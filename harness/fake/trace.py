@@ -122,6 +122,7 @@ def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: i
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from estimator.profiler.build import (
+        HeldOutputs,
         build_model,
         forward_backward,
         full_length_attention_mask,
@@ -182,6 +183,7 @@ def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: i
             t_setup = time.perf_counter() - t0
 
             accum = training.grad_accum_steps
+            held = HeldOutputs(training.loop)
             records = []
             for _ in range(steps):
                 counter.begin_step()
@@ -190,13 +192,14 @@ def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: i
                     # DDP syncs only the last micro-batch (no_sync), as the harness does; FSDP syncs each one.
                     sync = contextlib.nullcontext() if method != "ddp" or micro == accum - 1 else model.no_sync()
                     with sync:
-                        forward_backward(model, batch, training, "cpu", scale=1.0 / accum)
+                        forward_backward(model, batch, training, "cpu", scale=1.0 / accum, held=held)
                 counter.set_phase("optimizer")
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 records.append(counter.end_step())
                 counter.set_phase("setup")
             local_params = sum(_local_numel(p) for p in model.parameters())
+            held.clear()
             del model, optimizer, batch
 
     steady = records[1:] if method in FSDP_METHODS and len(records) > 1 else records

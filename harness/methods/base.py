@@ -1,7 +1,8 @@
 """What every method returns: a Trainer that runs forward, backward and the optimizer step as separate calls
 (so the probe can read memory between them), exactly as ``estimator.profiler.build.forward_backward`` /
 ``train_step`` do for torch-native methods: loss from ``model(**batch).loss`` under the spec's autocast, the
-output object dropped before backward, ``optimizer.step()`` then ``zero_grad(set_to_none=True)``.
+output object dropped before backward (``training.loop`` "trainer") or kept bound until the next forward
+("manual", ``HeldOutputs``), ``optimizer.step()`` then ``zero_grad(set_to_none=True)``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from estimator.profiler.build import autocast_context, build_model
+from estimator.profiler.build import HeldOutputs, autocast_context, build_model
 from estimator.spec import RunSpec, TrainingSpec
 from harness.distributed import DistContext
 from harness.options import HarnessOptions
@@ -47,10 +48,11 @@ class TorchTrainer:
         self.training = training
         self.device = device
         self._no_sync = no_sync
+        self.held = HeldOutputs(training.loop)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with autocast_context(self.training, self.device):
-            return self.model(**batch).loss
+            return self.held.forward(self.model, batch)
 
     def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
         (loss * scale if scale != 1.0 else loss).backward()
@@ -65,6 +67,7 @@ class TorchTrainer:
         return self._no_sync()
 
     def close(self) -> None:
+        self.held.clear()
         self.model = None
         self.optimizer = None
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from estimator.profiler.build import HeldOutputs
 from estimator.spec import RunSpec
 from harness.methods.base import WrapContext, build_on_device
 
@@ -171,9 +172,10 @@ class DeepSpeedTrainer:
         self.engine = engine
         self.training = spec.training
         self.device = device
+        self.held = HeldOutputs(spec.training.loop)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.engine(**batch).loss  # amp_*: autocast is inside the model's forward (autocast_inside)
+        return self.held.forward(self.engine, batch)  # amp_*: autocast is inside the model's forward (autocast_inside)
 
     def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
         self.engine.backward(loss)  # DeepSpeed scales by 1/gradient_accumulation_steps itself
@@ -197,6 +199,7 @@ class DeepSpeedTrainer:
         return contextlib.nullcontext()
 
     def close(self) -> None:
+        self.held.clear()
         try:
             self.engine.destroy()
         except Exception:  # noqa: BLE001 - best effort between emulated ranks

@@ -16,9 +16,10 @@ def traced_peak_bytes(config: dict, training) -> int:
         optimizer = build.build_optimizer(model.parameters(), training)
         batch = build.synthetic_batch(training.micro_batch_size, training.seq_len, min(config["vocab_size"], 1000))
         recorder.mark("start")  # params exist before: count from here, add them below
+        held = build.HeldOutputs(training.loop)
         with build.full_length_attention_mask():  # as the GPU runs a full-length batch (see the function)
             for _ in range(2):
-                build.train_step(model, optimizer, batch, training)
+                build.train_step(model, optimizer, batch, training, held=held)
     timeline = recorder.timeline
     start = timeline.events.index(("m", "start"))
     live_before = 0

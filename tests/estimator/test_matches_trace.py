@@ -29,6 +29,8 @@ def _tensor_peak(est) -> int:
 @pytest.mark.parametrize("training", [
     TrainingSpec(precision="fp32", micro_batch_size=3, seq_len=96, attn="eager"),
     TrainingSpec(precision="mixed_bf16", micro_batch_size=1, seq_len=64, grad_ckpt=True),
+    TrainingSpec(precision="fp32", micro_batch_size=3, seq_len=96, attn="eager", loop="manual"),
+    TrainingSpec(precision="bf16", micro_batch_size=2, seq_len=64, loop="manual"),
 ])
 def test_single_gpu_allocated_peak_within_1_percent(tmp_path, family, training):
     path = tmp_path / "config.json"
@@ -44,6 +46,7 @@ def test_single_gpu_allocated_peak_within_1_percent(tmp_path, family, training):
     ("fsdp", 4, TrainingSpec(precision="mixed_bf16", micro_batch_size=1, seq_len=64, grad_ckpt=True)),
     pytest.param("fsdp", 2, TrainingSpec(precision="bf16", micro_batch_size=2, seq_len=64, grad_accum_steps=2),
                  marks=pytest.mark.slow),
+    ("fsdp", 3, TrainingSpec(precision="fp32", micro_batch_size=2, seq_len=96, attn="eager", loop="manual")),
     ("ddp", 2, TrainingSpec(precision="mixed_bf16", micro_batch_size=2, seq_len=64)),
     pytest.param("ddp", 2, TrainingSpec(precision="fp32", micro_batch_size=1, seq_len=64, grad_accum_steps=3),
                  marks=pytest.mark.slow),

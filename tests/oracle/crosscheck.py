@@ -19,6 +19,7 @@ def memtracker_step2_peak(spec: RunSpec, config: dict) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from estimator.profiler.build import (
+        HeldOutputs,
         build_model,
         forward_backward,
         full_length_attention_mask,
@@ -45,8 +46,10 @@ def memtracker_step2_peak(spec: RunSpec, config: dict) -> int:
             batch = synthetic_batch(spec.training.micro_batch_size, spec.training.seq_len,
                                     config["vocab_size"], "cpu")
 
+            held = HeldOutputs(spec.training.loop)
+
             def step():
-                forward_backward(model, batch, spec.training, "cpu")
+                forward_backward(model, batch, spec.training, "cpu", held=held)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
