@@ -11,9 +11,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import extract_litgpt  # noqa: E402
 import extract_peft_metamathqa  # noqa: E402
 
-EXTRACTORS = [extract_peft_metamathqa]
+EXTRACTORS = [extract_litgpt, extract_peft_metamathqa]
 
 
 def build(path: Path = common.HERE / "measurements.csv") -> list[dict]:
