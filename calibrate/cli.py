@@ -1,4 +1,4 @@
-"""``python -m calibrate fit|report``. User errors (bad tables, unknown GPU keys, no data) print one line each
+"""``python -m calibrate fit|report|public``. User errors (bad tables, unknown GPU keys, no data) print one line each
 and exit 2, never a traceback; a fit refused for its cross-validated error exits 1 and writes nothing."""
 
 from __future__ import annotations
@@ -63,7 +63,39 @@ def build_parser() -> argparse.ArgumentParser:
                         help="folder of <gpu-key>.json to predict with (default: the estimator's shipped files)")
     report.add_argument("--no-build", action="store_true", help="never build a missing model profile (torch)")
     report.add_argument("--no-plan", action="store_true", help="skip Table 3 (runs the planner per row group)")
+    public = sub.add_parser("public", help="score the estimator on published measurements (data/public/)",
+                            description="Predict every complete published row for the quantity its source "
+                                        "measured, beside the baselines, and write <out>/public.md (no fitting).")
+    public.add_argument("--data", type=Path, default=Path("data/public/measurements.csv"), metavar="CSV",
+                        help="the published-measurement table (default: %(default)s)")
+    public.add_argument("--out", type=Path, default=DEFAULT_REPORT, metavar="DIR",
+                        help="report folder (default: %(default)s)")
+    public.add_argument("--json", action="store_true", help="print the summary and outliers as one JSON object")
+    public.add_argument("--no-build", action="store_true", help="never build a missing model profile (torch)")
+    public.add_argument("--no-baselines", action="store_true", help="skip the published baselines")
     return parser
+
+
+def run_public(args: argparse.Namespace) -> int:
+    import json
+
+    from calibrate import public as P
+
+    rows = P.load(args.data)
+    scored = P.score(rows, allow_build=not args.no_build, with_baselines=not args.no_baselines)
+    path = P.write_report(rows, scored, args.out, args.data, args.argv)
+    if args.json:
+        print(json.dumps(P.to_json(rows, scored), indent=1))
+        return 0
+    overall = P.summary(scored)[0]["ours"]
+    if overall.get("n"):
+        print(f"{overall['n']} rows scored: |error| median {overall['median_abs_pct']:.2f} %, "
+              f"p90 {overall['p90_abs_pct']:.2f} %, max {overall['max_abs_pct']:.2f} %; "
+              f"{len(P.outliers(scored))} beyond {P.OUTLIER_PCT:g} %")
+    else:
+        print("no scorable rows")
+    print(f"wrote {path}")
+    return 0
 
 
 def _print_fit(outcome, path: Path | None) -> None:
@@ -151,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     from calibrate.data import ValidationError
 
     try:
-        return run_fit(args) if args.command == "fit" else run_report(args)
+        return {"fit": run_fit, "report": run_report, "public": run_public}[args.command](args)
     except ValidationError as err:
         for line in err.problems:
             print(f"error: {line}", file=sys.stderr)

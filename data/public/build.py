@@ -1,0 +1,36 @@
+"""Rebuild ``measurements.csv`` from the copies under ``sources/``: ``python data/public/build.py``.
+
+Deterministic: the same source files give a byte-identical table. Standard library only.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+import extract_litgpt  # noqa: E402
+import extract_peft_metamathqa  # noqa: E402
+
+EXTRACTORS = [extract_litgpt, extract_peft_metamathqa]
+
+
+def build(path: Path = common.HERE / "measurements.csv") -> list[dict]:
+    rows = [r for module in EXTRACTORS for r in module.extract()]
+    common.write_csv(rows, path)
+    return rows
+
+
+def main() -> None:
+    rows = build()
+    complete = [r for r in rows if r["complete"] and r["in_scope"]]
+    sources = sorted({r["source"] for r in complete})
+    gpus = sorted({r["gpu"] for r in complete})
+    print(f"{len(rows)} rows, {len(complete)} complete and in scope, from {len(sources)} sources "
+          f"({', '.join(sources)}) on {len(gpus)} GPU types ({', '.join(gpus)})")
+
+
+if __name__ == "__main__":
+    main()

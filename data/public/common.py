@@ -1,0 +1,114 @@
+"""The published-measurement table's columns and the helpers every extractor shares.
+
+A row is one published measurement: where it was published, the run's spec in the estimator's own columns
+(``estimator.columns.SPEC_INPUT_COLUMNS``, so ``spec_from_columns`` rebuilds the RunSpec), what was measured and
+in which unit, and how complete the source is. ``README.md`` next to this file is the data dictionary.
+Standard library only (the extractors run without the project installed).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SOURCES = HERE / "sources"
+
+# Mirrors estimator.columns.SPEC_INPUT_COLUMNS (tests/calibrate/test_public.py checks they agree).
+SPEC = ["model", "gpu", "method", "world_size", "tp", "micro_batch_size", "seq_len", "precision", "optimizer",
+        "grad_ckpt", "attn", "lora_rank", "lora_targets", "qlora", "grad_accum_steps",
+        "zero_reduce_bucket_size", "zero_allgather_bucket_size", "zero_overlap_comm", "zero_contiguous_gradients",
+        "zero_reduce_scatter", "zero_stage3_prefetch_bucket_size", "zero_stage3_param_persistence_threshold",
+        "zero_stage3_max_live_parameters", "zero_stage3_max_reuse_distance", "zero_sub_group_size",
+        "zero_offload_optimizer", "zero_offload_param", "zero_pin_memory"]
+ZERO_DEFAULTS = {"zero_reduce_bucket_size": 500_000_000, "zero_allgather_bucket_size": 500_000_000,
+                 "zero_overlap_comm": "", "zero_contiguous_gradients": True, "zero_reduce_scatter": True,
+                 "zero_stage3_prefetch_bucket_size": 50_000_000, "zero_stage3_param_persistence_threshold": 100_000,
+                 "zero_stage3_max_live_parameters": 1_000_000_000, "zero_stage3_max_reuse_distance": 1_000_000_000,
+                 "zero_sub_group_size": 1_000_000_000, "zero_offload_optimizer": False, "zero_offload_param": False,
+                 "zero_pin_memory": False}
+IDENTITY = ["row_id", "source", "source_ref", "source_table", "source_key"]
+CONTEXT = ["model_hub_id", "framework", "adapter", "loop", "padding", "max_length", "seq_len_basis", "lengths",
+           "rescore_lengths"]
+VERSIONS = ["torch_version", "transformers_version", "peft_version", "deepspeed_version", "bitsandbytes_version",
+            "other_versions"]
+MEASURE = ["quantity", "scope", "value", "unit", "value_offset_bytes", "value_bytes"]
+STATUS = ["complete", "in_scope", "missing", "assumptions"]
+COLUMNS = IDENTITY + SPEC + CONTEXT + VERSIONS + MEASURE + STATUS
+
+QUANTITIES = ("max_allocated", "max_reserved", "peak_active", "nvml_used", "unknown")
+SCOPES = ("per_gpu", "sum")
+UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "MB": 10**6, "GB": 10**9}
+LOOPS = ("trainer", "manual", "unknown")
+PADDINGS = ("longest", "max_length", "packed", "")
+
+
+def row(**fields) -> dict:
+    """A complete row: defaults for the ZeRO/TP columns, the value in bytes, every column present."""
+    out = {c: "" for c in COLUMNS}
+    out.update({"tp": 1, "grad_accum_steps": 1, "qlora": False, "lora_rank": 0, "lora_targets": "auto",
+                "value_offset_bytes": 0, "complete": True, "in_scope": True, **ZERO_DEFAULTS})
+    unknown = set(fields) - set(COLUMNS)
+    if unknown:
+        raise KeyError(f"unknown columns {sorted(unknown)}")
+    out.update(fields)
+    if out["quantity"] not in QUANTITIES or out["scope"] not in SCOPES or out["loop"] not in LOOPS:
+        raise ValueError(f"{out['row_id']}: bad quantity/scope/loop {out['quantity']}/{out['scope']}/{out['loop']}")
+    if out["padding"] not in PADDINGS:
+        raise ValueError(f"{out['row_id']}: bad padding {out['padding']!r}")
+    if out["value"] != "":
+        out["value_bytes"] = int(round(float(out["value"]) * UNITS[out["unit"]])) + int(out["value_offset_bytes"])
+    if not out["complete"] and not out["missing"]:
+        raise ValueError(f"{out['row_id']}: an incomplete row must say what is missing")
+    return out
+
+
+def manifest(source: str) -> dict[str, dict]:
+    """``sources/<source>/MANIFEST.json`` as {local file: entry}; each file's sha256 is checked."""
+    root = SOURCES / source
+    entries = json.loads((root / "MANIFEST.json").read_text())["files"]
+    for entry in entries:
+        digest = hashlib.sha256((root / entry["file"]).read_bytes()).hexdigest()
+        if digest != entry["sha256"]:
+            raise ValueError(f"{source}/{entry['file']}: sha256 differs from MANIFEST.json (edited copy?)")
+    return {e["file"]: e for e in entries}
+
+
+def ref(entry: dict) -> str:
+    return f"{entry['repo']}@{entry['commit']}:{entry['path']}"
+
+
+def markdown_tables(text: str) -> list[tuple[str, list[dict]]]:
+    """Every pipe table in a markdown text as (nearest heading above it, rows as {header: cell})."""
+    tables, heading, lines = [], "", text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        if line.startswith("#"):
+            heading = line.lstrip("#").strip()
+        if line.startswith("|") and i + 1 < len(lines) and set(lines[i + 1].strip()) <= set("|-: "):
+            header = [c.strip() for c in line.strip("|").split("|")]
+            body = []
+            i += 2
+            while i < len(lines) and lines[i].strip().startswith("|"):
+                cells = [c.strip() for c in lines[i].strip().strip("|").split("|")]
+                if any(cells):
+                    body.append(dict(zip(header, cells)))
+                i += 1
+            tables.append((heading, body))
+            continue
+        i += 1
+    return tables
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    rows = sorted(rows, key=lambda r: r["row_id"])
+    ids = [r["row_id"] for r in rows]
+    if len(ids) != len(set(ids)):
+        raise ValueError("duplicate row_id")
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)

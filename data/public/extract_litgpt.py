@@ -1,0 +1,192 @@
+"""Rows from LitGPT's published fine-tuning memory tables (Lightning-AI/litgpt).
+
+Two tables, each read with the code of the LitGPT commit that produced it:
+
+* ``tutorials/resource-tables.md`` ("Finetuning with LoRA on 1 GPU" / "on Multiple GPUs"; LitGPT commit
+  8641822, A100-SXM4-40GB, torch 2.1.0+cu121, bitsandbytes 0.41.1). ``finetune/lora.py`` at 8641822: LoRA r=8 on
+  query and value, AdamW (bitsandbytes PagedAdamW when quantized), ``--precision bf16-true``, the first
+  iteration's micro-batch holds the longest training sample and is padded to it (the table states those lengths
+  per tokenizer), one GPU: no checkpointing; several GPUs: FSDP (full shard) with activation checkpointing of every
+  Block; ``Memory used`` = ``torch.cuda.max_memory_allocated() / 1e9`` (GB).
+* ``config_hub/finetune/README.md`` (the config files next to it, LitGPT commit 00af8b0d, A10G): the YAML gives
+  LoRA rank/targets, quantization, devices, micro-batch, max_seq_length 512, AdamW; ``litgpt/finetune/*.py`` at
+  that commit: FSDP with activation checkpointing when devices > 1, batches padded to their longest sample and
+  cut at max_seq_length, ``max_memory_allocated() / 1e9``. The README says every run is single-GPU and that
+  ``--devices`` is what uses more GPUs, so the world size is the config's ``devices``, not the machine's count.
+
+LitGPT runs its own model code (not transformers): SDPA attention, the LM head evaluated in chunks of 128 tokens
+and a chunked cross-entropy; the loop keeps the logits alive through backward (``loop=manual``). OOM and N/A
+entries are not measurements and give no row. Standard library only.
+"""
+
+from __future__ import annotations
+
+import re
+
+from common import SOURCES, manifest, markdown_tables, ref, row
+
+SOURCE = "litgpt"
+# LitGPT checkpoint (hub id) -> catalogue model; None: architecture not in the catalogue.
+MODELS = {"meta-llama/Llama-2-7b-hf": "meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-13b-hf":
+          "meta-llama/Llama-2-13b-hf", "meta-llama/Meta-Llama-3.1-8B": "meta-llama/Llama-3.1-8B",
+          "meta-llama/Llama-3.2-1B": "meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-3B": "meta-llama/Llama-3.2-3B",
+          "mistralai/Mistral-7B-v0.1": "mistralai/Mistral-7B-v0.1",
+          "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T": "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T"}
+# resource-tables.md model names -> (hub id, longest Alpaca sample in that tokenizer, as the page states)
+RESOURCE_MODELS = {("1.3 B", "phi-1.5"): ("microsoft/phi-1_5", 1044),
+                   ("3 B", "StableLM Alpha"): ("stabilityai/stablelm-base-alpha-3b", 1034),
+                   ("7 B", "Llama 2"): ("meta-llama/Llama-2-7b-hf", 1304),
+                   ("13 B", "Llama 2"): ("meta-llama/Llama-2-13b-hf", 1304),
+                   ("40 B", "Falcon"): ("tiiuae/falcon-40b", 1079)}
+# LitGPT LoRA switches -> transformers module names of the Llama/Mistral family
+LORA_MODULES = {"lora_query": ["q_proj"], "lora_key": ["k_proj"], "lora_value": ["v_proj"],
+                "lora_projection": ["o_proj"], "lora_mlp": ["gate_proj", "up_proj", "down_proj"],
+                "lora_head": ["lm_head"]}
+GPUS = {"A10G": "a10-24gb", "A100": "a100-40gb"}
+# Config names the README misspells (its model column and the neighbouring rows name the real file).
+README_TYPOS = {"gemma2b/qlora.yaml": "gemma2-2b/qlora.yaml"}
+COMMON = ["LitGPT's own model code: SDPA, LM head in chunks of 128 tokens and chunked cross-entropy "
+          "(transformers computes the full logits)", "bf16-true: weights, gradients and AdamW states in bf16 "
+          "(LoRA weights too)"]
+QLORA_NOTE = ("LitGPT QLoRA: Lightning's BitsandbytesPrecision quantizes every Linear incl. the LM head to "
+              "{kind}, the rest stays bf16, optimizer bitsandbytes PagedAdamW (states in managed memory, outside "
+              "the caching allocator); the estimator's QLoRA is peft's recipe (NF4 double quant, LM head and "
+              "norms in fp32)")
+
+
+def _value(cell: str) -> float | None:
+    match = re.fullmatch(r"([0-9.]+) GB", cell.strip())
+    return float(match.group(1)) if match else None
+
+
+def _yaml(text: str) -> dict:
+    """The flat and one-level-nested scalars of a LitGPT config (all this needs; no YAML dependency)."""
+    out, section = {}, ""
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        indent = len(line) - len(line.lstrip())
+        key, _, value = line.strip().partition(":")
+        if indent == 0:
+            section = key if not value.strip() else ""
+            out[key] = value.strip()
+        elif indent == 2 and section:
+            out[f"{section}.{key}"] = value.strip()
+    return out
+
+
+def _targets(config: dict) -> str:
+    names = [m for key, mods in LORA_MODULES.items() if config.get(key) == "true" for m in mods]
+    return ",".join(sorted(names))
+
+
+def _resource_rows(entry: dict, text: str) -> list[dict]:
+    rows = []
+    for heading, table in markdown_tables(text):
+        if not heading.startswith("Finetuning with LoRA"):
+            continue
+        multi = "Multiple" in heading
+        for cells in table:
+            value = _value(cells.get("Max GPU RAM", ""))
+            if value is None:
+                continue
+            hub, longest = RESOURCE_MODELS[(cells["Size"], cells["Model"])]
+            world = int(cells["GPU"].split()[0]) if multi else 1
+            quant = cells["Quantization"]
+            model = MODELS.get(hub)
+            notes = COMMON + [f"seq_len {longest}: the longest Alpaca sample in this tokenizer (the page's list); "
+                              "iteration 0 pads its micro-batch to it",
+                              "LoRA r=8 alpha=16 on query and value (finetune/lora.py defaults at 8641822); "
+                              f"trainable parameters {cells['Trainable parameters']}"]
+            if quant != "None":
+                notes.append(QLORA_NOTE.format(kind=quant))
+            if multi:
+                notes.append("FSDP1 (Lightning FSDPStrategy, full shard, flat parameters), activation "
+                             "checkpointing of every Block; the estimator models FSDP2")
+            out = [] if model else [f"{hub} is not in the estimator's catalogue"]
+            if quant == "bnb.nf4":
+                out.append("NF4 without double quantization")
+            rows.append(row(
+                row_id=f"{SOURCE}:resource-tables:{'multi' if multi else 'single'}:{cells['Model']}-{cells['Size']}"
+                       f":{quant}:mb{cells['Microbatch size']}:x{world}".replace(" ", ""),
+                source=SOURCE, source_ref=ref(entry), source_table=heading,
+                source_key=" | ".join(cells.values()), model=model or hub, gpu="a100-40gb",
+                method="fsdp" if multi else "single", world_size=world,
+                micro_batch_size=int(cells["Microbatch size"]), seq_len=longest, precision="bf16",
+                optimizer="adamw", grad_ckpt=multi, attn="sdpa", lora_rank=8, lora_targets="q_proj,v_proj",
+                qlora=quant != "None", model_hub_id=hub, framework="litgpt 8641822 (Lightning Fabric)",
+                adapter="qlora" if quant != "None" else "lora", loop="manual", padding="longest",
+                max_length="", seq_len_basis="longest_sample", lengths="Alpaca (52k), longest sample stated",
+                rescore_lengths=False, torch_version="2.1.0+cu121", bitsandbytes_version="0.41.1",
+                other_versions="litgpt 8641822; NVIDIA driver 525.125.06", quantity="max_allocated",
+                scope="per_gpu", value=value, unit="GB", complete=True, in_scope=not out,
+                assumptions="; ".join(notes + ([f"not expressible: {', '.join(out)}"] if out else []))))
+    return rows
+
+
+def _confighub_rows(entry: dict, text: str, configs: dict[str, tuple[dict, dict]]) -> list[dict]:
+    rows = []
+    for heading, table in markdown_tables(text):
+        for cells in table:
+            value = _value(cells.get("Peak memory", ""))
+            if value is None or "Config" not in cells:
+                continue
+            name = README_TYPOS.get(cells["Config"].lower(), cells["Config"].lower())
+            config_entry, config = configs[name]
+            hub = config["checkpoint_dir"].removeprefix("checkpoints/")
+            model = MODELS.get(hub)
+            kind = cells["Config"].rsplit("/", 1)[1].removesuffix(".yaml")
+            devices = int(config.get("devices") or 1)
+            machine = cells["Machine"]
+            mb = int(cells["Micro batch size"])
+            quant = config.get("quantize", "")
+            notes = COMMON + [
+                f"config {ref(config_entry)}", "seq_len 512 = max_seq_length: Alpaca2k batches are padded to their "
+                "longest sample and cut at 512; the longest batch is assumed to reach 512 (Alpaca's longest samples "
+                "exceed 1000 tokens, litgpt resource-tables.md)",
+                f"machine {machine}; world size = the config's devices ({devices}): the README says every run is "
+                "single-GPU unless --devices is passed", "torch/transformers versions not stated"]
+            if mb != int(config["train.micro_batch_size"]):
+                notes.append(f"the table's micro-batch {mb} differs from the config's {config['train.micro_batch_size']}"
+                             "; the table's is used")
+            if quant:
+                notes.append(QLORA_NOTE.format(kind=quant))
+            if devices > 1:
+                notes.append("FSDP1 (Lightning FSDPStrategy, full shard), activation checkpointing of every Block; "
+                             "the estimator models FSDP2")
+            out = [] if model else [f"{hub} is not in the estimator's catalogue"]
+            if quant == "bnb.nf4":
+                out.append("NF4 without double quantization")
+            lora_rank = int(config["lora_r"]) if kind != "full" else 0
+            rows.append(row(
+                row_id=f"{SOURCE}:config-hub:{cells['Config']}:{machine}", source=SOURCE, source_ref=ref(entry),
+                source_table=heading, source_key=" | ".join(list(cells.values())[:9]), model=model or hub,
+                gpu=GPUS[machine.split("x", 1)[1]], method="fsdp" if devices > 1 else "single",
+                world_size=devices, micro_batch_size=mb, seq_len=int(config["train.max_seq_length"]),
+                precision="bf16", optimizer="adamw", grad_ckpt=devices > 1, attn="sdpa", lora_rank=lora_rank,
+                lora_targets=_targets(config) if lora_rank else "auto", qlora=bool(quant),
+                model_hub_id=hub, framework="litgpt 00af8b0d (Lightning Fabric)",
+                adapter={"full": "full", "lora": "lora", "qlora": "qlora"}[kind], loop="manual", padding="longest",
+                max_length=int(config["train.max_seq_length"]), seq_len_basis="max_length_cap",
+                lengths="Alpaca2k (1,900 training samples), Llama-family tokenizers", rescore_lengths=True,
+                other_versions="litgpt 00af8b0d", quantity="max_allocated", scope="per_gpu", value=value, unit="GB",
+                complete=True, in_scope=not out,
+                assumptions="; ".join(notes + ([f"not expressible: {', '.join(out)}"] if out else []))))
+    return rows
+
+
+def extract() -> list[dict]:
+    entries = manifest(SOURCE)
+    configs = {}
+    for local, entry in entries.items():
+        if local.endswith(".yaml"):
+            name = entry["path"].removeprefix("config_hub/finetune/").lower()
+            configs[name] = (entry, _yaml((SOURCES / SOURCE / local).read_text()))
+    rows = []
+    for local, entry in sorted(entries.items()):
+        text = (SOURCES / SOURCE / local).read_text()
+        if entry["path"] == "tutorials/resource-tables.md":
+            rows += _resource_rows(entry, text)
+        elif entry["path"] == "config_hub/finetune/README.md":
+            rows += _confighub_rows(entry, text, configs)
+    return rows

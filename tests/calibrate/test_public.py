@@ -1,0 +1,121 @@
+"""``python -m calibrate public`` and the published-measurement table (data/public/)."""
+
+import csv
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from calibrate import public as P
+from calibrate.cli import main
+from estimator import RunSpec, TrainingSpec, estimate
+from estimator.columns import SPEC_INPUT_COLUMNS, spec_columns
+
+ROOT = Path(__file__).resolve().parents[2]
+PUBLIC = ROOT / "data" / "public"
+MODEL = "facebook/opt-125m"  # shipped profiles: no build in these tests
+
+
+def _common():
+    sys.path.insert(0, str(PUBLIC))
+    try:
+        spec = importlib.util.spec_from_file_location("public_common", PUBLIC / "common.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(PUBLIC))
+
+
+def _row(common, row_id, spec, quantity, value_bytes, **extra):
+    cols = spec_columns(spec)
+    fields = {c: cols[c] for c in SPEC_INPUT_COLUMNS if c in cols}
+    fields["world_size"] = spec.parallel.world_size
+    base = dict(row_id=row_id, source=extra.pop("source", "synthetic"), quantity=quantity, scope="per_gpu",
+                loop="manual", framework="transformers", value=value_bytes, unit="B", **fields)
+    base.update(extra)
+    return common.row(**base)
+
+
+@pytest.fixture
+def synthetic_csv(tmp_path):
+    common = _common()
+    single = RunSpec(model=MODEL, gpu="a100-40gb", training=TrainingSpec(micro_batch_size=2, seq_len=256,
+                                                                         precision="bf16"))
+    est = estimate(single, allow_build=False)
+    rows = [
+        _row(common, "s:exact", single, "max_allocated", est.peak_allocated_bytes),
+        _row(common, "s:reserved", single, "max_reserved", est.peak_reserved_bytes, source="other"),
+        _row(common, "s:off", single, "max_allocated", int(est.peak_allocated_bytes / 1.2)),
+        _row(common, "s:unknown", single, "unknown", 123),
+        _row(common, "s:incomplete", single, "max_allocated", 123, complete=False, missing="no batch size"),
+        _row(common, "s:out", single, "max_allocated", 123, in_scope=False),
+    ]
+    path = tmp_path / "measurements.csv"
+    common.write_csv(rows, path)
+    return path, est
+
+
+def test_table_columns_mirror_the_spec_columns():
+    assert _common().SPEC == SPEC_INPUT_COLUMNS
+
+
+def test_scoring_uses_the_measured_quantity_and_skips_what_it_cannot_score(synthetic_csv):
+    path, est = synthetic_csv
+    rows = P.load(path)
+    scored = {s.row["row_id"]: s for s in P.score(rows, allow_build=False, with_baselines=False)}
+    assert set(scored) == {"s:exact", "s:reserved", "s:off"}
+    assert scored["s:exact"].err_pct == pytest.approx(0.0)
+    assert scored["s:reserved"].predicted_bytes == est.peak_reserved_bytes
+    assert scored["s:off"].err_pct == pytest.approx(20.0, abs=0.01)
+    assert [s.row["row_id"] for s in P.outliers(list(scored.values()))] == ["s:off"]
+    overall = P.summary(list(scored.values()))[0]
+    assert overall["key"] == "all" and overall["ours"]["n"] == 3 and overall["ours"]["max_abs_pct"] == 20.0
+
+
+def test_summed_values_are_compared_with_world_size_times_the_rank(tmp_path):
+    common = _common()
+    ddp = RunSpec(model=MODEL, gpu="a100-40gb", training=TrainingSpec(micro_batch_size=1, seq_len=128,
+                                                                      precision="bf16"))
+    ddp = ddp.replace(**{"parallel.method": "ddp", "parallel.world_size": 2})
+    per_rank = estimate(ddp, allow_build=False).peak_allocated_bytes
+    path = tmp_path / "m.csv"
+    common.write_csv([_row(common, "d:sum", ddp, "max_allocated", 2 * per_rank, scope="sum")], path)
+    [item] = P.score(P.load(path), allow_build=False, with_baselines=False)
+    assert item.predicted_bytes == 2 * per_rank and item.err_pct == pytest.approx(0.0)
+
+
+def test_cli_writes_the_report(synthetic_csv, tmp_path, capsys):
+    path, _ = synthetic_csv
+    out = tmp_path / "report"
+    code = main(["public", "--data", str(path), "--out", str(out), "--no-build", "--no-baselines"])
+    assert code == 0
+    text = (out / "public.md").read_text()
+    assert "`s:off`" in text and "Rows beyond 8 %" in text
+    assert "3 rows scored" in capsys.readouterr().out
+
+
+def test_cli_user_errors_are_one_line(tmp_path, capsys):
+    assert main(["public", "--data", str(tmp_path / "nope.csv")]) == 2
+    bad = tmp_path / "bad.csv"
+    bad.write_text("row_id,source\nx,y\n")
+    assert main(["public", "--data", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[0].startswith("error: data: no such file") and "lacks column" in err[1]
+
+
+def test_committed_table_is_what_build_writes(tmp_path):
+    sys.path.insert(0, str(PUBLIC))
+    try:
+        spec = importlib.util.spec_from_file_location("public_build", PUBLIC / "build.py")
+        build = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(build)
+        rows = build.build(tmp_path / "rebuilt.csv")
+    finally:
+        sys.path.remove(str(PUBLIC))
+    assert (tmp_path / "rebuilt.csv").read_bytes() == (PUBLIC / "measurements.csv").read_bytes()
+    with (PUBLIC / "measurements.csv").open() as fh:
+        assert len(list(csv.DictReader(fh))) == len(rows)
+    for r in rows:  # every row spells out what it had to assume or what is missing
+        assert r["assumptions"] or r["missing"]
