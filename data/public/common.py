@@ -18,7 +18,7 @@ SOURCES = HERE / "sources"
 
 # Mirrors estimator.columns.SPEC_INPUT_COLUMNS (tests/calibrate/test_public.py checks they agree).
 SPEC = ["model", "gpu", "method", "world_size", "tp", "micro_batch_size", "seq_len", "precision", "optimizer",
-        "grad_ckpt", "attn", "lora_rank", "lora_targets", "qlora", "grad_accum_steps",
+        "grad_ckpt", "attn", "lora_rank", "lora_targets", "qlora", "grad_accum_steps", "loop",
         "zero_reduce_bucket_size", "zero_allgather_bucket_size", "zero_overlap_comm", "zero_contiguous_gradients",
         "zero_reduce_scatter", "zero_stage3_prefetch_bucket_size", "zero_stage3_param_persistence_threshold",
         "zero_stage3_max_live_parameters", "zero_stage3_max_reuse_distance", "zero_sub_group_size",
@@ -30,7 +30,7 @@ ZERO_DEFAULTS = {"zero_reduce_bucket_size": 500_000_000, "zero_allgather_bucket_
                  "zero_sub_group_size": 1_000_000_000, "zero_offload_optimizer": False, "zero_offload_param": False,
                  "zero_pin_memory": False}
 IDENTITY = ["row_id", "source", "source_ref", "source_table", "source_key"]
-CONTEXT = ["model_hub_id", "framework", "adapter", "loop", "padding", "max_length", "seq_len_basis", "lengths",
+CONTEXT = ["model_hub_id", "framework", "adapter", "padding", "max_length", "seq_len_basis", "lengths",
            "rescore_lengths"]
 VERSIONS = ["torch_version", "transformers_version", "peft_version", "deepspeed_version", "bitsandbytes_version",
             "other_versions"]

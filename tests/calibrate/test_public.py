@@ -33,7 +33,7 @@ def _row(common, row_id, spec, quantity, value_bytes, **extra):
     fields = {c: cols[c] for c in SPEC_INPUT_COLUMNS if c in cols}
     fields["world_size"] = spec.parallel.world_size
     base = dict(row_id=row_id, source=extra.pop("source", "synthetic"), quantity=quantity, scope="per_gpu",
-                loop="manual", framework="transformers", value=value_bytes, unit="B", **fields)
+                framework="transformers", value=value_bytes, unit="B", **fields)
     base.update(extra)
     return common.row(**base)
 
