@@ -6,21 +6,37 @@ Budget: one plan in <= 1 s on a 2-core CPU machine. What is timed is what ``pyth
 after start-up: each run is a fresh process (no in-memory caches) with the architecture profiles already on
 disk. A first, untimed process per model builds any missing profile (torch, seconds each; shipped profiles
 make this a no-op). Also printed: the same plan repeated inside one warm process, and the estimate count.
+
+``--cold``: a fresh install instead — every process gets an empty profile cache (``LLMEM_CACHE_DIR``), nothing
+is built beforehand, and the whole ``python -m estimator plan ...`` command is timed, interpreter start-up
+included: what a user waits for the first time. Only shipped profiles can make that fast. ``--paper``: the
+LLMem paper's settings (its models on 4 x V100-16GB, sequence 512). Exit 1 when a plan is over the budget.
 A benchmark, not a test: timings depend on the machine.
+
+    python benchmarks/bench_plan.py --cold --paper
+    python benchmarks/bench_plan.py --cold --gpus 8 --gpu h100-80gb
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 BUDGET_MS = 1000.0
 ROOT = Path(__file__).resolve().parents[1]
+# The paper's models (Table 2, Figs. 8-9, Table 3; docs/harness.md's paper experiments) and its machine.
+PAPER_MODELS = ("facebook/opt-125m", "facebook/opt-350m", "facebook/opt-1.3b", "facebook/opt-2.7b",
+                "bigscience/bloom-560m", "bigscience/bloom-1b1", "bigscience/bloom-1b7", "bigscience/bloom-3b",
+                "Salesforce/codegen-350M-nl", "Salesforce/codegen-2B-nl", "microsoft/BioGPT-Large",
+                "bigcode/gpt_bigcode-santacoder", "EleutherAI/gpt-neo-1.3B", "huggyllama/llama-7b")
+PAPER = {"gpus": 4, "gpu": "v100-16gb", "seq_len": 512}
 
 CHILD = """
 import json, sys, time, warnings
@@ -51,6 +67,46 @@ def _child(args: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _cold_command(model: str, args: argparse.Namespace) -> dict:
+    """The whole CLI command on an empty profile cache: (wall seconds, profiles it had to build)."""
+    with tempfile.TemporaryDirectory() as cache:
+        command = [sys.executable, "-m", "estimator", "plan", "--model", model, "--gpus", str(args.gpus),
+                   "--gpu", args.gpu, "--seq-len", str(args.seq_len), "--attn", args.attn]
+        t = time.perf_counter()
+        out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False,
+                             env={**os.environ, "LLMEM_CACHE_DIR": cache})
+        wall = time.perf_counter() - t
+        built = sorted(p.stem for p in Path(cache).glob("profiles/*.json"))
+    if out.returncode:
+        lines = out.stderr.strip().splitlines() or ["(no output)"]
+        return {"error": lines[-1]}
+    best = next((line for line in out.stdout.splitlines() if line.startswith("Recommendation")), "")
+    return {"wall_s": wall, "built": built, "best": best.removeprefix("Recommendation: ")[:60]}
+
+
+def cold(models: list[str], args: argparse.Namespace) -> int:
+    print(f"fresh install: `python -m estimator plan` on {args.gpus} x {args.gpu}, seq {args.seq_len}, {args.attn}, "
+          f"empty profile cache; budget {BUDGET_MS:.0f} ms per command")
+    print(f"{'model':<48}{'command ms':>11}  {'ok':<4}{'built':>6}  recommendation")
+    worst, over = 0.0, []
+    for model in models:
+        runs = [_cold_command(model, args) for _ in range(args.runs)]
+        if any("error" in r for r in runs):
+            print(f"{model:<48}{'-':>11}  {'-':<4}{'-':>6}  error: {next(r for r in runs if 'error' in r)['error']}")
+            over.append(model)
+            continue
+        wall = statistics.median(r["wall_s"] for r in runs) * 1e3
+        worst = max(worst, wall)
+        ok = wall <= BUDGET_MS and not runs[0]["built"]
+        if not ok:
+            over.append(model)
+        print(f"{model:<48}{wall:>11.0f}  {'yes' if ok else 'NO':<4}{len(runs[0]['built']):>6}  {runs[0]['best']}")
+        for key in runs[0]["built"]:
+            print(f"    built on first use (not shipped): {key}")
+    print(f"worst cold command: {worst:.0f} ms; {len(over)} of {len(models)} over budget or building profiles")
+    return 1 if over else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from estimator.arch import catalogue_models
@@ -63,8 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="*", default=None, help="default: every catalogue model")
     parser.add_argument("--runs", type=int, default=3, help="fresh processes timed per model")
     parser.add_argument("--repeat", type=int, default=3, help="in-process repeats (warm caches)")
+    parser.add_argument("--cold", action="store_true", help="time the whole command on an empty profile cache")
+    parser.add_argument("--paper", action="store_true", help="the paper's models on 4 x v100-16gb, seq 512")
     args = parser.parse_args(argv)
-    models = args.models or catalogue_models()
+    if args.paper:
+        for key, value in PAPER.items():
+            setattr(args, key, value)
+    models = args.models or (list(PAPER_MODELS) if args.paper else catalogue_models())
+    if args.cold:
+        return cold(models, args)
 
     print(f"plan on {args.gpus} x {args.gpu}, seq {args.seq_len}, {args.attn}; budget {BUDGET_MS:.0f} ms per plan")
     print(f"{'model':<48}{'estimates':>10}{'fresh ms':>10}{'cpu ms':>8}{'warm ms':>9}  {'ok':<4}recommendation")
