@@ -403,6 +403,8 @@ def _evaluate(ctx: _Context, cand: Candidate, global_batch: int | None) -> Candi
         res.status, res.reason = "invalid", f"global batch {global_batch} is not divisible by dp={cand.dp}"
         return res
     cap = MAX_MICRO_BATCH if global_batch is None else min(MAX_MICRO_BATCH, global_batch // cand.dp)
+    if ctx.epoch is not None:   # a micro-batch larger than a rank's share of the epoch never runs
+        cap = min(cap, ctx.epoch.rows_per_rank(cand.dp, ctx.training.seq_len))
     try:
         if cand.tp > 1:
             _check_tp(model_facts(ctx.model)["arch"], cand.tp)

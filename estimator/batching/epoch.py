@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from estimator.batching.batches import BatchShape, Epoch, check_options, form_epoch
+from estimator.batching.batches import BatchShape, Epoch, check_options, form_epoch, sample_lengths
 from estimator.spec import RunSpec
 
 
@@ -149,6 +149,10 @@ class EpochSource:
     def __init__(self, lengths: list[int], options: EpochOptions = EpochOptions()) -> None:
         self.lengths, self.options = lengths, options
         self._memo: dict[tuple[int, int, int], EpochShapes] = {}
+
+    def rows_per_rank(self, dp: int, seq_len: int) -> int:
+        """Samples (packed: rows) each rank gets: no micro-batch can be larger."""
+        return -(-len(sample_lengths(self.lengths, seq_len, self.options.padding)[0]) // dp)
 
     def shapes(self, micro_batch: int, dp: int, seq_len: int) -> EpochShapes:
         key = (micro_batch, dp, seq_len)
