@@ -114,8 +114,9 @@ def render_summary(summary: dict[str, Any]) -> str:
     p = s["padded_len"]
     return "\n".join([
         f"epoch: {n['samples']} samples (length p50 {n['p50']}, p90 {n['p90']}, max {n['max']}{cut}) -> "
-        f"{s['batches']} batches of {s['micro_batch_size']} over {s['dp']} rank(s), {s['padding']} padding"
-        f"{multiple}, {s['batching']} order (seed {s['seed']})",
+        f"{s['batches']} batches of {s['micro_batch_size']} over {s['dp']} rank(s), "
+        + (f"packed into rows of {s['seq_len']}" if s["padding"] == "packed" else f"{s['padding']} padding")
+        + f"{multiple}, {s['batching']} order (seed {s['seed']})",
         f"  padded length per batch: p50 {p['p50']}, p90 {p['p90']}, max {p['max']}; padded tokens / real tokens "
         f"{s['padded_per_real']:.3f}; {s['batches_with_padding']} batches with padding",
         f"  peak set by batch #{w['index']} (rank {w['rank']}, step {w['step']}): {w['rows']} x {w['padded_len']} "
