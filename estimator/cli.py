@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from estimator.batching.cli_args import add_batching_arguments, batching_from_args
 from estimator.spec import (
     ATTENTIONS,
     LOOPS,
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom code of hub configs")
     p.add_argument("--list-models", action="store_true", help="list catalogue models")
     p.add_argument("--list-gpus", action="store_true", help="list GPU keys")
+    add_batching_arguments(p)
     return p
 
 
@@ -229,8 +231,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    from estimator.api import estimate
-
     if args.list_models:
         from estimator.arch import catalogue_models
 
@@ -252,7 +252,9 @@ def _run(args) -> int:
         from estimator.arch import resolve_arch
 
         resolve_arch(args.model, allow_hub=True, trust_remote_code=args.trust_remote_code)
+    varlen = batching_from_args(args)  # (lengths, options) with --lengths
     spec, compare_all = spec_from_args(args)
+    epochs: dict[str, dict] = {}
     if compare_all:
         gpus = args.gpus if args.gpus is not None else (DEFAULT["gpus"] if args.model is None else 1)
         results = []
@@ -261,7 +263,8 @@ def _run(args) -> int:
                 results.append((label, None, why))
                 continue
             try:
-                results.append((label, estimate(candidate, args.coefficients), ""))
+                est, epochs[label] = _estimate(candidate, args.coefficients, varlen)
+                results.append((label, est, ""))
             except ValueError as err:
                 if label.startswith(("tp", "dp_tp")) and str(err).startswith("tp:"):
                     results.append((label, None, str(err)))
@@ -270,19 +273,44 @@ def _run(args) -> int:
         if args.plot:
             _plot([est for _, est, _ in results if est is not None], args.plot)
         if args.json:
-            print(json.dumps({label: (est.to_dict() if est else {"skipped": why}) for label, est, why in results},
-                             indent=2))
+            print(json.dumps({label: (_with_epoch(est.to_dict(), epochs.get(label)) if est else {"skipped": why})
+                              for label, est, why in results}, indent=2))
         else:
-            print(render_compare(results, spec, gpus))
+            print(render_compare(results, spec, gpus) + _epoch_text(epochs))
         return 0
-    est = estimate(spec, args.coefficients)
+    est, epoch = _estimate(spec, args.coefficients, varlen)
     if args.from_run and not args.gpu and _run_gpu(args.from_run) in CPU_RUN_GPUS:
         est.notes.append(f"from_run: measured without a GPU; predicted for {CPU_RUN_PREDICT_GPU} (--gpu names "
                          "another). Compare the allocated level less cublas_workspace, which CPU runs lack")
     if args.plot:
         _plot([est], args.plot)
-    print(json.dumps(est.to_dict(), indent=2) if args.json else render_detail(est))
+    print(json.dumps(_with_epoch(est.to_dict(), epoch), indent=2) if args.json
+          else render_detail(est) + _epoch_text({"": epoch}))
     return 1 if args.check and not est.fits else 0
+
+
+def _estimate(spec: RunSpec, coefficients, varlen) -> tuple[object, dict | None]:
+    """(estimate, epoch summary): with --lengths, the estimate at the epoch's worst batch."""
+    from estimator.api import estimate
+
+    if varlen is None:
+        return estimate(spec, coefficients), None
+    from estimator.batching.epoch import estimate_epoch
+
+    result = estimate_epoch(spec, *varlen, coefficients)
+    return result.estimate, result.summary
+
+
+def _with_epoch(data: dict, epoch: dict | None) -> dict:
+    return {**data, "epoch": epoch} if epoch else data
+
+
+def _epoch_text(epochs: dict[str, dict | None]) -> str:
+    """Each distinct epoch summary once (methods with the same data-parallel degree split it alike)."""
+    from estimator.batching.epoch import render_summary
+
+    texts = list(dict.fromkeys(render_summary(e) for e in epochs.values() if e))
+    return "".join("\n\n" + text for text in texts)
 
 
 def _run_gpu(run: str) -> str | None:

@@ -295,6 +295,7 @@ class Plan:
     memory_calibrated: bool | None = None
     estimates: int = 0
     elapsed_s: float = 0.0
+    epoch: dict[str, Any] | None = None    # with sample lengths: the recommendation's epoch summary
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "gpu": self.gpu_key, "gpu_name": self.gpu_name,
@@ -303,7 +304,8 @@ class Plan:
                 "loop": self.loop, "recommendation": self.best.to_dict() if self.best else None,
                 "candidates": [r.to_dict() for r in self.results], "advice": self.advice, "notes": self.notes,
                 "throughput_model": self.assumptions, "memory_calibrated": self.memory_calibrated,
-                "estimates": self.estimates, "elapsed_s": round(self.elapsed_s, 4)}
+                "estimates": self.estimates, "elapsed_s": round(self.elapsed_s, 4),
+                **({"epoch": self.epoch} if self.epoch is not None else {})}
 
 
 # --- the planner ----------------------------------------------------------------------------------------
@@ -319,6 +321,9 @@ class _Context:
     probe_fn: EstimateFn | None = None     # for the advice's what-ifs: never builds a profile (default estimator)
     ckpt_options: tuple[bool, ...] = (False, True)
     host_ram_bytes: int | None = None      # the user's host RAM per node (offload layouts), if given
+    # Sample lengths (estimator.batching.epoch.EpochSource): memory at each micro-batch's worst batch, step time
+    # at its mean padded length, tokens/s in real tokens.
+    epoch: Any = None
     cache: dict = field(default_factory=dict)
     shapes: dict = field(default_factory=dict)
     calibrated: bool | None = None
@@ -346,11 +351,19 @@ class _Context:
         key = (cand, mb, tuple(sorted(training.items())))
         if key not in self.cache:
             fn = self.probe_fn if probe and self.probe_fn is not None else self.estimate_fn
-            est = fn(self.spec(cand, mb, **training))
+            est = fn(self.spec(cand, mb, **training)) if self.epoch is None else \
+                self._epoch_estimate(fn, cand, mb, training)
             self.cache[key] = est
             if self.calibrated is None:
                 self.calibrated = bool(getattr(est, "calibrated", False))
         return self.cache[key]
+
+    def _epoch_estimate(self, fn: EstimateFn, cand: Candidate, mb: int, training: dict[str, Any]):
+        """The estimate at the epoch's worst batch for micro-batch ``mb`` (``seq_len`` truncates the samples)."""
+        shapes = self.epoch.shapes(mb, cand.dp, training.get("seq_len", self.training.seq_len))
+        other = {k: v for k, v in training.items() if k != "seq_len"}
+        estimates = [fn(self.spec(cand, rows, seq_len=length, **other)) for rows, length in shapes.worst]
+        return max(estimates, key=lambda e: e.upper_bound_bytes)
 
     def links(self, cand: Candidate) -> tuple[tput.Link, tput.Link]:
         dp_link = tput.resolve_link(self.gpu, cand.world_size, self.interconnect, self.bandwidth_gbs)
@@ -360,12 +373,16 @@ class _Context:
     def step_time(self, cand: Candidate, mb: int, accum: int, **training: Any) -> tput.StepTime:
         dp_link, tp_link = self.links(cand)
         train = {**self.training.__dict__, **training}
+        shapes = self.epoch.shapes(mb, cand.dp, train["seq_len"]) if self.epoch is not None else None
         setup = tput.Setup(method=cand.method, world_size=cand.world_size, tp=cand.tp, micro_batch=mb,
-                           seq_len=train["seq_len"], grad_accum=accum, grad_ckpt=cand.grad_ckpt,
+                           seq_len=shapes.mean_padded_len if shapes else train["seq_len"], grad_accum=accum, grad_ckpt=cand.grad_ckpt,
                            precision=train["precision"], optimizer=train["optimizer"],
                            lora=train["lora_rank"] > 0)
         shape = self.shape(train["lora_rank"], train["lora_targets"])
-        return tput.step_time(shape, setup, self.gpu, self.eff, dp_link=dp_link, tp_link=tp_link)
+        time = tput.step_time(shape, setup, self.gpu, self.eff, dp_link=dp_link, tp_link=tp_link)
+        if shapes is None:
+            return time
+        return dataclasses.replace(time, tokens_per_s=time.tokens_per_s * shapes.real_per_padded)
 
     def max_micro_batch(self, cand: Candidate, cap: int, *, probe: bool = False, **training: Any
                         ) -> tuple[int, int]:
@@ -387,6 +404,8 @@ def _evaluate(ctx: _Context, cand: Candidate, global_batch: int | None) -> Candi
         res.status, res.reason = "invalid", f"global batch {global_batch} is not divisible by dp={cand.dp}"
         return res
     cap = MAX_MICRO_BATCH if global_batch is None else min(MAX_MICRO_BATCH, global_batch // cand.dp)
+    if ctx.epoch is not None:   # a micro-batch larger than a rank's share of the epoch never runs
+        cap = min(cap, ctx.epoch.rows_per_rank(cand.dp, ctx.training.seq_len))
     try:
         if cand.tp > 1:
             _check_tp(model_facts(ctx.model)["arch"], cand.tp)
@@ -511,14 +530,15 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
          lora_targets: str = "auto", ckpt_options: Iterable[bool] = (False, True),
          methods: Iterable[str] | None = None, interconnect: str | None = None,
          bandwidth_gbs: float | None = None, host_ram_gb: float | None = None, advise: bool = True,
-         estimate_fn: EstimateFn | None = None, gpu_info: tput.GpuPerf | None = None, loop: str = "trainer"
-         ) -> Plan:
+         estimate_fn: EstimateFn | None = None, gpu_info: tput.GpuPerf | None = None, loop: str = "trainer",
+         epoch: Any = None) -> Plan:
     """Search, rank and advise. Raises ``ValueError("field: ...")`` for bad input (unknown GPU or model,
     impossible N, a global batch no candidate can split, a method with no layout on N GPUs).
 
     ``host_ram_gb``: host RAM per node (GiB); offload layouts whose offloaded states need more do not fit.
     The advice's what-ifs (LoRA, more GPUs, shorter sequences) never build a profile: with the default
-    estimator they use only profiles already shipped or cached, and say so when one is missing."""
+    estimator they use only profiles already shipped or cached, and say so when one is missing.
+    ``epoch``: sample lengths (``estimator.batching.epoch.EpochSource``); ``seq_len`` then truncates them."""
     started = time.perf_counter()
     _validate(gpus, seq_len, global_batch)
     ckpt_options = tuple(ckpt_options)
@@ -540,7 +560,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
                    eff=tput.load_efficiency(gpu_perf), interconnect=interconnect, bandwidth_gbs=bandwidth_gbs,
                    probe_fn=None if estimate_fn else _default_estimate(allow_build=False),
                    ckpt_options=ckpt_options,
-                   host_ram_bytes=int(host_ram_gb * GIB) if host_ram_gb is not None else None)
+                   host_ram_bytes=int(host_ram_gb * GIB) if host_ram_gb is not None else None, epoch=epoch)
     cands = enumerate_candidates(gpus, ckpt_options, methods)
     if global_batch is not None and all(global_batch % c.dp for c in cands):
         dps = sorted({c.dp for c in cands}, reverse=True)
@@ -555,6 +575,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
                   loop=loop, results=results, best=best,
                   assumptions=tput.assumptions(gpu_perf, ctx.eff, dp_link, tp_link))
     result.notes += _notes(ctx, result)
+    if epoch is not None and best is not None:
+        result.epoch = epoch.shapes(best.micro_batch, best.candidate.dp, seq_len).summary
     if advise:
         result.advice = _advice(ctx, result)
     result.memory_calibrated = ctx.calibrated
@@ -592,6 +614,9 @@ def _notes(ctx: _Context, result: Plan) -> list[str]:
         notes.append(f"the micro-batch search stops at {MAX_MICRO_BATCH}")
     if ctx.training.lora:
         notes.append("LoRA: compute counted as 4*P*tokens (no weight gradients for the frozen base)")
+    if ctx.epoch is not None:
+        notes.append("lengths: each micro-batch's memory is the estimate at its epoch's worst batch; step time at "
+                     "the epoch's mean padded length, tokens/s in real (unpadded) tokens")
     return notes
 
 

@@ -11,6 +11,7 @@ import json
 import sys
 
 from estimator import plan as planner
+from estimator.batching.cli_args import add_batching_arguments, batching_from_args
 from estimator.plan import Plan
 from estimator.spec import ATTENTIONS, LOOPS, OPTIMIZERS, PRECISIONS
 
@@ -57,6 +58,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="training loop: 'trainer' drops the output object before backward (HF Trainer, TRL); "
                              "'manual' keeps `outputs` (the logits) alive through backward")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_batching_arguments(parser)
     return parser
 
 
@@ -73,11 +75,13 @@ def _methods(text: str | None) -> list[str] | None:
 def run_plan(args: argparse.Namespace) -> int:
     try:
         ckpt = {"both": (False, True), "on": (True,), "off": (False,)}[args.ckpt]
+        epoch = _epoch_source(args)
         result = planner.plan(args.model, gpus=args.gpus, gpu=args.gpu, seq_len=args.seq_len,
                               global_batch=args.global_batch, precision=args.precision, optimizer=args.optimizer,
                               attn=args.attn, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
                               ckpt_options=ckpt, methods=_methods(args.methods), interconnect=args.interconnect,
-                              bandwidth_gbs=args.bandwidth, host_ram_gb=args.host_ram, loop=args.loop)
+                              bandwidth_gbs=args.bandwidth, host_ram_gb=args.host_ram, loop=args.loop,
+                              epoch=epoch)
         baseline = None
         if args.llmem:
             from estimator import llmem_select
@@ -92,10 +96,23 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
     print(format_plan(result))
+    if result.epoch is not None:
+        from estimator.batching.epoch import render_summary
+
+        print("\nRecommendation's " + render_summary(result.epoch))
     if baseline is not None:
         print()
         print(baseline.describe())
     return 0
+
+
+def _epoch_source(args: argparse.Namespace):
+    varlen = batching_from_args(args)
+    if varlen is None:
+        return None
+    from estimator.batching.epoch import EpochSource
+
+    return EpochSource(*varlen)
 
 
 def _gib(value: int | None) -> str:
