@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     public.add_argument("--json", action="store_true", help="print the summary and outliers as one JSON object")
     public.add_argument("--no-build", action="store_true", help="never build a missing model profile (torch)")
     public.add_argument("--no-baselines", action="store_true", help="skip the published baselines")
+    public.add_argument("--fit", action="store_true",
+                        help="fit the residual terms the rows identify (leave-one-source-out), write the accepted "
+                             "ones to --coefficients-out and a Fit section in the report")
+    public.add_argument("--coefficients-out", type=Path, default=Path("estimator/coefficients"), metavar="DIR",
+                        help="where --fit writes accepted <gpu-key>.json files (default: %(default)s)")
     return parser
 
 
@@ -84,6 +89,14 @@ def run_public(args: argparse.Namespace) -> int:
     rows = P.load(args.data)
     scored = P.score(rows, allow_build=not args.no_build, with_baselines=not args.no_baselines)
     path = P.write_report(rows, scored, args.out, args.data, args.argv)
+    fits = []
+    if args.fit:
+        from calibrate import public_fit as PF
+
+        fits = PF.fit_all(scored)
+        written = PF.write_accepted(fits, args.data, args.coefficients_out)
+        with path.open("a") as fh:
+            fh.write("\n".join(PF.report_lines(fits, written)))
     if args.json:
         print(json.dumps(P.to_json(rows, scored), indent=1))
         return 0
@@ -94,6 +107,8 @@ def run_public(args: argparse.Namespace) -> int:
               f"{len(P.outliers(scored))} beyond {P.OUTLIER_PCT:g} %")
     else:
         print("no scorable rows")
+    for fit in fits:
+        print(f"fit {fit.gpu_key}: {'shipped' if fit.accepted else fit.refused}")
     print(f"wrote {path}")
     return 0
 

@@ -34,6 +34,7 @@ class Scored:
     row: dict
     measured_bytes: float
     predicted_bytes: float | None = None
+    allocated_bytes: float | None = None      # the estimator's peak allocated (what a reserved fit starts from)
     baselines: dict[str, float] = field(default_factory=dict)
     error: str = ""
 
@@ -84,6 +85,7 @@ def score(rows: list[dict], *, allow_build: bool = True, with_baselines: bool = 
             est = estimate(spec, allow_build=allow_build)
             ranks = spec.parallel.world_size if r["scope"] == "sum" else 1
             item.predicted_bytes = float(getattr(est, PREDICTED[r["quantity"]])) * ranks
+            item.allocated_bytes = float(est.peak_allocated_bytes) * ranks
             if with_baselines:
                 item.baselines = {k: v * ranks for k, v in _baselines(spec).items()}
         except ValueError as err:
@@ -153,6 +155,18 @@ DIAGNOSES = [
      "mechanism: LitGPT evaluates the LM head in 128-token chunks with a chunked cross-entropy, so the full "
      "logits (and their fp32 copies) that transformers' forward holds never exist; the estimator's profile is "
      "traced on transformers"),
+    (lambda r, s: r["source"] == "universal_llm_trainer" and r["lora_rank"] != "0" and s.err_pct > 0,
+     "mechanism: the trainer computes the loss with nn.CrossEntropyLoss on the bf16 logits and drops the output "
+     "object; the estimator's profile holds transformers' labels path (fp32 logits and their log-softmax), "
+     "which dominates a LoRA step at 2 x 8,192 tokens x 128k vocabulary"),
+    (lambda r, s: r["source"] == "universal_llm_trainer" and s.err_pct > 0,
+     "mechanism: bf16 cross-entropy on the sliced logits (no fp32 copy) instead of transformers' fp32 loss; "
+     "also the table rounds to whole GB"),
+    (lambda r, s: r["source"] == "ms_swift_benchmark" and s.err_pct < 0,
+     "source ambiguity: the page's peaks do not grow smoothly with max_length (16.95 -> 28.25 -> 43.81 GiB for "
+     "2048 -> 4096 -> 8192 with flash attention and checkpointing, where activations are linear in length); "
+     "runs above 2048 use 1000 other samples and a value re-measured in later page versions changed (16.28 -> "
+     "16.95 GiB at 2048); the longest kept sample per run is not published"),
     (lambda r, s: r["rescore_lengths"] == "True" and s.err_pct > 0,
      "source ambiguity: seq_len is the max-length cap; the longest padded batch may be shorter (re-score with "
      "the batch lengths, --lengths)"),

@@ -289,6 +289,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     notes = list(model.notes) if model else []
     if not coeffs.calibrated:
         notes.append(f"{gpu.key}: uncalibrated GPU — reserved/device terms are documented priors")
+    notes += residuals.provenance_notes(coeffs)
     if profile.get("attn_effective") != ("sdpa" if spec.training.attn == "flash" else spec.training.attn):
         notes.append(f"attn: {arch.model_type} has no {spec.training.attn} path; estimated as "
                      f"{profile.get('attn_effective')}, as transformers would run it")

@@ -176,6 +176,17 @@ def upper_bound_bytes(device_bytes: int, coeffs: Coefficients) -> int:
     return math.ceil(device_bytes * coeffs.upper_bound_ratio)
 
 
+def provenance_notes(coeffs: Coefficients) -> list[str]:
+    """"calibrated on published measurements (N rows, sources ...)" for a file ``calibrate public --fit`` wrote."""
+    block = coeffs.provenance
+    if not coeffs.calibrated or block.get("kind") != "published measurements":
+        return []
+    fitted = ", ".join(k for k in ("reserved_slack_ratio", "reserved_slack_bytes", "cuda_context_bytes")
+                       if k in coeffs.notes and "Fitted" in str(coeffs.notes[k]))
+    return [f"{coeffs.gpu_key}: calibrated on published measurements ({block.get('rows')} rows, sources "
+            f"{', '.join(block.get('sources', []))}; fitted: {fitted or 'none'}; the other terms are priors)"]
+
+
 def range_notes(coeffs: Coefficients, spec: Any, *, gpu_key: str | None = None, params: int | None = None,
                 model_family: str | None = None) -> list[str]:
     """Notes for ``Estimate.notes``: coefficients fitted for another GPU, or a spec outside the fitted file's

@@ -119,3 +119,73 @@ def test_committed_table_is_what_build_writes(tmp_path):
         assert len(list(csv.DictReader(fh))) == len(rows)
     for r in rows:  # every row spells out what it had to assume or what is missing
         assert r["assumptions"] or r["missing"]
+
+
+# --- calibrate public --fit ---------------------------------------------------------------------------------
+def _points(source, allocated_gib, ratio, offset_bytes):
+    from calibrate.public_fit import Point
+
+    return [Point(source, a * 2**30, a * 2**30 * (1 + ratio) + offset_bytes,
+                  {"row_id": f"{source}:{a}", "world_size": "1", "micro_batch_size": "2", "seq_len": "512",
+                   "lora_rank": "0", "method": "single", "precision": "bf16", "optimizer": "adamw", "attn": "sdpa"})
+            for a in allocated_gib]
+
+
+def test_fit_recovers_the_allocator_residual():
+    from calibrate.public_fit import fit_slack
+
+    ratio, offset = fit_slack(_points("a", [10, 20, 40], 0.05, 300 * 2**20))
+    assert ratio == pytest.approx(0.05, abs=1e-6) and offset == pytest.approx(300 * 2**20, rel=1e-4)
+
+
+def test_fit_needs_two_sources_and_must_beat_the_prior():
+    from calibrate.public_fit import judge
+
+    prior = (0.10, 64 * 2**20)
+    one = judge("a100-80gb", _points("a", [10, 20], 0.02, 0), prior)
+    assert not one.accepted and "needs 2 sources" in one.refused
+    agree = judge("a100-80gb", _points("a", [10, 20], 0.02, 0) + _points("b", [15, 30], 0.02, 0), prior)
+    assert agree.accepted and agree.loso_median_pct < agree.prior_median_pct
+    # Sources that disagree: the term fitted on one misses the other by more than the prior does -> refused.
+    clash = judge("a100-80gb", _points("a", [10, 20], 0.0, 0) + _points("b", [10, 20], 0.25, 0), (0.12, 0.0))
+    assert not clash.accepted and "not better than the prior" in clash.refused
+
+
+def test_accepted_fit_ships_a_valid_file_the_estimator_names(tmp_path):
+    from calibrate.public_fit import judge, write_accepted
+    from estimator.residuals import load_coefficients, provenance_notes
+
+    data = tmp_path / "m.csv"
+    data.write_text("x\n")
+    fit = judge("a100-80gb", _points("a", [10, 20], 0.02, 0) + _points("b", [15, 30], 0.02, 0), (0.1, 0.0))
+    [path] = write_accepted([fit], data, tmp_path)
+    coeffs = load_coefficients("a100-80gb", path)
+    assert coeffs.calibrated and coeffs.reserved_slack_ratio == pytest.approx(0.02, abs=1e-6)
+    assert coeffs.provenance["sources"] == ["a", "b"] and len(coeffs.provenance["data_sha256"]) == 64
+    [note] = provenance_notes(coeffs)
+    assert "calibrated on published measurements (4 rows, sources a, b" in note
+
+
+def test_cli_fit_refuses_a_single_source_key(synthetic_csv, tmp_path, capsys):
+    path, _ = synthetic_csv
+    out = tmp_path / "report"
+    code = main(["public", "--data", str(path), "--out", str(out), "--no-build", "--no-baselines", "--fit",
+                 "--coefficients-out", str(tmp_path)])
+    assert code == 0 and not list(tmp_path.glob("*.json"))
+    assert "needs 2 sources" in capsys.readouterr().out
+    assert "## Fit" in (out / "public.md").read_text()
+
+
+def test_html_tables_expand_rowspans():
+    sys.path.insert(0, str(PUBLIC))
+    try:
+        spec = importlib.util.spec_from_file_location("swift", PUBLIC / "extract_ms_swift_benchmark.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(PUBLIC))
+    text = ("## A\n### LoRA\n<table><tr><td>Model Type [LoRA]</td><td>Max Length</td></tr>"
+            "<tr><td rowspan=\"2\">m</td><td>512</td></tr><tr><td>1024</td></tr></table>")
+    [(heading, body)] = module.html_tables(text)
+    assert heading == "A / LoRA" and body == [{"Model Type [LoRA]": "m", "Max Length": "512"},
+                                              {"Model Type [LoRA]": "m", "Max Length": "1024"}]
