@@ -77,7 +77,7 @@ def reconstruct_initial_state(segments, trace, conf, device_total_bytes=80 * 102
         result.append(seg)
     reserved = sum(s.size for s in result if s.expandable is None)
     reserved += sum(p[1] for s in result if s.expandable is not None for p in s.pieces if p[2] != "unmapped")
-    return State(result, {a: v for a, v in live.items()}, bool(result or live), reserved, guessed)
+    return State(result, dict(live), bool(reserved or live), reserved, guessed)
 
 
 def _pin_sizes_from_trace(live, trace, extents):

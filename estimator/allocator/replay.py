@@ -9,14 +9,14 @@ then compared with the recording.
 """
 
 from estimator.allocator.config import config_from_snapshot_settings
-from estimator.allocator.model import (LARGE_BUFFER_BYTES, SMALL_BUFFER_BYTES, Block, CachingAllocator,
-                                       ExpandableSegment, OutOfMemory, round_size)
+from estimator.allocator.model import SMALL_BUFFER_BYTES, Block, CachingAllocator, ExpandableSegment, OutOfMemory
 from estimator.allocator.initial_state import reconstruct_initial_state
 
 SEGMENT_ACTIONS = ("segment_alloc", "segment_free", "segment_map", "segment_unmap")
 _GROWS = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
 _MAX_LISTED_MISMATCHES = 20
 _SYNTHETIC_ADDR = 0x7FF0_0000_0000
+_TRACE_EVENT_STREAM = -1  # stands for "the streams the block was used on", which traces do not name
 
 
 class TraceError(ValueError):
@@ -31,6 +31,7 @@ class RecordedDriver:
         self.model_events = None
         self.start = 0
         self._synthetic = _SYNTHETIC_ADDR
+        self.in_use = {}  # the model's blocks by address, to refuse a recorded address the model still holds
 
     def begin(self, window, model_events):
         self.window, self.model_events, self.start = window, model_events, len(model_events)
@@ -47,8 +48,8 @@ class RecordedDriver:
 
     def malloc(self, size, stream):
         upcoming = self._answer("segment_alloc")
-        if upcoming == "diverged":
-            return self._fresh(size)
+        if upcoming == "diverged" or (upcoming is not None and upcoming["addr"] in self.in_use):
+            return self._fresh(size)  # the model went its own way: give it an address nobody holds
         return None if upcoming is None else upcoming["addr"]
 
     def map(self, addr, size, stream):
@@ -56,7 +57,7 @@ class RecordedDriver:
 
     def reserve_range(self, size, stream, small):
         upcoming = self._next()
-        if upcoming is not None and upcoming["action"] == "segment_map":
+        if upcoming is not None and upcoming["action"] == "segment_map" and upcoming["addr"] not in self.in_use:
             return upcoming["addr"]
         return self._fresh(size)
 
@@ -75,10 +76,6 @@ class RecordedDriver:
         pass
 
 
-def device_count(snapshot):
-    return len(snapshot.get("device_traces") or [])
-
-
 def replay_device(snapshot, device, device_total_bytes=None):
     """Replay one device's trace; returns the comparison report (a dict of numbers and mismatches)."""
     traces = snapshot.get("device_traces") or []
@@ -93,7 +90,10 @@ def replay_device(snapshot, device, device_total_bytes=None):
     model = CachingAllocator(conf, driver=driver, events=model_events,
                              device_total_bytes=device_total_bytes or 80 * 1024 ** 3)
     addr_map = _install_state(model, state)
-    return _Replayer(model, driver, model_events, addr_map, state).run(trace)
+    driver.in_use = model.blocks
+    replayer = _Replayer(model, driver, model_events, addr_map, state)
+    replayer.final_segments_bytes = sum(s["total_size"] for s in segments)
+    return replayer.run(trace)
 
 
 def _install_state(model, state):
@@ -151,7 +151,7 @@ class _Replayer:
                        "ooms_recorded": 0, "ooms_simulated": 0, "mismatch_count": 0, "mismatches": []}
         self.recorded_reserved = model.reserved_bytes
         self.recorded_peak = model.reserved_bytes
-        self.deferred = set()
+        self.deferred = {}  # recorded address -> model address of blocks waiting for stream events
 
     def run(self, trace):
         window = []
@@ -228,16 +228,16 @@ class _Replayer:
         if not (following and following["action"] == "free_completed" and following["addr"] == event["addr"]):
             # freed with a record_stream use: the block waits for its event (free_completed later)
             self.model.record_stream(addr, _TRACE_EVENT_STREAM)
-            self.deferred.add(event["addr"])
-            self.deferred_model = getattr(self, "deferred_model", {})
-            self.deferred_model[event["addr"]] = addr
-        self.model.free(addr)
+            self.deferred[event["addr"]] = addr
+        try:
+            self.model.free(addr)
+        except ValueError:
+            self._mismatch(index, "free_requested", f"free of {event['addr']:#x}", "not allocated in the model")
 
     def _free_completed(self, event):
-        if event["addr"] not in self.deferred:
+        addr = self.deferred.pop(event["addr"], None)
+        if addr is None:
             return
-        self.deferred.discard(event["addr"])
-        addr = self.deferred_model.pop(event["addr"])
         for entry in self.model.pending.get(_TRACE_EVENT_STREAM, ()):
             if entry[0].addr == addr:
                 entry[1] = True
@@ -268,7 +268,8 @@ class _Replayer:
         report["reserved_peak_bytes"] = {"recorded": self.recorded_peak,
                                          "simulated": self.model.peak_reserved_bytes}
         report["reserved_final_bytes"] = {"recorded": self.recorded_reserved,
-                                          "simulated": self.model.reserved_bytes}
+                                          "simulated": self.model.reserved_bytes,
+                                          "snapshot": self.final_segments_bytes}
         report["warm_start"] = self.state.warm
         report["initial_reserved_bytes"] = self.state.reserved_bytes
         report["initial_live_blocks"] = len(self.state.live)
@@ -277,11 +278,6 @@ class _Replayer:
         return report
 
 
-_TRACE_EVENT_STREAM = -1  # stands for "the streams the block was used on", which traces do not name
-
-
 def _describe(event):
     return f"{event['action']} {event['addr']:#x} size {event['size']}"
 
-
-__all__ = ["TraceError", "replay_device", "device_count", "round_size", "LARGE_BUFFER_BYTES"]
