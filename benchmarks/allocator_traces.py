@@ -30,7 +30,6 @@ def _reports(folder, tolerate_breakage=False):
                 yield path, device, len(trace), None  # a broken rule broke the model's own invariants
 
 
-
 def table(folder):
     print("| file | device | events | start | allocs matched | segment events matched | ooms rec/sim | "
           "reserved peak recorded | simulated | blocks sized by rule |")

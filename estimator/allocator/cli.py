@@ -4,6 +4,7 @@ import argparse
 import json
 import sys
 
+from estimator.allocator.config import parse_alloc_conf
 from estimator.allocator.replay import TraceError, replay_device
 from estimator.allocator.snapshot import SnapshotError, check_snapshot, load_snapshot
 
@@ -25,18 +26,22 @@ def _parser():
     replay.add_argument("snapshot", help="a torch.cuda.memory._dump_snapshot() pickle")
     replay.add_argument("--device", type=int, default=None, help="replay this device only")
     replay.add_argument("--json", action="store_true", help="print one JSON object")
+    replay.add_argument("--alloc-conf", default=None, metavar="STRING",
+                        help="replay under this PYTORCH_CUDA_ALLOC_CONF instead of the settings the snapshot "
+                             "recorded (snapshots without settings: PyTorch's defaults)")
     return parser
 
 
 def main(argv=None):
     args = _parser().parse_args(argv)
     try:
+        conf = None if args.alloc_conf is None else parse_alloc_conf(args.alloc_conf)
         snapshot = check_snapshot(load_snapshot(args.snapshot))
         devices = _devices(snapshot, args.device)
         if not devices:
             _print_state_only(snapshot, args.json)
             raise TraceError(_NO_TRACE)
-        reports = {d: replay_device(snapshot, d) for d in devices}
+        reports = {d: replay_device(snapshot, d, conf=conf) for d in devices}
     except (SnapshotError, TraceError, ValueError) as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2

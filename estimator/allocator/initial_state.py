@@ -12,8 +12,13 @@ allocator to have split it off; `guessed` counts the blocks where this choice ma
 import dataclasses
 from bisect import bisect_left, bisect_right, insort
 
-from estimator.allocator.model import (LARGE_BUFFER_BYTES, MIN_BLOCK_BYTES, SMALL_BUFFER_BYTES,
-                                       SMALL_SIZE_BYTES, round_size)
+from estimator.allocator.model import (
+    LARGE_BUFFER_BYTES,
+    MIN_BLOCK_BYTES,
+    SMALL_BUFFER_BYTES,
+    SMALL_SIZE_BYTES,
+    round_size,
+)
 
 _LIVE_STATES = ("active_allocated", "active_pending_free")
 

@@ -17,7 +17,7 @@ are `__slots__` objects found by address, and nothing is allocated per event bey
 from bisect import bisect_left, insort
 from collections import deque
 
-from estimator.allocator.config import AllocatorConfig, UNLIMITED_BYTES
+from estimator.allocator.config import UNLIMITED_BYTES, AllocatorConfig
 from estimator.allocator.driver import SimulatedDevice
 
 MIN_BLOCK_BYTES = 512  # kMinBlockSize

@@ -9,8 +9,14 @@ then compared with the recording.
 """
 
 from estimator.allocator.config import config_from_snapshot_settings
-from estimator.allocator.model import SMALL_BUFFER_BYTES, Block, CachingAllocator, ExpandableSegment, OutOfMemory
 from estimator.allocator.initial_state import reconstruct_initial_state
+from estimator.allocator.model import (
+    SMALL_BUFFER_BYTES,
+    Block,
+    CachingAllocator,
+    ExpandableSegment,
+    OutOfMemory,
+)
 
 SEGMENT_ACTIONS = ("segment_alloc", "segment_free", "segment_map", "segment_unmap")
 _GROWS = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
@@ -76,13 +82,14 @@ class RecordedDriver:
         pass
 
 
-def replay_device(snapshot, device, device_total_bytes=None):
-    """Replay one device's trace; returns the comparison report (a dict of numbers and mismatches)."""
+def replay_device(snapshot, device, device_total_bytes=None, conf=None):
+    """Replay one device's trace; returns the comparison report (a dict of numbers and mismatches).
+    `conf` replaces the settings the snapshot recorded (or PyTorch's defaults when it recorded none)."""
     traces = snapshot.get("device_traces") or []
     if device >= len(traces) or not traces[device]:
         raise TraceError(f"device {device} has no trace events to replay")
     trace = traces[device]
-    conf = config_from_snapshot_settings(snapshot.get("allocator_settings"))
+    conf = conf or config_from_snapshot_settings(snapshot.get("allocator_settings"))
     segments = [s for s in snapshot.get("segments", []) if s.get("device", device) == device]
     state = reconstruct_initial_state(segments, trace, conf)
     driver = RecordedDriver()
