@@ -2,7 +2,14 @@
 
 import pytest
 
-from estimator.allocator import CachingAllocator, OutOfMemory, allocation_size, parse_alloc_conf, round_size
+from estimator.allocator import (
+    CachingAllocator,
+    OutOfMemory,
+    allocation_size,
+    parse_alloc_conf,
+    round_size,
+    simulate,
+)
 from estimator.allocator.config import AllocatorConfig
 
 MIB = 1024 * 1024
@@ -228,3 +235,21 @@ def test_expandable_segment_oom_unmaps_free_pages_then_retries():
     alloc.malloc(70 * MIB, stream=2)  # 60 + 2 + 80 > 100: unmap stream 0's pages, map again
     assert ("segment_unmap", a, 60 * MIB, 0) in events
     assert alloc.num_alloc_retries == 1 and small
+
+
+def test_simulate_a_request_list_with_a_side_stream_and_a_cap():
+    requests = [("alloc", "w", 100 * MIB, 0), ("alloc", "bucket", 30 * MIB, 0),
+                ("record_stream", "bucket", 5), ("free", "bucket"),
+                ("alloc", "act", 30 * MIB, 0),  # the bucket still waits for stream 5: a new segment
+                ("stream_done", 5), ("free", "act"), ("alloc", "act2", 30 * MIB, 0)]
+    result = simulate(requests)
+    assert result["peak_reserved_bytes"] == 160 * MIB
+    assert result["unallocated_at_reserved_peak_bytes"] == 30 * MIB
+    assert result["oom_at_request"] is None
+    capped = simulate(requests, capacity_bytes=150 * MIB)  # the retry path waits for stream 5, frees
+    assert capped["oom_at_request"] is None and capped["num_alloc_retries"] == 1
+    assert capped["peak_reserved_bytes"] == 130 * MIB
+    too_small = simulate(requests, capacity_bytes=120 * MIB)
+    assert too_small["oom_at_request"] == 1 and too_small["num_ooms"] == 1
+    with pytest.raises(ValueError, match="unknown allocator request 'grow'"):
+        simulate([("grow", 1)])
