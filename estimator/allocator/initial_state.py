@@ -95,7 +95,7 @@ def _pin_sizes_from_trace(live, trace, extents):
     starts = [e[0] for e in extents]
     live_addrs = sorted(live)
     for event in trace:
-        action, addr = event["action"], event["addr"]
+        action, addr = event["action"], event.get("addr")
         if action == "alloc":
             i = bisect_right(live_addrs, addr) - 1
             if i >= 0 and live_addrs[i] in unknown:

@@ -36,6 +36,24 @@ def test_every_address_and_segment_event_matches(name, device):
     assert final["recorded"] == final["simulated"] == final["snapshot"]
 
 
+@pytest.mark.parametrize("name, device", [("silmont2000_b61be409_cold.pickle", 0),
+                                          ("charan6924_075dd064_training.pickle", 0),
+                                          ("constructor_sun_b5ef67ce_expandable.pickle", 1),
+                                          ("constructor_sun_b5ef67ce_expandable.pickle", 2),
+                                          ("maphsge4_ec5be110_oom_retry.pickle", 0)])
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9])
+def test_a_trace_cut_short_is_reconstructed_from_its_final_state(name, device, fraction):
+    """Dropping a trace's first events (as a ring buffer or a late start does) leaves a warm start: the
+    state at the new first event is rebuilt backwards from the final segments and must replay exactly."""
+    full = snapshot(name)
+    trace = full["device_traces"][device]
+    cut = dict(full, device_traces=list(full["device_traces"]))
+    cut["device_traces"][device] = trace[int(len(trace) * fraction):]
+    report = replay_device(cut, device)
+    assert report["warm_start"] and report["mismatches"] == []
+    assert report["reserved_peak_bytes"]["recorded"] == report["reserved_peak_bytes"]["simulated"]
+
+
 def test_what_the_carried_traces_exercise():
     cold = replay_device(snapshot("silmont2000_b61be409_cold.pickle"), 0)
     assert not cold["warm_start"] and cold["segment_events"] == 9
