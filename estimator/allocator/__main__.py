@@ -1,0 +1,3 @@
+from estimator.allocator.cli import main
+
+raise SystemExit(main())

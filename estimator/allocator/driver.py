@@ -1,0 +1,48 @@
+"""The device under the allocator: cudaMalloc / cudaFree and the virtual-memory calls of expandable
+segments. The simulated device hands out addresses itself and fails when physical memory runs out."""
+
+_PAGE_BYTES = 2 * 1024 * 1024
+_FIRST_ADDR = 0x7F00_0000_0000  # where simulated cudaMalloc addresses start
+_FIRST_RANGE = 0x1_0000_0000_0000  # where simulated virtual reservations start
+
+
+class SimulatedDevice:
+    """`capacity_bytes` of physical memory (None: unlimited). Addresses are never reused, which
+    changes no allocator decision: best fit compares addresses only between blocks of equal size."""
+
+    def __init__(self, capacity_bytes=None, total_bytes=None):
+        self.capacity_bytes = capacity_bytes
+        self.total_bytes = total_bytes
+        self.used_bytes = 0
+        self._next_addr = _FIRST_ADDR
+        self._next_range = _FIRST_RANGE
+
+    def _take(self, size):
+        if self.capacity_bytes is not None and self.used_bytes + size > self.capacity_bytes:
+            return False
+        self.used_bytes += size
+        return True
+
+    def malloc(self, size, stream):
+        if not self._take(size):
+            return None
+        addr = self._next_addr
+        self._next_addr += -(-size // _PAGE_BYTES) * _PAGE_BYTES
+        return addr
+
+    def free(self, addr, size):
+        self.used_bytes -= size
+
+    def reserve_range(self, size, stream, small):
+        base = self._next_range
+        self._next_range += -(-size // _PAGE_BYTES) * _PAGE_BYTES
+        return base
+
+    def map(self, addr, size, stream):
+        return self._take(size)
+
+    def unmap(self, addr, size):
+        self.used_bytes -= size
+
+    def release_range(self, base, size):
+        pass

@@ -1,0 +1,142 @@
+"""Replays of the carried real GPU traces (tests/data/allocator-traces, provenance in PROVENANCE.md)."""
+
+import json
+import pathlib
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from estimator.allocator import model as allocator_model
+from estimator.allocator.cli import main
+from estimator.allocator.replay import replay_device
+from estimator.allocator.snapshot import check_snapshot, load_snapshot
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+TRACES = ROOT / "tests" / "data" / "allocator-traces"
+REPLAYED = [("silmont2000_b61be409_cold.pickle", 0), ("silmont2000_769df2d4_warm.pickle", 0),
+            ("maphsge4_ec5be110_oom_retry.pickle", 0), ("charan6924_075dd064_training.pickle", 0),
+            ("constructor_sun_b5ef67ce_expandable.pickle", 0), ("constructor_sun_b5ef67ce_expandable.pickle", 1),
+            ("constructor_sun_b5ef67ce_expandable.pickle", 2), ("wedsonlin_medium_512_training_warm.pickle", 0)]
+
+
+def snapshot(name):
+    return check_snapshot(load_snapshot(str(TRACES / name)))
+
+
+@pytest.mark.parametrize("name, device", REPLAYED)
+def test_every_address_and_segment_event_matches(name, device):
+    report = replay_device(snapshot(name), device)
+    assert report["mismatches"] == []
+    assert report["addr_matches"] == report["allocs"] > 0
+    assert report["segment_matches"] == report["segment_events"]
+    assert report["reserved_peak_bytes"]["recorded"] == report["reserved_peak_bytes"]["simulated"]
+    final = report["reserved_final_bytes"]
+    assert final["recorded"] == final["simulated"] == final["snapshot"]
+
+
+@pytest.mark.parametrize("name, device", [("silmont2000_b61be409_cold.pickle", 0),
+                                          ("charan6924_075dd064_training.pickle", 0),
+                                          ("constructor_sun_b5ef67ce_expandable.pickle", 1),
+                                          ("constructor_sun_b5ef67ce_expandable.pickle", 2),
+                                          ("maphsge4_ec5be110_oom_retry.pickle", 0)])
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9])
+def test_a_trace_cut_short_is_reconstructed_from_its_final_state(name, device, fraction):
+    """Dropping a trace's first events (as a ring buffer or a late start does) leaves a warm start: the
+    state at the new first event is rebuilt backwards from the final segments and must replay exactly."""
+    full = snapshot(name)
+    trace = full["device_traces"][device]
+    cut = dict(full, device_traces=list(full["device_traces"]))
+    cut["device_traces"][device] = trace[int(len(trace) * fraction):]
+    report = replay_device(cut, device)
+    assert report["warm_start"] and report["mismatches"] == []
+    assert report["reserved_peak_bytes"]["recorded"] == report["reserved_peak_bytes"]["simulated"]
+
+
+def test_what_the_carried_traces_exercise():
+    cold = replay_device(snapshot("silmont2000_b61be409_cold.pickle"), 0)
+    assert not cold["warm_start"] and cold["segment_events"] == 9
+    oom = replay_device(snapshot("maphsge4_ec5be110_oom_retry.pickle"), 0)
+    assert oom["num_alloc_retries"] == 39 and oom["segment_events"] == 1163  # release-and-retry bursts
+    expandable = replay_device(snapshot("constructor_sun_b5ef67ce_expandable.pickle"), 1)
+    assert expandable["ooms_recorded"] == expandable["ooms_simulated"] == 1
+    warm = replay_device(snapshot("wedsonlin_medium_512_training_warm.pickle"), 0)
+    assert warm["warm_start"] and warm["initial_live_blocks"] == 664
+
+
+def _split_any_remainder(self, block, size, pool):
+    return block.size - size >= allocator_model.MIN_BLOCK_BYTES
+
+
+def _release_small_pool_first(self):
+    self._synchronize_and_free_events()
+    self._release_blocks(self.small_pool)
+    self._release_blocks(self.large_pool)
+
+
+@pytest.mark.parametrize("name, rule, broken", [
+    ("wedsonlin_medium_512_training_warm.pickle", "_should_split", _split_any_remainder),
+    ("maphsge4_ec5be110_oom_retry.pickle", "_release_cached_blocks", _release_small_pool_first),
+])
+def test_a_broken_rule_is_caught(monkeypatch, name, rule, broken):
+    monkeypatch.setattr(allocator_model.CachingAllocator, rule, broken)
+    report = replay_device(snapshot(name), 0)
+    assert report["mismatch_count"] > 0
+
+
+def test_cli_json(capsys):
+    assert main(["replay", str(TRACES / "silmont2000_b61be409_cold.pickle"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["allocs"], out["addr_matches"], out["segment_events"], out["segment_matches"]) == (36, 36, 9, 9)
+    assert out["reserved_peak_bytes"] == {"recorded": 3781165056, "simulated": 3781165056}
+    assert out["mismatches"] == []
+
+
+def test_cli_text_one_device(capsys):
+    assert main(["replay", str(TRACES / "constructor_sun_b5ef67ce_expandable.pickle"), "--device", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "device 2:" in out and "device 0:" not in out and "addresses matched 392 (100.00 %)" in out
+
+
+def _one_line_exit_2(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    return err
+
+
+def test_cli_bad_inputs(capsys, tmp_path):
+    not_pickle = tmp_path / "x.pickle"
+    not_pickle.write_text("not a pickle")
+    _one_line_exit_2(capsys, ["replay", str(not_pickle)], "not a readable pickle")
+    target = tmp_path / "written"
+    hostile = tmp_path / "hostile.pickle"
+    hostile.write_bytes(pickle.dumps({"segments": [], "device_traces": [[_Hostile(str(target))]]}))
+    _one_line_exit_2(capsys, ["replay", str(hostile)], "refusing pickle global")
+    assert not target.exists()
+    _one_line_exit_2(capsys, ["replay", str(TRACES / "silmont2000_b61be409_cold.pickle"), "--alloc-conf",
+                              "max_split_size_mb:64,foo:1"], "unknown allocator option 'foo'")
+    _one_line_exit_2(capsys, ["replay", str(TRACES / "silmont2000_b61be409_cold.pickle"), "--device", "3"],
+                     "device 3 has no trace events")
+
+
+def test_cli_state_only_snapshot_gets_a_summary_and_exit_2(capsys):
+    assert main(["replay", str(TRACES / "maphsge4_bdf4fe2e_state_only.pickle")]) == 2
+    captured = capsys.readouterr()
+    assert "device 1: 40 segments (8 small, 0 expandable)" in captured.out
+    assert "replay needs a trace" in captured.err
+
+
+def test_cli_usage_error_is_one_line_exit_2():
+    result = subprocess.run([sys.executable, "-m", "estimator.allocator", "replay"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+class _Hostile:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
