@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "predict the run for instead of the one it ran on")
     p.add_argument("--deepspeed", metavar="DS_CONFIG_JSON", help="read ZeRO stage, offload, precision and "
                                                                   "bucket sizes from a DeepSpeed config")
+    p.add_argument("--config", action="append", metavar="FILE", help="read the run from a training config "
+                   "(HF/TRL args JSON/YAML, accelerate, DeepSpeed, torchtune, axolotl, LLaMA-Factory; repeatable; "
+                   "TOOL:FILE names the tool); flags given as well override it")
     p.add_argument("--from-run", metavar="RUN_DIR", help="predict a harness run (reads RUN_DIR/spec.json)")
     p.add_argument("--coefficients", metavar="FILE", help="residual coefficient JSON (e.g. your own refit)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -222,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        if args.config:
+            from estimator.configs.cli import estimate_from_configs
+
+            return estimate_from_configs(args, argv, build_parser)
         return _run(args)
     except ValueError as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
