@@ -17,7 +17,8 @@ from estimator.configs.load import load_mapping
 from estimator.configs.reading import Reading
 from estimator.spec import RunSpec
 
-__all__ = ["ConfigReport", "TOOLS", "detect_tool", "read_config", "spec_from_configs"]
+__all__ = ["ConfigReport", "TOOLS", "detect_tool", "read_config", "spec_from_configs", "spec_from_data",
+           "spec_from_readings"]
 
 
 def _readers() -> dict[str, Callable[[str, dict[str, Any]], Reading]]:
@@ -74,7 +75,17 @@ def read_config(argument: str) -> Reading:
 
 def spec_from_configs(arguments: list[str], flags: dict[str, Any] | None = None) -> tuple[RunSpec, ConfigReport]:
     """The spec the configs describe, explicit ``flags`` (setting name -> value) winning, and what was read."""
-    readings = [read_config(a) for a in arguments]
+    return spec_from_readings([read_config(a) for a in arguments], flags)
+
+
+def spec_from_data(tool: str, name: str, data: dict[str, Any], flags: dict[str, Any] | None = None
+                   ) -> tuple[RunSpec, ConfigReport]:
+    """The same from a mapping already in memory (a live ``TrainingArguments.to_dict()``)."""
+    return spec_from_readings([_readers()[tool](name, data)], flags)
+
+
+def spec_from_readings(readings: list[Reading], flags: dict[str, Any] | None = None
+                       ) -> tuple[RunSpec, ConfigReport]:
     settings, conflicts = merge(readings, flags or {})
     named = settings.get("deepspeed")
     if named is not None and isinstance(named.value, str) and named.value not in [r.path for r in readings]:

@@ -58,12 +58,14 @@ def read_accelerate(path: str, data: dict[str, Any]) -> Reading:
         reading.not_modelled("parallelism_config", "context/tensor parallel sizes from accelerate are not read")
     if reading.flag("use_cpu", data.get("use_cpu")):
         reading.not_modelled("use_cpu", "a CPU run: the estimate is for the GPU the spec names")
+    elif "use_cpu" in data:
+        reading.no_effect.append("use_cpu")
     dynamo = data.get("dynamo_config") or {}
     if isinstance(dynamo, dict) and str(dynamo.get("dynamo_backend", "NO")).upper() not in ("NO", "EAGER"):
         reading.not_modelled("dynamo_config.dynamo_backend", "torch.compile is not modelled; estimated eager")
     unknown_keys(reading, data, handled, NO_EFFECT)
     reading.assume("loop", "manual", "an accelerate config alone: accelerate's examples keep `outputs` bound "
-                   "through backward; pass the Trainer's arguments too (or --loop trainer) for a Trainer script")
+                   "through backward; pass the Trainer's arguments too (or --loop trainer) for a Trainer script", weak=True)
     return reading
 
 

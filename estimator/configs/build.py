@@ -52,7 +52,7 @@ def merge(readings: list[Reading], flags: dict[str, Any]) -> tuple[dict[str, Set
     for reading in readings:
         for name, setting in reading.settings.items():
             old = merged.get(name)
-            if setting.assumed and old is not None:
+            if setting.assumed and old is not None and not (old.assumed and old.weak):
                 continue  # a tool default never displaces a value another file gives
             if old is not None and not old.assumed and old.value != setting.value:
                 conflicts.append(f"{name}: {old.source} says {old.value!r}, {setting.source} says "

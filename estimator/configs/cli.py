@@ -16,6 +16,7 @@ _FLAG_SETTINGS = {"model": "model", "gpus": "world_size", "method": "method", "t
                   "micro_batch_size": "micro_batch_size", "seq_len": "seq_len", "precision": "precision",
                   "optimizer": "optimizer", "grad_ckpt": "grad_ckpt", "attn": "attn", "lora_rank": "lora_rank",
                   "lora_targets": "lora_targets", "qlora": "qlora", "loop": "loop", "gpu": "gpu",
+                  "grad_accum_steps": "grad_accum_steps",
                   "deepspeed": "deepspeed"}
 
 

@@ -80,7 +80,9 @@ def read_fsdp_options(reading: Reading, options: dict[str, Any], prefix: str, *,
     version = reading.count(key or "fsdp_version", raw_version) if raw_version is not None else 1
     if version not in (1, 2):
         reading.fail(key or "fsdp_version", f"must be 1 or 2, got {raw_version!r}")
-    reading.set("method", "fsdp", key or f"{prefix}(FSDP)")
+    current = reading.settings.get("method")
+    if current is None or current.value != "fsdp":
+        reading.set("method", "fsdp", key or f"{prefix}(FSDP)")
     key, reshard = get("reshard_after_forward")
     strategy_key, sharding = get("sharding_strategy")
     if version == 1:

@@ -30,6 +30,7 @@ class Setting:
     source: str          # "file.yaml: key" or "--flag"
     assumed: bool = False
     why: str = ""         # for an assumed value: why this value
+    weak: bool = False    # an assumption any other file's assumption displaces
 
 
 @dataclass
@@ -48,12 +49,12 @@ class Reading:
         assert name in SETTINGS, name
         self.settings[name] = Setting(value, f"{self.path}: {key}")
 
-    def assume(self, name: str, value: Any, why: str) -> None:
+    def assume(self, name: str, value: Any, why: str, *, weak: bool = False) -> None:
         """A value the file does not give; used only when no other file or flag gives it. A later assumption
         (a tool's own default, read after the shared Trainer fields) replaces an earlier one."""
         assert name in SETTINGS, name
         if name not in self.settings or self.settings[name].assumed:
-            self.settings[name] = Setting(value, f"{self.path} ({self.tool})", assumed=True, why=why)
+            self.settings[name] = Setting(value, f"{self.path} ({self.tool})", assumed=True, why=why, weak=weak)
 
     def not_modelled(self, key: str, what: str) -> None:
         self.unmodelled.append(f"{key}: {what}")
@@ -91,9 +92,13 @@ def words(text: str) -> frozenset[str]:
 
 def unknown_keys(reading: Reading, data: dict[str, Any], handled: set[str], no_effect: frozenset[str],
                  prefix: str = "") -> None:
-    """Every key of ``data`` is handled, has no effect on the peak, or is reported as not understood."""
+    """Every key of ``data`` is handled, has no effect on the peak, or is reported as not understood. A handled
+    key that set nothing (empty, or at its tool's default) counts as having no effect."""
+    mentioned = " ".join([s.source for s in reading.settings.values()] + reading.unmodelled + reading.no_effect)
     for key in data:
         if key in handled:
+            if f"{prefix}{key}" not in mentioned:
+                reading.no_effect.append(f"{prefix}{key} (empty or at its default)")
             continue
         if key in no_effect:
             reading.no_effect.append(prefix + key)
