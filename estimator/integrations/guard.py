@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -72,7 +73,8 @@ class MemoryGuard:
         from estimator.configs import spec_from_data, spec_from_readings
 
         gpu_key, _, _ = live.device_gpu_key()
-        folder = (self.record_dir or Path(".")) / "models"
+        # A non-catalogue model's config.json: beside the records, or in a temporary folder (never the cwd).
+        folder = self.record_dir / "models" if self.record_dir else Path(tempfile.gettempdir()) / "llmem-models"
         flags: dict[str, Any] = {"model": live.model_reference(model, folder), "world_size": live.world_size(),
                                  **live.model_facts(model)}
         name = live.optimizer_name(optimizer) if optimizer is not None else None

@@ -184,3 +184,17 @@ def test_plan_reads_configs(capsys):
     assert out["world_size"] == 8 and out["configs"]["files"]
     assert plan_main(["--gpus", "2"]) == 2
     assert "required" in capsys.readouterr().err
+
+
+def test_reading_configs_stays_on_the_pure_path():
+    """--config with JSON files imports no torch/transformers/numpy, and not even PyYAML."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from estimator.configs import spec_from_configs;"
+            f"spec_from_configs([{str(EXAMPLES / 'hf_training_args.json')!r}], {{'model': 'facebook/opt-125m'}});"
+            "bad = [m for m in ('torch', 'transformers', 'numpy', 'yaml', 'harness') if m in sys.modules];"
+            "print(bad); sys.exit(1 if bad else 0)")
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr

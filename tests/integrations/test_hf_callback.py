@@ -106,6 +106,12 @@ def test_records_validate_as_a_calibrate_table(tmp_path):
     _train(tmp_path, MemoryEstimatorCallback(records, seq_len=SEQ, memory_reader=CountedCpuReader()))
     table = load([records])
     assert len(table.rows) == 1 and table.rows.iloc[0]["memory_source"] == "counted-cpu"
+    from calibrate.cli import main as calibrate_main
+
+    assert calibrate_main(["report", "--data", str(records), "--out", str(tmp_path / "report"), "--no-plan"]) == 0
+    # A CPU row (spec gpu "cpu", as the harness writes CPU runs) is read and named; only GPU rows are estimated.
+    assert "cpu/my-runs.rank0.csv" in (tmp_path / "report" / "report.md").read_text()
+    assert calibrate_main(["fit", "--data", str(records), "--dry-run"]) == 2  # no GPU rows to fit
 
 
 def test_stop_if_oom_stops_before_the_first_step(tmp_path):
@@ -143,3 +149,24 @@ def test_an_unknown_model_is_logged_not_raised(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="estimator.integrations"):
         assert callback.guard.check(object(), None, settings={"seq_len": SEQ}) is None
     assert "memory check skipped" in caplog.text
+
+
+@pytest.mark.gpu
+def test_cuda_records_are_estimated_by_the_report(tmp_path):
+    """On a GPU: the default CUDA reader fills every level calibrate needs, and the report estimates the row."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from calibrate.cli import main as calibrate_main
+    from calibrate.data import load
+
+    records = tmp_path / "records"
+    model = _model().cuda()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH,
+                                          max_steps=4, report_to=[], save_strategy="no", disable_tqdm=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    transformers.Trainer(model=model, args=args, train_dataset=Rows(), optimizers=(optimizer, None),
+                         callbacks=[MemoryEstimatorCallback(records, seq_len=SEQ)]).train()
+    row = load([records]).rows.iloc[0]
+    assert row["memory_source"] == "cuda" and row["peak_reserved_bytes"] >= row["peak_allocated_bytes"] > 0
+    assert calibrate_main(["report", "--data", str(records), "--out", str(tmp_path / "report"), "--no-plan"]) == 0
+    assert "could not be estimated" not in (tmp_path / "report" / "report.md").read_text()
