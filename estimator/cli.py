@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0 = full fine-tuning)")
     p.add_argument("--lora-targets", default="auto", help="auto | all-linear | comma-separated module names")
     p.add_argument("--qlora", action="store_true", help="4-bit base weights (needs --lora-rank)")
+    p.add_argument("--grad-accum-steps", type=int, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--loop", choices=LOOPS, help="training loop: 'trainer' (default: HF Trainer, TRL, torchtune drop "
                    "the model's output object before backward) or 'manual' (outputs = model(**batch); "
                    "loss = outputs.loss; loss.backward(): the logits stay alive)")
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "predict the run for instead of the one it ran on")
     p.add_argument("--deepspeed", metavar="DS_CONFIG_JSON", help="read ZeRO stage, offload, precision and "
                                                                   "bucket sizes from a DeepSpeed config")
+    p.add_argument("--config", action="append", metavar="FILE", help="read the run from a training config "
+                   "(HF/TRL args JSON/YAML, accelerate, DeepSpeed, torchtune, axolotl, LLaMA-Factory; repeatable; "
+                   "TOOL:FILE names the tool); flags given as well override it")
     p.add_argument("--from-run", metavar="RUN_DIR", help="predict a harness run (reads RUN_DIR/spec.json)")
     p.add_argument("--coefficients", metavar="FILE", help="residual coefficient JSON (e.g. your own refit)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -80,7 +84,8 @@ def _training(args, base: TrainingSpec) -> TrainingSpec:
                         grad_ckpt=pick(args.grad_ckpt, base.grad_ckpt), attn=pick(args.attn, base.attn),
                         lora_rank=args.lora_rank or base.lora_rank,
                         lora_targets=args.lora_targets if args.lora_targets != "auto" else base.lora_targets,
-                        qlora=args.qlora or base.qlora, loop=pick(args.loop, base.loop))
+                        qlora=args.qlora or base.qlora, loop=pick(args.loop, base.loop),
+                        grad_accum_steps=pick(args.grad_accum_steps, base.grad_accum_steps))
 
 
 # CPU runs and fake-tensor traces carry gpu "cpu": their allocated level is a GPU's minus the cuBLAS workspace,
@@ -224,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        if args.config:
+            from estimator.configs.cli import estimate_from_configs
+
+            return estimate_from_configs(args, argv, build_parser)
         return _run(args)
     except ValueError as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
@@ -242,7 +251,7 @@ def _run(args) -> int:
         for gpu in list_gpus():
             print(f"{gpu.key:<14}{gpu.capacity_bytes / GIB:8.2f} GiB  {gpu.name}")
         return 0
-    for name in ("gpus", "micro_batch_size", "seq_len", "tp"):
+    for name in ("gpus", "micro_batch_size", "seq_len", "tp", "grad_accum_steps"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"{name}: must be a positive integer, got {value}")

@@ -30,9 +30,12 @@ def _positive_int(text: str) -> int:
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Arguments of the ``plan`` subcommand (also used standalone by ``python -m estimator.plan_cli``)."""
-    parser.add_argument("--model", required=True, help="catalogue name, config.json path or hub id")
-    parser.add_argument("--gpus", required=True, type=_positive_int, help="number of GPUs (N)")
-    parser.add_argument("--gpu", required=True, help="GPU key, e.g. h100-80gb (see --list-gpus)")
+    parser.add_argument("--model", help="catalogue name, config.json path or hub id (required without --config)")
+    parser.add_argument("--gpus", type=_positive_int, help="number of GPUs (N; required without --config)")
+    parser.add_argument("--gpu", help="GPU key, e.g. h100-80gb (see --list-gpus; required without --config)")
+    parser.add_argument("--config", action="append", metavar="FILE",
+                        help="read model, GPUs, lengths, precision, LoRA and loop from training configs (repeatable); "
+                             "flags given as well override them")
     parser.add_argument("--seq-len", type=_positive_int, default=512, help="tokens per sample (default 512)")
     parser.add_argument("--global-batch", type=_positive_int, default=None,
                         help="samples per optimizer step; counts gradient-accumulation steps")
@@ -72,8 +75,16 @@ def _methods(text: str | None) -> list[str] | None:
     return chosen
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def run_plan(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     try:
+        report = None
+        if args.config:
+            from estimator.configs.cli import plan_args_from_configs
+
+            report = plan_args_from_configs(args, argv or [], build_parser)
+        missing = [f"--{name}" for name in ("model", "gpus", "gpu") if getattr(args, name) is None]
+        if missing:
+            raise ValueError(f"the following arguments are required: {', '.join(missing)} (or --config)")
         ckpt = {"both": (False, True), "on": (True,), "off": (False,)}[args.ckpt]
         epoch = _epoch_source(args)
         result = planner.plan(args.model, gpus=args.gpus, gpu=args.gpu, seq_len=args.seq_len,
@@ -93,6 +104,8 @@ def run_plan(args: argparse.Namespace) -> int:
         out = result.to_dict()
         if baseline is not None:
             out["llmem_algorithm1"] = baseline.to_dict()
+        if report is not None:
+            out["configs"] = report.to_dict()
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
     print(format_plan(result))
@@ -100,6 +113,8 @@ def run_plan(args: argparse.Namespace) -> int:
         from estimator.batching.epoch import render_summary
 
         print("\nRecommendation's " + render_summary(result.epoch))
+    if report is not None:
+        print("\n" + report.render())
     if baseline is not None:
         print()
         print(baseline.describe())
@@ -185,11 +200,15 @@ class _OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="python -m estimator plan",
                             description="The fastest method and micro-batch that fit N GPUs of a type.")
-    add_plan_arguments(parser)
-    return run_plan(parser.parse_args(argv))
+    return add_plan_arguments(parser)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    return run_plan(build_parser().parse_args(argv), argv)
 
 
 if __name__ == "__main__":

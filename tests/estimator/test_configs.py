@@ -1,0 +1,200 @@
+"""Users' training configs read into the spec: each tool's documented format (real example configs written in
+tests/estimator/config_examples/) gives the same spec, hence the same estimate, as the equivalent flags;
+unknown keys are reported; bad input is one line and exit 2."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from estimator import cli
+from estimator.configs import detect_tool, read_config, spec_from_configs
+from estimator.configs.load import load_mapping
+
+EXAMPLES = Path(__file__).parent / "config_examples"
+
+
+def _flag_spec(argv):
+    spec, compare_all = cli.spec_from_args(cli.build_parser().parse_args(argv))
+    assert not compare_all
+    return spec
+
+
+def _config_spec(files, argv=()):
+    from estimator.configs.cli import explicit_flags
+
+    return spec_from_configs([str(EXAMPLES / f) for f in files], explicit_flags(cli.build_parser, list(argv)))
+
+
+# (config files, flags given with them, the equivalent flags alone)
+CASES = {
+    "trl_sft": (["trl_sft_lora.yaml"], [],
+                "--model Qwen/Qwen2.5-0.5B --micro-batch-size 2 --seq-len 2048 --precision bf16 --optimizer "
+                "adamw_fused --grad-ckpt --attn sdpa --lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj "
+                "--grad-accum-steps 8"),
+    "accelerate_fsdp2": (["accelerate_fsdp2.yaml"], ["--model", "facebook/opt-125m"],
+                         "--model facebook/opt-125m --method fsdp --gpus 8 --micro-batch-size 1 --precision "
+                         "mixed_bf16 --grad-ckpt --loop manual"),
+    "accelerate_fsdp1": (["accelerate_fsdp1.yaml"], ["--model", "facebook/opt-125m"],
+                         "--model facebook/opt-125m --method fsdp --gpus 4 --micro-batch-size 1 --precision "
+                         "mixed_bf16 --loop manual"),
+    "accelerate_fsdp2_with_trainer_args": (
+        ["accelerate_fsdp2.yaml", "trl_sft_lora.yaml"], ["--model", "facebook/opt-125m"],
+        "--model facebook/opt-125m --method fsdp --gpus 8 --micro-batch-size 2 --seq-len 2048 --precision mixed_bf16 "
+        "--optimizer adamw_fused --grad-ckpt --lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj "
+        "--grad-accum-steps 8"),
+    "torchtune_full": (["torchtune_llama3_2_1b_full.yaml"], ["--gpus", "4"],
+                       "--model meta-llama/Llama-3.2-1B --method fsdp --gpus 4 --micro-batch-size 4 --seq-len 1024 "
+                       "--precision bf16 --optimizer adamw_fused --grad-ckpt --attn sdpa"),
+    "torchtune_lora": (["torchtune_llama3_2_1b_lora.yaml"], [],
+                       "--model meta-llama/Llama-3.2-1B --micro-batch-size 4 --seq-len 512 --precision bf16 "
+                       "--optimizer adamw_fused --grad-ckpt --lora-rank 64 --lora-targets "
+                       "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --grad-accum-steps 8"),
+    "axolotl": (["axolotl_qlora.yaml"], [],
+                "--model meta-llama/Llama-3.2-1B --micro-batch-size 2 --seq-len 1024 --precision bf16 --optimizer "
+                "adamw_8bit --grad-ckpt --attn flash --lora-rank 32 --lora-targets all-linear --qlora "
+                "--grad-accum-steps 4"),
+    "llamafactory": (["llamafactory_lora_sft.yaml"], ["--gpus", "2"],
+                     "--model meta-llama/Llama-3.2-1B --method ddp --gpus 2 --micro-batch-size 1 --seq-len 2048 "
+                     "--precision bf16 --optimizer adamw_fused --grad-ckpt --lora-rank 8 --lora-targets all-linear "
+                     "--grad-accum-steps 8"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_config_gives_the_spec_of_the_equivalent_flags(case):
+    files, extra, flags = CASES[case]
+    spec, _ = _config_spec(files, extra)
+    assert spec == _flag_spec(flags.split())
+
+
+def test_deepspeed_through_trainer_args_equals_the_deepspeed_flag():
+    argv = ["--model", "facebook/opt-1.3b", "--gpus", "4"]
+    spec, report = _config_spec(["hf_training_args.json"], argv)
+    flags = argv + ["--micro-batch-size", "4", "--grad-accum-steps", "2", "--grad-ckpt", "--precision", "mixed_bf16",
+                    "--deepspeed", str(EXAMPLES / "ds_zero2.json")]
+    assert spec == _flag_spec(flags)
+    assert spec.parallel.method == "zero2" and spec.parallel.zero.allgather_bucket_size == 200_000_000
+
+
+def test_accelerate_deepspeed_plugin_equals_the_same_deepspeed_json(tmp_path):
+    ds = {"fp16": {"enabled": True}, "gradient_accumulation_steps": 4,
+          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    spec, _ = _config_spec(["accelerate_deepspeed.yaml"], ["--model", "facebook/opt-1.3b"])
+    assert spec == _flag_spec(["--model", "facebook/opt-1.3b", "--gpus", "8", "--precision", "mixed_fp16",
+                               "--loop", "manual", "--micro-batch-size", "1",
+                               "--deepspeed", str(tmp_path / "ds.json")])
+    assert spec.parallel.method == "zero3" and spec.parallel.zero.offload_param
+
+
+@pytest.mark.parametrize("files, argv, flags", [
+    (["hf_training_args.json"], ["--model", "facebook/opt-1.3b", "--gpus", "4"],
+     ["--model", "facebook/opt-1.3b", "--gpus", "4", "--micro-batch-size", "4", "--grad-accum-steps", "2",
+      "--grad-ckpt", "--precision", "mixed_bf16", "--deepspeed", str(EXAMPLES / "ds_zero2.json")]),
+    (["accelerate_fsdp2.yaml"], ["--model", "facebook/opt-125m"],
+     ["--model", "facebook/opt-125m", "--method", "fsdp", "--gpus", "8", "--micro-batch-size", "1", "--precision",
+      "mixed_bf16", "--grad-ckpt", "--loop", "manual"]),
+])
+def test_the_cli_prints_the_same_estimate(files, argv, flags, capsys):
+    config_args = [a for f in files for a in ("--config", str(EXAMPLES / f))] + argv
+    assert cli.main(config_args + ["--json"]) == 0
+    from_config = json.loads(capsys.readouterr().out)
+    assert cli.main(flags + ["--json"]) == 0
+    from_flags = json.loads(capsys.readouterr().out)
+    assert from_config.pop("configs")["files"]
+    assert from_config == from_flags
+
+
+def test_explicit_flags_override_the_config():
+    spec, report = _config_spec(["trl_sft_lora.yaml"], ["--seq-len", "512", "--optimizer", "adamw"])
+    assert spec.training.seq_len == 512 and spec.training.optimizer == "adamw"
+    assert any("--seq-len" in line for line in report.used)
+
+
+def test_unknown_keys_are_printed_with_the_estimate(capsys):
+    name = EXAMPLES / "hf_training_args.json"
+    assert cli.main(["--config", str(name), "--model", "facebook/opt-125m"]) == 0
+    assert f"not understood (ignored): {name}: my_custom_flag" in capsys.readouterr().out
+
+
+def test_unknown_keys_are_reported_for_every_tool():
+    _, report = _config_spec(["axolotl_qlora.yaml"])
+    assert any(line.endswith("axolotl_qlora.yaml: my_unknown_option") for line in report.unknown)
+    _, report = _config_spec(["torchtune_llama3_2_1b_lora.yaml"])
+    assert report.unknown == []
+
+
+def test_every_key_of_every_example_is_accounted_for():
+    """Each key is used, assumed around, marked not modelled, known to have no effect, or reported."""
+    for path in sorted(EXAMPLES.iterdir()):
+        reading = read_config(str(path))
+        data = load_mapping(path)
+        sources = " ".join(s.source for s in reading.settings.values())
+        accounted = " ".join(reading.unknown + reading.unmodelled + reading.no_effect) + " " + sources
+        tool_keys = set(data) - {"lora_alpha", "lora_dropout"}  # no-effect keys handled inside a section
+        missing = [k for k in tool_keys if k not in accounted and not isinstance(data[k], dict)]
+        assert not missing, (path.name, missing)
+
+
+def test_fsdp1_is_estimated_as_fsdp2_and_says_so():
+    spec, report = _config_spec(["accelerate_fsdp1.yaml"], ["--model", "facebook/opt-125m"])
+    assert spec.parallel.method == "fsdp"
+    assert any("FSDP1" in line and "fsdp1 method" in line for line in report.not_modelled)
+
+
+def test_files_that_disagree_are_named():
+    spec, report = _config_spec(["accelerate_deepspeed.yaml", "trl_sft_lora.yaml"])
+    assert any(line.startswith("half:") and "using the latter" in line for line in report.notes)
+
+
+@pytest.mark.parametrize("tool, name", [("accelerate", "accelerate_fsdp2.yaml"), ("deepspeed", "ds_zero2.json"),
+                                        ("torchtune", "torchtune_llama3_2_1b_lora.yaml"),
+                                        ("axolotl", "axolotl_qlora.yaml"),
+                                        ("llamafactory", "llamafactory_lora_sft.yaml"),
+                                        ("hf", "trl_sft_lora.yaml"), ("hf", "hf_training_args.json")])
+def test_tools_are_recognised(tool, name):
+    assert detect_tool(load_mapping(EXAMPLES / name)) == tool
+
+
+@pytest.mark.parametrize("content, suffix, expected", [
+    ("a: [1, 2\n", ".yaml", "not valid YAML"),
+    ('{"per_device_train_batch_size": 4,', ".json", "not valid JSON"),
+    (b"\x80\x04\x95 pickled", ".bin", "pickled file"),
+    ("- just\n- a list\n", ".yaml", "must hold a mapping"),
+    ("hello: world\n", ".yaml", "cannot tell which tool"),
+    ("base_model: no-such/model-anywhere\nsequence_len: 512\n", ".yaml", "model: unknown model"),
+    ("!!python/object/apply:os.system ['echo hi']\n", ".yaml", "not valid YAML"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, content, suffix, expected):
+    path = tmp_path / f"config{suffix}"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert cli.main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err, err
+
+
+def test_plan_reads_configs(capsys):
+    from estimator.plan_cli import main as plan_main
+
+    argv = ["--config", str(EXAMPLES / "accelerate_fsdp2.yaml"), "--model", "facebook/opt-125m",
+            "--methods", "fsdp,ddp", "--ckpt", "on", "--json"]
+    assert plan_main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["world_size"] == 8 and out["configs"]["files"]
+    assert plan_main(["--gpus", "2"]) == 2
+    assert "required" in capsys.readouterr().err
+
+
+def test_reading_configs_stays_on_the_pure_path():
+    """--config with JSON files imports no torch/transformers/numpy, and not even PyYAML."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from estimator.configs import spec_from_configs;"
+            f"spec_from_configs([{str(EXAMPLES / 'hf_training_args.json')!r}], {{'model': 'facebook/opt-125m'}});"
+            "bad = [m for m in ('torch', 'transformers', 'numpy', 'yaml', 'harness') if m in sys.modules];"
+            "print(bad); sys.exit(1 if bad else 0)")
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
