@@ -42,7 +42,7 @@ CHILD = """
 import json, sys, time, warnings
 warnings.filterwarnings("ignore")
 args = json.loads(sys.argv[1])
-from estimator.plan import plan
+from estimator.planning.plan import plan
 t, c = time.perf_counter(), time.process_time()
 kw = {"gpus": args["gpus"], "gpu": args["gpu"], "seq_len": args["seq_len"], "attn": args["attn"]}
 p = plan(args["model"], **kw)
@@ -109,7 +109,7 @@ def cold(models: list[str], args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
-    from estimator.arch import catalogue_models
+    from estimator.models.arch import catalogue_models
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, default=8)

@@ -22,12 +22,12 @@ import sys
 import time
 
 from estimator.api import estimate
-from estimator.arch import load_config, resolve_arch
+from estimator.models.arch import load_config, resolve_arch
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
 MODELS = ("facebook/opt-125m", "bigscience/bloom-560m", "Salesforce/codegen-350M-nl", "EleutherAI/pythia-1b",
           "HuggingFaceTB/SmolLM2-135M", "Qwen/Qwen2.5-0.5B", "bigcode/gpt_bigcode-santacoder")
-# Families with a TP plan (estimator.tp_plans); SmolLM2-135M's 9 heads / 3 kv heads and santacoder's MQA do not split.
+# Families with a TP plan (estimator.models.tp_plans); SmolLM2-135M's 9 heads / 3 kv heads and santacoder's MQA do not split.
 TP_MODELS = ("facebook/opt-125m", "bigscience/bloom-560m", "Salesforce/codegen-350M-nl", "EleutherAI/pythia-1b",
              "meta-llama/Llama-3.2-1B", "Qwen/Qwen2.5-0.5B", "EleutherAI/gpt-neo-1.3B", "microsoft/BioGPT-Large")
 CORNER_POINTS = ((1, 128), (4, 512), (16, 2048))

@@ -142,7 +142,7 @@ def run_fit(args: argparse.Namespace) -> int:
     from calibrate import data as D
     from calibrate.export import fit_gpu, write
     from calibrate.terms import analytic_terms
-    from estimator.gpus import get_gpu
+    from estimator.hardware.gpus import get_gpu
 
     if args.gpu:  # aliases ("h100") name the estimator's key; an unknown one is a one-line "gpu: ..." error
         args.gpu = [get_gpu(k).key for k in args.gpu]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from estimator.columns import ADDED_SPEC_FIELDS, SPEC_INPUT_COLUMNS, spec_from_columns
-from estimator.gpus import get_gpu
+from estimator.hardware.gpus import get_gpu
 
 # Keys whose rows hold no GPU memory to fit: CPU runs, and fake-tensor traces (allocated bytes only, device
 # independent). The report still reads them.

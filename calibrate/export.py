@@ -1,6 +1,6 @@
 """One GPU key from validated rows to a coefficient file: fit, cross-validate, bound, judge, document.
 
-The file keeps the estimator's schema (``estimator/residuals.py``: the seven ``terms``, ``notes``,
+The file keeps the estimator's schema (``estimator/hardware/residuals.py``: the seven ``terms``, ``notes``,
 ``valid_range``) and adds the fit's provenance under ``provenance``: features and coefficients of each level,
 CV metrics, verdict statistics, row counts, sha256 of every measurement file, library versions, git sha,
 date. Export is refused (nothing written) when the cross-validated error exceeds the threshold.
@@ -23,8 +23,8 @@ import pandas as pd
 
 from calibrate import fit as F
 from calibrate.terms import predict
-from estimator.gpus import get_gpu
-from estimator.residuals import REQUIRED_TERMS, SCHEMA_VERSION, Coefficients, load_coefficients
+from estimator.hardware.gpus import get_gpu
+from estimator.hardware.residuals import REQUIRED_TERMS, SCHEMA_VERSION, Coefficients, load_coefficients
 
 FIT_SCHEMA_VERSION = 1
 WORST_ROWS_SHOWN = 5
@@ -55,7 +55,7 @@ def _where(row: pd.Series) -> str:
 
 
 def valid_range(rows: pd.DataFrame) -> dict[str, Any]:
-    """What the fit saw: the estimator notes a spec outside it (``estimator.residuals.range_notes``)."""
+    """What the fit saw: the estimator notes a spec outside it (``estimator.hardware.residuals.range_notes``)."""
     def span(column: str) -> list[int]:
         values = pd.to_numeric(rows[column])
         return [int(values.min()), int(values.max())]

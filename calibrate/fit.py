@@ -26,7 +26,7 @@ from sklearn.linear_model import LinearRegression
 from sklearn.model_selection import GroupKFold, LeaveOneGroupOut
 
 from calibrate.terms import effective_communicators, predict
-from estimator.residuals import Coefficients
+from estimator.hardware.residuals import Coefficients
 
 GIB = 1024**3
 LEVELS = ("allocated", "reserved", "device")

@@ -125,7 +125,7 @@ def _litgpt(r: dict) -> bool:
 
 
 def _tied(r: dict) -> bool:
-    from estimator.arch import resolve_arch
+    from estimator.models.arch import resolve_arch
 
     return resolve_arch(r["model"]).tie_word_embeddings
 

@@ -10,7 +10,7 @@ Each term is fitted per GPU key and judged by cross-validation that leaves one *
 on the other sources predicts the held-out source's rows. A term is kept only when the key has rows from at
 least ``MIN_SOURCES`` sources and its leave-one-source-out median |error| beats the prior's on the same rows;
 otherwise the prior stays (and the report says why). Accepted terms are written as a coefficient file in the
-estimator's schema (``estimator/residuals.py``) with the provenance: data sha256, sources, rows, CV errors and
+estimator's schema (``estimator/hardware/residuals.py``) with the provenance: data sha256, sources, rows, CV errors and
 the valid range of the rows that fitted it.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from calibrate.public import Scored
-from estimator.residuals import SCHEMA_VERSION, load_coefficients
+from estimator.hardware.residuals import SCHEMA_VERSION, load_coefficients
 
 MIN_SOURCES = 2
 PROVENANCE_KIND = "published measurements"

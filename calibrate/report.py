@@ -23,7 +23,7 @@ from calibrate.export import git_state
 from calibrate.fit import LEVELS, level_metrics
 from calibrate.terms import analytic_terms, predict
 from estimator.columns import spec_from_columns
-from estimator.residuals import Coefficients, load_coefficients
+from estimator.hardware.residuals import Coefficients, load_coefficients
 
 GIB = 1024**3
 SOURCES = {"real_multi": "real multi-GPU run", "real_single": "real single GPU", "emulated": "emulated ranks",
@@ -103,9 +103,9 @@ def markdown_table(frame: pd.DataFrame) -> str:
 # --- (1) Table 2 ---------------------------------------------------------------------------------------------
 def _baselines(spec, coeffs: Coefficients | None) -> dict[str, float]:
     """The published estimators' per-GPU totals for one spec (NaN where one does not cover the method)."""
-    from estimator import baselines as B
-    from estimator.api import load_model_profile
-    from estimator.model_params import expand_params
+    from estimator.baselines import equations as B
+    from estimator.models.params import expand_params
+    from estimator.profiler.cache import load_model_profile
 
     arch, profile = load_model_profile(spec.model, spec.training, allow_build=False)
     params = expand_params(profile["params"], arch.num_layers)
@@ -125,10 +125,11 @@ def _baselines(spec, coeffs: Coefficients | None) -> dict[str, float]:
 def _max_batches(spec, coeffs: Coefficients, capped: bool, capacity: float) -> tuple[str, str]:
     """(ours, LLMem's) largest micro-batch predicted to fit ``capacity``. Under an allocator cap our reserved
     bound is what the cap limits; otherwise the device bound, as ``Estimate.fits``."""
-    from estimator import baselines as B
-    from estimator.api import estimate, load_model_profile
-    from estimator.model_params import expand_params
-    from estimator.plan import search_max_micro_batch
+    from estimator.api import estimate
+    from estimator.baselines import equations as B
+    from estimator.models.params import expand_params
+    from estimator.planning.plan import search_max_micro_batch
+    from estimator.profiler.cache import load_model_profile
 
     def bytes_at(b: int) -> int:
         est = estimate(spec.replace(**{"training.micro_batch_size": b}), coeffs, allow_build=False)
@@ -258,7 +259,7 @@ def table3(rows: pd.DataFrame, coeffs: dict[str, Coefficients], run_plan: bool) 
 
 def _plan_choice(key: tuple, methods: list[str], coeffs: Coefficients | None, fastest: str) -> dict[str, str]:
     from estimator.api import estimate
-    from estimator.plan import plan
+    from estimator.planning.plan import plan
 
     gpu, model, world, seq, precision = key
     try:
@@ -445,7 +446,7 @@ def build_report(data: list[Path], out: Path, *, coefficients_dir: Path | None =
          "pred_device_gib", "err_pct"]]) if not fig89.empty else "_(no multi-rank rows)_\n"]
     lines += ["## Table 3: method selection", "",
               "Measured fastest feasible method (job tokens/s from real ranks; emulated ranks have no throughput) "
-              "vs the planner's choice (`estimator.plan`, restricted to the methods measured).", "",
+              "vs the planner's choice (`estimator.planning.plan`, restricted to the methods measured).", "",
               markdown_table(t3),
               "## Predicted vs measured", ""]
     lines += [f"![{p}]({p})" for p in plots if not p.startswith("fig8_9_")] + [""]

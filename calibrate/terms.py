@@ -5,7 +5,7 @@ and one byte per NCCL communicator. Its allocated peak is then the analytical al
 activations, temporaries) and ``device - reserved`` counts the communicators it assumes. Nothing of the
 estimator's accounting is re-implemented here, so a change in the estimator is a change in what is fitted.
 
-Predictions for given coefficients apply ``estimator.residuals``' own functions to those terms: the same
+Predictions for given coefficients apply ``estimator.hardware.residuals``' own functions to those terms: the same
 arithmetic ``estimate`` runs, so an exported file reproduces them exactly.
 """
 
@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 import pandas as pd
 
-from estimator import residuals
 from estimator.api import estimate
-from estimator.arch import resolve_arch
 from estimator.columns import spec_from_columns
-from estimator.residuals import Coefficients
+from estimator.hardware import residuals
+from estimator.hardware.residuals import Coefficients
+from estimator.models.arch import resolve_arch
 from estimator.spec import RunSpec
 
 PROBE = Coefficients(gpu_key="probe", calibrated=True, source="probe", description="analytical terms only",
@@ -92,7 +92,7 @@ def effective_communicators(communicators: pd.Series, emulated: pd.Series) -> pd
 
 def predict(terms: pd.DataFrame, emulated: pd.Series, coeffs: Coefficients) -> pd.DataFrame:
     """Allocated / reserved / device predictions of every row, with the estimator's own arithmetic
-    (``estimator.api`` adds the workspace to the analytical bytes, then applies ``estimator.residuals``)."""
+    (``estimator.api`` adds the workspace to the analytical bytes, then applies ``estimator.hardware.residuals``)."""
     comms = effective_communicators(terms["communicators"], emulated)
     workspace = residuals.cublas_workspace_bytes(coeffs)
     alloc, reserved, device = [], [], []

@@ -1,3 +1,3 @@
-from estimator.cli import main
+from estimator.io.cli import main
 
 raise SystemExit(main())

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from estimator import methods, residuals
-from estimator.arch import ModelArch, resolve_arch
-from estimator.gpus import get_gpu
-from estimator.model_params import buffer_bytes, expand_params, param_counts
-from estimator.profiles import get_profile
+from estimator.hardware import residuals
+from estimator.hardware.gpus import get_gpu
+from estimator.methods import state as methods
+from estimator.methods.timeline import Replay, poly, replay
+from estimator.models.arch import ModelArch, cached_arch
+from estimator.models.params import buffer_bytes, expand_params, param_counts
+from estimator.models.tp_plans import check_tp
+from estimator.profiler.cache import load_model_profile
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
-from estimator.timeline import Replay, poly, replay
-from estimator.tp_plans import check_tp
 
 GIB = 1024**3
 COMPONENTS = ("weights", "buffers", "gradients", "optimizer_states", "master_weights", "activations", "outputs_held",
@@ -90,11 +90,6 @@ class Estimate:
         }
 
 
-@functools.lru_cache(maxsize=256)
-def _arch(model: str) -> ModelArch:
-    return resolve_arch(model)
-
-
 def check_spec(spec: RunSpec, arch: ModelArch) -> None:
     """Model-dependent validation (the spec validates itself on construction)."""
     training, parallel = spec.training, spec.parallel
@@ -102,14 +97,6 @@ def check_spec(spec: RunSpec, arch: ModelArch) -> None:
         raise ValueError(f"seq_len: {training.seq_len} exceeds the model's {arch.max_positions} positions")
     if parallel.tp > 1:
         check_tp(arch, parallel.tp)  # "tp: ..." for a family without a plan or a split that does not divide
-
-
-def load_model_profile(model: str, training: TrainingSpec, tp: int = 1, *, allow_build: bool = True
-                       ) -> tuple[ModelArch, dict]:
-    """The architecture and its profile; ``tp > 1``: the profile of one rank of the ``tp``-way TP model (local
-    shards in its parameter table, replicated parts and full logits in its activations)."""
-    arch = _arch(model)
-    return arch, get_profile(arch.config, arch.config_sha, training, allow_build=allow_build, tp=tp)
 
 
 def _regime(profile: dict, b: int, s: int) -> dict:
@@ -259,7 +246,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     gpu = get_gpu(spec.gpu)
     if gpu.capacity_bytes is None:
         raise ValueError(f"gpu: {gpu.key!r} has no known capacity; name the GPU type (see --list-gpus)")
-    arch = _arch(spec.model)
+    arch = cached_arch(spec.model)
     check_spec(spec, arch)
     coeffs = coefficients if isinstance(coefficients, residuals.Coefficients) else \
         residuals.load_coefficients(gpu.key, coefficients)

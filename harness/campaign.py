@@ -376,7 +376,7 @@ def estimate_point_s(point: Any, isolation: str = "fork") -> float:
     ``flops = 6 x P_rank x tokens x (4/3 with checkpointing; 2/3 for LoRA) + 12 x layers x seq^2 x hidden x mb
     / tp (x1.5 for eager attention)``, P_rank = P / tp (FSDP and ZeRO compute every layer on every rank).
     """
-    from estimator.arch import arch_from_config
+    from estimator.models.arch import arch_from_config
     from harness.models import load_model_config
 
     spec, opts = point.spec, point.opts

@@ -1,6 +1,6 @@
 """Where a run happened: GPU key, device, library versions, allocator config, git state (``env.json``).
 
-GPU keys come from ``estimator.gpus.normalize_gpu_name`` (one table for the harness and the estimator).
+GPU keys come from ``estimator.hardware.gpus.normalize_gpu_name`` (one table for the harness and the estimator).
 
 The launcher (the Hydra process) must not create a CUDA context on a GPU the workers measure, so it reads the
 device through NVML only (``detect_device``); the full capture with torch happens in the worker.
@@ -29,13 +29,13 @@ VERSIONED_PACKAGES = ("torch", "transformers", "deepspeed", "peft", "tokenizers"
 
 
 def normalize_gpu_name(name: str, total_memory_bytes: int) -> str:
-    """The GPU key of a device: ``estimator.gpus.normalize_gpu_name`` (the catalogue keys, ``h100-80gb`` ...);
+    """The GPU key of a device: ``estimator.hardware.gpus.normalize_gpu_name`` (the catalogue keys, ``h100-80gb`` ...);
     ``cpu`` for the CPU. A board the catalogue does not know (the estimator says ``generic``) gets a key of its
     own, ``<model>-<GB>gb`` (``rtxa6000-48gb``), so measurements of different unknown GPUs never share a table."""
     if name.strip().lower() == "cpu":
         return "cpu"
-    from estimator.gpus import GENERIC
-    from estimator.gpus import normalize_gpu_name as catalogue_key
+    from estimator.hardware.gpus import GENERIC
+    from estimator.hardware.gpus import normalize_gpu_name as catalogue_key
 
     key = catalogue_key(name, total_memory_bytes)
     return key if key != GENERIC else generic_gpu_key(name, total_memory_bytes)
@@ -43,7 +43,7 @@ def normalize_gpu_name(name: str, total_memory_bytes: int) -> str:
 
 def catalogue_gpu_key(name: str, total_memory_bytes: int) -> str:
     """What RunSpec.gpu says for this device: the estimator's key (``generic`` for an unknown board)."""
-    from estimator.gpus import normalize_gpu_name as catalogue_key
+    from estimator.hardware.gpus import normalize_gpu_name as catalogue_key
 
     return "cpu" if name.strip().lower() == "cpu" else catalogue_key(name, total_memory_bytes)
 

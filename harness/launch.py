@@ -159,7 +159,7 @@ def _apply_deepspeed_config(spec: RunSpec, opts: HarnessOptions) -> RunSpec:
     if spec.parallel.zero_stage == 0:
         raise ValueError(f"deepspeed_config: only used by zero1/zero2/zero3/zero_offload, not method "
                          f"{spec.parallel.method!r}")
-    from estimator.deepspeed_config import spec_from_deepspeed
+    from estimator.configs.deepspeed_json import spec_from_deepspeed
     from harness.models import load_model_config
 
     hidden = load_model_config(spec.model).get("hidden_size")
@@ -184,7 +184,7 @@ def _check_model(spec: RunSpec) -> None:
         raise ValueError(f"training.seq_len: {spec.training.seq_len} exceeds {spec.model}'s "
                          f"{limit} positions")
     if spec.parallel.method in ("tp", "dp_tp"):
-        from estimator.tp_plans import check_tp
+        from estimator.models.tp_plans import check_tp
 
         check_tp(config, spec.parallel.tp)
 

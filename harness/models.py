@@ -1,4 +1,4 @@
-"""Model config resolution for the harness: ``estimator.arch.load_config`` (catalogue name, config.json path,
+"""Model config resolution for the harness: ``estimator.models.arch.load_config`` (catalogue name, config.json path,
 hub id when online), plus config paths relative to the repository root (the tiny test models in
 ``harness/assets/models``), so a spec keeps a short, machine-independent ``model`` string."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from estimator.arch import load_config
+from estimator.models.arch import load_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -5,7 +5,7 @@ Keys as ``accelerate config`` writes them (accelerate 1.15, ``commands/config/co
 https://huggingface.co/docs/accelerate/usage_guides/fsdp, .../usage_guides/deepspeed). ``num_processes`` is the
 total number of processes over all machines. Without ``fsdp_version`` accelerate launch runs FSDP1
 (``utils/launch.py`` sets ``FSDP_VERSION=1``). The DeepSpeed plugin's settings become a DeepSpeed config read by
-``estimator.deepspeed_config``; a ``deepspeed_config_file`` is read as it is.
+``estimator.configs.deepspeed_json``; a ``deepspeed_config_file`` is read as it is.
 """
 
 from __future__ import annotations

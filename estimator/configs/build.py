@@ -115,8 +115,8 @@ def spec_from_settings(settings: dict[str, Setting], report: ConfigReport) -> Ru
     if method == "deepspeed":
         base = RunSpec(model=model, parallel=ParallelSpec(method="ddp" if world > 1 else "single", world_size=world),
                        training=training, gpu=gpu)
-        from estimator.arch import resolve_arch
-        from estimator.deepspeed_config import spec_from_deepspeed
+        from estimator.configs.deepspeed_json import spec_from_deepspeed
+        from estimator.models.arch import resolve_arch
 
         return spec_from_deepspeed(settings["deepspeed"].value, base, resolve_arch(model).hidden_size)
     return RunSpec(model=model, parallel=ParallelSpec(method=method, world_size=world, tp=tp), training=training,

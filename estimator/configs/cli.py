@@ -4,7 +4,6 @@ override what the configs say; the output gains a "read from your configs" secti
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -37,24 +36,11 @@ def explicit_flags(build_parser: Callable[[], argparse.ArgumentParser], argv: li
     return flags
 
 
-def estimate_from_configs(args: argparse.Namespace, argv: list[str], build_parser) -> int:
-    """``python -m estimator --config FILE ...``: one estimate of the spec the configs describe."""
-    from estimator.api import estimate
-    from estimator.cli import render_detail
-
+def spec_from_args(args: argparse.Namespace, argv: list[str], build_parser) -> tuple[RunSpec, ConfigReport]:
+    """``python -m estimator --config FILE ...``: the spec the configs describe, the typed flags overriding."""
     if args.from_run:
         raise ValueError("config: --config and --from-run describe the run twice; give one of them")
-    spec, report = spec_from_configs(args.config, explicit_flags(build_parser, argv))
-    est = estimate(spec, args.coefficients)
-    if args.plot:
-        from estimator.plot import plot_breakdown
-
-        plot_breakdown([est], args.plot)
-    if args.json:
-        print(json.dumps({**est.to_dict(), "configs": report.to_dict()}, indent=2))
-    else:
-        print(render_detail(est) + "\n\n" + report.render())
-    return 1 if args.check and not est.fits else 0
+    return spec_from_configs(args.config, explicit_flags(build_parser, argv))
 
 
 def plan_args_from_configs(args: argparse.Namespace, argv: list[str], build_parser) -> ConfigReport:

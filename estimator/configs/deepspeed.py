@@ -1,4 +1,4 @@
-"""A DeepSpeed JSON given with ``--config``: the file itself is read by ``estimator.deepspeed_config`` (stage,
+"""A DeepSpeed JSON given with ``--config``: the file itself is read by ``estimator.configs.deepspeed_json`` (stage,
 offload, buckets, precision, batch sizes); here only its keys are sorted into used / no effect / not understood
 (https://www.deepspeed.ai/docs/config-json/)."""
 

@@ -35,7 +35,7 @@ def _with_config(model: Any) -> Any:
 def model_reference(model: Any, folder: Path) -> str:
     """A catalogue name when the live config is a catalogue model's, else a config.json written to ``folder``
     (so the record stays predictable later, with no hub access)."""
-    from estimator.arch import catalogue_models, config_fingerprint, load_config
+    from estimator.models.arch import catalogue_models, config_fingerprint, load_config
 
     config = _config_dict(unwrap(model))
     fingerprint = config_fingerprint(config)
@@ -144,7 +144,7 @@ def device_gpu_key() -> tuple[str | None, int | None, str | None]:
 
     if not torch.cuda.is_available():
         return None, None, None
-    from estimator.gpus import normalize_gpu_name
+    from estimator.hardware.gpus import normalize_gpu_name
 
     device = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(device)

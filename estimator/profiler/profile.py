@@ -19,9 +19,9 @@ from fractions import Fraction
 
 import torch
 
+from estimator.models.profiles import MONOMIALS, PROFILE_SCHEMA_VERSION
 from estimator.profiler import build
 from estimator.profiler.trace import StorageRecorder, decoder_layers, install_layer_markers, label_grads
-from estimator.profiles import MONOMIALS, PROFILE_SCHEMA_VERSION
 from estimator.spec import TrainingSpec
 
 PROFILE_LAYERS = 3
@@ -447,7 +447,7 @@ def _module_kind(module: torch.nn.Module) -> str:
 def build_profile(config: dict, training: TrainingSpec, *, check: bool = True, tp: int = 1) -> dict:
     """Trace, fit and summarise. Seconds of CPU on fake tensors; no real memory is used.
 
-    ``tp > 1``: the profile of TP rank 0 of ``tp`` (layers split by ``estimator.tp_plans``, embeddings, norms and
+    ``tp > 1``: the profile of TP rank 0 of ``tp`` (layers split by ``estimator.models.tp_plans``, embeddings, norms and
     lm_head replicated), traced on a fake process group that exists only during this call."""
     started = time.perf_counter()
     with _process_group(tp):
@@ -499,7 +499,7 @@ def _variant(training: TrainingSpec) -> dict:
 
 def _check_depth(config: dict, training: TrainingSpec, regime: dict, fitted: dict, tp: int = 1) -> dict:
     """Replay the 3-layer segments for 4 layers and compare with a real 4-layer trace at one point."""
-    from estimator.timeline import replay_activation_peak
+    from estimator.methods.timeline import replay_activation_peak
 
     b, s = _points(regime)[1][0]
     deeper = _Model(config, training, CHECK_LAYERS, tp)

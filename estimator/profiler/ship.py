@@ -15,10 +15,11 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from estimator.arch import catalogue_models, resolve_arch
-from estimator.profiles import PROFILE_SCHEMA_VERSION, profile_key, save_profile
+from estimator.models.arch import catalogue_models, resolve_arch
+from estimator.models.profiles import profile_key, save_profile
+from estimator.models.tp_plans import check_tp
+from estimator.profiler.carry import backfill_buffers, carry_over_file, variant_training
 from estimator.spec import TrainingSpec
-from estimator.tp_plans import check_tp
 
 # The spec's default, the same with checkpointing, the paper's setting, pure bf16, and fp16 for pre-Ampere GPUs.
 DEFAULT_VARIANTS = {
@@ -32,130 +33,17 @@ DEFAULT_VARIANTS = {
 }
 
 
-def _current_or_carried(path: Path) -> bool:
-    """True when the shipped profile is current or could be carried over (``carry_over``, saved in place). Schema 2
-    changed only SDPA traces (no 4-D mask for a full-length batch): a schema-1 profile traced with eager attention
-    is carried over unchanged (rebuilding OPT-125m and Qwen2.5-0.5B eager profiles gave identical segments,
-    2026-11-22). Schema 3 added two facts about the parameters, not the trace (``layers_at``, ``grad_order``): a
-    schema-2 profile gets them from the same shrunken model built on fake tensors (``backfill_order``). Schema 4
-    added the manual training loop (``backfill_manual_loop``)."""
-    profile = json.loads(path.read_text())
-    if profile.get("schema_version") == PROFILE_SCHEMA_VERSION:
-        return True
-    if not carry_over(profile):
-        return False
-    save_profile(path.stem, profile, path.parent)
-    return True
-
-
-def carry_over(profile: dict, config: dict | None = None) -> bool:
-    """Bring an older profile to the current schema in place without re-tracing it, where that is exact; False
-    when it must be rebuilt. ``config``: the model's config (default: the shipped profile's catalogue model's)."""
-    config = config if config is not None else resolve_arch(profile["model"]).config
-    version = profile.get("schema_version")
-    provenance = profile.setdefault("provenance", {})
-    if version == 1 and profile.get("attn_effective") == "eager":
-        provenance["carried_over"] = "schema 1 -> 2: eager trace unaffected"
-        version = 2
-    if version == 2:
-        backfill_order(profile, config)
-        provenance["carried_over_3"] = "schema 2 -> 3: layers_at, grad_order backfilled"
-        version = 3
-    if version == 3:
-        if not backfill_manual_loop(profile, config):
-            return False
-        provenance["carried_over_4"] = "schema 3 -> 4: outputs_held, segments_manual backfilled"
-        version = 4
-    profile["schema_version"] = version
-    return version == PROFILE_SCHEMA_VERSION
-
-
-def backfill_manual_loop(profile: dict, config: dict) -> bool:
-    """Add ``outputs_held`` and ``segments_manual`` (schema 4) to a schema-3 profile, from forward passes of the
-    same shrunken model at the regime's fitting points: the output object's storages besides the loss, and
-    whether the autograd graph keeps them. When the graph keeps none, the manual loop's step is the traced step
-    with the previous step's outputs alive from its start, so ``segments_manual`` is ``segments`` with the prefix
-    raised by them (``manual_loop_events`` gives the same for such a trace). False (nothing changed) when the
-    graph keeps one: that profile must be re-traced."""
-    from estimator.profiler.profile import PROFILE_LAYERS, _Model, _points, _process_group, _solve
-
-    training = _variant_training(profile)
-    tp = profile.get("tp", 1)
-    updated = []
-    with _process_group(tp):
-        model = _Model(config, training, PROFILE_LAYERS, tp)
-        for regime in profile["regimes"]:
-            points = _points(regime)[0]
-            held = {point: model.output_bytes(*point) for point in points}
-            polys = {kind: [float(c) for c in _solve(points, [sum(n for n, saved in held[p] if saved == want)
-                                                              for p in points])]
-                     for kind, want in (("dropped", False), ("saved", True))}
-            if any(polys["saved"]):
-                return False
-            updated.append((regime, polys))
-    for regime, polys in updated:
-        regime["outputs_held"] = polys
-        regime["segments_manual"] = _raised_prefix(regime["segments"], polys["dropped"])
-    return True
-
-
-def _raised_prefix(segments: dict, held: list[float]) -> dict:
-    prefix = segments["prefix"]
-    raised = {"net_act": [a + h for a, h in zip(prefix["net_act"], held)], "net_grad": prefix["net_grad"],
-              "candidates": [(list(held), 0.0)]  # the step's start: the previous outputs alone
-              + [([a + h for a, h in zip(act, held)], grad) for act, grad in prefix["candidates"]]}
-    return {**segments, "prefix": raised}
-
-
-def _variant_training(profile: dict) -> TrainingSpec:
-    variant = profile["variant"]
-    return TrainingSpec(precision=variant["precision"], attn=variant["attn"], grad_ckpt=variant["grad_ckpt"],
-                        lora_rank=variant["lora_rank"], lora_targets=variant["lora_targets"])
-
-
-def backfill_order(profile: dict, config: dict) -> None:
-    """Add ``params.layers_at`` and (single-rank profiles) ``params.grad_order`` to a profile that lacks them,
-    from the shrunken model on fake tensors and one untraced training step (seconds)."""
-    from estimator.profiler.profile import PROFILE_LAYERS, _Model, grad_hook_order, param_table
-
-    training = _variant_training(profile)
-    model = _Model(config, training, PROFILE_LAYERS)
-    table_model = model.base if not training.lora else model.model
-    profile["params"]["layers_at"] = param_table(table_model, model.layers, PROFILE_LAYERS)["layers_at"]
-    if not profile.get("tp"):
-        profile["params"]["grad_order"] = grad_hook_order(model.model, table_model, model.layers, model.warm_step)
-
-
-def backfill_buffers(path: Path) -> bool:
-    """Profiles shipped before module buffers were recorded lack ``params.buffers``: add them from a meta-device
-    build of the same shrunken model (buffers are created at construction; no trace needed). True if changed."""
-    from estimator.profiler import build
-    from estimator.profiler.profile import PROFILE_LAYERS, param_table
-    from estimator.profiler.trace import decoder_layers
-
-    profile = json.loads(path.read_text())
-    if "buffers" in profile["params"]:
-        return False
-    training = _variant_training(profile)
-    model = build.build_model(resolve_arch(profile["model"]).config, training, num_layers=PROFILE_LAYERS, meta=True)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    table = param_table(base, decoder_layers(base, PROFILE_LAYERS), PROFILE_LAYERS)
-    profile["params"]["buffers"] = table["buffers"]
-    save_profile(path.stem, profile, path.parent)
-    return True
-
-
 def carry_over_shipped(directory: Path) -> int:
     """Every shipped profile at the current schema: carried over where exact, else re-traced."""
     from estimator.profiler.profile import build_profile
 
     for path in sorted(directory.glob("*.json")):
         started = time.perf_counter()
-        if _current_or_carried(path):
+        if carry_over_file(path):
             how = "current or carried over"
         else:
             profile = json.loads(path.read_text())
-            rebuilt = build_profile(resolve_arch(profile["model"]).config, _variant_training(profile),
+            rebuilt = build_profile(resolve_arch(profile["model"]).config, variant_training(profile),
                                     tp=profile.get("tp", 1))
             rebuilt["model"] = profile["model"]
             save_profile(path.stem, rebuilt, directory)
@@ -190,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue  # no plan for this family, or it does not split tp ways
             key = profile_key(arch.config_sha, training, tp)
             path = out / f"{key}.json"
-            if path.exists() and _current_or_carried(path):
+            if path.exists() and carry_over_file(path):
                 backfill_buffers(path)
                 continue  # resume; an older schema is rebuilt
             started = time.perf_counter()

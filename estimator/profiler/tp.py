@@ -1,4 +1,4 @@
-"""Apply the tensor-parallel plans of ``estimator.tp_plans`` to a built Hugging Face causal LM.
+"""Apply the tensor-parallel plans of ``estimator.models.tp_plans`` to a built Hugging Face causal LM.
 
 ``apply_tp(model, mesh, arch_config)`` works the same on a fake process group under FakeTensorMode (the
 estimator's TP profiles, ``estimator.profiler.profile``, and the CPU oracle, ``harness.fake``) and on real gloo /
@@ -9,12 +9,12 @@ before building the optimizer; every rank must hold the same full weights before
 
 What it does, per decoder layer (the ModuleList named by ``tp_layers_path``):
 
-1. family-specific weight permutation (CodeGen, see ``estimator.tp_plans``), on the full weights;
+1. family-specific weight permutation (CodeGen, see ``estimator.models.tp_plans``), on the full weights;
 2. ``parallelize_module(layer, tp_mesh, {name: ColwiseParallel() | RowwiseParallel()})`` with
    ``use_local_output=True``: colwise outputs are the rank's local ``(b, s, out/tp)`` tensors, rowwise outputs
    are all-reduced full ``(b, s, hidden)`` tensors; parameters become DTensors (colwise ``Shard(0)``, rowwise
    weight ``Shard(1)`` and bias ``Replicate()``); peft LoRA targets are mapped onto their ``base_layer`` /
-   ``lora_A`` / ``lora_B`` as the module docstring of ``estimator.tp_plans`` says;
+   ``lora_A`` / ``lora_B`` as the module docstring of ``estimator.models.tp_plans`` says;
 3. head-count attributes divided by tp (``tp_attr_patches``) and BLOOM's ALiBi slicing hook.
 
 Embeddings, norms and ``lm_head`` stay plain (replicated) tensors on every rank.
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from estimator import tp_plans
+from estimator.models import tp_plans
 
 
 def _get(module: nn.Module, path: str) -> Any:
@@ -171,7 +171,7 @@ def _bloom_alibi_hook(tp: int, rank: int):
 def apply_tp(model: nn.Module, mesh, arch_config: Any) -> nn.Module:
     """Split every decoder layer of ``model`` over the 1-D ``mesh`` (the TP mesh or the "tp" sub-mesh).
 
-    ``arch_config``: the HF config dict (``estimator.arch.load_config``) or an ``estimator.arch.ModelArch``.
+    ``arch_config``: the HF config dict (``estimator.models.arch.load_config``) or an ``estimator.models.arch.ModelArch``.
     Raises ``ValueError("tp: ...")`` when the architecture cannot be split ``mesh.size()`` ways.
     """
     from torch.distributed.tensor.parallel import parallelize_module

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
         config = None
         if args.num_layers is not None:
-            from estimator.arch import load_config
+            from estimator.models.arch import load_config
             from estimator.profiler.build import with_num_layers
 
             config = with_num_layers(load_config(spec.model), args.num_layers)

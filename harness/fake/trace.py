@@ -43,7 +43,7 @@ def _check(spec: RunSpec, config: dict[str, Any]) -> None:
         raise ValueError(f"optimizer: {spec.training.optimizer!r} cannot be traced "
                          f"({_UNSUPPORTED_OPTIMIZERS[spec.training.optimizer]})")
     if method in ("tp", "dp_tp"):
-        from estimator.tp_plans import check_tp
+        from estimator.models.tp_plans import check_tp
 
         check_tp(config, spec.parallel.tp)
 
@@ -240,7 +240,7 @@ def _notes(spec: RunSpec, round_to: int) -> list[str]:
         notes.append("ddp: fake run uses init_sync=False and a no-op comm hook; buckets are torch defaults "
                      "(25 MiB, first 1 MiB, gradient_as_bucket_view=False)")
     if method in ("tp", "dp_tp"):
-        notes.append("tp: decoder-layer linears split (estimator.tp_plans); embeddings, norms and lm_head "
+        notes.append("tp: decoder-layer linears split (estimator.models.tp_plans); embeddings, norms and lm_head "
                      "replicated, so every rank holds the full logits")
     if training.precision.startswith("amp_"):
         notes.append("amp: traced under CPU autocast, whose op cast lists differ slightly from CUDA's")
@@ -260,7 +260,7 @@ def trace_run(spec: RunSpec, ranks=None, *, config: dict[str, Any] | None = None
 
     ``fake_tensors=False`` runs the same program on real CPU tensors (same fake process group): a validation
     mode for small configs (it allocates the memory it reports)."""
-    from estimator.arch import load_config
+    from estimator.models.arch import load_config
 
     if config is None:
         config = load_config(spec.model)

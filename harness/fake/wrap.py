@@ -24,7 +24,7 @@ Methods (``spec.parallel.method``), N = world size:
     after sharding (the sharded DTensors). Gradient accumulation: every micro-batch reduce-scatters (no
     ``set_requires_gradient_sync(False)``).
 ``tp``
-    ``estimator.profiler.tp.apply_tp(model, mesh_1d(N), config)`` (see ``estimator.tp_plans``). Optimizer: foreach AdamW
+    ``estimator.profiler.tp.apply_tp(model, mesh_1d(N), config)`` (see ``estimator.models.tp_plans``). Optimizer: foreach AdamW
     cannot take DTensor (split) and plain (replicated: embeddings, norms, lm_head) tensors in one list (torch
     raises "got mixed torch.Tensor and DTensor"), so ``build_method_optimizer`` builds one optimizer per kind
     (DTensor params first, then plain ones) and steps them in that order (``estimator.profiler.tp

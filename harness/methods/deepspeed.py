@@ -213,7 +213,7 @@ def wrap(ctx: WrapContext) -> DeepSpeedTrainer:
     patch_deepspeed(fake_pg=ctx.fake_pg)
     user = None
     if ctx.options.deepspeed_config:
-        from estimator.deepspeed_config import load_deepspeed_config
+        from estimator.configs.deepspeed_json import load_deepspeed_config
 
         user = load_deepspeed_config(ctx.options.deepspeed_config)
     config = ds_config(ctx.spec, user)

@@ -1,5 +1,5 @@
 """``tp`` and ``dp_tp``: tensor parallelism with ``estimator.profiler.tp.apply_tp`` (per-architecture
-``parallelize_module`` plans from ``estimator.tp_plans``), through ``harness.fake.wrap`` (the contract shared with
+``parallelize_module`` plans from ``estimator.models.tp_plans``), through ``harness.fake.wrap`` (the contract shared with
 the CPU oracle and the estimator's TP profiles).
 
 * ``tp``: a 1-D mesh over all ranks; decoder-layer linears split colwise/rowwise, embeddings, norms and

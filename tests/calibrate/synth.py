@@ -16,8 +16,8 @@ from pathlib import Path
 
 from estimator.api import estimate
 from estimator.columns import COLUMNS, spec_columns
-from estimator.gpus import get_gpu
-from estimator.residuals import Coefficients
+from estimator.hardware.gpus import get_gpu
+from estimator.hardware.residuals import Coefficients
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
 MIB = 1024**2

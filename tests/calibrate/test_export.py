@@ -8,10 +8,10 @@ import pytest
 
 from calibrate.cli import main
 from calibrate.terms import PROBE
-from estimator import residuals
 from estimator.api import estimate
 from estimator.columns import spec_from_columns
-from estimator.residuals import REQUIRED_TERMS, load_coefficients
+from estimator.hardware import residuals
+from estimator.hardware.residuals import REQUIRED_TERMS, load_coefficients
 from tests.calibrate import synth
 
 
@@ -63,7 +63,7 @@ def test_the_fitted_file_changes_the_estimate(exported):
 
 
 def test_estimator_cli_takes_the_fitted_file(exported, capsys):
-    from estimator.cli import main as estimator_main
+    from estimator.io.cli import main as estimator_main
 
     _, path = exported
     code = estimator_main(["--model", "facebook/opt-125m", "--method", "ddp", "--gpus", "2", "--gpu", "h100-80gb",

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from calibrate import fit as F
-from estimator.residuals import load_coefficients
+from estimator.hardware.residuals import load_coefficients
 from tests.calibrate.synth import MIB, MODELS, TRUTH
 
 PRIOR = load_coefficients("h100-80gb")

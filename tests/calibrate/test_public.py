@@ -153,7 +153,7 @@ def test_fit_needs_two_sources_and_must_beat_the_prior():
 
 def test_accepted_fit_ships_a_valid_file_the_estimator_names(tmp_path):
     from calibrate.public_fit import judge, write_accepted
-    from estimator.residuals import load_coefficients, provenance_notes
+    from estimator.hardware.residuals import load_coefficients, provenance_notes
 
     data = tmp_path / "m.csv"
     data.write_text("x\n")

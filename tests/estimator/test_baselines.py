@@ -1,4 +1,4 @@
-"""Baselines (estimator.baselines) against hand-computed numbers and against DeepSpeed's / accelerate's own code.
+"""Baselines (estimator.baselines.equations) against hand-computed numbers and against DeepSpeed's / accelerate's own code.
 
 Hand numbers use two tables:
 * TINY: a 2-layer OPT (hidden 64, ffn 256, vocab 1000, 128 positions). It is built for real in ``tiny_opt`` and
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from estimator import baselines as B
-from estimator.arch import arch_from_config, load_config
+from estimator.baselines import equations as B
+from estimator.models.arch import arch_from_config, load_config
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
 
 MIB = 1 << 20
@@ -25,7 +25,7 @@ Mi = 1 << 20  # elements
 
 @dataclass(frozen=True)
 class Row:
-    """The fields of ``estimator.model_params.ParamInfo`` the baselines read."""
+    """The fields of ``estimator.models.params.ParamInfo`` the baselines read."""
 
     name: str
     shape: tuple[int, ...]
@@ -235,7 +235,7 @@ def test_llmem_tiny_model_by_hand():
 
 def test_llmem_m_base_from_coefficients():
     est = B.llmem(TINY_ARCH, TINY, run(gpu="h100-80gb"))
-    from estimator.residuals import load_coefficients
+    from estimator.hardware.residuals import load_coefficients
 
     assert est.breakdown["m_base"] == load_coefficients("h100-80gb").cuda_context_bytes
 
@@ -346,8 +346,8 @@ def test_rule_of_thumb():
 
 
 def test_works_on_model_params_rows():
-    """The lead's ParamInfo (estimator.model_params) carries every field the baselines read."""
-    model_params = pytest.importorskip("estimator.model_params")
+    """The lead's ParamInfo (estimator.models.params) carries every field the baselines read."""
+    model_params = pytest.importorskip("estimator.models.params")
     rows = [model_params.ParamInfo(name=r.name, shape=r.shape, numel=r.numel, elem_bytes=2, trainable=True,
                                    module_kind=r.module_kind, layer=r.layer, tied_names=r.tied_names) for r in TINY]
     assert B.llmem(TINY_ARCH, rows, run(), m_base_bytes=0) == B.llmem(TINY_ARCH, TINY, run(), m_base_bytes=0)

@@ -18,7 +18,7 @@ from estimator.batching import (
 )
 from estimator.batching.batches import grouped_order
 from estimator.batching.epoch import percentile, shape_spec
-from estimator.cli import main
+from estimator.io.cli import main
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
 MODEL = "facebook/opt-125m"

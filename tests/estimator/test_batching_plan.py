@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from estimator.batching.epoch import EpochOptions, EpochSource
-from estimator.plan_cli import run_plan
+from estimator.planning.cli import run_plan
 from tests.estimator.test_plan import MODEL, _cli_args, fake_model, make_fake, run  # noqa: F401 (fixture)
 
 
@@ -50,7 +50,7 @@ def test_tokens_per_second_counts_real_tokens():
 
 
 def test_plan_cli_with_lengths(monkeypatch, capsys, tmp_path):
-    from estimator import plan as P
+    from estimator.planning import plan as P
     from tests.estimator.test_plan import GPU
 
     real = P.plan

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from estimator.cli import main
+from estimator.io.cli import main
 
 
 def test_default_compares_all_methods(capsys):

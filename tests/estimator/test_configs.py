@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from estimator import cli
 from estimator.configs import detect_tool, read_config, spec_from_configs
 from estimator.configs.load import load_mapping
+from estimator.io import cli
 
 EXAMPLES = Path(__file__).parent / "config_examples"
 
@@ -175,7 +175,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, content, suffix, exp
 
 
 def test_plan_reads_configs(capsys):
-    from estimator.plan_cli import main as plan_main
+    from estimator.planning.cli import main as plan_main
 
     argv = ["--config", str(EXAMPLES / "accelerate_fsdp2.yaml"), "--model", "facebook/opt-125m",
             "--methods", "fsdp,ddp", "--ckpt", "on", "--json"]

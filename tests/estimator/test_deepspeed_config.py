@@ -1,4 +1,4 @@
-"""DeepSpeed JSON -> RunSpec (estimator.deepspeed_config): stages, offload, precision, batches, "auto", bad values."""
+"""DeepSpeed JSON -> RunSpec (estimator.configs.deepspeed_json): stages, offload, precision, batches, "auto", bad values."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from estimator.deepspeed_config import parse_count, parse_flag, spec_from_deepspeed
+from estimator.configs.deepspeed_json import parse_count, parse_flag, spec_from_deepspeed
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
 
 BASE = RunSpec(model="facebook/opt-1.3b", parallel=ParallelSpec(method="ddp", world_size=4),

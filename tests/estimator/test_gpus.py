@@ -1,4 +1,4 @@
-"""GPU catalogue, device-name normalisation and the residual coefficient files (estimator.gpus, .residuals)."""
+"""GPU catalogue, device-name normalisation and the residual coefficient files (estimator.hardware.gpus, .residuals)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from importlib import resources
 
 import pytest
 
-from estimator import gpus, residuals
-from estimator.gpus import GENERIC, get_gpu, list_gpus, normalize_gpu_name
+from estimator.hardware import gpus, residuals
+from estimator.hardware.gpus import GENERIC, get_gpu, list_gpus, normalize_gpu_name
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -27,9 +27,9 @@ def test_loop_travels_as_a_column_and_older_tables_mean_trainer():
 
 torch = pytest.importorskip("torch")
 
+from estimator.methods.timeline import replay  # noqa: E402
+from estimator.profiler.carry import _raised_prefix, carry_over  # noqa: E402
 from estimator.profiler.profile import build_profile  # noqa: E402
-from estimator.profiler.ship import _raised_prefix, carry_over  # noqa: E402
-from estimator.timeline import replay  # noqa: E402
 
 from .test_matches_trace import TINY  # noqa: E402
 

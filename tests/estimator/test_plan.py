@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from estimator import plan as P
-from estimator import throughput as T
-from estimator.arch import arch_from_config
-from estimator.plan_cli import add_plan_arguments, format_plan, run_plan
+from estimator.models.arch import arch_from_config
+from estimator.planning import plan as P
+from estimator.planning import throughput as T
+from estimator.planning.cli import add_plan_arguments, format_plan, run_plan
 
 GIB = 1024**3
 MODEL = "fake/llama-1b"
@@ -406,7 +406,7 @@ def test_cli_rejects_impossible_gpu_counts():
 def test_end_to_end_on_a_catalogue_model(monkeypatch):
     api = pytest.importorskip("estimator.api")
     monkeypatch.undo()                                  # the real model facts
-    from estimator.gpus import get_gpu  # noqa: F401  (the catalogue must exist)
+    from estimator.hardware.gpus import get_gpu  # noqa: F401  (the catalogue must exist)
 
     def estimate(spec):
         return api.estimate(spec, allow_build=False)    # shipped profiles only: no torch in a unit test
@@ -425,7 +425,7 @@ def test_end_to_end_on_a_catalogue_model(monkeypatch):
 
 # --- LLMem's Algorithm 1 baseline ---------------------------------------------------------------------------------
 def test_algorithm1_scores_and_tie_order():
-    from estimator.llmem_select import OFFLOAD, select
+    from estimator.baselines.llmem_select import OFFLOAD, select
     method, scores = select({"CDP": 2, "ADP": 3, "TP": 0, "DP+TP": 0}, gpus=4, dp_of_dptp=2)
     assert scores == {"CDP": 12.0, "ADP": 12, "TP": 0.0, "DP+TP": 0} and method == "CDP"   # tie -> CDP first
     assert select({"CDP": 0, "ADP": 0, "TP": 4, "DP+TP": 2}, gpus=4, dp_of_dptp=2)[0] == "TP"
@@ -434,7 +434,7 @@ def test_algorithm1_scores_and_tie_order():
 
 
 def test_algorithm1_uses_the_memory_source(monkeypatch):
-    from estimator import llmem_select as L
+    from estimator.baselines import llmem_select as L
     seen = {}
 
     def batches(model, layouts, gpus, gpu, seq_len):
@@ -450,14 +450,14 @@ def test_algorithm1_uses_the_memory_source(monkeypatch):
 
 
 def test_table3_models_are_in_the_catalogue():
-    from estimator.arch import catalogue_models
-    from estimator.llmem_select import TABLE3
+    from estimator.baselines.llmem_select import TABLE3
+    from estimator.models.arch import catalogue_models
     assert set(TABLE3) <= set(catalogue_models())
     assert TABLE3["facebook/opt-2.7b"][1]["4DP"] is None and TABLE3["facebook/opt-1.3b"][0] == "4DP"
 
 
 def test_comparison_explains_agreement_and_differences():
-    from estimator.llmem_select import Comparison, LlmemChoice, explain
+    from estimator.baselines.llmem_select import Comparison, LlmemChoice, explain
     alg = LlmemChoice("m", 4, "TP", 6, {"CDP": 0, "ADP": 0, "TP": 6, "DP+TP": 4}, {"CDP": 0, "ADP": 0, "TP": 6,
                                                                                    "DP+TP": 2}, "test")
     columns = {"4DP": {"layout": "zero3", "fits": True, "status": "ok", "micro_batch": 3, "tokens_per_s": 9000.0,
@@ -481,7 +481,7 @@ def test_comparison_explains_agreement_and_differences():
 
 def test_comparison_derives_what_algorithm1_would_need():
     """A disagreement with the paper's pick is explained by the batch Algorithm 1's own rule would need."""
-    from estimator.llmem_select import Comparison, LlmemChoice, explain, select
+    from estimator.baselines.llmem_select import Comparison, LlmemChoice, explain, select
     batches = {"CDP": 0, "ADP": 2, "TP": 6, "DP+TP": 4}
     method, scores = select(batches, gpus=4, dp_of_dptp=2)
     assert method == "ADP" and scores == {"CDP": 0.0, "ADP": 8, "TP": 6.0, "DP+TP": 8}   # the tie goes to ADP
@@ -511,7 +511,7 @@ def test_comparison_derives_what_algorithm1_would_need():
 
 
 def test_comparison_time_ratio_mismatch_is_explained():
-    from estimator.llmem_select import Comparison, LlmemChoice, explain
+    from estimator.baselines.llmem_select import Comparison, LlmemChoice, explain
     alg = LlmemChoice("m", 4, "ADP", 9, {"CDP": 0, "ADP": 36, "TP": 9, "DP+TP": 18},
                       {"CDP": 0, "ADP": 9, "TP": 9, "DP+TP": 9}, "test")
     columns = {"4DP": {"layout": "fsdp", "fits": True, "status": "ok", "micro_batch": 9, "tokens_per_s": 1000.0,
@@ -544,7 +544,7 @@ def test_the_plan_says_whether_efficiency_is_a_prior_or_fitted(tmp_path, monkeyp
 
 
 def test_cli_bad_inputs_are_one_line_exit_2(capsys):
-    from estimator.plan_cli import main
+    from estimator.planning.cli import main
     for argv in (["--gpus", "0"], ["--gpus", "-2"], ["--gpus", "2.5"], ["--gpus", "four"], ["--gpus", "4", "--seq-len", "0"],
                  ["--gpus", "4", "--global-batch", "-8"], ["--gpus", "4", "--host-ram", "x"]):
         with pytest.raises(SystemExit) as exit_:

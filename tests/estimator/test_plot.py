@@ -1,4 +1,4 @@
-"""Breakdown chart (estimator.plot): bar extraction without matplotlib, a PNG with it."""
+"""Breakdown chart (estimator.io.plot): bar extraction without matplotlib, a PNG with it."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from estimator.baselines import Baseline
-from estimator.plot import breakdown_bars, plot_breakdown
+from estimator.baselines.equations import Baseline
+from estimator.io.plot import breakdown_bars, plot_breakdown
 
 GIB = 1 << 30
 

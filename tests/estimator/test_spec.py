@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from estimator.arch import arch_from_config, catalogue_models, load_config, resolve_arch
+from estimator.models.arch import arch_from_config, catalogue_models, load_config, resolve_arch
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from estimator import throughput as T
+from estimator.planning import throughput as T
 
 GPU = T.GpuPerf(key="test-gpu", name="Test GPU", capacity_bytes=80 * 1024**3,
                 peak_flops={"bf16": 200e12, "fp16": 200e12, "fp32": 20e12}, memory_bandwidth=2e12,
@@ -142,7 +142,7 @@ def test_links_presets_catalogue_and_override():
 
 
 def test_catalogue_adapter():
-    pytest.importorskip("estimator.gpus")
+    pytest.importorskip("estimator.hardware.gpus")
     v100 = T.gpu_perf("v100-16gb")
     assert v100.family == "volta" and v100.flops_for("mixed_fp16") == 125e12 and not v100.supports_bf16()
     assert v100.link == "nvlink" and v100.link_bandwidth == pytest.approx(150e9 * T.LINK_EFFICIENCY["nvlink"])
@@ -210,7 +210,7 @@ def test_fit_cli(tmp_path, capsys):
         writer = csv.DictWriter(handle, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
         writer.writeheader()
         writer.writerows(rows)
-    pytest.importorskip("estimator.gpus")
+    pytest.importorskip("estimator.hardware.gpus")
     assert T.main([str(path), "--out-dir", str(tmp_path)]) == 0
     assert (tmp_path / "throughput_a100-80gb.json").is_file()
     assert "a100-80gb: e_max=" in capsys.readouterr().out
@@ -274,8 +274,8 @@ def _write_csv(path, rows):
 
 
 def test_fit_cli_on_a_harness_table_recovers_planted_efficiency(tmp_path, capsys):
-    pytest.importorskip("estimator.gpus")
-    from estimator.plan import model_shape
+    pytest.importorskip("estimator.hardware.gpus")
+    from estimator.planning.shape import model_shape
     model = "HuggingFaceTB/SmolLM2-135M"
     try:
         shape = model_shape(model)                       # parameter counts from the estimator's profile

@@ -1,6 +1,6 @@
 import random
 
-from estimator.timeline import poly, replay, segment_sequence
+from estimator.methods.timeline import poly, replay, segment_sequence
 
 
 def _segments(rng):

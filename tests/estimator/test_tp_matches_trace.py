@@ -57,9 +57,9 @@ def test_tp_allocated_peak_within_1_percent(tmp_path, family, tp, training):
 
 def test_tp_two_optimizers_split_the_step(tmp_path):
     """At the optimizer step each optimizer (DTensor params, then plain ones) has its own foreach temporaries."""
-    from estimator import methods
-    from estimator.api import load_model_profile
-    from estimator.model_params import expand_params
+    from estimator.methods import state as methods
+    from estimator.models.params import expand_params
+    from estimator.profiler.cache import load_model_profile
 
     config = tiny_config("opt", num_layers=LAYERS)  # the profile of the first opt case above (cached)
     path = tmp_path / "opt.json"

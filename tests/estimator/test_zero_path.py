@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1/2 gradient path per rank (``estimator.methods.zero12_ranks``) on hand-made parameter tables.
+"""DeepSpeed ZeRO-1/2 gradient path per rank (``estimator.methods.state.zero12_ranks``) on hand-made parameter tables.
 
 What is checked is DeepSpeed 0.19's logic as read in ``deepspeed/runtime/zero/stage_1_and_2.py`` and measured on CPU
 (docs/LOG.md 2026-11-23): partitions of the flat buffer in ``model.parameters()`` order, a buffer holding every
@@ -8,9 +8,9 @@ tensor that overlaps the partition in full, the IPG flush that allocates it, and
 from __future__ import annotations
 
 from estimator.api import _undominated
-from estimator.methods import Zero12Rank, _zero_backward_order, _zero_flat_order, zero12_ranks
-from estimator.model_params import ParamInfo, backward_order, expand_params
-from estimator.timeline import replay, segment_sequence
+from estimator.methods.state import Zero12Rank, _zero_backward_order, _zero_flat_order, zero12_ranks
+from estimator.methods.timeline import replay, segment_sequence
+from estimator.models.params import ParamInfo, backward_order, expand_params
 
 
 def _p(name, numel, layer=None, kind="linear", before=None, index=None, tied=()):
@@ -127,7 +127,7 @@ def test_replay_evaluates_the_repetition_where_the_policy_steps():
 def test_replay_with_a_stepping_policy_equals_explicit_iteration():
     import random
 
-    from estimator.timeline import poly
+    from estimator.methods.timeline import poly
 
     rng = random.Random(1)
     for _ in range(1000):

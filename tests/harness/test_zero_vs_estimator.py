@@ -1,6 +1,6 @@
 """The estimator's DeepSpeed ZeRO accounting against real DeepSpeed runs on CPU (storages counted).
 
-DeepSpeed cannot run on fake tensors, so this is the check of ``estimator.methods.zero``: emulated ranks 0 and
+DeepSpeed cannot run on fake tensors, so this is the check of ``estimator.methods.state.zero``: emulated ranks 0 and
 N-1 of a real DeepSpeed job on the fake process group, every storage counted in 512-byte blocks
 (``memory_source counted-cpu``), against ``estimate()`` less the cuBLAS workspace CPU runs do not have. Small
 buckets make the tiny model span several of them, as real models do with the defaults; the default buckets

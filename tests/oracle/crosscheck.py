@@ -70,7 +70,7 @@ def memtracker_step2_peak(spec: RunSpec, config: dict) -> int:
 
 
 if __name__ == "__main__":
-    from estimator.arch import load_config
+    from estimator.models.arch import load_config
     from estimator.profiler.build import with_num_layers
     from estimator.spec import ParallelSpec, TrainingSpec
     from harness.fake import trace_run

@@ -11,15 +11,15 @@ import sys
 
 import pytest
 
-from estimator.arch import load_config
+from estimator.models.arch import load_config
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 from tests.oracle.tiny import FAMILIES, tiny_config
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from estimator.models.tp_plans import param_shard_dim  # noqa: E402
 from estimator.profiler.build import build_model, with_num_layers  # noqa: E402
-from estimator.tp_plans import param_shard_dim  # noqa: E402
 from harness.fake import trace_run  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")  # OPT layers return a view; harmless
@@ -34,7 +34,7 @@ def _spec(method, ws=1, tp=1, model=OPT, training=TRAIN):
 
 
 def _expected_local_numel(config, training, tp):
-    """Parameters one TP rank holds, from estimator.tp_plans.param_shard_dim over the meta model."""
+    """Parameters one TP rank holds, from estimator.models.tp_plans.param_shard_dim over the meta model."""
     model = build_model(config, training, "cpu", meta=True)
     return sum(p.numel() // tp if param_shard_dim(config["model_type"], n, tp) is not None else p.numel()
                for n, p in model.named_parameters())

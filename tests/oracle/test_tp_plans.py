@@ -1,18 +1,18 @@
-"""estimator.tp_plans: pure-python TP plans, shard dims and feasibility checks."""
+"""estimator.models.tp_plans: pure-python TP plans, shard dims and feasibility checks."""
 
 import subprocess
 import sys
 
 import pytest
 
-from estimator import tp_plans
-from estimator.arch import load_config
+from estimator.models import tp_plans
+from estimator.models.arch import load_config
 
 FAMILIES = ("llama", "mistral", "qwen2", "opt", "biogpt", "gpt_neo", "gpt_neox", "bloom", "codegen", "gpt_bigcode")
 
 
 def test_import_is_pure_python():
-    code = "import sys, estimator.tp_plans as t; t.check_tp({'model_type': 'llama', 'hidden_size': 64, " \
+    code = "import sys, estimator.models.tp_plans as t; t.check_tp({'model_type': 'llama', 'hidden_size': 64, " \
            "'num_attention_heads': 4, 'num_hidden_layers': 2, 'vocab_size': 10}, 2); " \
            "sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from estimator.arch import load_config
+from estimator.models.arch import load_config
 
 # family -> (catalogue model, overrides). hidden 64; heads 4 (codegen 8: its qkv layout needs heads % (4*tp));
 # dropouts 0 so that a real run is deterministic.

@@ -1,0 +1,348 @@
+"""``python -m estimator``: per-rank peak GPU memory of a fine-tuning run, or a comparison of every method.
+
+Argument parsing and printing only; all numbers come from ``estimator.api.estimate``. User errors print one
+line and exit 2; "does not fit" is not an error (use ``--check`` to gate scripts on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from estimator.batching.cli_args import add_batching_arguments, batching_from_args
+from estimator.spec import (
+    ATTENTIONS,
+    LOOPS,
+    METHODS,
+    OPTIMIZERS,
+    PRECISIONS,
+    ParallelSpec,
+    RunSpec,
+    TrainingSpec,
+)
+
+GIB = 1024**3
+# The embedded default: the paper's setting (a paper model on 4 x V100-16GB, seq 512, fp16, checkpointing).
+DEFAULT = {"model": "facebook/opt-1.3b", "gpus": 4, "micro_batch_size": 4, "seq_len": 512,
+           "precision": "mixed_fp16", "grad_ckpt": True, "attn": "eager", "gpu": "v100-16gb"}
+COMPARE_METHODS = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "dp_tp", "zero_offload")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage + line otherwise)
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m estimator", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="catalogue name (--list-models), path to a config.json, or a hub id "
+                                   "(with --allow-hub)")
+    p.add_argument("--method", choices=(*METHODS, "all"), help="distributed method; 'all' (default) compares all")
+    p.add_argument("--gpus", type=int, help="number of GPUs (world size)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (tp; dp_tp)")
+    p.add_argument("--micro-batch-size", type=int, help="sequences per GPU per micro-step")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence")
+    p.add_argument("--precision", choices=PRECISIONS)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--grad-ckpt", action="store_true", default=None, help="gradient (activation) checkpointing")
+    p.add_argument("--attn", choices=ATTENTIONS)
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0 = full fine-tuning)")
+    p.add_argument("--lora-targets", default="auto", help="auto | all-linear | comma-separated module names")
+    p.add_argument("--qlora", action="store_true", help="4-bit base weights (needs --lora-rank)")
+    p.add_argument("--grad-accum-steps", type=int, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--loop", choices=LOOPS, help="training loop: 'trainer' (default: HF Trainer, TRL, torchtune drop "
+                   "the model's output object before backward) or 'manual' (outputs = model(**batch); "
+                   "loss = outputs.loss; loss.backward(): the logits stay alive)")
+    p.add_argument("--gpu", help="GPU type key (--list-gpus), case-insensitive; with --from-run, the GPU to "
+                   "predict the run for instead of the one it ran on")
+    p.add_argument("--deepspeed", metavar="DS_CONFIG_JSON", help="read ZeRO stage, offload, precision and "
+                                                                  "bucket sizes from a DeepSpeed config")
+    p.add_argument("--config", action="append", metavar="FILE", help="read the run from a training config "
+                   "(HF/TRL args JSON/YAML, accelerate, DeepSpeed, torchtune, axolotl, LLaMA-Factory; repeatable; "
+                   "TOOL:FILE names the tool); flags given as well override it")
+    p.add_argument("--from-run", metavar="RUN_DIR", help="predict a harness run (reads RUN_DIR/spec.json)")
+    p.add_argument("--coefficients", metavar="FILE", help="residual coefficient JSON (e.g. your own refit)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="PNG", help="write the breakdown as a stacked bar chart")
+    p.add_argument("--check", action="store_true", help="exit 1 when the run does not fit")
+    p.add_argument("--allow-hub", action="store_true", help="fetch unknown model ids' config from the hub")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow custom code of hub configs")
+    p.add_argument("--list-models", action="store_true", help="list catalogue models")
+    p.add_argument("--list-gpus", action="store_true", help="list GPU keys")
+    add_batching_arguments(p)
+    return p
+
+
+def _training(args, base: TrainingSpec) -> TrainingSpec:
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    return TrainingSpec(micro_batch_size=pick(args.micro_batch_size, base.micro_batch_size),
+                        seq_len=pick(args.seq_len, base.seq_len), precision=pick(args.precision, base.precision),
+                        optimizer=args.optimizer if args.optimizer != "adamw" else base.optimizer,
+                        grad_ckpt=pick(args.grad_ckpt, base.grad_ckpt), attn=pick(args.attn, base.attn),
+                        lora_rank=args.lora_rank or base.lora_rank,
+                        lora_targets=args.lora_targets if args.lora_targets != "auto" else base.lora_targets,
+                        qlora=args.qlora or base.qlora, loop=pick(args.loop, base.loop),
+                        grad_accum_steps=pick(args.grad_accum_steps, base.grad_accum_steps))
+
+
+# CPU runs and fake-tensor traces carry gpu "cpu": their allocated level is a GPU's minus the cuBLAS workspace,
+# so they are predicted for a GPU (--gpu, else this one) and compared at the allocated level.
+CPU_RUN_GPUS = ("cpu", "fake")
+CPU_RUN_PREDICT_GPU = "h100-80gb"
+
+
+def spec_from_args(args) -> tuple[RunSpec, bool]:
+    """(spec, compare_all). No model/method given: the embedded default comparison."""
+    if args.from_run:
+        path = Path(args.from_run)
+        path = path / "spec.json" if path.is_dir() else path
+        if not path.is_file():
+            raise ValueError(f"from_run: no spec.json in {args.from_run!r}")
+        try:
+            spec = RunSpec.from_json(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"from_run: {str(path)!r} is not valid JSON ({err.msg})") from None
+        if args.gpu:
+            spec = spec.replace(gpu=args.gpu.lower())
+        elif spec.gpu in CPU_RUN_GPUS:
+            spec = spec.replace(gpu=CPU_RUN_PREDICT_GPU)
+        return spec, False
+    use_default = args.model is None
+    base = TrainingSpec(micro_batch_size=DEFAULT["micro_batch_size"], seq_len=DEFAULT["seq_len"],
+                        precision=DEFAULT["precision"], grad_ckpt=DEFAULT["grad_ckpt"], attn=DEFAULT["attn"]) \
+        if use_default else TrainingSpec()
+    training = _training(args, base)
+    gpus = args.gpus if args.gpus is not None else (DEFAULT["gpus"] if use_default else 1)
+    method = args.method or ("single" if gpus == 1 and args.model else "all")
+    gpu = (args.gpu or (DEFAULT["gpu"] if use_default else "h100-80gb")).lower()
+    if method == "all":  # the comparison enumerates methods itself (compare_specs)
+        parallel = ParallelSpec(world_size=1)
+    else:
+        tp = args.tp if args.tp is not None else (gpus if method == "tp" else 1)
+        parallel = ParallelSpec(method=method, world_size=gpus, tp=tp)
+    spec = RunSpec(model=args.model or DEFAULT["model"], parallel=parallel, training=training, gpu=gpu)
+    if args.deepspeed:
+        from estimator.configs.deepspeed_json import spec_from_deepspeed
+        from estimator.models.arch import resolve_arch
+
+        base_spec = spec if method != "all" else spec.replace(parallel=ParallelSpec(method="zero2", world_size=gpus)
+                                                               if gpus > 1 else ParallelSpec())
+        spec = spec_from_deepspeed(args.deepspeed, base_spec, resolve_arch(spec.model).hidden_size)
+        return spec, False
+    return spec, method == "all"
+
+
+def compare_specs(spec: RunSpec, gpus: int) -> list[tuple[str, RunSpec | None, str]]:
+    """(label, spec or None, why skipped) for every method on ``gpus`` GPUs."""
+    rows = []
+    for method in COMPARE_METHODS:
+        if method == "single":
+            rows.append(("single (1 GPU)", spec.replace(parallel=ParallelSpec()), ""))
+            continue
+        if gpus < 2:
+            rows.append((method, None, "needs >= 2 GPUs"))
+            continue
+        tps = [gpus] if method == "tp" else ([t for t in range(2, gpus) if gpus % t == 0] if method == "dp_tp"
+                                              else [1])
+        if not tps:
+            rows.append((method, None, f"no 1 < tp < {gpus} divides {gpus}"))
+        for tp in tps:
+            label = method if method != "dp_tp" else f"dp_tp {gpus // tp}x{tp}"
+            try:
+                rows.append((label, spec.replace(parallel=ParallelSpec(method=method, world_size=gpus, tp=tp)), ""))
+            except ValueError as err:
+                rows.append((label, None, str(err)))
+    return rows
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:7.2f}"
+
+
+def _lora_label(t) -> str:
+    return f", {'QLoRA' if t.qlora else 'LoRA'} r={t.lora_rank}" if t.lora else ""
+
+
+def _loop_label(t) -> str:
+    return f", {t.loop} loop"
+
+
+def render_compare(results: list[tuple[str, object, str]], spec: RunSpec, gpus: int) -> str:
+    t = spec.training
+    head = (f"{spec.model} on {gpus} x {spec.gpu}  |  micro-batch {t.micro_batch_size}, seq {t.seq_len}, "
+            f"{t.precision}, {t.optimizer}, attn {t.attn}, checkpointing {'on' if t.grad_ckpt else 'off'}"
+            + _lora_label(t) + _loop_label(t))
+    lines = [head, "", f"{'method':<16}{'alloc GiB':>10}{'reserved':>10}{'device':>10}{'fits':>6}{'headroom':>10}"
+                       f"  {'peak phase':<28}{'host RAM':>9}"]
+    capacity = None
+    notes: list[str] = []
+    for label, est, why in results:
+        if est is None:
+            lines.append(f"{label:<16}{'-':>10}{'-':>10}{'-':>10}{'-':>6}{'-':>10}  n/a: {why}")
+            continue
+        capacity = est.capacity_bytes
+        host = _gib(est.host_ram_bytes) if est.host_ram_bytes else "      -"
+        lines.append(f"{label:<16}{_gib(est.peak_allocated_bytes):>10}{_gib(est.peak_reserved_bytes):>10}"
+                     f"{_gib(est.peak_device_bytes):>10}{'yes' if est.fits else 'NO':>6}"
+                     f"{_gib(est.headroom_bytes):>10}  {est.phase:<28}{host:>9}")
+        notes.extend(n for n in est.notes if n not in notes)
+    if capacity:
+        lines.append(f"\ncapacity {capacity / GIB:.2f} GiB per GPU; peaks are per rank (worst rank).")
+    lines.extend(f"note: {n}" for n in notes)
+    return "\n".join(lines)
+
+
+def render_detail(est) -> str:
+    s, t = est.spec, est.spec.training
+    lines = [f"{s.model}  {s.parallel.method}  world {s.parallel.world_size}"
+             + (f" tp {s.parallel.tp}" if s.parallel.tp > 1 else "") + f"  on {est.gpu_key}",
+             f"micro-batch {t.micro_batch_size}, seq {t.seq_len}, {t.precision}, {t.optimizer}, attn {t.attn}, "
+             f"checkpointing {'on' if t.grad_ckpt else 'off'}" + _lora_label(t) + _loop_label(t)
+             + f"  |  {est.params / 1e9:.3f} B params ({est.trainable_params / 1e9:.3f} B trainable)", ""]
+    lines.append(f"{'rank':<6}{'allocated GiB':>14}{'reserved GiB':>14}{'device GiB':>12}  phase")
+    for r in est.ranks:
+        mark = " <- worst" if r.rank == est.worst_rank else ""
+        lines.append(f"{r.rank:<6}{_gib(r.peak_allocated_bytes):>14}{_gib(r.peak_reserved_bytes):>14}"
+                     f"{_gib(r.peak_device_bytes):>12}  {r.phase}{mark}")
+    lines.append("\nbreakdown at the allocated peak (worst rank):")
+    for name, value in est.breakdown.items():
+        lines.append(f"  {name:<20}{_gib(value)} GiB")
+    verdict = "fits" if est.fits else "DOES NOT FIT"
+    lines.append(f"\n{verdict}: device peak {est.peak_device_bytes / GIB:.2f} GiB (safety bound "
+                 f"{est.upper_bound_bytes / GIB:.2f}) of {est.capacity_bytes / GIB:.2f} GiB; headroom "
+                 f"{est.headroom_bytes / GIB:.2f} GiB")
+    if est.host_ram_bytes:
+        lines.append(f"host RAM (offloaded states, all ranks of a node share it): {est.host_ram_bytes / GIB:.2f} "
+                     "GiB per rank")
+    lines.extend(f"note: {n}" for n in est.notes)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "plan":
+        from estimator.planning.cli import main as plan_main
+
+        return plan_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        if args.config:
+            return _run_configs(args, argv)
+        return _run(args)
+    except ValueError as err:
+        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+def _run_configs(args, argv: list[str]) -> int:
+    """One estimate of the spec the user's configs describe, with what was read from them."""
+    from estimator.api import estimate
+    from estimator.configs.cli import spec_from_args
+
+    spec, report = spec_from_args(args, argv, build_parser)
+    est = estimate(spec, args.coefficients)
+    if args.plot:
+        _plot([est], args.plot)
+    if args.json:
+        print(json.dumps({**est.to_dict(), "configs": report.to_dict()}, indent=2))
+    else:
+        print(render_detail(est) + "\n\n" + report.render())
+    return 1 if args.check and not est.fits else 0
+
+
+def _run(args) -> int:
+    if args.list_models:
+        from estimator.models.arch import catalogue_models
+
+        print("\n".join(catalogue_models()))
+        return 0
+    if args.list_gpus:
+        from estimator.hardware.gpus import list_gpus
+
+        for gpu in list_gpus():
+            print(f"{gpu.key:<14}{gpu.capacity_bytes / GIB:8.2f} GiB  {gpu.name}")
+        return 0
+    for name in ("gpus", "micro_batch_size", "seq_len", "tp", "grad_accum_steps"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"{name}: must be a positive integer, got {value}")
+    if args.lora_rank < 0:
+        raise ValueError(f"lora_rank: must be a positive integer (0 disables LoRA), got {args.lora_rank}")
+    if args.allow_hub and args.model:
+        from estimator.models.arch import resolve_arch
+
+        resolve_arch(args.model, allow_hub=True, trust_remote_code=args.trust_remote_code)
+    varlen = batching_from_args(args)  # (lengths, options) with --lengths
+    spec, compare_all = spec_from_args(args)
+    epochs: dict[str, dict] = {}
+    if compare_all:
+        gpus = args.gpus if args.gpus is not None else (DEFAULT["gpus"] if args.model is None else 1)
+        results = []
+        for label, candidate, why in compare_specs(spec, gpus):
+            if candidate is None:
+                results.append((label, None, why))
+                continue
+            try:
+                est, epochs[label] = _estimate(candidate, args.coefficients, varlen)
+                results.append((label, est, ""))
+            except ValueError as err:
+                if label.startswith(("tp", "dp_tp")) and str(err).startswith("tp:"):
+                    results.append((label, None, str(err)))
+                else:
+                    raise
+        if args.plot:
+            _plot([est for _, est, _ in results if est is not None], args.plot)
+        if args.json:
+            print(json.dumps({label: (_with_epoch(est.to_dict(), epochs.get(label)) if est else {"skipped": why})
+                              for label, est, why in results}, indent=2))
+        else:
+            print(render_compare(results, spec, gpus) + _epoch_text(epochs))
+        return 0
+    est, epoch = _estimate(spec, args.coefficients, varlen)
+    if args.from_run and not args.gpu and _run_gpu(args.from_run) in CPU_RUN_GPUS:
+        est.notes.append(f"from_run: measured without a GPU; predicted for {CPU_RUN_PREDICT_GPU} (--gpu names "
+                         "another). Compare the allocated level less cublas_workspace, which CPU runs lack")
+    if args.plot:
+        _plot([est], args.plot)
+    print(json.dumps(_with_epoch(est.to_dict(), epoch), indent=2) if args.json
+          else render_detail(est) + _epoch_text({"": epoch}))
+    return 1 if args.check and not est.fits else 0
+
+
+def _estimate(spec: RunSpec, coefficients, varlen) -> tuple[object, dict | None]:
+    """(estimate, epoch summary): with --lengths, the estimate at the epoch's worst batch."""
+    from estimator.api import estimate
+
+    if varlen is None:
+        return estimate(spec, coefficients), None
+    from estimator.batching.epoch import estimate_epoch
+
+    result = estimate_epoch(spec, *varlen, coefficients)
+    return result.estimate, result.summary
+
+
+def _with_epoch(data: dict, epoch: dict | None) -> dict:
+    return {**data, "epoch": epoch} if epoch else data
+
+
+def _epoch_text(epochs: dict[str, dict | None]) -> str:
+    """Each distinct epoch summary once (methods with the same data-parallel degree split it alike)."""
+    from estimator.batching.epoch import render_summary
+
+    texts = list(dict.fromkeys(render_summary(e) for e in epochs.values() if e))
+    return "".join("\n\n" + text for text in texts)
+
+
+def _run_gpu(run: str) -> str | None:
+    path = Path(run)
+    path = path / "spec.json" if path.is_dir() else path
+    return json.loads(path.read_text()).get("gpu")
+
+
+def _plot(estimates: list, path: str) -> None:
+    from estimator.io.plot import plot_breakdown
+
+    plot_breakdown(estimates, path)

@@ -1,0 +1,167 @@
+"""FSDP2 (``fully_shard`` per decoder layer, then the root) replayed event by event over a profiled step.
+
+The profile gives the unwrapped model's activations and parameter gradients; FSDP2 adds, at layer boundaries,
+the buffers below (torch 2.13, ``torch.distributed.fsdp._fully_shard``; order checked against the CPU oracle,
+``harness.fake.trace_run``). Sizes per group (root = everything outside the decoder layers):
+
+* all-gather buffer ``AG`` = N x (sum of padded dim-0 shards) in the compute dtype. It outlives its copy-out:
+  it is freed after the *next* group's copy-out (FSDP2 keeps the all-gather state for stream ordering), the
+  last layer's at the root's post-forward (after the loss);
+* unsharded parameters ``P`` (compute dtype), freed at post-forward (layers: ``reshard_after_forward=True``)
+  and post-backward; the root stays unsharded from its pre-forward to its post-backward;
+* reduce-scatter input ``RS`` = N x padded gradient shard in the reduce dtype, freed when the next
+  reduce-scatter starts; its output (one shard) becomes the sharded gradient. Backward prefetches the next
+  layer's all-gather after each copy-out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from estimator.methods.timeline import Replay, poly, segment_sequence
+
+FORWARD_LAYER = ("fw_first", "fw", "fw_last")
+BACKWARD_LAYER = ("bw_first", "bw", "bw_last")
+# Parts of the overlay state; the first four are FSDP buffers, the rest gradients.
+BUFFERS = ("root_params", "gather", "layer_params", "reduce_scatter")
+GRADS = ("root_grads", "layer_grads", "grad_shards")
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpSizes:
+    root_bytes: float           # root parameters unsharded, compute dtype
+    root_gather_bytes: float    # its all-gather buffer (padded)
+    layer_bytes: float
+    layer_gather_bytes: float
+    layer_rs_in_bytes: float    # reduce-scatter input, reduce dtype (padded); 0 for a frozen layer
+    layer_rs_out_bytes: float   # one rank's gradient shard
+    root_rs_in_bytes: float
+    root_rs_out_bytes: float
+
+
+Event = Callable[[dict], bool]  # mutates the state; True when the state can be a new peak (it grew)
+
+
+def _set(part: str, value: Callable[[dict], float]) -> Event:
+    def apply(state: dict) -> bool:
+        old = state[part]
+        state[part] = value(state)
+        return state[part] > old
+    return apply
+
+
+def _reduce_scatter(rs_in: float, rs_out: float, grads: str, accumulating: bool) -> list[Event]:
+    """Reduce-scatter a group's unsharded grads; accumulating, the new shard is added in place and freed."""
+    events = [_set("reduce_scatter", lambda st: rs_in),
+              _set(grads, lambda st: 0.0),
+              _set("grad_shards", lambda st: st["grad_shards"] + rs_out)]
+    if accumulating:
+        events.append(_set("grad_shards", lambda st: st["grad_shards"] - rs_out))
+    return events
+
+
+def _post_backward(sz: FsdpSizes, accumulating: bool) -> list[Event]:
+    """A finished layer: reshard, free the previous reduce-scatter input, reduce-scatter this layer's grads."""
+    return [_set("layer_params", lambda st: 0.0),
+            *_reduce_scatter(sz.layer_rs_in_bytes, sz.layer_rs_out_bytes, "layer_grads", accumulating)]
+
+
+def _pre_backward(sz: FsdpSizes, prefetch: bool) -> list[Event]:
+    events = [_set("layer_params", lambda st: sz.layer_bytes), _set("gather", lambda st: 0.0)]
+    if prefetch:
+        events.append(_set("gather", lambda st: sz.layer_gather_bytes))
+    return events
+
+
+def _boundary_events(name: str, num_layers: int, sz: FsdpSizes, accumulating: bool) -> list[Event]:
+    """FSDP2 events at the start of a profile segment (its layer's pre-hook, or the previous one's post-hook)."""
+    if name == "prefix":
+        return [_set("gather", lambda st: sz.root_gather_bytes), _set("root_params", lambda st: sz.root_bytes)]
+    if name == "fw_first":
+        return [_set("gather", lambda st: sz.root_gather_bytes + sz.layer_gather_bytes),
+                _set("layer_params", lambda st: sz.layer_bytes),
+                _set("gather", lambda st: sz.layer_gather_bytes)]
+    if name in FORWARD_LAYER:
+        return [_set("layer_params", lambda st: 0.0),
+                _set("gather", lambda st: 2 * sz.layer_gather_bytes),
+                _set("layer_params", lambda st: sz.layer_bytes),
+                _set("gather", lambda st: sz.layer_gather_bytes)]
+    if name == "mid_fw":
+        return [_set("layer_params", lambda st: 0.0)]
+    if name == "mid_bw":  # root post-forward frees the last gather; backward's first prefetch re-gathers it
+        return [_set("gather", lambda st: 0.0), _set("gather", lambda st: sz.layer_gather_bytes)]
+    if name in BACKWARD_LAYER:
+        first = name == "bw_first" or num_layers == 1
+        return ([] if first else _post_backward(sz, accumulating)) + _pre_backward(sz, prefetch=name != "bw_last")
+    if name == "suffix":
+        return _post_backward(sz, accumulating)
+    raise ValueError(f"fsdp: unknown profile segment {name!r}")
+
+
+def _root_post_backward(sz: FsdpSizes, accumulating: bool) -> list[Event]:
+    return [_set("root_params", lambda st: 0.0),
+            *_reduce_scatter(sz.root_rs_in_bytes, sz.root_rs_out_bytes, "root_grads", accumulating),
+            _set("reduce_scatter", lambda st: 0.0)]
+
+
+def _grad_part(name: str) -> str:
+    return "layer_grads" if name in BACKWARD_LAYER else "root_grads"
+
+
+class _Walk:
+    def __init__(self, b: int, s: int) -> None:
+        self.b, self.s = b, s
+        self.best: tuple[float, float, dict, str] = (float("-inf"), 0.0, {}, "prefix")
+
+    def consider(self, act: float, state: dict, name: str) -> None:
+        total = act + sum(state.values())
+        if total > self.best[0]:
+            self.best = (total, act, dict(state), name)
+
+    def segment(self, name: str, seg: dict, events: list[Event], act: float, state: dict) -> tuple[float, dict]:
+        """Run one segment instance from (act, state); return the state at its end."""
+        state = dict(state)
+        for event in events:
+            if event(state):
+                self.consider(act, state, name)
+        part = _grad_part(name)
+        held = state[part]
+        for cand_act, cand_grad in seg["candidates"]:
+            state[part] = held + cand_grad
+            self.consider(act + poly(cand_act, self.b, self.s), state, name)
+        state[part] = held + seg["net_grad"]
+        return act + poly(seg["net_act"], self.b, self.s), state
+
+
+def replay_fsdp(segments: dict, num_layers: int, b: int, s: int, sizes: FsdpSizes, accumulating: bool = False
+                ) -> Replay:
+    """Peak of activations + gradients + FSDP2 buffers over one steady step's forward and backward.
+    ``accumulating``: a micro-batch after the first (every rank already holds all its gradient shards)."""
+    walk = _Walk(b, s)
+    act = 0.0
+    state = dict.fromkeys(BUFFERS + GRADS, 0.0)
+    if accumulating:
+        state["grad_shards"] = num_layers * sizes.layer_rs_out_bytes + sizes.root_rs_out_bytes
+    for name, repeats in segment_sequence(num_layers):
+        events = _boundary_events(name, num_layers, sizes, accumulating)
+        act0, state0 = walk.segment(name, segments[name], events, act, state)
+        act, state = act0, state0
+        if repeats >= 2:
+            # Repetitions differ only in what accumulates linearly (activations, gradient shards): run the
+            # second to get the per-repetition change, then the last one from its extrapolated start.
+            act, state = walk.segment(name, segments[name], events, act0, state0)
+            if repeats > 2:
+                k = repeats - 2
+                start_act = act0 + k * (act - act0)
+                start = {p: state0[p] + k * (state[p] - state0[p]) for p in state}
+                act, state = walk.segment(name, segments[name], events, start_act, start)
+    for event in _root_post_backward(sizes, accumulating):
+        if event(state):
+            walk.consider(act, state, "suffix")
+    total, peak_act, parts, seg = walk.best
+    grads = sum(parts[p] for p in GRADS)
+    return Replay(peak_bytes=total, peak_act_bytes=peak_act, peak_grad_bytes=grads, peak_segment=seg,
+                  end_act_bytes=act, end_grad_bytes=state["grad_shards"],
+                  peak_parts={"gathered_params": parts["root_params"] + parts["gather"] + parts["layer_params"],
+                              "comm_buffers": parts["reduce_scatter"]})

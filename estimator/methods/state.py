@@ -1,0 +1,461 @@
+"""Per-rank model-state accounting for each distributed method (pure arithmetic over the parameter table).
+
+Each method returns a ``StepModel``: what stays resident through the step, how parameter gradients are held
+while backward runs (as a function of what has been produced so far), per-segment transients (gathered
+parameters), and what the optimizer step adds. The activation timeline itself comes from the profile.
+Semantics follow what the harness runs (``estimator/profiler/build.py`` and ``harness/methods``) and, for
+ZeRO, DeepSpeed's documented defaults (bucket sizes in elements, see ``ZeroSpec``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from estimator.methods.timeline import ExtraBytes
+from estimator.models.params import ParamInfo
+from estimator.spec import RunSpec, ZeroSpec
+
+FP32 = 4
+
+
+@dataclass
+class StepModel:
+    resident: dict[str, float]                       # present for the whole step
+    grad_policy: Callable[[float, float], float]     # (grads of finished segments, grads so far in segment)
+    segment_extra: ExtraBytes | None                  # transient bytes per (segment, repetition): gathered params
+    step_grads: float                                 # gradient bytes held when the optimizer step runs
+    step_temp: float                                  # optimizer-step temporaries at their peak
+    host_bytes: float = 0.0                           # CPU RAM (offload)
+    notes: list[str] = field(default_factory=list)
+    # A method that changes the step's event sequence replays it itself:
+    # (segments, layers, b, s, accumulating) -> Replay.
+    replay: Callable | None = None
+    # Gradient accumulation, micro-batches after the first: gradients already held, and the largest one
+    # that can be in flight before autograd adds it in place.
+    accumulated_grad_bytes: float = 0.0
+    largest_grad_bytes: float = 0.0
+
+
+def _trainable(table: list[ParamInfo]) -> list[ParamInfo]:
+    return [p for p in table if p.trainable]
+
+
+def weights_bytes(table: list[ParamInfo]) -> float:
+    return float(sum(p.nbytes for p in table))
+
+
+def grad_bytes(table: list[ParamInfo]) -> float:
+    return float(sum(p.nbytes for p in _trainable(table)))
+
+
+def state_elems_per_param(optimizer: str) -> int:
+    return {"adamw": 2, "adamw_fused": 2, "sgd": 0, "adamw_8bit": 2}[optimizer]
+
+
+def optimizer_state_bytes(table: list[ParamInfo], optimizer: str, master_fp32: bool, shard: float = 1.0) -> float:
+    """Adam m and v in the dtype of the parameter they update (fp32 masters under mixed precision)."""
+    total = 0.0
+    for p in _trainable(table):
+        if optimizer == "adamw_8bit":
+            # bitsandbytes: 1 byte per state for tensors of >= 4096 elements plus an fp32 absmax per 256-block.
+            total += 2 * (p.numel + 4 * math.ceil(p.numel / 256)) if p.numel >= 4096 else 2 * FP32 * p.numel
+        else:
+            elem = FP32 if master_fp32 else p.elem_bytes
+            total += state_elems_per_param(optimizer) * elem * p.numel
+    return total * shard
+
+
+def master_bytes(table: list[ParamInfo], shard: float = 1.0) -> float:
+    """fp32 master copies; a parameter already in fp32 (e.g. LoRA adapters) is its own master."""
+    return shard * sum(FP32 * p.numel for p in _trainable(table) if p.elem_bytes < FP32)
+
+
+def step_temp_bytes(table: list[ParamInfo], optimizer: str, master_fp32: bool, shard: float = 1.0) -> float:
+    """torch foreach AdamW allocates exp_avg_sq.sqrt() for every parameter of a dtype group at once."""
+    if optimizer != "adamw":
+        return 0.0
+    groups: dict[int, float] = {}
+    for p in _trainable(table):
+        elem = FP32 if master_fp32 else p.elem_bytes
+        groups[elem] = groups.get(elem, 0.0) + elem * p.numel
+    return shard * max(groups.values(), default=0.0)
+
+
+def _full(prev: float, within: float) -> float:
+    return prev + within
+
+
+def _optimizer_groups(table: list[ParamInfo]) -> list[list[ParamInfo]]:
+    """Trainable params per optimizer, in step order: one group, except on a ``tp`` rank, where DTensor params
+    and plain (replicated) ones have one optimizer each, stepped in that order (``ParamInfo.opt_group``;
+    ``estimator.profiler.tp.build_tp_optimizer``)."""
+    groups: dict[int, list[ParamInfo]] = {}
+    for p in _trainable(table):
+        groups.setdefault(p.opt_group, []).append(p)
+    return [groups[k] for k in sorted(groups)]
+
+
+def single(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
+    """One GPU, or any replicated-model rank (a ``tp`` rank: its local shards). Mixed precision:
+    MasterWeightOptimizer (build.py), one per optimizer group."""
+    training = spec.training
+    mixed = training.precision.startswith("mixed_")
+    grads = grad_bytes(table)
+    resident = {"weights": weights_bytes(table),
+                "optimizer_states": optimizer_state_bytes(table, training.optimizer, mixed)}
+    groups = _optimizer_groups(table)
+    if mixed:
+        resident["master_weights"] = master_bytes(table)
+        # Each optimizer in turn converts its grads to fp32 one tensor at a time (the 16-bit one freed at once),
+        # steps, and drops its fp32 grads; later optimizers' grads are still 16-bit meanwhile.
+        phases = [(0.0, 0.0)]
+        for k, group in enumerate(groups):
+            last = group[-1]
+            fp32_grads = sum(FP32 * p.numel for p in group)
+            later16 = sum(p.nbytes for g in groups[k + 1:] for p in g)
+            convert_peak = last.nbytes if last.elem_bytes < FP32 else 0.0
+            phases.append((float(fp32_grads + later16),
+                           max(convert_peak, step_temp_bytes(group, training.optimizer, True))))
+        step_grads, step_temp = max(phases, key=sum)
+    else:
+        # Every grad is held until zero_grad; each optimizer's foreach temporaries are freed before the next's.
+        step_grads = grads
+        step_temp = max((step_temp_bytes(group, training.optimizer, False) for group in groups), default=0.0)
+    return StepModel(resident=resident, grad_policy=_full, segment_extra=None,
+                     step_grads=step_grads, step_temp=step_temp, accumulated_grad_bytes=grads,
+                     largest_grad_bytes=_largest_grad(table))
+
+
+def _largest_grad(table: list[ParamInfo]) -> float:
+    return float(max((p.nbytes for p in _trainable(table)), default=0))
+
+
+def ddp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
+    """DDP keeps flat gradient buckets the size of all gradients (gradient_as_bucket_view=False, the default)."""
+    model = single(spec, table)
+    model.resident["comm_buffers"] = grad_bytes(table)
+    return model
+
+
+def _shard_rows(p: ParamInfo, world: int) -> int:
+    """FSDP2 shards dim 0 into equal padded chunks: every rank stores ceil(d0 / N) rows."""
+    rows = p.shape[0] if p.shape else 1
+    return math.ceil(rows / world) * (p.numel // rows if rows else 0)
+
+
+def _fsdp_group_sizes(params: list[ParamInfo], world: int, reduce_elem: Callable[[ParamInfo], int]
+                      ) -> tuple[float, float, float]:
+    """(unsharded bytes, all-gather buffer bytes, reduce-scatter input bytes) of one FSDP2 group."""
+    unsharded = sum(p.nbytes for p in params)
+    gather = world * sum(_shard_rows(p, world) * p.elem_bytes for p in params)
+    rs_in = world * sum(_shard_rows(p, world) * reduce_elem(p) for p in _trainable(params))
+    return float(unsharded), float(gather), float(rs_in)
+
+
+def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
+    """FSDP2 ``fully_shard`` per decoder layer then root; mixed_*: fp32 sharded params, 16-bit compute,
+    fp32 gradient reduction (MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)). The step's
+    buffers are replayed event by event (``estimator.methods.fsdp_replay``)."""
+    from estimator.methods.fsdp_replay import FsdpSizes, replay_fsdp
+
+    training = spec.training
+    world = spec.parallel.world_size
+    mixed = training.precision.startswith("mixed_")
+
+    def shard_elem(p: ParamInfo) -> int:
+        return FP32 if mixed else p.elem_bytes
+
+    trainable_shard = [ParamInfo(p.name, p.shape, _shard_rows(p, world), shard_elem(p), True,
+                                 p.module_kind, p.layer) for p in _trainable(table)]
+    root = [p for p in table if p.layer is None]
+    first_layer = min((p.layer for p in table if p.layer is not None), default=None)
+    layer = [p for p in table if p.layer is not None and p.layer == first_layer]
+    root_bytes, root_gather, root_rs = _fsdp_group_sizes(root, world, shard_elem)
+    layer_bytes, layer_gather, layer_rs = _fsdp_group_sizes(layer, world, shard_elem)
+    sizes = FsdpSizes(root_bytes=root_bytes, root_gather_bytes=root_gather, layer_bytes=layer_bytes,
+                      layer_gather_bytes=layer_gather, layer_rs_in_bytes=layer_rs,
+                      layer_rs_out_bytes=layer_rs / world, root_rs_in_bytes=root_rs,
+                      root_rs_out_bytes=root_rs / world)
+    resident = {"weights": float(sum(_shard_rows(p, world) * shard_elem(p) for p in table)),
+                "optimizer_states": optimizer_state_bytes(trainable_shard, training.optimizer, False)}
+    return StepModel(resident=resident, grad_policy=_full, segment_extra=None,
+                     step_grads=float(sum(p.nbytes for p in trainable_shard)),
+                     step_temp=step_temp_bytes(trainable_shard, training.optimizer, False),
+                     replay=lambda segments, num_layers, b, s, accumulating=False: replay_fsdp(
+                         segments, num_layers, b, s, sizes, accumulating=accumulating))
+
+
+def _zero_layout(table: list[ParamInfo]) -> tuple[float, float, float, int]:
+    """(pre-layer numel, one decoder layer's numel, post-layer numel, layers) for ZeRO-3's gather schedule:
+    embeddings come before the layers, the rest (final norm, head) after."""
+    layers: dict[int, float] = {}
+    pre = post = 0.0
+    for p in table:
+        if p.layer is not None:
+            layers[p.layer] = layers.get(p.layer, 0.0) + p.numel
+        elif p.module_kind == "embedding":
+            pre += p.numel
+        else:
+            post += p.numel
+    return pre, max(layers.values(), default=0.0), post, len(layers)
+
+
+def _zero3_gathered(zcfg: ZeroSpec, table: list[ParamInfo], elem: int) -> ExtraBytes:
+    """Bytes of gathered (unpartitioned) parameters per (segment, repetition) under DeepSpeed ZeRO-3.
+
+    As measured on DeepSpeed 0.19 (``benchmarks/zero_cpu_check.py``, docs/LOG.md 2026-11-22): from the second
+    step on, the parameter coordinator's prefetcher runs ahead through the recorded trace and marks parameters
+    it finds already gathered as needed again at their backward use, so a layer gathered in forward stays
+    gathered until its backward (``stage3_max_reuse_distance`` 0, 2e6 and 1e9 gave identical peaks). What
+    bounds it is ``stage3_max_live_parameters``: prefetching, and with it the marking, stops once that many
+    elements are gathered. On top: the module in use and up to ``stage3_prefetch_bucket_size`` elements of the
+    modules ahead. Not modelled: the flat buffer of a coalesced gather, which briefly doubles what one gather
+    brings in. Persistent parameters (<= ``stage3_param_persistence_threshold`` elements) are resident and not
+    counted here."""
+    big = [p for p in table if p.numel > zcfg.stage3_param_persistence_threshold]
+    pre, layer, post, num_layers = _zero_layout(big)
+    bucket = zcfg.stage3_prefetch_bucket_size
+    live = zcfg.stage3_max_live_parameters
+
+    def layer_index(segment: str, k: int) -> int:
+        return {"fw_first": 1, "fw": 2 + k, "fw_last": num_layers, "bw_first": num_layers,
+                "bw": num_layers - 1 - k, "bw_last": 1}[segment]
+
+    def gathered(segment: str, k: int) -> float:
+        if segment == "prefix":
+            numel = pre + min(bucket, num_layers * layer + post)
+        elif segment == "suffix":
+            numel = pre
+        elif segment in ("mid_fw", "mid_bw"):
+            numel = min(pre + num_layers * layer, live) + post
+        else:
+            i = layer_index(segment, k)
+            ahead = (num_layers - i) * layer + post if segment.startswith("fw") else 0.0  # backward: all held
+            numel = min(pre + (i - 1) * layer, live) + layer + min(bucket, ahead)
+        return elem * numel
+    return gathered
+
+
+def _zero_flat_order(trainable: list[ParamInfo]) -> list[ParamInfo]:
+    """DeepSpeed ZeRO-1/2 flattens the trainable tensors in ``model.parameters()`` order (one parameter group,
+    ``round_robin_gradients`` off): the non-layer tensors registered before the decoder layers, the layers, the
+    rest. A profile that does not record the layers' place: embeddings and tied tensors first."""
+    def before(p: ParamInfo) -> bool:
+        return p.before_layers if p.before_layers is not None else (p.module_kind == "embedding" or bool(p.tied_names))
+    outer = [p for p in trainable if p.layer is None]
+    return ([p for p in outer if before(p)] + [p for p in trainable if p.layer is not None]
+            + [p for p in outer if not before(p)])
+
+
+def _zero_backward_order(trainable: list[ParamInfo], flat: list[ParamInfo]) -> list[ParamInfo]:
+    """The order backward finishes the gradients, whose hooks feed DeepSpeed's buckets: recorded by the profiler
+    (``ParamInfo.backward_index``; a trainable tensor it never saw finished gets no gradient and is left out),
+    else the flat order reversed with tied tensors last (finished at their last use's gradient)."""
+    if any(p.backward_index is not None for p in trainable):
+        return sorted((p for p in trainable if p.backward_index is not None), key=lambda p: p.backward_index)
+    reverse = flat[::-1]
+    return [p for p in reverse if not p.tied_names] + [p for p in reverse if p.tied_names]
+
+
+def _ipg_flushes(sequence: list[ParamInfo], bucket: float):
+    """DeepSpeed's IPG bucketing of gradients arriving in ``sequence``
+    (``reduce_independent_p_g_buckets_and_remove_grads``): a gradient that would overflow the bucket first
+    flushes it. Yields (index of the gradient whose arrival flushes, or ``len(sequence)`` for the flush after
+    backward; the tensors flushed)."""
+    pending: list[ParamInfo] = []
+    elements = 0
+    for i, p in enumerate(sequence):
+        if pending and elements + p.numel > bucket:
+            yield i, pending
+            pending, elements = [], 0
+        pending.append(p)
+        elements += p.numel
+    if pending:
+        yield len(sequence), pending
+
+
+@dataclass(frozen=True)
+class Zero12Rank:
+    """One rank's gradient path under DeepSpeed 0.19 ZeRO-1/2 (``deepspeed/runtime/zero/stage_1_and_2.py``)."""
+
+    partition_numel: int   # elements of each rank's flat partition (the flat buffer padded to 2 x world)
+    buffer_numel: int      # grads_in_partition: every tensor that overlaps the partition, in full
+    largest_piece: int     # the largest gradient piece inside the partition (its fp64 norm in the step)
+    appears_at: float      # stage 2: gradient bytes produced in backward when grads_in_partition is allocated
+    reduction_held: float  # stage 1: gradients + grads_in_partition at the worst moment of the reduction after
+    #                        backward (IPG buckets not included)
+
+
+def zero12_ranks(table: list[ParamInfo], world: int, bucket: float) -> list[Zero12Rank]:
+    """Every rank's ``Zero12Rank``, from the parameter table alone (one pass over the tensors and the ranks)."""
+    trainable = _trainable(table)
+    elem = min((p.elem_bytes for p in table), default=2)
+    flat = _zero_flat_order(trainable)
+    offsets = []
+    total = 0
+    for p in flat:
+        offsets.append(total)
+        total += p.numel
+    align = 2 * world  # nccl_start_alignment_factor x world
+    size = max(1, -(-total // align) * align // world)
+
+    def ranks_of(k: int) -> range:
+        """The partitions flat tensor k overlaps (get_partition_info: it starts inside, or the start cuts it)."""
+        if flat[k].numel == 0:
+            return range(0)
+        return range(offsets[k] // size, min((offsets[k] + flat[k].numel - 1) // size, world - 1) + 1)
+
+    buffer = [0] * world
+    largest = [0] * world
+    for k, p in enumerate(flat):
+        for r in ranks_of(k):
+            buffer[r] += p.numel
+            largest[r] = max(largest[r], min(offsets[k] + p.numel, (r + 1) * size) - max(offsets[k], r * size))
+    index = {id(p): k for k, p in enumerate(flat)}
+
+    def grad(p: ParamInfo) -> float:
+        return float(p.numel * p.elem_bytes)
+
+    # Stage 2 reduces in backward: grads_in_partition is allocated by the first flush that holds a gradient of
+    # the partition, in the hook of the gradient that triggers the flush (after that gradient was produced).
+    order = _zero_backward_order(trainable, flat)
+    produced = [0.0]
+    for p in order:
+        produced.append(produced[-1] + grad(p))
+    appears = [produced[-1]] * world
+    seen = [False] * world
+    for i, flushed in _ipg_flushes(order, bucket):
+        for q in flushed:
+            for r in ranks_of(index[id(q)]):
+                if not seen[r]:
+                    seen[r] = True
+                    appears[r] = produced[min(i + 1, len(order))]
+    # Stage 1 holds every gradient to the end of backward, then reduces them in flat order
+    # (``reduce_gradients``): a gradient that fits the bucket is copied into it and its own storage freed; an
+    # oversized one keeps its storage until it is copied into its own rank's buffer (the other ranks keep it to
+    # the end of the reduction). grads_in_partition appears at the first flush holding the partition; from there
+    # on the rank only frees.
+    arrives = {id(p) for p in order}
+    reduced = [p for p in flat if id(p) in arrives]  # tensors without a gradient are skipped
+    held_all = produced[-1]
+    reduction = [held_all] * world
+    seen = [False] * world
+    flushes = dict(_ipg_flushes(reduced, bucket))
+    freed = 0.0
+    for i in range(len(reduced) + 1):
+        for q in flushes.get(i, ()):
+            for r in ranks_of(index[id(q)]):
+                if not seen[r]:
+                    seen[r] = True
+                    reduction[r] = max(held_all, held_all - freed + elem * buffer[r])
+        if i < len(reduced) and reduced[i].numel <= bucket:
+            freed += grad(reduced[i])
+    return [Zero12Rank(partition_numel=size, buffer_numel=buffer[r], largest_piece=largest[r],
+                       appears_at=appears[r], reduction_held=reduction[r]) for r in range(world)]
+
+
+def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank | None = None) -> StepModel:
+    """DeepSpeed ZeRO-1/2/3 and ZeRO-Offload as DeepSpeed 0.19 allocates (``harness/methods/deepspeed.py``
+    config: torch AdamW on the partitions), checked against real DeepSpeed runs on CPU with every storage
+    counted (``benchmarks/zero_cpu_check.py``).
+
+    Stages 1/2: the 16-bit (or fp32) weights flattened in full; an fp32 master partition, cloned even for fp32
+    weights; Adam states on the partition. Gradients go through IPG buckets of ``reduce_bucket_size`` elements,
+    allocated in full at the first gradient of backward (two with ``overlap_comm``) and freed after it, into a
+    16-bit partition buffer (``grads_in_partition``) holding every tensor that overlaps the rank's partition of
+    the flat buffer (``model.parameters()`` order, so OPT's final norm sits with the embeddings in rank 0's).
+    Stage 2 reduces during backward, the buckets filled in the order backward finishes the gradients (recorded
+    by the profiler; a tied embedding is finished last): the buffer appears at the first flush that holds a
+    gradient of the partition. Stage 1 holds every gradient until backward ends and reduces them then, in flat
+    order, freeing each gradient that fits the bucket as it goes. Both are per rank (``zero12_ranks``). The step
+    flattens the partition, casts it to fp32, computes the norm in fp64 per gradient piece, and runs Adam.
+    Stage 3: the weight partition, an IPG bucket and the gradient partition buffer live from initialization;
+    gathered parameters follow ``_zero3_gathered``."""
+    training, parallel = spec.training, spec.parallel
+    zcfg = parallel.zero
+    world = parallel.world_size
+    stage = parallel.zero_stage
+    offload_opt = parallel.method == "zero_offload" or zcfg.offload_optimizer
+    # DeepSpeed offloads parameters only under stage 3 (ZeRO-Infinity); below it offload_param is ignored.
+    offload_param = zcfg.offload_param and stage == 3
+    elem16 = min(p.elem_bytes for p in table)
+    trainable = _trainable(table)
+    n_train = sum(p.numel for p in trainable)
+    part = 1.0 / world
+    weights = weights_bytes(table)
+    master = FP32 * n_train * part
+    states = optimizer_state_bytes(trainable, training.optimizer, True, shard=part)
+    fp32_grads = FP32 * n_train * part
+    partition16 = elem16 * n_train * part  # the 16-bit gradient partition buffer
+    cast32 = fp32_grads if elem16 != FP32 else 0.0  # .to(fp32) of an fp32 tensor is the tensor itself
+    adam_temp = step_temp_bytes(trainable, training.optimizer, True, shard=part)
+    if stage == 3:
+        adam_temp = min(adam_temp, FP32 * zcfg.sub_group_size)
+    largest = max((p.numel for p in trainable), default=0)
+    norm_temp = 8.0 * min(largest, n_train * part)  # one gradient (piece) of the partition in fp64
+    ipg = zcfg.reduce_bucket_size * elem16 if zcfg.contiguous_gradients else 0.0
+    in_flight = float(largest * elem16)
+    notes = ["ZeRO accounting follows DeepSpeed 0.19's allocations (checked on CPU runs); uncalibrated until GPU "
+             "data lands"]
+    host = 0.0
+    if offload_opt:  # masters, states and fp32 gradients live in host RAM and the step runs there
+        host = master + states + fp32_grads
+        master = states = partition16 = cast32 = adam_temp = norm_temp = 0.0
+    resident: dict[str, float] = {}
+    extra = None
+    if stage == 3:
+        persistent = sum(p.nbytes for p in table if p.numel <= zcfg.stage3_param_persistence_threshold)
+        resident["weights"] = 0.0 if offload_param else weights * part + persistent
+        if offload_param:
+            host += weights * part  # each rank offloads its own partition
+        resident["comm_buffers"] = ipg
+        resident["gradients"] = partition16
+        extra = _zero3_gathered(zcfg, table, elem16)
+
+        def held(prev: float, within: float) -> float:
+            return min(within, in_flight)
+        # The gradient partition buffer stays: the fp64 norm of one gradient, or the fp32 gradients + Adam.
+        step_grads = accumulated = 0.0
+        step_candidates = [norm_temp, cast32 + adam_temp]
+    else:
+        resident["weights"] = weights
+        buckets = ipg * (2 if zcfg.overlap_comm_for(stage) else 1)
+        path = path or zero12_ranks(table, world, zcfg.reduce_bucket_size)[rank]
+        if not offload_opt:  # the fp32 master partition and the flat partitions of the step are P elements each
+            master = FP32 * path.partition_numel
+            partition16 = elem16 * path.partition_numel
+            cast32 = FP32 * path.partition_numel if elem16 != FP32 else 0.0
+            norm_temp = 8.0 * path.largest_piece
+        in_partition = 0.0 if offload_opt else float(elem16 * path.buffer_numel)
+        # Above that buffer: the fp64 norm of one gradient piece; the flattened partition + its fp32 cast; then
+        # (the 16-bit buffers freed) the fp32 gradient + Adam's temporaries.
+        step_candidates = [norm_temp, partition16 + cast32, max(cast32, partition16) + adam_temp - in_partition]
+        if stage == 1:
+            if not zcfg.overlap_comm_for(stage) and not offload_opt:
+                # Every gradient is held to the end of backward; the reduction after it (activations gone but the
+                # loss) frees them as it goes, in flat order, and allocates this rank's buffer (``zero12_ranks``).
+                step_candidates.append(path.reduction_held + buckets - in_partition)
+            else:
+                # overlap_comm (or offload) reduces in backward, but keeps the other partitions' oversized
+                # gradients: counted as every gradient held, plus the buffer after backward (an upper bound).
+                step_candidates.append(grad_bytes(table) + buckets)
+
+            def held(prev: float, within: float) -> float:
+                return prev + within + (buckets if prev + within > 0 else 0.0)
+        else:
+            appears = path.appears_at
+
+            def held(prev: float, within: float) -> float:
+                produced = prev + within
+                return (min(within, in_flight) + (buckets if produced > 0 else 0.0)
+                        + (in_partition if produced >= appears - 0.5 else 0.0))
+            held.breakpoints = (appears,)
+        step_grads = in_partition
+        accumulated = grad_bytes(table) if stage == 1 else in_partition
+    resident["master_weights"] = master
+    resident["optimizer_states"] = states
+    return StepModel(resident=resident, grad_policy=held, segment_extra=extra, step_grads=step_grads,
+                     step_temp=max(step_candidates), host_bytes=host, notes=notes,
+                     accumulated_grad_bytes=accumulated, largest_grad_bytes=in_flight)

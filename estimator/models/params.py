@@ -1,0 +1,114 @@
+"""The full model's parameter tensors, expanded from a profile (non-layer tensors + one generic layer × L)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from estimator.models.arch import ModelArch
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    elem_bytes: int
+    trainable: bool
+    module_kind: str           # embedding | linear | norm | other
+    layer: int | None
+    tied_names: tuple[str, ...] = ()
+    opt_group: int = 0         # which optimizer steps it, in step order (tp: 0 = DTensor params, 1 = plain ones)
+    stored_bytes_per_elem: float | None = None  # quantized storage (QLoRA 4-bit), else elem_bytes
+    # Where the tensor sits in ``model.parameters()`` (DeepSpeed's flat order): non-layer tensors registered before
+    # the decoder layers (embeddings; OPT's final norm too). None: a profile that does not say.
+    before_layers: bool | None = None
+    # Position of its gradient hook in backward (0 = first finished); None: frozen, or a profile that does not say.
+    backward_index: int | None = None
+
+    @property
+    def is_bias(self) -> bool:
+        return self.name.endswith("bias")
+
+    @property
+    def nbytes(self) -> int:
+        if self.stored_bytes_per_elem is not None:
+            return int(round(self.numel * self.stored_bytes_per_elem))
+        return self.numel * self.elem_bytes
+
+
+def _info(row: dict, name: str, layer: int | None, tp: bool = False, before_layers: bool | None = None,
+          backward_index: int | None = None) -> ParamInfo:
+    return ParamInfo(name=name, shape=tuple(row["shape"]), numel=row["numel"], elem_bytes=row["elem_bytes"],
+                     trainable=row["trainable"], module_kind=row["kind"], layer=layer,
+                     tied_names=tuple(row.get("tied", ())), opt_group=1 if tp and not row.get("dtensor") else 0,
+                     stored_bytes_per_elem=row["stored_bytes"] / row["numel"] if "stored_bytes" in row else None,
+                     before_layers=before_layers, backward_index=backward_index)
+
+
+def is_tp_table(params: dict) -> bool:
+    """A TP profile's table: rows of DTensor params carry their local shard (``dtensor``, ``global_numel``)."""
+    return any(row.get("dtensor") for row in params["non_layer"] + params["per_layer"])
+
+
+def expand_params(params: dict, num_layers: int) -> list[ParamInfo]:
+    """Non-layer tensors in profile order, then every decoder layer's tensors (a TP profile: as one rank holds
+    them, local shards, with the DTensor / plain optimizer split in ``opt_group``). Profiles that record them also
+    give each tensor its place in ``model.parameters()`` (``before_layers``) and its gradient's place in backward
+    (``backward_index``)."""
+    prefix = params["layer_prefix"]
+    tp = is_tp_table(params)
+    layers_at = params.get("layers_at")
+    order = backward_order(params, num_layers)
+    table = [_info(row, row["name"], None, tp, None if layers_at is None else i < layers_at,
+                   order.get((None, row["name"]))) for i, row in enumerate(params["non_layer"])]
+    for layer in range(num_layers):
+        table.extend(_info(row, f"{prefix}.{layer}.{row['name']}", layer, tp,
+                           backward_index=order.get((layer, row["name"]))) for row in params["per_layer"])
+    return table
+
+
+def backward_order(params: dict, num_layers: int) -> dict[tuple[int | None, str], int]:
+    """(layer or None, name) -> position of the tensor's gradient hook in backward, for the full depth, from the
+    profile's ``grad_order`` (recorded on the shrunken model: the non-layer tensors finished before the layers,
+    the generic layer's order repeated from the last layer to the first, then the rest). Empty when the profile
+    does not record it or its generic layer does not match its parameter table."""
+    recorded = params.get("grad_order")
+    if not recorded:
+        return {}
+    first = next((i for i, (layer, _) in enumerate(recorded) if layer is not None), len(recorded))
+    head = [name for layer, name in recorded[:first] if layer is None]
+    tail = [name for layer, name in recorded[first:] if layer is None]
+    generic = [name for layer, name in recorded if layer == 1]
+    if sorted(generic) != sorted(row["name"] for row in params["per_layer"] if row["trainable"]):
+        return {}
+    keys = [(None, name) for name in head]
+    for layer in range(num_layers - 1, -1, -1):
+        keys.extend((layer, name) for name in generic)
+    keys.extend((None, name) for name in tail)
+    return {key: i for i, key in enumerate(keys)}
+
+
+def buffer_bytes(params: dict, num_layers: int) -> int:
+    """Module buffers of the full-depth model (0 for profiles recorded before buffers were)."""
+    buffers = params.get("buffers") or {}
+    return int(buffers.get("non_layer", 0) + num_layers * buffers.get("per_layer", 0))
+
+
+def layer_param_bytes(params: dict, trainable_only: bool = False) -> int:
+    return sum(r["numel"] * r["elem_bytes"] for r in params["per_layer"] if r["trainable"] or not trainable_only)
+
+
+def param_counts(params: dict, num_layers: int) -> tuple[int, int]:
+    """(total, trainable) parameter counts of the full-depth model; tied tensors counted once. A TP profile's
+    table counts the whole (global) parameters, not one rank's shards."""
+    def numel(row: dict) -> int:
+        return row.get("global_numel", row["numel"])
+
+    rows = params["non_layer"] + params["per_layer"] * num_layers
+    total = sum(numel(r) for r in params["non_layer"]) + num_layers * sum(numel(r) for r in params["per_layer"])
+    trainable = sum(numel(r) for r in rows if r["trainable"])
+    return total, trainable
+
+
+def param_table(arch: ModelArch, profile: dict) -> list[ParamInfo]:
+    return expand_params(profile["params"], arch.num_layers)

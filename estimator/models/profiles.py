@@ -1,0 +1,75 @@
+"""Architecture profiles: shipped for the catalogue, cached per user for anything else.
+
+A profile is keyed by the config's fingerprint (layer count excluded) and the training variant that changes
+which tensors exist (precision, attention, checkpointing, LoRA). Loading is pure JSON; building one imports
+torch (``estimator.profiler``) and is done once per key.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from importlib import resources
+from pathlib import Path
+
+from estimator.spec import TrainingSpec
+
+# 2: SDPA traced without the 4-D mask transformers skips for full-length batches on the GPU.
+# 3: the parameter table records the decoder layers' place in model.parameters() (``layers_at``) and the order
+#    backward finishes the gradients (``grad_order``), which DeepSpeed ZeRO-1/2's partitions and buckets follow.
+# 4: each regime also holds ``segments_manual`` (the step as a manual loop runs it, the output object bound until
+#    the next forward) and ``outputs_held`` (that object's storages besides the loss: dropped / saved by the graph).
+PROFILE_SCHEMA_VERSION = 4
+MONOMIALS = ("1", "s", "s^2", "b", "b*s", "b*s^2")
+
+
+def variant_key(training: TrainingSpec) -> str:
+    # flash attention has the memory shape of the SDPA flash kernel (output + logsumexp, no S×S matrix).
+    attn = "sdpa" if training.attn == "flash" else training.attn
+    lora = f"{'qlora' if training.qlora else 'lora'}{training.lora_rank}-{training.lora_targets}" if training.lora \
+        else "full"
+    return f"{training.precision}_{attn}_{'ckpt' if training.grad_ckpt else 'nockpt'}_{lora}"
+
+
+def profile_key(config_sha: str, training: TrainingSpec, tp: int = 1) -> str:
+    """``<config sha>_<variant>``, plus ``_tp<N>`` for the profile of one rank of an N-way tensor-parallel model."""
+    return f"{config_sha}_{variant_key(training)}" + (f"_tp{tp}" if tp > 1 else "")
+
+
+def user_cache_dir() -> Path:
+    root = os.environ.get("LLMEM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llm-memory-estimator")
+    return Path(root) / "profiles"
+
+
+def _shipped_path(key: str):
+    return resources.files("estimator") / "profiles" / f"{key}.json"
+
+
+@functools.lru_cache(maxsize=512)
+def _read(path: str) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def find_profile(key: str, *, stale: bool = False) -> dict | None:
+    """The shipped or cached profile at this schema; ``stale``: a cached one of an older schema instead."""
+    shipped = _shipped_path(key)
+    if shipped.is_file() and not stale:
+        return _read(str(shipped))
+    cached = user_cache_dir() / f"{key}.json"
+    if cached.is_file():
+        profile = _read(str(cached))
+        if (profile.get("schema_version") == PROFILE_SCHEMA_VERSION) != stale:  # older ones are carried or rebuilt
+            return profile
+    return None
+
+
+def save_profile(key: str, profile: dict, directory: Path | None = None) -> Path:
+    directory = directory or user_cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{key}.json"
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(profile, separators=(",", ":")))
+    os.replace(tmp, path)
+    return path

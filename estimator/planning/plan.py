@@ -1,0 +1,692 @@
+"""The planner: for a model on N GPUs of one type, the fastest method and micro-batch that fit.
+
+Pure standard library. For every candidate (each method the estimator knows, every dp x tp split of N,
+ZeRO-Offload and ZeRO-3 with the optimizer -- and for ZeRO-Infinity also the parameters -- on the CPU, each
+with and without gradient checkpointing) it searches the largest micro-batch whose *calibrated safety
+bound* (``Estimate.upper_bound_bytes``) fits the GPU, predicts its throughput with
+:mod:`estimator.planning.throughput`, and ranks the candidates by tokens/s per job. Offload layouts report the host
+RAM of a node (and do not fit when it exceeds ``host_ram_gb``). With a global batch it counts
+gradient-accumulation steps. When nothing fits it says what would: offload, how many GPUs, LoRA, a shorter
+sequence -- from profiles already shipped or cached, never by building one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from estimator.planning import throughput as tput
+from estimator.planning.shape import ModelShape, model_facts, model_shape
+from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
+
+GIB = 1024**3
+MAX_MICRO_BATCH = 4096          # search ceiling (reported as ">= cap" when reached)
+MAX_GPUS = 4096                 # the largest N the planner (and its "how many GPUs" advice) considers
+ADVICE_LORA_RANK = 16
+# The planner's layouts: the estimator's methods, plus ZeRO-3 with CPU offload (a ``zero3`` spec with
+# ``ZeroSpec.offload_optimizer`` / ``offload_param``: DeepSpeed's "ZeRO-3 Offload" and ZeRO-Infinity on the CPU).
+METHOD_ORDER = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "dp_tp", "zero_offload", "zero3_offload",
+                "zero_infinity")
+METHOD_RANK = {m: i for i, m in enumerate(METHOD_ORDER)}   # simpler first, for ties
+OFFLOAD_METHODS = ("zero_offload", "zero3_offload", "zero_infinity")
+# What each layout is, in the terms of the framework that runs it (printed with the recommendation).
+RUN_AS = {
+    "single": "one GPU, plain PyTorch",
+    "ddp": "PyTorch DDP",
+    "zero1": "DeepSpeed ZeRO stage 1",
+    "zero2": "DeepSpeed ZeRO stage 2",
+    "zero3": "DeepSpeed ZeRO stage 3",
+    "fsdp": "PyTorch FSDP2 (fully_shard per decoder layer)",
+    "tp": "DTensor tensor parallelism over every GPU",
+    "dp_tp": "DTensor tensor parallelism inside, FSDP2 over the data-parallel axis",
+    "zero_offload": "DeepSpeed ZeRO-Offload: stage 2, offload_optimizer cpu",
+    "zero3_offload": "DeepSpeed ZeRO stage 3, offload_optimizer cpu",
+    "zero_infinity": "DeepSpeed ZeRO-Infinity: stage 3, offload_optimizer cpu + offload_param cpu",
+}
+
+EstimateFn = Callable[[RunSpec], Any]
+
+
+def _check_tp(arch, tp: int) -> None:
+    try:
+        from estimator.models.tp_plans import check_tp
+    except ImportError:
+        if arch.num_heads % tp:
+            raise ValueError(f"tp: {tp} does not divide the {arch.num_heads} attention heads") from None
+        return
+    check_tp(arch, tp)
+
+
+# --- candidates -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Candidate:
+    method: str                  # one of METHOD_ORDER (the planner's layout name)
+    world_size: int
+    tp: int = 1
+    grad_ckpt: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.tp
+
+    @property
+    def offload(self) -> bool:
+        return self.method in OFFLOAD_METHODS
+
+    def parallel_spec(self) -> ParallelSpec:
+        """The estimator's spec for this layout (ZeRO-3 offload: ``zero3`` with ZeroSpec offload flags)."""
+        if self.method in ("zero3_offload", "zero_infinity"):
+            zero = ZeroSpec(offload_optimizer=True, offload_param=self.method == "zero_infinity")
+            return ParallelSpec(method="zero3", world_size=self.world_size, zero=zero)
+        return ParallelSpec(method=self.method, world_size=self.world_size, tp=self.tp)
+
+    @property
+    def label(self) -> str:
+        if self.method == "dp_tp":
+            return f"dp_tp {self.dp}x{self.tp}"
+        return self.method
+
+
+def enumerate_candidates(world_size: int, ckpt_options: Iterable[bool] = (False, True),
+                         methods: Iterable[str] | None = None) -> list[Candidate]:
+    """Every (method, tp, checkpointing) the estimator knows for ``world_size`` GPUs. ``methods`` limits them;
+    raises ``ValueError("methods: ...")`` when none of the wanted methods has a layout on ``world_size``."""
+    if world_size == 1:
+        layouts = [("single", 1)]
+    else:
+        layouts = [(m, 1) for m in ("ddp", "zero1", "zero2", "zero3", "fsdp")] + [("tp", world_size)]
+        layouts += [("dp_tp", t) for t in range(2, world_size) if world_size % t == 0]
+    layouts += [(m, 1) for m in OFFLOAD_METHODS]
+    wanted = set(methods) if methods is not None else None
+    cands = [Candidate(m, world_size, t, ckpt) for m, t in layouts for ckpt in ckpt_options
+             if wanted is None or m in wanted]
+    if not cands and wanted:
+        why = {"single": "it is the 1-GPU layout", "dp_tp": "it needs a tp degree with 1 < tp < N dividing N"}
+        names = ", ".join(f"{m} ({why.get(m, 'it needs 2 or more GPUs')})" for m in sorted(wanted, key=METHOD_RANK.get))
+        raise ValueError(f"methods: no layout on {world_size} GPU(s) for {names}")
+    return cands
+
+
+# --- micro-batch search ---------------------------------------------------------------------------------
+def search_max_micro_batch(bytes_at: Callable[[int], int], capacity: int, cap: int = MAX_MICRO_BATCH) -> int:
+    """Largest ``mb`` in ``[1, cap]`` with ``bytes_at(mb) <= capacity`` (0 if none), for ``bytes_at``
+    non-decreasing in ``mb``.
+
+    Exponential search up to the first micro-batch that does not fit, then binary search inside the
+    bracket. Memory is (piecewise) affine in the micro-batch, so both phases step to the secant's
+    prediction when they have one (an affine memory curve is solved in four probes); the bracket phase
+    falls back to halving whenever a step fails to halve the bracket, so it never needs more than about
+    twice the probes of plain bisection.
+    """
+    memo: dict[int, int] = {}
+
+    def fits(mb: int) -> bool:
+        if mb not in memo:
+            memo[mb] = int(bytes_at(mb))
+        return memo[mb] <= capacity
+
+    if cap < 1 or not fits(1):
+        return 0
+    prev, lo, hi = 1, 1, None
+    while hi is None:                                    # exponential phase
+        if lo >= cap:
+            return cap
+        slope = (memo[lo] - memo[prev]) / (lo - prev) if lo != prev else 0.0
+        probe = lo + int((capacity - memo[lo]) // slope) + 1 if slope > 0 else 2 * lo
+        probe = min(cap, max(lo + 1, probe))
+        if fits(probe):
+            prev, lo = lo, probe
+        else:
+            hi = probe
+    halve = checked = False
+    while hi - lo > 1:                                   # binary phase
+        width = hi - lo
+        if halve:
+            probe = (lo + hi) // 2
+        else:
+            probe = lo + (capacity - memo[lo]) * width // (memo[hi] - memo[lo])
+        probe = min(hi - 1, max(lo + 1, probe))
+        secant_fit = not halve and fits(probe)
+        lo, hi = (probe, hi) if secant_fit or (halve and fits(probe)) else (lo, probe)
+        if secant_fit and not checked and hi - lo > 2:
+            # Both ends on one affine piece make the secant exact: try its neighbour once before halving.
+            checked = True
+            lo, hi = (lo + 1, hi) if fits(lo + 1) else (lo, lo + 1)
+        halve = (hi - lo) * 2 > width
+    return lo
+
+
+def micro_batch_for_global(global_batch: int, dp: int, max_mb: int) -> tuple[int, int]:
+    """Largest micro-batch <= ``max_mb`` with ``global_batch % (dp * mb) == 0``; (mb, accumulation)."""
+    for mb in range(min(max_mb, global_batch // dp), 0, -1):
+        if global_batch % (dp * mb) == 0:
+            return mb, global_batch // (dp * mb)
+    return 0, 0
+
+
+# --- results --------------------------------------------------------------------------------------------
+@dataclass
+class CandidateResult:
+    candidate: Candidate
+    status: str = "ok"                 # ok | oom | invalid
+    reason: str = ""                   # why it is invalid / does not fit / lost
+    max_micro_batch: int = 0
+    micro_batch: int = 0
+    grad_accum: int = 0
+    peak_bytes: int | None = None      # estimate's peak device bytes (worst rank) at micro_batch (or 1 if OOM)
+    bound_bytes: int | None = None     # calibrated safety bound at the same point
+    capacity_bytes: int | None = None
+    host_ram_bytes: int | None = None  # CPU RAM one rank's offloaded states need (estimator); 0 without offload
+    time: tput.StepTime | None = None
+    rank: int | None = None
+
+    @property
+    def host_ram_node_bytes(self) -> int | None:
+        """Host RAM of one node: every rank on it holds its own offloaded partition."""
+        if not self.host_ram_bytes:
+            return None
+        return self.host_ram_bytes * min(self.candidate.world_size, tput.GPUS_PER_NODE)
+
+    @property
+    def fits(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.time.tokens_per_s if self.time else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.candidate
+        return {"method": c.method, "label": c.label, "world_size": c.world_size, "dp": c.dp, "tp": c.tp,
+                "grad_ckpt": c.grad_ckpt, "status": self.status, "fits": self.fits, "reason": self.reason,
+                "max_micro_batch": self.max_micro_batch, "micro_batch": self.micro_batch,
+                "grad_accum": self.grad_accum, "peak_bytes": self.peak_bytes, "bound_bytes": self.bound_bytes,
+                "capacity_bytes": self.capacity_bytes, "host_ram_bytes": self.host_ram_bytes,
+                "host_ram_node_bytes": self.host_ram_node_bytes, "run_as": RUN_AS[c.method],
+                "tokens_per_s": round(self.tokens_per_s, 1) if self.time else None,
+                "step_time": self.time.to_dict() if self.time else None, "rank": self.rank}
+
+
+@dataclass
+class Plan:
+    model: str
+    gpu_key: str
+    gpu_name: str
+    world_size: int
+    seq_len: int
+    precision: str
+    optimizer: str
+    global_batch: int | None
+    lora_rank: int
+    loop: str
+    results: list[CandidateResult]
+    best: CandidateResult | None
+    advice: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    assumptions: dict[str, Any] = field(default_factory=dict)
+    memory_calibrated: bool | None = None
+    estimates: int = 0
+    elapsed_s: float = 0.0
+    epoch: dict[str, Any] | None = None    # with sample lengths: the recommendation's epoch summary
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "gpu": self.gpu_key, "gpu_name": self.gpu_name,
+                "world_size": self.world_size, "seq_len": self.seq_len, "precision": self.precision,
+                "optimizer": self.optimizer, "global_batch": self.global_batch, "lora_rank": self.lora_rank,
+                "loop": self.loop, "recommendation": self.best.to_dict() if self.best else None,
+                "candidates": [r.to_dict() for r in self.results], "advice": self.advice, "notes": self.notes,
+                "throughput_model": self.assumptions, "memory_calibrated": self.memory_calibrated,
+                "estimates": self.estimates, "elapsed_s": round(self.elapsed_s, 4),
+                **({"epoch": self.epoch} if self.epoch is not None else {})}
+
+
+# --- the planner ----------------------------------------------------------------------------------------
+@dataclass
+class _Context:
+    model: str
+    gpu: tput.GpuPerf
+    training: TrainingSpec
+    estimate_fn: EstimateFn
+    eff: tput.Efficiency
+    interconnect: str | None
+    bandwidth_gbs: float | None
+    probe_fn: EstimateFn | None = None     # for the advice's what-ifs: never builds a profile (default estimator)
+    ckpt_options: tuple[bool, ...] = (False, True)
+    host_ram_bytes: int | None = None      # the user's host RAM per node (offload layouts), if given
+    # Sample lengths (estimator.batching.epoch.EpochSource): memory at each micro-batch's worst batch, step time
+    # at its mean padded length, tokens/s in real tokens.
+    epoch: Any = None
+    cache: dict = field(default_factory=dict)
+    shapes: dict = field(default_factory=dict)
+    calibrated: bool | None = None
+
+    def shape(self, lora_rank: int, lora_targets: str) -> ModelShape:
+        """Parameter counts from this plan's first estimate with the same LoRA setting, when it has them."""
+        key = (lora_rank, lora_targets)
+        if key not in self.shapes:
+            est = next((e for (_, _, extra), e in self.cache.items()
+                        if dict(extra).get("lora_rank", self.training.lora_rank) == lora_rank), None)
+            params = getattr(est, "params", None)
+            trainable = getattr(est, "trainable_params", None)
+            self.shapes[key] = model_shape(self.model, lora_rank, lora_targets,
+                                           params=int(params) if isinstance(params, int) else None,
+                                           trainable=int(trainable) if isinstance(trainable, int) else None)
+        return self.shapes[key]
+
+    def spec(self, cand: Candidate, mb: int, **training: Any) -> RunSpec:
+        train = dataclasses.replace(self.training, micro_batch_size=mb, grad_ckpt=cand.grad_ckpt, **training)
+        return RunSpec(model=self.model, gpu=self.gpu.key, training=train, parallel=cand.parallel_spec())
+
+    def estimate(self, cand: Candidate, mb: int, *, probe: bool = False, **training: Any):
+        """The estimate of ``cand`` at micro-batch ``mb`` (memoised). ``probe``: an advice what-if, which must
+        not build a profile (seconds to minutes of torch): it raises ``ValueError`` naming the missing profile."""
+        key = (cand, mb, tuple(sorted(training.items())))
+        if key not in self.cache:
+            fn = self.probe_fn if probe and self.probe_fn is not None else self.estimate_fn
+            est = fn(self.spec(cand, mb, **training)) if self.epoch is None else \
+                self._epoch_estimate(fn, cand, mb, training)
+            self.cache[key] = est
+            if self.calibrated is None:
+                self.calibrated = bool(getattr(est, "calibrated", False))
+        return self.cache[key]
+
+    def _epoch_estimate(self, fn: EstimateFn, cand: Candidate, mb: int, training: dict[str, Any]):
+        """The estimate at the epoch's worst batch for micro-batch ``mb`` (``seq_len`` truncates the samples)."""
+        shapes = self.epoch.shapes(mb, cand.dp, training.get("seq_len", self.training.seq_len))
+        other = {k: v for k, v in training.items() if k != "seq_len"}
+        estimates = [fn(self.spec(cand, rows, seq_len=length, **other)) for rows, length in shapes.worst]
+        return max(estimates, key=lambda e: e.upper_bound_bytes)
+
+    def links(self, cand: Candidate) -> tuple[tput.Link, tput.Link]:
+        dp_link = tput.resolve_link(self.gpu, cand.world_size, self.interconnect, self.bandwidth_gbs)
+        tp_link = tput.resolve_link(self.gpu, cand.tp, self.interconnect, self.bandwidth_gbs)
+        return dp_link, tp_link
+
+    def step_time(self, cand: Candidate, mb: int, accum: int, **training: Any) -> tput.StepTime:
+        dp_link, tp_link = self.links(cand)
+        train = {**self.training.__dict__, **training}
+        shapes = self.epoch.shapes(mb, cand.dp, train["seq_len"]) if self.epoch is not None else None
+        setup = tput.Setup(method=cand.method, world_size=cand.world_size, tp=cand.tp, micro_batch=mb,
+                           seq_len=shapes.mean_padded_len if shapes else train["seq_len"], grad_accum=accum, grad_ckpt=cand.grad_ckpt,
+                           precision=train["precision"], optimizer=train["optimizer"],
+                           lora=train["lora_rank"] > 0)
+        shape = self.shape(train["lora_rank"], train["lora_targets"])
+        time = tput.step_time(shape, setup, self.gpu, self.eff, dp_link=dp_link, tp_link=tp_link)
+        if shapes is None:
+            return time
+        return dataclasses.replace(time, tokens_per_s=time.tokens_per_s * shapes.real_per_padded)
+
+    def max_micro_batch(self, cand: Candidate, cap: int, *, probe: bool = False, **training: Any
+                        ) -> tuple[int, int]:
+        """(largest fitting micro-batch, capacity bytes)."""
+        capacity = int(self.estimate(cand, 1, probe=probe, **training).capacity_bytes)
+        best = search_max_micro_batch(
+            lambda mb: int(self.estimate(cand, mb, probe=probe, **training).upper_bound_bytes), capacity, cap)
+        return best, capacity
+
+    @property
+    def advice_ckpt(self) -> bool:
+        """Checkpointing setting of the advice's what-ifs: on, unless the plan excluded it (no profile then)."""
+        return True in self.ckpt_options
+
+
+def _evaluate(ctx: _Context, cand: Candidate, global_batch: int | None) -> CandidateResult:
+    res = CandidateResult(cand)
+    if global_batch is not None and global_batch % cand.dp:
+        res.status, res.reason = "invalid", f"global batch {global_batch} is not divisible by dp={cand.dp}"
+        return res
+    cap = MAX_MICRO_BATCH if global_batch is None else min(MAX_MICRO_BATCH, global_batch // cand.dp)
+    if ctx.epoch is not None:   # a micro-batch larger than a rank's share of the epoch never runs
+        cap = min(cap, ctx.epoch.rows_per_rank(cand.dp, ctx.training.seq_len))
+    try:
+        if cand.tp > 1:
+            _check_tp(model_facts(ctx.model)["arch"], cand.tp)
+        best, capacity = ctx.max_micro_batch(cand, cap)
+    except ValueError as err:
+        res.status, res.reason = "invalid", str(err)
+        return res
+    res.capacity_bytes, res.max_micro_batch = capacity, best
+    if best == 0:
+        est = ctx.estimate(cand, 1)
+        res.status = "oom"
+        res.peak_bytes, res.bound_bytes = int(est.peak_device_bytes), int(est.upper_bound_bytes)
+        res.host_ram_bytes = getattr(est, "host_ram_bytes", None)
+        res.reason = (f"does not fit at micro-batch 1: bound {res.bound_bytes / GIB:.1f} GiB > "
+                      f"{capacity / GIB:.1f} GiB")
+        return res
+    if global_batch is None:
+        mb, accum = best, 1
+    else:
+        mb, accum = micro_batch_for_global(global_batch, cand.dp, best)
+    est = ctx.estimate(cand, mb)
+    res.micro_batch, res.grad_accum = mb, accum
+    res.peak_bytes, res.bound_bytes = int(est.peak_device_bytes), int(est.upper_bound_bytes)
+    res.host_ram_bytes = getattr(est, "host_ram_bytes", None)
+    node_ram = res.host_ram_node_bytes
+    if ctx.host_ram_bytes and node_ram and node_ram > ctx.host_ram_bytes:
+        res.status = "oom"
+        res.reason = (f"host RAM: the offloaded states need {node_ram / GIB:.1f} GiB per node > "
+                      f"{ctx.host_ram_bytes / GIB:.1f} GiB")
+        return res
+    try:
+        res.time = ctx.step_time(cand, mb, accum)
+    except ValueError as err:
+        res.status, res.reason = "invalid", str(err)
+    return res
+
+
+def _per_token(res: CandidateResult) -> dict[str, float]:
+    t = res.time
+    tokens = res.tokens_per_s * t.step_s
+    return {"compute": t.compute_s / tokens, "comm": t.exposed_comm_s / tokens,
+            "offload": t.offload_s / tokens, "optimizer": t.optimizer_s / tokens}
+
+
+def _loss_reason(res: CandidateResult, best: CandidateResult) -> str:
+    """Why ``res`` ranks below ``best``: the per-token cost term with the largest gap."""
+    ratio = res.tokens_per_s / best.tokens_per_s
+    if ratio > 0.995:
+        return f"{ratio:.2f}x the best: a tie on predicted speed, ranked below on peak memory or simplicity"
+    mine, theirs = _per_token(res), _per_token(best)
+    term = max(mine, key=lambda k: mine[k] - theirs[k])
+    c, w, a, b = res.candidate, best.candidate, res.time, best.time
+    ms = 1e3 * {"compute": a.compute_s, "comm": a.exposed_comm_s, "offload": a.offload_s,
+                "optimizer": a.optimizer_s}[term]
+    if term == "compute":
+        if c.grad_ckpt and not w.grad_ckpt:
+            why = "checkpointing recomputes the forward (+1/3 FLOPs)"
+        elif c.tp > w.tp:
+            why = f"tp={c.tp} narrows the GEMMs (efficiency {a.efficiency:.2f} vs {b.efficiency:.2f})"
+        else:
+            why = f"micro-batch {res.micro_batch} vs {best.micro_batch} (efficiency {a.efficiency:.2f} vs " \
+                  f"{b.efficiency:.2f})"
+    elif term == "comm":
+        why = f"exposed communication {ms:.0f} ms/step"
+    elif term == "offload":
+        why = f"PCIe transfers + CPU Adam {ms:.0f} ms/step"
+    else:
+        sharded = c.method in ("zero1", "zero2", "zero3", "fsdp", "dp_tp")
+        why = f"optimizer update {ms:.0f} ms/step ({'sharded' if sharded else 'not sharded'})"
+    return f"{ratio:.2f}x the best: {why}"
+
+
+def _rank(results: list[CandidateResult]) -> CandidateResult | None:
+    ok = [r for r in results if r.fits and r.time]
+    ok.sort(key=lambda r: (-round(r.tokens_per_s, 6), r.bound_bytes or 0, METHOD_RANK[r.candidate.method],
+                           r.candidate.grad_ckpt, r.candidate.tp))
+    for i, r in enumerate(ok, 1):
+        r.rank = i
+    if not ok:
+        return None
+    for r in ok[1:]:
+        r.reason = _loss_reason(r, ok[0])
+    ok[0].reason = "recommended"
+    return ok[0]
+
+
+def _default_precision(gpu: tput.GpuPerf) -> str:
+    return "mixed_bf16" if gpu.supports_bf16() else "mixed_fp16"
+
+
+def _validate(world_size: Any, seq_len: Any, global_batch: Any) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"gpus: must be a positive integer, got {world_size!r}")
+    if world_size > MAX_GPUS:
+        raise ValueError(f"gpus: {world_size} GPUs is more than the planner considers ({MAX_GPUS})")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len: must be a positive integer, got {seq_len!r}")
+    if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
+                                     or global_batch < 1):
+        raise ValueError(f"global_batch: must be a positive integer, got {global_batch!r}")
+
+
+def _default_estimate(allow_build: bool = True) -> EstimateFn:
+    from estimator.api import estimate
+    return estimate if allow_build else functools.partial(estimate, allow_build=False)
+
+
+def _check_options(methods: Iterable[str] | None, ckpt_options: tuple[bool, ...], host_ram_gb: Any) -> None:
+    if methods is not None:
+        unknown = [m for m in methods if m not in METHOD_RANK]
+        if unknown:
+            raise ValueError(f"methods: {unknown[0]!r} is not one of {', '.join(METHOD_ORDER)}")
+    if not ckpt_options or any(not isinstance(c, bool) for c in ckpt_options):
+        raise ValueError(f"ckpt_options: need a non-empty set of true/false, got {ckpt_options!r}")
+    if host_ram_gb is not None and (isinstance(host_ram_gb, bool) or not isinstance(host_ram_gb, (int, float))
+                                    or not 0 < host_ram_gb < float("inf")):
+        raise ValueError(f"host_ram: must be a positive number of GiB, got {host_ram_gb!r}")
+
+
+def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: int | None = None,
+         precision: str | None = None, optimizer: str = "adamw", attn: str = "sdpa", lora_rank: int = 0,
+         lora_targets: str = "auto", ckpt_options: Iterable[bool] = (False, True),
+         methods: Iterable[str] | None = None, interconnect: str | None = None,
+         bandwidth_gbs: float | None = None, host_ram_gb: float | None = None, advise: bool = True,
+         estimate_fn: EstimateFn | None = None, gpu_info: tput.GpuPerf | None = None, loop: str = "trainer",
+         epoch: Any = None) -> Plan:
+    """Search, rank and advise. Raises ``ValueError("field: ...")`` for bad input (unknown GPU or model,
+    impossible N, a global batch no candidate can split, a method with no layout on N GPUs).
+
+    ``host_ram_gb``: host RAM per node (GiB); offload layouts whose offloaded states need more do not fit.
+    The advice's what-ifs (LoRA, more GPUs, shorter sequences) never build a profile: with the default
+    estimator they use only profiles already shipped or cached, and say so when one is missing.
+    ``epoch``: sample lengths (``estimator.batching.epoch.EpochSource``); ``seq_len`` then truncates them."""
+    started = time.perf_counter()
+    _validate(gpus, seq_len, global_batch)
+    ckpt_options = tuple(ckpt_options)
+    _check_options(methods, ckpt_options, host_ram_gb)
+    gpu_perf = gpu_info or tput.gpu_perf(gpu)
+    arch = model_facts(model)["arch"]
+    if arch.max_positions and seq_len > arch.max_positions:
+        raise ValueError(f"seq_len: {seq_len} is longer than the model's {arch.max_positions} positions")
+    precision = precision or _default_precision(gpu_perf)
+    training = TrainingSpec(micro_batch_size=1, seq_len=seq_len, precision=precision, optimizer=optimizer,
+                            attn=attn, lora_rank=lora_rank, lora_targets=lora_targets, loop=loop)
+    if not any(gpu_perf.peak_flops.values()) or not gpu_perf.capacity_bytes:
+        raise ValueError(f"gpu: {gpu_perf.key!r} has no capacity or peak FLOP/s in the catalogue; "
+                         "the planner needs a known GPU type")
+    if gpu_perf.flops_for(precision) <= 0:
+        raise ValueError(f"precision: {gpu_perf.name} has no {precision} tensor throughput; use mixed_fp16")
+    tput.resolve_link(gpu_perf, gpus, interconnect, bandwidth_gbs)          # validates the override
+    ctx = _Context(model=model, gpu=gpu_perf, training=training, estimate_fn=estimate_fn or _default_estimate(),
+                   eff=tput.load_efficiency(gpu_perf), interconnect=interconnect, bandwidth_gbs=bandwidth_gbs,
+                   probe_fn=None if estimate_fn else _default_estimate(allow_build=False),
+                   ckpt_options=ckpt_options,
+                   host_ram_bytes=int(host_ram_gb * GIB) if host_ram_gb is not None else None, epoch=epoch)
+    cands = enumerate_candidates(gpus, ckpt_options, methods)
+    if global_batch is not None and all(global_batch % c.dp for c in cands):
+        dps = sorted({c.dp for c in cands}, reverse=True)
+        raise ValueError(f"global_batch: {global_batch} is not divisible by the data-parallel degree of any "
+                         f"layout on {gpus} GPUs (dp in {', '.join(map(str, dps))})")
+    results = [_evaluate(ctx, c, global_batch) for c in cands]
+    _raise_if_all_invalid(results, global_batch)
+    best = _rank(results)
+    dp_link, tp_link = ctx.links(Candidate("dp_tp" if gpus > 1 else "single", gpus, 1))
+    result = Plan(model=model, gpu_key=gpu_perf.key, gpu_name=gpu_perf.name, world_size=gpus, seq_len=seq_len,
+                  precision=precision, optimizer=optimizer, global_batch=global_batch, lora_rank=lora_rank,
+                  loop=loop, results=results, best=best,
+                  assumptions=tput.assumptions(gpu_perf, ctx.eff, dp_link, tp_link))
+    result.notes += _notes(ctx, result)
+    if epoch is not None and best is not None:
+        result.epoch = epoch.shapes(best.micro_batch, best.candidate.dp, seq_len).summary
+    if advise:
+        result.advice = _advice(ctx, result)
+    result.memory_calibrated = ctx.calibrated
+    result.estimates = len(ctx.cache)
+    result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+def _raise_if_all_invalid(results: list[CandidateResult], global_batch: int | None) -> None:
+    """No candidate can even be evaluated: that is the user's input, not a plan. One line, as an error."""
+    if not results or any(r.status != "invalid" for r in results):
+        return
+    split = sorted({r.candidate.dp for r in results if r.reason.startswith("global batch")}, reverse=True)
+    others = [r.reason for r in results if not r.reason.startswith("global batch")]
+    if split:
+        rest = f"; the other layouts cannot run ({others[0]})" if others else ""
+        raise ValueError(f"global_batch: {global_batch} is not divisible by the data-parallel degree "
+                         f"(dp={', '.join(map(str, split))}){rest}")
+    raise ValueError(others[0])
+
+
+def _notes(ctx: _Context, result: Plan) -> list[str]:
+    notes = []
+    if not ctx.eff.calibrated:
+        notes.append(f"throughput: compute efficiency is a prior for {ctx.gpu.family} GPUs (no measured step "
+                     f"times for {ctx.gpu.key} yet); rankings between methods with similar compute are "
+                     "reliable, absolute tokens/s are not")
+    if ctx.calibrated is False:
+        notes.append("memory: the estimator's coefficients for this GPU are uncalibrated priors")
+    best = result.best
+    if best and result.global_batch and best.micro_batch < best.max_micro_batch:
+        notes.append(f"global batch {result.global_batch} forces micro-batch {best.micro_batch} "
+                     f"(up to {best.max_micro_batch} fits) with {best.grad_accum} accumulation steps")
+    if best and best.max_micro_batch >= MAX_MICRO_BATCH:
+        notes.append(f"the micro-batch search stops at {MAX_MICRO_BATCH}")
+    if ctx.training.lora:
+        notes.append("LoRA: compute counted as 4*P*tokens (no weight gradients for the frozen base)")
+    if ctx.epoch is not None:
+        notes.append("lengths: each micro-batch's memory is the estimate at its epoch's worst batch; step time at "
+                     "the epoch's mean padded length, tokens/s in real (unpadded) tokens")
+    return notes
+
+
+# --- advice ---------------------------------------------------------------------------------------------
+UNPROFILED = "no cached profile"     # estimator.models.profiles' message when a probe would need a profile build
+
+
+class _Unprofiled(Exception):
+    """An advice what-if needs a profile that is not shipped or cached (building it would take minutes)."""
+
+
+def _probe_fits(ctx: _Context, cand: Candidate, **training: Any) -> bool:
+    """Does ``cand`` fit micro-batch 1 (safety bound)? An invalid layout does not; a missing profile raises."""
+    try:
+        est = ctx.estimate(cand, 1, probe=True, **training)
+    except ValueError as err:
+        if UNPROFILED in str(err):
+            raise _Unprofiled(str(err)) from None
+        return False
+    return est.upper_bound_bytes <= est.capacity_bytes
+
+
+def _ckpt_words(ckpt: bool) -> str:
+    return "with checkpointing" if ckpt else "without checkpointing"
+
+
+def _min_gpus(ctx: _Context, start: int) -> tuple[int, Candidate] | None:
+    """Fewest GPUs (> start) on which ZeRO-3 or FSDP fits micro-batch 1 (checkpointing on unless the plan
+    excluded it); assumes the per-rank bound falls as GPUs are added (sharded states)."""
+    found: list[tuple[int, Candidate]] = []
+    ckpt = ctx.advice_ckpt
+    for method in ("zero3", "fsdp"):
+        def fits(n: int, method: str = method) -> bool:
+            return _probe_fits(ctx, Candidate(method, n, 1, ckpt))
+        lo, hi = start, start + 1
+        while hi < MAX_GPUS and not fits(hi):        # exponential
+            lo, hi = hi, min(MAX_GPUS, hi * 2)
+        if hi >= MAX_GPUS and not fits(MAX_GPUS):
+            continue
+        while hi - lo > 1:                           # binary
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if not fits(mid) else (lo, mid)
+        found.append((hi, Candidate(method, hi, 1, ckpt)))
+    return min(found, key=lambda f: f[0]) if found else None
+
+
+def _max_seq_len(ctx: _Context, cand: Candidate) -> int:
+    """Longest sequence (multiple of 64) at which ``cand`` fits micro-batch 1; 0 if none."""
+    lo, hi = 0, ctx.training.seq_len // 64
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _probe_fits(ctx, cand, seq_len=64 * mid) else (lo, mid)
+    return 64 * lo if lo and _probe_fits(ctx, cand, seq_len=64 * lo) else 0
+
+
+def _offload_advice(result: Plan) -> list[str]:
+    fitting = [r for r in result.results if r.fits and r.candidate.offload]
+    if fitting:
+        best = max(fitting, key=lambda r: r.tokens_per_s)
+        node = best.host_ram_node_bytes
+        ram = f"; host RAM ~{node / GIB:.0f} GiB per node" if node else ""
+        return [f"offload: {best.candidate.label} ({RUN_AS[best.candidate.method]}) fits up to micro-batch "
+                f"{best.max_micro_batch}, ~{best.tokens_per_s:,.0f} tokens/s{ram}"]
+    tried = [r for r in result.results if r.candidate.offload and r.bound_bytes]
+    if not tried:
+        return []
+    least = min(tried, key=lambda r: r.bound_bytes or 0)
+    if least.reason.startswith("host RAM"):
+        return [f"offload: {least.candidate.label} would fit the GPU but not the host ({least.reason})"]
+    return [f"offload: even {least.candidate.label} needs {least.bound_bytes / GIB:.1f} GiB per GPU at "
+            "micro-batch 1"]
+
+
+def _advice(ctx: _Context, result: Plan) -> list[str]:
+    advice: list[str] = []
+    n = result.world_size
+    on_gpu = [r for r in result.results if r.fits and not r.candidate.offload]
+    if on_gpu:
+        if not any(r.candidate.grad_ckpt is False for r in on_gpu) and any(
+                r.candidate.grad_ckpt is False for r in result.results):
+            advice.append("only gradient checkpointing makes it fit (every method without it runs out of memory)")
+        return advice
+    capacity = next((r.capacity_bytes for r in result.results if r.capacity_bytes), ctx.gpu.capacity_bytes)
+    cap = f"{ctx.gpu.name} ({capacity / GIB:.1f} GiB)"
+    even = ", even with checkpointing" if ctx.advice_ckpt else " (checkpointing was not considered: --ckpt off)"
+    advice.append(f"no GPU-resident method fits {n} x {cap} at micro-batch 1{even}")
+    advice += _offload_advice(result)
+    ckpt = ctx.advice_ckpt
+    try:
+        more = _min_gpus(ctx, n)
+        if more:
+            count, cand = more
+            split = (f"; --global-batch must then be a multiple of {count}"
+                     if result.global_batch and result.global_batch % count else "")
+            advice.append(f"more GPUs: {count} x {ctx.gpu.name} fit {cand.method} {_ckpt_words(ckpt)} at "
+                          f"micro-batch 1 (fewest that fit; bound falls as states shard){split}")
+        else:
+            advice.append(f"more GPUs: no sharded method fits micro-batch 1 on up to {MAX_GPUS} GPUs of this "
+                          "type (activations or replicated tensors alone exceed the GPU)")
+    except _Unprofiled:
+        advice.append("more GPUs: not checked (needs a profile this plan did not build)")
+    if ctx.training.lora_rank == 0:
+        advice += _lora_advice(ctx, n)
+    method = "zero3" if n > 1 else "single"
+    try:
+        shortest = _max_seq_len(ctx, Candidate(method, n, 1, ckpt))
+    except _Unprofiled:
+        shortest = 0
+    if 0 < shortest < ctx.training.seq_len:
+        advice.append(f"shorter sequences: {method} {_ckpt_words(ckpt)} fits micro-batch 1 up to --seq-len "
+                      f"{shortest}")
+    return advice
+
+
+def _lora_advice(ctx: _Context, n: int) -> list[str]:
+    methods = ("ddp", "zero3") if n > 1 else ("single",)
+    ckpt = ctx.advice_ckpt
+    best: tuple[float, Candidate, int] | None = None
+    for method in methods:
+        cand = Candidate(method, n, 1, ckpt)
+        try:
+            mb, _ = ctx.max_micro_batch(cand, MAX_MICRO_BATCH, probe=True, lora_rank=ADVICE_LORA_RANK)
+            if mb == 0:
+                continue
+            speed = ctx.step_time(cand, mb, 1, lora_rank=ADVICE_LORA_RANK).tokens_per_s
+        except ValueError as err:
+            if UNPROFILED in str(err):
+                return [f"LoRA: not checked (no LoRA profile shipped or cached for this model; "
+                        f"`--lora-rank {ADVICE_LORA_RANK}` plans it, after building the profile once)"]
+            continue
+        if best is None or speed > best[0]:
+            best = (speed, cand, mb)
+    if best is None:
+        return [f"LoRA (r={ADVICE_LORA_RANK}) {_ckpt_words(ckpt)} does not fit either"]
+    speed, cand, mb = best
+    return [f"LoRA: --lora-rank {ADVICE_LORA_RANK} fits {cand.method} {_ckpt_words(ckpt)} up to micro-batch {mb} "
+            f"(~{speed:,.0f} tokens/s)"]

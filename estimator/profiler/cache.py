@@ -1,0 +1,54 @@
+"""A model's profile for the estimator: shipped or cached (pure JSON, ``estimator.models.profiles``), else worked
+out now with torch, once (``estimator.profiler.profile``), or an older cached one carried over
+(``estimator.profiler.carry``). Importing this module imports no torch: only building does."""
+
+from __future__ import annotations
+
+import json
+
+from estimator.models.arch import ModelArch, cached_arch
+from estimator.models.profiles import find_profile, profile_key, save_profile
+from estimator.spec import TrainingSpec
+
+
+def get_profile(config: dict, config_sha: str, training: TrainingSpec, *, allow_build: bool = True,
+                tp: int = 1) -> dict:
+    """The cached profile, or one built now (torch + transformers, seconds) and cached. ``tp > 1``: the profile
+    of one rank of the ``tp``-way tensor-parallel model (its own key)."""
+    key = profile_key(config_sha, training, tp)
+    found = find_profile(key)
+    if found is not None:
+        return found
+    if not allow_build:
+        raise ValueError(f"model: no cached profile for this architecture and variant ({key}); "
+                         "profiling it needs torch and transformers (pip install '.[profile]')")
+    try:
+        from estimator.profiler.profile import build_profile
+
+        if training.lora:
+            import peft  # noqa: F401
+        if training.qlora:
+            import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise ValueError(f"model: this architecture/variant has not been profiled yet and profiling needs "
+                         f"torch + transformers (+ peft for LoRA, bitsandbytes for QLoRA; {err.name} missing): "
+                         "pip install '.[profile]'") from None
+    stale = find_profile(key, stale=True)
+    if stale is not None:
+        from estimator.profiler.carry import carry_over
+
+        stale = json.loads(json.dumps(stale))  # _read's cached object stays as read
+        if carry_over(stale, config):  # seconds instead of a full trace
+            save_profile(key, stale)
+            return stale
+    profile = build_profile(config, training, tp=tp) if tp > 1 else build_profile(config, training)
+    save_profile(key, profile)
+    return profile
+
+
+def load_model_profile(model: str, training: TrainingSpec, tp: int = 1, *, allow_build: bool = True
+                       ) -> tuple[ModelArch, dict]:
+    """The architecture and its profile; ``tp > 1``: the profile of one rank of the ``tp``-way TP model (local
+    shards in its parameter table, replicated parts and full logits in its activations)."""
+    arch = cached_arch(model)
+    return arch, get_profile(arch.config, arch.config_sha, training, allow_build=allow_build, tp=tp)
