@@ -338,7 +338,8 @@ def _tracker(built: Built):
 
     tracker = MemTracker()
     inner = getattr(built.optimizer, "inner", built.optimizer)
-    tracker.track_external(built.model, inner)
+    # mixed_*: the fp32 masters are no module's parameters; MemTracker counts them only when named
+    tracker.track_external(built.model, inner, *getattr(built.optimizer, "masters", []))
     return tracker
 
 
