@@ -113,3 +113,18 @@ def test_cuda_dropout_saves_a_bool_mask():
 def test_unknown_model_is_one_line_error(capsys):
     assert mt.main(["--model", "no/such-model"]) == 2
     assert capsys.readouterr().err.startswith("error: model:")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fsdp_memtracker_equals_the_project_tracer(tmp_path, rank):
+    """FSDPMemTracker on torch's fake process group against harness.fake.trace_run (unrounded), per rank."""
+    from estimator.spec import ParallelSpec
+    from harness.fake import trace_run
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA))
+    training = TrainingSpec(precision="bf16", attn="sdpa", micro_batch_size=4, seq_len=96)
+    spec = RunSpec(model=str(path), training=training, parallel=ParallelSpec(method="fsdp", world_size=2))
+    project = trace_run(spec, ranks=(rank,), config=LLAMA, round_to=1)["per_rank"][rank]["peak_allocated_bytes"]
+    variant = mt.Variant("bf16", "sdpa", False, "cpu", fsdp_world=2, rank=rank)
+    assert mt.oracle_peak(LLAMA, variant, 4, 96) == project
