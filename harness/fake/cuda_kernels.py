@@ -1,0 +1,114 @@
+"""Run the CUDA path's kernels on fake CPU tensors: what CUDA saves for backward, not what the CPU kernels save.
+
+A trace on fake *CPU* tensors runs the CPU choices of two composite ops whose CUDA choice differs:
+
+* ``F.scaled_dot_product_attention``: on CPU, ``_fused_sdp_choice`` picks the CPU flash kernel (GQA natively,
+  any mask) or the math kernel (any dropout). On CUDA, ``select_sdp_backend`` (aten/src/ATen/native/
+  transformers/cuda/sdp_utils.cpp) tries flash (fp16/bf16, no mask, head dim <= 256, equal q/k/v head dims,
+  GQA allowed), memory-efficient (any float dtype, masks, head dim a multiple of 8 for 16 bits and 4 for fp32,
+  *no* GQA in torch 2.13: the docstring of ``F.scaled_dot_product_attention`` says GQA "works only for
+  Flash_attention and math kernel on CUDA tensor" and its backward meta kernel returns key-shaped grads with
+  the query's head count), then math. sm90 with cuDNN > 9.15 tries cuDNN first (16 bits, dropout a multiple
+  of 1/16); cuDNN saves the same bytes as flash (output, fp32 logsumexp of (b, h, s, 1)), so flash stands
+  for both here.
+* ``F.dropout``: on CUDA the composite calls ``native_dropout`` (a bool mask is saved); on CPU it draws a
+  mask in the input's dtype (``bernoulli_``) and multiplies.
+
+``cuda_kernels()`` replaces both functions for the duration with the CUDA choice, calling the CUDA ops
+(``_scaled_dot_product_flash_attention``, ``_scaled_dot_product_efficient_attention``, ``native_dropout``),
+whose meta kernels give on fake tensors exactly the tensors the CUDA kernels return and autograd saves
+(flash: logsumexp (b, h, s) fp32; memory-efficient: logsumexp padded to a multiple of 32 positions, the
+additive mask padded to a multiple of 8 columns). Not emulated: kernel workspaces inside an op (flash
+backward's fp32 ``dq_accum`` and GQA ``dk/dv_expanded``, cuDNN's workspace), which no fake trace sees, and
+the philox seed/offset, which the meta kernels put on the device (24 B per call) while CUDA keeps them on the
+host when not capturing a graph. CUDA needs no real GPU here: fake tensors on the ``cuda`` device cannot run
+autograd in a CPU-only build of torch ("PyTorch is not linked with support for cuda devices").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def sdpa_backend(query, key, value, attn_mask, dropout_p: float, is_causal: bool, enable_gqa: bool) -> str:
+    """'flash' | 'efficient' | 'math': the backend CUDA (sm80/sm90, torch 2.13) selects for dense inputs."""
+    heads_q, heads_k, heads_v = query.size(-3), key.size(-3), value.size(-3)
+    same_heads = heads_q == heads_k == heads_v
+    gqa_ok = same_heads or (enable_gqa and heads_k == heads_v and heads_q % heads_k == 0)
+    dims = query.size(-1), key.size(-1), value.size(-1)
+    square = query.size(-2) == key.size(-2)
+    if (query.dtype in _HALF and attn_mask is None and gqa_ok and dims[0] == dims[1] == dims[2] <= 256
+            and (square or not is_causal)):
+        return "flash"
+    alignment = 8 if query.dtype in _HALF else 4
+    if same_heads and dims[0] == dims[1] and dims[0] % alignment == 0 and dims[2] % alignment == 0:
+        return "efficient"
+    return "math"
+
+
+def _additive_mask(attn_mask, dtype: torch.dtype):
+    """``convert_boolean_attn_mask``: a bool mask becomes 0 / -inf in the query's dtype."""
+    if attn_mask is None or attn_mask.dtype != torch.bool:
+        return attn_mask
+    zero = torch.zeros((), dtype=dtype, device=attn_mask.device)
+    return torch.where(attn_mask.logical_not(), -math.inf, zero)
+
+
+def _efficient_mask(mask, query, key):
+    """``preprocess_mask``: pad the last dim to a multiple of 8 unless aligned, then expand to (b, h, L, S)."""
+    strides_aligned = all(st % 8 == 0 for st in mask.stride()[:-1]) and mask.stride(-1) == 1
+    if not strides_aligned:
+        last = mask.size(-1)
+        mask = F.pad(mask, (0, 8 - last % 8))[..., :last]
+    return mask.expand(query.size(0), query.size(1), query.size(2), key.size(2))
+
+
+def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``F.scaled_dot_product_attention`` as the CUDA composite runs it (see the module doc)."""
+    backend = sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    aten = torch.ops.aten
+    if backend == "flash":
+        head_dim = query.size(-1)
+        pad = (8 - head_dim % 8) % 8
+        if scale is None:
+            scale = 1.0 / math.sqrt(head_dim)
+        q, k, v = (F.pad(t, (0, pad)) if pad else t for t in (query, key, value))
+        out = aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+        return out[..., :head_dim] if pad else out
+    mask = _additive_mask(attn_mask, query.dtype)
+    if backend == "efficient":
+        if mask is not None:
+            mask = _efficient_mask(mask, query, key)
+        needs_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        return aten._scaled_dot_product_efficient_attention(query, key, value, mask, needs_lse, dropout_p,
+                                                            is_causal, scale=scale)[0]
+    return aten._scaled_dot_product_attention_math(query, key, value, mask, dropout_p, is_causal, None,
+                                                   scale=scale, enable_gqa=enable_gqa)[0]
+
+
+def cuda_dropout(input, p=0.5, training=True, inplace=False):
+    """``F.dropout`` as the CUDA composite runs it: ``native_dropout`` (bool mask) when 0 < p < 1."""
+    if not training or p == 0.0 or input.numel() == 0:
+        return input
+    if p == 1.0:
+        return input.mul_(0) if inplace else input * 0
+    out = torch.ops.aten.native_dropout(input, p, True)[0]
+    return input.copy_(out) if inplace else out
+
+
+@contextlib.contextmanager
+def cuda_kernels() -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` and ``F.dropout`` take their CUDA path for the duration."""
+    saved = F.scaled_dot_product_attention, F.dropout
+    F.scaled_dot_product_attention, F.dropout = cuda_sdpa, cuda_dropout
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, F.dropout = saved

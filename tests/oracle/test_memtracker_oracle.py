@@ -1,0 +1,130 @@
+"""The second oracle (torch's MemTracker, harness.fake.memtracker) against the estimator and the project's tracer.
+
+Tiny 2-layer configs; each point builds and traces in about a second. The 1 % checks can fail: the CUDA-path
+gap of fp32 SDPA with GQA (math fallback, docs/error_matrix/README.md, Findings) is one, pinned as a strict xfail.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from estimator.api import estimate  # noqa: E402
+from estimator.spec import RunSpec, TrainingSpec  # noqa: E402
+from harness.fake import memtracker as mt  # noqa: E402
+from harness.fake.cuda_kernels import cuda_dropout, sdpa_backend  # noqa: E402
+from tests.estimator.oracle_util import traced_peak_bytes  # noqa: E402
+
+LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 512,
+         "tie_word_embeddings": False}
+OPT = {"model_type": "opt", "hidden_size": 64, "ffn_dim": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+       "vocab_size": 1000, "max_position_embeddings": 512, "word_embed_proj_dim": 64, "dropout": 0.0,
+       "attention_dropout": 0.0}
+CONFIGS = {"llama": LLAMA, "opt": OPT}
+
+
+def _estimate(tmp_path, config: dict, training: TrainingSpec) -> int:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    est = estimate(RunSpec(model=str(path), training=training))
+    return est.peak_allocated_bytes - est.breakdown.get("cublas_workspace", 0)
+
+
+def _memtracker(config: dict, training: TrainingSpec, kernels: str = "cuda", loop: str = "trainer",
+                batch: str = "full") -> int:
+    variant = mt.Variant(training.precision, training.attn, training.grad_ckpt, kernels)
+    return mt.oracle_peak(config, variant, training.micro_batch_size, training.seq_len, loop, batch)
+
+
+POINTS = [
+    TrainingSpec(precision="bf16", attn="sdpa", micro_batch_size=4, seq_len=96),
+    TrainingSpec(precision="bf16", attn="sdpa", micro_batch_size=2, seq_len=128, grad_ckpt=True),
+    TrainingSpec(precision="fp32", attn="eager", micro_batch_size=3, seq_len=64),
+    TrainingSpec(precision="mixed_bf16", attn="sdpa", micro_batch_size=2, seq_len=64),
+]
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("training", POINTS, ids=lambda t: f"{t.precision}-{t.attn}-b{t.micro_batch_size}"
+                         f"-s{t.seq_len}{'-ckpt' if t.grad_ckpt else ''}")
+def test_estimate_within_1_percent_of_both_oracles(tmp_path, family, training):
+    config = CONFIGS[family]
+    predicted = _estimate(tmp_path, config, training)
+    for reference in (traced_peak_bytes(config, training), _memtracker(config, training)):
+        assert abs(predicted - reference) / reference < 0.01
+
+
+@pytest.mark.xfail(strict=True, reason="CUDA runs fp32 SDPA with GQA on the math kernel; the profile traces the "
+                   "CPU flash kernel (docs/error_matrix/README.md, Findings)")
+def test_fp32_sdpa_gqa_cuda_math_fallback_is_modelled(tmp_path):
+    training = TrainingSpec(precision="fp32", attn="sdpa", micro_batch_size=4, seq_len=256)
+    predicted = _estimate(tmp_path, LLAMA, training)
+    assert abs(predicted - _memtracker(LLAMA, training)) / _memtracker(LLAMA, training) < 0.01
+
+
+def test_cpu_kernels_equal_the_project_tracer_byte_for_byte():
+    """Two independent tracers of the same CPU program: MemTracker and the project's StorageRecorder."""
+    training = TrainingSpec(precision="bf16", attn="sdpa", micro_batch_size=3, seq_len=80)
+    assert _memtracker(LLAMA, training, kernels="cpu") == traced_peak_bytes(LLAMA, training)
+
+
+def test_reused_build_gives_the_fresh_builds_peak():
+    variant = mt.Variant("bf16", "sdpa", False, "cuda")
+    built = mt.build(LLAMA, variant)
+    mt.peak_bytes(built, 2, 32)
+    reused = mt.peak_bytes(built, 3, 48, "manual")
+    assert reused == mt.oracle_peak(LLAMA, variant, 3, 48, "manual")
+
+
+def test_manual_loop_holds_the_logits_and_padding_adds_the_mask():
+    training = TrainingSpec(precision="bf16", attn="sdpa", micro_batch_size=4, seq_len=96)
+    full = _memtracker(LLAMA, training)
+    assert _memtracker(LLAMA, training, loop="manual") > full
+    assert _memtracker(LLAMA, training, batch="padded") > full
+
+
+@pytest.mark.parametrize(("dtype", "mask", "heads_kv", "gqa", "dropout", "expected"), [
+    (torch.bfloat16, False, 2, True, 0.0, "flash"),
+    (torch.bfloat16, False, 2, True, 0.1, "flash"),
+    (torch.bfloat16, True, 4, False, 0.0, "efficient"),
+    (torch.float32, False, 4, False, 0.0, "efficient"),
+    (torch.float32, False, 2, True, 0.0, "math"),
+    (torch.bfloat16, False, 2, False, 0.0, "math"),
+])
+def test_cuda_sdpa_backend_choice(dtype, mask, heads_kv, gqa, dropout, expected):
+    q = torch.empty(2, 4, 8, 16, dtype=dtype, device="meta")
+    k = torch.empty(2, heads_kv, 8, 16, dtype=dtype, device="meta")
+    attn_mask = torch.empty(2, 1, 8, 8, dtype=torch.bool, device="meta") if mask else None
+    assert sdpa_backend(q, k, k, attn_mask, dropout, attn_mask is None, gqa) == expected
+
+
+def test_cuda_dropout_saves_a_bool_mask():
+    x = torch.randn(4, 8, requires_grad=True)
+    y = cuda_dropout(x, 0.5, True)
+    saved = [t for t in (y.grad_fn._saved_result1,) if isinstance(t, torch.Tensor)]
+    assert saved and saved[0].dtype == torch.bool
+    assert cuda_dropout(x, 0.0, True) is x
+
+
+def test_unknown_model_is_one_line_error(capsys):
+    assert mt.main(["--model", "no/such-model"]) == 2
+    assert capsys.readouterr().err.startswith("error: model:")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fsdp_memtracker_equals_the_project_tracer(tmp_path, rank):
+    """FSDPMemTracker on torch's fake process group against harness.fake.trace_run (unrounded), per rank."""
+    from estimator.spec import ParallelSpec
+    from harness.fake import trace_run
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA))
+    training = TrainingSpec(precision="bf16", attn="sdpa", micro_batch_size=4, seq_len=96)
+    spec = RunSpec(model=str(path), training=training, parallel=ParallelSpec(method="fsdp", world_size=2))
+    project = trace_run(spec, ranks=(rank,), config=LLAMA, round_to=1)["per_rank"][rank]["peak_allocated_bytes"]
+    variant = mt.Variant("bf16", "sdpa", False, "cpu", fsdp_world=2, rank=rank)
+    assert mt.oracle_peak(LLAMA, variant, 4, 96) == project
