@@ -8,13 +8,13 @@
 Oracles (per point; ``single``: rank 0, ``fsdp``: ranks 0 and N-1):
 
 * ``project``: ``tests/estimator/oracle_util.traced_peak_bytes`` (single) / ``harness.fake.trace_run`` (fsdp,
-  512-B rounding), trainer loop only (it has no manual loop), full-length batch.
+  512-B rounding), both loops (``TrainingSpec.loop``), full-length batch.
 * ``memtracker``: ``harness.fake.memtracker`` with the CUDA kernel choice (SDPA backend, dropout) and without
   the optimizer's host-side step scalars; both loops, full-length batch.
 * ``memtracker_cpu``: the same on the CPU kernels (what a plain fake-tensor trace runs).
 
-The estimate (``estimator.estimate``, peak allocated minus the cuBLAS workspace) is computed at the trainer loop
-(the estimator has no ``loop`` option yet); manual-loop rows carry the oracles only. Every computed point is one
+The estimate (``estimator.estimate``, peak allocated minus the cuBLAS workspace) is computed for each row's loop
+(``TrainingSpec.loop``). Every computed point is one
 JSON line in ``--cache`` keyed by the full point and oracle; a re-run skips points already there. Work is split
 in units (model, variant, rank, oracle) run by ``--jobs`` worker processes; a memtracker unit builds its fake
 model once and runs every (b, s, loop) of the variant on it (two steady-state steps each: the same result as a
@@ -76,10 +76,6 @@ def _append(path: str, row: dict) -> None:
         handle.write(json.dumps(row) + "\n")
 
 
-def _loops_for(unit: Unit, loops: list[str]) -> list[str]:
-    return ["trainer"] if unit.oracle == "project" else loops
-
-
 def _run_unit(args: tuple) -> int:
     """Compute every missing point of one unit; returns how many were computed."""
     unit, points, cache = args
@@ -116,7 +112,7 @@ def _run_project(unit: Unit, points: list[tuple[int, int, str]], cache: str) -> 
     config = load_config(unit.model)
     for b, s, loop in points:
         training = TrainingSpec(micro_batch_size=b, seq_len=s, grad_ckpt=unit.grad_ckpt, attn=unit.attn,
-                                precision=unit.precision)
+                                precision=unit.precision, loop=loop)
         t0 = time.perf_counter()
         if unit.method == "single":
             from tests.estimator.oracle_util import traced_peak_bytes
@@ -161,7 +157,7 @@ def plan_units(args, done: dict[str, dict]) -> list[tuple[Unit, list[tuple[int, 
         for model in args.models:
             for rank, oracle in itertools.product(_ranks(args), args.oracles):
                 unit = Unit(model, args.method, world, rank, precision, attn, ckpt, oracle)
-                points = [(b, s, loop) for (b, s) in _sizes(args, model) for loop in _loops_for(unit, args.loops)
+                points = [(b, s, loop) for (b, s) in _sizes(args, model) for loop in args.loops
                           if point_key(unit, b, s, loop) not in done]
                 if points:
                     work.append((unit, points, args.cache))
@@ -169,11 +165,12 @@ def plan_units(args, done: dict[str, dict]) -> list[tuple[Unit, list[tuple[int, 
 
 
 def _estimate_bytes(model: str, method: str, world: int, rank: int, b: int, s: int, precision: str, attn: str,
-                    ckpt: bool) -> int:
+                    ckpt: bool, loop: str) -> int:
     from estimator.api import estimate
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
-    training = TrainingSpec(micro_batch_size=b, seq_len=s, grad_ckpt=ckpt, attn=attn, precision=precision)
+    training = TrainingSpec(micro_batch_size=b, seq_len=s, grad_ckpt=ckpt, attn=attn, precision=precision,
+                            loop=loop)
     est = estimate(RunSpec(model=model, parallel=ParallelSpec(method=method, world_size=world), training=training))
     ranks = {r.rank: r for r in est.ranks}
     mine = ranks.get(rank, est.ranks[-1])
@@ -194,8 +191,7 @@ def table(args, done: dict[str, dict]) -> list[dict]:
                         found[oracle] = row
                 if not found:
                     continue
-                estimate = (_estimate_bytes(model, args.method, world, rank, b, s, precision, attn, ckpt)
-                            if loop == "trainer" else None)
+                estimate = _estimate_bytes(model, args.method, world, rank, b, s, precision, attn, ckpt, loop)
                 out = {"model": model, "method": args.method, "world_size": world, "rank": rank,
                        "micro_batch_size": b, "seq_len": s, "grad_ckpt": ckpt, "attn": attn,
                        "precision": precision, "loop": loop, "estimate_bytes": estimate}
