@@ -98,19 +98,6 @@ class _Layout:
                 else:
                     self.ident[o] = ("o", o)
                     self.layer[o] = labels.get(o)
-        for name in ("fw", "bw"):
-            self._check_generic(segments, name)
-
-    def _check_generic(self, segments: dict, stack: str) -> None:
-        """The j-th allocation of the first, generic and last layer's segment must be the same tensor's."""
-        sizes = {}
-        for name, (where, _layer) in LAYER_SEGMENTS.items():
-            if where == stack:
-                sizes[name] = [self.size[o] for alloc, o in map(_decode, segments[name]) if alloc]
-        generic = sizes[stack]
-        for name, seq in sizes.items():
-            if seq[:len(generic)] != generic[:len(seq)]:
-                raise ExpansionError(f"events: the allocations of {name} differ from those of the generic layer")
 
 
 def _target(layout: _Layout, o: int, context: int, context3: int, num_layers: int) -> int | None:
@@ -138,11 +125,10 @@ def _outer_runs(codes: list[int], layout: _Layout) -> list[tuple[int | None, lis
 
 def _repeated(runs: list, index: int) -> bool:
     """A run of the generic layer's events stands for every generic layer when the first and the last layer's
-    runs flank it with as many events (the optimizer step and ``zero_grad`` walk the parameters in order)."""
+    runs flank it (the optimizer step and ``zero_grad`` walk the parameters in order)."""
     if not 0 < index < len(runs) - 1:
         return False
-    (before, codes_before), (after, codes_after) = runs[index - 1], runs[index + 1]
-    return {before, after} == {0, 2} and len(codes_before) == len(runs[index][1]) == len(codes_after)
+    return {runs[index - 1][0], runs[index + 1][0]} == {0, 2}
 
 
 def _outer_contexts(segment: str, runs: list, index: int, num_layers: int) -> list[tuple[int | None, int | None]]:
