@@ -114,13 +114,17 @@ class StorageRecorder(TorchDispatchMode):
         return None
 
     def _note_scalars(self, args: tuple, kwargs: dict | None, out) -> None:
-        if any(isinstance(x, torch.Tensor) for x in tree_flatten((args, kwargs or {}))[0]):
+        """0-dim outputs of an op whose inputs hold no traced storage (``torch.tensor(0.0)`` lifts a constant)."""
+        if any(isinstance(x, torch.Tensor) and self._traced(x) for x in tree_flatten((args, kwargs or {}))[0]):
             return
         for item in tree_flatten(out)[0]:
             if isinstance(item, torch.Tensor) and item.dim() == 0:
                 sid = self.sid(item.untyped_storage())
                 if sid is not None:
                     self.timeline.scalars.add(sid)
+
+    def _traced(self, tensor: torch.Tensor) -> bool:
+        return any(self.sid(storage) is not None for storage in _storages(tensor))
 
     def _inherit_layer(self, args: tuple, out) -> None:
         """A foreach op's i-th output belongs to its first list argument's i-th tensor; any other op's outputs to

@@ -188,6 +188,18 @@ def _expand_segments(events: dict, segments: dict, num_layers: int, held: list[i
     return out, namer, starts
 
 
+def _first_optimizer(events: dict) -> list[int]:
+    """The first step's optimizer segment: the steady step frees what the step made before its optimizer step
+    (the loss: ``del loss`` comes right after the marker) there too; the first step does the same, then its own
+    optimizer step (traced on the warm-up step, where the loss went before the marker)."""
+    steady = events["segments"]["optimizer"]
+    made_here = {code for code in steady if code >= 0}
+    first = events["first_optimizer"]
+    freed_first = {~code for code in first if code < 0}
+    pre = [code for code in steady if code < 0 and ~code not in made_here and ~code not in freed_first]
+    return pre + list(first)
+
+
 def expand(events: dict, num_layers: int, loop: str = "trainer") -> Expansion:
     """The first and the steady step of ``num_layers`` layers (>= 2). Raises ExpansionError when the events
     cannot be repeated."""
@@ -196,7 +208,7 @@ def expand(events: dict, num_layers: int, loop: str = "trainer") -> Expansion:
     manual = loop == "manual"
     held = [o for o, _saved in events["held"]]
     steady_ops, steady_names, steady_starts = _expand_segments(events, events["segments"], num_layers, held, manual)
-    first_segments = {**events["segments"], "optimizer": events["first_optimizer"]}
+    first_segments = {**events["segments"], "optimizer": _first_optimizer(events)}
     first_ops, first_names, starts = _expand_segments(events, first_segments, num_layers, held, manual)
     if manual:  # the first step has no previous outputs: drop their frees, shifting the later segments
         first_ops = [op for op in first_ops if op[0] != FREE_PREVIOUS]
