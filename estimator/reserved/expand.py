@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 LAYER_SEGMENTS = {"fw_first": ("fw", 0), "fw": ("fw", 1), "fw_last": ("fw", 2),
                   "bw_first": ("bw", 2), "bw": ("bw", 1), "bw_last": ("bw", 0)}
-OUTER = ("prefix", "mid_fw", "mid_bw", "suffix", "optimizer")
+OUTER = ("prefix", "mid_fw", "mid_bw", "suffix", "optimizer_pre", "optimizer")
 
 ALLOC, FREE, FREE_PREVIOUS = 0, 1, 2
 
@@ -45,7 +45,8 @@ class Expansion:
     first: StepEvents    # the first step: Adam creates its states in the optimizer step
     steady: StepEvents   # every later step
     workspace_at: tuple[int, int]  # op index in ``first`` of the first forward and first backward matmul segment
-    optimizer_at: tuple[int, int]  # op index where the optimizer step begins in ``first`` and in ``steady``
+    # op index where the traced optimizer step begins in ``first`` (after freeing the loss) and in ``steady``
+    optimizer_at: tuple[int, int]
     persistent_keys: frozenset[int]  # keys the first step leaves allocated on purpose (optimizer states)
 
 
@@ -60,7 +61,7 @@ def _segment_order(num_layers: int) -> list[tuple[str, int | None]]:
     order += [("fw", layer) for layer in range(1, last)]
     order += [("fw_last", last), ("mid_fw", None), ("mid_bw", None), ("bw_first", last)]
     order += [("bw", layer) for layer in range(last - 1, 0, -1)]
-    order += [("bw_last", 0), ("suffix", None), ("optimizer", None)]
+    order += [("bw_last", 0), ("suffix", None), ("optimizer_pre", None), ("optimizer", None)]
     return order
 
 
@@ -188,16 +189,15 @@ def _expand_segments(events: dict, segments: dict, num_layers: int, held: list[i
     return out, namer, starts
 
 
-def _first_optimizer(events: dict) -> list[int]:
-    """The first step's optimizer segment: the steady step frees what the step made before its optimizer step
-    (the loss: ``del loss`` comes right after the marker) there too; the first step does the same, then its own
-    optimizer step (traced on the warm-up step, where the loss went before the marker)."""
+def _first_optimizer_pre(events: dict) -> list[int]:
+    """What the first step frees before its optimizer step: the steady step frees what the step made before
+    its optimizer step (the loss: ``del loss`` comes right after the marker) in its optimizer segment; the first
+    step's optimizer segment was traced on the warm-up step, where the loss went before the marker."""
     steady = events["segments"]["optimizer"]
     made_here = {code for code in steady if code >= 0}
     first = events["first_optimizer"]
     freed_first = {~code for code in first if code < 0}
-    pre = [code for code in steady if code < 0 and ~code not in made_here and ~code not in freed_first]
-    return pre + list(first)
+    return [code for code in steady if code < 0 and ~code not in made_here and ~code not in freed_first]
 
 
 def expand(events: dict, num_layers: int, loop: str = "trainer") -> Expansion:
@@ -207,8 +207,10 @@ def expand(events: dict, num_layers: int, loop: str = "trainer") -> Expansion:
         raise ExpansionError("events: a 1-layer model has no generic layer to repeat")
     manual = loop == "manual"
     held = [o for o, _saved in events["held"]]
-    steady_ops, steady_names, steady_starts = _expand_segments(events, events["segments"], num_layers, held, manual)
-    first_segments = {**events["segments"], "optimizer": _first_optimizer(events)}
+    steady_segments = {**events["segments"], "optimizer_pre": []}
+    steady_ops, steady_names, steady_starts = _expand_segments(events, steady_segments, num_layers, held, manual)
+    first_segments = {**events["segments"], "optimizer_pre": _first_optimizer_pre(events),
+                      "optimizer": events["first_optimizer"]}
     first_ops, first_names, starts = _expand_segments(events, first_segments, num_layers, held, manual)
     if manual:  # the first step has no previous outputs: drop their frees, shifting the later segments
         first_ops = [op for op in first_ops if op[0] != FREE_PREVIOUS]

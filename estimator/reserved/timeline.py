@@ -90,7 +90,7 @@ def setup_allocations(table: list[ParamInfo], buffers: tuple[int, int], num_laye
         rebuilt = [sum(trainable[i].nbytes for i in bucket) for bucket in ddp_buckets(trainable, ready)]
     if mixed:  # MasterWeightOptimizer: p.detach().float() per trainable 16-bit parameter, optimizer by optimizer
         groups: dict[int, list[ParamInfo]] = {}
-        for p in table:
+        for p in ordered:
             if p.trainable:
                 groups.setdefault(p.opt_group, []).append(p)
         for group in (groups[k] for k in sorted(groups)):
