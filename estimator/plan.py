@@ -609,14 +609,16 @@ def _expandable_notes(ctx: _Context, result: Plan, alloc_conf: str) -> list[str]
     if "expandable_segments" in alloc_conf.replace(" ", ""):
         return []
     conf = ",".join(x for x in (alloc_conf, "expandable_segments:True") if x)
-    from estimator.api import estimate
-
+    estimate = _default_estimate(allow_build=False, alloc_conf=conf)
     rescued = []
     for res in result.results:
         if res.status != "oom":
             continue
-        est = estimate(ctx.spec(res.candidate, 1), allow_build=False, alloc_conf=conf)
-        if est.reserved_source == "replayed" and est.fits:
+        try:
+            est = estimate(ctx.spec(res.candidate, 1))
+        except ValueError:  # no profile for this layout's variant: nothing to say
+            continue
+        if getattr(est, "reserved_source", "prior") == "replayed" and est.fits:
             rescued.append(res.candidate.label + (" (ckpt)" if res.candidate.grad_ckpt else ""))
     if not rescued:
         return []
