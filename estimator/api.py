@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -29,6 +30,13 @@ class RankEstimate:
     peak_device_bytes: int
     breakdown: dict[str, int]
     phase: str
+    # Where peak_reserved_bytes comes from: "replayed" (this rank's timeline through the caching-allocator model,
+    # estimator.reserved) or "prior" (allocated x (1 + reserved_slack_ratio) + reserved_slack_bytes).
+    reserved_source: str = "prior"
+    fragmentation_bytes: int | None = None     # replayed: reserved - allocated at the reserved peak
+    num_alloc_retries: int | None = None       # replayed: cache flushes and retries under the GPU's capacity
+    allocator_oom: bool = False                # replayed: the allocator runs out of memory under that capacity
+    replayed_steps: int | None = None          # replayed: steps until the cache repeated
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,7 @@ class Estimate:
     params: int
     trainable_params: int
     notes: list[str] = field(default_factory=list)
+    alloc_conf: str = ""
 
     def _worst(self) -> RankEstimate:
         return next(r for r in self.ranks if r.rank == self.worst_rank)
@@ -69,8 +78,12 @@ class Estimate:
         return self._worst().phase
 
     @property
+    def reserved_source(self) -> str:
+        return self._worst().reserved_source
+
+    @property
     def fits(self) -> bool:
-        return self.upper_bound_bytes <= self.capacity_bytes
+        return self.upper_bound_bytes <= self.capacity_bytes and not any(r.allocator_oom for r in self.ranks)
 
     @property
     def headroom_bytes(self) -> int:
@@ -82,6 +95,7 @@ class Estimate:
             "world_size": self.spec.parallel.world_size, "tp": self.spec.parallel.tp, "gpu": self.gpu_key,
             "peak_allocated_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
             "peak_device_bytes": self.peak_device_bytes, "upper_bound_bytes": self.upper_bound_bytes,
+            "reserved_source": self.reserved_source, "alloc_conf": self.alloc_conf,
             "capacity_bytes": self.capacity_bytes, "fits": self.fits, "headroom_bytes": self.headroom_bytes,
             "host_ram_bytes": self.host_ram_bytes, "phase": self.phase, "worst_rank": self.worst_rank,
             "breakdown": self.breakdown, "ranks": [asdict(r) for r in self.ranks],
@@ -174,7 +188,8 @@ def _replay(model: methods.StepModel, segments: dict, num_layers: int, b: int, s
 
 
 def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, rank: int,
-                   path: methods.Zero12Rank | None = None) -> tuple[RankEstimate, methods.StepModel]:
+                   path: methods.Zero12Rank | None = None, alloc_conf: str | None = None
+                   ) -> tuple[RankEstimate, methods.StepModel]:
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
     model = _step_model(spec, table, rank, path)
@@ -208,11 +223,55 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     parts["cublas_workspace"] = workspace
     breakdown = {k: int(round(parts.get(k, 0.0))) for k in COMPONENTS if parts.get(k)}
     allocated = int(round(max(fb_total, step_total) + workspace))
-    reserved = residuals.reserved_from_allocated(allocated, coeffs)
     communicators = 0 if spec.parallel.world_size == 1 else (2 if spec.parallel.method == "dp_tp" else 1)
+    replayed = _replayed(spec, arch, profile, table, coeffs, regime, communicators, alloc_conf)
+    if replayed is None:
+        reserved = residuals.reserved_from_allocated(allocated, coeffs)
+        allocator_fields = {}
+    else:
+        reserved = replayed.peak_reserved_bytes
+        allocator_fields = {"reserved_source": "replayed", "fragmentation_bytes": replayed.fragmentation_bytes,
+                            "num_alloc_retries": replayed.num_alloc_retries, "allocator_oom": replayed.oom,
+                            "replayed_steps": replayed.steps}
     device = residuals.device_from_reserved(reserved, coeffs, communicators)
     return RankEstimate(rank=rank, peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
-                        peak_device_bytes=device, breakdown=breakdown, phase=f"{phase} (steady step)"), model
+                        peak_device_bytes=device, breakdown=breakdown, phase=f"{phase} (steady step)",
+                        **allocator_fields), model
+
+
+def _replayed(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, regime: dict,
+              communicators: int, alloc_conf: str | None):
+    """This rank's reserved peak replayed through the caching-allocator model, or None where the prior stands
+    (``estimator.reserved.rank.why_not``). The allocator may use the GPU's memory less the CUDA context and the
+    NCCL buffers."""
+    from estimator.reserved.expand import ExpansionError
+    from estimator.reserved.rank import replay_reserved, why_not
+
+    if alloc_conf is None or why_not(spec, regime, arch.num_layers) is not None:
+        return None
+    capacity = get_gpu(spec.gpu).capacity_bytes
+    allowed = capacity - coeffs.cuda_context_bytes - communicators * coeffs.nccl_bytes_per_communicator
+    try:
+        return replay_reserved(spec, profile, regime, table, arch.num_layers,
+                               workspace_bytes=coeffs.cublas_workspace_bytes, workspaces=coeffs.cublas_workspaces,
+                               allowed_bytes=max(allowed, 0), conf_text=alloc_conf)
+    except ExpansionError:
+        return None
+
+
+def _reserved_note(spec: RunSpec, profile: dict, worst: RankEstimate, alloc_conf: str | None,
+                   num_layers: int) -> str:
+    if worst.reserved_source == "replayed":
+        oom = "; the allocator runs OUT OF MEMORY under the GPU's capacity" if worst.allocator_oom else ""
+        return (f"reserved: replayed through the caching-allocator model (setup + {worst.replayed_steps} steps "
+                f"until the cache repeats; PYTORCH_CUDA_ALLOC_CONF={alloc_conf or '(defaults)'}; fragmentation "
+                f"at the reserved peak {worst.fragmentation_bytes / GIB:.2f} GiB; "
+                f"{worst.num_alloc_retries} alloc retries{oom})")
+    from estimator.reserved.rank import why_not
+
+    regime = _regime(profile, spec.training.micro_batch_size, spec.training.seq_len)
+    reason = why_not(spec, regime, num_layers) if alloc_conf is not None else "replay not requested"
+    return f"reserved: prior allocated x (1 + slack ratio) + slack bytes ({reason or 'the event list cannot be repeated for this depth'})"
 
 
 def _loop_note(training: TrainingSpec, profile: dict) -> str:
@@ -240,8 +299,25 @@ def _undominated(paths: list[methods.Zero12Rank]) -> list[int]:
     return sorted(front)
 
 
-def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = True) -> Estimate:
-    """Per-rank peak memory of ``spec``. ``coefficients``: a GPU coefficient file path or loaded object."""
+def resolve_alloc_conf(alloc_conf: str | None) -> str:
+    """The allocator settings an estimate replays: ``alloc_conf``, else ``PYTORCH_CUDA_ALLOC_CONF``, else
+    PyTorch's defaults (""). A bad option: ``ValueError("alloc_conf: ...")``."""
+    from estimator.reserved.rank import alloc_conf as parse
+
+    text = alloc_conf if alloc_conf is not None else os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    try:
+        parse(text)
+    except ValueError as err:
+        raise ValueError(f"alloc_conf: {err}") from None
+    return text
+
+
+def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = True, alloc_conf: str | None = None,
+             replay_reserved: bool = True) -> Estimate:
+    """Per-rank peak memory of ``spec``. ``coefficients``: a GPU coefficient file path or loaded object.
+    ``alloc_conf``: the ``PYTORCH_CUDA_ALLOC_CONF`` string the reserved replay uses (default: the environment's,
+    else PyTorch's defaults); ``replay_reserved=False`` keeps the prior for the reserved level."""
+    conf = resolve_alloc_conf(alloc_conf) if replay_reserved else None
 
     gpu = get_gpu(spec.gpu)
     if gpu.capacity_bytes is None:
@@ -259,17 +335,17 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     # computation serves every rank elsewhere.
     if last and spec.parallel.zero_stage in (1, 2):
         paths = methods.zero12_ranks(table, spec.parallel.world_size, spec.parallel.zero.reduce_bucket_size)
-        first, model = _rank_estimate(spec, arch, profile, table, coeffs, 0, paths[0])
-        ranks = [first, _rank_estimate(spec, arch, profile, table, coeffs, last, paths[last])[0]]
+        first, model = _rank_estimate(spec, arch, profile, table, coeffs, 0, paths[0], conf)
+        ranks = [first, _rank_estimate(spec, arch, profile, table, coeffs, last, paths[last], conf)[0]]
         # A middle rank can hold more (its buffer includes the tensors cut by both of its boundaries): report the
         # worst of those no other rank dominates, when it is worse than both ends.
-        middle = [_rank_estimate(spec, arch, profile, table, coeffs, r, paths[r])[0]
+        middle = [_rank_estimate(spec, arch, profile, table, coeffs, r, paths[r], conf)[0]
                   for r in _undominated(paths) if 0 < r < last]
         worst_middle = max(middle, key=lambda r: r.peak_device_bytes, default=None)
         if worst_middle is not None and worst_middle.peak_device_bytes > max(r.peak_device_bytes for r in ranks):
             ranks.insert(1, worst_middle)
     else:
-        first, model = _rank_estimate(spec, arch, profile, table, coeffs, 0)
+        first, model = _rank_estimate(spec, arch, profile, table, coeffs, 0, alloc_conf=conf)
         ranks = [first] + ([dataclasses.replace(first, rank=last)] if last else [])
     worst = max(ranks, key=lambda r: r.peak_device_bytes)
     total, trainable = param_counts(profile["params"], arch.num_layers)
@@ -284,6 +360,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         notes.append("tp: traced profile of one TP rank (decoder-layer linears split; embeddings, norms and lm_head "
                      "replicated, so every rank holds the full logits)")
     notes.append(_loop_note(spec.training, profile))
+    notes.append(_reserved_note(spec, profile, worst, conf, arch.num_layers))
     if spec.training.qlora:
         notes.append("qlora: traced as transformers + peft run it (bitsandbytes NF4 with double quantization, "
                      "prepare_model_for_kbit_training: other weights and the adapters in fp32)")
@@ -292,4 +369,4 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     return Estimate(spec=spec, ranks=ranks, worst_rank=worst.rank, capacity_bytes=gpu.capacity_bytes,
                     upper_bound_bytes=upper, host_ram_bytes=int(model.host_bytes) if model else 0,
                     calibrated=coeffs.calibrated, gpu_key=gpu.key, params=total, trainable_params=trainable,
-                    notes=notes)
+                    notes=notes, alloc_conf=conf or "")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "TOOL:FILE names the tool); flags given as well override it")
     p.add_argument("--from-run", metavar="RUN_DIR", help="predict a harness run (reads RUN_DIR/spec.json)")
     p.add_argument("--coefficients", metavar="FILE", help="residual coefficient JSON (e.g. your own refit)")
+    p.add_argument("--alloc-conf", metavar="STRING", default=None,
+                   help="PYTORCH_CUDA_ALLOC_CONF the reserved replay uses (default: the environment's, else "
+                        "PyTorch's defaults), e.g. expandable_segments:True")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="PNG", help="write the breakdown as a stacked bar chart")
     p.add_argument("--check", action="store_true", help="exit 1 when the run does not fit")
@@ -202,7 +206,8 @@ def render_detail(est) -> str:
              f"micro-batch {t.micro_batch_size}, seq {t.seq_len}, {t.precision}, {t.optimizer}, attn {t.attn}, "
              f"checkpointing {'on' if t.grad_ckpt else 'off'}" + _lora_label(t) + _loop_label(t)
              + f"  |  {est.params / 1e9:.3f} B params ({est.trainable_params / 1e9:.3f} B trainable)", ""]
-    lines.append(f"{'rank':<6}{'allocated GiB':>14}{'reserved GiB':>14}{'device GiB':>12}  phase")
+    lines.append(f"{'rank':<6}{'allocated GiB':>14}{'reserved GiB':>14}{'device GiB':>12}  phase "
+                 f"(reserved: {est.reserved_source})")
     for r in est.ranks:
         mark = " <- worst" if r.rank == est.worst_rank else ""
         lines.append(f"{r.rank:<6}{_gib(r.peak_allocated_bytes):>14}{_gib(r.peak_reserved_bytes):>14}"
@@ -259,6 +264,10 @@ def _run(args) -> int:
 
         print("\n".join(catalogue_models()))
         return 0
+    if args.alloc_conf is not None:  # every estimate of this process replays under it
+        from estimator.api import resolve_alloc_conf
+
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = resolve_alloc_conf(args.alloc_conf)
     if args.list_gpus:
         from estimator.hardware.gpus import list_gpus
 

@@ -18,6 +18,8 @@ from estimator.spec import TrainingSpec
 # 2: SDPA traced without the 4-D mask transformers skips for full-length batches on the GPU.
 # 3: the parameter table records the decoder layers' place in model.parameters() (``layers_at``) and the order
 #    backward finishes the gradients (``grad_order``), which DeepSpeed ZeRO-1/2's partitions and buckets follow.
+# (each regime may also hold ``events``, the step's compact event list for the reserved replay: optional, so
+#    profiles without it stay valid at schema 4 and keep the reserved prior.)
 # 4: each regime also holds ``segments_manual`` (the step as a manual loop runs it, the output object bound until
 #    the next forward) and ``outputs_held`` (that object's storages besides the loss: dropped / saved by the graph).
 PROFILE_SCHEMA_VERSION = 4
@@ -52,12 +54,23 @@ def _read(path: str) -> dict:
     return json.loads(Path(path).read_text())
 
 
+def has_events(profile: dict) -> bool:
+    """Every regime keeps its event list (``estimator.profiler.events``: the reserved replay's input)."""
+    return all("events" in regime for regime in profile["regimes"])
+
+
 def find_profile(key: str, *, stale: bool = False) -> dict | None:
-    """The shipped or cached profile at this schema; ``stale``: a cached one of an older schema instead."""
+    """The shipped or cached profile at this schema; ``stale``: a cached one of an older schema instead. A cached
+    profile with event lists is taken over a shipped one without (``python -m estimator.profiler.ship --events
+    --out $LLMEM_CACHE_DIR/profiles`` re-traces shipped models into the cache)."""
     shipped = _shipped_path(key)
-    if shipped.is_file() and not stale:
-        return _read(str(shipped))
     cached = user_cache_dir() / f"{key}.json"
+    if shipped.is_file() and not stale:
+        profile = _read(str(shipped))
+        if has_events(profile) or not cached.is_file():
+            return profile
+        newer = _read(str(cached))
+        return newer if newer.get("schema_version") == PROFILE_SCHEMA_VERSION and has_events(newer) else profile
     if cached.is_file():
         profile = _read(str(cached))
         if (profile.get("schema_version") == PROFILE_SCHEMA_VERSION) != stale:  # older ones are carried or rebuilt

@@ -60,6 +60,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--loop", choices=LOOPS, default="trainer",
                         help="training loop: 'trainer' drops the output object before backward (HF Trainer, TRL); "
                              "'manual' keeps `outputs` (the logits) alive through backward")
+    parser.add_argument("--alloc-conf", metavar="STRING", default=None,
+                        help="PYTORCH_CUDA_ALLOC_CONF the reserved replay uses (default: the environment's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_batching_arguments(parser)
     return parser
@@ -92,7 +94,7 @@ def run_plan(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                               attn=args.attn, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
                               ckpt_options=ckpt, methods=_methods(args.methods), interconnect=args.interconnect,
                               bandwidth_gbs=args.bandwidth, host_ram_gb=args.host_ram, loop=args.loop,
-                              epoch=epoch)
+                              epoch=epoch, alloc_conf=args.alloc_conf)
         baseline = None
         if args.llmem:
             from estimator.baselines import llmem_select

@@ -13,7 +13,6 @@ sequence -- from profiles already shipped or cached, never by building one.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -444,9 +443,20 @@ def _validate(world_size: Any, seq_len: Any, global_batch: Any) -> None:
         raise ValueError(f"global_batch: must be a positive integer, got {global_batch!r}")
 
 
-def _default_estimate(allow_build: bool = True) -> EstimateFn:
+def _default_estimate(allow_build: bool = True, alloc_conf: str | None = None) -> EstimateFn:
+    """The estimator, replaying the reserved level only where it can decide the answer: a spec whose allocated
+    level alone (plus the CUDA context and NCCL, times the bound's ratio) already exceeds the GPU gets the prior
+    estimate (the replayed reserved is never below allocated)."""
     from estimator.api import estimate
-    return estimate if allow_build else functools.partial(estimate, allow_build=False)
+
+    def fn(spec: RunSpec):
+        prior = estimate(spec, allow_build=allow_build, replay_reserved=False)
+        # The device level with reserved = allocated, scaled as the bound scales the device level.
+        floor = prior.peak_device_bytes - prior.peak_reserved_bytes + prior.peak_allocated_bytes
+        if floor * prior.upper_bound_bytes > prior.capacity_bytes * prior.peak_device_bytes:
+            return prior
+        return estimate(spec, allow_build=allow_build, alloc_conf=alloc_conf)
+    return fn
 
 
 def _check_options(methods: Iterable[str] | None, ckpt_options: tuple[bool, ...], host_ram_gb: Any) -> None:
@@ -467,15 +477,19 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
          methods: Iterable[str] | None = None, interconnect: str | None = None,
          bandwidth_gbs: float | None = None, host_ram_gb: float | None = None, advise: bool = True,
          estimate_fn: EstimateFn | None = None, gpu_info: tput.GpuPerf | None = None, loop: str = "trainer",
-         epoch: Any = None) -> Plan:
+         epoch: Any = None, alloc_conf: str | None = None) -> Plan:
     """Search, rank and advise. Raises ``ValueError("field: ...")`` for bad input (unknown GPU or model,
     impossible N, a global batch no candidate can split, a method with no layout on N GPUs).
 
     ``host_ram_gb``: host RAM per node (GiB); offload layouts whose offloaded states need more do not fit.
     The advice's what-ifs (LoRA, more GPUs, shorter sequences) never build a profile: with the default
     estimator they use only profiles already shipped or cached, and say so when one is missing.
-    ``epoch``: sample lengths (``estimator.batching.epoch.EpochSource``); ``seq_len`` then truncates them."""
+    ``epoch``: sample lengths (``estimator.batching.epoch.EpochSource``); ``seq_len`` then truncates them.
+    ``alloc_conf``: the ``PYTORCH_CUDA_ALLOC_CONF`` the reserved replay uses (default: the environment's)."""
     started = time.perf_counter()
+    from estimator.api import resolve_alloc_conf
+
+    alloc_conf = resolve_alloc_conf(alloc_conf)
     _validate(gpus, seq_len, global_batch)
     ckpt_options = tuple(ckpt_options)
     _check_options(methods, ckpt_options, host_ram_gb)
@@ -492,9 +506,10 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     if gpu_perf.flops_for(precision) <= 0:
         raise ValueError(f"precision: {gpu_perf.name} has no {precision} tensor throughput; use mixed_fp16")
     tput.resolve_link(gpu_perf, gpus, interconnect, bandwidth_gbs)          # validates the override
-    ctx = _Context(model=model, gpu=gpu_perf, training=training, estimate_fn=estimate_fn or _default_estimate(),
+    ctx = _Context(model=model, gpu=gpu_perf, training=training,
+                   estimate_fn=estimate_fn or _default_estimate(alloc_conf=alloc_conf),
                    eff=tput.load_efficiency(gpu_perf), interconnect=interconnect, bandwidth_gbs=bandwidth_gbs,
-                   probe_fn=None if estimate_fn else _default_estimate(allow_build=False),
+                   probe_fn=None if estimate_fn else _default_estimate(allow_build=False, alloc_conf=alloc_conf),
                    ckpt_options=ckpt_options,
                    host_ram_bytes=int(host_ram_gb * GIB) if host_ram_gb is not None else None, epoch=epoch)
     cands = enumerate_candidates(gpus, ckpt_options, methods)
@@ -511,6 +526,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
                   loop=loop, results=results, best=best,
                   assumptions=tput.assumptions(gpu_perf, ctx.eff, dp_link, tp_link))
     result.notes += _notes(ctx, result)
+    if estimate_fn is None:
+        result.notes += _expandable_notes(ctx, result, alloc_conf)
     if epoch is not None and best is not None:
         result.epoch = epoch.shapes(best.micro_batch, best.candidate.dp, seq_len).summary
     if advise:
@@ -519,6 +536,28 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     result.estimates = len(ctx.cache)
     result.elapsed_s = time.perf_counter() - started
     return result
+
+
+def _expandable_notes(ctx: _Context, result: Plan, alloc_conf: str) -> list[str]:
+    """Layouts that do not fit at micro-batch 1 but would with ``expandable_segments:True`` (the reserved replay
+    without the fragmentation of fixed segments)."""
+    if "expandable_segments" in alloc_conf.replace(" ", ""):
+        return []
+    conf = ",".join(x for x in (alloc_conf, "expandable_segments:True") if x)
+    estimate = _default_estimate(allow_build=False, alloc_conf=conf)
+    rescued = []
+    for res in result.results:
+        if res.status != "oom":
+            continue
+        try:
+            est = estimate(ctx.spec(res.candidate, 1))
+        except ValueError:  # no profile for this layout's variant: nothing to say
+            continue
+        if getattr(est, "reserved_source", "prior") == "replayed" and est.fits:
+            rescued.append(res.candidate.label + (" (ckpt)" if res.candidate.grad_ckpt else ""))
+    if not rescued:
+        return []
+    return [f"PYTORCH_CUDA_ALLOC_CONF={conf} makes {', '.join(rescued)} fit at micro-batch 1 (reserved replay)"]
 
 
 def _raise_if_all_invalid(results: list[CandidateResult], global_batch: int | None) -> None:

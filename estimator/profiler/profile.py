@@ -21,7 +21,14 @@ import torch
 
 from estimator.models.profiles import MONOMIALS, PROFILE_SCHEMA_VERSION
 from estimator.profiler import build
-from estimator.profiler.trace import StorageRecorder, decoder_layers, install_layer_markers, label_grads
+from estimator.profiler.events import compact_events, first_optimizer_events
+from estimator.profiler.trace import (
+    StorageRecorder,
+    decoder_layers,
+    install_layer_markers,
+    label_grads,
+    label_layers,
+)
 from estimator.spec import TrainingSpec
 
 PROFILE_LAYERS = 3
@@ -137,13 +144,17 @@ class _Model:
         return result
 
     def trace_window(self, b: int, s: int) -> list[tuple]:
-        """One warm-up step, then the measured step's events (window_start .. optimizer)."""
+        """One warm-up step, then the measured step's events (window_start .. optimizer). The whole step, optimizer
+        step and ``zero_grad`` included (window_start .. step_end), is kept in ``full_window``; the first step's
+        optimizer step and ``zero_grad`` (where Adam creates its states) in ``first_optimizer_window``."""
         rec = self.recorder
         with self._dtensor_patches(), self.mode, rec:
             batch = build.synthetic_batch(b, s, min(self.vocab, 1000))
             if not self.warm:
                 with build.full_length_attention_mask():
-                    build.train_step(self.model, self.optimizer, batch, self.training)
+                    build.forward_backward(self.model, batch, self.training)
+                self._label(mark="first_optimizer")
+                self._step_and_zero_grad("first_step_end")
                 self.warm = True
             rec.mark("window_start")
             with self.tracker, build.full_length_attention_mask():
@@ -158,15 +169,34 @@ class _Model:
                 self.held_outputs = [(sid, ref() is not None) for sid, ref in zip(sids, refs)]
                 rec.mark("backward")
                 loss.backward()
-            label_grads(rec, self.model)
-            rec.mark("optimizer")
-            del loss
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self._label(mark="optimizer")
+            del loss  # after the marker, as the activation summaries have always counted it
+            self._step_and_zero_grad("step_end")
         events = rec.timeline.events
         start = max(i for i, e in enumerate(events) if e == ("m", "window_start"))
         end = max(i for i, e in enumerate(events) if e == ("m", "optimizer"))
+        self.full_window = events[start:max(i for i, e in enumerate(events) if e == ("m", "step_end"))]
+        first = events.index(("m", "first_optimizer"))
+        self.first_optimizer_window = events[first:events.index(("m", "first_step_end"))]
         return events[start:end]
+
+    def _label(self, mark: str) -> None:
+        """Name the gradients, label every storage that belongs to a decoder layer's parameter, then mark."""
+        label_grads(self.recorder, self.model)
+        label_layers(self.recorder, self.layers, self.optimizer)
+        self.recorder.mark(mark)
+
+    def _step_and_zero_grad(self, end: str) -> None:
+        """``optimizer.step()`` and ``zero_grad``; the storages they create take the decoder layer of the
+        parameter they belong to."""
+        rec = self.recorder
+        rec.inherit_layers = True
+        try:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        finally:
+            rec.inherit_layers = False
+        rec.mark(end)
 
 
 def output_storages(outputs, loss: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -190,9 +220,17 @@ def _normalise(window: list[tuple], timeline, held: list[tuple[int | None, bool]
                ) -> tuple[list[tuple], list[int], list[str | None], tuple]:
     """Events with sids replaced by first-appearance ordinals: comparable across points. ``held``: (sid, saved by
     the graph) of the output object's storages, returned as (ordinal, saved) pairs."""
+    out, sizes, grads, held_ordinals, _sids = _normalise_sids(window, timeline, held)
+    return out, sizes, grads, held_ordinals
+
+
+def _normalise_sids(window: list[tuple], timeline, held: list[tuple[int | None, bool]] = ()
+                    ) -> tuple[list[tuple], list[int], list[str | None], tuple, list[int]]:
+    """``_normalise``, plus each ordinal's sid."""
     ordinal: dict[int, int] = {}
     sizes: list[int] = []
     grads: list[str | None] = []
+    sids: list[int] = []
     out: list[tuple] = []
     for event in window:
         if event[0] == "m":
@@ -203,12 +241,22 @@ def _normalise(window: list[tuple], timeline, held: list[tuple[int | None, bool]
             ordinal[sid] = len(sizes)
             sizes.append(timeline.sizes[sid])
             grads.append(timeline.grad_names.get(sid))
+            sids.append(sid)
             if event[0] == "f":  # freed in the window, allocated before it (e.g. a step-1 leftover)
                 out.append(("f_pre", ordinal[sid]))
                 continue
         out.append((event[0], ordinal[sid]))
     held_ordinals = tuple(sorted((ordinal[sid], saved) for sid, saved in held if sid in ordinal))
-    return out, sizes, grads, held_ordinals
+    return out, sizes, grads, held_ordinals, sids
+
+
+def device_events(window: list[tuple], timeline, training: TrainingSpec) -> list[tuple]:
+    """The window without the optimizer's host scalars (foreach / for-loop Adam keeps its ``step`` counters on
+    the CPU; fused Adam keeps them on the device)."""
+    if training.optimizer == "adamw_fused" or not timeline.scalars:
+        return window
+    host = timeline.scalars
+    return [e for e in window if e[0] == "m" or e[1] not in host]
 
 
 def _solve(points: list[tuple[int, int]], values: list[int]) -> list[Fraction]:
@@ -297,11 +345,12 @@ def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:
     fit_points, check_points = _points(regime)
     traces = {}
     for b, s in fit_points + check_points:
-        window = model.trace_window(b, s)
-        traces[(b, s)] = _normalise(window, model.recorder.timeline, model.held_outputs)
-    signature, _, grads, held = traces[fit_points[0]]
-    for point, (sig, _sizes, _g, point_held) in traces.items():
-        if sig != signature or point_held != held:
+        model.trace_window(b, s)
+        traces[(b, s)] = _normalise_sids(device_events(model.full_window, model.recorder.timeline, model.training),
+                                         model.recorder.timeline, model.held_outputs)
+    full, _, grads, held, sids = traces[fit_points[0]]
+    for point, (sig, _sizes, _g, point_held, _sids) in traces.items():
+        if sig != full or point_held != held:
             raise RuntimeError(f"profile: op sequence at (b, s) = {point} differs from {fit_points[0]}; "
                                "this architecture changes control flow with shape")
     n = len(traces[fit_points[0]][1])
@@ -313,13 +362,21 @@ def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:
             predicted = _evaluate(coeffs[k], *point)
             if predicted != actual:
                 worst = max(worst, abs(float(predicted) - actual) / max(actual, 1))
+    signature = full[:full.index(("m", "optimizer"))]  # the summaries end where the optimizer step begins
     segments = _summarise(signature, coeffs, grads, model.num_layers)
     manual_signature, manual_coeffs, manual_grads = manual_loop_events(signature, coeffs, grads, held)
     outputs = {kind: [float(x) for x in _sum_polys([coeffs[k] for k, saved in held if saved == want])]
                for kind, want in (("dropped", False), ("saved", True))}
+    timeline = model.recorder.timeline
+    grad_ordinal = {name: o for o, name in enumerate(grads) if name is not None}
+    first = first_optimizer_events(device_events(model.first_optimizer_window, timeline, model.training), timeline,
+                                   grad_ordinal, n)
+    events = compact_events(full, _segment_bounds(signature, model.num_layers), coeffs, grads,
+                            [timeline.layer_of.get(sid) for sid in sids], held, first)
+    events["optimizer"] = model.training.optimizer
     return {**regime, "segments": segments,
             "segments_manual": _summarise(manual_signature, manual_coeffs, manual_grads, model.num_layers),
-            "outputs_held": outputs, "check_max_rel_error": worst}, signature, coeffs
+            "outputs_held": outputs, "check_max_rel_error": worst, "events": events}, signature, coeffs
 
 
 def _summarise(signature: list[tuple], coeffs: list, grads: list, num_layers: int) -> dict:
@@ -498,7 +555,9 @@ def _variant(training: TrainingSpec) -> dict:
 
 
 def _check_depth(config: dict, training: TrainingSpec, regime: dict, fitted: dict, tp: int = 1) -> dict:
-    """Replay the 3-layer segments for 4 layers and compare with a real 4-layer trace at one point."""
+    """Replay the 3-layer segments for 4 layers and compare with a real 4-layer trace at one point; expand the
+    3-layer event list to 4 layers and compare it with the same trace event by event (steady step, and the first
+    step's optimizer step)."""
     from estimator.methods.timeline import replay_activation_peak
 
     b, s = _points(regime)[1][0]
@@ -513,4 +572,28 @@ def _check_depth(config: dict, training: TrainingSpec, regime: dict, fitted: dic
         peak = max(peak, running)
     replayed = replay_activation_peak(fitted["segments"], CHECK_LAYERS, b, s)
     return {"b": b, "s": s, "traced_peak_bytes": peak, "replayed_peak_bytes": replayed,
-            "rel_error": abs(replayed - peak) / max(peak, 1)}
+            "rel_error": abs(replayed - peak) / max(peak, 1), **_check_events(deeper, fitted["events"], b, s)}
+
+
+def _check_events(deeper: _Model, events: dict, b: int, s: int) -> dict:
+    """``events_first_mismatch`` (steady step) and ``events_first_optimizer_mismatch``: None when the expansion
+    to the deeper model's depth equals its trace; ``events_steady``: how many events were compared."""
+    from estimator.reserved.expand import ExpansionError, expand, first_mismatch, step_sizes
+
+    timeline = deeper.recorder.timeline
+
+    def traced(window: list[tuple]) -> list[tuple[bool, int, int]]:
+        return [(e[0] == "a", e[1], timeline.sizes[e[1]])
+                for e in device_events(window, timeline, deeper.training) if e[0] != "m"]
+
+    try:
+        expansion = expand(events, deeper.num_layers)
+    except ExpansionError as err:
+        return {"events_error": str(err)}
+    sizes = step_sizes(events["polys"], b, s)
+    steady = traced(deeper.full_window)
+    first_at = expansion.optimizer_at[0]
+    return {"events_steady": len(steady),
+            "events_first_mismatch": first_mismatch(expansion.steady.ops, sizes, steady),
+            "events_first_optimizer_mismatch": first_mismatch(expansion.first.ops[first_at:], sizes,
+                                                              traced(deeper.first_optimizer_window))}

@@ -1,6 +1,7 @@
 """Build the profiles shipped as package data for catalogue models (so their estimates need no torch).
 
-    python -m estimator.profiler.ship [--models NAME ...] [--variants KEY ...] [--tp 1 2 4 ...]
+    python -m estimator.profiler.ship [--models NAME ...] [--variants KEY ...] [--tp 1 2 4 ...] [--events]
+                                      [--out DIR]
 
 Variants are TrainingSpec field sets; a profile already present (current schema) is skipped, so the command resumes.
 """
@@ -52,6 +53,10 @@ def carry_over_shipped(directory: Path) -> int:
     return 0
 
 
+def _has_events(path: Path) -> bool:
+    return all("events" in regime for regime in json.loads(path.read_text())["regimes"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=None)
@@ -59,12 +64,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, nargs="*", default=[1],
                         help="tensor-parallel degrees (1: the single-rank profile; N > 1: one rank of an N-way "
                              "TP model, for models whose heads / MLP split N ways)")
+    parser.add_argument("--events", action="store_true",
+                        help="re-trace profiles whose regimes have no event list (the reserved replay needs one; "
+                             "event lists cannot be carried over without a trace)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write the profiles here (default: the package's profiles; e.g. the user cache, "
+                             "$LLMEM_CACHE_DIR/profiles, whose profiles with event lists take precedence)")
     parser.add_argument("--carry-over", action="store_true",
                         help="bring every shipped profile to the current schema (re-trace those that cannot be)")
     args = parser.parse_args(argv)
     from estimator.profiler.profile import build_profile
 
-    out = Path(str(resources.files("estimator") / "profiles"))
+    out = args.out or Path(str(resources.files("estimator") / "profiles"))
     if args.carry_over:
         return carry_over_shipped(out)
     for name in args.variants:  # variant-major: the most used variant covers every model first
@@ -78,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue  # no plan for this family, or it does not split tp ways
             key = profile_key(arch.config_sha, training, tp)
             path = out / f"{key}.json"
-            if path.exists() and carry_over_file(path):
+            if path.exists() and carry_over_file(path) and not (args.events and not _has_events(path)):
                 backfill_buffers(path)
                 continue  # resume; an older schema is rebuilt
             started = time.perf_counter()

@@ -30,6 +30,12 @@ class Timeline:
     events: list[tuple] = field(default_factory=list)
     sizes: dict[int, int] = field(default_factory=dict)
     grad_names: dict[int, str] = field(default_factory=dict)  # sid -> parameter name, for .grad storages
+    # sid -> decoder layer of the parameter a storage belongs to (the parameter, its master copy, its gradient,
+    # its optimizer states and the optimizer's per-parameter temporaries): what a deeper model repeats per layer.
+    layer_of: dict[int, int] = field(default_factory=dict)
+    # sids of 0-dim tensors an optimizer step makes from Python numbers (Adam's ``step`` counters, the scalar it adds
+    # to them): host tensors on a GPU unless the optimizer is fused or capturable.
+    scalars: set[int] = field(default_factory=set)
 
 
 class StorageRecorder(TorchDispatchMode):
@@ -40,6 +46,7 @@ class StorageRecorder(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self._next_sid = 0
         self._paused = 0
+        self.inherit_layers = False  # while on: a new storage takes the layer of the input it is computed from
 
     def mark(self, label: str) -> None:
         self.timeline.events.append(("m", label))
@@ -82,10 +89,62 @@ class StorageRecorder(TorchDispatchMode):
         else:
             out = func(*args, **(kwargs or {}))
         if not self._paused:
+            before = self._next_sid
             for item in tree_flatten(out)[0]:
                 if isinstance(item, torch.Tensor):
                     self.track(item)
+            if self.inherit_layers and self._next_sid > before:
+                self._inherit_layer(args, out)
+                self._note_scalars(args, kwargs, out)
         return out
+
+    def label_layer(self, tensor: torch.Tensor, layer: int) -> None:
+        for storage in _storages(tensor):
+            sid = self.sid(storage)
+            if sid is not None:
+                self.timeline.layer_of[sid] = layer
+
+    def _layer(self, tensor) -> int | None:
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        for storage in _storages(tensor):
+            sid = self.sid(storage)
+            if sid is not None and sid in self.timeline.layer_of:
+                return self.timeline.layer_of[sid]
+        return None
+
+    def _note_scalars(self, args: tuple, kwargs: dict | None, out) -> None:
+        """0-dim outputs of an op whose inputs hold no traced storage (``torch.tensor(0.0)`` lifts a constant)."""
+        if any(isinstance(x, torch.Tensor) and self._traced(x) for x in tree_flatten((args, kwargs or {}))[0]):
+            return
+        for item in tree_flatten(out)[0]:
+            if isinstance(item, torch.Tensor) and item.dim() == 0:
+                sid = self.sid(item.untyped_storage())
+                if sid is not None:
+                    self.timeline.scalars.add(sid)
+
+    def _traced(self, tensor: torch.Tensor) -> bool:
+        return any(self.sid(storage) is not None for storage in _storages(tensor))
+
+    def _inherit_layer(self, args: tuple, out) -> None:
+        """A foreach op's i-th output belongs to its first list argument's i-th tensor; any other op's outputs to
+        its first input that belongs to a layer (``p.grad.float()``, ``zeros_like(p)``)."""
+        outs = out if isinstance(out, (list, tuple)) else [out]
+        first = args[0] if args else None
+        if isinstance(first, (list, tuple)) and len(first) == len(outs):
+            sources = list(first)
+        else:
+            found = next((layer for layer in map(self._layer, tree_flatten(args)[0]) if layer is not None), None)
+            if found is None:
+                return
+            for item in outs:
+                if isinstance(item, torch.Tensor):
+                    self.label_layer(item, found)
+            return
+        for item, source in zip(outs, sources):
+            layer = self._layer(source)
+            if layer is not None and isinstance(item, torch.Tensor):
+                self.label_layer(item, layer)
 
 
 @functools.cache
@@ -141,3 +200,26 @@ def label_grads(recorder: StorageRecorder, model: torch.nn.Module) -> None:
             sid = recorder.sid(grad.untyped_storage())
             if sid is not None:
                 recorder.timeline.grad_names[sid] = name
+
+
+def label_layers(recorder: StorageRecorder, layers: torch.nn.ModuleList, optimizer) -> None:
+    """Mark each decoder layer's parameters, gradients and fp32 masters with the layer's index; the optimizer's
+    states and temporaries inherit it when created (``inherit_layers``)."""
+    layer_of = {}
+    for i, layer in enumerate(layers):
+        for param in layer.parameters():
+            layer_of[id(param)] = i
+            recorder.label_layer(param, i)
+            if param.grad is not None:
+                recorder.label_layer(param.grad, i)
+    for opt in getattr(optimizer, "optimizers", [optimizer]):
+        for model_param, master in zip(getattr(opt, "model_params", ()), getattr(opt, "masters", ())):
+            if id(model_param) in layer_of:
+                recorder.label_layer(master, layer_of[id(model_param)])
+                layer_of[id(master)] = layer_of[id(model_param)]
+        inner = getattr(opt, "inner", opt)
+        for param, state in getattr(inner, "state", {}).items():
+            if id(param) in layer_of:
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        recorder.label_layer(value, layer_of[id(param)])

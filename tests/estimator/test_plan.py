@@ -284,7 +284,7 @@ def test_advice_probes_never_build_a_profile(monkeypatch):
         if spec.training.lora_rank:
             raise ValueError("model: no cached profile for this architecture and variant (x_lora16-auto)")
         return main(spec)
-    monkeypatch.setattr(P, "_default_estimate", lambda allow_build=True: main if allow_build else probe)
+    monkeypatch.setattr(P, "_default_estimate", lambda allow_build=True, **_options: main if allow_build else probe)
     result = P.plan(MODEL, gpus=4, gpu=GPU.key, gpu_info=GPU)
     assert result.best is None and probed
     assert any(s.training.lora_rank for s in probed)

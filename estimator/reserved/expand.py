@@ -1,0 +1,273 @@
+"""A profile's compact event list (``estimator.profiler.events``) expanded to the full depth: one training step
+of L decoder layers as an ordered list of allocations and frees, each tensor with its own identity.
+
+The profile was traced on 3 layers: segments ``fw_first``, ``fw``, ``fw_last`` are layers 0, 1, 2 forward and
+``bw_first``, ``bw``, ``bw_last`` layers 2, 1, 0 backward; the generic ``fw``/``bw`` are repeated L - 2 times.
+Identity: a tensor allocated in a layer segment is named (stack, j, layer) — j its place among that segment's
+allocations, the same in the first, generic and last layer's segment (checked: equal sizes). An event in
+layer ``c`` that touches a tensor allocated in the 3-layer trace's layer ``a`` touches the one of layer
+``c + (a - c3)`` (``c3`` the event's own 3-layer layer) when ``|a - c3| <= 1`` (the previous layer's output, the
+same layer's saved activations, the next layer's gradient), else the first or last layer's. Outside the layer
+segments (prefix, middle, suffix, optimizer step) an event belongs to the layer of the tensor it touches
+(gradients, optimizer states and temporaries carry their parameter's layer): a run of events of the generic
+layer is repeated for every generic layer, in the order its neighbours give (layer 0's run before it:
+ascending). Tensors of no layer have one identity. ``check_step`` verifies that every free finds its tensor
+alive and nothing leaks; ``estimator.profiler.profile._check_depth`` compares the expansion with a real deeper
+trace, event by event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LAYER_SEGMENTS = {"fw_first": ("fw", 0), "fw": ("fw", 1), "fw_last": ("fw", 2),
+                  "bw_first": ("bw", 2), "bw": ("bw", 1), "bw_last": ("bw", 0)}
+OUTER = ("prefix", "mid_fw", "mid_bw", "suffix", "optimizer_pre", "optimizer")
+
+ALLOC, FREE, FREE_PREVIOUS = 0, 1, 2
+
+
+class ExpansionError(ValueError):
+    """The event list cannot be repeated for another depth (a layer that is not generic)."""
+
+
+@dataclass(frozen=True)
+class StepEvents:
+    """One step at full depth. ``ops``: (kind, key, poly) with kind ALLOC, FREE or FREE_PREVIOUS (the previous
+    step's tensor of that key: a manual loop's output object); ``keys``: how many identities a step uses."""
+
+    ops: list[tuple[int, int, int]]
+    keys: int
+
+
+@dataclass(frozen=True)
+class Expansion:
+    first: StepEvents    # the first step: Adam creates its states in the optimizer step
+    steady: StepEvents   # every later step
+    workspace_at: tuple[int, int]  # op index in ``first`` of the first forward and first backward matmul segment
+    # op index where the traced optimizer step begins in ``first`` (after freeing the loss) and in ``steady``
+    optimizer_at: tuple[int, int]
+    persistent_keys: frozenset[int]  # keys the first step leaves allocated on purpose (optimizer states)
+
+
+def _decode(code: int) -> tuple[bool, int]:
+    return (True, code) if code >= 0 else (False, ~code)
+
+
+def _segment_order(num_layers: int) -> list[tuple[str, int | None]]:
+    """(segment, concrete layer) in step order; outer segments have no layer."""
+    last = num_layers - 1
+    order = [("prefix", None), ("fw_first", 0)]
+    order += [("fw", layer) for layer in range(1, last)]
+    order += [("fw_last", last), ("mid_fw", None), ("mid_bw", None), ("bw_first", last)]
+    order += [("bw", layer) for layer in range(last - 1, 0, -1)]
+    order += [("bw_last", 0), ("suffix", None), ("optimizer_pre", None), ("optimizer", None)]
+    return order
+
+
+class _Namer:
+    """Dense integer keys for (identity, layer) pairs."""
+
+    def __init__(self) -> None:
+        self.keys: dict[tuple, int] = {}
+
+    def __call__(self, ident: tuple, layer: int | None) -> int:
+        return self.keys.setdefault((ident, layer), len(self.keys))
+
+
+class _Layout:
+    """Where each ordinal of the 3-layer trace is allocated, its identity and its layer."""
+
+    def __init__(self, events: dict, segments: dict[str, list[int]]) -> None:
+        self.size = events["size"]
+        labels = {o: layer for o, layer in events["layer_of"]}
+        self.ident: dict[int, tuple] = {}
+        self.layer: dict[int, int | None] = {}
+        for name, codes in segments.items():
+            j = 0
+            for code in codes:
+                alloc, o = _decode(code)
+                if not alloc:
+                    continue
+                if o in self.ident:
+                    raise ExpansionError(f"events: ordinal {o} allocated twice")
+                if name in LAYER_SEGMENTS:
+                    stack, layer = LAYER_SEGMENTS[name]
+                    self.ident[o] = (stack, j)
+                    self.layer[o] = layer
+                    j += 1
+                else:
+                    self.ident[o] = ("o", o)
+                    self.layer[o] = labels.get(o)
+
+
+def _target(layout: _Layout, o: int, context: int, context3: int, num_layers: int) -> int | None:
+    """Concrete layer of the tensor ``o`` touched by an event of 3-layer layer ``context3`` running as layer
+    ``context``; None for a tensor of no layer."""
+    a = layout.layer.get(o)
+    if a is None:
+        return None
+    delta = a - context3
+    if abs(delta) <= 1:
+        return context + delta
+    return 0 if a == 0 else num_layers - 1
+
+
+def _outer_runs(codes: list[int], layout: _Layout) -> list[tuple[int | None, list[int]]]:
+    runs: list[tuple[int | None, list[int]]] = []
+    for code in codes:
+        layer = layout.layer.get(_decode(code)[1])
+        if runs and runs[-1][0] == layer:
+            runs[-1][1].append(code)
+        else:
+            runs.append((layer, [code]))
+    return runs
+
+
+def _repeated(runs: list, index: int) -> bool:
+    """A run of the generic layer's events stands for every generic layer when the first and the last layer's
+    runs flank it (the optimizer step and ``zero_grad`` walk the parameters in order)."""
+    if not 0 < index < len(runs) - 1:
+        return False
+    return {runs[index - 1][0], runs[index + 1][0]} == {0, 2}
+
+
+def _outer_contexts(segment: str, runs: list, index: int, num_layers: int) -> list[tuple[int | None, int | None]]:
+    """(concrete layer, 3-layer layer) for each copy of an outer segment's run. A generic-layer run flanked by
+    the first and last layer's (``_repeated``) is copied for every generic layer, ascending when the first
+    layer's run comes before it; otherwise it is the layer next to the segment's end of the stack: layer 1
+    before and after the stack (``prefix``, ``suffix``), layer L - 2 between forward and backward."""
+    label = runs[index][0]
+    last = num_layers - 1
+    if label is None:
+        return [(None, None)]
+    if label == 1 and _repeated(runs, index):
+        layers = list(range(1, last))
+        return [(layer, 1) for layer in (layers if runs[index - 1][0] == 0 else layers[::-1])]
+    if label == 1:
+        return [(1 if segment in ("prefix", "suffix", "optimizer") else last - 1, 1)]
+    return [(0 if label == 0 else last, label)]
+
+
+def _emit(out: list, namer: _Namer, layout: _Layout, code: int, context: int | None, context3: int | None,
+          num_layers: int, skip_free: set[int]) -> None:
+    alloc, o = _decode(code)
+    if not alloc and o in skip_free:
+        return
+    target = None if context is None else _target(layout, o, context, context3, num_layers)
+    if target is None and layout.layer.get(o) is not None:
+        raise ExpansionError(f"events: ordinal {o} of a layer touched outside any layer")
+    if target is not None and not 0 <= target < num_layers:
+        raise ExpansionError(f"events: ordinal {o} maps to layer {target} of {num_layers}")
+    ident = layout.ident.get(o)
+    if ident is None:
+        raise ExpansionError(f"events: ordinal {o} freed but never allocated in the step")
+    out.append((ALLOC if alloc else FREE, namer(ident, target), layout.size[o]))
+
+
+def _expand_segments(events: dict, segments: dict, num_layers: int, held: list[int], manual: bool
+                     ) -> tuple[list, _Namer, tuple[int, int]]:
+    layout = _Layout(events, segments)
+    namer = _Namer()
+    out: list = []
+    skip_free = set(held) if manual else set()
+    starts = {}
+    for name, layer in _segment_order(num_layers):
+        starts.setdefault(name, len(out))
+        if name == "mid_bw" and manual:
+            out.extend((FREE_PREVIOUS, namer(layout.ident[o], None), layout.size[o]) for o in held)
+        if name in LAYER_SEGMENTS:
+            context3 = LAYER_SEGMENTS[name][1]
+            for code in segments[name]:
+                _emit(out, namer, layout, code, layer, context3, num_layers, skip_free)
+            continue
+        runs = _outer_runs(segments[name], layout)
+        for index, (_label, codes) in enumerate(runs):
+            for context, context3 in _outer_contexts(name, runs, index, num_layers):
+                for code in codes:
+                    _emit(out, namer, layout, code, context, context3, num_layers, skip_free)
+    return out, namer, starts
+
+
+def _first_optimizer_pre(events: dict) -> list[int]:
+    """What the first step frees before its optimizer step: the steady step frees what the step made before
+    its optimizer step (the loss: ``del loss`` comes right after the marker) in its optimizer segment; the first
+    step's optimizer segment was traced on the warm-up step, where the loss went before the marker."""
+    steady = events["segments"]["optimizer"]
+    made_here = {code for code in steady if code >= 0}
+    first = events["first_optimizer"]
+    freed_first = {~code for code in first if code < 0}
+    return [code for code in steady if code < 0 and ~code not in made_here and ~code not in freed_first]
+
+
+def expand(events: dict, num_layers: int, loop: str = "trainer") -> Expansion:
+    """The first and the steady step of ``num_layers`` layers (>= 2). Raises ExpansionError when the events
+    cannot be repeated."""
+    if num_layers < 2:
+        raise ExpansionError("events: a 1-layer model has no generic layer to repeat")
+    manual = loop == "manual"
+    held = [o for o, _saved in events["held"]]
+    steady_segments = {**events["segments"], "optimizer_pre": []}
+    steady_ops, steady_names, steady_starts = _expand_segments(events, steady_segments, num_layers, held, manual)
+    first_segments = {**events["segments"], "optimizer_pre": _first_optimizer_pre(events),
+                      "optimizer": events["first_optimizer"]}
+    first_ops, first_names, starts = _expand_segments(events, first_segments, num_layers, held, manual)
+    if manual:  # the first step has no previous outputs: drop their frees, shifting the later segments
+        first_ops = [op for op in first_ops if op[0] != FREE_PREVIOUS]
+        starts = {name: at - len(held) if at > starts["mid_bw"] else at for name, at in starts.items()}
+    # Keys are step-local; tensors both steps allocate before the optimizer step (a manual loop's held outputs)
+    # get the same key in both, as the segments before it are the same.
+    keys = max(len(steady_names.keys), len(first_names.keys))
+    previous = {key for kind, key, _ in steady_ops if kind == FREE_PREVIOUS}
+    persistent = check_step(first_ops)
+    leaked = check_step(steady_ops, previous_alive=previous)
+    if leaked - previous:
+        raise ExpansionError(f"events: {len(leaked - previous)} tensors of a steady step are never freed")
+    return Expansion(first=StepEvents(first_ops, keys), steady=StepEvents(steady_ops, keys),
+                     workspace_at=(starts["fw_first"], starts["mid_bw"]),
+                     optimizer_at=(starts["optimizer"], steady_starts["optimizer"]),
+                     persistent_keys=frozenset(persistent - previous))
+
+
+def check_step(ops: list, previous_alive: set[int] = frozenset()) -> set[int]:
+    """Every free must find its tensor alive, every allocation a fresh key. Returns the keys still alive at
+    the end of the step."""
+    alive: set[int] = set()
+    gone: set[int] = set()
+    for kind, key, _poly in ops:
+        if kind == ALLOC:
+            if key in alive or key in gone:
+                raise ExpansionError(f"events: tensor {key} allocated twice in one step")
+            alive.add(key)
+        elif kind == FREE:
+            if key not in alive:
+                raise ExpansionError(f"events: tensor {key} freed while not alive")
+            alive.remove(key)
+            gone.add(key)
+        elif key not in previous_alive:
+            raise ExpansionError(f"events: the previous step's tensor {key} is not alive")
+    return alive
+
+
+def step_sizes(polys: list[list[float]], b: int, s: int) -> list[int]:
+    """Requested bytes of each size polynomial at (b, s)."""
+    out = []
+    for c0, c1, c2, c3, c4, c5 in polys:
+        out.append(int(round(c0 + s * (c1 + c2 * s) + b * (c3 + s * (c4 + c5 * s)))))
+    return out
+
+
+def first_mismatch(ops: list, sizes: list[int], traced: list[tuple[bool, object, int]]) -> int | None:
+    """Compare expanded ``ops`` (sizes by poly index) with a traced step, event by event: the same kind and
+    bytes, and the same tensor freed (a one-to-one map between keys and traced identities, built as tensors
+    are first seen). The index of the first difference, or None when they are the same."""
+    key_of: dict = {}
+    ident_of: dict = {}
+    for i, ((kind, key, poly), (alloc, ident, nbytes)) in enumerate(zip(ops, traced)):
+        if (kind == ALLOC) != alloc or sizes[poly] != nbytes:
+            return i
+        if key_of.setdefault(ident, key) != key or ident_of.setdefault(key, ident) != ident:
+            return i
+        if not alloc:  # a freed tensor's identity may come back as a new one
+            del key_of[ident], ident_of[key]
+    return None if len(ops) == len(traced) else min(len(ops), len(traced))

@@ -1,0 +1,92 @@
+"""The reserved peak of one rank from its replayed timeline, or the reason there is none (the prior then
+stands). Expansions and setups are memoized per loaded profile, so a plan's many (b, s) points only rescale
+sizes and replay."""
+
+from __future__ import annotations
+
+from estimator.allocator import parse_alloc_conf
+from estimator.models.params import ParamInfo
+from estimator.reserved.expand import ExpansionError, expand, step_sizes
+from estimator.reserved.replay import ReservedReplay, replay_rank
+from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocations
+
+METHODS = ("single", "ddp", "tp")
+_EXPANSIONS: dict[tuple, tuple] = {}
+_SETUPS: dict[tuple, tuple] = {}
+_CONFS: dict[str, object] = {}
+
+
+def why_not(spec, regime: dict, num_layers: int) -> str | None:
+    """Why this spec's reserved peak cannot be replayed (None: it can)."""
+    training = spec.training
+    if spec.parallel.method not in METHODS:
+        return (f"{spec.parallel.method}: its communication buffers run on their own streams with delayed frees, "
+                "not modelled yet")
+    events = regime.get("events")
+    if events is None:
+        return "the profile has no event list (traced before event lists were kept)"
+    if events.get("optimizer") != training.optimizer:
+        return f"the profile's optimizer step was traced with {events.get('optimizer')}, not {training.optimizer}"
+    if training.grad_accum_steps > 1:
+        return "gradient accumulation's micro-batches are not in the event list"
+    if training.qlora:
+        return "QLoRA's packed weights are not one allocation per parameter"
+    if num_layers < 2:
+        return "a 1-layer model has no generic layer to repeat"
+    return None
+
+
+def alloc_conf(text: str | None):
+    """The parsed ``PYTORCH_CUDA_ALLOC_CONF`` string (memoized; ``ValueError`` naming a bad option)."""
+    key = text or ""
+    if key not in _CONFS:
+        _CONFS[key] = parse_alloc_conf(key)
+    return _CONFS[key]
+
+
+def _expansion(events: dict, num_layers: int, loop: str):
+    key = (id(events), num_layers, loop)
+    hit = _EXPANSIONS.get(key)
+    if hit is None or hit[0] is not events:
+        if len(_EXPANSIONS) > 256:
+            _EXPANSIONS.clear()
+        try:
+            hit = (events, expand(events, num_layers, loop))
+        except ExpansionError as err:
+            hit = (events, err)
+        _EXPANSIONS[key] = hit
+    if isinstance(hit[1], ExpansionError):
+        raise hit[1]
+    return hit[1]
+
+
+def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, mixed: bool) -> Setup:
+    key = (id(profile), id(table), num_layers, method, mixed)
+    hit = _SETUPS.get(key)
+    if hit is None or hit[0] is not table:
+        if len(_SETUPS) > 256:
+            _SETUPS.clear()
+        buffers = profile["params"].get("buffers") or {}
+        hit = (table, setup_allocations(table, (buffers.get("non_layer", 0), buffers.get("per_layer", 0)),
+                                        num_layers, method, mixed))
+        _SETUPS[key] = hit
+    return hit[1]
+
+
+def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], num_layers: int, *,
+                    workspace_bytes: int, workspaces: int, allowed_bytes: int | None, conf_text: str | None
+                    ) -> ReservedReplay:
+    """Replay the rank under ``allowed_bytes``; when it runs out there, replay without the cap too, so the
+    reserved peak reported is what the run would need (``oom`` stays set). ExpansionError: no replay."""
+    training = spec.training
+    b, s = training.micro_batch_size, training.seq_len
+    events = regime["events"]
+    plan = StepPlan(expansion=_expansion(events, num_layers, training.loop), sizes=step_sizes(events["polys"], b, s),
+                    batch_bytes=b * s * INT64, workspace_bytes=workspace_bytes, workspaces=workspaces)
+    setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"))
+    conf = alloc_conf(conf_text)
+    capped = replay_rank(setup, plan, conf, allowed_bytes)
+    if not capped.oom:
+        return capped
+    needed = replay_rank(setup, plan, conf, None)
+    return ReservedReplay(**{**needed.__dict__, "oom": True, "num_alloc_retries": capped.num_alloc_retries})

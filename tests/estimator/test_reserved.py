@@ -1,0 +1,194 @@
+"""The reserved level from each rank's own event stream (estimator.reserved): the profile's event list expanded
+to the full depth and checked against deeper traces and a real CPU run, event by event; the replay's allocated
+level against the estimator's; the API, CLI and plan plumbing."""
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from estimator import api  # noqa: E402
+from estimator.hardware.residuals import load_coefficients  # noqa: E402
+from estimator.io.cli import main as cli_main  # noqa: E402
+from estimator.reserved import rank as reserved_rank  # noqa: E402
+from estimator.reserved.expand import ExpansionError, expand, step_sizes  # noqa: E402
+from estimator.reserved.timeline import INT64, StepPlan, step_requests  # noqa: E402
+from estimator.spec import ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
+
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 160,
+         "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+         "max_position_embeddings": 512, "tie_word_embeddings": False}
+OPT = {"model_type": "opt", "architectures": ["OPTForCausalLM"], "hidden_size": 64, "ffn_dim": 256,
+       "num_hidden_layers": 6, "num_attention_heads": 4, "vocab_size": 1000, "max_position_embeddings": 512,
+       "word_embed_proj_dim": 64}
+B, S = 2, 64
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reserved") / "config.json"
+    path.write_text(json.dumps(LLAMA))
+    return str(path)
+
+
+def _profile(path: str, training: TrainingSpec):
+    arch, profile = api.load_model_profile(path, training)
+    return arch, profile, api._param_table(profile, arch.num_layers), api._regime(profile, B, S)
+
+
+@pytest.mark.parametrize("config, training", [
+    (LLAMA, TrainingSpec(precision="mixed_bf16")),
+    pytest.param(OPT, TrainingSpec(precision="fp32", attn="eager"), marks=pytest.mark.slow),
+    pytest.param(LLAMA, TrainingSpec(precision="bf16", lora_rank=8), marks=pytest.mark.slow),
+    pytest.param(LLAMA, TrainingSpec(precision="bf16", grad_ckpt=True), marks=pytest.mark.slow),
+])
+def test_expansion_to_four_layers_equals_a_four_layer_trace(config, training):
+    """The profiler's depth check: the 3-layer event list expanded to 4 layers against a real 4-layer trace,
+    event by event (kind, bytes and which tensor is freed), for the steady step and the first optimizer step."""
+    from estimator.profiler.profile import build_profile
+
+    profile = build_profile(config, training)
+    for regime in profile["regimes"]:
+        check = regime["layer_check"]
+        assert "events_error" not in check, check
+        assert check["events_steady"] > 500
+        assert check["events_first_mismatch"] is None and check["events_first_optimizer_mismatch"] is None
+
+
+@pytest.mark.parametrize("training, parallel", [
+    (TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S), ParallelSpec()),
+    (TrainingSpec(precision="fp32", micro_batch_size=B, seq_len=S, loop="manual"), ParallelSpec()),
+    (TrainingSpec(precision="bf16", micro_batch_size=B, seq_len=S, grad_ckpt=True),
+     ParallelSpec(method="ddp", world_size=2)),
+])
+def test_replayed_allocated_level_equals_the_estimate(llama_path, training, parallel):
+    """The requested bytes alive at once in the replayed stream = the estimator's allocated peak + the batch
+    (which the estimator does not count), to the byte."""
+    spec = RunSpec(model=llama_path, training=training, parallel=parallel)
+    est = api.estimate(spec, alloc_conf="")
+    arch, profile, table, regime = _profile(llama_path, training)
+    coeffs = load_coefficients(est.gpu_key)
+    replayed = reserved_rank.replay_reserved(spec, profile, regime, table, arch.num_layers,
+                                             workspace_bytes=coeffs.cublas_workspace_bytes,
+                                             workspaces=coeffs.cublas_workspaces, allowed_bytes=None, conf_text="")
+    assert replayed.peak_requested_bytes == est.peak_allocated_bytes + 3 * B * S * INT64
+    assert est.reserved_source == "replayed" and replayed.steady
+    assert est.peak_reserved_bytes == replayed.peak_reserved_bytes >= replayed.peak_allocated_bytes
+
+
+def _real_cpu_events(training: TrainingSpec, steps: int):
+    """A real CPU run (real tensors) of the tiny Llama: the model moved to the device (``to_empty``), the
+    optimizer, ``steps`` steps with a new batch each; every storage recorded. Left out: the module buffers (the
+    profile keeps their bytes, not their tensors), Adam's host-side step counters and the scalar it adds to them
+    (CPU tensors on a GPU), and, by the same patch the profiler uses, transformers' data-dependent mask check."""
+    import torch
+    from transformers import masking_utils
+
+    from estimator.profiler import build
+    from estimator.profiler.trace import StorageRecorder
+
+    torch.manual_seed(0)
+    model = build.build_model(LLAMA, training, meta=True)
+    rec = StorageRecorder()
+    orig = masking_utils._ignore_causal_mask_sdpa
+    masking_utils._ignore_causal_mask_sdpa = lambda padding_mask, *a, **k: orig(None, *a, **k)
+    try:
+        with rec:
+            model.to_empty(device="cpu")
+            model.tie_weights()
+            buffers = {rec.sid(b.untyped_storage()) for b in model.buffers()}
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.normal_(0, 0.02)
+            opt = build.build_optimizer(model.parameters(), training)
+            batch = None
+            for _ in range(steps):
+                batch = build.synthetic_batch(B, S, 1000)
+                build.forward_backward(model, batch, training)  # the detached loss is dropped at once
+                rec.mark("step")
+                opt.step()
+                rec.mark("step_end")
+                opt.zero_grad(set_to_none=True)
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = orig
+    timeline = rec.timeline
+    host = {rec.sid(st["step"].untyped_storage()) for st in getattr(opt, "inner", opt).state.values()}
+    inside = False
+    for event in timeline.events:
+        if event[0] == "m":
+            inside = event[1] == "step"
+        elif inside and event[0] == "a" and timeline.sizes[event[1]] == 4:
+            host.add(event[1])
+    return [(e[0] == "a", e[1], timeline.sizes[e[1]]) for e in timeline.events
+            if e[0] != "m" and e[1] not in buffers and e[1] not in host]
+
+
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("mixed_bf16", marks=pytest.mark.slow)])
+def test_generated_stream_equals_a_real_cpu_run(llama_path, precision):
+    """Setup (parameters in their real order, fp32 masters), three steps (batches, the first step's Adam states,
+    the steady steps): the same sizes in the same order, the same tensor freed, to the event."""
+    training = TrainingSpec(precision=precision, micro_batch_size=B, seq_len=S)
+    spec = RunSpec(model=llama_path, training=training)
+    arch, profile, table, regime = _profile(llama_path, training)
+    setup = reserved_rank._setup(profile, table, arch.num_layers, "single", precision.startswith("mixed_"))
+    plan = StepPlan(expand(regime["events"], arch.num_layers), step_sizes(regime["events"]["polys"], B, S),
+                    B * S * INT64, 0, 0)
+    names = [name for name, _ in setup.allocations]
+    generated = [("alloc", i, n, 0) for i, (name, n) in enumerate(setup.allocations) if not name.startswith("buffers")]
+    for step in range(3):
+        generated += step_requests(plan, step, len(setup.allocations))
+    assert not any(r[1] < len(names) and names[r[1]].startswith("buffers") for r in generated)
+    real = _real_cpu_events(spec.training, 3)
+    assert len(real) == len(generated)
+    key_of, ident_of = {}, {}
+    for i, (gen, (alloc, ident, nbytes)) in enumerate(zip(generated, real)):
+        assert (gen[0] == "alloc") == alloc, i
+        if alloc:
+            assert gen[2] == nbytes, i
+        assert key_of.setdefault(gen[1], ident) == ident and ident_of.setdefault(ident, gen[1]) == gen[1], i
+
+
+def test_expandable_segments_and_bad_alloc_conf(llama_path):
+    spec = RunSpec(model=llama_path, training=TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S))
+    default = api.estimate(spec, alloc_conf="")
+    expandable = api.estimate(spec, alloc_conf="expandable_segments:True")
+    assert default.reserved_source == expandable.reserved_source == "replayed"
+    assert expandable.peak_reserved_bytes != default.peak_reserved_bytes
+    assert any(n.startswith("reserved: replayed") and "expandable_segments:True" in n for n in expandable.notes)
+    with pytest.raises(ValueError, match="^alloc_conf: .*unknown allocator option 'bogus'"):
+        api.estimate(spec, alloc_conf="bogus:1")
+    prior = api.estimate(spec, replay_reserved=False)
+    assert prior.reserved_source == "prior" and prior.peak_allocated_bytes == default.peak_allocated_bytes
+
+
+def test_environment_default_and_cli_flag(llama_path, monkeypatch, capsys):
+    spec = RunSpec(model=llama_path, training=TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert api.estimate(spec).alloc_conf == "expandable_segments:True"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert cli_main(["--model", llama_path, "--method", "single", "--precision", "mixed_bf16", "--alloc-conf",
+                     "nonsense:3"]) == 2
+    assert "alloc_conf:" in capsys.readouterr().err
+    assert cli_main(["--model", llama_path, "--method", "single", "--precision", "mixed_bf16",
+                     "--micro-batch-size", "2", "--seq-len", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["reserved_source"] == "replayed" and out["ranks"][0]["replayed_steps"] >= 3
+
+
+def test_out_of_scope_methods_and_old_profiles_keep_the_prior(llama_path):
+    training = TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S)
+    fsdp = api.estimate(RunSpec(model=llama_path, training=training,
+                                parallel=ParallelSpec(method="fsdp", world_size=2)), alloc_conf="")
+    assert fsdp.reserved_source == "prior"
+    assert any(n.startswith("reserved: prior") and "own streams" in n for n in fsdp.notes)
+    shipped = api.estimate(RunSpec(model="facebook/opt-125m", training=training), alloc_conf="")
+    assert shipped.reserved_source in ("prior", "replayed")  # replayed once the shipped profiles are re-traced
+
+
+def test_a_non_generic_stack_is_refused():
+    events = {"size": [0, 0], "polys": [[512, 0, 0, 0, 0, 0]], "layer_of": [], "held": [], "first_optimizer": [],
+              "segments": {"prefix": [], "fw_first": [], "fw": [0], "fw_last": [], "mid_fw": [], "mid_bw": [],
+                           "bw_first": [], "bw": [], "bw_last": [~0], "suffix": [], "optimizer": []}}
+    with pytest.raises(ExpansionError):
+        expand(events, 5)  # layer 1's tensor freed by layer 0's backward: every generic layer's would be
