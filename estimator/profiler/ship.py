@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from estimator.models.arch import catalogue_models, resolve_arch
-from estimator.models.profiles import profile_key, save_profile
+from estimator.models.profiles import has_events, profile_key, save_profile
 from estimator.models.tp_plans import check_tp
 from estimator.profiler.carry import backfill_buffers, carry_over_file, variant_training
 from estimator.spec import TrainingSpec
@@ -34,13 +34,16 @@ DEFAULT_VARIANTS = {
 }
 
 
-def carry_over_shipped(directory: Path) -> int:
-    """Every shipped profile at the current schema: carried over where exact, else re-traced."""
+def carry_over_shipped(directory: Path, *, events: bool = False, models: list[str] | None = None) -> int:
+    """Every shipped profile at the current schema: carried over where exact, else re-traced; ``events``: also
+    re-trace those without event lists. ``models``: only these catalogue models' profiles."""
     from estimator.profiler.profile import build_profile
 
     for path in sorted(directory.glob("*.json")):
+        if models is not None and json.loads(path.read_text()).get("model") not in models:
+            continue
         started = time.perf_counter()
-        if carry_over_file(path):
+        if carry_over_file(path) and not (events and not has_events(json.loads(path.read_text()))):
             how = "current or carried over"
         else:
             profile = json.loads(path.read_text())
@@ -51,10 +54,6 @@ def carry_over_shipped(directory: Path) -> int:
             how = "re-traced"
         print(f"{path.stem:<60}{how:<26}{time.perf_counter() - started:6.1f} s", flush=True)
     return 0
-
-
-def _has_events(path: Path) -> bool:
-    return all("events" in regime for regime in json.loads(path.read_text())["regimes"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,13 +70,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the profiles here (default: the package's profiles; e.g. the user cache, "
                              "$LLMEM_CACHE_DIR/profiles, whose profiles with event lists take precedence)")
     parser.add_argument("--carry-over", action="store_true",
-                        help="bring every shipped profile to the current schema (re-trace those that cannot be)")
+                        help="bring every shipped profile to the current schema (re-trace those that cannot be; with "
+                             "--events also those without event lists; with --models only theirs)")
     args = parser.parse_args(argv)
     from estimator.profiler.profile import build_profile
 
     out = args.out or Path(str(resources.files("estimator") / "profiles"))
     if args.carry_over:
-        return carry_over_shipped(out)
+        models = [resolve_arch(m).name for m in args.models] if args.models else None
+        return carry_over_shipped(out, events=args.events, models=models)
     for name in args.variants:  # variant-major: the most used variant covers every model first
         training = DEFAULT_VARIANTS[name]
         for model, tp in itertools.product(args.models or catalogue_models(), args.tp):
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue  # no plan for this family, or it does not split tp ways
             key = profile_key(arch.config_sha, training, tp)
             path = out / f"{key}.json"
-            if path.exists() and carry_over_file(path) and not (args.events and not _has_events(path)):
+            stale = args.events and path.exists() and not has_events(json.loads(path.read_text()))
+            if path.exists() and carry_over_file(path) and not stale:
                 backfill_buffers(path)
                 continue  # resume; an older schema is rebuilt
             started = time.perf_counter()
