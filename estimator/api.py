@@ -270,7 +270,8 @@ def _reserved_note(spec: RunSpec, profile: dict, worst: RankEstimate, alloc_conf
     from estimator.reserved.rank import why_not
 
     regime = _regime(profile, spec.training.micro_batch_size, spec.training.seq_len)
-    reason = why_not(spec, regime, num_layers) if alloc_conf is not None else "replay not requested"
+    reason = why_not(spec, regime, num_layers) if alloc_conf is not None else \
+        "replay off, or a calibrated coefficient file whose reserved terms were fitted on this path"
     return f"reserved: prior allocated x (1 + slack ratio) + slack bytes ({reason or 'the event list cannot be repeated for this depth'})"
 
 
@@ -326,6 +327,10 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     check_spec(spec, arch)
     coeffs = coefficients if isinstance(coefficients, residuals.Coefficients) else \
         residuals.load_coefficients(gpu.key, coefficients)
+    if coeffs.calibrated:
+        # A calibrated file's reserved terms were fitted and cross-validated on the prior path (allocated x
+        # (1 + ratio) + bytes): the estimate follows what was fitted. The replay serves the documented priors.
+        conf = None
     arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build)
     last = spec.parallel.world_size - 1
     table = _param_table(profile, arch.num_layers)
