@@ -77,6 +77,16 @@ def test_replayed_allocated_level_equals_the_estimate(llama_path, training, para
     assert est.peak_reserved_bytes == replayed.peak_reserved_bytes >= replayed.peak_allocated_bytes
 
 
+def _in_fresh_process(fn, *args):
+    """Real CPU kernels start OpenMP threads; a process forked after that can deadlock (the campaign's
+    fork-isolation test), so real compute runs in a spawned interpreter, not in the pytest process."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def _real_cpu_events(training: TrainingSpec, steps: int):
     """A real CPU run (real tensors) of the tiny Llama: the model moved to the device (``to_empty``), the
     optimizer, ``steps`` steps with a new batch each; every storage recorded. Left out: the module buffers (the
@@ -139,7 +149,7 @@ def test_generated_stream_equals_a_real_cpu_run(llama_path, precision):
     for step in range(3):
         generated += step_requests(plan, step, len(setup.allocations))
     assert not any(r[1] < len(names) and names[r[1]].startswith("buffers") for r in generated)
-    real = _real_cpu_events(spec.training, 3)
+    real = _in_fresh_process(_real_cpu_events, spec.training, 3)
     assert len(real) == len(generated)
     key_of, ident_of = {}, {}
     for i, (gen, (alloc, ident, nbytes)) in enumerate(zip(generated, real)):

@@ -11,7 +11,9 @@ from tests.harness.conftest import TINY_OVERRIDES, run_point
 
 
 def _measured_and_estimated(tmp_path, loop: str) -> tuple[int, int]:
-    record = run_point(tmp_path, *TINY_OVERRIDES, f"training.loop={loop}", "launcher.isolation=inprocess",
+    # subprocess isolation: real CPU kernels in the pytest process would start OpenMP threads, after which a
+    # forked run (the campaign's fork-isolation test) can deadlock
+    record = run_point(tmp_path, *TINY_OVERRIDES, f"training.loop={loop}", "launcher.isolation=subprocess",
                        device=CPU_DEVICE)
     run_dir = tmp_path / "runs/default/cpu" / record.run_id
     rank0 = rank_from_dict(read_json(run_dir / "rank0.json"))
