@@ -463,23 +463,9 @@ class CachingAllocator:
         unmapped_bytes = (end - begin) * segment.page_bytes
         before, after = start - block.addr, block.size - (start - block.addr) - unmapped_bytes
         if before > 0:
-            head = Block(block.addr, before, block.stream, block.small, segment)
-            head.prev, head.next = block.prev, block
-            if block.prev is not None:
-                block.prev.next = head
-            block.prev = head
-            self.blocks[head.addr] = head
-            head.gc_base = pool.free_calls
-            insort(pool.free, (head.stream, head.size, head.addr))
+            self._split_off_free(block, pool, block.addr, before, ahead=True)
         if after > 0:
-            tail = Block(start + unmapped_bytes, after, block.stream, block.small, segment)
-            tail.prev, tail.next = block, block.next
-            if block.next is not None:
-                block.next.prev = tail
-            block.next = tail
-            self.blocks[tail.addr] = tail
-            tail.gc_base = pool.free_calls
-            insort(pool.free, (tail.stream, tail.size, tail.addr))
+            self._split_off_free(block, pool, start + unmapped_bytes, after, ahead=False)
         block.addr, block.size, block.mapped = start, unmapped_bytes, False
         self.blocks[start] = block
         self._try_merge(block, block.prev, pool)
@@ -489,6 +475,24 @@ class CachingAllocator:
         self.num_device_free += 1
         self.driver.unmap(start, unmapped_bytes)
         self._log("segment_unmap", start, unmapped_bytes, block.stream)
+
+    def _split_off_free(self, block: Block, pool, addr: int, size: int, *, ahead: bool) -> None:
+        """A free block of ``size`` bytes at ``addr`` cut from ``block``'s head (``ahead``) or tail, linked in
+        beside it and put in its pool."""
+        piece = Block(addr, size, block.stream, block.small, block.segment)
+        if ahead:
+            piece.prev, piece.next = block.prev, block
+            if block.prev is not None:
+                block.prev.next = piece
+            block.prev = piece
+        else:
+            piece.prev, piece.next = block, block.next
+            if block.next is not None:
+                block.next.prev = piece
+            block.next = piece
+        self.blocks[piece.addr] = piece
+        piece.gc_base = pool.free_calls
+        insort(pool.free, (piece.stream, piece.size, piece.addr))
 
     # ----- record_stream events ---------------------------------------------------------------------
     def _insert_events(self, block):

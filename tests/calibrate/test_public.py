@@ -18,9 +18,14 @@ MODEL = "facebook/opt-125m"  # shipped profiles: no build in these tests
 
 
 def _common():
+    return _load("public_common", "common.py")
+
+
+def _load(name: str, file_name: str):
+    """A module of data/public (not a package): its siblings importable while it loads."""
     sys.path.insert(0, str(PUBLIC))
     try:
-        spec = importlib.util.spec_from_file_location("public_common", PUBLIC / "common.py")
+        spec = importlib.util.spec_from_file_location(name, PUBLIC / file_name)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
@@ -177,13 +182,7 @@ def test_cli_fit_refuses_a_single_source_key(synthetic_csv, tmp_path, capsys):
 
 
 def test_html_tables_expand_rowspans():
-    sys.path.insert(0, str(PUBLIC))
-    try:
-        spec = importlib.util.spec_from_file_location("swift", PUBLIC / "extract_ms_swift_benchmark.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(PUBLIC))
+    module = _load("swift", "extract_ms_swift_benchmark.py")
     text = ("## A\n### LoRA\n<table><tr><td>Model Type [LoRA]</td><td>Max Length</td></tr>"
             "<tr><td rowspan=\"2\">m</td><td>512</td></tr><tr><td>1024</td></tr></table>")
     [(heading, body)] = module.html_tables(text)
