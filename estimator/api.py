@@ -275,25 +275,15 @@ def _reserved_note(spec: RunSpec, profile: dict, worst: RankEstimate, alloc_conf
     return f"reserved: prior allocated x (1 + slack ratio) + slack bytes ({reason or 'the event list cannot be repeated for this depth'})"
 
 
-ATTENTION_DROPOUT_KEYS = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
-
-
-def _cuda_kernel_notes(training: TrainingSpec, arch: ModelArch, profile: dict) -> list[str]:
-    """Where the traced CPU kernel is known to differ from what CUDA runs (docs/error_matrix/README.md, Findings
-    3-4 and the session-6 table): said, not yet modelled."""
-    if profile.get("attn_effective") != "sdpa":
+def _batch_note(training: TrainingSpec, profile: dict) -> list[str]:
+    """Which batch the SDPA estimate assumed: padding makes transformers build the 4-D attention mask."""
+    if profile.get("attn_effective") != "sdpa" or training.attn != "sdpa":
         return []
-    notes = []
-    if any(float(arch.config.get(key) or 0) > 0 for key in ATTENTION_DROPOUT_KEYS):
-        notes.append("attn sdpa with attention dropout: the trace ran the math kernel (the CPU flash kernel refuses "
-                     "dropout), CUDA's flash kernel saves far less — this estimate can be several times too high "
-                     "(santacoder: +436 %); with --attn eager it is within ~1.4 %")
-    if training.precision == "fp32":
-        gqa = arch.num_kv_heads < arch.num_heads
-        notes.append("attn sdpa in fp32: CUDA runs " + ("the math kernel for GQA (torch 2.13), which saves the "
-                     "(b, h, s, s) probabilities: this estimate can be up to ~50 % too low" if gqa else
-                     "the memory-efficient kernel: this estimate is ~4-5 % high") + " (docs/error_matrix/README.md)")
-    return notes
+    if training.batch == "padded":
+        return ["batch: padded — transformers builds the 4-D attention mask; SDPA keeps it per layer and repeats "
+                "grouped key/value heads"]
+    return ["batch: full — every row full length (or packed): no attention mask; padded rows (--batch padded, "
+            "or --lengths) take the mask path, which keeps more per layer"]
 
 
 def _loop_note(training: TrainingSpec, profile: dict) -> str:
@@ -386,7 +376,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         notes.append("tp: traced profile of one TP rank (decoder-layer linears split; embeddings, norms and lm_head "
                      "replicated, so every rank holds the full logits)")
     notes.append(_loop_note(spec.training, profile))
-    notes += _cuda_kernel_notes(spec.training, arch, profile)
+    notes += _batch_note(spec.training, profile)
     notes.append(_reserved_note(spec, profile, worst, conf, arch.num_layers))
     if spec.training.qlora:
         notes.append("qlora: traced as transformers + peft run it (bitsandbytes NF4 with double quantization, "

@@ -26,6 +26,10 @@ PADDINGS = ("max_length", "longest")
 # How the training loop treats the model's output object: "trainer" drops it before backward (HF Trainer, TRL,
 # torchtune), "manual" keeps ``outputs`` bound through backward and the optimizer step (accelerate's examples).
 LOOPS = ("trainer", "manual")
+# Whether a micro-batch has padding: "full" (every row full length or packed: transformers skips the attention mask
+# and SDPA runs causal kernels) or "padded" (some rows shorter: it builds the 4-D mask, and SDPA repeats the
+# grouped k/v heads and converts the mask in every layer).
+BATCHES = ("full", "padded")
 
 
 def _fail(field_name: str, message: str) -> None:
@@ -66,6 +70,7 @@ class TrainingSpec:
     qlora: bool = False
     grad_accum_steps: int = 1
     loop: str = "trainer"
+    batch: str = "full"
 
     def __post_init__(self) -> None:
         _check_positive_int("micro_batch_size", self.micro_batch_size)
@@ -83,6 +88,7 @@ class TrainingSpec:
             _fail("lora_targets", f"must be 'auto', 'all-linear' or module names, got {self.lora_targets!r}")
         _check_positive_int("grad_accum_steps", self.grad_accum_steps)
         _check_choice("loop", self.loop, LOOPS)
+        _check_choice("batch", self.batch, BATCHES)
         if self.attn == "flash" and self.precision == "fp32":
             _fail("attn", "flash attention needs 16-bit activations; use sdpa or eager with fp32")
 

@@ -132,7 +132,10 @@ def to_run(cfg: DictConfig | dict[str, Any], *, gpu_key: str | None = None) -> t
                              f"{parallel['world_size']} (set one of them)")
         parallel["world_size"] = opts.emulate.world_size
     parallel_spec = _prefixed("parallel.", lambda: ParallelSpec(**parallel, zero=zero))
-    training = _prefixed("training.", lambda: TrainingSpec(**(data.get("training") or {})))
+    training_fields = dict(data.get("training") or {})
+    if training_fields.get("batch", "auto") == "auto":
+        training_fields["batch"] = batch_kind(opts.data)
+    training = _prefixed("training.", lambda: TrainingSpec(**training_fields))
     gpu = data.get("gpu") or "auto"
     if gpu == "auto":
         gpu = gpu_key or "auto"
@@ -143,6 +146,12 @@ def to_run(cfg: DictConfig | dict[str, Any], *, gpu_key: str | None = None) -> t
     if opts.emulated and spec.parallel.world_size < 2:
         raise ValueError("emulate.world_size: emulation needs a world size of at least 2")
     return spec, opts
+
+
+def batch_kind(data_opts) -> str:
+    """``TrainingSpec.batch`` of the batches ``data`` makes: rows cut at seq_len (``full_rows``) or packed are full
+    length; keeping shorter rows (``all``, ``full_batches``) pads them, and the mask path runs."""
+    return "full" if data_opts.keep in ("full_rows", "packed") else "padded"
 
 
 def _options(data: dict[str, Any]) -> HarnessOptions:

@@ -185,6 +185,10 @@ def _setup(spec, opts, dist_ctx, probe, record):
                                dp_rank=dist_ctx.rank // spec.parallel.tp, dp_size=spec.parallel.dp,
                                cache_dir=opts.paths.cache_dir, online=str(opts.data.online).lower() == "true")
     record.data = built.info
+    padded = any(0 in row for batch in built.batches for row in batch["attention_mask"])
+    if padded != (spec.training.batch == "padded"):
+        record.notes.append(f"batch: training.batch={spec.training.batch} but the data's batches "
+                            f"{'have' if padded else 'have no'} padding")
     ctx = methods.WrapContext(spec=spec, options=opts, dist=dist_ctx, config=config,
                               memory_cap_bytes=record.memory_cap_bytes)
     probe.begin()

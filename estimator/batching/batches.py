@@ -68,18 +68,17 @@ class Epoch:
         return sorted((b for rank in self.ranks for b in rank), key=lambda b: (b.index, b.rank))
 
     def worst_shapes(self) -> list[BatchShape]:
-        """One batch per (rows, padded length) no other batch dominates (as many rows and as long): the only
-        shapes that can set the peak. The first such batch of the epoch represents each shape."""
-        first: dict[tuple[int, int], BatchShape] = {}
+        """One batch per (rows, padded length, padding) no other batch dominates (as many rows, as long, padded
+        if it is): the only shapes that can set the peak (a padded batch runs attention with a mask, which can
+        cost more). The first such batch of the epoch represents each shape."""
+        first: dict[tuple[int, int, bool], BatchShape] = {}
         for batch in self.batches:
-            first.setdefault((batch.rows, batch.padded_len), batch)
-        keys = sorted(first, reverse=True)
-        front, longest = [], 0
-        for rows, length in keys:              # rows descending: keep a shape only if longer than any wider one
-            if length > longest:
-                front.append(first[(rows, length)])
-                longest = length
-        return front
+            first.setdefault((batch.rows, batch.padded_len, batch.has_padding), batch)
+
+        def dominated(key: tuple[int, int, bool]) -> bool:
+            return any(other != key and all(o >= k for o, k in zip(other, key)) for other in first)
+
+        return [first[key] for key in sorted(first, reverse=True) if not dominated(key)]
 
 
 def grouped_order(lengths: list[int], group_size: int, order: list[int], mega_batch_mult: int | None = None

@@ -46,7 +46,13 @@ def epoch_for(spec: RunSpec, lengths: list[int], options: EpochOptions) -> Epoch
 
 
 def shape_spec(spec: RunSpec, batch: BatchShape) -> RunSpec:
-    return spec.replace(**{"training.micro_batch_size": batch.rows, "training.seq_len": batch.padded_len})
+    return spec.replace(**{"training.micro_batch_size": batch.rows, "training.seq_len": batch.padded_len,
+                           "training.batch": batch_kind(batch)})
+
+
+def batch_kind(batch: BatchShape) -> str:
+    """``TrainingSpec.batch`` of one batch: "padded" when a row is shorter than the batch (an attention mask)."""
+    return "padded" if batch.has_padding else "full"
 
 
 def estimate_epoch(spec: RunSpec, lengths: list[int], options: EpochOptions = EpochOptions(),
@@ -73,8 +79,9 @@ def epoch_notes(worst: BatchShape, epoch: Epoch) -> list[str]:
              "caching allocator keeps that batch's blocks for the rest of the epoch, and fragmentation from mixed "
              "batch shapes is not modelled"]
     if worst.has_padding:
-        notes.append("attention mask: the worst batch has padding, so transformers runs it with a materialized "
-                     "attention mask; the profiles are traced without padding (the mask's memory is not modelled)")
+        notes.append("attention mask: the worst batch has padding, so transformers builds the 4-D attention mask "
+                     "(with SDPA each layer keeps it and repeats grouped key/value heads); estimated as such "
+                     "(--batch padded)")
     return notes
 
 
@@ -128,7 +135,7 @@ def render_summary(summary: dict[str, Any]) -> str:
 class EpochShapes:
     """What the planner needs of one epoch at one micro-batch size."""
 
-    worst: tuple[tuple[int, int], ...]   # (rows, padded length) of the batches that can set the peak
+    worst: tuple[tuple[int, int, str], ...]  # (rows, padded length, TrainingSpec.batch) that can set the peak
     mean_padded_len: int                 # padded tokens per row, averaged over the epoch (for the step time)
     real_per_padded: float               # real tokens / padded tokens
     epoch: Epoch
@@ -165,7 +172,7 @@ class EpochSource:
             rows = sum(b.rows for b in batches)
             padded = sum(b.padded_tokens for b in batches)
             self._memo[key] = EpochShapes(
-                worst=tuple((b.rows, b.padded_len) for b in epoch.worst_shapes()),
+                worst=tuple((b.rows, b.padded_len, batch_kind(b)) for b in epoch.worst_shapes()),
                 mean_padded_len=max(1, round(padded / rows)),
                 real_per_padded=sum(b.real_tokens for b in batches) / padded, epoch=epoch, source=self)
         return self._memo[key]

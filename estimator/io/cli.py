@@ -15,6 +15,7 @@ from pathlib import Path
 from estimator.batching.cli_args import add_batching_arguments, batching_from_args
 from estimator.spec import (
     ATTENTIONS,
+    BATCHES,
     LOOPS,
     METHODS,
     OPTIMIZERS,
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loop", choices=LOOPS, help="training loop: 'trainer' (default: HF Trainer, TRL, torchtune drop "
                    "the model's output object before backward) or 'manual' (outputs = model(**batch); "
                    "loss = outputs.loss; loss.backward(): the logits stay alive)")
+    p.add_argument("--batch", choices=BATCHES, help="'full' (default: every row full length, or packed: no "
+                   "attention mask) or 'padded' (some rows padded: transformers builds the 4-D mask; with "
+                   "--lengths it is set per batch)")
     p.add_argument("--gpu", help="GPU type key (--list-gpus), case-insensitive; with --from-run, the GPU to "
                    "predict the run for instead of the one it ran on")
     p.add_argument("--deepspeed", metavar="DS_CONFIG_JSON", help="read ZeRO stage, offload, precision and "
@@ -89,6 +93,7 @@ def _training(args, base: TrainingSpec) -> TrainingSpec:
                         lora_rank=args.lora_rank or base.lora_rank,
                         lora_targets=args.lora_targets if args.lora_targets != "auto" else base.lora_targets,
                         qlora=args.qlora or base.qlora, loop=pick(args.loop, base.loop),
+                        batch=pick(args.batch, base.batch),
                         grad_accum_steps=pick(args.grad_accum_steps, base.grad_accum_steps))
 
 

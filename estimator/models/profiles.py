@@ -19,10 +19,12 @@ from estimator.spec import TrainingSpec
 # 3: the parameter table records the decoder layers' place in model.parameters() (``layers_at``) and the order
 #    backward finishes the gradients (``grad_order``), which DeepSpeed ZeRO-1/2's partitions and buckets follow.
 # (each regime may also hold ``events``, the step's compact event list for the reserved replay: optional, so
-#    profiles without it stay valid at schema 4 and keep the reserved prior.)
+#    profiles without it stay valid at their schema and keep the reserved prior.)
 # 4: each regime also holds ``segments_manual`` (the step as a manual loop runs it, the output object bound until
 #    the next forward) and ``outputs_held`` (that object's storages besides the loss: dropped / saved by the graph).
-PROFILE_SCHEMA_VERSION = 4
+# 5: traced with the kernels CUDA runs (``estimator.profiler.cuda_path``: dropout's bool mask, SDPA's CUDA backend),
+#    not the CPU's; sequence lengths sampled at multiples of 32.
+PROFILE_SCHEMA_VERSION = 5
 MONOMIALS = ("1", "s", "s^2", "b", "b*s", "b*s^2")
 
 
@@ -31,7 +33,10 @@ def variant_key(training: TrainingSpec) -> str:
     attn = "sdpa" if training.attn == "flash" else training.attn
     lora = f"{'qlora' if training.qlora else 'lora'}{training.lora_rank}-{training.lora_targets}" if training.lora \
         else "full"
-    return f"{training.precision}_{attn}_{'ckpt' if training.grad_ckpt else 'nockpt'}_{lora}"
+    # Padding changes only SDPA's trace: eager attention builds the 4-D mask for full-length batches too, and
+    # FlashAttention-2 unpads the batch instead of masking it.
+    padded = "_padded" if training.batch == "padded" and training.attn == "sdpa" else ""
+    return f"{training.precision}_{attn}_{'ckpt' if training.grad_ckpt else 'nockpt'}_{lora}{padded}"
 
 
 def profile_key(config_sha: str, training: TrainingSpec, tp: int = 1) -> str:

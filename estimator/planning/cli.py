@@ -13,7 +13,7 @@ import sys
 from estimator.batching.cli_args import add_batching_arguments, batching_from_args
 from estimator.planning import plan as planner
 from estimator.planning.plan import Plan
-from estimator.spec import ATTENTIONS, LOOPS, OPTIMIZERS, PRECISIONS
+from estimator.spec import ATTENTIONS, BATCHES, LOOPS, OPTIMIZERS, PRECISIONS
 
 GIB = 1024**3
 
@@ -60,6 +60,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--loop", choices=LOOPS, default="trainer",
                         help="training loop: 'trainer' drops the output object before backward (HF Trainer, TRL); "
                              "'manual' keeps `outputs` (the logits) alive through backward")
+    parser.add_argument("--batch", choices=BATCHES, default="full",
+                        help="'full' (default: every row full length, or packed) or 'padded' (some rows padded: "
+                             "an attention mask; set per batch from --lengths)")
     parser.add_argument("--alloc-conf", metavar="STRING", default=None,
                         help="PYTORCH_CUDA_ALLOC_CONF the reserved replay uses (default: the environment's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -94,7 +97,7 @@ def run_plan(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                               attn=args.attn, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
                               ckpt_options=ckpt, methods=_methods(args.methods), interconnect=args.interconnect,
                               bandwidth_gbs=args.bandwidth, host_ram_gb=args.host_ram, loop=args.loop,
-                              epoch=epoch, alloc_conf=args.alloc_conf)
+                              epoch=epoch, alloc_conf=args.alloc_conf, batch=args.batch)
         baseline = None
         if args.llmem:
             from estimator.baselines import llmem_select

@@ -297,7 +297,8 @@ class _Context:
         """The estimate at the epoch's worst batch for micro-batch ``mb`` (``seq_len`` truncates the samples)."""
         shapes = self.epoch.shapes(mb, cand.dp, training.get("seq_len", self.training.seq_len))
         other = {k: v for k, v in training.items() if k != "seq_len"}
-        estimates = [fn(self.spec(cand, rows, seq_len=length, **other)) for rows, length in shapes.worst]
+        estimates = [fn(self.spec(cand, rows, seq_len=length, batch=batch, **other))
+                     for rows, length, batch in shapes.worst]
         return max(estimates, key=lambda e: e.upper_bound_bytes)
 
     def links(self, cand: Candidate) -> tuple[tput.Link, tput.Link]:
@@ -477,14 +478,15 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
          methods: Iterable[str] | None = None, interconnect: str | None = None,
          bandwidth_gbs: float | None = None, host_ram_gb: float | None = None, advise: bool = True,
          estimate_fn: EstimateFn | None = None, gpu_info: tput.GpuPerf | None = None, loop: str = "trainer",
-         epoch: Any = None, alloc_conf: str | None = None) -> Plan:
+         epoch: Any = None, alloc_conf: str | None = None, batch: str = "full") -> Plan:
     """Search, rank and advise. Raises ``ValueError("field: ...")`` for bad input (unknown GPU or model,
     impossible N, a global batch no candidate can split, a method with no layout on N GPUs).
 
     ``host_ram_gb``: host RAM per node (GiB); offload layouts whose offloaded states need more do not fit.
     The advice's what-ifs (LoRA, more GPUs, shorter sequences) never build a profile: with the default
     estimator they use only profiles already shipped or cached, and say so when one is missing.
-    ``epoch``: sample lengths (``estimator.batching.epoch.EpochSource``); ``seq_len`` then truncates them.
+    ``epoch``: sample lengths (``estimator.batching.epoch.EpochSource``); ``seq_len`` then truncates them, and
+    each batch's padding decides its ``batch`` (else ``batch``: "full" or "padded", ``TrainingSpec.batch``).
     ``alloc_conf``: the ``PYTORCH_CUDA_ALLOC_CONF`` the reserved replay uses (default: the environment's)."""
     started = time.perf_counter()
     from estimator.api import resolve_alloc_conf
@@ -499,7 +501,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
         raise ValueError(f"seq_len: {seq_len} is longer than the model's {arch.max_positions} positions")
     precision = precision or _default_precision(gpu_perf)
     training = TrainingSpec(micro_batch_size=1, seq_len=seq_len, precision=precision, optimizer=optimizer,
-                            attn=attn, lora_rank=lora_rank, lora_targets=lora_targets, loop=loop)
+                            attn=attn, lora_rank=lora_rank, lora_targets=lora_targets, loop=loop, batch=batch)
     if not any(gpu_perf.peak_flops.values()) or not gpu_perf.capacity_bytes:
         raise ValueError(f"gpu: {gpu_perf.key!r} has no capacity or peak FLOP/s in the catalogue; "
                          "the planner needs a known GPU type")

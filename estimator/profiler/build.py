@@ -347,6 +347,18 @@ def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, device: torc
 
 
 @contextlib.contextmanager
+def as_on_gpu(batch: str = "full") -> Iterator[None]:
+    """A fake-tensor trace of the program a GPU runs for ``synthetic_batch``: CUDA's kernel choices
+    (``estimator.profiler.cuda_path``) and, for a full-length batch (``TrainingSpec.batch``), transformers'
+    maskless path (``full_length_attention_mask``); a padded batch takes the 4-D mask path, which is what
+    transformers does on fake tensors anyway. Only for fake tensors: real CPU runs keep their own kernels."""
+    from estimator.profiler.cuda_path import cuda_composites
+
+    with cuda_composites(), full_length_attention_mask() if batch == "full" else contextlib.nullcontext():
+        yield
+
+
+@contextlib.contextmanager
 def full_length_attention_mask() -> Iterator[None]:
     """Let transformers skip the 4-D attention mask for SDPA as it does on the GPU for our batch.
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from estimator.models.arch import resolve_arch
+from estimator.models.arch import arch_from_config, resolve_arch
 from estimator.models.profiles import PROFILE_SCHEMA_VERSION, save_profile
 from estimator.spec import TrainingSpec
 
@@ -17,7 +17,8 @@ def carry_over_file(path: Path) -> bool:
     is carried over unchanged (rebuilding OPT-125m and Qwen2.5-0.5B eager profiles gave identical segments,
     2026-11-22). Schema 3 added two facts about the parameters, not the trace (``layers_at``, ``grad_order``): a
     schema-2 profile gets them from the same shrunken model built on fake tensors (``backfill_order``). Schema 4
-    added the manual training loop (``backfill_manual_loop``)."""
+    added the manual training loop (``backfill_manual_loop``). Schema 5 traces CUDA's kernels instead of the
+    CPU's (``cpu_trace_is_cuda_trace`` says where that changes nothing)."""
     profile = json.loads(path.read_text())
     if profile.get("schema_version") == PROFILE_SCHEMA_VERSION:
         return True
@@ -45,8 +46,39 @@ def carry_over(profile: dict, config: dict | None = None) -> bool:
             return False
         provenance["carried_over_4"] = "schema 3 -> 4: outputs_held, segments_manual backfilled"
         version = 4
+    if version == 4:
+        if not cpu_trace_is_cuda_trace(config, variant_training(profile)):
+            return False
+        provenance["carried_over_5"] = "schema 4 -> 5: CUDA's kernels keep what the CPU trace kept"
+        version = 5
     profile["schema_version"] = version
     return version == PROFILE_SCHEMA_VERSION
+
+
+def cpu_trace_is_cuda_trace(config: dict, training: TrainingSpec) -> bool:
+    """Whether a profile traced with the CPU's kernels (schema <= 4) holds what CUDA's kernels keep (schema 5,
+    ``estimator.profiler.cuda_path``): no dropout anywhere in the config, and attention that is eager or that CUDA
+    runs on FlashAttention as the CPU runs its flash kernel (16-bit compute, head dim <= 256, no mask: no sliding
+    window). Anything else is re-traced."""
+    from estimator.profiler.profile import sliding_window
+
+    if _dropout_keys(config):
+        return False
+    if training.attn == "eager":
+        return True
+    return (training.precision != "fp32" and arch_from_config(config).head_dim <= 256
+            and sliding_window(config) is None)
+
+
+def _dropout_keys(config: dict) -> list[str]:
+    """Config keys (nested configs included) naming a dropout probability above zero."""
+    found = []
+    for key, value in config.items():
+        if isinstance(value, dict):
+            found += _dropout_keys(value)
+        elif "drop" in key.lower() and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            found.append(key)
+    return found
 
 
 def backfill_manual_loop(profile: dict, config: dict) -> bool:
@@ -89,7 +121,8 @@ def _raised_prefix(segments: dict, held: list[float]) -> dict:
 def variant_training(profile: dict) -> TrainingSpec:
     variant = profile["variant"]
     return TrainingSpec(precision=variant["precision"], attn=variant["attn"], grad_ckpt=variant["grad_ckpt"],
-                        lora_rank=variant["lora_rank"], lora_targets=variant["lora_targets"])
+                        lora_rank=variant["lora_rank"], lora_targets=variant["lora_targets"],
+                        batch=variant.get("batch", "full"))
 
 
 def backfill_order(profile: dict, config: dict) -> None:

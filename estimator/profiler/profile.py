@@ -55,14 +55,18 @@ def regimes_for(config: dict) -> list[dict]:
     s_spans = [(1, window)] if window else [(1, None)]
     if window and window < max_pos:
         s_spans.append((window + 1, None))
-    return [{"b_min": b_min, "b_max": b_max, "s_min": s_min, "s_max": s_max}
+    return [{"b_min": b_min, "b_max": b_max, "s_min": s_min, "s_max": s_max, "s_trace_max": s_max or max_pos}
             for b_min, b_max in ((1, 1), (2, None)) for s_min, s_max in s_spans]
 
 
 def _sample_seqs(regime: dict) -> list[int]:
-    """Three fitting lengths and one check length inside the regime's s-span, kept small (tracing is by op)."""
+    """Three fitting lengths and one check length inside the regime's s-span, kept small (tracing is by op).
+    Multiples of 32 where the span allows: CUDA's memory-efficient attention pads its logsumexp to a multiple of
+    32 positions, a size that is a polynomial in s only on such lengths (elsewhere the profile is below it by
+    < 32·b·h·4 bytes per layer)."""
     base = regime["s_min"] + 31 if regime["s_min"] > 1 else 32
-    step = 16 if regime["s_max"] is None else max(1, min(16, (regime["s_max"] - base) // 5))
+    longest = regime.get("s_trace_max") or regime["s_max"]  # a model's positions may end before 160
+    step = 32 if longest is None else max(1, min(32, (longest - base) // 5))
     return [base, base + step, base + 2 * step, base + 4 * step]
 
 
@@ -123,14 +127,14 @@ class _Model:
         """One training step, not recorded (e.g. to read the gradient-hook order)."""
         with self._dtensor_patches(), self.mode:
             batch = build.synthetic_batch(b, s, min(self.vocab, 1000))
-            with build.full_length_attention_mask():
+            with build.as_on_gpu(self.training.batch):
                 build.train_step(self.model, self.optimizer, batch, self.training)
 
     def output_bytes(self, b: int, s: int) -> list[tuple[int, bool]]:
         """(bytes, saved by the graph) of each storage the output object holds besides the loss's, from one
         recorded forward (no backward): what a manual loop keeps bound that the trainer loop drops."""
         rec = self.recorder
-        with self._dtensor_patches(), self.mode, rec, build.full_length_attention_mask():
+        with self._dtensor_patches(), self.mode, rec, build.as_on_gpu(self.training.batch):
             batch = build.synthetic_batch(b, s, min(self.vocab, 1000))
             with build.autocast_context(self.training, "cpu"):
                 outputs = self.model(**batch)
@@ -151,13 +155,13 @@ class _Model:
         with self._dtensor_patches(), self.mode, rec:
             batch = build.synthetic_batch(b, s, min(self.vocab, 1000))
             if not self.warm:
-                with build.full_length_attention_mask():
+                with build.as_on_gpu(self.training.batch):
                     build.forward_backward(self.model, batch, self.training)
                 self._label(mark="first_optimizer")
                 self._step_and_zero_grad("first_step_end")
                 self.warm = True
             rec.mark("window_start")
-            with self.tracker, build.full_length_attention_mask():
+            with self.tracker, build.as_on_gpu(self.training.batch):
                 with build.autocast_context(self.training, "cpu"):
                     outputs = self.model(**batch)
                 loss = outputs.loss
@@ -551,7 +555,7 @@ def _process_group(tp: int) -> contextlib.AbstractContextManager:
 
 def _variant(training: TrainingSpec) -> dict:
     return {"precision": training.precision, "attn": training.attn, "grad_ckpt": training.grad_ckpt,
-            "lora_rank": training.lora_rank, "lora_targets": training.lora_targets}
+            "lora_rank": training.lora_rank, "lora_targets": training.lora_targets, "batch": training.batch}
 
 
 def _check_depth(config: dict, training: TrainingSpec, regime: dict, fitted: dict, tp: int = 1) -> dict:

@@ -71,7 +71,16 @@ def _efficient_mask(mask, query, key):
 
 
 def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """``F.scaled_dot_product_attention`` as the CUDA composite runs it (see the module doc)."""
+    """``F.scaled_dot_product_attention`` as the CUDA composite runs it (see the module doc). Under autocast CUDA
+    casts its inputs to the autocast dtype first (``scaled_dot_product_attention`` is on CUDA autocast's
+    lower-precision list); the oracle's CPU autocast stands in for CUDA's."""
+    if torch.is_autocast_enabled("cpu"):
+        low = torch.get_autocast_dtype("cpu")
+        query, key, value = (t.to(low) for t in (query, key, value))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(low)
+        with torch.autocast("cpu", enabled=False):
+            return cuda_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     backend = sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     aten = torch.ops.aten
     if backend == "flash":

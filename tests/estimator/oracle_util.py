@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 
-def traced_peak_bytes(config: dict, training) -> int:
+def traced_peak_bytes(config: dict, training, kernels: str = "cuda") -> int:
+    """``kernels``: "cuda" traces the kernels a GPU runs (the estimator's reference), "cpu" the CPU's."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from estimator.profiler import build
@@ -17,7 +18,9 @@ def traced_peak_bytes(config: dict, training) -> int:
         batch = build.synthetic_batch(training.micro_batch_size, training.seq_len, min(config["vocab_size"], 1000))
         recorder.mark("start")  # params exist before: count from here, add them below
         held = build.HeldOutputs(training.loop)
-        with build.full_length_attention_mask():  # as the GPU runs a full-length batch (see the function)
+        # a full-length batch as the GPU runs it (see the functions)
+        program = build.as_on_gpu(training.batch) if kernels == "cuda" else build.full_length_attention_mask()
+        with program:
             for _ in range(2):
                 build.train_step(model, optimizer, batch, training, held=held)
     timeline = recorder.timeline

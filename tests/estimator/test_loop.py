@@ -77,20 +77,17 @@ def test_stale_profile_is_carried_over_not_retraced(tiny_profile, monkeypatch):
             replay(want["segments_manual"], 8, 4, 256).peak_bytes
 
 
-def test_known_cuda_kernel_gaps_are_said(tmp_path):
-    """fp32 SDPA with GQA and SDPA with attention dropout run other kernels on CUDA than the traced CPU ones
-    (docs/error_matrix/README.md): until traced as CUDA runs them, the estimate says so."""
+def test_the_estimate_says_which_batch_it_assumed(tmp_path):
+    """SDPA estimates name the batch (full length: no attention mask; padded: the mask path)."""
     from estimator.api import estimate
 
-    gqa = tmp_path / "gqa.json"
-    gqa.write_text(json.dumps(TINY["llama"]))
-    dropout = tmp_path / "dropout.json"
-    dropout.write_text(json.dumps({**TINY["llama"], "num_key_value_heads": 4, "attention_dropout": 0.1}))
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(TINY["llama"]))
 
-    def said(path, precision):
-        notes = estimate(RunSpec(model=str(path), training=TrainingSpec(precision=precision, seq_len=64))).notes
-        return [n for n in notes if n.startswith("attn sdpa")]
+    def said(**training):
+        notes = estimate(RunSpec(model=str(path), training=TrainingSpec(seq_len=64, **training))).notes
+        return [n for n in notes if n.startswith("batch:")]
 
-    assert "math kernel for GQA" in said(gqa, "fp32")[0]
-    assert said(gqa, "bf16") == []
-    assert "attention dropout" in said(dropout, "bf16")[0]
+    assert said()[0].startswith("batch: full")
+    assert said(batch="padded")[0].startswith("batch: padded")
+    assert said(attn="eager") == []

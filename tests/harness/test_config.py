@@ -64,6 +64,18 @@ def test_training_presets():
     assert (opts.data.padding, opts.data.keep) == ("longest", "full_batches")
 
 
+def test_batch_follows_the_data_unless_set():
+    """Rows cut at seq_len or packed are full length; keeping shorter rows pads them (the mask path)."""
+    def batch(*overrides):
+        return to_run(compose(*overrides), gpu_key="cpu")[0].training.batch
+
+    assert batch() == "full"
+    assert batch("data.keep=packed") == "full"
+    assert batch("data=paper") == "padded"
+    assert batch("data.keep=all") == "padded"
+    assert batch("data=paper", "training.batch=full") == "full"
+
+
 def config_error(*overrides):
     with pytest.raises(Exception) as info:
         compose(*overrides)

@@ -20,9 +20,9 @@ def memtracker_step2_peak(spec: RunSpec, config: dict) -> int:
 
     from estimator.profiler.build import (
         HeldOutputs,
+        as_on_gpu,
         build_model,
         forward_backward,
-        full_length_attention_mask,
         materialize_fake,
         synthetic_batch,
     )
@@ -40,7 +40,7 @@ def memtracker_step2_peak(spec: RunSpec, config: dict) -> int:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_device_mesh_untracked(None))
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-            stack.enter_context(full_length_attention_mask())  # the same program as the oracle's
+            stack.enter_context(as_on_gpu(spec.training.batch))  # the same program as the oracle's
             model = wrap_model(materialize_fake(meta), spec, mesh, config, fake=True)
             opt = build_method_optimizer(model, spec)
             batch = synthetic_batch(spec.training.micro_batch_size, spec.training.seq_len,

@@ -254,14 +254,16 @@ def test_slow_tp_loss_matches_single_process_on_gloo(tmp_path):
 def test_attention_and_checkpointing_change_activations():
     config = tiny_config("llama", num_layers=4)
 
-    def forward_peak(**kw):
-        training = TrainingSpec(micro_batch_size=4, seq_len=256, precision="fp32", **kw)
+    def forward_peak(precision="bf16", **kw):
+        # bf16: CUDA's flash kernel (fp32 with grouped-query heads runs the math kernel: eager's memory)
+        training = TrainingSpec(micro_batch_size=4, seq_len=256, precision=precision, **kw)
         rec = trace_run(_spec("single", model="llama-tiny", training=training), config=config, steps=1)
         return rec["per_rank"][0]["step_peaks"][0]["forward"]
 
-    sdpa, eager, ckpt = forward_peak(attn="sdpa"), forward_peak(attn="eager"), forward_peak(grad_ckpt=True)
+    sdpa, eager = forward_peak(attn="sdpa"), forward_peak(attn="eager")
     assert eager > 1.5 * sdpa  # eager keeps the (b, heads, s, s) attention probabilities per layer
-    assert ckpt < 0.5 * sdpa   # checkpointing keeps only the layer inputs
+    # checkpointing keeps only the layer inputs (fp32: activations, not bf16 weights, dominate the forward)
+    assert forward_peak("fp32", grad_ckpt=True) < 0.5 * forward_peak("fp32", attn="sdpa")   # checkpointing keeps only the layer inputs
 
 
 @pytest.mark.parametrize("method, ws, tp, family, options", [
@@ -278,7 +280,7 @@ def test_fake_tensors_match_real_cpu_tensors(method, ws, tp, family, options):
     config = tiny_config(family, num_layers=2)
     spec = _spec(method, ws, tp, model=family, training=TrainingSpec(micro_batch_size=2, seq_len=32, **options))
     rank = ws - 1
-    fake = trace_run(spec, [rank], config=config)["per_rank"][rank]
+    fake = trace_run(spec, [rank], config=config, kernels="cpu")["per_rank"][rank]
     real = trace_run(spec, [rank], config=config, fake_tensors=False)["per_rank"][rank]
     assert fake["step_peaks"] == real["step_peaks"]
     assert fake["breakdown_at_peak"] == real["breakdown_at_peak"]

@@ -1,0 +1,156 @@
+"""Trace the kernels a CUDA run executes, not the ones a CPU trace would pick.
+
+Profiles are traced on fake CPU tensors, but two composite ops of a transformer choose their kernels by device,
+and the tensors the chosen kernel keeps for backward differ (docs/error_matrix/README.md, Findings 2-4):
+
+* ``F.dropout``: on CUDA ``native_dropout`` (the mask it keeps is ``bool``); on CPU ``bernoulli_`` in the input's
+  dtype times the input (a 4-byte mask per element in fp32, 2 in bf16).
+* ``F.scaled_dot_product_attention``: CUDA's dispatcher (``select_sdp_backend`` in
+  aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, torch 2.13, sm80/sm90) tries, in order,
+  FlashAttention (16-bit inputs, no explicit mask, equal head dims <= 256, grouped-query heads allowed),
+  memory-efficient attention (any float dtype, masks allowed, head dims aligned to 8 elements in 16 bits and 4 in
+  fp32, equal head counts: grouped-query heads are not taken in torch 2.13) and the math composite. cuDNN, tried
+  first on sm90, keeps what flash keeps (output + fp32 logsumexp). The CPU dispatcher instead runs its own
+  flash kernel for any dtype and head count unless dropout is asked for (then math). The differences that
+  matter: fp32 + GQA runs math on CUDA ((b, h, s, s) probabilities saved per layer); attention dropout runs
+  flash on CUDA but math on CPU; the memory-efficient output is laid out (b, s, h, d), so transformers'
+  ``transpose(1, 2).contiguous()`` after it is free on CUDA, while the CPU flash output follows the query's
+  layout and may need a copy.
+
+``cuda_composites()`` swaps both functions for the duration with ones that call the op CUDA would run; the op's
+meta kernel then gives, on fake tensors, the tensors CUDA returns and autograd saves. Under autocast the
+attention inputs are cast first, as CUDA's autocast does for ``scaled_dot_product_attention``. Not reproduced:
+kernel workspaces inside an op (FlashAttention backward's fp32 accumulators; GPU-only like the cuBLAS
+workspace), and the few bytes of random-number state the meta kernels put on the device (<= 24 B per call).
+Only for fake-tensor traces: real CPU tensors cannot run the CUDA ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+_FLASH_MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What CUDA's SDPA dispatcher looks at, read from one call's arguments."""
+
+    dtype: torch.dtype
+    heads_q: int
+    heads_k: int
+    heads_v: int
+    head_dim_qk: int
+    head_dim_v: int
+    square: bool
+    has_mask: bool
+    is_causal: bool
+    enable_gqa: bool
+
+    @classmethod
+    def of(cls, query, key, value, attn_mask, is_causal: bool, enable_gqa: bool) -> AttentionCall:
+        return cls(query.dtype, query.size(-3), key.size(-3), value.size(-3), query.size(-1), value.size(-1),
+                   query.size(-2) == key.size(-2), attn_mask is not None, is_causal, enable_gqa)
+
+    @property
+    def equal_heads(self) -> bool:
+        return self.heads_q == self.heads_k == self.heads_v
+
+    @property
+    def grouped_heads_ok(self) -> bool:
+        return self.enable_gqa and self.heads_k == self.heads_v and self.heads_q % self.heads_k == 0
+
+
+def cuda_backend(call: AttentionCall) -> str:
+    """'flash' | 'efficient' | 'math' for a dense, non-nested call (see the module doc)."""
+    flash = (call.dtype in _SIXTEEN_BIT and not call.has_mask and (call.equal_heads or call.grouped_heads_ok)
+             and call.head_dim_qk == call.head_dim_v <= _FLASH_MAX_HEAD_DIM
+             and (call.square or not call.is_causal))
+    if flash:
+        return "flash"
+    alignment = 8 if call.dtype in _SIXTEEN_BIT else 4
+    if call.equal_heads and call.head_dim_qk % alignment == 0 and call.head_dim_v % alignment == 0:
+        return "efficient"
+    return "math"
+
+
+def _autocast_inputs(*tensors):
+    """CUDA's autocast runs ``scaled_dot_product_attention`` in its lower-precision dtype; the trace's CPU
+    autocast stands in for it (the profiler enters ``torch.autocast("cpu")`` for ``amp_*``)."""
+    if not torch.is_autocast_enabled("cpu"):
+        return tensors
+    dtype = torch.get_autocast_dtype("cpu")
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
+
+
+def _float_mask(mask, dtype):
+    """A boolean mask becomes additive (0 where attended, -inf elsewhere) in the attention dtype, as the CUDA
+    composite converts it before any kernel."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask.logical_not(), -math.inf, torch.zeros((), dtype=dtype, device=mask.device))
+
+
+def _aligned_bias(mask, query, key):
+    """The memory-efficient kernel wants the bias's rows 16-byte aligned: an unaligned last dim is padded to a
+    multiple of 8 and sliced back, then the bias is broadcast to (b, h, L, S)."""
+    aligned = mask.stride(-1) == 1 and all(stride % 8 == 0 for stride in mask.stride()[:-1])
+    if not aligned:
+        length = mask.size(-1)
+        mask = F.pad(mask, (0, 8 - length % 8))[..., :length]
+    return mask.expand(query.size(0), query.size(1), query.size(2), key.size(2))
+
+
+def _flash(query, key, value, dropout_p, is_causal, scale):
+    head_dim = query.size(-1)
+    pad = -head_dim % 8  # the composite pads the head dim to a multiple of 8 for the kernel
+    padded = [F.pad(t, (0, pad)) if pad else t for t in (query, key, value)]
+    scale = scale if scale is not None else head_dim ** -0.5
+    out = torch.ops.aten._scaled_dot_product_flash_attention(*padded, dropout_p, is_causal, False, scale=scale)[0]
+    return out[..., :head_dim] if pad else out
+
+
+def sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False):
+    """``F.scaled_dot_product_attention`` taking the CUDA dispatcher's kernel."""
+    query, key, value, attn_mask = _autocast_inputs(query, key, value, attn_mask)
+    with torch.autocast("cpu", enabled=False):
+        backend = cuda_backend(AttentionCall.of(query, key, value, attn_mask, is_causal, enable_gqa))
+        if backend == "flash":
+            return _flash(query, key, value, dropout_p, is_causal, scale)
+        bias = _float_mask(attn_mask, query.dtype)
+        if backend == "efficient":
+            bias = _aligned_bias(bias, query, key) if bias is not None else None
+            wants_lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, bias, wants_lse, dropout_p, is_causal, scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, bias, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+
+
+def dropout_as_on_cuda(input, p=0.5, training=True, inplace=False):
+    """``F.dropout`` as CUDA runs it: ``native_dropout`` keeps a bool mask (0 < p < 1, training)."""
+    if not training or p == 0.0 or input.numel() == 0:
+        return input
+    if p == 1.0:
+        return input.mul_(0.0) if inplace else input * 0.0
+    out = torch.ops.aten.native_dropout(input, p, True)[0]
+    return input.copy_(out) if inplace else out
+
+
+@contextlib.contextmanager
+def cuda_composites() -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` and ``F.dropout`` run CUDA's kernels for the duration (fake tensors)."""
+    originals = F.scaled_dot_product_attention, F.dropout
+    F.scaled_dot_product_attention, F.dropout = sdpa_as_on_cuda, dropout_as_on_cuda
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, F.dropout = originals
