@@ -8,7 +8,8 @@
 Oracles (per point; ``single``: rank 0, ``fsdp``: ranks 0 and N-1):
 
 * ``project``: ``tests/estimator/oracle_util.traced_peak_bytes`` (single) / ``harness.fake.trace_run`` (fsdp,
-  512-B rounding), both loops (``TrainingSpec.loop``), full-length batch.
+  512-B rounding), both loops (``TrainingSpec.loop``), full-length batch, CUDA's kernel choice
+  (``estimator.profiler.cuda_path``; entries computed before 2026-11-24 traced the CPU's and were dropped).
 * ``memtracker``: ``harness.fake.memtracker`` with the CUDA kernel choice (SDPA backend, dropout) and without
   the optimizer's host-side step scalars; both loops, full-length batch.
 * ``memtracker_cpu``: the same on the CPU kernels (what a plain fake-tensor trace runs).
