@@ -135,13 +135,16 @@ class CachingAllocator:
         self._gc_on = self.allowed_bytes is not None and self.conf.garbage_collection_threshold > 0
         self._max_split = self.conf.max_split_size_bytes
         self._non_split_rounding = self.conf.max_non_split_rounding_bytes
+        self._rounded = {}  # request bytes -> round_size(request) under self.conf
 
     # ----- public API -------------------------------------------------------------------------------
     def malloc(self, size, stream=0):
         """Serve a request of `size` bytes on `stream`; returns the block's address."""
         if self.pending:
             self._process_events()
-        size_rounded = round_size(size, self.conf)
+        size_rounded = self._rounded.get(size)
+        if size_rounded is None:  # a replay asks for few distinct sizes: round each once
+            size_rounded = self._rounded[size] = round_size(size, self.conf)
         pool = self.small_pool if size_rounded <= SMALL_SIZE_BYTES else self.large_pool
         block = self._get_free_block(pool, stream, size_rounded)
         if block is None:
@@ -279,9 +282,9 @@ class CachingAllocator:
     # ----- free path --------------------------------------------------------------------------------
     def _free_block(self, block):
         pool = self.small_pool if block.small else self.large_pool
-        if block.prev is not None:
+        if block.prev is not None and not block.prev.allocated:
             self._try_merge(block, block.prev, pool)
-        if block.next is not None:
+        if block.next is not None and not block.next.allocated:
             self._try_merge(block, block.next, pool)
         block.gc_base = pool.free_calls
         insort(pool.free, (block.stream, block.size, block.addr))
