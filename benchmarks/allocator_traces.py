@@ -63,12 +63,13 @@ def _no_20mib_segments(size):
 
 
 def _first_fit(self, pool, stream, size):
-    candidates = [k for k in pool.free if k[0] == stream and k[1] >= size]
+    address = (1 << 64) - 1
+    candidates = [k for k in pool.free if allocator_model.key_stream(k) == stream and allocator_model.key_size(k) >= size]
     if not candidates:
         return None
-    key = min(candidates, key=lambda k: k[2])
+    key = min(candidates, key=lambda k: k & address)
     pool.free.remove(key)
-    return self.blocks[key[2]]
+    return self.blocks[key & address]
 
 
 def _no_merge(self, dst, src, pool):

@@ -16,6 +16,7 @@ from estimator.allocator.model import (
     CachingAllocator,
     ExpandableSegment,
     OutOfMemory,
+    free_key,
 )
 
 SEGMENT_ACTIONS = ("segment_alloc", "segment_free", "segment_map", "segment_unmap")
@@ -141,7 +142,7 @@ def _chain(model, pool, stream, small, pieces, segment):
             block.allocated, block.requested = True, requested
             model.allocated_bytes += size
         elif kind == "free":
-            pool.free.append((stream, size, addr))
+            pool.free.append(free_key(stream, size, addr))
         else:
             pool.unmapped.append((stream, addr))
         previous = block

@@ -447,11 +447,15 @@ def _validate(world_size: Any, seq_len: Any, global_batch: Any) -> None:
 def _default_estimate(allow_build: bool = True, alloc_conf: str | None = None) -> EstimateFn:
     """The estimator, replaying the reserved level only where it can decide the answer: a spec whose allocated
     level alone (plus the CUDA context and NCCL, times the bound's ratio) already exceeds the GPU gets the prior
-    estimate (the replayed reserved is never below allocated)."""
+    estimate (the replayed reserved is never below allocated), and so does a method the replay does not cover
+    (its estimate with the replay on would be the same numbers)."""
     from estimator.api import estimate
+    from estimator.reserved.rank import METHODS
 
     def fn(spec: RunSpec):
         prior = estimate(spec, allow_build=allow_build, replay_reserved=False)
+        if spec.parallel.method not in METHODS:
+            return prior
         # The device level with reserved = allocated, scaled as the bound scales the device level.
         floor = prior.peak_device_bytes - prior.peak_reserved_bytes + prior.peak_allocated_bytes
         if floor * prior.upper_bound_bytes > prior.capacity_bytes * prior.peak_device_bytes:

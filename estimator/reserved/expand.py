@@ -19,6 +19,7 @@ trace, event by event.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
 
 LAYER_SEGMENTS = {"fw_first": ("fw", 0), "fw": ("fw", 1), "fw_last": ("fw", 2),
                   "bw_first": ("bw", 2), "bw": ("bw", 1), "bw_last": ("bw", 0)}
@@ -66,13 +67,19 @@ def _segment_order(num_layers: int) -> list[tuple[str, int | None]]:
 
 
 class _Namer:
-    """Dense integer keys for (identity, layer) pairs."""
+    """Dense integer keys for (identity, layer) pairs, numbered in the order they are first asked for."""
 
-    def __init__(self) -> None:
-        self.keys: dict[tuple, int] = {}
+    def __init__(self, num_layers: int) -> None:
+        self.keys: dict[int, int] = {}  # identity number x (num_layers + 1) + (layer + 1, 0 for none) -> key
+        self.ident_ids: dict[tuple, int] = {}
+        self.stride = num_layers + 1
+
+    def ident_id(self, ident: tuple) -> int:
+        return self.ident_ids.setdefault(ident, len(self.ident_ids))
 
     def __call__(self, ident: tuple, layer: int | None) -> int:
-        return self.keys.setdefault((ident, layer), len(self.keys))
+        pair = self.ident_id(ident) * self.stride + (0 if layer is None else layer + 1)
+        return self.keys.setdefault(pair, len(self.keys))
 
 
 class _Layout:
@@ -99,18 +106,6 @@ class _Layout:
                 else:
                     self.ident[o] = ("o", o)
                     self.layer[o] = labels.get(o)
-
-
-def _target(layout: _Layout, o: int, context: int, context3: int, num_layers: int) -> int | None:
-    """Concrete layer of the tensor ``o`` touched by an event of 3-layer layer ``context3`` running as layer
-    ``context``; None for a tensor of no layer."""
-    a = layout.layer.get(o)
-    if a is None:
-        return None
-    delta = a - context3
-    if abs(delta) <= 1:
-        return context + delta
-    return 0 if a == 0 else num_layers - 1
 
 
 def _outer_runs(codes: list[int], layout: _Layout) -> list[tuple[int | None, list[int]]]:
@@ -149,43 +144,66 @@ def _outer_contexts(segment: str, runs: list, index: int, num_layers: int) -> li
     return [(0 if label == 0 else last, label)]
 
 
-def _emit(out: list, namer: _Namer, layout: _Layout, code: int, context: int | None, context3: int | None,
-          num_layers: int, skip_free: set[int]) -> None:
-    alloc, o = _decode(code)
-    if not alloc and o in skip_free:
-        return
-    target = None if context is None else _target(layout, o, context, context3, num_layers)
-    if target is None and layout.layer.get(o) is not None:
-        raise ExpansionError(f"events: ordinal {o} of a layer touched outside any layer")
-    if target is not None and not 0 <= target < num_layers:
-        raise ExpansionError(f"events: ordinal {o} maps to layer {target} of {num_layers}")
-    ident = layout.ident.get(o)
-    if ident is None:
-        raise ExpansionError(f"events: ordinal {o} freed but never allocated in the step")
-    out.append((ALLOC if alloc else FREE, namer(ident, target), layout.size[o]))
+def _resolve(layout: _Layout, namer: _Namer, codes: list[int], context3: int | None, skip_free: set[int]
+             ) -> list[tuple]:
+    """What the events of ``codes`` touch, independent of the concrete layer they run as: (kind, ordinal,
+    identity number, bytes, the tensor's 3-layer layer, its offset from ``context3``) — worked out once per
+    segment or run, then emitted for every layer it stands for."""
+    resolved = []
+    for code in codes:
+        alloc, o = _decode(code)
+        if not alloc and o in skip_free:
+            continue
+        a = layout.layer.get(o)
+        delta = None if a is None or context3 is None else a - context3
+        ident = layout.ident.get(o)
+        resolved.append((ALLOC if alloc else FREE, o, None if ident is None else namer.ident_id(ident),
+                         layout.size[o], a, delta))
+    return resolved
+
+
+def _emit(out: list, namer: _Namer, resolved: list[tuple], context: int | None, num_layers: int) -> None:
+    """Append ``resolved`` events running as layer ``context`` (None: outside the layers). A touched tensor's
+    layer: ``context`` + its offset when within one layer, else the first or last layer (the module docstring)."""
+    last, keys, stride = num_layers - 1, namer.keys, namer.stride
+    for kind, o, ident, nbytes, a, delta in resolved:
+        if a is None:
+            target = -1
+        elif context is None:
+            raise ExpansionError(f"events: ordinal {o} of a layer touched outside any layer")
+        elif -1 <= delta <= 1:
+            target = context + delta
+            if not 0 <= target < num_layers:
+                raise ExpansionError(f"events: ordinal {o} maps to layer {target} of {num_layers}")
+        else:
+            target = 0 if a == 0 else last
+        if ident is None:
+            raise ExpansionError(f"events: ordinal {o} freed but never allocated in the step")
+        out.append((kind, keys.setdefault(ident * stride + target + 1, len(keys)), nbytes))
 
 
 def _expand_segments(events: dict, segments: dict, num_layers: int, held: list[int], manual: bool
                      ) -> tuple[list, _Namer, tuple[int, int]]:
     layout = _Layout(events, segments)
-    namer = _Namer()
+    namer = _Namer(num_layers)
     out: list = []
     skip_free = set(held) if manual else set()
     starts = {}
+    resolved: dict[str, list[tuple]] = {}
     for name, layer in _segment_order(num_layers):
         starts.setdefault(name, len(out))
         if name == "mid_bw" and manual:
             out.extend((FREE_PREVIOUS, namer(layout.ident[o], None), layout.size[o]) for o in held)
         if name in LAYER_SEGMENTS:
-            context3 = LAYER_SEGMENTS[name][1]
-            for code in segments[name]:
-                _emit(out, namer, layout, code, layer, context3, num_layers, skip_free)
+            if name not in resolved:
+                resolved[name] = _resolve(layout, namer, segments[name], LAYER_SEGMENTS[name][1], skip_free)
+            _emit(out, namer, resolved[name], layer, num_layers)
             continue
         runs = _outer_runs(segments[name], layout)
-        for index, (_label, codes) in enumerate(runs):
-            for context, context3 in _outer_contexts(name, runs, index, num_layers):
-                for code in codes:
-                    _emit(out, namer, layout, code, context, context3, num_layers, skip_free)
+        for index, (label, codes) in enumerate(runs):
+            run = _resolve(layout, namer, codes, label, skip_free)
+            for context, _context3 in _outer_contexts(name, runs, index, num_layers):
+                _emit(out, namer, run, context, num_layers)
     return out, namer, starts
 
 
@@ -232,21 +250,19 @@ def expand(events: dict, num_layers: int, loop: str = "trainer") -> Expansion:
 def check_step(ops: list, previous_alive: set[int] = frozenset()) -> set[int]:
     """Every free must find its tensor alive, every allocation a fresh key. Returns the keys still alive at
     the end of the step."""
-    alive: set[int] = set()
-    gone: set[int] = set()
+    state = bytearray(1 + max(map(itemgetter(1), ops), default=0))  # 0 unseen, 1 alive, 2 freed
     for kind, key, _poly in ops:
         if kind == ALLOC:
-            if key in alive or key in gone:
+            if state[key]:
                 raise ExpansionError(f"events: tensor {key} allocated twice in one step")
-            alive.add(key)
+            state[key] = 1
         elif kind == FREE:
-            if key not in alive:
+            if state[key] != 1:
                 raise ExpansionError(f"events: tensor {key} freed while not alive")
-            alive.remove(key)
-            gone.add(key)
+            state[key] = 2
         elif key not in previous_alive:
             raise ExpansionError(f"events: the previous step's tensor {key} is not alive")
-    return alive
+    return {key for key, alive in enumerate(state) if alive == 1}
 
 
 def step_sizes(polys: list[list[float]], b: int, s: int) -> list[int]:

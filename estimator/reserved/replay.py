@@ -1,15 +1,23 @@
 """Replay one rank's timeline (``estimator.reserved.timeline``) through the caching-allocator model until the
 cache repeats: after the first step, a step whose reserved peak and segment set equal the previous step's ends
-the replay (the allocator is deterministic, so the next steps would repeat it)."""
+the replay (the allocator is deterministic, so the next steps would repeat it).
+
+Speed: each kind of step (the first, the second — DDP's bucket rebuild —, every later one) is compiled once
+into (code, slot, bytes) operations on per-step address slots, so the loop does no key arithmetic and builds no
+request tuples; the result is the same as replaying ``timeline.step_requests`` (test)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from estimator.allocator import CachingAllocator, OutOfMemory
-from estimator.reserved.timeline import BATCH_TENSORS, Setup, StepPlan, step_requests
+from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, StepEvents
+from estimator.reserved.timeline import BATCH_TENSORS, Setup, StepPlan
 
 MAX_STEPS = 8
+# Operation codes: allocate into / free from this step's slots, free the previous step's, or the setup's.
+_NEW, _FREE, _FREE_PREVIOUS, _FREE_SETUP, _NEW_SETUP = 0, 1, 2, 3, 4
+_TEMPLATES: dict[tuple, tuple] = {}
 
 
 @dataclass(frozen=True)
@@ -36,64 +44,138 @@ def _segments(allocator: CachingAllocator) -> tuple:
     return tuple(sorted(sizes))
 
 
+def _template(expansion: Expansion, workspaces: int, kind: int) -> list[tuple[int, int, int]]:
+    """Step kind ``kind``'s operations (0: the first step; 1: the second; 2: every later one) as
+    ``step_requests`` orders them, DDP's rebuild left out: (code, slot, size index), the size index of a free
+    being the one its tensor was allocated with. Size indices: the profile's polynomials; -2 the batch tensor,
+    -1 the workspace (``_steps`` appends their bytes). Slots: the step's keys, then the batch, then the
+    workspaces."""
+    events = expansion.first if kind == 0 else expansion.steady
+    keys = events.keys
+    batch, workspace = -2, -1
+    poly_of = _slot_polys(expansion.steady if kind == 2 else expansion.first, keys)
+    ops: list[tuple] = [(_NEW, keys + t, batch) for t in range(BATCH_TENSORS)]
+    if kind:
+        ops += [(_FREE_PREVIOUS, keys + t, batch) for t in range(BATCH_TENSORS)]
+    workspace_at: dict[int, list[int]] = {}
+    if kind == 0 and workspaces:
+        forward, backward = expansion.workspace_at
+        workspace_at = {forward: [0], backward: list(range(1, workspaces))}
+    own: dict[int, int] = {}
+    for index, (op, key, poly) in enumerate(events.ops):
+        for w in workspace_at.get(index, ()):
+            ops.append((_NEW, keys + BATCH_TENSORS + w, workspace))
+        if op == ALLOC:
+            own[key] = poly
+            ops.append((_NEW, key, poly))
+        elif op == FREE:
+            ops.append((_FREE, key, own[key]))
+        elif op == FREE_PREVIOUS:
+            ops.append((_FREE_PREVIOUS, key, poly_of[key]))
+    return ops
+
+
+def _slot_polys(events: StepEvents, keys: int) -> dict[int, int]:
+    """The size index each slot of a step of ``events`` is allocated with (the previous step's, for its frees)."""
+    polys = {key: poly for op, key, poly in events.ops if op == ALLOC}
+    polys.update({keys + t: -2 for t in range(BATCH_TENSORS)})
+    return polys
+
+
+def _templates(expansion: Expansion, workspaces: int) -> tuple[list, list, list]:
+    key = (id(expansion), workspaces)
+    hit = _TEMPLATES.get(key)
+    if hit is None or hit[0] is not expansion:
+        if len(_TEMPLATES) > 64:
+            _TEMPLATES.clear()
+        hit = (expansion, tuple(_template(expansion, workspaces, kind) for kind in (0, 1, 2)))
+        _TEMPLATES[key] = hit
+    return hit[1]
+
+
+def _steps(plan: StepPlan, setup: Setup) -> tuple[list, list, list]:
+    """The (code, slot, bytes) operations of the first, the second and every later step at this plan's sizes;
+    the second with DDP's bucket rebuild (after the batch is allocated)."""
+    sizes = [*plan.sizes, plan.batch_bytes, plan.workspace_bytes]
+    first, second, later = ([(code, slot, sizes[index]) for code, slot, index in template]
+                            for template in _templates(plan.expansion, plan.workspaces))
+    if setup.rebuilt_buckets:
+        setup_keys = len(setup.allocations)
+        rebuild = [(_FREE_SETUP, i, setup.allocations[i][1]) for i in setup.bucket_indices]
+        rebuild += [(_NEW_SETUP, setup_keys + k, size) for k, size in enumerate(setup.rebuilt_buckets)]
+        second[BATCH_TENSORS:BATCH_TENSORS] = rebuild
+    return first, second, later
+
+
 class _Run:
     """The allocator plus the bookkeeping of one replay."""
 
-    def __init__(self, conf, allowed_bytes: int | None) -> None:
+    def __init__(self, conf, allowed_bytes: int | None, setup: Setup) -> None:
         self.allocator = CachingAllocator(conf, capacity_bytes=allowed_bytes)
-        self.addr: dict = {}
-        self.size: dict = {}
+        self.setup_addr: list = [None] * (len(setup.allocations) + len(setup.rebuilt_buckets))
         self.live = self.requested_peak = 0
         self.peak = self.step_peak = self.fragmentation = 0
 
-    def run(self, requests: list[tuple]) -> None:
-        allocator, addr, size = self.allocator, self.addr, self.size
+    def run(self, ops: list[tuple], addr: list, previous: list) -> None:
+        """Apply ``ops`` with this step's address slots ``addr`` and the previous step's ``previous``."""
+        allocator, setup_addr = self.allocator, self.setup_addr
         malloc, free = allocator.malloc, allocator.free
-        for request in requests:
-            if request[0] == "alloc":
-                key, nbytes = request[1], request[2]
-                addr[key] = malloc(nbytes, request[3])
-                size[key] = nbytes
-                self.live += nbytes
-                if self.live > self.requested_peak:
-                    self.requested_peak = self.live
+        live, requested_peak, step_peak = self.live, self.requested_peak, self.step_peak
+        try:
+            for code, slot, nbytes in ops:
+                if code == _NEW:
+                    addr[slot] = malloc(nbytes, 0)
+                elif code == _FREE:
+                    free(addr[slot])
+                    live -= nbytes
+                    continue
+                elif code == _FREE_PREVIOUS:
+                    free(previous[slot])
+                    live -= nbytes
+                    continue
+                elif code == _FREE_SETUP:
+                    free(setup_addr[slot])
+                    live -= nbytes
+                    continue
+                else:
+                    setup_addr[slot] = malloc(nbytes, 0)
+                live += nbytes
+                if live > requested_peak:
+                    requested_peak = live
                 reserved = allocator.reserved_bytes
-                if reserved > self.step_peak:
-                    self.step_peak = reserved
+                if reserved > step_peak:
+                    step_peak = reserved
                     if reserved > self.peak:
                         self.peak = reserved
                         self.fragmentation = reserved - allocator.allocated_bytes
-            else:
-                key = request[1]
-                free(addr.pop(key))
-                self.live -= size.pop(key)
+        finally:
+            self.live, self.requested_peak, self.step_peak = live, requested_peak, step_peak
 
 
 def replay_rank(setup: Setup, plan: StepPlan, conf=None, allowed_bytes: int | None = None,
                 max_steps: int = MAX_STEPS) -> ReservedReplay:
     """``allowed_bytes``: what the allocator may reserve (the GPU's memory less what others hold); None:
     unlimited."""
-    run = _Run(conf, allowed_bytes)
-    setup_keys = len(setup.allocations)
+    run = _Run(conf, allowed_bytes, setup)
     steps, steady, oom = 0, False, False
+    steps_ops = _steps(plan, setup)
+    slots = plan.expansion.steady.keys + BATCH_TENSORS + plan.workspaces
     try:
-        run.run([("alloc", i, nbytes, 0) for i, (_name, nbytes) in enumerate(setup.allocations)])
-        previous = None
-        base = setup_keys + len(setup.rebuilt_buckets)
+        run.run([(_NEW_SETUP, i, nbytes) for i, (_name, nbytes) in enumerate(setup.allocations)], [], [])
+        previous_state = None
+        previous_addr: list = []
         for step in range(max_steps):
-            requests = step_requests(plan, step, base)
-            if step == 1 and setup.rebuilt_buckets:  # DDP rebuilds its buckets at the second forward
-                rebuild = [("free", i) for i in setup.bucket_indices]
-                rebuild += [("alloc", setup_keys + k, nbytes, 0) for k, nbytes in enumerate(setup.rebuilt_buckets)]
-                requests = requests[:BATCH_TENSORS] + rebuild + requests[BATCH_TENSORS:]
+            ops = steps_ops[min(step, 2)]
+            addr = [None] * slots
             run.step_peak = run.allocator.reserved_bytes
-            run.run(requests)
+            run.run(ops, addr, previous_addr)
+            previous_addr = addr
             steps += 1
             state = (run.step_peak, _segments(run.allocator))
-            if step >= 2 and state == previous:
+            if step >= 2 and state == previous_state:
                 steady = True
                 break
-            previous = state
+            previous_state = state
     except OutOfMemory:
         oom = True
     allocator = run.allocator

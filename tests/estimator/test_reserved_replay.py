@@ -1,0 +1,99 @@
+"""The compiled replay (``estimator.reserved.replay``: per-step operation lists on address slots) gives exactly
+what a plain replay of ``timeline.step_requests`` gives — the stream a real CPU run was checked against
+(tests/estimator/test_reserved.py) — on shipped profiles: single, DDP (the bucket rebuild), the manual loop,
+expandable segments, and caps that force release-and-retry and out-of-memory."""
+
+import pytest
+
+from estimator import api
+from estimator.allocator import CachingAllocator, OutOfMemory
+from estimator.hardware.residuals import load_coefficients
+from estimator.reserved import rank as reserved_rank
+from estimator.reserved.expand import step_sizes
+from estimator.reserved.replay import ReservedReplay, _segments, replay_rank
+from estimator.reserved.timeline import BATCH_TENSORS, INT64, StepPlan, step_requests
+from estimator.spec import TrainingSpec
+
+GIB = 1024**3
+
+
+def _plain_replay(setup, plan, conf, allowed_bytes, max_steps=8) -> ReservedReplay:
+    """The replay over request tuples with global keys, one dict lookup per event."""
+    allocator = CachingAllocator(conf, capacity_bytes=allowed_bytes)
+    addr, size = {}, {}
+    live = requested_peak = peak = fragmentation = 0
+    steps, steady, oom, previous = 0, False, False, None
+    setup_keys = len(setup.allocations)
+    base = setup_keys + len(setup.rebuilt_buckets)
+    streams = [[("alloc", i, n, 0) for i, (_name, n) in enumerate(setup.allocations)]]
+    try:
+        for step in range(-1, max_steps):
+            if step >= 0:
+                requests = step_requests(plan, step, base)
+                if step == 1 and setup.rebuilt_buckets:
+                    rebuild = [("free", i) for i in setup.bucket_indices]
+                    rebuild += [("alloc", setup_keys + k, n, 0) for k, n in enumerate(setup.rebuilt_buckets)]
+                    requests = requests[:BATCH_TENSORS] + rebuild + requests[BATCH_TENSORS:]
+            else:
+                requests = streams[0]
+            step_peak = allocator.reserved_bytes
+            for request in requests:
+                if request[0] == "alloc":
+                    addr[request[1]] = allocator.malloc(request[2], request[3])
+                    size[request[1]] = request[2]
+                    live += request[2]
+                    requested_peak = max(requested_peak, live)
+                    if allocator.reserved_bytes > step_peak:
+                        step_peak = allocator.reserved_bytes
+                        if step_peak > peak:
+                            peak, fragmentation = step_peak, step_peak - allocator.allocated_bytes
+                else:
+                    allocator.free(addr.pop(request[1]))
+                    live -= size.pop(request[1])
+            if step < 0:
+                continue
+            steps += 1
+            state = (step_peak, _segments(allocator))
+            if step >= 2 and state == previous:
+                steady = True
+                break
+            previous = state
+    except OutOfMemory:
+        oom = True
+    return ReservedReplay(peak, allocator.peak_allocated_bytes, requested_peak, fragmentation,
+                          allocator.num_alloc_retries, oom, steps, steady)
+
+
+def _inputs(model, precision, method, loop, b, s):
+    training = TrainingSpec(precision=precision, micro_batch_size=b, seq_len=s, loop=loop)
+    arch, profile = api.load_model_profile(model, training, 1, allow_build=False)
+    regime = api._regime(profile, b, s)
+    events = regime["events"]
+    table = api._param_table(profile, arch.num_layers)
+    coeffs = load_coefficients("h100-80gb")
+    plan = StepPlan(reserved_rank._expansion(events, arch.num_layers, loop), step_sizes(events["polys"], b, s),
+                    b * s * INT64, coeffs.cublas_workspace_bytes, coeffs.cublas_workspaces)
+    setup = reserved_rank._setup(profile, table, arch.num_layers, method, precision.startswith("mixed_"))
+    return setup, plan
+
+
+CASES = [("meta-llama/Llama-3.2-1B", "mixed_bf16", "single", "trainer", 2, 512),
+         ("meta-llama/Llama-3.2-1B", "mixed_bf16", "ddp", "trainer", 4, 1024),
+         ("Qwen/Qwen2.5-0.5B", "bf16", "ddp", "manual", 3, 256),
+         ("Qwen/Qwen2.5-0.5B", "bf16", "single", "manual", 8, 1024)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].split('/')[1]}-{c[2]}-{c[3]}")
+def test_compiled_replay_equals_the_plain_replay(case):
+    setup, plan = _inputs(*case)
+    seen = set()
+    for text in ("", "expandable_segments:True"):
+        conf = reserved_rank.alloc_conf(text)
+        free = replay_rank(setup, plan, conf, None)
+        assert free == _plain_replay(setup, plan, conf, None)
+        # Caps just under what the uncapped run reserves: the allocator releases its cache and retries, or OOMs.
+        for allowed in (free.peak_reserved_bytes - GIB // 4, free.peak_reserved_bytes * 3 // 4):
+            capped = replay_rank(setup, plan, conf, allowed)
+            assert capped == _plain_replay(setup, plan, conf, allowed)
+            seen.add((capped.oom, capped.num_alloc_retries > 0))
+    assert (True, True) in seen  # the out-of-memory path was exercised
