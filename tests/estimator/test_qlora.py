@@ -19,8 +19,9 @@ from .test_matches_trace import TINY  # noqa: E402
 SMALL = {
     "llama": {**TINY["llama"], "hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 4,
               "vocab_size": 2048},
+    # no dropout: a real CPU run draws CPU dropout masks, the profile CUDA's (estimator.profiler.cuda_path)
     "opt": {**TINY["opt"], "hidden_size": 128, "ffn_dim": 512, "num_hidden_layers": 4, "vocab_size": 2048,
-            "word_embed_proj_dim": 128},
+            "word_embed_proj_dim": 128, "dropout": 0.0, "attention_dropout": 0.0},
 }
 
 

@@ -44,8 +44,8 @@ def test_json_round_trip_and_stable_id():
 
 def test_unknown_field_is_named():
     data = json.loads(RunSpec().to_json())
-    data["training"]["batch"] = 3
-    with pytest.raises(ValueError, match=r"^training\.batch: unknown field"):
+    data["training"]["batchsize"] = 3
+    with pytest.raises(ValueError, match=r"^training\.batchsize: unknown field"):
         RunSpec.from_dict(data)
 
 
