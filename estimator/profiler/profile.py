@@ -63,10 +63,13 @@ def _sample_seqs(regime: dict) -> list[int]:
     """Three fitting lengths and one check length inside the regime's s-span, kept small (tracing is by op).
     Multiples of 32 where the span allows: CUDA's memory-efficient attention pads its logsumexp to a multiple of
     32 positions, a size that is a polynomial in s only on such lengths (elsewhere the profile is below it by
-    < 32·b·h·4 bytes per layer)."""
+    < 32·b·h·4 bytes per layer); at least multiples of 8 in a short sliding-window span (the kernel's mask is
+    padded to 8 columns, which changes the op sequence)."""
     base = regime["s_min"] + 31 if regime["s_min"] > 1 else 32
     longest = regime.get("s_trace_max") or regime["s_max"]  # a model's positions may end before 160
     step = 32 if longest is None else max(1, min(32, (longest - base) // 5))
+    if step >= 8:  # a padded batch's mask is padded to 8 columns for CUDA's kernel: keep s % 8 alike
+        step -= step % 8
     return [base, base + step, base + 2 * step, base + 4 * step]
 
 
