@@ -126,6 +126,48 @@ def test_committed_table_is_what_build_writes(tmp_path):
         assert r["assumptions"] or r["missing"]
 
 
+def test_reserved_rows_get_a_profile_with_events(tmp_path, monkeypatch):
+    """An event-less profile (here OPT's shipped one) is re-traced into the user cache for a reserved row, so the
+    row is scored with the replayed reserved level; allocated rows and --no-build leave it alone."""
+    from estimator.models import profiles
+    from estimator.profiler import profile as profiler
+
+    common = _common()
+    spec = RunSpec(model=MODEL, gpu="a100-40gb", training=TrainingSpec(micro_batch_size=1, seq_len=128,
+                                                                       precision="bf16"))
+    shipped = estimate(spec, allow_build=False)
+    assert shipped.reserved_source == "prior"
+    rows = [_row(common, "r:res", spec, "max_reserved", 1), _row(common, "r:alloc", spec, "max_allocated", 1)]
+    path = tmp_path / "m.csv"
+    common.write_csv(rows, path)
+    monkeypatch.setenv("LLMEM_CACHE_DIR", str(tmp_path / "cache"))
+    traced = []
+    monkeypatch.setattr(profiler, "build_profile", lambda config, training: traced.append(training) or
+                        {"regimes": [{"events": {}}]})
+    assert P.refresh_cached_profiles(P.load(path), allow_build=False) == []
+    keys = P.refresh_cached_profiles(P.load(path))
+    assert len(keys) == 1 and len(traced) == 1 and traced[0] == spec.training
+    assert (profiles.user_cache_dir() / f"{keys[0]}.json").is_file()
+    profiles._read.cache_clear()
+
+
+def test_litgpt_rows_carry_accumulation_and_refuse_runs_below_their_model_states():
+    rows = {r["row_id"]: r for r in _load("public_litgpt", "extract_litgpt.py").extract()}
+    tiny = rows["litgpt:config-hub:tiny-llama/full.yaml:1xA10G"]
+    assert tiny["grad_accum_steps"] == 8 and tiny["complete"]  # global 32 // 1 device // micro-batch 4
+    assert rows["litgpt:resource-tables:single:Llama2-7B:None:mb2:x1"]["grad_accum_steps"] == 64
+    for name in ("llama-3.2-1b", "llama-3.2-3b"):
+        row = rows[f"litgpt:config-hub:{name}/full.yaml:1xA10G"]
+        assert not row["complete"] and "below the model states" in row["missing"]
+
+
+def test_universal_trainer_bf16_loss_path_is_out_of_scope_and_qlora_is_not():
+    rows = {r["row_id"]: r for r in _load("public_universal", "extract_universal_llm_trainer.py").extract()}
+    assert not rows["universal_llm_trainer:H100:llm_llama3.1_lora"]["in_scope"]
+    assert "loss outside the model" in rows["universal_llm_trainer:H100:llm_llama3.1_full"]["assumptions"]
+    assert rows["universal_llm_trainer:H100:llm_llama3.1_qlora"]["in_scope"]
+
+
 # --- calibrate public --fit ---------------------------------------------------------------------------------
 def _points(source, allocated_gib, ratio, offset_bytes):
     from calibrate.public_fit import Point
