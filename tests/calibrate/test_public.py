@@ -198,6 +198,17 @@ def test_fit_needs_two_sources_and_must_beat_the_prior():
     assert not clash.accepted and "not better than the prior" in clash.refused
 
 
+def test_fit_is_refused_when_a_held_out_source_gets_worse():
+    """Many rows of one source must not outvote a source the fitted term predicts worse than the prior."""
+    from calibrate.public_fit import judge
+
+    many = _points("a", [10, 12, 14, 16, 18], 0.30, 0) + _points("b", [11, 13, 15], 0.30, 0)  # the fit helps
+    one = _points("one", [30], 0.10, 0)                                                        # the prior's
+    fit = judge("a100-80gb", many + one, (0.1, 0.0))
+    assert fit.loso_median_pct < fit.prior_median_pct
+    assert not fit.accepted and fit.refused.startswith("held out, one is predicted worse")
+
+
 def test_accepted_fit_ships_a_valid_file_the_estimator_names(tmp_path):
     from calibrate.public_fit import judge, write_accepted
     from estimator.hardware.residuals import load_coefficients, provenance_notes
@@ -205,7 +216,7 @@ def test_accepted_fit_ships_a_valid_file_the_estimator_names(tmp_path):
     data = tmp_path / "m.csv"
     data.write_text("x\n")
     fit = judge("a100-80gb", _points("a", [10, 20], 0.02, 0) + _points("b", [15, 30], 0.02, 0), (0.1, 0.0))
-    [path] = write_accepted([fit], data, tmp_path)
+    [path] = write_accepted([fit], data, tmp_path / "new")  # a folder that does not exist yet
     coeffs = load_coefficients("a100-80gb", path)
     assert coeffs.calibrated and coeffs.reserved_slack_ratio == pytest.approx(0.02, abs=1e-6)
     assert coeffs.provenance["sources"] == ["a", "b"] and len(coeffs.provenance["data_sha256"]) == 64
