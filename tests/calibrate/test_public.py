@@ -127,28 +127,38 @@ def test_committed_table_is_what_build_writes(tmp_path):
 
 
 def test_reserved_rows_get_a_profile_with_events(tmp_path, monkeypatch):
-    """An event-less profile (here OPT's shipped one) is re-traced into the user cache for a reserved row, so the
-    row is scored with the replayed reserved level; allocated rows and --no-build leave it alone."""
+    """A cached profile traced before event lists were kept is re-traced for a reserved row, so the row is scored
+    with the replayed reserved level; allocated rows and --no-build leave it alone."""
+    import json
+
     from estimator.models import profiles
+    from estimator.models.arch import cached_arch
     from estimator.profiler import profile as profiler
 
     common = _common()
-    spec = RunSpec(model=MODEL, gpu="a100-40gb", training=TrainingSpec(micro_batch_size=1, seq_len=128,
-                                                                       precision="bf16"))
-    shipped = estimate(spec, allow_build=False)
-    assert shipped.reserved_source == "prior"
+    training = TrainingSpec(micro_batch_size=1, seq_len=128, precision="bf16", lora_rank=3, lora_targets="q_proj")
+    spec = RunSpec(model=MODEL, gpu="a100-40gb", training=training)
+    sha = cached_arch(MODEL).config_sha
+    stale = json.loads(json.dumps(profiles.find_profile(profiles.profile_key(sha, TrainingSpec(
+        micro_batch_size=1, seq_len=128, precision="bf16")))))
+    for regime in stale["regimes"]:
+        regime.pop("events", None)
+    monkeypatch.setenv("LLMEM_CACHE_DIR", str(tmp_path / "cache"))
+    key = profiles.profile_key(sha, training)
+    profiles.save_profile(key, stale)
     rows = [_row(common, "r:res", spec, "max_reserved", 1), _row(common, "r:alloc", spec, "max_allocated", 1)]
     path = tmp_path / "m.csv"
     common.write_csv(rows, path)
-    monkeypatch.setenv("LLMEM_CACHE_DIR", str(tmp_path / "cache"))
     traced = []
     monkeypatch.setattr(profiler, "build_profile", lambda config, training: traced.append(training) or
-                        {"regimes": [{"events": {}}]})
-    assert P.refresh_cached_profiles(P.load(path), allow_build=False) == []
-    keys = P.refresh_cached_profiles(P.load(path))
-    assert len(keys) == 1 and len(traced) == 1 and traced[0] == spec.training
-    assert (profiles.user_cache_dir() / f"{keys[0]}.json").is_file()
-    profiles._read.cache_clear()
+                        {**stale, "regimes": [{**r, "events": {}} for r in stale["regimes"]]})
+    try:
+        assert P.refresh_cached_profiles(P.load(path), allow_build=False) == []
+        assert P.refresh_cached_profiles(P.load(path)) == [key] and traced == [training]
+        assert profiles.has_events(json.loads((profiles.user_cache_dir() / f"{key}.json").read_text()))
+        assert P.refresh_cached_profiles(P.load(path)) == []  # now it has them
+    finally:
+        profiles._read.cache_clear()
 
 
 def test_litgpt_rows_carry_accumulation_and_refuse_runs_below_their_model_states():
