@@ -124,9 +124,16 @@ def judge(gpu_key: str, points: list[Point], prior: tuple[float, float]) -> KeyF
     fit.loso_median_pct = round(float(np.median(held_out)), 2)
     fit.prior_median_pct = round(float(np.median(prior_errors)), 2)
     fit.fitted = fit_slack(points)
+    worse = [s for s, block in fit.per_source.items()
+             if block["loso_median_abs_pct"] > block["prior_median_abs_pct"]]
     if fit.loso_median_pct >= fit.prior_median_pct:
         fit.refused = (f"leave-one-source-out median |error| {fit.loso_median_pct:.2f} % is not better than the "
                        f"prior's {fit.prior_median_pct:.2f} % on the same rows; prior kept")
+    elif worse:  # pooled medians let a source with many rows outvote one the fit makes worse
+        fit.refused = (f"held out, {', '.join(worse)} is predicted worse than by the prior (median |error| "
+                       + ", ".join(f"{fit.per_source[s]['loso_median_abs_pct']:.2f} % vs "
+                                   f"{fit.per_source[s]['prior_median_abs_pct']:.2f} %" for s in worse)
+                       + "); prior kept")
     return fit
 
 
@@ -185,6 +192,7 @@ def write_accepted(fits: list[KeyFit], data: Path, out_dir: Path) -> list[Path]:
     for fit in fits:
         if fit.accepted:
             path = Path(out_dir) / f"{fit.gpu_key}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(coefficient_document(fit, data), indent=2) + "\n")
             written.append(path)
     return written

@@ -7,12 +7,17 @@ Two tables, each read with the code of the LitGPT commit that produced it:
   query and value, AdamW (bitsandbytes PagedAdamW when quantized), ``--precision bf16-true``, the first
   iteration's micro-batch holds the longest training sample and is padded to it (the table states those lengths
   per tokenizer), one GPU: no checkpointing; several GPUs: FSDP (full shard) with activation checkpointing of every
-  Block; ``Memory used`` = ``torch.cuda.max_memory_allocated() / 1e9`` (GB).
+  Block; gradient accumulation ``batch_size // micro_batch_size`` = 128 // micro-batch (not divided by the device
+  count); ``Memory used`` = ``torch.cuda.max_memory_allocated() / 1e9`` (GB).
 * ``config_hub/finetune/README.md`` (the config files next to it, LitGPT commit 00af8b0d, A10G): the YAML gives
   LoRA rank/targets, quantization, devices, micro-batch, max_seq_length 512, AdamW; ``litgpt/finetune/*.py`` at
   that commit: FSDP with activation checkpointing when devices > 1, batches padded to their longest sample and
-  cut at max_seq_length, ``max_memory_allocated() / 1e9``. The README says every run is single-GPU and that
+  cut at max_seq_length, gradient accumulation ``global_batch_size // devices // micro_batch_size``
+  (``TrainArgs.gradient_accumulation_iters``: with full fine-tuning every later micro-batch starts with all
+  gradients held), ``max_memory_allocated() / 1e9``. The README says every run is single-GPU and that
   ``--devices`` is what uses more GPUs, so the world size is the config's ``devices``, not the machine's count.
+  A full fine-tuning row published below its own model states (bf16 weights + gradients + two AdamW states =
+  8 bytes/parameter) cannot have run as its config says; what ran instead is not published: incomplete.
 
 LitGPT runs its own model code (not transformers): SDPA attention, the LM head evaluated in chunks of 128 tokens
 and a chunked cross-entropy; the loop keeps the logits alive through backward (``loop=manual``). OOM and N/A
@@ -43,6 +48,11 @@ LORA_MODULES = {"lora_query": ["q_proj"], "lora_key": ["k_proj"], "lora_value": 
                 "lora_projection": ["o_proj"], "lora_mlp": ["gate_proj", "up_proj", "down_proj"],
                 "lora_head": ["lm_head"]}
 GPUS = {"A10G": "a10-24gb", "A100": "a100-40gb"}
+RESOURCE_BATCH = 128  # finetune/lora.py at 8641822: batch_size; accumulation = batch_size // micro_batch_size
+BYTES_PER_PARAM_FLOOR = 8  # bf16 weights + gradients + two bf16 AdamW states
+# Parameter counts of the full fine-tuning checkpoints (LitGPT's own config: Llama-3.2 untied, so the LM head counts)
+FULL_PARAMS = {"meta-llama/Llama-3.2-1B": 1_498_482_688, "meta-llama/Llama-3.2-3B": 3_606_752_256,
+               "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T": 1_100_048_384}
 # Config names the README misspells (its model column and the neighbouring rows name the real file).
 README_TYPOS = {"gemma2b/qlora.yaml": "gemma2-2b/qlora.yaml"}
 COMMON = ["LitGPT's own model code: SDPA, LM head in chunks of 128 tokens and chunked cross-entropy "
@@ -75,6 +85,18 @@ def _yaml(text: str) -> dict:
     return out
 
 
+def _below_states(hub: str, kind: str, value_gb: float) -> str:
+    """Why a full fine-tuning row's spec cannot be known: its published peak is below the model states the
+    stated run must hold ('' when it is not)."""
+    params = FULL_PARAMS.get(hub)
+    if kind != "full" or params is None or value_gb * 1e9 >= BYTES_PER_PARAM_FLOOR * params:
+        return ""
+    return (f"what ran: the published {value_gb} GB is below the model states of the stated bf16 AdamW full "
+            f"fine-tuning ({params:,} parameters x {BYTES_PER_PARAM_FLOOR} B = "
+            f"{BYTES_PER_PARAM_FLOOR * params / 1e9:.1f} GB before any activation), so the run differed from its "
+            "config (devices, optimizer or precision) in a way the page does not say")
+
+
 def _targets(config: dict) -> str:
     names = [m for key, mods in LORA_MODULES.items() if config.get(key) == "true" for m in mods]
     return ",".join(sorted(names))
@@ -97,7 +119,8 @@ def _resource_rows(entry: dict, text: str) -> list[dict]:
             notes = COMMON + [f"seq_len {longest}: the longest Alpaca sample in this tokenizer (the page's list); "
                               "iteration 0 pads its micro-batch to it",
                               "LoRA r=8 alpha=16 on query and value (finetune/lora.py defaults at 8641822); "
-                              f"trainable parameters {cells['Trainable parameters']}"]
+                              f"trainable parameters {cells['Trainable parameters']}",
+                              f"gradient accumulation {RESOURCE_BATCH} // micro-batch (finetune/lora.py at 8641822)"]
             if quant != "None":
                 notes.append(QLORA_NOTE.format(kind=quant))
             if multi:
@@ -114,6 +137,7 @@ def _resource_rows(entry: dict, text: str) -> list[dict]:
                 method="fsdp" if multi else "single", world_size=world,
                 micro_batch_size=int(cells["Microbatch size"]), seq_len=longest, precision="bf16",
                 optimizer="adamw", grad_ckpt=multi, attn="sdpa", lora_rank=8, lora_targets="q_proj,v_proj",
+                grad_accum_steps=RESOURCE_BATCH // int(cells["Microbatch size"]),
                 qlora=quant != "None", model_hub_id=hub, framework="litgpt 8641822 (Lightning Fabric)",
                 adapter="qlora" if quant != "None" else "lora", loop="manual", padding="longest",
                 max_length="", seq_len_basis="longest_sample", lengths="Alpaca (52k), longest sample stated",
@@ -158,19 +182,23 @@ def _confighub_rows(entry: dict, text: str, configs: dict[str, tuple[dict, dict]
             if quant == "bnb.nf4":
                 out.append("NF4 without double quantization")
             lora_rank = int(config["lora_r"]) if kind != "full" else 0
+            accum = max(int(config["train.global_batch_size"]) // devices // mb, 1)
+            notes.append(f"gradient accumulation {accum} = global_batch_size {config['train.global_batch_size']} // "
+                         f"devices // micro-batch (TrainArgs.gradient_accumulation_iters)")
+            missing = _below_states(hub, kind, value)
             rows.append(row(
                 row_id=f"{SOURCE}:config-hub:{cells['Config']}:{machine}", source=SOURCE, source_ref=ref(entry),
                 source_table=heading, source_key=" | ".join(list(cells.values())[:9]), model=model or hub,
                 gpu=GPUS[machine.split("x", 1)[1]], method="fsdp" if devices > 1 else "single",
                 world_size=devices, micro_batch_size=mb, seq_len=int(config["train.max_seq_length"]),
                 precision="bf16", optimizer="adamw", grad_ckpt=devices > 1, attn="sdpa", lora_rank=lora_rank,
-                lora_targets=_targets(config) if lora_rank else "auto", qlora=bool(quant),
+                lora_targets=_targets(config) if lora_rank else "auto", qlora=bool(quant), grad_accum_steps=accum,
                 model_hub_id=hub, framework="litgpt 00af8b0d (Lightning Fabric)",
                 adapter={"full": "full", "lora": "lora", "qlora": "qlora"}[kind], loop="manual", padding="longest",
                 max_length=int(config["train.max_seq_length"]), seq_len_basis="max_length_cap",
                 lengths="Alpaca2k (1,900 training samples), Llama-family tokenizers", rescore_lengths=True,
                 other_versions="litgpt 00af8b0d", quantity="max_allocated", scope="per_gpu", value=value, unit="GB",
-                complete=True, in_scope=not out,
+                complete=not missing, missing=missing, in_scope=not out,
                 assumptions="; ".join(notes + ([f"not expressible: {', '.join(out)}"] if out else []))))
     return rows
 

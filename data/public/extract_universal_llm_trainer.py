@@ -9,8 +9,12 @@ What the numbers mean, from the repository's code at the same commit (9efd14b):
   Phi3-mini (3.82e9 x 2 B) as 7.6-7.7; so the unit is taken as GB (1e9 B), and whole-number values carry a
   rounding of +-0.5 GB.
 * the train step (``_, loss = self.model(...)``, ``del_logits_after_forward: True`` in every config) drops the
-  output object before ``loss.backward()``: ``loop=trainer``. The loss is ``nn.CrossEntropyLoss`` on the bf16
-  logits sliced ``[:, :-1]`` and reshaped (a bf16 copy; transformers' own loss upcasts to fp32).
+  output object before ``loss.backward()``: ``loop=trainer``. The model is called without labels and the loss is
+  ``nn.CrossEntropyLoss`` on its logits sliced ``[:, :-1]`` and reshaped (``src/models/llama3.py``). With a bf16
+  model (full, LoRA) that is a bf16 log-softmax over 2 x 8,192 x 128k logits, where transformers' labels path,
+  which the estimator's profiles trace, upcasts to fp32 and keeps an fp32 log-softmax (~8 GB more here): no spec
+  column expresses that loss path, so those rows are out of scope. QLoRA loads the non-quantized modules in fp32
+  (``dtype=float32``), so its LM head returns fp32 logits and both loss paths keep an fp32 log-softmax: in scope.
 * model loaded with ``dtype=bfloat16`` (``bit: bfloat16``; QLoRA: ``bit: 4``, the rest of the model fp32,
   bitsandbytes NF4 double quant, compute bf16), ``torch.optim.AdamW`` (foreach), ``amp_training: False``
   (pure bf16), ``attn_implementation: null`` (transformers 4.49's default: sdpa), gradient checkpointing on,
@@ -77,13 +81,20 @@ def _row(entry, configs, gpu_name, versions, cells) -> dict | None:
         out.append(f"{hub} is not in the estimator's catalogue")
     if gpu is None:
         out.append(f"GPU {gpu_name} is not in the GPU catalogue")
+    if not qlora and config["bit"] in ("bfloat16", "16"):
+        out.append("loss outside the model on bf16 logits (nn.CrossEntropyLoss: bf16 log-softmax); the estimator "
+                   "traces transformers' labels path (fp32 upcast, fp32 log-softmax) and has no column for another "
+                   "loss path")
     if fsdp:
         out.append("FSDP1 with cpu_offload=True (parameters, gradients and optimizer on the CPU): the estimator "
                    "models FSDP2 without offload")
     notes = [f"config {ref(config_entry)}", "value = memory_reserved()/1e9 as the trainer prints it (GB; the "
              "table's 'GiB' label contradicts its own Model Mem. column), rounded to whole GB by the table",
              "every sample fills 8,192 tokens (the page: without padding, fully filled tokens)",
-             "loss: nn.CrossEntropyLoss on sliced bf16 logits (a bf16 copy), not transformers' fp32 upcast",
+             "loss: nn.CrossEntropyLoss on the sliced logits the model returns without labels (bf16 for a bf16 "
+             "model, fp32 for QLoRA's fp32 LM head)",
+             "checkpointing: the page says tests ran with both torch and Hugging Face checkpointing and publishes one "
+             "value; the config's hf_checkpoint is taken",
              "attention: attn_implementation null -> sdpa (transformers 4.49 default)"]
     if qlora:
         notes.append("QLoRA: bnb NF4 double quant, compute bf16, non-quantized modules in fp32 (dtype float32)")

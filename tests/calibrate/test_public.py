@@ -126,6 +126,58 @@ def test_committed_table_is_what_build_writes(tmp_path):
         assert r["assumptions"] or r["missing"]
 
 
+def test_reserved_rows_get_a_profile_with_events(tmp_path, monkeypatch):
+    """A cached profile traced before event lists were kept is re-traced for a reserved row, so the row is scored
+    with the replayed reserved level; allocated rows and --no-build leave it alone."""
+    import json
+
+    from estimator.models import profiles
+    from estimator.models.arch import cached_arch
+    from estimator.profiler import profile as profiler
+
+    common = _common()
+    training = TrainingSpec(micro_batch_size=1, seq_len=128, precision="bf16", lora_rank=3, lora_targets="q_proj")
+    spec = RunSpec(model=MODEL, gpu="a100-40gb", training=training)
+    sha = cached_arch(MODEL).config_sha
+    stale = json.loads(json.dumps(profiles.find_profile(profiles.profile_key(sha, TrainingSpec(
+        micro_batch_size=1, seq_len=128, precision="bf16")))))
+    for regime in stale["regimes"]:
+        regime.pop("events", None)
+    monkeypatch.setenv("LLMEM_CACHE_DIR", str(tmp_path / "cache"))
+    key = profiles.profile_key(sha, training)
+    profiles.save_profile(key, stale)
+    rows = [_row(common, "r:res", spec, "max_reserved", 1), _row(common, "r:alloc", spec, "max_allocated", 1)]
+    path = tmp_path / "m.csv"
+    common.write_csv(rows, path)
+    traced = []
+    monkeypatch.setattr(profiler, "build_profile", lambda config, training: traced.append(training) or
+                        {**stale, "regimes": [{**r, "events": {}} for r in stale["regimes"]]})
+    try:
+        assert P.refresh_cached_profiles(P.load(path), allow_build=False) == []
+        assert P.refresh_cached_profiles(P.load(path)) == [key] and traced == [training]
+        assert profiles.has_events(json.loads((profiles.user_cache_dir() / f"{key}.json").read_text()))
+        assert P.refresh_cached_profiles(P.load(path)) == []  # now it has them
+    finally:
+        profiles._read.cache_clear()
+
+
+def test_litgpt_rows_carry_accumulation_and_refuse_runs_below_their_model_states():
+    rows = {r["row_id"]: r for r in _load("public_litgpt", "extract_litgpt.py").extract()}
+    tiny = rows["litgpt:config-hub:tiny-llama/full.yaml:1xA10G"]
+    assert tiny["grad_accum_steps"] == 8 and tiny["complete"]  # global 32 // 1 device // micro-batch 4
+    assert rows["litgpt:resource-tables:single:Llama2-7B:None:mb2:x1"]["grad_accum_steps"] == 64
+    for name in ("llama-3.2-1b", "llama-3.2-3b"):
+        row = rows[f"litgpt:config-hub:{name}/full.yaml:1xA10G"]
+        assert not row["complete"] and "below the model states" in row["missing"]
+
+
+def test_universal_trainer_bf16_loss_path_is_out_of_scope_and_qlora_is_not():
+    rows = {r["row_id"]: r for r in _load("public_universal", "extract_universal_llm_trainer.py").extract()}
+    assert not rows["universal_llm_trainer:H100:llm_llama3.1_lora"]["in_scope"]
+    assert "loss outside the model" in rows["universal_llm_trainer:H100:llm_llama3.1_full"]["assumptions"]
+    assert rows["universal_llm_trainer:H100:llm_llama3.1_qlora"]["in_scope"]
+
+
 # --- calibrate public --fit ---------------------------------------------------------------------------------
 def _points(source, allocated_gib, ratio, offset_bytes):
     from calibrate.public_fit import Point
@@ -156,6 +208,17 @@ def test_fit_needs_two_sources_and_must_beat_the_prior():
     assert not clash.accepted and "not better than the prior" in clash.refused
 
 
+def test_fit_is_refused_when_a_held_out_source_gets_worse():
+    """Many rows of one source must not outvote a source the fitted term predicts worse than the prior."""
+    from calibrate.public_fit import judge
+
+    many = _points("a", [10, 12, 14, 16, 18], 0.30, 0) + _points("b", [11, 13, 15], 0.30, 0)  # the fit helps
+    one = _points("one", [30], 0.10, 0)                                                        # the prior's
+    fit = judge("a100-80gb", many + one, (0.1, 0.0))
+    assert fit.loso_median_pct < fit.prior_median_pct
+    assert not fit.accepted and fit.refused.startswith("held out, one is predicted worse")
+
+
 def test_accepted_fit_ships_a_valid_file_the_estimator_names(tmp_path):
     from calibrate.public_fit import judge, write_accepted
     from estimator.hardware.residuals import load_coefficients, provenance_notes
@@ -163,7 +226,7 @@ def test_accepted_fit_ships_a_valid_file_the_estimator_names(tmp_path):
     data = tmp_path / "m.csv"
     data.write_text("x\n")
     fit = judge("a100-80gb", _points("a", [10, 20], 0.02, 0) + _points("b", [15, 30], 0.02, 0), (0.1, 0.0))
-    [path] = write_accepted([fit], data, tmp_path)
+    [path] = write_accepted([fit], data, tmp_path / "new")  # a folder that does not exist yet
     coeffs = load_coefficients("a100-80gb", path)
     assert coeffs.calibrated and coeffs.reserved_slack_ratio == pytest.approx(0.02, abs=1e-6)
     assert coeffs.provenance["sources"] == ["a", "b"] and len(coeffs.provenance["data_sha256"]) == 64
