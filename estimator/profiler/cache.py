@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from estimator.models.arch import ModelArch, cached_arch
-from estimator.models.profiles import find_profile, profile_key, save_profile
+from estimator.models.profiles import find_profile, has_events, profile_key, save_profile
 from estimator.spec import TrainingSpec
 
 
@@ -34,7 +34,7 @@ def get_profile(config: dict, config_sha: str, training: TrainingSpec, *, allow_
                          f"torch + transformers (+ peft for LoRA, bitsandbytes for QLoRA; {err.name} missing): "
                          "pip install '.[profile]'") from None
     stale = find_profile(key, stale=True)
-    if stale is not None:
+    if stale is not None and has_events(stale):  # without its event list, re-trace: the reserved replay needs it
         from estimator.profiler.carry import carry_over
 
         stale = json.loads(json.dumps(stale))  # _read's cached object stays as read

@@ -91,3 +91,17 @@ def test_the_estimate_says_which_batch_it_assumed(tmp_path):
     assert said()[0].startswith("batch: full")
     assert said(batch="padded")[0].startswith("batch: padded")
     assert said(attn="eager") == []
+
+
+def test_which_cpu_traced_profiles_carry_over_to_cuda_kernels():
+    """Schema 4 -> 5: a CPU-kernel trace is kept only where CUDA's kernels keep the same tensors."""
+    from estimator.profiler.carry import cpu_trace_is_cuda_trace
+
+    llama = TINY["llama"]
+    assert cpu_trace_is_cuda_trace(llama, TrainingSpec(precision="bf16", attn="sdpa"))
+    assert cpu_trace_is_cuda_trace(llama, TrainingSpec(precision="fp32", attn="eager"))
+    assert not cpu_trace_is_cuda_trace(llama, TrainingSpec(precision="fp32", attn="sdpa"))  # efficient / math
+    assert not cpu_trace_is_cuda_trace({**llama, "sliding_window": 64}, TrainingSpec(precision="bf16"))
+    assert not cpu_trace_is_cuda_trace({**llama, "head_dim": 512}, TrainingSpec(precision="bf16"))
+    assert not cpu_trace_is_cuda_trace({**llama, "attention_dropout": 0.1}, TrainingSpec(attn="eager"))
+    assert not cpu_trace_is_cuda_trace({**llama, "text_config": {"hidden_dropout": 0.1}}, TrainingSpec())
