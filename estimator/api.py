@@ -286,6 +286,23 @@ def _batch_note(training: TrainingSpec, profile: dict) -> list[str]:
             "or --lengths) take the mask path, which keeps more per layer"]
 
 
+DEPTH_CHECK_TOLERANCE = 0.002
+
+
+def _depth_note(regime: dict) -> list[str]:
+    """The profile's own check (``layer_check``: its 3 traced layers replayed at 4 against a 4-layer trace): a
+    miss means the layers are not all alike (e.g. alternating sliding and full attention) and the estimate is
+    off by about that much per extra layer."""
+    check = regime.get("layer_check") or {}
+    error = check.get("rel_error")
+    if error is None or abs(error) <= DEPTH_CHECK_TOLERANCE:
+        return []
+    side = "under" if error > 0 else "over"  # rel_error = (traced - replayed) / traced
+    return [f"depth check: this architecture's layers are not all alike (e.g. alternating attention types); the "
+            f"profile replayed at 4 layers is {side} a 4-layer trace by {abs(100 * error):.1f} %: expect an error "
+            "of that order at other depths"]
+
+
 def _loop_note(training: TrainingSpec, profile: dict) -> str:
     """Which training loop the estimate assumed, and what the other one would hold besides."""
     b, s = training.micro_batch_size, training.seq_len
@@ -377,6 +394,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
                      "replicated, so every rank holds the full logits)")
     notes.append(_loop_note(spec.training, profile))
     notes += _batch_note(spec.training, profile)
+    notes += _depth_note(_regime(profile, spec.training.micro_batch_size, spec.training.seq_len))
     notes.append(_reserved_note(spec, profile, worst, conf, arch.num_layers))
     if spec.training.qlora:
         notes.append("qlora: traced as transformers + peft run it (bitsandbytes NF4 with double quantization, "

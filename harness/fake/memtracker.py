@@ -161,7 +161,12 @@ def build(config: dict[str, Any], variant: Variant, lr: float = 1e-5) -> Built:
     if variant.fsdp_world > 1 and variant.precision.startswith("mixed_"):
         weights = torch.float32  # FSDP2 keeps fp32 sharded params and casts per its MixedPrecisionPolicy
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=weights, attn_implementation=variant.attn)
+        try:
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=weights, attn_implementation=variant.attn)
+        except ValueError as err:  # an architecture without SDPA (GPT-J, Gemma-2): transformers' default is eager
+            if variant.attn != "sdpa" or "does not support" not in str(err):
+                raise
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=weights, attn_implementation="eager")
     model.config.use_cache = False
     if variant.grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -105,3 +105,14 @@ def test_which_cpu_traced_profiles_carry_over_to_cuda_kernels():
     assert not cpu_trace_is_cuda_trace({**llama, "head_dim": 512}, TrainingSpec(precision="bf16"))
     assert not cpu_trace_is_cuda_trace({**llama, "attention_dropout": 0.1}, TrainingSpec(attn="eager"))
     assert not cpu_trace_is_cuda_trace({**llama, "text_config": {"hidden_dropout": 0.1}}, TrainingSpec())
+
+
+def test_a_failed_depth_check_is_said():
+    """Layers that are not all alike (Gemma-2's alternating attention: a 3-layer profile replayed at 4 layers is
+    1.8 % under a 4-layer trace) make the profile's own depth check miss; the estimate says so."""
+    from estimator.api import _depth_note
+
+    assert _depth_note({"layer_check": {"rel_error": 0.0179}})[0].startswith("depth check:")
+    assert "under a 4-layer trace by 1.8 %" in _depth_note({"layer_check": {"rel_error": 0.0179}})[0]
+    assert _depth_note({"layer_check": {"rel_error": 0.0001}}) == []
+    assert _depth_note({}) == []
