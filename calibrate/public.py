@@ -98,8 +98,6 @@ def refresh_cached_profiles(rows: list[dict], *, allow_build: bool = True) -> li
 
         profiles.save_profile(key, build_profile(arch.config, training))
         done.append(key)
-    if done:
-        profiles._read.cache_clear()  # the stale copies are memoized by path
     return done
 
 

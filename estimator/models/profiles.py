@@ -90,4 +90,5 @@ def save_profile(key: str, profile: dict, directory: Path | None = None) -> Path
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(profile, separators=(",", ":")))
     os.replace(tmp, path)
+    _read.cache_clear()  # a memoized older copy at this path would hide the new one
     return path
