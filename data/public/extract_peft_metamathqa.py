@@ -76,6 +76,8 @@ def _row(entry: dict, data: dict) -> dict:
         f"steps of {train['batch_size']} samples is assumed to reach it (samples <= 1300 characters, which the "
         "benchmark's data.py ties to the 768-token limit); re-score with the batch lengths when --lengths lands",
         "attention: attn_implementation null -> transformers' default sdpa",
+        "batch = padded: each batch is padded to its longest sample, so transformers builds the 4-D attention mask "
+        "(SDPA keeps it per layer and repeats the grouped key/value heads)",
         "torch.optim.AdamW default foreach implementation; gradient clipping at 1.0 (foreach norm)"]
     return row(
         row_id=f"{SOURCE}:{entry['commit'][:12]}:{info['experiment_name']}", source=SOURCE, source_ref=ref(entry),
@@ -85,7 +87,7 @@ def _row(entry: dict, data: dict) -> dict:
         optimizer="adamw", grad_ckpt=bool(train.get("use_gc") or False),
         attn=train.get("attn_implementation") or "sdpa", lora_rank=rank, lora_targets=targets,
         model_hub_id=train["model_id"], framework="transformers+peft (custom loop)", adapter=adapter,
-        loop="manual", padding="longest", max_length=int(train["max_seq_length"]), seq_len_basis="max_length_cap",
+        loop="manual", batch="padded", padding="longest", max_length=int(train["max_seq_length"]), seq_len_basis="max_length_cap",
         lengths="MetaMathQA filtered to <= 1300 characters (query + response), Llama-3 tokenizer, bucketed by "
                 "length (bucket_factor x batch), padded per batch to the longest sample",
         rescore_lengths=True, torch_version=packages.get("torch-version", ""),
