@@ -10,6 +10,7 @@ from typing import Any
 from estimator.hardware import residuals
 from estimator.hardware.gpus import get_gpu
 from estimator.methods import state as methods
+from estimator.methods.fsdp1 import fsdp1
 from estimator.methods.timeline import Replay, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
 from estimator.models.params import buffer_bytes, expand_params, param_counts
@@ -141,6 +142,8 @@ def _step_model(spec: RunSpec, table, rank: int = 0, path: methods.Zero12Rank | 
         return methods.single(spec, table)
     if method == "ddp":
         return methods.ddp(spec, table)
+    if method == "fsdp1":
+        return fsdp1(spec, table, rank)
     if method in ("fsdp", "dp_tp"):
         # dp_tp: FSDP2 over the dp axis of a TP-local model.
         sharded = spec if method == "fsdp" else spec.replace(parallel=ParallelSpec(method="fsdp",
@@ -379,7 +382,10 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
             ranks.insert(1, worst_middle)
     else:
         first, model = _rank_estimate(spec, arch, profile, table, coeffs, 0, alloc_conf=conf)
-        ranks = [first] + ([dataclasses.replace(first, rank=last)] if last else [])
+        if last and spec.parallel.method == "fsdp1":  # the padding of every flat parameter sits in the last shard
+            ranks = [first, _rank_estimate(spec, arch, profile, table, coeffs, last, alloc_conf=conf)[0]]
+        else:
+            ranks = [first] + ([dataclasses.replace(first, rank=last)] if last else [])
     worst = max(ranks, key=lambda r: r.peak_device_bytes)
     total, trainable = param_counts(profile["params"], arch.num_layers)
     notes = list(model.notes) if model else []

@@ -15,10 +15,14 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 
-METHODS = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "dp_tp", "zero_offload")
+METHODS = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp1", "tp", "dp_tp", "zero_offload")
 # Methods DeepSpeed runs; their bucket/prefetch settings live in ZeroSpec.
 ZERO_METHODS = ("zero1", "zero2", "zero3", "zero_offload")
-QLORA_UNSUPPORTED_METHODS = ("fsdp", "tp", "dp_tp")
+QLORA_UNSUPPORTED_METHODS = ("fsdp", "fsdp1", "tp", "dp_tp")
+# torch.distributed.fsdp.ShardingStrategy names (FSDP1); HYBRID_SHARD shards within a node, replicates across.
+FSDP1_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+# torch.distributed.fsdp.BackwardPrefetch names, "NONE" for backward_prefetch=None.
+FSDP1_BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NONE")
 PRECISIONS = ("fp32", "bf16", "amp_bf16", "amp_fp16", "mixed_bf16", "mixed_fp16")
 OPTIMIZERS = ("adamw", "adamw_fused", "sgd", "adamw_8bit")
 ATTENTIONS = ("eager", "sdpa", "flash")
@@ -134,6 +138,37 @@ class ZeroSpec:
 
 
 @dataclass(frozen=True)
+class Fsdp1Spec:
+    """FSDP1 (``FullyShardedDataParallel``) settings for method ``fsdp1``: torch's defaults, except
+    ``use_orig_params`` (on in accelerate, the Trainer and torchtune, which is how most FSDP1 runs are launched).
+    ``gpus_per_node``: the shard group of HYBRID_SHARD (FSDP1 shards within a node)."""
+
+    sharding_strategy: str = "FULL_SHARD"
+    use_orig_params: bool = True
+    cpu_offload: bool = False
+    backward_prefetch: str = "BACKWARD_PRE"
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        _check_choice("fsdp1.sharding_strategy", self.sharding_strategy, FSDP1_SHARDING)
+        _check_choice("fsdp1.backward_prefetch", self.backward_prefetch, FSDP1_BACKWARD_PREFETCH)
+        for name in ("use_orig_params", "cpu_offload", "forward_prefetch", "limit_all_gathers"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(f"fsdp1.{name}", f"must be true or false, got {getattr(self, name)!r}")
+        _check_positive_int("fsdp1.gpus_per_node", self.gpus_per_node)
+
+    def shard_size(self, world_size: int) -> int:
+        """Ranks one parameter is sharded over."""
+        if self.sharding_strategy == "NO_SHARD":
+            return 1
+        if self.sharding_strategy == "HYBRID_SHARD":
+            return min(world_size, self.gpus_per_node)
+        return world_size
+
+
+@dataclass(frozen=True)
 class ParallelSpec:
     """How the job is split over GPUs. ``world_size`` counts all GPUs; ``tp`` is the tensor-parallel degree."""
 
@@ -141,6 +176,7 @@ class ParallelSpec:
     world_size: int = 1
     tp: int = 1
     zero: ZeroSpec = field(default_factory=ZeroSpec)
+    fsdp1: Fsdp1Spec = field(default_factory=Fsdp1Spec)
 
     def __post_init__(self) -> None:
         _check_choice("method", self.method, METHODS)
@@ -155,6 +191,9 @@ class ParallelSpec:
                         f"{self.world_size}, got {self.tp} (use dp_tp for a 2-D split)")
         if self.method == "dp_tp" and (self.tp < 2 or self.tp == self.world_size):
             _fail("tp", f"dp_tp needs 1 < tp < world size, got tp={self.tp} on {self.world_size} GPUs")
+        if self.method == "fsdp1" and self.world_size % self.fsdp1.shard_size(self.world_size):
+            _fail("fsdp1.gpus_per_node", f"HYBRID_SHARD needs whole nodes: world size {self.world_size} is not a "
+                                         f"multiple of {self.fsdp1.gpus_per_node} GPUs per node")
         if self.method not in ("tp", "dp_tp") and self.tp != 1:
             _fail("tp", f"method {self.method!r} has no tensor parallelism: tp must be 1, got {self.tp}")
 
@@ -190,13 +229,20 @@ class RunSpec:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def _canonical_dict(self) -> dict[str, Any]:
+        """to_dict without the settings of a method not used (FSDP1's were added later: ids stay as they were)."""
+        data = self.to_dict()
+        if self.parallel.method != "fsdp1":
+            data["parallel"].pop("fsdp1")
+        return data
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=2)
 
     @property
     def spec_id(self) -> str:
         """Stable id: a hash of the canonical JSON (the same spec always lands in the same run dir)."""
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        canonical = json.dumps(self._canonical_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     @classmethod
@@ -207,8 +253,9 @@ class RunSpec:
             _fail("schema_version", f"spec schema {version} is not supported (this build reads {SCHEMA_VERSION})")
         parallel = dict(data.pop("parallel", {}) or {})
         zero = _build(ZeroSpec, parallel.pop("zero", {}) or {}, "parallel.zero")
+        fsdp1 = _build(Fsdp1Spec, parallel.pop("fsdp1", {}) or {}, "parallel.fsdp1")
         return cls(
-            parallel=_build(ParallelSpec, {**parallel, "zero": zero}, "parallel"),
+            parallel=_build(ParallelSpec, {**parallel, "zero": zero, "fsdp1": fsdp1}, "parallel"),
             training=_build(TrainingSpec, data.pop("training", {}) or {}, "training"),
             **_known(cls, data, ""),
         )

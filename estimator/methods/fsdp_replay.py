@@ -43,7 +43,8 @@ class FsdpSizes:
 Event = Callable[[dict], bool]  # mutates the state; True when the state can be a new peak (it grew)
 
 
-def _set(part: str, value: Callable[[dict], float]) -> Event:
+def set_part(part: str, value: Callable[[dict], float]) -> Event:
+    """An event setting one part of the overlay state."""
     def apply(state: dict) -> bool:
         old = state[part]
         state[part] = value(state)
@@ -53,44 +54,44 @@ def _set(part: str, value: Callable[[dict], float]) -> Event:
 
 def _reduce_scatter(rs_in: float, rs_out: float, grads: str, accumulating: bool) -> list[Event]:
     """Reduce-scatter a group's unsharded grads; accumulating, the new shard is added in place and freed."""
-    events = [_set("reduce_scatter", lambda st: rs_in),
-              _set(grads, lambda st: 0.0),
-              _set("grad_shards", lambda st: st["grad_shards"] + rs_out)]
+    events = [set_part("reduce_scatter", lambda st: rs_in),
+              set_part(grads, lambda st: 0.0),
+              set_part("grad_shards", lambda st: st["grad_shards"] + rs_out)]
     if accumulating:
-        events.append(_set("grad_shards", lambda st: st["grad_shards"] - rs_out))
+        events.append(set_part("grad_shards", lambda st: st["grad_shards"] - rs_out))
     return events
 
 
 def _post_backward(sz: FsdpSizes, accumulating: bool) -> list[Event]:
     """A finished layer: reshard, free the previous reduce-scatter input, reduce-scatter this layer's grads."""
-    return [_set("layer_params", lambda st: 0.0),
+    return [set_part("layer_params", lambda st: 0.0),
             *_reduce_scatter(sz.layer_rs_in_bytes, sz.layer_rs_out_bytes, "layer_grads", accumulating)]
 
 
 def _pre_backward(sz: FsdpSizes, prefetch: bool) -> list[Event]:
-    events = [_set("layer_params", lambda st: sz.layer_bytes), _set("gather", lambda st: 0.0)]
+    events = [set_part("layer_params", lambda st: sz.layer_bytes), set_part("gather", lambda st: 0.0)]
     if prefetch:
-        events.append(_set("gather", lambda st: sz.layer_gather_bytes))
+        events.append(set_part("gather", lambda st: sz.layer_gather_bytes))
     return events
 
 
 def _boundary_events(name: str, num_layers: int, sz: FsdpSizes, accumulating: bool) -> list[Event]:
     """FSDP2 events at the start of a profile segment (its layer's pre-hook, or the previous one's post-hook)."""
     if name == "prefix":
-        return [_set("gather", lambda st: sz.root_gather_bytes), _set("root_params", lambda st: sz.root_bytes)]
+        return [set_part("gather", lambda st: sz.root_gather_bytes), set_part("root_params", lambda st: sz.root_bytes)]
     if name == "fw_first":
-        return [_set("gather", lambda st: sz.root_gather_bytes + sz.layer_gather_bytes),
-                _set("layer_params", lambda st: sz.layer_bytes),
-                _set("gather", lambda st: sz.layer_gather_bytes)]
+        return [set_part("gather", lambda st: sz.root_gather_bytes + sz.layer_gather_bytes),
+                set_part("layer_params", lambda st: sz.layer_bytes),
+                set_part("gather", lambda st: sz.layer_gather_bytes)]
     if name in FORWARD_LAYER:
-        return [_set("layer_params", lambda st: 0.0),
-                _set("gather", lambda st: 2 * sz.layer_gather_bytes),
-                _set("layer_params", lambda st: sz.layer_bytes),
-                _set("gather", lambda st: sz.layer_gather_bytes)]
+        return [set_part("layer_params", lambda st: 0.0),
+                set_part("gather", lambda st: 2 * sz.layer_gather_bytes),
+                set_part("layer_params", lambda st: sz.layer_bytes),
+                set_part("gather", lambda st: sz.layer_gather_bytes)]
     if name == "mid_fw":
-        return [_set("layer_params", lambda st: 0.0)]
+        return [set_part("layer_params", lambda st: 0.0)]
     if name == "mid_bw":  # root post-forward frees the last gather; backward's first prefetch re-gathers it
-        return [_set("gather", lambda st: 0.0), _set("gather", lambda st: sz.layer_gather_bytes)]
+        return [set_part("gather", lambda st: 0.0), set_part("gather", lambda st: sz.layer_gather_bytes)]
     if name in BACKWARD_LAYER:
         first = name == "bw_first" or num_layers == 1
         return ([] if first else _post_backward(sz, accumulating)) + _pre_backward(sz, prefetch=name != "bw_last")
@@ -100,18 +101,22 @@ def _boundary_events(name: str, num_layers: int, sz: FsdpSizes, accumulating: bo
 
 
 def _root_post_backward(sz: FsdpSizes, accumulating: bool) -> list[Event]:
-    return [_set("root_params", lambda st: 0.0),
+    return [set_part("root_params", lambda st: 0.0),
             *_reduce_scatter(sz.root_rs_in_bytes, sz.root_rs_out_bytes, "root_grads", accumulating),
-            _set("reduce_scatter", lambda st: 0.0)]
+            set_part("reduce_scatter", lambda st: 0.0)]
 
 
 def _grad_part(name: str) -> str:
     return "layer_grads" if name in BACKWARD_LAYER else "root_grads"
 
 
-class _Walk:
-    def __init__(self, b: int, s: int) -> None:
+class Walk:
+    """Runs segments with their boundary events over an overlay state, keeping the highest total seen.
+    ``grad_part``: the state part a segment's own gradients accumulate in."""
+
+    def __init__(self, b: int, s: int, grad_part: Callable[[str], str] = _grad_part) -> None:
         self.b, self.s = b, s
+        self.grad_part = grad_part
         self.best: tuple[float, float, dict, str] = (float("-inf"), 0.0, {}, "prefix")
 
     def consider(self, act: float, state: dict, name: str) -> None:
@@ -125,7 +130,7 @@ class _Walk:
         for event in events:
             if event(state):
                 self.consider(act, state, name)
-        part = _grad_part(name)
+        part = self.grad_part(name)
         held = state[part]
         for cand_act, cand_grad in seg["candidates"]:
             state[part] = held + cand_grad
@@ -133,29 +138,35 @@ class _Walk:
         state[part] = held + seg["net_grad"]
         return act + poly(seg["net_act"], self.b, self.s), state
 
+    def repeat(self, name: str, seg: dict, events: list[Event], act: float, state: dict, repeats: int
+               ) -> tuple[float, dict]:
+        """``repeats`` instances of a segment. Repetitions differ only in what accumulates linearly (activations,
+        gradient shards): run the second to get the per-repetition change, then the last one from its
+        extrapolated start."""
+        act0, state0 = self.segment(name, seg, events, act, state)
+        if repeats < 2:
+            return act0, state0
+        act, state = self.segment(name, seg, events, act0, state0)
+        if repeats > 2:
+            k = repeats - 2
+            start_act = act0 + k * (act - act0)
+            start = {p: state0[p] + k * (state[p] - state0[p]) for p in state}
+            act, state = self.segment(name, seg, events, start_act, start)
+        return act, state
+
 
 def replay_fsdp(segments: dict, num_layers: int, b: int, s: int, sizes: FsdpSizes, accumulating: bool = False
                 ) -> Replay:
     """Peak of activations + gradients + FSDP2 buffers over one steady step's forward and backward.
     ``accumulating``: a micro-batch after the first (every rank already holds all its gradient shards)."""
-    walk = _Walk(b, s)
+    walk = Walk(b, s)
     act = 0.0
     state = dict.fromkeys(BUFFERS + GRADS, 0.0)
     if accumulating:
         state["grad_shards"] = num_layers * sizes.layer_rs_out_bytes + sizes.root_rs_out_bytes
     for name, repeats in segment_sequence(num_layers):
         events = _boundary_events(name, num_layers, sizes, accumulating)
-        act0, state0 = walk.segment(name, segments[name], events, act, state)
-        act, state = act0, state0
-        if repeats >= 2:
-            # Repetitions differ only in what accumulates linearly (activations, gradient shards): run the
-            # second to get the per-repetition change, then the last one from its extrapolated start.
-            act, state = walk.segment(name, segments[name], events, act0, state0)
-            if repeats > 2:
-                k = repeats - 2
-                start_act = act0 + k * (act - act0)
-                start = {p: state0[p] + k * (state[p] - state0[p]) for p in state}
-                act, state = walk.segment(name, segments[name], events, start_act, start)
+        act, state = walk.repeat(name, segments[name], events, act, state, repeats)
     for event in _root_post_backward(sizes, accumulating):
         if event(state):
             walk.consider(act, state, "suffix")

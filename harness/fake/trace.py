@@ -31,6 +31,8 @@ from harness.fake.wrap import (
     wrap_model,
 )
 
+# FSDP2 allocates its optimizer state in step 1; FSDP1 also records the execution order its prefetching follows.
+STEADY_FROM_STEP_2 = (*FSDP_METHODS, "fsdp1")
 _UNSUPPORTED_OPTIMIZERS = {"adamw_8bit": "bitsandbytes' 8-bit AdamW needs CUDA"}
 
 
@@ -82,6 +84,55 @@ def _fsdp_tags(counter: StorageCounter) -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(group_mod, name, fn)
+
+
+@contextlib.contextmanager
+def _fsdp1_tags(counter: StorageCounter) -> Iterator[None]:
+    """FSDP1: the low-precision shard and the all-gather output (the unsharded flat parameter, which the
+    parameters view), and the post-backward hook's reduce path (cast, padding, reduce-scatter output)."""
+    from torch.distributed.fsdp import _flat_param as flat_mod
+    from torch.distributed.fsdp import _runtime_utils as runtime
+
+    patches = [(flat_mod.FlatParamHandle, "_use_low_precision_shard", "All Gather"),
+               (flat_mod.FlatParamHandle, "_alloc_padded_unsharded_flat_param", "Unsharded Param"),
+               (runtime, "_post_backward_hook", "Reduce Scatter")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+
+    def tagged(fn, cat):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with counter.tagged(cat):
+                return fn(*args, **kwargs)
+        return inner
+
+    try:
+        for (owner, name, cat), (_, _, fn) in zip(patches, saved):
+            setattr(owner, name, tagged(fn, cat))
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+@contextlib.contextmanager
+def _fsdp1_fake_storage_checks() -> Iterator[None]:
+    """FSDP1 asks whether tensors share or hold memory through ``data_ptr()``, which is 0 for every fake tensor
+    (so "same storage" was always true and "allocated" always false); ask the storages themselves."""
+    from torch.distributed.fsdp import _flat_param as flat_mod
+
+    saved = flat_mod._same_storage, flat_mod._data_ptr_allocated
+
+    def same_storage(a, b) -> bool:
+        return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+    def allocated(tensor) -> bool:
+        return tensor.untyped_storage().size() > 0
+
+    flat_mod._same_storage, flat_mod._data_ptr_allocated = same_storage, allocated
+    try:
+        yield
+    finally:
+        flat_mod._same_storage, flat_mod._data_ptr_allocated = saved
 
 
 # Shared with the estimator's TP profiler (moved to estimator.profiler.fake_pg; the old names stay importable).
@@ -157,6 +208,10 @@ def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: i
                 stack.enter_context(as_on_gpu(training.batch) if kernels == "cuda" else full_length_attention_mask())
             if method in FSDP_METHODS:
                 stack.enter_context(_fsdp_tags(counter))
+            if method == "fsdp1":
+                stack.enter_context(_fsdp1_tags(counter))
+                if fake_tensors:
+                    stack.enter_context(_fsdp1_fake_storage_checks())
             if fake_tensors:
                 model = materialize_fake(meta_model)
                 del meta_model
@@ -203,7 +258,7 @@ def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: i
             held.clear()
             del model, optimizer, batch
 
-    steady = records[1:] if method in FSDP_METHODS and len(records) > 1 else records
+    steady = records[1:] if method in STEADY_FROM_STEP_2 and len(records) > 1 else records
     best = max(steady, key=lambda r: r["peaks"]["peak"])
     return {
         "peak_allocated_bytes": best["peaks"]["peak"],
@@ -232,8 +287,8 @@ def _notes(spec: RunSpec, round_to: int) -> list[str]:
     notes = [f"bytes: each live tensor storage rounded up to {round_to} B (the CUDA caching allocator's block "
              "granularity); kernel workspaces (cuBLAS, NCCL, CUDA context) and allocator slack are not counted",
              "peaks cover the training steps only (model build / wrapping excluded: setup_peak_bytes)"]
-    if method in FSDP_METHODS:
-        notes.append("fsdp: peak_allocated_bytes and breakdown_at_peak are the steady state, max over steps >= 2 "
+    if method in STEADY_FROM_STEP_2:
+        notes.append(f"{method}: peak_allocated_bytes and breakdown_at_peak are the steady state, max over steps >= 2 "
                      "(step 1 has no optimizer state before its optimizer step). The first-step inflation seen "
                      "with MemTracker on fake tensors (env-recipes §4) was DTensor sharding-propagation "
                      "temporaries counted as allocations; this counter excludes them")

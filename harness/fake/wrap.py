@@ -64,7 +64,9 @@ from estimator.profiler.tp import OptimizerChain  # noqa: F401  (re-exported: it
 from estimator.spec import RunSpec, TrainingSpec
 
 FSDP_METHODS = ("fsdp", "dp_tp")
-TORCH_METHODS = ("single", "ddp", "fsdp", "tp", "dp_tp")
+TORCH_METHODS = ("single", "ddp", "fsdp", "fsdp1", "tp", "dp_tp")
+# Methods whose mixed_* precision is fp32 shards + a 16-bit compute policy (no MasterWeightOptimizer).
+SHARDED_MASTER_METHODS = ("fsdp", "fsdp1", "dp_tp")
 
 
 def _fp32_variant(training: TrainingSpec) -> TrainingSpec:
@@ -75,7 +77,7 @@ def _fp32_variant(training: TrainingSpec) -> TrainingSpec:
 
 def build_training(spec: RunSpec) -> TrainingSpec:
     """Training spec to pass to ``build_model`` and ``build_optimizer`` for this method."""
-    if spec.parallel.method in FSDP_METHODS and spec.training.precision.startswith("mixed_"):
+    if spec.parallel.method in SHARDED_MASTER_METHODS and spec.training.precision.startswith("mixed_"):
         return _fp32_variant(spec.training)
     return spec.training
 
@@ -110,6 +112,9 @@ def make_mesh(spec: RunSpec, device_type: str):
     method, n = spec.parallel.method, spec.parallel.world_size
     if method == "fsdp":
         return init_device_mesh(device_type, (n,))
+    if method == "fsdp1" and spec.parallel.fsdp1.sharding_strategy == "HYBRID_SHARD":
+        shard = spec.parallel.fsdp1.shard_size(n)
+        return init_device_mesh(device_type, (n // shard, shard), mesh_dim_names=("replicate", "shard"))
     if method == "tp":
         return init_device_mesh(device_type, (n,))
     if method == "dp_tp":
@@ -130,6 +135,35 @@ def apply_fsdp(model: nn.Module, mesh, training: TrainingSpec, model_type: str) 
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def fsdp1_mixed_precision(training: TrainingSpec):
+    """FSDP1 MixedPrecision for mixed_* (the same contract as FSDP2's policy: 16-bit compute, fp32 reduction,
+    buffers left as built); None otherwise."""
+    from torch.distributed.fsdp import MixedPrecision
+
+    dtype = {"mixed_bf16": torch.bfloat16, "mixed_fp16": torch.float16}.get(training.precision)
+    return MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32) if dtype is not None else None
+
+
+def apply_fsdp1(model: nn.Module, spec: RunSpec, mesh, model_type: str, device: torch.device | str) -> nn.Module:
+    """FSDP1 as accelerate's TRANSFORMER_BASED_WRAP builds it: one FSDP unit (one flat parameter) per decoder
+    layer, the root unit holding everything else; ``spec.parallel.fsdp1`` for the rest."""
+    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from estimator.profiler.tp import decoder_layers
+
+    options = spec.parallel.fsdp1
+    layer_classes = {type(layer) for layer in decoder_layers(model, model_type)}
+    prefetch = None if options.backward_prefetch == "NONE" else BackwardPrefetch[options.backward_prefetch]
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(layer_classes),
+                sharding_strategy=ShardingStrategy[options.sharding_strategy],
+                mixed_precision=fsdp1_mixed_precision(spec.training),
+                cpu_offload=CPUOffload(offload_params=options.cpu_offload), backward_prefetch=prefetch,
+                forward_prefetch=options.forward_prefetch, limit_all_gathers=options.limit_all_gathers,
+                use_orig_params=options.use_orig_params, device_id=torch.device(device), device_mesh=mesh)
 
 
 class _NoRebuildReducer:
@@ -173,6 +207,8 @@ def wrap_model(model: nn.Module, spec: RunSpec, mesh, config: dict[str, Any], *,
         return apply_ddp(model, fake=fake, device=device)
     if method == "fsdp":
         return apply_fsdp(model, mesh, spec.training, model_type)
+    if method == "fsdp1":
+        return apply_fsdp1(model, spec, mesh, model_type, device)
     if method == "tp":
         from estimator.profiler.tp import apply_tp
 

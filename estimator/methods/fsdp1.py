@@ -1,0 +1,353 @@
+"""FSDP1 (``FullyShardedDataParallel``): one flat parameter per unit, replayed event by event over a profiled step.
+
+Units as accelerate's TRANSFORMER_BASED_WRAP builds them: one per decoder layer, the root holding everything
+else (embeddings, final norm, head). What each unit allocates (torch 2.13, ``torch/distributed/fsdp/
+_flat_param.py`` and ``_runtime_utils.py``; order checked against the CPU oracle, ``harness.fake.trace_run``):
+
+* the flat parameter: the unit's tensors concatenated in registration order; with ``use_orig_params`` each
+  tensor starts 16-byte aligned (in the compute dtype) and the total is padded to a multiple of the shard group,
+  without it the last shard is padded. Every rank keeps its shard ``S`` in the parameters' dtype (fp32 under
+  mixed_*: the shards are the master weights);
+* unshard: under mixed_* a 16-bit copy of the shard (freed once the all-gather is issued), then the padded
+  unsharded flat parameter ``U`` in the compute dtype, which the parameters view. Layers free it after forward
+  (FULL_SHARD, HYBRID_SHARD; SHARD_GRAD_OP keeps it to backward) and after backward; the root keeps it from its
+  pre-forward to its post-backward. ``forward_prefetch`` unshards the next layer in each pre-forward;
+  BACKWARD_PRE unshards the next layer in each pre-backward (two layers unsharded while one computes),
+  BACKWARD_POST after the current one is freed;
+* backward: the parameters' gradients are held until the unit's last one exists, then concatenated into the
+  flat gradient (every element, zeros where a tensor has no gradient) in the compute dtype. The post-backward
+  hook frees ``U``, casts the flat gradient to the reduce dtype (fp32 under mixed_*), pads it to ``S`` x N when
+  the flat parameter is not already padded, reduce-scatters into a new shard that stays as the sharded gradient
+  (added in place under accumulation), and drops the unsharded copies when it returns.
+
+``limit_all_gathers`` (the rate limiter) only decides how far the CPU runs ahead of the GPU, i.e. how many freed
+blocks the caching allocator still waits on: reserved memory, not allocated. CPU offload keeps shards, optimizer
+states and the step on the host; a GPU copy of each shard is made for its all-gather, and the sharded gradients
+stay on the GPU until backward ends. NO_SHARD keeps the whole flat parameter and its full-size gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from estimator.methods.fsdp_replay import BACKWARD_LAYER, FORWARD_LAYER, Walk, set_part
+from estimator.methods.state import StepModel, optimizer_state_bytes, step_temp_bytes
+from estimator.methods.timeline import Replay, segment_sequence
+from estimator.models.params import ParamInfo
+from estimator.spec import Fsdp1Spec, RunSpec
+
+FP32 = 4
+ALIGN_BYTES = 16
+BUFFERS = ("root_params", "layer_params", "low_precision_shard", "flat_grad", "reduce")
+GRADS = ("root_grads", "layer_grads", "grad_shards")
+
+
+@dataclass(frozen=True)
+class FlatUnit:
+    """One FSDP1 unit's flat parameter on one rank."""
+
+    numel: int                  # flat parameter numel (alignment and divisibility padding included when aligned)
+    shard_numel: int            # S: every rank's padded shard
+    param_elem: int             # bytes per element of the flat parameter (and of the sharded gradient)
+    compute_elem: int           # bytes per element of the unsharded parameter and its gradient
+    reduce_elem: int
+    trainable: bool
+    local_trainable_numel: int  # elements of trainable tensors inside this rank's shard (optimizer state)
+    world: int                  # shard group size
+
+    @property
+    def unsharded_bytes(self) -> float:
+        return float(self.shard_numel * self.world * self.compute_elem)
+
+    @property
+    def flat_grad_bytes(self) -> float:
+        return float(self.numel * self.compute_elem) if self.trainable else 0.0
+
+
+def flat_unit(params: list[ParamInfo], world: int, rank: int, compute_elem: int, param_elem: int,
+              reduce_elem: int, aligned: bool) -> FlatUnit:
+    align = ALIGN_BYTES // compute_elem if aligned else 0
+    spans: list[tuple[int, ParamInfo]] = []
+    total = 0
+    for p in params:
+        if align and total % align:
+            total += align - total % align
+        spans.append((total, p))
+        total += p.numel
+    if aligned and total % world:
+        total += world - total % world
+    shard = math.ceil(total / world) if total else 0
+    lo, hi = rank * shard, (rank + 1) * shard
+    local = sum(max(0, min(off + p.numel, hi) - max(off, lo)) for off, p in spans if p.trainable)
+    return FlatUnit(numel=total, shard_numel=shard, param_elem=param_elem, compute_elem=compute_elem,
+                    reduce_elem=reduce_elem, trainable=any(p.trainable for p in params),
+                    local_trainable_numel=local, world=world)
+
+
+@dataclass(frozen=True)
+class Fsdp1Sizes:
+    root: FlatUnit
+    layer: FlatUnit
+    options: Fsdp1Spec
+    mixed: bool  # 16-bit compute from fp32 shards (MixedPrecision param_dtype)
+
+    @property
+    def sharded(self) -> bool:
+        return self.options.sharding_strategy != "NO_SHARD"
+
+    @property
+    def frees_after_forward(self) -> bool:
+        """Layers reshard after forward (NO_SHARD frees its 16-bit copy there, the root's too)."""
+        return self.options.sharding_strategy != "SHARD_GRAD_OP"
+
+    def unsharded_bytes(self, unit: FlatUnit) -> float:
+        """What an unshard allocates: the padded unsharded flat parameter; NO_SHARD: the 16-bit copy of the
+        whole flat parameter under mixed_*, nothing otherwise (the parameters are the flat parameter)."""
+        if not self.sharded and not self.mixed:
+            return 0.0
+        return unit.unsharded_bytes
+
+    def low_precision_shard_bytes(self, unit: FlatUnit) -> float:
+        return float(unit.shard_numel * unit.compute_elem) if self.mixed and self.sharded else 0.0
+
+
+def _unshard(sz: Fsdp1Sizes, unit: FlatUnit, part: str) -> list:
+    """pre_unshard (the 16-bit shard copy), the all-gather into the unsharded flat parameter, post_unshard."""
+    mp = sz.low_precision_shard_bytes(unit)
+    events = []
+    if mp:
+        events.append(set_part("low_precision_shard", lambda st: mp))
+    events.append(set_part(part, lambda st: st[part] + sz.unsharded_bytes(unit)))
+    if mp:
+        events.append(set_part("low_precision_shard", lambda st: 0.0))
+    return events
+
+
+def _free(sz: Fsdp1Sizes, unit: FlatUnit, part: str) -> list:
+    return [set_part(part, lambda st: max(st[part] - sz.unsharded_bytes(unit), 0.0))]
+
+
+def _post_backward(sz: Fsdp1Sizes, unit: FlatUnit, params_part: str, grads_part: str, accumulating: bool,
+                   prefetch_after: bool, grad_bytes: float | None = None) -> list:
+    """The unit's gradients are complete: flat gradient, reshard (BACKWARD_POST prefetches here), reduce.
+    ``grad_bytes``: the unit's own parameter gradients to drop (None: everything in ``grads_part``)."""
+    if not unit.trainable:
+        return _free(sz, unit, params_part) + (_unshard(sz, sz.layer, "layer_params") if prefetch_after else [])
+    drop = (lambda st: 0.0) if grad_bytes is None else (lambda st: max(st[grads_part] - grad_bytes, 0.0))
+    events = [set_part("flat_grad", lambda st: unit.flat_grad_bytes), set_part(grads_part, drop)]
+    events += _free(sz, unit, params_part)
+    if prefetch_after:
+        events += _unshard(sz, sz.layer, "layer_params")
+    cast = float(unit.numel * unit.reduce_elem) if unit.reduce_elem != unit.compute_elem else 0.0
+    if cast:
+        events.append(set_part("reduce", lambda st: cast))
+    if not sz.sharded:
+        # NO_SHARD all-reduces in place and keeps the full gradient (cast to the parameters' dtype if needed).
+        kept = float(unit.numel * unit.param_elem)
+        if unit.param_elem != (unit.reduce_elem if cast else unit.compute_elem):
+            events.append(set_part("reduce", lambda st: st["reduce"] + kept))
+        if accumulating:  # autograd added this micro-batch's gradient into the one kept
+            kept = 0.0
+        return events + [_keep_flat_grad(kept)]
+    padded = unit.shard_numel * unit.world
+    if padded > unit.numel:  # F.pad into a new tensor of S x N elements
+        events.append(set_part("reduce", lambda st: st["reduce"] + padded * unit.reduce_elem))
+    new_shard = float(unit.shard_numel * unit.reduce_elem)
+    events.append(set_part("grad_shards", lambda st: st["grad_shards"] + new_shard))
+    kept = float(unit.shard_numel * unit.param_elem)
+    if kept != new_shard:  # cast to the parameters' dtype: a new tensor, the reduced one freed
+        events += [set_part("grad_shards", lambda st: st["grad_shards"] + kept),
+                   set_part("grad_shards", lambda st: st["grad_shards"] - new_shard)]
+    if accumulating:  # added in place into the saved shard
+        events.append(set_part("grad_shards", lambda st: st["grad_shards"] - kept))
+    return events + [set_part("reduce", lambda st: 0.0), set_part("flat_grad", lambda st: 0.0)]
+
+
+def _keep_flat_grad(kept: float):
+    """End of a NO_SHARD post-backward: the kept gradient becomes the unit's gradient, the copies are freed."""
+    def apply(state: dict) -> bool:
+        state["grad_shards"] += kept
+        state["flat_grad"] = state["reduce"] = 0.0
+        return False
+    return apply
+
+
+def _forward_events(name: str, num_layers: int, sz: Fsdp1Sizes) -> list:
+    opts = sz.options
+    reshard_fw = sz.frees_after_forward
+    layer = sz.layer
+    if name == "prefix":  # the root's pre-forward; forward prefetching unshards the first layer there
+        events = _unshard(sz, sz.root, "root_params")
+        return events + (_unshard(sz, layer, "layer_params") if opts.forward_prefetch else [])
+    if name in FORWARD_LAYER:
+        events = [] if name == "fw_first" or not reshard_fw else _free(sz, layer, "layer_params")
+        if not opts.forward_prefetch:
+            events += _unshard(sz, layer, "layer_params")
+        if opts.forward_prefetch and name != "fw_last" and num_layers > 1:
+            events += _unshard(sz, layer, "layer_params")
+        return events
+    if name == "mid_fw":
+        events = _free(sz, layer, "layer_params") if reshard_fw else []
+        return events + ([] if sz.sharded else _free(sz, sz.root, "root_params"))
+    raise ValueError(f"fsdp1: unknown forward segment {name!r}")
+
+
+def _backward_events(sz: Fsdp1Sizes, layer_index: int, num_layers: int, layer_grad_bytes: float,
+                     accumulating: bool) -> list:
+    """At the start of layer ``layer_index``'s backward (-1: the suffix, after the first layer's).
+
+    A layer's post-backward runs when autograd reaches its flat parameter's split node, which it orders by
+    creation: unsharded in its own pre-forward, the split comes after the previous layer's backward; prefetched
+    in the previous layer's pre-forward (``forward_prefetch``), it comes one layer later."""
+    opts = sz.options
+    reshard_fw = sz.frees_after_forward
+    delay = 1 if opts.forward_prefetch else 0
+    pre = opts.backward_prefetch == "BACKWARD_PRE"
+    # BACKWARD_POST prefetches in the post-backward of the layer after the one that needs it; deferred by a
+    # layer, that one has already unsharded itself.
+    post = opts.backward_prefetch == "BACKWARD_POST" and not delay
+    events = []
+    finished = layer_index + 1 + delay
+    if finished < num_layers:
+        events += _post_backward(sz, sz.layer, "layer_params", "layer_grads", accumulating,
+                                 prefetch_after=post and reshard_fw and layer_index >= 0,
+                                 grad_bytes=layer_grad_bytes)
+    if layer_index < 0:  # the suffix
+        return events
+    last = layer_index == num_layers - 1
+    # BACKWARD_PRE: every layer was prefetched (the last by the root); BACKWARD_POST: all but the last.
+    if reshard_fw and not pre and not (post and not last):
+        events += _unshard(sz, sz.layer, "layer_params")
+    if pre and reshard_fw and layer_index > 0:
+        events += _unshard(sz, sz.layer, "layer_params")
+    return events
+
+
+def _mid_backward_events(sz: Fsdp1Sizes) -> list:
+    """The root's pre-backward hook (on the loss): NO_SHARD re-makes the root's 16-bit copy; BACKWARD_PRE
+    prefetches the last layer."""
+    events = [] if sz.sharded else _unshard(sz, sz.root, "root_params")
+    if sz.options.backward_prefetch == "BACKWARD_PRE" and sz.frees_after_forward:
+        events += _unshard(sz, sz.layer, "layer_params")
+    return events
+
+
+def _schedule(num_layers: int, sz: Fsdp1Sizes, layer_grad_bytes: float, accumulating: bool
+              ) -> list[tuple[str, int, list]]:
+    """(profile segment, repetitions, boundary events) over the step; a repeated segment is split where its
+    events change (the first backward layers, before any post-backward is due)."""
+    delay = int(sz.options.forward_prefetch)
+    out = []
+    for name, repeats in segment_sequence(num_layers):
+        if name in BACKWARD_LAYER:
+            index = {"bw_first": num_layers - 1, "bw": num_layers - 2, "bw_last": 0}[name]
+            if name == "bw" and delay and repeats > 1:  # the first middle layer has no post-backward due yet
+                out.append((name, 1, _backward_events(sz, index, num_layers, layer_grad_bytes, accumulating)))
+                index, repeats = index - 1, repeats - 1
+            out.append((name, repeats, _backward_events(sz, index, num_layers, layer_grad_bytes, accumulating)))
+        elif name == "mid_bw":
+            out.append((name, repeats, _mid_backward_events(sz)))
+        elif name == "suffix":
+            out.append((name, repeats, _backward_events(sz, -1, num_layers, layer_grad_bytes, accumulating)))
+        else:
+            out.append((name, repeats, _forward_events(name, num_layers, sz)))
+    return out
+
+
+def replay_fsdp1(segments: dict, num_layers: int, b: int, s: int, sizes: Fsdp1Sizes, accumulating: bool = False
+                 ) -> Replay:
+    """Peak of activations + gradients + FSDP1 buffers over one steady step's forward and backward."""
+    walk = Walk(b, s, grad_part=lambda name: "layer_grads" if name in BACKWARD_LAYER else "root_grads")
+    act = 0.0
+    state = dict.fromkeys(BUFFERS + GRADS, 0.0)
+    if accumulating:
+        per_unit = sizes.layer.shard_numel if sizes.sharded else sizes.layer.numel
+        root_unit = sizes.root.shard_numel if sizes.sharded else sizes.root.numel
+        state["grad_shards"] = (num_layers * per_unit * sizes.layer.param_elem * sizes.layer.trainable
+                                + root_unit * sizes.root.param_elem * sizes.root.trainable)
+    layer_grad_bytes = segments["bw_last"]["net_grad"]
+    for name, repeats, events in _schedule(num_layers, sizes, layer_grad_bytes, accumulating):
+        act, state = walk.repeat(name, segments[name], events, act, state, repeats)
+    tail = []
+    if sizes.options.forward_prefetch:  # the first layer's post-backward, deferred past the embeddings' backward
+        tail += _post_backward(sizes, sizes.layer, "layer_params", "layer_grads", accumulating, prefetch_after=False,
+                               grad_bytes=layer_grad_bytes)
+    tail += _post_backward(sizes, sizes.root, "root_params", "root_grads", accumulating, prefetch_after=False)
+    for event in tail:
+        if event(state):
+            walk.consider(act, state, "suffix")
+    total, peak_act, parts, seg = walk.best
+    return Replay(peak_bytes=total, peak_act_bytes=peak_act, peak_grad_bytes=sum(parts[p] for p in GRADS),
+                  peak_segment=seg, end_act_bytes=act, end_grad_bytes=state["grad_shards"],
+                  peak_parts={"gathered_params": parts["root_params"] + parts["layer_params"]
+                              + parts["low_precision_shard"],
+                              "comm_buffers": parts["reduce"] + parts["flat_grad"]})
+
+
+def _units(table: list[ParamInfo]) -> tuple[list[ParamInfo], list[ParamInfo]]:
+    """(root unit's tensors in registration order, one decoder layer's tensors)."""
+    outer = [p for p in table if p.layer is None]
+
+    def before(p: ParamInfo) -> bool:
+        return p.before_layers if p.before_layers is not None else p.module_kind == "embedding"
+    root = [p for p in outer if before(p)] + [p for p in outer if not before(p)]
+    first_layer = min((p.layer for p in table if p.layer is not None), default=None)
+    return root, [p for p in table if p.layer is not None and p.layer == first_layer]
+
+
+def _uniform_elem(params: list[ParamInfo], unit: str) -> int:
+    sizes = {p.elem_bytes for p in params}
+    if len(sizes) > 1:
+        raise ValueError(f"method: fsdp1 flattens each unit into one tensor and needs one dtype per unit; the {unit} "
+                         f"mixes {sorted(sizes)}-byte tensors (e.g. fp32 LoRA adapters on 16-bit weights); use fsdp")
+    return sizes.pop() if sizes else 2
+
+
+def fsdp1_sizes(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> Fsdp1Sizes:
+    training, parallel = spec.training, spec.parallel
+    options = parallel.fsdp1
+    world = options.shard_size(parallel.world_size)
+    mixed = training.precision.startswith("mixed_")
+    root, layer = _units(table)
+
+    def unit(params: list[ParamInfo], name: str) -> FlatUnit:
+        compute = _uniform_elem(params, name)
+        param_elem = FP32 if mixed else compute
+        reduce = FP32 if mixed else compute
+        return flat_unit(params, world, rank % world, compute, param_elem, reduce, options.use_orig_params)
+    return Fsdp1Sizes(root=unit(root, "root unit"), layer=unit(layer, "decoder layer"), options=options,
+                      mixed=mixed)
+
+
+def fsdp1(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> StepModel:
+    """FSDP1 per decoder layer then the root (module docstring); mixed_*: fp32 flat shards, 16-bit compute,
+    fp32 gradient reduction (``MixedPrecision(param_dtype=16-bit, reduce_dtype=fp32)``), AdamW on the shards."""
+    training = spec.training
+    sizes = fsdp1_sizes(spec, table, rank)
+    options = sizes.options
+    num_layers = len({p.layer for p in table if p.layer is not None})
+    units = [(sizes.root, 1), (sizes.layer, num_layers)]
+    stored = [(u.shard_numel if sizes.sharded else u.numel, u, n) for u, n in units]
+    weights = float(sum(numel * u.param_elem * n for numel, u, n in stored))
+    grads = float(sum(numel * u.param_elem * n for numel, u, n in stored if u.trainable))
+    # The optimizer's tensors: the original parameters' pieces in this shard, or the flat shards themselves.
+    stepped = [ParamInfo(f"unit{k}", (numel,), numel, u.param_elem, True, "other", None)
+               for k, (numel, u, n) in enumerate(
+                   (u.local_trainable_numel if options.use_orig_params and sizes.sharded else numel, u, n)
+                   for numel, u, n in stored if u.trainable) for _ in range(n)]
+    states = optimizer_state_bytes(stepped, training.optimizer, False)
+    temp = step_temp_bytes(stepped, training.optimizer, False)
+    notes = ["fsdp1: FullyShardedDataParallel per decoder layer then the root "
+             f"({options.sharding_strategy}, use_orig_params={options.use_orig_params}, backward_prefetch="
+             f"{options.backward_prefetch}); limit_all_gathers changes reserved, not allocated memory"]
+    host = 0.0
+    if options.cpu_offload:
+        host, weights, states, temp = weights + states + grads, 0.0, 0.0, 0.0
+        notes.append("fsdp1 cpu_offload: shards, gradients' host copies, optimizer states and the step on the host "
+                     "(host_ram_bytes); not checked against an oracle (the CPU oracle has no separate device)")
+    return StepModel(resident={"weights": weights, "optimizer_states": states},
+                     grad_policy=lambda prev, within: prev + within, segment_extra=None,
+                     step_grads=0.0 if options.cpu_offload else grads, step_temp=temp, host_bytes=host, notes=notes,
+                     replay=lambda segments, layers, b, s, accumulating=False: replay_fsdp1(
+                         segments, layers, b, s, sizes, accumulating=accumulating))
