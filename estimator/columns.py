@@ -3,7 +3,8 @@
 One row per run x rank, units in the column names (``data/README.md`` is the data dictionary). It lives in
 the estimator because both sides need it and neither may import the other (docs/DESIGN.md).
 Spec columns are the RunSpec fields flattened: ``training.*`` and ``parallel.*`` fields keep their names,
-``parallel.zero.X`` becomes ``zero_X``, ``schema_version`` becomes ``spec_schema_version``.
+``parallel.zero.X`` becomes ``zero_X``, ``parallel.fsdp1.X`` becomes ``fsdp1_X``, ``schema_version`` becomes
+``spec_schema_version``.
 Pure standard library.
 """
 
@@ -13,13 +14,14 @@ import dataclasses
 import math
 from typing import Any
 
-from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
+from estimator.spec import Fsdp1Spec, ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
 
 ID_COLUMNS = ["run_id", "spec_id", "campaign", "gpu_key", "rank", "world_size", "run_status", "rank_status",
               "emulated", "measured_by", "memory_source"]
 SPEC_COLUMNS = (["model", "gpu", "spec_schema_version", "method", "tp", "dp", "zero_stage"]
                 + [f.name for f in dataclasses.fields(TrainingSpec)]
-                + [f"zero_{f.name}" for f in dataclasses.fields(ZeroSpec)])
+                + [f"zero_{f.name}" for f in dataclasses.fields(ZeroSpec)]
+                + [f"fsdp1_{f.name}" for f in dataclasses.fields(Fsdp1Spec)])
 MEASURE_COLUMNS = ["peak_allocated_bytes", "peak_reserved_bytes", "peak_active_bytes", "peak_requested_bytes",
                    "peak_device_bytes", "peak_forward_allocated_bytes", "peak_backward_allocated_bytes",
                    "peak_optimizer_allocated_bytes", "setup_allocated_bytes", "cuda_context_bytes",
@@ -31,7 +33,7 @@ RUN_COLUMNS = ["padding", "data_keep", "data_source", "tokenizer", "warmup_steps
 ENV_COLUMNS = ["gpu_name", "compute_capability", "driver_version", "cuda_version", "torch_version",
                "transformers_version", "deepspeed_version", "alloc_conf", "git_sha", "git_dirty", "hostname"]
 # Spec fields added after tables were first written; a table without the column means the field's default.
-ADDED_SPEC_FIELDS = ("loop", "batch")
+ADDED_SPEC_FIELDS = ("loop", "batch", *(f"fsdp1_{f.name}" for f in dataclasses.fields(Fsdp1Spec)))
 COLUMNS = ID_COLUMNS + SPEC_COLUMNS + MEASURE_COLUMNS + RUN_COLUMNS + ENV_COLUMNS
 # Columns spec_from_columns reads (``world_size`` is an identity column; ``dp``/``zero_stage`` are derived).
 SPEC_INPUT_COLUMNS = ["model", "gpu", "method", "world_size", "tp"] + [
@@ -44,6 +46,7 @@ def spec_columns(spec: RunSpec) -> dict[str, Any]:
                            "zero_stage": spec.parallel.zero_stage}
     row.update(dataclasses.asdict(spec.training))
     row.update({f"zero_{k}": v for k, v in dataclasses.asdict(spec.parallel.zero).items()})
+    row.update({f"fsdp1_{k}": v for k, v in dataclasses.asdict(spec.parallel.fsdp1).items()})
     return row
 
 
@@ -55,13 +58,13 @@ def spec_from_columns(row: dict[str, Any]) -> RunSpec:
         for f in dataclasses.fields(cls):
             default = getattr(cls(), f.name)
             value = parse_cell(row.get(prefix + f.name), default)
-            if value is None and f.name in ADDED_SPEC_FIELDS:
+            if value is None and (f.name in ADDED_SPEC_FIELDS or prefix + f.name in ADDED_SPEC_FIELDS):
                 continue  # a table written before the field existed: the harness ran the default
             out[f.name] = value
         return out
     zero = ZeroSpec(**typed(ZeroSpec, "zero_"))
     parallel = ParallelSpec(method=str(row["method"]), world_size=_int(row["world_size"]), tp=_int(row["tp"]),
-                            zero=zero)
+                            zero=zero, fsdp1=Fsdp1Spec(**typed(Fsdp1Spec, "fsdp1_")))
     return RunSpec(model=str(row["model"]), gpu=str(row["gpu"]), parallel=parallel,
                    training=TrainingSpec(**typed(TrainingSpec, "")))
 

@@ -22,13 +22,20 @@ SPEC = ["model", "gpu", "method", "world_size", "tp", "micro_batch_size", "seq_l
         "batch", "zero_reduce_bucket_size", "zero_allgather_bucket_size", "zero_overlap_comm", "zero_contiguous_gradients",
         "zero_reduce_scatter", "zero_stage3_prefetch_bucket_size", "zero_stage3_param_persistence_threshold",
         "zero_stage3_max_live_parameters", "zero_stage3_max_reuse_distance", "zero_sub_group_size",
-        "zero_offload_optimizer", "zero_offload_param", "zero_pin_memory"]
+        "zero_offload_optimizer", "zero_offload_param", "zero_pin_memory", "fsdp1_sharding_strategy",
+        "fsdp1_use_orig_params", "fsdp1_cpu_offload", "fsdp1_backward_prefetch", "fsdp1_forward_prefetch",
+        "fsdp1_limit_all_gathers", "fsdp1_gpus_per_node"]
 ZERO_DEFAULTS = {"zero_reduce_bucket_size": 500_000_000, "zero_allgather_bucket_size": 500_000_000,
                  "zero_overlap_comm": "", "zero_contiguous_gradients": True, "zero_reduce_scatter": True,
                  "zero_stage3_prefetch_bucket_size": 50_000_000, "zero_stage3_param_persistence_threshold": 100_000,
                  "zero_stage3_max_live_parameters": 1_000_000_000, "zero_stage3_max_reuse_distance": 1_000_000_000,
                  "zero_sub_group_size": 1_000_000_000, "zero_offload_optimizer": False, "zero_offload_param": False,
                  "zero_pin_memory": False}
+# torch's FSDP1 defaults (use_orig_params as accelerate sets it); the rows' FSDP runs are FSDP1 where their
+# extractor says so.
+FSDP1_DEFAULTS = {"fsdp1_sharding_strategy": "FULL_SHARD", "fsdp1_use_orig_params": True, "fsdp1_cpu_offload": False,
+                  "fsdp1_backward_prefetch": "BACKWARD_PRE", "fsdp1_forward_prefetch": False,
+                  "fsdp1_limit_all_gathers": True, "fsdp1_gpus_per_node": 8}
 IDENTITY = ["row_id", "source", "source_ref", "source_table", "source_key"]
 CONTEXT = ["model_hub_id", "framework", "adapter", "padding", "max_length", "seq_len_basis", "lengths",
            "rescore_lengths"]
@@ -49,7 +56,7 @@ def row(**fields) -> dict:
     """A complete row: defaults for the ZeRO/TP columns, the value in bytes, every column present."""
     out = {c: "" for c in COLUMNS}
     out.update({"tp": 1, "grad_accum_steps": 1, "qlora": False, "lora_rank": 0, "lora_targets": "auto",
-                "value_offset_bytes": 0, "complete": True, "in_scope": True, **ZERO_DEFAULTS})
+                "value_offset_bytes": 0, "complete": True, "in_scope": True, **ZERO_DEFAULTS, **FSDP1_DEFAULTS})
     unknown = set(fields) - set(COLUMNS)
     if unknown:
         raise KeyError(f"unknown columns {sorted(unknown)}")

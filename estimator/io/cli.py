@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from estimator.batching.cli_args import add_batching_arguments, batching_from_args
+from estimator.io.fsdp1_args import add_fsdp1_arguments, fsdp1_from_args
 from estimator.spec import (
     ATTENTIONS,
     BATCHES,
@@ -29,7 +30,7 @@ GIB = 1024**3
 # The embedded default: the paper's setting (a paper model on 4 x V100-16GB, seq 512, fp16, checkpointing).
 DEFAULT = {"model": "facebook/opt-1.3b", "gpus": 4, "micro_batch_size": 4, "seq_len": 512,
            "precision": "mixed_fp16", "grad_ckpt": True, "attn": "eager", "gpu": "v100-16gb"}
-COMPARE_METHODS = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "dp_tp", "zero_offload")
+COMPARE_METHODS = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp1", "tp", "dp_tp", "zero_offload")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom code of hub configs")
     p.add_argument("--list-models", action="store_true", help="list catalogue models")
     p.add_argument("--list-gpus", action="store_true", help="list GPU keys")
+    add_fsdp1_arguments(p)
     add_batching_arguments(p)
     return p
 
@@ -127,11 +129,11 @@ def spec_from_args(args) -> tuple[RunSpec, bool]:
     gpus = args.gpus if args.gpus is not None else (DEFAULT["gpus"] if use_default else 1)
     method = args.method or ("single" if gpus == 1 and args.model else "all")
     gpu = (args.gpu or (DEFAULT["gpu"] if use_default else "h100-80gb")).lower()
-    if method == "all":  # the comparison enumerates methods itself (compare_specs)
-        parallel = ParallelSpec(world_size=1)
+    if method == "all":  # the comparison enumerates methods itself (compare_specs); fsdp1 flags go to its row
+        parallel = ParallelSpec(world_size=1, fsdp1=fsdp1_from_args(args, "fsdp1"))
     else:
         tp = args.tp if args.tp is not None else (gpus if method == "tp" else 1)
-        parallel = ParallelSpec(method=method, world_size=gpus, tp=tp)
+        parallel = ParallelSpec(method=method, world_size=gpus, tp=tp, fsdp1=fsdp1_from_args(args, method))
     spec = RunSpec(model=args.model or DEFAULT["model"], parallel=parallel, training=training, gpu=gpu)
     if args.deepspeed:
         from estimator.configs.deepspeed_json import spec_from_deepspeed
@@ -161,7 +163,8 @@ def compare_specs(spec: RunSpec, gpus: int) -> list[tuple[str, RunSpec | None, s
         for tp in tps:
             label = method if method != "dp_tp" else f"dp_tp {gpus // tp}x{tp}"
             try:
-                rows.append((label, spec.replace(parallel=ParallelSpec(method=method, world_size=gpus, tp=tp)), ""))
+                rows.append((label, spec.replace(parallel=ParallelSpec(method=method, world_size=gpus, tp=tp,
+                                                                       fsdp1=spec.parallel.fsdp1)), ""))
             except ValueError as err:
                 rows.append((label, None, str(err)))
     return rows

@@ -11,6 +11,7 @@ import json
 import sys
 
 from estimator.batching.cli_args import add_batching_arguments, batching_from_args
+from estimator.io.fsdp1_args import add_fsdp1_arguments, fsdp1_from_args
 from estimator.planning import plan as planner
 from estimator.planning.plan import Plan
 from estimator.spec import ATTENTIONS, BATCHES, LOOPS, OPTIMIZERS, PRECISIONS
@@ -66,6 +67,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--alloc-conf", metavar="STRING", default=None,
                         help="PYTORCH_CUDA_ALLOC_CONF the reserved replay uses (default: the environment's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_fsdp1_arguments(parser)
     add_batching_arguments(parser)
     return parser
 
@@ -97,7 +99,8 @@ def run_plan(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                               attn=args.attn, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
                               ckpt_options=ckpt, methods=_methods(args.methods), interconnect=args.interconnect,
                               bandwidth_gbs=args.bandwidth, host_ram_gb=args.host_ram, loop=args.loop,
-                              epoch=epoch, alloc_conf=args.alloc_conf, batch=args.batch)
+                              epoch=epoch, alloc_conf=args.alloc_conf, batch=args.batch,
+                              fsdp1=fsdp1_from_args(args, "fsdp1"))
         baseline = None
         if args.llmem:
             from estimator.baselines import llmem_select

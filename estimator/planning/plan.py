@@ -20,7 +20,7 @@ from typing import Any
 
 from estimator.planning import throughput as tput
 from estimator.planning.shape import ModelShape, model_facts, model_shape
-from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
+from estimator.spec import Fsdp1Spec, ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
 
 GIB = 1024**3
 MAX_MICRO_BATCH = 4096          # search ceiling (reported as ">= cap" when reached)
@@ -28,8 +28,8 @@ MAX_GPUS = 4096                 # the largest N the planner (and its "how many G
 ADVICE_LORA_RANK = 16
 # The planner's layouts: the estimator's methods, plus ZeRO-3 with CPU offload (a ``zero3`` spec with
 # ``ZeroSpec.offload_optimizer`` / ``offload_param``: DeepSpeed's "ZeRO-3 Offload" and ZeRO-Infinity on the CPU).
-METHOD_ORDER = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "dp_tp", "zero_offload", "zero3_offload",
-                "zero_infinity")
+METHOD_ORDER = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp1", "tp", "dp_tp", "zero_offload",
+                "zero3_offload", "zero_infinity")
 METHOD_RANK = {m: i for i, m in enumerate(METHOD_ORDER)}   # simpler first, for ties
 OFFLOAD_METHODS = ("zero_offload", "zero3_offload", "zero_infinity")
 # What each layout is, in the terms of the framework that runs it (printed with the recommendation).
@@ -40,6 +40,7 @@ RUN_AS = {
     "zero2": "DeepSpeed ZeRO stage 2",
     "zero3": "DeepSpeed ZeRO stage 3",
     "fsdp": "PyTorch FSDP2 (fully_shard per decoder layer)",
+    "fsdp1": "PyTorch FSDP1 (FullyShardedDataParallel per decoder layer, FULL_SHARD, use_orig_params)",
     "tp": "DTensor tensor parallelism over every GPU",
     "dp_tp": "DTensor tensor parallelism inside, FSDP2 over the data-parallel axis",
     "zero_offload": "DeepSpeed ZeRO-Offload: stage 2, offload_optimizer cpu",
@@ -97,7 +98,7 @@ def enumerate_candidates(world_size: int, ckpt_options: Iterable[bool] = (False,
     if world_size == 1:
         layouts = [("single", 1)]
     else:
-        layouts = [(m, 1) for m in ("ddp", "zero1", "zero2", "zero3", "fsdp")] + [("tp", world_size)]
+        layouts = [(m, 1) for m in ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp1")] + [("tp", world_size)]
         layouts += [("dp_tp", t) for t in range(2, world_size) if world_size % t == 0]
     layouts += [(m, 1) for m in OFFLOAD_METHODS]
     wanted = set(methods) if methods is not None else None
@@ -256,6 +257,7 @@ class _Context:
     probe_fn: EstimateFn | None = None     # for the advice's what-ifs: never builds a profile (default estimator)
     ckpt_options: tuple[bool, ...] = (False, True)
     host_ram_bytes: int | None = None      # the user's host RAM per node (offload layouts), if given
+    fsdp1: Fsdp1Spec = field(default_factory=Fsdp1Spec)  # the fsdp1 layout's settings
     # Sample lengths (estimator.batching.epoch.EpochSource): memory at each micro-batch's worst batch, step time
     # at its mean padded length, tokens/s in real tokens.
     epoch: Any = None
@@ -278,7 +280,10 @@ class _Context:
 
     def spec(self, cand: Candidate, mb: int, **training: Any) -> RunSpec:
         train = dataclasses.replace(self.training, micro_batch_size=mb, grad_ckpt=cand.grad_ckpt, **training)
-        return RunSpec(model=self.model, gpu=self.gpu.key, training=train, parallel=cand.parallel_spec())
+        parallel = cand.parallel_spec()
+        if cand.method == "fsdp1":
+            parallel = dataclasses.replace(parallel, fsdp1=self.fsdp1)
+        return RunSpec(model=self.model, gpu=self.gpu.key, training=train, parallel=parallel)
 
     def estimate(self, cand: Candidate, mb: int, *, probe: bool = False, **training: Any):
         """The estimate of ``cand`` at micro-batch ``mb`` (memoised). ``probe``: an advice what-if, which must
@@ -409,7 +414,7 @@ def _loss_reason(res: CandidateResult, best: CandidateResult) -> str:
     elif term == "offload":
         why = f"PCIe transfers + CPU Adam {ms:.0f} ms/step"
     else:
-        sharded = c.method in ("zero1", "zero2", "zero3", "fsdp", "dp_tp")
+        sharded = c.method in ("zero1", "zero2", "zero3", "fsdp", "fsdp1", "dp_tp")
         why = f"optimizer update {ms:.0f} ms/step ({'sharded' if sharded else 'not sharded'})"
     return f"{ratio:.2f}x the best: {why}"
 
@@ -482,7 +487,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
          methods: Iterable[str] | None = None, interconnect: str | None = None,
          bandwidth_gbs: float | None = None, host_ram_gb: float | None = None, advise: bool = True,
          estimate_fn: EstimateFn | None = None, gpu_info: tput.GpuPerf | None = None, loop: str = "trainer",
-         epoch: Any = None, alloc_conf: str | None = None, batch: str = "full") -> Plan:
+         epoch: Any = None, alloc_conf: str | None = None, batch: str = "full",
+         fsdp1: Fsdp1Spec | None = None) -> Plan:
     """Search, rank and advise. Raises ``ValueError("field: ...")`` for bad input (unknown GPU or model,
     impossible N, a global batch no candidate can split, a method with no layout on N GPUs).
 
@@ -491,7 +497,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     estimator they use only profiles already shipped or cached, and say so when one is missing.
     ``epoch``: sample lengths (``estimator.batching.epoch.EpochSource``); ``seq_len`` then truncates them, and
     each batch's padding decides its ``batch`` (else ``batch``: "full" or "padded", ``TrainingSpec.batch``).
-    ``alloc_conf``: the ``PYTORCH_CUDA_ALLOC_CONF`` the reserved replay uses (default: the environment's)."""
+    ``alloc_conf``: the ``PYTORCH_CUDA_ALLOC_CONF`` the reserved replay uses (default: the environment's).
+    ``fsdp1``: the settings of the fsdp1 layout (default: FULL_SHARD, use_orig_params, BACKWARD_PRE)."""
     started = time.perf_counter()
     from estimator.api import resolve_alloc_conf
 
@@ -517,7 +524,11 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
                    eff=tput.load_efficiency(gpu_perf), interconnect=interconnect, bandwidth_gbs=bandwidth_gbs,
                    probe_fn=None if estimate_fn else _default_estimate(allow_build=False, alloc_conf=alloc_conf),
                    ckpt_options=ckpt_options,
-                   host_ram_bytes=int(host_ram_gb * GIB) if host_ram_gb is not None else None, epoch=epoch)
+                   host_ram_bytes=int(host_ram_gb * GIB) if host_ram_gb is not None else None, epoch=epoch,
+                   fsdp1=fsdp1 or Fsdp1Spec())
+    if gpus % ctx.fsdp1.shard_size(gpus):
+        raise ValueError(f"gpus_per_node: HYBRID_SHARD needs whole nodes: {gpus} GPUs is not a multiple of "
+                         f"{ctx.fsdp1.gpus_per_node}")
     cands = enumerate_candidates(gpus, ckpt_options, methods)
     if global_batch is not None and all(global_batch % c.dp for c in cands):
         dps = sorted({c.dp for c in cands}, reverse=True)

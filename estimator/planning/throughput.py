@@ -402,12 +402,13 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
         step_comm = dp_link.time("all_gather", psi, dp, buckets)
         parts["dp_reduce_scatter"], parts["dp_all_gather"] = micro_comm * accum, step_comm
         hidden_micro = zero_overlap * bwd_micro
-    elif m in ("zero3", "fsdp", "dp_tp") + ZERO3_OFFLOAD:   # dp_tp: FSDP2 over the dp axis of the (dp, tp) mesh
+    elif m in ("zero3", "fsdp", "fsdp1", "dp_tp") + ZERO3_OFFLOAD:   # dp_tp: FSDP2 over the dp axis of the mesh
         micro_comm = 3 * dp_link.time("all_gather", psi, dp, shape.layers + 1)
         parts["dp_gather_scatter"] = micro_comm * accum
-        overlap = OVERLAP["fsdp" if m in ("fsdp", "dp_tp") else "zero3"] if setup.overlap_comm is not False else 0.0
+        overlap = OVERLAP["fsdp" if m in ("fsdp", "fsdp1", "dp_tp") else "zero3"] \
+            if setup.overlap_comm is not False else 0.0
         hidden_micro = overlap * compute_micro        # prefetch hides under forward and backward
-    sharded = "fsdp" if m == "dp_tp" else ("zero3" if m in ZERO3_OFFLOAD else m)
+    sharded = "fsdp" if m in ("dp_tp", "fsdp1") else ("zero3" if m in ZERO3_OFFLOAD else m)
     sharding = SHARDING_OVERHEAD_S.get(sharded, 0.0) * shape.layers * (3 if setup.grad_ckpt else 2)
     if sharding:
         parts["sharding_overhead"] = sharding * accum
@@ -438,7 +439,8 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
             + params_h2d * (1 - OVERLAP["offload_params"]) + cpu_adam
         optimizer = 0.0
     else:
-        local = shape.trainable_per_rank(tp) / (dp if m in ("zero1", "zero2", "zero3", "fsdp", "dp_tp") else 1)
+        local = shape.trainable_per_rank(tp) / (dp if m in ("zero1", "zero2", "zero3", "fsdp", "fsdp1", "dp_tp")
+                                                else 1)
         per_param = OPTIMIZER_BYTES_PER_PARAM.get(setup.optimizer, 32.0)
         optimizer = local * per_param / (gpu.memory_bandwidth * HBM_EFFICIENCY)
     parts["compute"] = compute_micro * accum

@@ -64,6 +64,10 @@ class Variant:
     kernels: str = "cuda"
     fsdp_world: int = 1
     rank: int = 0
+    # FSDP1 (FullyShardedDataParallel per decoder layer, then the root) with this sharding strategy instead of
+    # FSDP2; torch's defaults otherwise (use_orig_params=False: MemTracker hooks every module parameter's
+    # gradient accumulation, and with use_orig_params the layers' parameters are non-leaf views in forward).
+    fsdp1: str | None = None
 
 
 @dataclass
@@ -175,14 +179,18 @@ def build(config: dict[str, Any], variant: Variant, lr: float = 1e-5) -> Built:
     if variant.fsdp_world > 1:
         _init_fake_process_group(variant)
         process_group = True
-        _shard(model, hf_config, variant)
+        if variant.fsdp1 is None:
+            _shard(model, hf_config, variant)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         model.to_empty(device="cpu")
-        if variant.fsdp_world == 1:
+        if variant.fsdp_world == 1 or variant.fsdp1 is not None:
             model.tie_weights()
+        if variant.fsdp1 is not None:
+            with _fsdp1_on_fake_tensors():
+                model = _shard_fsdp1(model, hf_config, variant)
         params = [p for p in model.parameters() if p.requires_grad]
-        if variant.precision.startswith("mixed_") and variant.fsdp_world == 1:
+        if variant.precision.startswith("mixed_") and variant.fsdp_world == 1:  # FSDP: fp32 shards are masters
             optimizer = _MasterAdamW(params, lr)
         else:
             optimizer = torch.optim.AdamW(params, lr=lr, foreach=True)
@@ -214,6 +222,39 @@ def _shard(model, hf_config, variant: Variant) -> None:
     for layer in _decoder_layers(model, layers):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+
+
+def _shard_fsdp1(model, hf_config, variant: Variant):
+    """FSDP1 as accelerate's TRANSFORMER_BASED_WRAP applies it: one unit per decoder layer class, the root
+    (``use_orig_params=False``: see ``Variant.fsdp1``)."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    layers = next(getattr(hf_config, k) for k in _LAYER_KEYS if hasattr(hf_config, k))
+    policy = ModuleWrapPolicy({type(layer) for layer in _decoder_layers(model, layers)})
+    mixed = None
+    if variant.precision.startswith("mixed_"):
+        half = torch.float16 if variant.precision.endswith("fp16") else torch.bfloat16
+        mixed = MixedPrecision(param_dtype=half, reduce_dtype=torch.float32)
+    return FullyShardedDataParallel(model, auto_wrap_policy=policy, mixed_precision=mixed,
+                                    sharding_strategy=ShardingStrategy[variant.fsdp1], use_orig_params=False,
+                                    device_id=torch.device("cpu"))
+
+
+@contextlib.contextmanager
+def _fsdp1_on_fake_tensors() -> Iterator[None]:
+    """FSDP1 tells shared and freed storages apart by ``data_ptr()``, 0 for every fake tensor: compare the
+    storage objects and their sizes instead."""
+    from torch.distributed.fsdp import _flat_param
+
+    saved = _flat_param._same_storage, _flat_param._data_ptr_allocated
+    _flat_param._same_storage = lambda a, b: a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    _flat_param._data_ptr_allocated = lambda t: t.untyped_storage().size() > 0
+    try:
+        yield
+    finally:
+        _flat_param._same_storage, _flat_param._data_ptr_allocated = saved
 
 
 def close(built: Built) -> None:
@@ -299,6 +340,8 @@ def _contexts(built: Built, batch: str) -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
     stack.enter_context(built.mode)
     stack.enter_context(_batch_answers(batch))
+    if built.variant.fsdp1 is not None:
+        stack.enter_context(_fsdp1_on_fake_tensors())
     if built.variant.kernels == "cuda":
         stack.enter_context(cuda_kernels())
     return stack
@@ -334,7 +377,7 @@ def peak_bytes(built: Built, b: int, s: int, loop: str = "trainer", batch: str =
 
 
 def _tracker(built: Built):
-    if built.variant.fsdp_world > 1:
+    if built.variant.fsdp_world > 1 and built.variant.fsdp1 is None:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
         tracker = FSDPMemTracker(built.model, built.optimizer)

@@ -31,9 +31,10 @@ def state_bytes(method: str, dp: int, tp: int, lora: bool) -> float:
     """ZeRO-paper model states (16 B/param) with each method's sharding; LoRA keeps only 2 B/param."""
     psi = PARAMS
     if lora:
-        return 2 * psi / (tp if method in ("tp", "dp_tp") else 1) / (dp if method in ("zero3", "fsdp") else 1)
+        return 2 * psi / (tp if method in ("tp", "dp_tp") else 1) / (dp if method in ("zero3", "fsdp", "fsdp1") else 1)
     return {"single": 16 * psi, "ddp": 16 * psi, "zero1": 4 * psi + 12 * psi / dp, "zero2": 2 * psi + 14 * psi / dp,
-            "zero3": 16 * psi / dp, "fsdp": 16 * psi / dp, "tp": 16 * psi / tp, "dp_tp": 16 * psi / tp,
+            "zero3": 16 * psi / dp, "fsdp": 16 * psi / dp, "fsdp1": 16 * psi / dp, "tp": 16 * psi / tp,
+            "dp_tp": 16 * psi / tp,
             "zero_offload": 2 * psi + 2 * psi / dp, "zero3_offload": 4 * psi / dp, "zero_infinity": 2 * psi / dp,
             }[method]
 
@@ -152,12 +153,12 @@ def test_the_plan_uses_the_safety_bound_not_the_mean():
 # --- candidates and ranking ---------------------------------------------------------------------------------
 def test_candidates_cover_every_method_and_factorisation():
     labels = {(c.method, c.tp, c.grad_ckpt) for c in P.enumerate_candidates(12)}
-    assert {(m, 1) for m in ("ddp", "zero1", "zero2", "zero3", "fsdp", "zero_offload")} <= {
+    assert {(m, 1) for m in ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp1", "zero_offload")} <= {
         (m, t) for m, t, _ in labels}
     assert {t for m, t, _ in labels if m == "dp_tp"} == {2, 3, 4, 6}
     assert ("tp", 12, True) in labels and ("tp", 12, False) in labels
     assert {m for m, _, _ in labels} >= {"zero_offload", "zero3_offload", "zero_infinity"}
-    assert len(labels) == 2 * (5 + 1 + 4 + 3)
+    assert len(labels) == 2 * (6 + 1 + 4 + 3)
     assert {c.method for c in P.enumerate_candidates(1)} == {"single", "zero_offload", "zero3_offload",
                                                                "zero_infinity"}
 
