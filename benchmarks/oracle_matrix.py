@@ -1,11 +1,15 @@
 """The estimator beside two oracles over the full matrix, resumable: the project's tracer and torch's MemTracker.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/oracle_matrix.py [--models A B ...] [--method single|fsdp --gpus N]
+    PYTHONPATH=. .venv/bin/python benchmarks/oracle_matrix.py [--models A B ...] [--method single|fsdp|fsdp1 --gpus N]
+        [--fsdp-sharding FULL_SHARD|SHARD_GRAD_OP|NO_SHARD]
         [--batches 1 4 16] [--seqs 128 512 2048] [--ckpt off on] [--attn eager sdpa] [--precision fp32 bf16]
         [--loops trainer manual] [--oracles project memtracker memtracker_cpu] [--jobs N]
         [--cache docs/error_matrix/oracle_cache.jsonl] [--csv out.csv] [--issue-order] [--budget-s S]
 
-Oracles (per point; ``single``: rank 0, ``fsdp``: ranks 0 and N-1):
+Oracles (per point; ``single``: rank 0, ``fsdp``/``fsdp1``: ranks 0 and N-1). ``fsdp1`` runs with
+``use_orig_params=False`` everywhere (estimate and both oracles): torch's MemTracker hooks every module
+parameter's gradient accumulation, which FSDP1's ``use_orig_params`` views in forward do not allow
+(``tests/estimator/test_fsdp1.py`` checks use_orig_params=True against the project's tracer).
 
 * ``project``: ``tests/estimator/oracle_util.traced_peak_bytes`` (single) / ``harness.fake.trace_run`` (fsdp,
   512-B rounding), both loops (``TrainingSpec.loop``), full-length batch, CUDA's kernel choice
@@ -53,10 +57,13 @@ class Unit:
     attn: str
     grad_ckpt: bool
     oracle: str
+    fsdp1: str | None = None  # fsdp1's sharding strategy
 
 
 def point_key(unit: Unit, b: int, s: int, loop: str) -> str:
     fields = dict(unit.__dict__, micro_batch_size=b, seq_len=s, loop=loop, batch="full")
+    if fields["fsdp1"] is None:  # keys written before fsdp1 existed stay valid
+        fields.pop("fsdp1")
     return json.dumps(fields, sort_keys=True)
 
 
@@ -90,7 +97,7 @@ def _run_memtracker(unit: Unit, points: list[tuple[int, int, str]], cache: str) 
 
     config = mt.load_model_config(unit.model)
     variant = mt.Variant(unit.precision, unit.attn, unit.grad_ckpt,
-                         "cpu" if unit.oracle == "memtracker_cpu" else "cuda", unit.world, unit.rank)
+                         "cpu" if unit.oracle == "memtracker_cpu" else "cuda", unit.world, unit.rank, unit.fsdp1)
     started = time.perf_counter()
     built = mt.build(config, variant)
     mt.warm_up(built)
@@ -122,12 +129,21 @@ def _run_project(unit: Unit, points: list[tuple[int, int, str]], cache: str) -> 
         else:
             from harness.fake import trace_run
 
-            spec = RunSpec(model=unit.model, parallel=ParallelSpec(method=unit.method, world_size=unit.world),
+            spec = RunSpec(model=unit.model, parallel=_parallel(unit.method, unit.world, unit.fsdp1),
                            training=training)
             peak = trace_run(spec, ranks=(unit.rank,))["per_rank"][unit.rank]["peak_allocated_bytes"]
         _append(cache, {"key": point_key(unit, b, s, loop), "peak_bytes": peak,
                         "point_s": round(time.perf_counter() - t0, 2), "setup_s": 0.0})
     return len(points)
+
+
+def _parallel(method: str, world: int, sharding: str | None):
+    from estimator.spec import Fsdp1Spec, ParallelSpec
+
+    if method != "fsdp1":
+        return ParallelSpec(method=method, world_size=world)
+    return ParallelSpec(method=method, world_size=world,
+                        fsdp1=Fsdp1Spec(sharding_strategy=sharding, use_orig_params=False))
 
 
 def _variants(args) -> list[tuple[str, str, bool]]:
@@ -157,7 +173,7 @@ def plan_units(args, done: dict[str, dict]) -> list[tuple[Unit, list[tuple[int, 
     for precision, attn, ckpt in _variants(args):
         for model in args.models:
             for rank, oracle in itertools.product(_ranks(args), args.oracles):
-                unit = Unit(model, args.method, world, rank, precision, attn, ckpt, oracle)
+                unit = Unit(model, args.method, world, rank, precision, attn, ckpt, oracle, _sharding(args))
                 points = [(b, s, loop) for (b, s) in _sizes(args, model) for loop in args.loops
                           if point_key(unit, b, s, loop) not in done]
                 if points:
@@ -165,14 +181,18 @@ def plan_units(args, done: dict[str, dict]) -> list[tuple[Unit, list[tuple[int, 
     return work
 
 
+def _sharding(args) -> str | None:
+    return args.fsdp_sharding if args.method == "fsdp1" else None
+
+
 def _estimate_bytes(model: str, method: str, world: int, rank: int, b: int, s: int, precision: str, attn: str,
-                    ckpt: bool, loop: str) -> int:
+                    ckpt: bool, loop: str, sharding: str | None = None) -> int:
     from estimator.api import estimate
-    from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
+    from estimator.spec import RunSpec, TrainingSpec
 
     training = TrainingSpec(micro_batch_size=b, seq_len=s, grad_ckpt=ckpt, attn=attn, precision=precision,
                             loop=loop)
-    est = estimate(RunSpec(model=model, parallel=ParallelSpec(method=method, world_size=world), training=training))
+    est = estimate(RunSpec(model=model, parallel=_parallel(method, world, sharding), training=training))
     ranks = {r.rank: r for r in est.ranks}
     mine = ranks.get(rank, est.ranks[-1])
     return mine.peak_allocated_bytes - mine.breakdown.get("cublas_workspace", 0)
@@ -186,14 +206,16 @@ def table(args, done: dict[str, dict]) -> list[dict]:
             for rank, (b, s), loop in itertools.product(_ranks(args), _sizes(args, model), args.loops):
                 found = {}
                 for oracle in args.oracles:
-                    unit = Unit(model, args.method, world, rank, precision, attn, ckpt, oracle)
+                    unit = Unit(model, args.method, world, rank, precision, attn, ckpt, oracle, _sharding(args))
                     row = done.get(point_key(unit, b, s, loop))
                     if row is not None:
                         found[oracle] = row
                 if not found:
                     continue
-                estimate = _estimate_bytes(model, args.method, world, rank, b, s, precision, attn, ckpt, loop)
+                estimate = _estimate_bytes(model, args.method, world, rank, b, s, precision, attn, ckpt, loop,
+                                           _sharding(args))
                 out = {"model": model, "method": args.method, "world_size": world, "rank": rank,
+                       "fsdp1_sharding": _sharding(args) or "",
                        "micro_batch_size": b, "seq_len": s, "grad_ckpt": ckpt, "attn": attn,
                        "precision": precision, "loop": loop, "estimate_bytes": estimate}
                 for oracle in args.oracles:
@@ -209,8 +231,10 @@ def table(args, done: dict[str, dict]) -> list[dict]:
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="*", default=list(MODELS))
-    parser.add_argument("--method", default="single", choices=("single", "fsdp"))
-    parser.add_argument("--gpus", type=int, default=4, help="fsdp world size")
+    parser.add_argument("--method", default="single", choices=("single", "fsdp", "fsdp1"))
+    parser.add_argument("--gpus", type=int, default=4, help="fsdp / fsdp1 world size")
+    parser.add_argument("--fsdp-sharding", default="FULL_SHARD", choices=("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
+                        help="fsdp1's sharding strategy")
     parser.add_argument("--batches", nargs="*", type=int, default=[1, 4, 16])
     parser.add_argument("--seqs", nargs="*", type=int, default=[128, 512, 2048])
     parser.add_argument("--ckpt", nargs="*", default=["off", "on"], choices=("off", "on"))

@@ -142,7 +142,9 @@ class Walk:
                ) -> tuple[float, dict]:
         """``repeats`` instances of a segment. Repetitions differ only in what accumulates linearly (activations,
         gradient shards): run the second to get the per-repetition change, then the last one from its
-        extrapolated start."""
+        extrapolated start. None (a 2-layer model's middle layers): nothing happens."""
+        if repeats < 1:
+            return act, state
         act0, state0 = self.segment(name, seg, events, act, state)
         if repeats < 2:
             return act0, state0
