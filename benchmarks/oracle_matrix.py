@@ -115,7 +115,7 @@ def _run_memtracker(unit: Unit, points: list[tuple[int, int, str]], cache: str) 
 
 def _run_project(unit: Unit, points: list[tuple[int, int, str]], cache: str) -> int:
     from estimator.models.arch import load_config
-    from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
+    from estimator.spec import RunSpec, TrainingSpec
 
     config = load_config(unit.model)
     for b, s, loop in points:
