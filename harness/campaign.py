@@ -362,7 +362,8 @@ def approx_params(arch: Any) -> float:
 
 
 def _wrap_s(method: str, billions: float, layers: int) -> float:
-    return {"single": 0.0, "ddp": 0.3, "fsdp": 0.3 + 0.02 * layers, "tp": 0.5 + 0.03 * layers,
+    return {"single": 0.0, "ddp": 0.3, "fsdp": 0.3 + 0.02 * layers,
+            "fsdp1": 0.3 + 0.02 * layers, "tp": 0.5 + 0.03 * layers,
             "dp_tp": 0.8 + 0.04 * layers, "zero1": 1.5 + 0.5 * billions, "zero2": 1.5 + 0.5 * billions,
             "zero3": 2.0 + 1.0 * billions, "zero_offload": 2.0 + 3.0 * billions}.get(method, 1.0)
 
@@ -465,7 +466,7 @@ class Preloader:
         for name in ("torch", "transformers", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
                      "torch.testing._internal.distributed.fake_pg", "harness.worker", "harness.data",
                      "harness.memory", "harness.distributed", "harness.methods.single", "harness.methods.ddp",
-                     "harness.methods.fsdp", "harness.methods.tp"):
+                     "harness.methods.fsdp", "harness.methods.fsdp1", "harness.methods.tp"):
             try:
                 importlib.import_module(name)
             except Exception as err:  # noqa: BLE001 - a missing optional module is imported by the child

@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
+from estimator.spec import Fsdp1Spec, ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
 
 # No `from __future__ import annotations` here: the generated schemas' annotations must be the classes
 # themselves for OmegaConf to type the nodes.
@@ -45,7 +45,9 @@ def _mirror(cls: type, name: str, overrides: dict[str, tuple[Any, Any]] | None =
 
 
 ZeroConf = _mirror(ZeroSpec, "ZeroConf")
-ParallelConf = _mirror(ParallelSpec, "ParallelConf", {"zero": (ZeroConf, field(default_factory=ZeroConf))})
+Fsdp1Conf = _mirror(Fsdp1Spec, "Fsdp1Conf")
+ParallelConf = _mirror(ParallelSpec, "ParallelConf", {"zero": (ZeroConf, field(default_factory=ZeroConf)),
+                                                      "fsdp1": (Fsdp1Conf, field(default_factory=Fsdp1Conf))})
 TrainingConf = _mirror(TrainingSpec, "TrainingConf")
 
 
@@ -126,12 +128,13 @@ def to_run(cfg: DictConfig | dict[str, Any], *, gpu_key: str | None = None) -> t
         raise ValueError("model.name: required (model=custom model.name=<config.json path, catalogue name or hub id>)")
     parallel = dict(data.get("parallel") or {})
     zero = _prefixed("parallel.zero.", lambda: ZeroSpec(**(parallel.pop("zero", None) or {})))
+    fsdp1 = _prefixed("parallel.fsdp1.", lambda: Fsdp1Spec(**(parallel.pop("fsdp1", None) or {})))
     if opts.emulate.world_size is not None:
         if parallel.get("world_size", 1) not in (1, opts.emulate.world_size):
             raise ValueError(f"emulate.world_size: {opts.emulate.world_size} disagrees with parallel.world_size "
                              f"{parallel['world_size']} (set one of them)")
         parallel["world_size"] = opts.emulate.world_size
-    parallel_spec = _prefixed("parallel.", lambda: ParallelSpec(**parallel, zero=zero))
+    parallel_spec = _prefixed("parallel.", lambda: ParallelSpec(**parallel, zero=zero, fsdp1=fsdp1))
     training_fields = dict(data.get("training") or {})
     if training_fields.get("batch", "auto") == "auto":
         training_fields["batch"] = batch_kind(opts.data)

@@ -383,7 +383,9 @@ def fake_rank_record(rank, out: dict[str, Any], result: dict[str, Any], spec, op
     """One trace_run per-rank entry -> RankRecord (pure)."""
     from harness.records import PHASES, PhaseRecord, RankRecord, StepRecord
 
-    steady_from = 1 if spec.parallel.method in ("fsdp", "dp_tp") and len(out["step_peaks"]) > 1 else 0
+    from harness.fake.trace import STEADY_FROM_STEP_2
+
+    steady_from = 1 if spec.parallel.method in STEADY_FROM_STEP_2 and len(out["step_peaks"]) > 1 else 0
     steps = []
     for index, peaks in enumerate(out["step_peaks"]):
         phases = [PhaseRecord(phase=p, peak_allocated_bytes=peaks.get(p)) for p in PHASES if p in peaks]

@@ -76,7 +76,8 @@ GEMINI_SEARCH_INTERVAL = 1024
 # GPT-Neo casts logits to fp32). We key on model_type instead: the substring 'neo' would also catch
 # 'gpt-neox' checkpoints, whose logits stay 16-bit.
 LLMEM_FP32_LOGITS = ("codegen", "gpt_neo")
-LLMEM_METHODS = {"single": "single", "ddp": "cdp", "zero3": "adp", "fsdp": "adp", "tp": "tp", "dp_tp": "dp_tp"}
+LLMEM_METHODS = {"single": "single", "ddp": "cdp", "zero3": "adp", "fsdp": "adp", "fsdp1": "adp", "tp": "tp",
+                 "dp_tp": "dp_tp"}
 
 
 def _page(nbytes: int | Fraction) -> int:

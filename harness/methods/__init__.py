@@ -25,6 +25,7 @@ WRAPPERS: dict[str, Callable[[WrapContext], Any]] = {
     "single": _lazy("single"),
     "ddp": _lazy("ddp"),
     "fsdp": _lazy("fsdp"),
+    "fsdp1": _lazy("fsdp1"),
     "tp": _lazy("tp"),
     "dp_tp": _lazy("tp", "wrap_dp_tp"),
     "zero1": _lazy("deepspeed"),

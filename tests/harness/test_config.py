@@ -86,6 +86,7 @@ def config_error(*overrides):
     ("training.seq_lenn=3", "training.seq_lenn"),
     ("training.seq_len=abc", "training.seq_len"),
     ("parallel.zero.overlap_comm=maybe", "parallel.zero.overlap_comm"),
+    ("parallel.fsdp1.forward_prefetch=maybe", "parallel.fsdp1.forward_prefetch"),
     ("memory.cap_gib=lots", "memory.cap_gib"),
 ])
 def test_typos_and_bad_types_fail_at_composition_naming_the_key(override, key):
@@ -106,6 +107,9 @@ def test_unknown_group_option_lists_the_choices():
     (["parallel.zero.reduce_bucket_size=-5"], "parallel.zero.reduce_bucket_size"),
     (["method=dp_tp", "parallel.world_size=2"], "parallel.tp"),
     (["method=single", "parallel.world_size=2"], "parallel.world_size"),
+    (["method=fsdp1", "parallel.fsdp1.sharding_strategy=ZERO9"], "parallel.fsdp1.sharding_strategy"),
+    (["method=fsdp1", "parallel.world_size=12", "parallel.fsdp1.sharding_strategy=HYBRID_SHARD"],
+     "parallel.fsdp1.gpus_per_node"),
 ])
 def test_spec_value_errors_name_the_dotted_key(overrides, key):
     with pytest.raises(ValueError, match=f"^{key}:"):

@@ -81,12 +81,23 @@ def assert_never_whole(tmp_path, record, ranks):
         assert rank_record.extra["setup_peak_allocated_bytes"] < 0.6 * full_model_bytes()
 
 
-@pytest.mark.parametrize("method", ["ddp", "fsdp", "tp", "zero1", "zero2", "zero3", "zero_offload"])
+@pytest.mark.parametrize("method", ["ddp", "fsdp", "fsdp1", "tp", "zero1", "zero2", "zero3", "zero_offload"])
 def test_two_gloo_ranks(method, tmp_path):
     record = run_point(tmp_path, *TINY_OVERRIDES, f"method={method}", "parallel.world_size=2", device=CPU_DEVICE)
     assert_contract(tmp_path, record, ranks=[0, 1])
     if method == "fsdp":
         assert_never_whole(tmp_path, record, [0, 1])
+
+
+def test_fsdp1_settings_reach_the_run_and_its_columns(tmp_path):
+    record = run_point(tmp_path, *TINY_OVERRIDES, "method=fsdp1", "parallel.world_size=2",
+                       "parallel.fsdp1.sharding_strategy=SHARD_GRAD_OP", "parallel.fsdp1.backward_prefetch=NONE",
+                       device=CPU_DEVICE)
+    assert_contract(tmp_path, record, ranks=[0, 1])
+    spec = RunSpec.from_json((tmp_path / "runs/default/cpu" / record.run_id / "spec.json").read_text())
+    assert (spec.parallel.fsdp1.sharding_strategy, spec.parallel.fsdp1.backward_prefetch) == ("SHARD_GRAD_OP", "NONE")
+    rows = [r for r in read_rows(tmp_path / "data/measurements/cpu/default.csv") if r["run_id"] == record.run_id]
+    assert {r["fsdp1_sharding_strategy"] for r in rows} == {"SHARD_GRAD_OP"}
 
 
 def test_dp_tp_four_gloo_ranks(tmp_path):

@@ -1,0 +1,39 @@
+"""``fsdp1``: ``FullyShardedDataParallel`` (FSDP1, flat parameters), through ``harness.fake.wrap.apply_fsdp1``
+(the contract shared with the CPU oracle).
+
+What the estimator needs to know, exactly:
+
+* Units: one FSDP unit per decoder layer (``ModuleWrapPolicy`` over the decoder-layer class, as accelerate's
+  ``TRANSFORMER_BASED_WRAP`` builds it), the root unit holding embeddings, final norm and lm_head. Every other
+  setting comes from ``spec.parallel.fsdp1`` (sharding strategy, ``use_orig_params``, parameter offload,
+  backward/forward prefetch, ``limit_all_gathers``; HYBRID_SHARD over a (nodes, gpus_per_node) mesh).
+* Precision: as ``fsdp``: ``mixed_*`` builds fp32 weights (the flat shards are the masters) and all-gathers
+  16-bit copies through ``MixedPrecision(param_dtype, reduce_dtype=fp32)``; ``fp32``/``bf16`` no policy.
+* Initialisation: the model is built on the host, then FSDP moves it to the rank's device one unit at a time
+  as it flattens and shards (``device_id``), so no rank holds the whole model on the GPU: what accelerate and
+  the Trainer do with a CPU-loaded model. The optimizer is built after wrapping, on the flat (or, with
+  ``use_orig_params``, the original-shaped view) parameters.
+* Gradient accumulation: every micro-batch reduce-scatters (no ``no_sync``), as the estimator assumes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from estimator.profiler.build import build_model, build_optimizer
+from harness.fake.wrap import build_training, make_mesh, wrap_model
+from harness.methods.base import TorchTrainer, WrapContext
+
+
+def wrap(ctx: WrapContext) -> TorchTrainer:
+    training = build_training(ctx.spec)  # fp32 weights for mixed_* (the flat shards are the masters)
+    torch.manual_seed(ctx.options.seed)  # equal replicas on every rank (FSDP1 does not broadcast by default)
+    model = build_model(ctx.config, training, "cpu")
+    if ctx.options.model.pretrained:
+        from harness.weights import load_pretrained
+
+        ctx.notes.append(load_pretrained(model, ctx.options.model.name))
+    mesh = make_mesh(ctx.spec, ctx.device.type)
+    model = wrap_model(model, ctx.spec, mesh, ctx.config, fake=ctx.fake_pg, device=ctx.device)
+    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], training)
+    return TorchTrainer(model, optimizer, ctx.spec.training, ctx.device)
