@@ -47,7 +47,7 @@ def read_accelerate(path: str, data: dict[str, Any]) -> Reading:
         options = data.get("fsdp_config") or {}
         if not isinstance(options, dict):
             reading.fail("fsdp_config", f"must be a mapping, got {options!r}")
-        read_fsdp_options(reading, options, "fsdp_config.", version=None)
+        read_fsdp_options(reading, options, "fsdp_config.", version=None, gpus_per_node=_gpus_per_node(reading, data))
     elif data.get("fsdp_config"):
         reading.no_effect.append("fsdp_config (distributed_type is not FSDP)")
     if method == "deepspeed":
@@ -67,6 +67,18 @@ def read_accelerate(path: str, data: dict[str, Any]) -> Reading:
     reading.assume("loop", "manual", "an accelerate config alone: accelerate's examples keep `outputs` bound "
                    "through backward; pass the Trainer's arguments too (or --loop trainer) for a Trainer script", weak=True)
     return reading
+
+
+def _gpus_per_node(reading: Reading, data: dict[str, Any]) -> tuple[str, int] | None:
+    """HYBRID_SHARD's shard group: the processes of one machine (``num_processes`` counts all machines)."""
+    machines, processes = data.get("num_machines"), data.get("num_processes")
+    if machines in (None, 1) or processes in (None, -1):
+        return None
+    machines = reading.count("num_machines", machines)
+    processes = reading.count("num_processes", processes)
+    if processes % machines:
+        reading.fail("num_processes", f"{processes} processes do not split evenly over {machines} machines")
+    return "num_processes / num_machines", processes // machines
 
 
 def _read_mixed_precision(reading: Reading, value: Any) -> None:

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from estimator.configs.reading import SETTINGS, Reading, Setting
-from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
+from estimator.io.fsdp1_args import FSDP1_FLAGS
+from estimator.spec import Fsdp1Spec, ParallelSpec, RunSpec, TrainingSpec
 
-SHARDED = ("fsdp", "deepspeed")
+SHARDED = ("fsdp", "fsdp1", "deepspeed")
 _FLAG_NAMES = {"world_size": "gpus"}
 _DEFAULTS = TrainingSpec()
 
@@ -59,7 +60,12 @@ def merge(readings: list[Reading], flags: dict[str, Any]) -> tuple[dict[str, Set
                                  f"{setting.value!r}; using the latter")
             merged[name] = setting
     for name, value in flags.items():
-        if value is not None:
+        if name == "fsdp1" and value:  # the --fsdp-* flags override the configs' FSDP1 settings one by one
+            old = merged.get("fsdp1")
+            flags_given = " ".join(f"--{FSDP1_FLAGS[k]}" for k in value)
+            merged[name] = Setting({**(old.value if old else {}), **value},
+                                   f"{old.source}, {flags_given}" if old else flags_given)
+        elif value is not None and name != "fsdp1":
             merged[name] = Setting(value, f"--{_FLAG_NAMES.get(name, name).replace('_', '-')}")
     return merged, conflicts
 
@@ -112,6 +118,12 @@ def spec_from_settings(settings: dict[str, Setting], report: ConfigReport) -> Ru
     gpu = str(value("gpu", "h100-80gb", "no config names the GPU type; pass --gpu")).lower()
     tp = value("tp", 1) if "tp" in settings else (world if method == "tp" else 1)
     model = str(settings["model"].value)
+    fsdp1 = _fsdp1(settings, method)
+    if method == "fsdp1" and training.lora_rank:
+        report.not_modelled.append("fsdp1 with LoRA: PEFT's FSDP1 wrap policy gives the adapters units of their "
+                                   "own, which the fsdp1 method does not model; estimated as fsdp (FSDP2, "
+                                   "fully_shard per decoder layer)")
+        method = "fsdp"
     if method == "deepspeed":
         base = RunSpec(model=model, parallel=ParallelSpec(method="ddp" if world > 1 else "single", world_size=world),
                        training=training, gpu=gpu)
@@ -119,8 +131,21 @@ def spec_from_settings(settings: dict[str, Setting], report: ConfigReport) -> Ru
         from estimator.models.arch import resolve_arch
 
         return spec_from_deepspeed(settings["deepspeed"].value, base, resolve_arch(model).hidden_size)
-    return RunSpec(model=model, parallel=ParallelSpec(method=method, world_size=world, tp=tp), training=training,
-                   gpu=gpu)
+    return RunSpec(model=model, parallel=ParallelSpec(method=method, world_size=world, tp=tp, fsdp1=fsdp1),
+                   training=training, gpu=gpu)
+
+
+def _fsdp1(settings: dict[str, Setting], method: str) -> Fsdp1Spec:
+    """The FSDP1 settings the configs and --fsdp-* flags give, over torch's defaults."""
+    setting = settings.get("fsdp1")
+    if setting is None:
+        return Fsdp1Spec()
+    if method != "fsdp1":
+        if setting.source.startswith("--") or ", --" in setting.source:
+            flag = next(part for part in setting.source.replace(",", " ").split() if part.startswith("--"))
+            raise ValueError(f"{flag}: FSDP1 settings apply to --method fsdp1, not {method!r}")
+        return Fsdp1Spec()
+    return Fsdp1Spec(**{**Fsdp1Spec().__dict__, **setting.value})
 
 
 def build_report(readings: list[Reading], settings: dict[str, Setting], conflicts: list[str]) -> ConfigReport:

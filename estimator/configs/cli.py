@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from estimator.configs import ConfigReport, spec_from_configs
+from estimator.io.fsdp1_args import FLAG_FIELDS
 from estimator.spec import RunSpec
 
 # CLI destination -> config setting (flags of either command; a flag a command lacks is simply absent).
@@ -27,6 +28,7 @@ def explicit_flags(build_parser: Callable[[], argparse.ArgumentParser], argv: li
         action.default = argparse.SUPPRESS
     given = vars(parser.parse_known_args(argv)[0])
     flags = {_FLAG_SETTINGS[k]: v for k, v in given.items() if k in _FLAG_SETTINGS}
+    flags["fsdp1"] = {field: given[flag] for flag, field in FLAG_FIELDS.items() if given.get(flag) is not None}
     if flags.get("method") == "all":
         flags.pop("method")
     if "gpu" in flags:
@@ -49,8 +51,11 @@ def plan_args_from_configs(args: argparse.Namespace, argv: list[str], build_pars
     optimizer, attention, LoRA and the loop. Returns the report to print."""
     flags = explicit_flags(build_parser, argv)
     flags.pop("method", None)
+    flags.pop("fsdp1", None)  # the --fsdp-* flags apply to the plan's fsdp1 row over the configs' FSDP1 settings
     spec, report = spec_from_configs(args.config, flags)
     t = spec.training
+    if spec.parallel.method == "fsdp1":
+        args.fsdp1_base = spec.parallel.fsdp1
     args.model, args.gpus = spec.model, spec.parallel.world_size
     args.gpu = args.gpu or spec.gpu
     keep = lambda name, value: value if flags.get(name) is None else getattr(args, name)  # noqa: E731

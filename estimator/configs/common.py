@@ -48,8 +48,16 @@ def read_attn_implementation(reading: Reading, key: str, value: Any) -> None:
 # torch's ShardingStrategy values, as accelerate also accepts them (1-based): FSDP1 only.
 FSDP1_STRATEGIES = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
                     "5": "HYBRID_SHARD_ZERO2"}
+# accelerate's FSDP_BACKWARD_PREFETCH names (1-based) -> Fsdp1Spec.backward_prefetch.
+FSDP1_PREFETCH = {"1": "BACKWARD_PRE", "2": "BACKWARD_POST", "BACKWARD_PRE": "BACKWARD_PRE",
+                  "BACKWARD_POST": "BACKWARD_POST", "NO_PREFETCH": "NONE", "NONE": "NONE"}
+# What accelerate's FSDP1 plugin runs when the config leaves a setting out (accelerate 1.15
+# ``FullyShardedDataParallelPlugin.__post_init__``; ``accelerate launch`` and the Trainer pass use_orig_params=True):
+# no backward prefetch, unlike torch's own default (BACKWARD_PRE).
+ACCELERATE_FSDP1_DEFAULTS = {"backward_prefetch": "NONE"}
 # Options of the FSDP plugin that leave the per-rank peak as the estimate models it (wrapping per decoder
-# layer, state-dict format, loading path, prefetch of the next layer's gather).
+# layer, state-dict format, loading path). The FSDP1-only ones (prefetch, use_orig_params, limit_all_gathers)
+# have no effect under FSDP2, which accelerate ignores or rejects them for.
 FSDP_NO_EFFECT = frozenset({
     "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "state_dict_type",
     "cpu_ram_efficient_loading", "sync_module_states", "forward_prefetch", "backward_prefetch",
@@ -59,12 +67,15 @@ FSDP_NO_EFFECT = frozenset({
 
 
 def read_fsdp_options(reading: Reading, options: dict[str, Any], prefix: str, *, version: int | None,
-                      strategy: str | None = None, offload: bool = False) -> None:
+                      strategy: str | None = None, offload: bool = False,
+                      gpus_per_node: tuple[str, int] | None = None) -> None:
     """One FSDP plugin configuration (accelerate's ``fsdp_config``, Trainer's ``fsdp``/``fsdp_config``, axolotl's).
 
     Keys are read with or without their ``fsdp_`` prefix. ``version`` None: the tool's default (FSDP1 for
-    accelerate and Trainer). The estimator's ``fsdp`` method is FSDP2 ``fully_shard`` per decoder layer with
-    ``reshard_after_forward=True`` and no offload; anything else is named as not modelled.
+    accelerate). Version 1 is the ``fsdp1`` method with its settings (``Fsdp1Spec``: sharding strategy, offload,
+    prefetch, use_orig_params, limit_all_gathers; ``gpus_per_node``: (key, count) for HYBRID_SHARD); version 2
+    is ``fsdp``, FSDP2 ``fully_shard`` per decoder layer with ``reshard_after_forward=True`` and no offload,
+    anything else named as not modelled.
     """
     plain = {(k[5:] if k.startswith("fsdp_") else k): (k, v) for k, v in options.items()}
     handled = set()
@@ -80,38 +91,10 @@ def read_fsdp_options(reading: Reading, options: dict[str, Any], prefix: str, *,
     version = reading.count(key or "fsdp_version", raw_version) if raw_version is not None else 1
     if version not in (1, 2):
         reading.fail(key or "fsdp_version", f"must be 1 or 2, got {raw_version!r}")
-    current = reading.settings.get("method")
-    if current is None or current.value != "fsdp":
-        reading.set("method", "fsdp", key or f"{prefix}(FSDP)")
-    key, reshard = get("reshard_after_forward")
-    strategy_key, sharding = get("sharding_strategy")
     if version == 1:
-        chosen = sharding if sharding is not None else (reshard if reshard is not None else strategy)
-        name = FSDP1_STRATEGIES.get(str(chosen), str(chosen).upper()) if chosen is not None else "FULL_SHARD"
-        where = strategy_key or key or f"{prefix}(FSDP1 default)"
-        if name == "NO_SHARD":
-            reading.set("method", "ddp", where)
-            reading.not_modelled(where, "FSDP1 NO_SHARD estimated as DDP (every rank holds the whole model)")
-        else:
-            reading.not_modelled(f"{prefix}fsdp_version=1", "FSDP1's flat parameters are estimated as FSDP2 "
-                                 "(fully_shard per decoder layer); the fsdp1 method is not built yet")
-            if name != "FULL_SHARD":
-                reading.not_modelled(f"{where}={name}", "estimated as FULL_SHARD (parameters resharded after "
-                                     "forward, sharded over every rank); this strategy holds more")
+        _read_fsdp1(reading, get, prefix, strategy, offload, gpus_per_node, key or f"{prefix}(FSDP1)")
     else:
-        if reshard is None and strategy is not None and str(strategy).upper() == "SHARD_GRAD_OP":
-            key, reshard = f"{prefix}fsdp=shard_grad_op", False
-        if reshard is not None and not reading.flag(key or "reshard_after_forward", reshard):
-            reading.not_modelled(f"{key}=false", "estimated with reshard_after_forward=True; keeping every "
-                                 "layer's unsharded parameters from forward to backward holds more")
-        if sharding is not None:
-            reading.unknown.append(strategy_key)
-    key, value = get("offload_params", offload)
-    if "cpu_offload" in plain:
-        key, value = get("cpu_offload")
-    if reading.flag(key or "offload", value):
-        reading.not_modelled(key or f"{prefix}offload", "FSDP CPU offload is not modelled: the estimate keeps "
-                             "parameters, gradients and optimizer states on the GPU (an over-estimate)")
+        _read_fsdp2(reading, get, prefix, strategy, offload, key or f"{prefix}(FSDP)")
     key, value = get("activation_checkpointing")
     if value is not None and reading.flag(key, value):
         reading.set("grad_ckpt", True, key)
@@ -122,3 +105,79 @@ def read_fsdp_options(reading: Reading, options: dict[str, Any], prefix: str, *,
             reading.no_effect.append(prefix + raw_key)
         else:
             reading.unknown.append(prefix + raw_key)
+
+
+def _read_fsdp2(reading: Reading, get, prefix: str, strategy: str | None, offload: bool, where: str) -> None:
+    current = reading.settings.get("method")
+    if current is None or current.value != "fsdp":
+        reading.set("method", "fsdp", where)
+    key, reshard = get("reshard_after_forward")
+    strategy_key, sharding = get("sharding_strategy")
+    if reshard is None and strategy is not None and str(strategy).upper() == "SHARD_GRAD_OP":
+        key, reshard = f"{prefix}fsdp=shard_grad_op", False
+    if reshard is not None and not reading.flag(key or "reshard_after_forward", reshard):
+        reading.not_modelled(f"{key}=false", "estimated with reshard_after_forward=True; keeping every "
+                             "layer's unsharded parameters from forward to backward holds more")
+    if sharding is not None:
+        reading.unknown.append(strategy_key)
+    key, value = _offload(get, offload)
+    if reading.flag(key or "offload", value):
+        reading.not_modelled(key or f"{prefix}offload", "FSDP2 CPU offload is not modelled: the estimate keeps "
+                             "parameters, gradients and optimizer states on the GPU (an over-estimate)")
+
+
+def _offload(get, offload: bool) -> tuple[str, Any]:
+    key, value = get("offload_params", offload)
+    cpu_key, cpu_value = get("cpu_offload")
+    return (cpu_key, cpu_value) if cpu_key else (key, value)
+
+
+def _read_fsdp1(reading: Reading, get, prefix: str, strategy: str | None, offload: bool,
+                gpus_per_node: tuple[str, int] | None, where: str) -> None:
+    """FSDP1: the ``fsdp1`` method and its ``Fsdp1Spec`` fields, each from the key that gave it or accelerate's
+    default (``ACCELERATE_FSDP1_DEFAULTS``)."""
+    settings: dict[str, Any] = {}
+    sources = []
+
+    def took(field_name: str, value: Any, key: str) -> None:
+        settings[field_name] = value
+        if key:
+            sources.append(key)
+
+    reshard_key, reshard = get("reshard_after_forward")
+    strategy_key, sharding = get("sharding_strategy")
+    chosen, key = ((sharding, strategy_key) if sharding is not None else (reshard, reshard_key) if reshard is not None
+                   else (strategy, f"{prefix}fsdp={strategy}" if strategy else ""))
+    name = FSDP1_STRATEGIES.get(str(chosen), str(chosen).upper()) if chosen is not None else "FULL_SHARD"
+    if name == "HYBRID_SHARD_ZERO2":
+        reading.not_modelled(f"{key}={name}", "estimated as HYBRID_SHARD; _HYBRID_SHARD_ZERO2 keeps every layer's "
+                             "node-sharded parameters from forward to backward (holds more)")
+        name = "HYBRID_SHARD"
+    if name not in FSDP1_STRATEGIES.values():
+        reading.fail(key, f"{chosen!r} is not an FSDP1 sharding strategy ({', '.join(FSDP1_STRATEGIES.values())})")
+    took("sharding_strategy", name, key)
+    key, value = get("backward_prefetch")
+    if key:
+        prefetch = FSDP1_PREFETCH.get(str(value).strip().upper()) if value is not None else "NONE"
+        if prefetch is None:
+            reading.fail(key, f"{value!r} is not a backward prefetch mode (BACKWARD_PRE, BACKWARD_POST, NO_PREFETCH)")
+        took("backward_prefetch", prefetch, key)
+    else:
+        took("backward_prefetch", ACCELERATE_FSDP1_DEFAULTS["backward_prefetch"], "")
+        reading.notes.append("fsdp1 backward_prefetch = 'NONE': accelerate's FSDP plugin prefetches nothing unless "
+                             f"the config sets {prefix}backward_prefetch")
+    old_key, _ = get("backward_prefetch_policy")
+    if old_key:
+        reading.not_modelled(old_key, "an old key name accelerate 1.x no longer reads (it reads "
+                             "fsdp_backward_prefetch); estimated with the backward prefetch above")
+    for field_name in ("forward_prefetch", "use_orig_params", "limit_all_gathers"):
+        key, value = get(field_name)
+        if key:
+            took(field_name, reading.flag(key, value), key)
+    key, value = _offload(get, offload)
+    if key or value:
+        took("cpu_offload", reading.flag(key or "offload", value), key or f"{prefix}fsdp=offload")
+    if gpus_per_node is not None:
+        took("gpus_per_node", gpus_per_node[1], gpus_per_node[0])
+    reading.set("method", "fsdp1", where)
+    reading.set("fsdp1", settings, ", ".join(sources) or where)

@@ -5,8 +5,8 @@ known to have no effect on the per-rank peak, or reported as not understood.
 
 Settings (the vocabulary every reader writes; ``build`` turns them into one ``RunSpec``):
 
-``model``, ``world_size``, ``method`` (``single``/``ddp``/``fsdp``/``deepspeed``), ``deepspeed`` (a DeepSpeed
-config dict or path), ``micro_batch_size``, ``seq_len``, ``half`` (``bf16``/``fp16``/``none``: the
+``model``, ``world_size``, ``method`` (``single``/``ddp``/``fsdp``/``fsdp1``/``deepspeed``), ``deepspeed`` (a
+DeepSpeed config dict or path), ``fsdp1`` (a dict of ``Fsdp1Spec`` fields the config gives), ``micro_batch_size``, ``seq_len``, ``half`` (``bf16``/``fp16``/``none``: the
 mixed-precision switch), ``weights_dtype`` (``fp32``/``bf16``/``fp16``: what the model is loaded in),
 ``precision`` (an exact ``TrainingSpec.precision``), ``optimizer``, ``grad_ckpt``, ``attn``, ``lora_rank``,
 ``lora_targets``, ``qlora``, ``grad_accum_steps``, ``loop``, ``packing``, ``gpu``.
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SETTINGS = ("model", "world_size", "method", "deepspeed", "micro_batch_size", "seq_len", "half", "weights_dtype",
+SETTINGS = ("model", "world_size", "method", "deepspeed", "fsdp1", "micro_batch_size", "seq_len", "half", "weights_dtype",
             "precision", "optimizer", "grad_ckpt", "attn", "lora_rank", "lora_targets", "qlora",
             "grad_accum_steps", "loop", "packing", "gpu")
 _TRUE = {"true", "yes", "on", "1", "y", "t"}

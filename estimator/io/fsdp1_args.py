@@ -6,10 +6,12 @@ import argparse
 
 from estimator.spec import FSDP1_BACKWARD_PREFETCH, FSDP1_SHARDING, Fsdp1Spec
 
-_FLAGS = {"fsdp_sharding": "sharding_strategy", "fsdp_backward_prefetch": "backward_prefetch",
+FLAG_FIELDS = {"fsdp_sharding": "sharding_strategy", "fsdp_backward_prefetch": "backward_prefetch",
           "fsdp_use_orig_params": "use_orig_params", "fsdp_offload": "cpu_offload",
           "fsdp_forward_prefetch": "forward_prefetch", "fsdp_limit_all_gathers": "limit_all_gathers",
           "gpus_per_node": "gpus_per_node"}
+# Fsdp1Spec field -> its flag as typed.
+FSDP1_FLAGS = {field: flag.replace("_", "-") for flag, field in FLAG_FIELDS.items()}
 
 
 def _bool(text: str) -> bool:
@@ -48,9 +50,9 @@ def add_fsdp1_arguments(parser: argparse.ArgumentParser) -> None:
 
 def fsdp1_from_args(args: argparse.Namespace, method: str, base: Fsdp1Spec | None = None) -> Fsdp1Spec:
     """The FSDP1 settings given on the command line over ``base``; ValueError if given for another method."""
-    given = {field: getattr(args, flag) for flag, field in _FLAGS.items() if getattr(args, flag, None) is not None}
+    given = {field: getattr(args, flag) for flag, field in FLAG_FIELDS.items() if getattr(args, flag, None) is not None}
     if given and method != "fsdp1":
-        flag = next(f for f, field in _FLAGS.items() if field in given)
+        flag = next(f for f, field in FLAG_FIELDS.items() if field in given)
         raise ValueError(f"--{flag.replace('_', '-')}: FSDP1 settings apply to --method fsdp1, not {method!r}")
     base = base or Fsdp1Spec()
     return Fsdp1Spec(**{**base.__dict__, **given})

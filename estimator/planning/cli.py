@@ -100,7 +100,7 @@ def run_plan(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                               ckpt_options=ckpt, methods=_methods(args.methods), interconnect=args.interconnect,
                               bandwidth_gbs=args.bandwidth, host_ram_gb=args.host_ram, loop=args.loop,
                               epoch=epoch, alloc_conf=args.alloc_conf, batch=args.batch,
-                              fsdp1=fsdp1_from_args(args, "fsdp1"))
+                              fsdp1=fsdp1_from_args(args, "fsdp1", getattr(args, "fsdp1_base", None)))
         baseline = None
         if args.llmem:
             from estimator.baselines import llmem_select

@@ -36,8 +36,8 @@ CASES = {
                          "--model facebook/opt-125m --method fsdp --gpus 8 --micro-batch-size 1 --precision "
                          "mixed_bf16 --grad-ckpt --loop manual"),
     "accelerate_fsdp1": (["accelerate_fsdp1.yaml"], ["--model", "facebook/opt-125m"],
-                         "--model facebook/opt-125m --method fsdp --gpus 4 --micro-batch-size 1 --precision "
-                         "mixed_bf16 --loop manual"),
+                         "--model facebook/opt-125m --method fsdp1 --gpus 4 --micro-batch-size 1 --precision "
+                         "mixed_bf16 --loop manual --fsdp-backward-prefetch NONE"),
     "accelerate_fsdp2_with_trainer_args": (
         ["accelerate_fsdp2.yaml", "trl_sft_lora.yaml"], ["--model", "facebook/opt-125m"],
         "--model facebook/opt-125m --method fsdp --gpus 8 --micro-batch-size 2 --seq-len 2048 --precision mixed_bf16 "
@@ -137,10 +137,87 @@ def test_every_key_of_every_example_is_accounted_for():
         assert not missing, (path.name, missing)
 
 
-def test_fsdp1_is_estimated_as_fsdp2_and_says_so():
+def test_accelerate_fsdp1_config_is_the_fsdp1_method_with_accelerates_defaults():
     spec, report = _config_spec(["accelerate_fsdp1.yaml"], ["--model", "facebook/opt-125m"])
-    assert spec.parallel.method == "fsdp"
-    assert any("FSDP1" in line and "fsdp1 method" in line for line in report.not_modelled)
+    assert spec.parallel.method == "fsdp1"
+    # accelerate's plugin prefetches nothing unless told; the old key name is read by nobody and said so
+    assert spec.parallel.fsdp1.backward_prefetch == "NONE" and spec.parallel.fsdp1.use_orig_params
+    assert any("backward_prefetch_policy" in line and "no longer reads" in line for line in report.not_modelled)
+
+
+FSDP1_OPTIONS = {"fsdp_sharding_strategy": "HYBRID_SHARD", "fsdp_backward_prefetch": "BACKWARD_POST",
+                 "fsdp_forward_prefetch": True, "fsdp_use_orig_params": False, "fsdp_offload_params": True,
+                 "fsdp_limit_all_gathers": False}
+FSDP1_FLAGS = ["--method", "fsdp1", "--fsdp-sharding", "HYBRID_SHARD", "--fsdp-backward-prefetch", "BACKWARD_POST",
+               "--fsdp-forward-prefetch", "--fsdp-use-orig-params", "false", "--fsdp-offload",
+               "--fsdp-limit-all-gathers", "false"]
+
+
+def _write_yaml(path, data):
+    import yaml
+
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_every_fsdp1_setting_of_an_accelerate_config_equals_its_flag(tmp_path):
+    config = {"distributed_type": "FSDP", "num_processes": 16, "num_machines": 2, "mixed_precision": "bf16",
+              "fsdp_config": {"fsdp_version": 1, **FSDP1_OPTIONS}}
+    spec, report = spec_from_configs([_write_yaml(tmp_path / "acc.yaml", config)],
+                                     {"model": "facebook/opt-125m"})
+    flags = ["--model", "facebook/opt-125m", "--gpus", "16", "--precision", "mixed_bf16", "--loop", "manual",
+             "--micro-batch-size", "1", "--gpus-per-node", "8", *FSDP1_FLAGS]
+    assert spec == _flag_spec(flags)
+    assert not report.not_modelled and not report.unknown
+
+
+def test_trainer_fsdp_config_version_1_equals_the_flags(tmp_path):
+    args = {"per_device_train_batch_size": 2, "bf16": True, "fsdp": "shard_grad_op auto_wrap offload",
+            "fsdp_config": {"version": 1, "backward_prefetch": "backward_pre", "forward_prefetch": "true"}}
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps(args))
+    spec, _ = spec_from_configs([str(path)], {"model": "facebook/opt-125m", "world_size": 4})
+    flags = ["--model", "facebook/opt-125m", "--gpus", "4", "--micro-batch-size", "2", "--precision", "mixed_bf16",
+             "--method", "fsdp1", "--fsdp-sharding", "SHARD_GRAD_OP", "--fsdp-offload", "--fsdp-forward-prefetch",
+             "--optimizer", "adamw_fused"]
+    assert spec == _flag_spec(flags)
+    # transformers 5 runs FSDP2 by default: the same config without version is the fsdp method
+    args["fsdp_config"].pop("version")
+    path.write_text(json.dumps(args))
+    spec, report = spec_from_configs([str(path)], {"model": "facebook/opt-125m", "world_size": 4})
+    assert spec.parallel.method == "fsdp" and any("offload" in line for line in report.not_modelled)
+
+
+def test_axolotl_fsdp_defaults_to_fsdp1_and_lora_under_fsdp1_falls_back_to_fsdp(tmp_path):
+    base = {"base_model": "facebook/opt-125m", "micro_batch_size": 1, "sequence_len": 512, "bf16": True,
+            "fsdp": ["full_shard", "auto_wrap"], "fsdp_config": {"fsdp_sharding_strategy": "NO_SHARD"}}
+    spec, _ = spec_from_configs([_write_yaml(tmp_path / "ax.yaml", base)], {"world_size": 2})
+    assert spec.parallel.method == "fsdp1" and spec.parallel.fsdp1.sharding_strategy == "NO_SHARD"
+    lora = {**base, "adapter": "lora", "lora_r": 8, "lora_target_linear": True}
+    spec, report = spec_from_configs([_write_yaml(tmp_path / "ax_lora.yaml", lora)], {"world_size": 2})
+    assert spec.parallel.method == "fsdp" and any("fsdp1 with LoRA" in line for line in report.not_modelled)
+
+
+def test_hybrid_shard_zero2_is_estimated_as_hybrid_shard_and_said(tmp_path):
+    config = {"distributed_type": "FSDP", "num_processes": 8, "fsdp_config": {"fsdp_sharding_strategy": 5}}
+    spec, report = spec_from_configs([_write_yaml(tmp_path / "acc.yaml", config)], {"model": "facebook/opt-125m"})
+    assert spec.parallel.fsdp1.sharding_strategy == "HYBRID_SHARD"
+    assert any("HYBRID_SHARD_ZERO2" in line for line in report.not_modelled)
+
+
+def test_fsdp1_flags_override_the_config_one_by_one_and_need_fsdp1():
+    spec, report = _config_spec(["accelerate_fsdp1.yaml"], ["--model", "facebook/opt-125m", "--fsdp-sharding",
+                                                            "shard_grad_op"])
+    assert (spec.parallel.fsdp1.sharding_strategy, spec.parallel.fsdp1.backward_prefetch) == ("SHARD_GRAD_OP", "NONE")
+    assert any("--fsdp-sharding" in line for line in report.used)
+    with pytest.raises(ValueError, match="^--fsdp-sharding: FSDP1 settings apply to --method fsdp1"):
+        _config_spec(["accelerate_fsdp2.yaml"], ["--model", "facebook/opt-125m", "--fsdp-sharding", "NO_SHARD"])
+
+
+def test_a_bad_fsdp1_value_names_the_file_and_key(tmp_path):
+    config = {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_backward_prefetch": "SOMETIMES"}}
+    with pytest.raises(ValueError, match=r"acc\.yaml: fsdp_config\.fsdp_backward_prefetch: 'SOMETIMES'"):
+        spec_from_configs([_write_yaml(tmp_path / "acc.yaml", config)], {"model": "facebook/opt-125m"})
 
 
 def test_files_that_disagree_are_named():
@@ -198,3 +275,19 @@ def test_reading_configs_stays_on_the_pure_path():
     root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_plan_gives_its_fsdp1_row_the_configs_fsdp1_settings_and_the_flags_over_them(monkeypatch):
+    from estimator.planning import cli as plan_cli
+
+    seen = {}
+
+    def fake_plan(*args, **kwargs):
+        seen["fsdp1"] = kwargs["fsdp1"]
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(plan_cli.planner, "plan", fake_plan)
+    argv = ["--config", str(EXAMPLES / "accelerate_fsdp1.yaml"), "--model", "facebook/opt-125m", "--gpu", "a100-80gb",
+            "--fsdp-sharding", "SHARD_GRAD_OP"]
+    assert plan_cli.run_plan(plan_cli.build_parser().parse_args(argv), argv) == 2
+    assert (seen["fsdp1"].sharding_strategy, seen["fsdp1"].backward_prefetch) == ("SHARD_GRAD_OP", "NONE")
