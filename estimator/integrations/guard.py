@@ -76,7 +76,7 @@ class MemoryGuard:
         # A non-catalogue model's config.json: beside the records, or in a temporary folder (never the cwd).
         folder = self.record_dir / "models" if self.record_dir else Path(tempfile.gettempdir()) / "llmem-models"
         flags: dict[str, Any] = {"model": live.model_reference(model, folder), "world_size": live.world_size(),
-                                 **live.model_facts(model)}
+                                 **live.model_facts(model), **live.fsdp1_facts(model)}
         name = live.optimizer_name(optimizer) if optimizer is not None else None
         if name:
             flags["optimizer"] = name

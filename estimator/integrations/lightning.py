@@ -4,7 +4,8 @@
     trainer = L.Trainer(callbacks=[MemoryEstimatorLightningCallback(record_dir="memory-records", seq_len=512)])
 
 The spec comes from the module's Hugging Face model (the first submodule with a ``config``), the trainer's
-precision (``bf16-mixed`` autocasts, ``bf16-true`` trains bf16 weights), strategy (DDP, FSDP, DeepSpeed),
+precision (``bf16-mixed`` autocasts, ``bf16-true`` trains bf16 weights), strategy (DDP, FSDP1 with its live
+settings, ModelParallel as FSDP2, DeepSpeed),
 world size and gradient accumulation, and the train dataloader's batch size. The loop is ``manual``: Lightning
 still holds the model's logits when the optimizer steps (measured, see ``on_train_start``).
 """
@@ -72,7 +73,11 @@ def _trainer_settings(trainer: Any) -> dict[str, Any]:
     elif precision in _TRUE:
         settings["precision"] = _TRUE[precision]
     strategy = type(getattr(trainer, "strategy", None)).__name__
-    if strategy.startswith("FSDP"):
+    if strategy.startswith("FSDP"):  # Lightning's FSDPStrategy is FSDP1; ModelParallelStrategy runs FSDP2
+        from estimator.integrations.live import fsdp1_facts
+
+        settings.update(fsdp1_facts(getattr(trainer.strategy, "model", None)) or {"method": "fsdp1"})
+    elif strategy.startswith("ModelParallel"):
         settings["method"] = "fsdp"
     elif strategy.startswith("DeepSpeed"):
         settings["method"] = "deepspeed"

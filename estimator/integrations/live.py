@@ -78,6 +78,30 @@ def model_facts(model: Any) -> dict[str, Any]:
     return facts
 
 
+def fsdp1_facts(model: Any) -> dict[str, Any]:
+    """``method`` fsdp1 and its settings when ``model`` is (or holds) FSDP1 ``FullyShardedDataParallel`` units,
+    read from the outermost unit as it really runs (FSDP1 turns FULL_SHARD into NO_SHARD on one rank); {}
+    otherwise. FSDP2 (``fully_shard``) modules are not FullyShardedDataParallel instances."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except Exception:  # noqa: BLE001 - a torch without distributed
+        return {}
+    modules = model.modules() if hasattr(model, "modules") else []
+    root = next((m for m in modules if isinstance(m, FullyShardedDataParallel)), None)
+    if root is None:
+        return {}
+    strategy = getattr(root.sharding_strategy, "name", "FULL_SHARD").lstrip("_")
+    prefetch = root.backward_prefetch
+    settings = {"sharding_strategy": "HYBRID_SHARD" if strategy.startswith("HYBRID") else strategy,
+                "cpu_offload": bool(getattr(root.cpu_offload, "offload_params", False)),
+                "backward_prefetch": prefetch.name if prefetch is not None else "NONE",
+                "forward_prefetch": bool(root.forward_prefetch), "limit_all_gathers": bool(root.limit_all_gathers),
+                "use_orig_params": bool(getattr(root, "_use_orig_params", True))}
+    if settings["sharding_strategy"] == "HYBRID_SHARD":  # the shard group is one node's ranks
+        settings["gpus_per_node"] = int(root.process_group.size())
+    return {"method": "fsdp1", "fsdp1": settings}
+
+
 def _lora(model: Any) -> tuple[int, str] | None:
     configs = getattr(model, "peft_config", None)
     if not isinstance(configs, dict) or not configs:

@@ -170,3 +170,39 @@ def test_cuda_records_are_estimated_by_the_report(tmp_path):
     assert row["memory_source"] == "cuda" and row["peak_reserved_bytes"] >= row["peak_allocated_bytes"] > 0
     assert calibrate_main(["report", "--data", str(records), "--out", str(tmp_path / "report"), "--no-plan"]) == 0
     assert "could not be estimated" not in (tmp_path / "report" / "report.md").read_text()
+
+
+_FSDP1_LIVE = r"""
+import json, os, sys
+import torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from estimator.integrations.guard import MemoryGuard
+from tests.integrations.test_hf_callback import _model
+model = _model()
+layer = type(model.model.layers[0])
+wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({layer}), backward_prefetch=BackwardPrefetch.BACKWARD_POST,
+               forward_prefetch=True, use_orig_params=False, device_id=torch.device("cpu"))
+spec, _, _ = MemoryGuard(None)._spec(wrapped, None, None, {"seq_len": 64, "micro_batch_size": 1})
+print(json.dumps([spec.parallel.method, spec.parallel.fsdp1.__dict__]))
+dist.destroy_process_group()
+"""
+
+
+def test_the_guard_reads_fsdp1_settings_from_the_live_units():
+    """A real FullyShardedDataParallel (gloo, one rank, in its own process): the spec is fsdp1 with the
+    settings the units run (one rank: FSDP1 runs NO_SHARD whatever it was given)."""
+    import random
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FSDP1_LIVE, str(random.randint(20000, 40000))],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    method, settings = json.loads(out.stdout.strip().splitlines()[-1])
+    assert method == "fsdp1"
+    assert settings == {"sharding_strategy": "NO_SHARD", "use_orig_params": False, "cpu_offload": False,
+                        "backward_prefetch": "BACKWARD_POST", "forward_prefetch": True, "limit_all_gathers": True,
+                        "gpus_per_node": 8}

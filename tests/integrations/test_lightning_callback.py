@@ -39,3 +39,15 @@ def test_lightning_callback_predicts_and_records(tmp_path):
     (row,) = list(csv.DictReader((records / "cpu" / "my-runs.rank0.csv").open()))
     predicted = est.peak_allocated_bytes - est.breakdown.get("cublas_workspace", 0)
     assert int(row["peak_allocated_bytes"]) == pytest.approx(predicted, rel=0.05)
+
+
+def test_lightnings_fsdp_strategy_is_fsdp1_and_model_parallel_is_fsdp2():
+    from estimator.integrations.lightning import _trainer_settings
+
+    def trainer_with(strategy_name):
+        strategy = type(strategy_name, (), {"model": torch.nn.Linear(2, 2)})()
+        return type("T", (), {"world_size": 4, "accumulate_grad_batches": 1, "precision": "bf16-mixed",
+                              "strategy": strategy})()
+
+    assert _trainer_settings(trainer_with("FSDPStrategy"))["method"] == "fsdp1"
+    assert _trainer_settings(trainer_with("ModelParallelStrategy"))["method"] == "fsdp"
