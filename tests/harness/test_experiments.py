@@ -48,8 +48,8 @@ def test_multirun_dry_run_writes_a_spec_per_point_and_a_summary(tmp_path):
     result = cli("-m", "experiment=smoke_cpu", "dry_run=true", *path_overrides(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
     specs = list((tmp_path / "runs/smoke_cpu/cpu").glob("*/spec.json"))
-    assert len(specs) == 7
-    assert "sweep smoke_cpu: 7 points: 7 dry_run" in result.stdout
+    assert len(specs) == 8
+    assert "sweep smoke_cpu: 8 points: 8 dry_run" in result.stdout
 
 
 @pytest.mark.slow
