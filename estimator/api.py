@@ -135,6 +135,18 @@ def held_outputs_bytes(regime: dict, loop: str, b: int, s: int) -> float:
     return sum(poly(coeffs, b, s) for coeffs in regime["outputs_held"].values())
 
 
+def fp32_outputs_extra_bytes(regime: dict, training: TrainingSpec, b: int, s: int) -> float:
+    """What ``outputs_fp32`` (accelerate's mixed-precision forward wrapper) adds to a manual loop's held output
+    object: each 16-bit tensor is held as an fp32 copy, twice its bytes, at every moment of the step. The 16-bit
+    original goes unless the graph saved it (then both stay until backward frees it: counted over the whole
+    step, an upper bound). The trainer loop drops the copies with the object: not counted (the copy's moment at
+    the forward's end is not modelled; it was not the peak where measured, docs/LOG.md 2026-11-25)."""
+    if training.loop != "manual" or not training.outputs_fp32:
+        return 0.0
+    sixteen = regime["outputs_held_16bit"]
+    return poly(sixteen["dropped"], b, s) + 2 * poly(sixteen["saved"], b, s)
+
+
 def _step_model(spec: RunSpec, table, rank: int = 0, path: methods.Zero12Rank | None = None
                 ) -> methods.StepModel:
     method = spec.parallel.method
@@ -206,8 +218,9 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     buffers = buffer_bytes(profile["params"], arch.num_layers)  # module buffers: every rank, never sharded
     resident = sum(model.resident.values()) + buffers
     workspace = residuals.cublas_workspace_bytes(coeffs)
-    fb_total = resident + fb.peak_bytes
-    step_total = resident + max(fb.end_act_bytes, 0.0) + model.step_grads + model.step_temp
+    fp32_copies = fp32_outputs_extra_bytes(regime, training, b, s)  # held at every moment of a manual loop's step
+    fb_total = resident + fb.peak_bytes + fp32_copies
+    step_total = resident + max(fb.end_act_bytes, 0.0) + model.step_grads + model.step_temp + fp32_copies
     held = held_outputs_bytes(regime, training.loop, b, s)
     if fb_total >= step_total:
         layer_act, other_act = _activation_split(regime["segments"], fb, arch.num_layers, b, s)
@@ -221,7 +234,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
                  "activations": max(fb.end_act_bytes, 0.0) - held,
                  "temporaries": model.step_temp}
         phase = "optimizer_step"
-    parts["outputs_held"] = held
+    parts["outputs_held"] = held + fp32_copies
     parts["buffers"] = buffers
     parts["cublas_workspace"] = workspace
     breakdown = {k: int(round(parts.get(k, 0.0))) for k in COMPONENTS if parts.get(k)}
@@ -309,10 +322,14 @@ def _depth_note(regime: dict) -> list[str]:
 def _loop_note(training: TrainingSpec, profile: dict) -> str:
     """Which training loop the estimate assumed, and what the other one would hold besides."""
     b, s = training.micro_batch_size, training.seq_len
-    held_gib = held_outputs_bytes(_regime(profile, b, s), "manual", b, s) / GIB
+    regime = _regime(profile, b, s)
+    manual = dataclasses.replace(training, loop="manual")
+    held_gib = (held_outputs_bytes(regime, "manual", b, s) + fp32_outputs_extra_bytes(regime, manual, b, s)) / GIB
+    copies = " as fp32 copies (outputs_fp32: accelerate's mixed-precision wrapper)" if training.outputs_fp32 else ""
     if training.loop == "manual":
         return (f"loop: manual — the model's output object ({held_gib:.2f} GiB: logits and any other returned "
-                "tensor) stays bound through backward and the optimizer step, until the next forward rebinds it")
+                f"tensor{copies}) stays bound through backward and the optimizer step, until the next forward "
+                "rebinds it")
     return (f"loop: trainer — the output object is dropped before backward (HF Trainer, TRL, torchtune); a loop "
             f"that keeps `outputs` alive (--loop manual) holds {held_gib:.2f} GiB more")
 

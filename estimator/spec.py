@@ -75,6 +75,10 @@ class TrainingSpec:
     grad_accum_steps: int = 1
     loop: str = "trainer"
     batch: str = "full"
+    # The forward returns fp32 copies of its 16-bit outputs (accelerate's mixed precision wraps the model's
+    # forward in autocast + ``convert_outputs_to_fp32``: accelerate scripts and the HF Trainer with bf16/fp16,
+    # DeepSpeed excepted). A manual loop then holds fp32 logits through backward.
+    outputs_fp32: bool = False
 
     def __post_init__(self) -> None:
         _check_positive_int("micro_batch_size", self.micro_batch_size)
@@ -93,6 +97,8 @@ class TrainingSpec:
         _check_positive_int("grad_accum_steps", self.grad_accum_steps)
         _check_choice("loop", self.loop, LOOPS)
         _check_choice("batch", self.batch, BATCHES)
+        if not isinstance(self.outputs_fp32, bool):
+            _fail("outputs_fp32", f"must be true or false, got {self.outputs_fp32!r}")
         if self.attn == "flash" and self.precision == "fp32":
             _fail("attn", "flash attention needs 16-bit activations; use sdpa or eager with fp32")
 
@@ -230,10 +236,13 @@ class RunSpec:
         return dataclasses.asdict(self)
 
     def _canonical_dict(self) -> dict[str, Any]:
-        """to_dict without the settings of a method not used (FSDP1's were added later: ids stay as they were)."""
+        """to_dict without the settings of a method not used, nor settings added later at their default (FSDP1's,
+        ``outputs_fp32``): ids stay as they were."""
         data = self.to_dict()
         if self.parallel.method != "fsdp1":
             data["parallel"].pop("fsdp1")
+        if not self.training.outputs_fp32:
+            data["training"].pop("outputs_fp32")
         return data
 
     def to_json(self) -> str:

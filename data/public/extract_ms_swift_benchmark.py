@@ -110,6 +110,7 @@ def _row(entry: dict, heading: str, cells: dict) -> dict | None:
         attn="flash" if flag[args["use_flash_attn"]] else "eager",
         lora_rank=0 if full else int(args["lora_rank"]), lora_targets=default_targets if not full and model
         else "auto", qlora=False, grad_accum_steps=int(args["gradient_accumulation_steps"]), loop="trainer",
+        outputs_fp32=True,  # the Trainer's bf16 runs through accelerate's forward wrapper (no effect: trainer loop)
         model_hub_id=hub, framework="ms-swift v1 (HF Seq2SeqTrainer, swift LoRA tuner)",
         adapter="full" if full else "lora", padding="longest", max_length=int(args["max_length"]),
         seq_len_basis="max_length_cap", lengths=LENGTHS, rescore_lengths=True, torch_version="2.1.1",

@@ -114,7 +114,8 @@ def spec_from_settings(settings: dict[str, Setting], report: ConfigReport) -> Ru
         precision=precision, optimizer=value("optimizer", "adamw"), grad_ckpt=bool(value("grad_ckpt", False)),
         attn=value("attn", "sdpa"), lora_rank=value("lora_rank", 0),
         lora_targets=value("lora_targets", "auto"), qlora=bool(value("qlora", False)),
-        grad_accum_steps=value("grad_accum_steps", 1), loop=value("loop", "trainer"))
+        grad_accum_steps=value("grad_accum_steps", 1), loop=value("loop", "trainer"),
+        outputs_fp32=_outputs_fp32(settings, method, value))
     gpu = str(value("gpu", "h100-80gb", "no config names the GPU type; pass --gpu")).lower()
     tp = value("tp", 1) if "tp" in settings else (world if method == "tp" else 1)
     model = str(settings["model"].value)
@@ -133,6 +134,17 @@ def spec_from_settings(settings: dict[str, Setting], report: ConfigReport) -> Ru
         return spec_from_deepspeed(settings["deepspeed"].value, base, resolve_arch(model).hidden_size)
     return RunSpec(model=model, parallel=ParallelSpec(method=method, world_size=world, tp=tp, fsdp1=fsdp1),
                    training=training, gpu=gpu)
+
+
+def _outputs_fp32(settings: dict[str, Setting], method: str, value) -> bool:
+    """A 16-bit mixed-precision switch (``half``) is accelerate's (accelerate configs, and the HF Trainer, TRL,
+    axolotl and LLaMA-Factory, which run on accelerate): it wraps the forward to return fp32 copies of 16-bit
+    outputs, except under DeepSpeed."""
+    half = settings["half"].value if "half" in settings else "none"
+    if half not in ("bf16", "fp16") or method == "deepspeed":
+        return bool(value("outputs_fp32", False))
+    return bool(value("outputs_fp32", True, f"accelerate's {half} mixed precision wraps the forward in "
+                                             "convert_outputs_to_fp32: a manual loop holds fp32 logits"))
 
 
 def _fsdp1(settings: dict[str, Setting], method: str) -> Fsdp1Spec:

@@ -77,6 +77,8 @@ class MemoryGuard:
         folder = self.record_dir / "models" if self.record_dir else Path(tempfile.gettempdir()) / "llmem-models"
         flags: dict[str, Any] = {"model": live.model_reference(model, folder), "world_size": live.world_size(),
                                  **live.model_facts(model), **live.fsdp1_facts(model)}
+        if live.outputs_fp32(model):
+            flags["outputs_fp32"] = True
         name = live.optimizer_name(optimizer) if optimizer is not None else None
         if name:
             flags["optimizer"] = name

@@ -78,6 +78,19 @@ def model_facts(model: Any) -> dict[str, Any]:
     return facts
 
 
+def outputs_fp32(model: Any) -> bool | None:
+    """True when accelerate wrapped the forward for mixed precision (``Accelerator.prepare_model`` keeps the
+    original as ``_original_forward`` and returns fp32 copies of 16-bit outputs), on the model or any wrapper
+    around it; None when it cannot tell (then the training arguments decide)."""
+    seen = 0
+    while model is not None and seen < 8:
+        seen += 1
+        if "_original_forward" in getattr(model, "__dict__", {}):
+            return True
+        model = getattr(model, "module", None)
+    return None
+
+
 def fsdp1_facts(model: Any) -> dict[str, Any]:
     """``method`` fsdp1 and its settings when ``model`` is (or holds) FSDP1 ``FullyShardedDataParallel`` units,
     read from the outermost unit as it really runs (FSDP1 turns FULL_SHARD into NO_SHARD on one rank); {}

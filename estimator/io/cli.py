@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loop", choices=LOOPS, help="training loop: 'trainer' (default: HF Trainer, TRL, torchtune drop "
                    "the model's output object before backward) or 'manual' (outputs = model(**batch); "
                    "loss = outputs.loss; loss.backward(): the logits stay alive)")
+    p.add_argument("--outputs-fp32", action="store_true", default=None,
+                   help="the forward returns fp32 copies of its 16-bit outputs, as accelerate's mixed precision "
+                        "wraps it (accelerate scripts, the HF Trainer with bf16/fp16; not DeepSpeed): a manual "
+                        "loop then holds fp32 logits")
     p.add_argument("--batch", choices=BATCHES, help="'full' (default: every row full length, or packed: no "
                    "attention mask) or 'padded' (some rows padded: transformers builds the 4-D mask; with "
                    "--lengths it is set per batch)")
@@ -95,7 +99,7 @@ def _training(args, base: TrainingSpec) -> TrainingSpec:
                         lora_rank=args.lora_rank or base.lora_rank,
                         lora_targets=args.lora_targets if args.lora_targets != "auto" else base.lora_targets,
                         qlora=args.qlora or base.qlora, loop=pick(args.loop, base.loop),
-                        batch=pick(args.batch, base.batch),
+                        batch=pick(args.batch, base.batch), outputs_fp32=pick(args.outputs_fp32, base.outputs_fp32),
                         grad_accum_steps=pick(args.grad_accum_steps, base.grad_accum_steps))
 
 
@@ -179,7 +183,7 @@ def _lora_label(t) -> str:
 
 
 def _loop_label(t) -> str:
-    return f", {t.loop} loop"
+    return f", {t.loop} loop" + (", fp32 outputs" if t.outputs_fp32 else "")
 
 
 def render_compare(results: list[tuple[str, object, str]], spec: RunSpec, gpus: int) -> str:

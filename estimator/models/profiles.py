@@ -24,7 +24,9 @@ from estimator.spec import TrainingSpec
 #    the next forward) and ``outputs_held`` (that object's storages besides the loss: dropped / saved by the graph).
 # 5: traced with the kernels CUDA runs (``estimator.profiler.cuda_path``: dropout's bool mask, SDPA's CUDA backend),
 #    not the CPU's; sequence lengths sampled at multiples of 32.
-PROFILE_SCHEMA_VERSION = 5
+# 6: each regime also holds ``outputs_held_16bit``: the part of ``outputs_held`` held by 16-bit float tensors
+#    (what accelerate's mixed-precision forward wrapper copies to fp32: ``TrainingSpec.outputs_fp32``).
+PROFILE_SCHEMA_VERSION = 6
 MONOMIALS = ("1", "s", "s^2", "b", "b*s", "b*s^2")
 
 

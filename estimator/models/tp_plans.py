@@ -37,7 +37,8 @@ GPT-NeoX) need none. ``special`` names extra transformations implemented in ``es
   each ``[q | v | k]`` for a quarter of the heads) and the forward reshapes with ``mp_num = 4`` whatever the
   local width. Before sharding, the rows of ``qkv_proj`` (and the columns of ``out_proj``) are permuted so
   that rank ``r``'s contiguous chunk is again four ``[q | v | k]`` blocks over its own heads; the function of
-  the model is unchanged (a head permutation). Needs ``n_head % (4 * tp) == 0``.
+  the model is unchanged (a head permutation). The forward's block width is ``embed_dim // 4`` (transformers
+  5.23), so ``embed_dim`` is divided by tp with the heads. Needs ``n_head % (4 * tp) == 0``.
 * GPT-BigCode with ``multi_query=True`` (e.g. SantaCoder) packs ``[q (all heads) | k | v (one shared head)]``
   in one ``c_attn``: a colwise split would cut the single K/V head, and sharding Q alone needs a split module
   plus a partial-gradient reduction for the replicated K/V. We refuse it (``check_tp`` raises); non-MQA
@@ -99,7 +100,7 @@ _PLANS: dict[str, dict[str, Any]] = {
     "codegen": {"layers": "transformer.h",
                 "layer": {"attn.qkv_proj": COLWISE, "attn.out_proj": ROWWISE,
                           "mlp.fc_in": COLWISE, "mlp.fc_out": ROWWISE},
-                "attr_div": ("attn.num_attention_heads",), "special": ("codegen_mp4",)},
+                "attr_div": ("attn.num_attention_heads", "attn.embed_dim"), "special": ("codegen_mp4",)},
     "gpt_bigcode": {"layers": "transformer.h",
                     "layer": {"attn.c_attn": COLWISE, "attn.c_proj": ROWWISE,
                               "mlp.c_fc": COLWISE, "mlp.c_proj": ROWWISE},

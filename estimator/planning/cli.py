@@ -61,6 +61,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--loop", choices=LOOPS, default="trainer",
                         help="training loop: 'trainer' drops the output object before backward (HF Trainer, TRL); "
                              "'manual' keeps `outputs` (the logits) alive through backward")
+    parser.add_argument("--outputs-fp32", action="store_true",
+                        help="the forward returns fp32 copies of its 16-bit outputs (accelerate's mixed precision, "
+                             "the HF Trainer with bf16/fp16): a manual loop holds fp32 logits")
     parser.add_argument("--batch", choices=BATCHES, default="full",
                         help="'full' (default: every row full length, or packed) or 'padded' (some rows padded: "
                              "an attention mask; set per batch from --lengths)")
@@ -100,7 +103,8 @@ def run_plan(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                               ckpt_options=ckpt, methods=_methods(args.methods), interconnect=args.interconnect,
                               bandwidth_gbs=args.bandwidth, host_ram_gb=args.host_ram, loop=args.loop,
                               epoch=epoch, alloc_conf=args.alloc_conf, batch=args.batch,
-                              fsdp1=fsdp1_from_args(args, "fsdp1", getattr(args, "fsdp1_base", None)))
+                              fsdp1=fsdp1_from_args(args, "fsdp1", getattr(args, "fsdp1_base", None)),
+                              outputs_fp32=args.outputs_fp32)
         baseline = None
         if args.llmem:
             from estimator.baselines import llmem_select

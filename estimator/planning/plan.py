@@ -488,7 +488,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
          bandwidth_gbs: float | None = None, host_ram_gb: float | None = None, advise: bool = True,
          estimate_fn: EstimateFn | None = None, gpu_info: tput.GpuPerf | None = None, loop: str = "trainer",
          epoch: Any = None, alloc_conf: str | None = None, batch: str = "full",
-         fsdp1: Fsdp1Spec | None = None) -> Plan:
+         fsdp1: Fsdp1Spec | None = None, outputs_fp32: bool = False) -> Plan:
     """Search, rank and advise. Raises ``ValueError("field: ...")`` for bad input (unknown GPU or model,
     impossible N, a global batch no candidate can split, a method with no layout on N GPUs).
 
@@ -498,7 +498,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     ``epoch``: sample lengths (``estimator.batching.epoch.EpochSource``); ``seq_len`` then truncates them, and
     each batch's padding decides its ``batch`` (else ``batch``: "full" or "padded", ``TrainingSpec.batch``).
     ``alloc_conf``: the ``PYTORCH_CUDA_ALLOC_CONF`` the reserved replay uses (default: the environment's).
-    ``fsdp1``: the settings of the fsdp1 layout (default: FULL_SHARD, use_orig_params, BACKWARD_PRE)."""
+    ``fsdp1``: the settings of the fsdp1 layout (default: FULL_SHARD, use_orig_params, BACKWARD_PRE).
+    ``outputs_fp32``: the forward returns fp32 copies of its 16-bit outputs (``TrainingSpec.outputs_fp32``)."""
     started = time.perf_counter()
     from estimator.api import resolve_alloc_conf
 
@@ -512,7 +513,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
         raise ValueError(f"seq_len: {seq_len} is longer than the model's {arch.max_positions} positions")
     precision = precision or _default_precision(gpu_perf)
     training = TrainingSpec(micro_batch_size=1, seq_len=seq_len, precision=precision, optimizer=optimizer,
-                            attn=attn, lora_rank=lora_rank, lora_targets=lora_targets, loop=loop, batch=batch)
+                            attn=attn, lora_rank=lora_rank, lora_targets=lora_targets, loop=loop, batch=batch,
+                            outputs_fp32=outputs_fp32)
     if not any(gpu_perf.peak_flops.values()) or not gpu_perf.capacity_bytes:
         raise ValueError(f"gpu: {gpu_perf.key!r} has no capacity or peak FLOP/s in the catalogue; "
                          "the planner needs a known GPU type")

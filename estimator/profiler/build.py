@@ -10,7 +10,7 @@ import contextlib
 import copy
 import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -303,14 +303,18 @@ class HeldOutputs:
     ``trainer`` (HF Trainer, TRL, torchtune): only the loss is taken from the output object, which is dropped
     before ``backward()``. ``manual`` (accelerate's examples, most hand-written loops): ``outputs = model(**batch);
     loss = outputs.loss; loss.backward()`` keeps ``outputs`` (the logits) bound through backward and the optimizer
-    step, until the next forward's result is bound to the name."""
+    step, until the next forward's result is bound to the name. ``outputs_fp32``: the forward returns fp32
+    copies of its 16-bit float outputs, as accelerate's mixed-precision wrapper does (``TrainingSpec.outputs_fp32``)."""
 
-    def __init__(self, loop: str) -> None:
+    def __init__(self, loop: str, outputs_fp32: bool = False) -> None:
         self.loop = loop
+        self.outputs_fp32 = outputs_fp32
         self.outputs: Any = None
 
     def forward(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         outputs = model(**batch)
+        if self.outputs_fp32:
+            outputs = outputs_to_fp32(outputs)
         if self.loop == "manual":
             self.outputs = outputs  # rebinding frees the previous micro-batch's outputs only now
         return outputs.loss
@@ -319,12 +323,26 @@ class HeldOutputs:
         self.outputs = None
 
 
+def outputs_to_fp32(outputs: Any) -> Any:
+    """The output object with every 16-bit float tensor replaced by ``tensor.float()`` (nested mappings,
+    lists and tuples kept as they are), as accelerate's ``convert_outputs_to_fp32`` returns it."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.float() if outputs.dtype in (torch.float16, torch.bfloat16) else outputs
+    if isinstance(outputs, Mapping):  # ModelOutput is an OrderedDict: rebuild the same type
+        converted = type(outputs)(**{k: outputs_to_fp32(v) for k, v in outputs.items()})
+        return converted
+    if isinstance(outputs, (list, tuple)):
+        items = [outputs_to_fp32(v) for v in outputs]
+        return type(outputs)(*items) if hasattr(outputs, "_fields") else type(outputs)(items)
+    return outputs
+
+
 def forward_backward(model: torch.nn.Module, batch: dict[str, torch.Tensor], training: TrainingSpec,
                      device: torch.device | str = "cpu", scale: float = 1.0,
                      held: HeldOutputs | None = None) -> torch.Tensor:
     """Forward and backward of one micro-batch; returns the detached loss. The output object is dropped before
     backward unless ``held`` keeps it (``training.loop`` "manual": pass one ``HeldOutputs`` for every step)."""
-    held = held if held is not None else HeldOutputs("trainer")
+    held = held if held is not None else HeldOutputs("trainer", training.outputs_fp32)
     with autocast_context(training, device):
         loss = held.forward(model, batch)
     (loss * scale if scale != 1.0 else loss).backward()

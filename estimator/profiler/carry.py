@@ -18,7 +18,8 @@ def carry_over_file(path: Path) -> bool:
     2026-11-22). Schema 3 added two facts about the parameters, not the trace (``layers_at``, ``grad_order``): a
     schema-2 profile gets them from the same shrunken model built on fake tensors (``backfill_order``). Schema 4
     added the manual training loop (``backfill_manual_loop``). Schema 5 traces CUDA's kernels instead of the
-    CPU's (``cpu_trace_is_cuda_trace`` says where that changes nothing)."""
+    CPU's (``cpu_trace_is_cuda_trace`` says where that changes nothing). Schema 6 records which of the output
+    object's storages are 16-bit (``backfill_outputs_16bit``)."""
     profile = json.loads(path.read_text())
     if profile.get("schema_version") == PROFILE_SCHEMA_VERSION:
         return True
@@ -51,6 +52,11 @@ def carry_over(profile: dict, config: dict | None = None) -> bool:
             return False
         provenance["carried_over_5"] = "schema 4 -> 5: CUDA's kernels keep what the CPU trace kept"
         version = 5
+    if version == 5:
+        if not backfill_outputs_16bit(profile, config):
+            return False
+        provenance["carried_over_6"] = "schema 5 -> 6: outputs_held_16bit backfilled"
+        version = 6
     profile["schema_version"] = version
     return version == PROFILE_SCHEMA_VERSION
 
@@ -98,7 +104,7 @@ def backfill_manual_loop(profile: dict, config: dict) -> bool:
         for regime in profile["regimes"]:
             points = _points(regime)[0]
             held = {point: model.output_bytes(*point) for point in points}
-            polys = {kind: [float(c) for c in _solve(points, [sum(n for n, saved in held[p] if saved == want)
+            polys = {kind: [float(c) for c in _solve(points, [sum(n for n, saved, _ in held[p] if saved == want)
                                                               for p in points])]
                      for kind, want in (("dropped", False), ("saved", True))}
             if any(polys["saved"]):
@@ -107,6 +113,36 @@ def backfill_manual_loop(profile: dict, config: dict) -> bool:
     for regime, polys in updated:
         regime["outputs_held"] = polys
         regime["segments_manual"] = _raised_prefix(regime["segments"], polys["dropped"])
+    return True
+
+
+def backfill_outputs_16bit(profile: dict, config: dict) -> bool:
+    """Add ``outputs_held_16bit`` (schema 6: the part of ``outputs_held`` that 16-bit float tensors hold, which
+    accelerate's mixed-precision forward wrapper copies to fp32) from forward passes of the same shrunken model
+    at each regime's fitting points. False (nothing changed) when those passes do not give back the profile's own
+    ``outputs_held``: that profile must be re-traced."""
+    from estimator.profiler.profile import PROFILE_LAYERS, _Model, _points, _process_group, _solve
+
+    training = variant_training(profile)
+    tp = profile.get("tp", 1)
+    updated = []
+    with _process_group(tp):
+        model = _Model(config, training, PROFILE_LAYERS, tp)
+        for regime in profile["regimes"]:
+            points = _points(regime)[0]
+            held = {point: model.output_bytes(*point) for point in points}
+            polys, sixteen = {}, {}
+            for kind, want in (("dropped", False), ("saved", True)):
+                polys[kind] = [float(c) for c in _solve(points, [sum(n for n, saved, _ in held[p] if saved == want)
+                                                                 for p in points])]
+                sixteen[kind] = [float(c) for c in _solve(points, [
+                    sum(n for n, saved, is16 in held[p] if saved == want and is16) for p in points])]
+            if any(abs(a - b) > 1e-6 * max(1.0, abs(b)) for kind in polys
+                   for a, b in zip(polys[kind], regime["outputs_held"][kind])):
+                return False
+            updated.append((regime, sixteen))
+    for regime, sixteen in updated:
+        regime["outputs_held_16bit"] = sixteen
     return True
 
 

@@ -133,9 +133,9 @@ class _Model:
             with build.as_on_gpu(self.training.batch):
                 build.train_step(self.model, self.optimizer, batch, self.training)
 
-    def output_bytes(self, b: int, s: int) -> list[tuple[int, bool]]:
-        """(bytes, saved by the graph) of each storage the output object holds besides the loss's, from one
-        recorded forward (no backward): what a manual loop keeps bound that the trainer loop drops."""
+    def output_bytes(self, b: int, s: int) -> list[tuple[int, bool, bool]]:
+        """(bytes, saved by the graph, 16-bit float) of each storage the output object holds besides the loss's,
+        from one recorded forward (no backward): what a manual loop keeps bound that the trainer loop drops."""
         rec = self.recorder
         with self._dtensor_patches(), self.mode, rec, build.as_on_gpu(self.training.batch):
             batch = build.synthetic_batch(b, s, min(self.vocab, 1000))
@@ -143,10 +143,10 @@ class _Model:
                 outputs = self.model(**batch)
             loss = outputs.loss
             held = output_storages(outputs, loss)
-            sizes = [storage.nbytes() for storage in held]
-            refs = [weakref.ref(storage) for storage in held]
+            facts = [(storage.nbytes(), sixteen) for storage, sixteen in held]
+            refs = [weakref.ref(storage) for storage, _ in held]
             del outputs, held
-            result = [(size, ref() is not None) for size, ref in zip(sizes, refs)]
+            result = [(size, ref() is not None, sixteen) for (size, sixteen), ref in zip(facts, refs)]
             del loss
         return result
 
@@ -169,8 +169,10 @@ class _Model:
                     outputs = self.model(**batch)
                 loss = outputs.loss
                 held = output_storages(outputs, loss)
-                sids = [rec.sid(storage) for storage in held]
-                refs = [weakref.ref(storage) for storage in held]
+                sids = [rec.sid(storage) for storage, _ in held]
+                refs = [weakref.ref(storage) for storage, _ in held]
+                # what accelerate's mixed-precision forward wrapper would copy to fp32 (TrainingSpec.outputs_fp32)
+                self.held_16bit = {sid for sid, (_, sixteen) in zip(sids, held) if sixteen}
                 del outputs, held  # the trainer loop: the output object goes before backward
                 # (sid, still alive: the autograd graph saved it) for what a manual loop would keep bound
                 self.held_outputs = [(sid, ref() is not None) for sid, ref in zip(sids, refs)]
@@ -206,20 +208,20 @@ class _Model:
         rec.mark(end)
 
 
-def output_storages(outputs, loss: torch.Tensor) -> list[torch.UntypedStorage]:
+def output_storages(outputs, loss: torch.Tensor) -> list[tuple[torch.UntypedStorage, bool]]:
     """The storages the model's output object holds besides the loss's (logits; auxiliary losses, hidden states
-    or attentions when the model returns them), each once."""
+    or attentions when the model returns them), each once, with whether a 16-bit float tensor holds it."""
     from torch.utils._pytree import tree_flatten
 
     values = outputs.to_tuple() if hasattr(outputs, "to_tuple") else outputs
     skip = {id(loss.untyped_storage())}
-    found: list[torch.UntypedStorage] = []
+    found: list[tuple[torch.UntypedStorage, bool]] = []
     for item in tree_flatten(values)[0]:
         if isinstance(item, torch.Tensor):
             storage = item.untyped_storage()
             if id(storage) not in skip:
                 skip.add(id(storage))
-                found.append(storage)
+                found.append((storage, item.dtype in (torch.float16, torch.bfloat16)))
     return found
 
 
@@ -353,11 +355,13 @@ def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:
     traces = {}
     for b, s in fit_points + check_points:
         model.trace_window(b, s)
-        traces[(b, s)] = _normalise_sids(device_events(model.full_window, model.recorder.timeline, model.training),
-                                         model.recorder.timeline, model.held_outputs)
-    full, _, grads, held, sids = traces[fit_points[0]]
-    for point, (sig, _sizes, _g, point_held, _sids) in traces.items():
-        if sig != full or point_held != held:
+        normalised = _normalise_sids(device_events(model.full_window, model.recorder.timeline, model.training),
+                                     model.recorder.timeline, model.held_outputs)
+        sixteen = frozenset(k for k, sid in enumerate(normalised[4]) if sid in model.held_16bit)
+        traces[(b, s)] = (*normalised, sixteen)
+    full, _, grads, held, sids, sixteen = traces[fit_points[0]]
+    for point, (sig, _sizes, _g, point_held, _sids, point_sixteen) in traces.items():
+        if sig != full or point_held != held or point_sixteen != sixteen:
             raise RuntimeError(f"profile: op sequence at (b, s) = {point} differs from {fit_points[0]}; "
                                "this architecture changes control flow with shape")
     n = len(traces[fit_points[0]][1])
@@ -374,6 +378,9 @@ def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:
     manual_signature, manual_coeffs, manual_grads = manual_loop_events(signature, coeffs, grads, held)
     outputs = {kind: [float(x) for x in _sum_polys([coeffs[k] for k, saved in held if saved == want])]
                for kind, want in (("dropped", False), ("saved", True))}
+    outputs_16bit = {kind: [float(x) for x in _sum_polys([coeffs[k] for k, saved in held
+                                                          if saved == want and k in sixteen])]
+                     for kind, want in (("dropped", False), ("saved", True))}
     timeline = model.recorder.timeline
     grad_ordinal = {name: o for o, name in enumerate(grads) if name is not None}
     first = first_optimizer_events(device_events(model.first_optimizer_window, timeline, model.training), timeline,
@@ -383,7 +390,8 @@ def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:
     events["optimizer"] = model.training.optimizer
     return {**regime, "segments": segments,
             "segments_manual": _summarise(manual_signature, manual_coeffs, manual_grads, model.num_layers),
-            "outputs_held": outputs, "check_max_rel_error": worst, "events": events}, signature, coeffs
+            "outputs_held": outputs, "outputs_held_16bit": outputs_16bit, "check_max_rel_error": worst,
+            "events": events}, signature, coeffs
 
 
 def _summarise(signature: list[tuple], coeffs: list, grads: list, num_layers: int) -> dict:

@@ -27,6 +27,8 @@ Options (each a choice a real run makes):
   torch methods run them), amp_bf16 / amp_fp16 (fp32 weights, ``torch.autocast`` on the CPU: its op lists
   differ from CUDA's, so amp points are CPU autocast).
 * ``grad_ckpt``: non-reentrant activation checkpointing on every decoder layer, as HF enables it.
+* ``outputs_fp32``: the forward wrapped in accelerate's own ``convert_outputs_to_fp32`` (what
+  ``Accelerator.prepare_model`` does under bf16/fp16 mixed precision): the output object holds fp32 copies.
 
 CLI: ``python -m harness.fake.memtracker --model Qwen/Qwen2.5-0.5B --precision bf16 --attn sdpa -b 4 -s 512
 [--ckpt] [--loop manual] [--batch padded] [--kernels cpu] [--layers N] [--fsdp N --rank R]`` prints one JSON
@@ -303,11 +305,16 @@ def _synthetic_batch(b: int, s: int, vocab: int, batch: str):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _train_steps(built: Built, b: int, s: int, loop: str, batch: str, steps: int, after_step=None) -> None:
+def _train_steps(built: Built, b: int, s: int, loop: str, batch: str, steps: int, after_step=None,
+                 outputs_fp32: bool = False) -> None:
     import torch
 
     _, autocast = _dtypes(built.variant.precision)
     model, optimizer = built.model, built.optimizer
+    if outputs_fp32:  # accelerate's own wrapper, as Accelerator.prepare_model applies it under mixed precision
+        from accelerate.utils import convert_outputs_to_fp32
+
+        model = convert_outputs_to_fp32(built.model.forward)
     data = _synthetic_batch(b, s, built.vocab_size, batch)
     outputs = None
     for _ in range(steps):
@@ -355,7 +362,7 @@ def warm_up(built: Built) -> None:
 
 
 def peak_bytes(built: Built, b: int, s: int, loop: str = "trainer", batch: str = "full", *,
-               by_category: bool = False) -> int | tuple[int, dict[str, int]]:
+               by_category: bool = False, outputs_fp32: bool = False) -> int | tuple[int, dict[str, int]]:
     """Peak live bytes over two steady-state steps at (b, s), from MemTracker (FSDPMemTracker for FSDP)."""
     if loop not in LOOPS:
         raise ValueError(f"loop: {loop!r} is not one of {', '.join(LOOPS)}")
@@ -366,7 +373,7 @@ def peak_bytes(built: Built, b: int, s: int, loop: str = "trainer", batch: str =
     tracker = _tracker(built)
     with _contexts(built, batch), tracker:
         # MemTracker keeps per-module stats of one iteration; its peak snapshot spans both
-        _train_steps(built, b, s, loop, batch, 2, after_step=tracker.reset_mod_stats)
+        _train_steps(built, b, s, loop, batch, 2, after_step=tracker.reset_mod_stats, outputs_fp32=outputs_fp32)
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
     peak = snapshot["Total"]
     if built.variant.kernels == "cuda":  # AdamW's step counts are host tensors on CUDA
@@ -392,11 +399,11 @@ def _tracker(built: Built):
 
 
 def oracle_peak(config: dict[str, Any], variant: Variant, b: int, s: int, loop: str = "trainer",
-                batch: str = "full", layers: int | None = None) -> int:
+                batch: str = "full", layers: int | None = None, outputs_fp32: bool = False) -> int:
     """One point, built from scratch."""
     built = build(with_layers(config, layers) if layers else config, variant)
     try:
-        return peak_bytes(built, b, s, loop, batch)
+        return peak_bytes(built, b, s, loop, batch, outputs_fp32=outputs_fp32)
     finally:
         close(built)
 
@@ -411,6 +418,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ckpt", action="store_true", help="gradient checkpointing")
     parser.add_argument("--loop", default="trainer", choices=LOOPS)
     parser.add_argument("--batch", default="full", choices=BATCHES)
+    parser.add_argument("--outputs-fp32", action="store_true",
+                        help="wrap the forward in accelerate's convert_outputs_to_fp32 (its mixed precision)")
     parser.add_argument("--kernels", default="cuda", choices=KERNELS)
     parser.add_argument("--layers", type=int, help="decoder depth (default: the config's)")
     parser.add_argument("--fsdp", type=int, default=1, help="FSDP2 world size (1: single GPU)")
@@ -426,12 +435,13 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"rank: {args.rank} not in 0..{args.fsdp - 1}")
         variant = Variant(args.precision, args.attn, args.ckpt, args.kernels, args.fsdp, args.rank)
         peak = oracle_peak(config, variant, args.micro_batch_size, args.seq_len, args.loop, args.batch,
-                           args.layers)
+                           args.layers, args.outputs_fp32)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(json.dumps({"model": args.model, **vars(variant), "micro_batch_size": args.micro_batch_size,
                       "seq_len": args.seq_len, "loop": args.loop, "batch": args.batch, "layers": args.layers,
+                      "outputs_fp32": args.outputs_fp32,
                       "peak_bytes": peak, "measured_by": "torch MemTracker, fake tensors"}))
     return 0
 

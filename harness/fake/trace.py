@@ -239,7 +239,7 @@ def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: i
             t_setup = time.perf_counter() - t0
 
             accum = training.grad_accum_steps
-            held = HeldOutputs(training.loop)
+            held = HeldOutputs(training.loop, training.outputs_fp32)
             records = []
             for _ in range(steps):
                 counter.begin_step()

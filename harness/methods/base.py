@@ -48,7 +48,7 @@ class TorchTrainer:
         self.training = training
         self.device = device
         self._no_sync = no_sync
-        self.held = HeldOutputs(training.loop)
+        self.held = HeldOutputs(training.loop, training.outputs_fp32)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with autocast_context(self.training, self.device):

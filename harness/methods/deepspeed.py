@@ -172,7 +172,7 @@ class DeepSpeedTrainer:
         self.engine = engine
         self.training = spec.training
         self.device = device
-        self.held = HeldOutputs(spec.training.loop)
+        self.held = HeldOutputs(spec.training.loop, spec.training.outputs_fp32)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.held.forward(self.engine, batch)  # amp_*: autocast is inside the model's forward (autocast_inside)

@@ -17,7 +17,7 @@ def traced_peak_bytes(config: dict, training, kernels: str = "cuda") -> int:
         optimizer = build.build_optimizer(model.parameters(), training)
         batch = build.synthetic_batch(training.micro_batch_size, training.seq_len, min(config["vocab_size"], 1000))
         recorder.mark("start")  # params exist before: count from here, add them below
-        held = build.HeldOutputs(training.loop)
+        held = build.HeldOutputs(training.loop, training.outputs_fp32)
         # a full-length batch as the GPU runs it (see the functions)
         program = build.as_on_gpu(training.batch) if kernels == "cuda" else build.full_length_attention_mask()
         with program:

@@ -31,18 +31,18 @@ CASES = {
     "trl_sft": (["trl_sft_lora.yaml"], [],
                 "--model Qwen/Qwen2.5-0.5B --micro-batch-size 2 --seq-len 2048 --precision bf16 --optimizer "
                 "adamw_fused --grad-ckpt --attn sdpa --lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj "
-                "--grad-accum-steps 8"),
+                "--grad-accum-steps 8 --outputs-fp32"),
     "accelerate_fsdp2": (["accelerate_fsdp2.yaml"], ["--model", "facebook/opt-125m"],
                          "--model facebook/opt-125m --method fsdp --gpus 8 --micro-batch-size 1 --precision "
-                         "mixed_bf16 --grad-ckpt --loop manual"),
+                         "mixed_bf16 --grad-ckpt --loop manual --outputs-fp32"),
     "accelerate_fsdp1": (["accelerate_fsdp1.yaml"], ["--model", "facebook/opt-125m"],
                          "--model facebook/opt-125m --method fsdp1 --gpus 4 --micro-batch-size 1 --precision "
-                         "mixed_bf16 --loop manual --fsdp-backward-prefetch NONE"),
+                         "mixed_bf16 --loop manual --fsdp-backward-prefetch NONE --outputs-fp32"),
     "accelerate_fsdp2_with_trainer_args": (
         ["accelerate_fsdp2.yaml", "trl_sft_lora.yaml"], ["--model", "facebook/opt-125m"],
         "--model facebook/opt-125m --method fsdp --gpus 8 --micro-batch-size 2 --seq-len 2048 --precision mixed_bf16 "
         "--optimizer adamw_fused --grad-ckpt --lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj "
-        "--grad-accum-steps 8"),
+        "--grad-accum-steps 8 --outputs-fp32"),
     "torchtune_full": (["torchtune_llama3_2_1b_full.yaml"], ["--gpus", "4"],
                        "--model meta-llama/Llama-3.2-1B --method fsdp --gpus 4 --micro-batch-size 4 --seq-len 1024 "
                        "--precision bf16 --optimizer adamw_fused --grad-ckpt --attn sdpa"),
@@ -53,11 +53,11 @@ CASES = {
     "axolotl": (["axolotl_qlora.yaml"], [],
                 "--model meta-llama/Llama-3.2-1B --micro-batch-size 2 --seq-len 1024 --precision bf16 --optimizer "
                 "adamw_8bit --grad-ckpt --attn flash --lora-rank 32 --lora-targets all-linear --qlora "
-                "--grad-accum-steps 4"),
+                "--grad-accum-steps 4 --outputs-fp32"),
     "llamafactory": (["llamafactory_lora_sft.yaml"], ["--gpus", "2"],
                      "--model meta-llama/Llama-3.2-1B --method ddp --gpus 2 --micro-batch-size 1 --seq-len 2048 "
                      "--precision bf16 --optimizer adamw_fused --grad-ckpt --lora-rank 8 --lora-targets all-linear "
-                     "--grad-accum-steps 8"),
+                     "--grad-accum-steps 8 --outputs-fp32"),
 }
 
 
@@ -94,7 +94,7 @@ def test_accelerate_deepspeed_plugin_equals_the_same_deepspeed_json(tmp_path):
       "--grad-ckpt", "--precision", "mixed_bf16", "--deepspeed", str(EXAMPLES / "ds_zero2.json")]),
     (["accelerate_fsdp2.yaml"], ["--model", "facebook/opt-125m"],
      ["--model", "facebook/opt-125m", "--method", "fsdp", "--gpus", "8", "--micro-batch-size", "1", "--precision",
-      "mixed_bf16", "--grad-ckpt", "--loop", "manual"]),
+      "mixed_bf16", "--grad-ckpt", "--loop", "manual", "--outputs-fp32"]),
 ])
 def test_the_cli_prints_the_same_estimate(files, argv, flags, capsys):
     config_args = [a for f in files for a in ("--config", str(EXAMPLES / f))] + argv
@@ -166,6 +166,7 @@ def test_every_fsdp1_setting_of_an_accelerate_config_equals_its_flag(tmp_path):
     spec, report = spec_from_configs([_write_yaml(tmp_path / "acc.yaml", config)],
                                      {"model": "facebook/opt-125m"})
     flags = ["--model", "facebook/opt-125m", "--gpus", "16", "--precision", "mixed_bf16", "--loop", "manual",
+             "--outputs-fp32",
              "--micro-batch-size", "1", "--gpus-per-node", "8", *FSDP1_FLAGS]
     assert spec == _flag_spec(flags)
     assert not report.not_modelled and not report.unknown
@@ -179,7 +180,7 @@ def test_trainer_fsdp_config_version_1_equals_the_flags(tmp_path):
     spec, _ = spec_from_configs([str(path)], {"model": "facebook/opt-125m", "world_size": 4})
     flags = ["--model", "facebook/opt-125m", "--gpus", "4", "--micro-batch-size", "2", "--precision", "mixed_bf16",
              "--method", "fsdp1", "--fsdp-sharding", "SHARD_GRAD_OP", "--fsdp-offload", "--fsdp-forward-prefetch",
-             "--optimizer", "adamw_fused"]
+             "--optimizer", "adamw_fused", "--outputs-fp32"]
     assert spec == _flag_spec(flags)
     # transformers 5 runs FSDP2 by default: the same config without version is the fsdp method
     args["fsdp_config"].pop("version")

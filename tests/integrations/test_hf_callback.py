@@ -206,3 +206,27 @@ def test_the_guard_reads_fsdp1_settings_from_the_live_units():
     assert settings == {"sharding_strategy": "NO_SHARD", "use_orig_params": False, "cpu_offload": False,
                         "backward_prefetch": "BACKWARD_POST", "forward_prefetch": True, "limit_all_gathers": True,
                         "gpus_per_node": 8}
+
+
+_ACCELERATE_LIVE = r"""
+import json
+import torch
+from accelerate import Accelerator
+from estimator.integrations import live
+from tests.integrations.test_hf_callback import _model
+plain = _model()
+before = live.outputs_fp32(plain)
+prepared = Accelerator(mixed_precision="bf16", cpu=True).prepare(_model())
+print(json.dumps([before, live.outputs_fp32(prepared)]))
+"""
+
+
+def test_the_guard_sees_accelerates_fp32_output_wrapper():
+    """Accelerator.prepare under bf16 mixed precision wraps the forward (fp32 outputs); a plain model is not
+    wrapped (its own process: accelerate's state is process-wide)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _ACCELERATE_LIVE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [None, True]

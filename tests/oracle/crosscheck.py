@@ -46,7 +46,7 @@ def memtracker_step2_peak(spec: RunSpec, config: dict) -> int:
             batch = synthetic_batch(spec.training.micro_batch_size, spec.training.seq_len,
                                     config["vocab_size"], "cpu")
 
-            held = HeldOutputs(spec.training.loop)
+            held = HeldOutputs(spec.training.loop, spec.training.outputs_fp32)
 
             def step():
                 forward_backward(model, batch, spec.training, "cpu", held=held)

@@ -7,6 +7,7 @@ with SDPA, fp32 SDPA with grouped-query heads, autocast.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -44,7 +45,7 @@ def _memtracker(config: dict, training: TrainingSpec, kernels: str = "cuda", loo
                 batch: str | None = None) -> int:
     variant = mt.Variant(training.precision, training.attn, training.grad_ckpt, kernels)
     return mt.oracle_peak(config, variant, training.micro_batch_size, training.seq_len, loop or training.loop,
-                          batch or training.batch)
+                          batch or training.batch, outputs_fp32=training.outputs_fp32)
 
 
 POINTS = [
@@ -66,6 +67,31 @@ def test_estimate_within_1_percent_of_both_oracles(tmp_path, family, training):
     predicted = _estimate(tmp_path, config, training)
     for reference in (traced_peak_bytes(config, training), _memtracker(config, training)):
         assert abs(predicted - reference) / reference < 0.01
+
+
+FP32_OUTPUT_POINTS = [
+    TrainingSpec(precision="amp_bf16", attn="sdpa", micro_batch_size=2, seq_len=96, loop="manual", outputs_fp32=True),
+    TrainingSpec(precision="mixed_bf16", attn="sdpa", micro_batch_size=4, seq_len=64, loop="manual",
+                 outputs_fp32=True),
+    TrainingSpec(precision="bf16", attn="eager", micro_batch_size=2, seq_len=64, loop="manual", outputs_fp32=True,
+                 grad_ckpt=True),
+    TrainingSpec(precision="amp_bf16", attn="sdpa", micro_batch_size=2, seq_len=96, outputs_fp32=True),
+]
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+@pytest.mark.parametrize("training", FP32_OUTPUT_POINTS, ids=lambda t: f"{t.precision}-{t.attn}-{t.loop}")
+def test_accelerates_fp32_outputs_against_both_oracles(tmp_path, family, training):
+    """accelerate's mixed precision returns fp32 copies of the logits: the project's tracer runs the estimator's
+    own conversion (HeldOutputs), MemTracker runs accelerate's ``convert_outputs_to_fp32`` itself."""
+    config = CONFIGS[family]
+    predicted = _estimate(tmp_path, config, training)
+    for reference in (traced_peak_bytes(config, training), _memtracker(config, training)):
+        assert abs(predicted - reference) / reference < 0.01
+    without = _estimate(tmp_path, config, dataclasses.replace(training, outputs_fp32=False))
+    logits_16bit = training.micro_batch_size * training.seq_len * config["vocab_size"] * 2
+    # a manual loop holds the fp32 copy (twice the 16-bit logits) instead of the 16-bit logits
+    assert predicted - without == (logits_16bit if training.loop == "manual" else 0)
 
 
 @pytest.mark.parametrize("kernels", ["cpu", "cuda"])
