@@ -94,23 +94,10 @@ def backfill_manual_loop(profile: dict, config: dict) -> bool:
     with the previous step's outputs alive from its start, so ``segments_manual`` is ``segments`` with the prefix
     raised by them (``manual_loop_events`` gives the same for such a trace). False (nothing changed) when the
     graph keeps one: that profile must be re-traced."""
-    from estimator.profiler.profile import PROFILE_LAYERS, _Model, _points, _process_group, _solve
-
-    training = variant_training(profile)
-    tp = profile.get("tp", 1)
-    updated = []
-    with _process_group(tp):
-        model = _Model(config, training, PROFILE_LAYERS, tp)
-        for regime in profile["regimes"]:
-            points = _points(regime)[0]
-            held = {point: model.output_bytes(*point) for point in points}
-            polys = {kind: [float(c) for c in _solve(points, [sum(n for n, saved, _ in held[p] if saved == want)
-                                                              for p in points])]
-                     for kind, want in (("dropped", False), ("saved", True))}
-            if any(polys["saved"]):
-                return False
-            updated.append((regime, polys))
-    for regime, polys in updated:
+    fitted = [(regime, _held_polys(points, held)) for regime, points, held in _held_outputs(profile, config)]
+    if any(any(polys["saved"]) for _, polys in fitted):
+        return False
+    for regime, polys in fitted:
         regime["outputs_held"] = polys
         regime["segments_manual"] = _raised_prefix(regime["segments"], polys["dropped"])
     return True
@@ -121,29 +108,41 @@ def backfill_outputs_16bit(profile: dict, config: dict) -> bool:
     accelerate's mixed-precision forward wrapper copies to fp32) from forward passes of the same shrunken model
     at each regime's fitting points. False (nothing changed) when those passes do not give back the profile's own
     ``outputs_held``: that profile must be re-traced."""
-    from estimator.profiler.profile import PROFILE_LAYERS, _Model, _points, _process_group, _solve
-
-    training = variant_training(profile)
-    tp = profile.get("tp", 1)
-    updated = []
-    with _process_group(tp):
-        model = _Model(config, training, PROFILE_LAYERS, tp)
-        for regime in profile["regimes"]:
-            points = _points(regime)[0]
-            held = {point: model.output_bytes(*point) for point in points}
-            polys, sixteen = {}, {}
-            for kind, want in (("dropped", False), ("saved", True)):
-                polys[kind] = [float(c) for c in _solve(points, [sum(n for n, saved, _ in held[p] if saved == want)
-                                                                 for p in points])]
-                sixteen[kind] = [float(c) for c in _solve(points, [
-                    sum(n for n, saved, is16 in held[p] if saved == want and is16) for p in points])]
-            if any(abs(a - b) > 1e-6 * max(1.0, abs(b)) for kind in polys
-                   for a, b in zip(polys[kind], regime["outputs_held"][kind])):
-                return False
-            updated.append((regime, sixteen))
-    for regime, sixteen in updated:
+    fitted = []
+    for regime, points, held in _held_outputs(profile, config):
+        polys = _held_polys(points, held)
+        if any(abs(a - b) > 1e-6 * max(1.0, abs(b)) for kind in polys
+               for a, b in zip(polys[kind], regime["outputs_held"][kind])):
+            return False
+        fitted.append((regime, _held_polys(points, held, only_16bit=True)))
+    for regime, sixteen in fitted:
         regime["outputs_held_16bit"] = sixteen
     return True
+
+
+def _held_outputs(profile: dict, config: dict) -> list[tuple[dict, list, dict]]:
+    """(regime, fitting points, {point: output_bytes}) from forward passes of the profile's shrunken model."""
+    from estimator.profiler.profile import PROFILE_LAYERS, _Model, _points, _process_group
+
+    tp = profile.get("tp", 1)
+    out = []
+    with _process_group(tp):
+        model = _Model(config, variant_training(profile), PROFILE_LAYERS, tp)
+        for regime in profile["regimes"]:
+            points = _points(regime)[0]
+            out.append((regime, points, {point: model.output_bytes(*point) for point in points}))
+    return out
+
+
+def _held_polys(points: list, held: dict, only_16bit: bool = False) -> dict[str, list[float]]:
+    """The output object's bytes per kind (dropped: only the object holds it; saved: the graph too) as a
+    polynomial in (b, s); ``only_16bit``: the storages 16-bit float tensors hold."""
+    from estimator.profiler.profile import _solve
+
+    return {kind: [float(c) for c in _solve(points, [sum(n for n, saved, is16 in held[p]
+                                                         if saved == want and (is16 or not only_16bit))
+                                                     for p in points])]
+            for kind, want in (("dropped", False), ("saved", True))}
 
 
 def _raised_prefix(segments: dict, held: list[float]) -> dict:

@@ -48,6 +48,13 @@ def test_output_object_is_found_in_the_trace(tiny_profile):
         dropped = held["dropped"]
         value = dropped[0] + s * (dropped[1] + dropped[2] * s) + b * (dropped[3] + s * (dropped[4] + dropped[5] * s))
         assert value == b * s * TINY["llama"]["vocab_size"] * 2
+        assert regime["outputs_held_16bit"] == held  # bf16 logits: all of it is what accelerate copies to fp32
+
+
+def test_fp32_outputs_are_not_16bit():
+    profile = build_profile(TINY["llama"], TrainingSpec(precision="fp32", attn="eager"), check=False)
+    for regime in profile["regimes"]:
+        assert any(regime["outputs_held"]["dropped"]) and not any(regime["outputs_held_16bit"]["dropped"])
 
 
 @pytest.mark.parametrize(("b", "s", "layers"), [(1, 64, 2), (1, 300, 6), (2, 128, 3), (16, 2048, 32)])
@@ -66,13 +73,14 @@ def test_stale_profile_is_carried_over_not_retraced(tiny_profile, monkeypatch):
     stale = json.loads(json.dumps(tiny_profile))
     stale["schema_version"] = 3
     for regime in stale["regimes"]:
-        del regime["segments_manual"], regime["outputs_held"]
+        del regime["segments_manual"], regime["outputs_held"], regime["outputs_held_16bit"]
     monkeypatch.setattr("estimator.profiler.profile.build_profile",
                         lambda *a, **k: pytest.fail("carried over, not re-traced"))
     assert carry_over(stale, TINY["llama"])
     assert stale["schema_version"] == tiny_profile["schema_version"]
     for got, want in zip(stale["regimes"], tiny_profile["regimes"]):
         assert got["outputs_held"] == want["outputs_held"]
+        assert got["outputs_held_16bit"] == want["outputs_held_16bit"]
         assert replay(got["segments_manual"], 8, 4, 256).peak_bytes == \
             replay(want["segments_manual"], 8, 4, 256).peak_bytes
 
