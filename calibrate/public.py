@@ -165,7 +165,22 @@ def _tied(r: dict) -> bool:
     return resolve_arch(r["model"]).tie_word_embeddings
 
 
+def _repeats_kv_before_sdpa(r: dict) -> bool:
+    """The source's transformers repeats grouped K/V heads before SDPA (< 4.54); later ones pass enable_gqa."""
+    from estimator.models.arch import resolve_arch
+
+    version = tuple(int(p) for p in (r.get("transformers_version") or "99").split(".")[:2] if p.isdigit())
+    arch = resolve_arch(r["model"])
+    return version < (4, 54) and arch.num_kv_heads < arch.num_heads
+
+
 DIAGNOSES = [
+    (lambda r, s: r["qlora"] == "True" and r["attn"] == "sdpa" and s.err_pct > 0 and _repeats_kv_before_sdpa(r),
+     "version: peft's prepare_model_for_kbit_training makes the attention fp32; the source's transformers (< 4.54) "
+     "repeated the grouped K/V heads before SDPA, so CUDA ran the memory-efficient kernel. transformers >= 4.54 "
+     "with torch >= 2.5 passes enable_gqa instead, and fp32 with grouped-query heads then runs the math kernel, "
+     "which keeps (b, heads, s, s) fp32 probabilities per layer (b2 x 32 heads x 8192^2 x 4 B = 17.2 GB): the "
+     "estimate is for today's stack (transformers 5, torch 2.13), not the source's"),
     (lambda r, s: _litgpt(r) and r["qlora"] == "True",
      "mechanism: LitGPT's QLoRA is not peft's (every Linear incl. the LM head in NF4, the rest bf16, PagedAdamW "
      "states in managed memory) and its model code chunks the LM head; the estimator traces peft's recipe"),

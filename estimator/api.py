@@ -417,6 +417,11 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
                      "replicated, so every rank holds the full logits)")
     notes.append(_loop_note(spec.training, profile))
     notes += _batch_note(spec.training, profile)
+    if "math" in profile.get("sdpa_backends", ()):
+        notes.append("attention: CUDA runs SDPA's math kernel here (no flash or memory-efficient kernel takes these "
+                     "inputs, e.g. fp32 attention with grouped-query heads, as QLoRA's fp32 hidden states give): "
+                     "each layer keeps its (b, heads, s, s) probabilities; 16-bit attention inputs or "
+                     "--attn flash avoid it")
     notes += _depth_note(_regime(profile, spec.training.micro_batch_size, spec.training.seq_len))
     notes.append(_reserved_note(spec, profile, worst, conf, arch.num_layers))
     if spec.training.qlora:

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+# The SDPA backends chosen while a ``backends_seen()`` block is open (a profile records them).
+_SEEN: list[set[str]] = []
 _FLASH_MAX_HEAD_DIM = 256
 
 
@@ -123,6 +125,8 @@ def sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     query, key, value, attn_mask = _autocast_inputs(query, key, value, attn_mask)
     with torch.autocast("cpu", enabled=False):
         backend = cuda_backend(AttentionCall.of(query, key, value, attn_mask, is_causal, enable_gqa))
+        for seen in _SEEN:
+            seen.add(backend)
         if backend == "flash":
             return _flash(query, key, value, dropout_p, is_causal, scale)
         bias = _float_mask(attn_mask, query.dtype)
@@ -143,6 +147,17 @@ def dropout_as_on_cuda(input, p=0.5, training=True, inplace=False):
         return input.mul_(0.0) if inplace else input * 0.0
     out = torch.ops.aten.native_dropout(input, p, True)[0]
     return input.copy_(out) if inplace else out
+
+
+@contextlib.contextmanager
+def backends_seen() -> Iterator[set[str]]:
+    """The set of SDPA backends ``sdpa_as_on_cuda`` picks inside the block."""
+    seen: set[str] = set()
+    _SEEN.append(seen)
+    try:
+        yield seen
+    finally:
+        _SEEN.remove(seen)
 
 
 @contextlib.contextmanager

@@ -521,8 +521,10 @@ def build_profile(config: dict, training: TrainingSpec, *, check: bool = True, t
 
     ``tp > 1``: the profile of TP rank 0 of ``tp`` (layers split by ``estimator.models.tp_plans``, embeddings, norms and
     lm_head replicated), traced on a fake process group that exists only during this call."""
+    from estimator.profiler.cuda_path import backends_seen
+
     started = time.perf_counter()
-    with _process_group(tp):
+    with _process_group(tp), backends_seen() as sdpa_backends:
         model = _Model(config, training, PROFILE_LAYERS, tp)
         regimes = []
         for regime in regimes_for(config):
@@ -543,6 +545,8 @@ def build_profile(config: dict, training: TrainingSpec, *, check: bool = True, t
         "model_type": config.get("model_type"),
         "variant": _variant(training),
         "attn_effective": attn,
+        # CUDA's SDPA kernels the trace took (``cuda_path``): "math" keeps (b, heads, s, s) probabilities per layer
+        "sdpa_backends": sorted(sdpa_backends),
         "monomials": list(MONOMIALS),
         "params": params,
         "regimes": regimes,

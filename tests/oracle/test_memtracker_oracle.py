@@ -163,3 +163,17 @@ def test_fsdp_memtracker_equals_the_project_tracer(tmp_path, rank, kernels):
     variant = mt.Variant("bf16", "sdpa", False, kernels, fsdp_world=2, rank=rank)
     gap = abs(mt.oracle_peak(LLAMA, variant, 4, 96) - project["peak_allocated_bytes"])
     assert gap == 0 if kernels == "cpu" else gap < SCALAR_SLACK_BYTES
+
+
+def test_the_estimate_says_when_cuda_runs_the_math_kernel(tmp_path):
+    """fp32 attention with grouped-query heads runs SDPA's math kernel on CUDA (Finding 4): the profile records
+    the kernels its trace took and the estimate says so; bf16 runs flash and says nothing."""
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(LLAMA))
+
+    def attention_notes(precision):
+        est = estimate(RunSpec(model=str(path), training=TrainingSpec(precision=precision, attn="sdpa",
+                                                                        micro_batch_size=2, seq_len=64)))
+        return [n for n in est.notes if n.startswith("attention: CUDA runs SDPA's math kernel")]
+
+    assert attention_notes("fp32") and not attention_notes("bf16")
