@@ -72,7 +72,8 @@ def cpu_trace_is_cuda_trace(config: dict, training: TrainingSpec) -> bool:
         return False
     if training.attn == "eager":
         return True
-    return (training.precision != "fp32" and arch_from_config(config).head_dim <= 256
+    # QLoRA's attention is fp32 whatever the variant's precision (prepare_model_for_kbit_training upcasts)
+    return (training.precision != "fp32" and not training.qlora and arch_from_config(config).head_dim <= 256
             and sliding_window(config) is None)
 
 
