@@ -49,6 +49,8 @@ class Expansion:
     # op index where the traced optimizer step begins in ``first`` (after freeing the loss) and in ``steady``
     optimizer_at: tuple[int, int]
     persistent_keys: frozenset[int]  # keys the first step leaves allocated on purpose (optimizer states)
+    # fp32 copies of the held outputs (``outputs_fp32``): size index len(polys) + j is twice copy_of[j]'s bytes
+    copy_of: tuple[int, ...] = ()
 
 
 def _decode(code: int) -> tuple[bool, int]:
@@ -182,17 +184,24 @@ def _emit(out: list, namer: _Namer, resolved: list[tuple], context: int | None, 
         out.append((kind, keys.setdefault(ident * stride + target + 1, len(keys)), nbytes))
 
 
-def _expand_segments(events: dict, segments: dict, num_layers: int, held: list[int], manual: bool
-                     ) -> tuple[list, _Namer, tuple[int, int]]:
+def _expand_segments(events: dict, segments: dict, num_layers: int, held: list[int], manual: bool,
+                     fp32_copies: bool = False) -> tuple[list, _Namer, tuple[int, int]]:
+    """``fp32_copies``: the forward returns fp32 copies of the held outputs (accelerate's wrapper): the manual
+    loop holds the copies, made as the forward returns; the originals go as the trainer loop drops them."""
     layout = _Layout(events, segments)
     namer = _Namer(num_layers)
     out: list = []
-    skip_free = set(held) if manual else set()
+    skip_free = set(held) if manual and not fp32_copies else set()
     starts = {}
     resolved: dict[str, list[tuple]] = {}
+    copies_at = len(events["polys"])
     for name, layer in _segment_order(num_layers):
         starts.setdefault(name, len(out))
-        if name == "mid_bw" and manual:
+        if name == "mid_bw" and manual and fp32_copies:
+            copies = [(namer(("fp32 copy", o), None), copies_at + j) for j, o in enumerate(held)]
+            out.extend((ALLOC, key, poly) for key, poly in copies)
+            out.extend((FREE_PREVIOUS, key, poly) for key, poly in copies)
+        elif name == "mid_bw" and manual:
             out.extend((FREE_PREVIOUS, namer(layout.ident[o], None), layout.size[o]) for o in held)
         if name in LAYER_SEGMENTS:
             if name not in resolved:
@@ -218,18 +227,22 @@ def _first_optimizer_pre(events: dict) -> list[int]:
     return [code for code in steady if code < 0 and ~code not in made_here and ~code not in freed_first]
 
 
-def expand(events: dict, num_layers: int, loop: str = "trainer") -> Expansion:
-    """The first and the steady step of ``num_layers`` layers (>= 2). Raises ExpansionError when the events
-    cannot be repeated."""
+def expand(events: dict, num_layers: int, loop: str = "trainer", fp32_copies: bool = False) -> Expansion:
+    """The first and the steady step of ``num_layers`` layers (>= 2); ``fp32_copies``: a manual loop holds fp32
+    copies of the output object's tensors (every held one 16-bit: the caller checks). Raises ExpansionError
+    when the events cannot be repeated."""
     if num_layers < 2:
         raise ExpansionError("events: a 1-layer model has no generic layer to repeat")
     manual = loop == "manual"
+    fp32_copies = fp32_copies and manual
     held = [o for o, _saved in events["held"]]
     steady_segments = {**events["segments"], "optimizer_pre": []}
-    steady_ops, steady_names, steady_starts = _expand_segments(events, steady_segments, num_layers, held, manual)
+    steady_ops, steady_names, steady_starts = _expand_segments(events, steady_segments, num_layers, held, manual,
+                                                               fp32_copies)
     first_segments = {**events["segments"], "optimizer_pre": _first_optimizer_pre(events),
                       "optimizer": events["first_optimizer"]}
-    first_ops, first_names, starts = _expand_segments(events, first_segments, num_layers, held, manual)
+    first_ops, first_names, starts = _expand_segments(events, first_segments, num_layers, held, manual,
+                                                      fp32_copies)
     if manual:  # the first step has no previous outputs: drop their frees, shifting the later segments
         first_ops = [op for op in first_ops if op[0] != FREE_PREVIOUS]
         starts = {name: at - len(held) if at > starts["mid_bw"] else at for name, at in starts.items()}
@@ -244,7 +257,8 @@ def expand(events: dict, num_layers: int, loop: str = "trainer") -> Expansion:
     return Expansion(first=StepEvents(first_ops, keys), steady=StepEvents(steady_ops, keys),
                      workspace_at=(starts["fw_first"], starts["mid_bw"]),
                      optimizer_at=(starts["optimizer"], steady_starts["optimizer"]),
-                     persistent_keys=frozenset(persistent - previous))
+                     persistent_keys=frozenset(persistent - previous),
+                     copy_of=tuple(events["size"][o] for o in held) if fp32_copies else ())
 
 
 def check_step(ops: list, previous_alive: set[int] = frozenset()) -> set[int]:

@@ -33,7 +33,20 @@ def why_not(spec, regime: dict, num_layers: int) -> str | None:
         return "QLoRA's packed weights are not one allocation per parameter"
     if num_layers < 2:
         return "a 1-layer model has no generic layer to repeat"
+    if _fp32_copies(training, regime) is None:
+        return "outputs_fp32 with an output object of 16-bit and other tensors: not in the event list"
     return None
+
+
+def _fp32_copies(training, regime: dict) -> bool | None:
+    """Whether the replay holds fp32 copies of the output object (``outputs_fp32``, manual loop): every held
+    tensor 16-bit (True) or none (False); None for a mix, which the event list cannot say apart."""
+    if not training.outputs_fp32 or training.loop != "manual":
+        return False
+    sixteen, held = regime["outputs_held_16bit"], regime["outputs_held"]
+    if sixteen == held:
+        return True
+    return False if not any(any(poly) for poly in sixteen.values()) else None
 
 
 def alloc_conf(text: str | None):
@@ -44,14 +57,14 @@ def alloc_conf(text: str | None):
     return _CONFS[key]
 
 
-def _expansion(events: dict, num_layers: int, loop: str):
-    key = (id(events), num_layers, loop)
+def _expansion(events: dict, num_layers: int, loop: str, fp32_copies: bool = False):
+    key = (id(events), num_layers, loop, fp32_copies)
     hit = _EXPANSIONS.get(key)
     if hit is None or hit[0] is not events:
         if len(_EXPANSIONS) > 256:
             _EXPANSIONS.clear()
         try:
-            hit = (events, expand(events, num_layers, loop))
+            hit = (events, expand(events, num_layers, loop, fp32_copies))
         except ExpansionError as err:
             hit = (events, err)
         _EXPANSIONS[key] = hit
@@ -81,8 +94,11 @@ def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], n
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
     events = regime["events"]
-    plan = StepPlan(expansion=_expansion(events, num_layers, training.loop), sizes=step_sizes(events["polys"], b, s),
-                    batch_bytes=b * s * INT64, workspace_bytes=workspace_bytes, workspaces=workspaces)
+    expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)))
+    sizes = step_sizes(events["polys"], b, s)
+    sizes += [2 * sizes[poly] for poly in expansion.copy_of]  # an fp32 copy of a 16-bit tensor
+    plan = StepPlan(expansion=expansion, sizes=sizes, batch_bytes=b * s * INT64, workspace_bytes=workspace_bytes,
+                    workspaces=workspaces)
     setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"))
     conf = alloc_conf(conf_text)
     capped = replay_rank(setup, plan, conf, allowed_bytes)

@@ -59,6 +59,8 @@ def test_expansion_to_four_layers_equals_a_four_layer_trace(config, training):
 @pytest.mark.parametrize("training, parallel", [
     (TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S), ParallelSpec()),
     (TrainingSpec(precision="fp32", micro_batch_size=B, seq_len=S, loop="manual"), ParallelSpec()),
+    (TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S, loop="manual", outputs_fp32=True),
+     ParallelSpec()),
     (TrainingSpec(precision="bf16", micro_batch_size=B, seq_len=S, grad_ckpt=True),
      ParallelSpec(method="ddp", world_size=2)),
 ])
