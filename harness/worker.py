@@ -381,9 +381,8 @@ def run_fake(spec, opts, run_dir: Path):
 
 def fake_rank_record(rank, out: dict[str, Any], result: dict[str, Any], spec, opts, base: dict[str, Any]):
     """One trace_run per-rank entry -> RankRecord (pure)."""
-    from harness.records import PHASES, PhaseRecord, RankRecord, StepRecord
-
     from harness.fake.trace import STEADY_FROM_STEP_2
+    from harness.records import PHASES, PhaseRecord, RankRecord, StepRecord
 
     steady_from = 1 if spec.parallel.method in STEADY_FROM_STEP_2 and len(out["step_peaks"]) > 1 else 0
     steps = []
