@@ -329,8 +329,7 @@ def outputs_to_fp32(outputs: Any) -> Any:
     if isinstance(outputs, torch.Tensor):
         return outputs.float() if outputs.dtype in (torch.float16, torch.bfloat16) else outputs
     if isinstance(outputs, Mapping):  # ModelOutput is an OrderedDict: rebuild the same type
-        converted = type(outputs)(**{k: outputs_to_fp32(v) for k, v in outputs.items()})
-        return converted
+        return type(outputs)(**{k: outputs_to_fp32(v) for k, v in outputs.items()})
     if isinstance(outputs, (list, tuple)):
         items = [outputs_to_fp32(v) for v in outputs]
         return type(outputs)(*items) if hasattr(outputs, "_fields") else type(outputs)(items)
