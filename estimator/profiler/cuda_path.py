@@ -17,7 +17,13 @@ and the tensors the chosen kernel keeps for backward differ (docs/error_matrix/R
   ``transpose(1, 2).contiguous()`` after it is free on CUDA, while the CPU flash output follows the query's
   layout and may need a copy.
 
-``cuda_composites()`` swaps both functions for the duration with ones that call the op CUDA would run; the op's
+* ``torch._grouped_mm`` (``F.grouped_mm``; transformers' MoE experts on CUDA SM80+): CUDA runs its CUTLASS kernel
+  for bf16 and otherwise ``_grouped_mm_fallback`` (aten/src/ATen/native/cuda/GroupedBlas.cpp: one output
+  tensor, a ``mm_out`` per group), with the same autograd formula (mat_a and mat_b saved; backward makes one
+  gradient per input). The meta kernel accepts only bf16, so other dtypes are traced through
+  ``_GroupedMMFallback``, which allocates what the fallback allocates.
+
+``cuda_composites()`` swaps these functions for the duration with ones that call the op CUDA would run; the op's
 meta kernel then gives, on fake tensors, the tensors CUDA returns and autograd saves. Under autocast the
 attention inputs are cast first, as CUDA's autocast does for ``scaled_dot_product_attention``. Not reproduced:
 kernel workspaces inside an op (FlashAttention backward's fp32 accumulators; GPU-only like the cuBLAS
@@ -139,6 +145,54 @@ def sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
             query, key, value, bias, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
 
 
+def _grouped_mm_shape(a, b) -> tuple[int, ...]:
+    """Output shape of ``_grouped_mm`` (2D x 3D: (S, N); 3D x 3D: (G, M, N); 2D x 2D with offs: (G, M, N), G
+    the number of groups; 3D x 2D: (M, N))."""
+    if a.dim() == 2 and b.dim() == 3:
+        return a.size(0), b.size(-1)
+    if a.dim() == 3 and b.dim() == 3:
+        return a.size(0), a.size(1), b.size(-1)
+    if a.dim() == 3 and b.dim() == 2:
+        return a.size(1), b.size(-1)
+    raise NotImplementedError("grouped_mm: 2D x 2D groups need offs' length")
+
+
+class _GroupedMMFallback(torch.autograd.Function):
+    """What CUDA's ``_grouped_mm_fallback`` allocates: the output, and in backward one gradient per input that
+    needs it; mat_a and mat_b saved (the values are never read: fake tensors)."""
+
+    @staticmethod
+    def forward(ctx, a, b, out_dtype):
+        ctx.save_for_backward(a, b)
+        dtype = out_dtype or a.dtype
+        shape = _grouped_mm_shape(a, b)
+        # CUDA pads the output's rows to 16 bytes (GroupedBlas.cpp's output tensor, as the meta kernel of a CUDA
+        # build makes it)
+        align = 16 // dtype.itemsize
+        row = (shape[-1] + align - 1) // align * align
+        stride = (shape[1] * row, row, 1) if len(shape) == 3 else (row, 1)
+        return a.new_empty_strided(shape, stride, dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        grad_a = a.new_empty(a.shape) if ctx.needs_input_grad[0] else None
+        grad_b = b.new_empty(b.shape) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b, None
+
+
+def grouped_mm_as_on_cuda(mat_a, mat_b, *, offs=None, bias=None, out_dtype=None):
+    """``F.grouped_mm`` / ``torch._grouped_mm`` as CUDA runs it: the bf16 kernel's meta, else the fallback."""
+    if mat_a.dtype == torch.bfloat16 and mat_b.dtype == torch.bfloat16 and out_dtype in (None, torch.bfloat16):
+        return _ORIGINAL_GROUPED_MM(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+    if bias is not None:
+        raise NotImplementedError("grouped_mm: a bias on the fallback path is not traced")
+    return _GroupedMMFallback.apply(mat_a, mat_b, out_dtype)
+
+
+_ORIGINAL_GROUPED_MM = torch._grouped_mm
+
+
 def dropout_as_on_cuda(input, p=0.5, training=True, inplace=False):
     """``F.dropout`` as CUDA runs it: ``native_dropout`` keeps a bool mask (0 < p < 1, training)."""
     if not training or p == 0.0 or input.numel() == 0:
@@ -162,10 +216,17 @@ def backends_seen() -> Iterator[set[str]]:
 
 @contextlib.contextmanager
 def cuda_composites() -> Iterator[None]:
-    """``F.scaled_dot_product_attention`` and ``F.dropout`` run CUDA's kernels for the duration (fake tensors)."""
-    originals = F.scaled_dot_product_attention, F.dropout
+    """``F.scaled_dot_product_attention``, ``F.dropout`` and grouped matmuls run CUDA's kernels for the duration
+    (fake tensors)."""
+    originals = F.scaled_dot_product_attention, F.dropout, getattr(F, "grouped_mm", None), torch._grouped_mm
     F.scaled_dot_product_attention, F.dropout = sdpa_as_on_cuda, dropout_as_on_cuda
+    torch._grouped_mm = grouped_mm_as_on_cuda
+    if originals[2] is not None:
+        F.grouped_mm = grouped_mm_as_on_cuda
     try:
         yield
     finally:
-        F.scaled_dot_product_attention, F.dropout = originals
+        F.scaled_dot_product_attention, F.dropout = originals[:2]
+        torch._grouped_mm = originals[3]
+        if originals[2] is not None:
+            F.grouped_mm = originals[2]

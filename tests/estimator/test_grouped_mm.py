@@ -1,0 +1,47 @@
+"""Mixture-of-experts matmuls as CUDA runs them (``estimator.profiler.cuda_path``): bf16 through the grouped
+kernel's meta, other dtypes through CUDA's ``_grouped_mm_fallback`` (whose allocations the meta kernel, bf16
+only, cannot give), so an fp32 MoE profile traces instead of ending in a traceback."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from estimator.api import estimate  # noqa: E402
+from estimator.profiler.cuda_path import cuda_composites  # noqa: E402
+from estimator.spec import RunSpec, TrainingSpec  # noqa: E402
+
+QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 128, "intermediate_size": 384, "moe_intermediate_size": 64,
+             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+             "num_experts": 16, "num_experts_per_tok": 4, "decoder_sparse_step": 1, "mlp_only_layers": [0],
+             "vocab_size": 1000, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+             "norm_topk_prob": True, "router_aux_loss_coef": 0.001, "output_router_logits": False}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_grouped_mm_allocates_what_cuda_allocates(dtype):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), cuda_composites():
+        tokens = torch.empty(96, 32, dtype=dtype, requires_grad=True)
+        experts = torch.empty(8, 32, 64, dtype=dtype, requires_grad=True)
+        offs = torch.arange(12, 97, 12, dtype=torch.int32)
+        out = torch.nn.functional.grouped_mm(tokens, experts, offs=offs)
+        assert out.shape == (96, 64) and out.dtype == dtype
+        out.backward(torch.empty_like(out))
+        assert tokens.grad.shape == tokens.shape and experts.grad.shape == experts.shape
+
+
+def test_an_fp32_moe_model_is_estimated(tmp_path):
+    path = tmp_path / "qwen3_moe.json"
+    path.write_text(json.dumps(QWEN3_MOE))
+
+    def peak(precision):
+        return estimate(RunSpec(model=str(path), training=TrainingSpec(precision=precision, attn="eager",
+                                                                        micro_batch_size=2, seq_len=128)))
+
+    fp32, bf16 = peak("fp32"), peak("bf16")
+    # the weights, their grads and both Adam states double; activations do too, up to the bf16 path's fp32 parts
+    assert fp32.breakdown["weights"] == 2 * bf16.breakdown["weights"]
+    assert fp32.peak_allocated_bytes > bf16.peak_allocated_bytes
