@@ -5,7 +5,7 @@ memory a fake-tensor trace cannot be trusted on alone (mixture-of-experts: issue
     e.g. training.precision=fp32 training.attn=eager training.micro_batch_size=2 training.seq_len=256
 
 Prints the measured peak allocated, the estimate minus the cuBLAS workspace (a CPU run has none) and their
-difference. The run goes to a temporary folder.
+difference. The run goes to a temporary folder. ``backend=fake`` runs the harness's fake-tensor tracer instead.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def main(argv: list[str]) -> int:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         spec, opts = to_run(compose("measure", overrides=overrides))
     record = run_point(spec, opts, device=CPU_DEVICE)
-    rank0 = rank_from_dict(read_json(root / "runs/default/cpu" / record.run_id / "rank0.json"))
+    run_dir = next((root / "runs/default").glob(f"*/{record.run_id}"))  # cpu, or fake with backend=fake
+    rank0 = rank_from_dict(read_json(run_dir / "rank0.json"))
     if record.status != "ok":
         print(f"error: the run ended {record.status}: {rank0.error}", file=sys.stderr)
         return 1

@@ -417,6 +417,12 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
                      "replicated, so every rank holds the full logits)")
     notes.append(_loop_note(spec.training, profile))
     notes += _batch_note(spec.training, profile)
+    if profile["params"].get("layers_differ"):
+        depth = profile.get("provenance", {}).get("profile_layers", 3)
+        notes.append(f"layers: decoder layer(s) {profile['params']['layers_differ']} of the {depth}-layer "
+                     "trace hold other parameters than layer 1 (e.g. a dense first layer before mixture-of-experts "
+                     "ones); weights, gradients and optimizer states count every layer as layer 1, an "
+                     "over-estimate where the others are smaller")
     if "math" in profile.get("sdpa_backends", ()):
         notes.append("attention: CUDA runs SDPA's math kernel here (no flash or memory-efficient kernel takes these "
                      "inputs, e.g. fp32 attention with grouped-query heads, as QLoRA's fp32 hidden states give): "

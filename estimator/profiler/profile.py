@@ -461,6 +461,13 @@ def param_table(model: torch.nn.Module, layers: torch.nn.ModuleList, num_layers:
             per_layer.append({**row, "name": name[len(generic):]})
         elif not name.startswith(f"{prefix}."):
             non_layer.append(row)
+    signatures: dict[int, list] = {}  # each traced layer's (name, shape, dtype size, trainable): all alike?
+    for name, param in model.named_parameters():
+        if name.startswith(f"{prefix}."):
+            index, _, rest = name[len(prefix) + 1:].partition(".")
+            signatures.setdefault(int(index), []).append((rest, tuple(param.shape), param.element_size(),
+                                                          param.requires_grad))
+    differing = sorted(i for i, sig in signatures.items() if sig != signatures.get(1))
     buffers = {"non_layer": 0, "per_layer": 0}  # resident on every rank (e.g. CodeGen's sin/cos, GPT-Neo's masks)
     for name, buf in model.named_buffers():
         held = getattr(buf, "_local_tensor", buf)
@@ -468,8 +475,11 @@ def param_table(model: torch.nn.Module, layers: torch.nn.ModuleList, num_layers:
             buffers["per_layer"] += held.numel() * held.element_size()
         elif not name.startswith(f"{prefix}."):
             buffers["non_layer"] += held.numel() * held.element_size()
-    return {"layer_prefix": prefix, "non_layer": non_layer, "per_layer": per_layer, "buffers": buffers,
-            "layers_at": len(non_layer) if layers_at is None else layers_at}
+    table = {"layer_prefix": prefix, "non_layer": non_layer, "per_layer": per_layer, "buffers": buffers,
+             "layers_at": len(non_layer) if layers_at is None else layers_at}
+    if differing:  # e.g. a dense first layer before mixture-of-experts ones: every layer is counted as layer 1
+        table["layers_differ"] = differing
+    return table
 
 
 def grad_hook_order(top: torch.nn.Module, base: torch.nn.Module, layers: torch.nn.ModuleList,

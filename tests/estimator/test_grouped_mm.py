@@ -45,3 +45,17 @@ def test_an_fp32_moe_model_is_estimated(tmp_path):
     # the weights, their grads and both Adam states double; activations do too, up to the bf16 path's fp32 parts
     assert fp32.breakdown["weights"] == 2 * bf16.breakdown["weights"]
     assert fp32.peak_allocated_bytes > bf16.peak_allocated_bytes
+
+
+def test_a_dense_first_layer_is_said(tmp_path):
+    """Qwen3-MoE with ``mlp_only_layers: [0]``: layer 0 of the trace holds a dense MLP, the others experts; the
+    parameter table counts every layer as layer 1, and the estimate says so (none for uniform layers)."""
+    def layer_notes(config, name):
+        path = tmp_path / name
+        path.write_text(json.dumps(config))
+        est = estimate(RunSpec(model=str(path), training=TrainingSpec(precision="bf16", attn="eager",
+                                                                        micro_batch_size=1, seq_len=64)))
+        return [n for n in est.notes if n.startswith("layers:")]
+
+    assert layer_notes(QWEN3_MOE, "dense_first.json")
+    assert not layer_notes({**QWEN3_MOE, "mlp_only_layers": []}, "uniform.json")
