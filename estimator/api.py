@@ -291,6 +291,21 @@ def _reserved_note(spec: RunSpec, profile: dict, worst: RankEstimate, alloc_conf
     return f"reserved: prior allocated x (1 + slack ratio) + slack bytes ({reason or 'the event list cannot be repeated for this depth'})"
 
 
+def _layers_note(profile: dict) -> list[str]:
+    """Decoder layers that are not all alike (e.g. a dense first layer before mixture-of-experts ones)."""
+    params = profile["params"]
+    if not params.get("layers_differ"):
+        return []
+    depth = profile.get("provenance", {}).get("profile_layers", 3)
+    if params.get("layer_kinds"):
+        return [f"layers: {len(params['layer_kinds']['rows'])} kinds of decoder layer; weights, gradients and "
+                f"optimizer states counted layer by layer, activations from the {depth}-layer trace (its first, "
+                "generic and last layer)"]
+    return [f"layers: decoder layer(s) {params['layers_differ']} of the {depth}-layer trace hold other parameters "
+            "than layer 1 (e.g. a dense first layer before mixture-of-experts ones); weights, gradients and "
+            "optimizer states count every layer as layer 1"]
+
+
 def _batch_note(training: TrainingSpec, profile: dict) -> list[str]:
     """Which batch the SDPA estimate assumed: padding makes transformers build the 4-D attention mask."""
     if profile.get("attn_effective") != "sdpa" or training.attn != "sdpa":
@@ -417,12 +432,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
                      "replicated, so every rank holds the full logits)")
     notes.append(_loop_note(spec.training, profile))
     notes += _batch_note(spec.training, profile)
-    if profile["params"].get("layers_differ"):
-        depth = profile.get("provenance", {}).get("profile_layers", 3)
-        notes.append(f"layers: decoder layer(s) {profile['params']['layers_differ']} of the {depth}-layer "
-                     "trace hold other parameters than layer 1 (e.g. a dense first layer before mixture-of-experts "
-                     "ones); weights, gradients and optimizer states count every layer as layer 1, an "
-                     "over-estimate where the others are smaller")
+    notes += _layers_note(profile)
     if "math" in profile.get("sdpa_backends", ()):
         notes.append("attention: CUDA runs SDPA's math kernel here (no flash or memory-efficient kernel takes these "
                      "inputs, e.g. fp32 attention with grouped-query heads, as QLoRA's fp32 hidden states give): "

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from estimator.methods.fsdp_replay import BACKWARD_LAYER, FORWARD_LAYER, Walk, set_part
 from estimator.methods.state import StepModel, optimizer_state_bytes, step_temp_bytes
 from estimator.methods.timeline import Replay, segment_sequence
-from estimator.models.params import ParamInfo
+from estimator.models.params import ParamInfo, largest_layer
 from estimator.spec import Fsdp1Spec, RunSpec
 
 FP32 = 4
@@ -292,8 +292,8 @@ def _units(table: list[ParamInfo]) -> tuple[list[ParamInfo], list[ParamInfo]]:
     def before(p: ParamInfo) -> bool:
         return p.before_layers if p.before_layers is not None else p.module_kind == "embedding"
     root = [p for p in outer if before(p)] + [p for p in outer if not before(p)]
-    first_layer = min((p.layer for p in table if p.layer is not None), default=None)
-    return root, [p for p in table if p.layer is not None and p.layer == first_layer]
+    unit_layer = largest_layer(table)
+    return root, [p for p in table if p.layer is not None and p.layer == unit_layer]
 
 
 def _uniform_elem(params: list[ParamInfo], unit: str) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from estimator.methods.timeline import ExtraBytes
-from estimator.models.params import ParamInfo
+from estimator.models.params import ParamInfo, largest_layer
 from estimator.spec import RunSpec, ZeroSpec
 
 FP32 = 4
@@ -170,8 +170,8 @@ def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
     trainable_shard = [ParamInfo(p.name, p.shape, _shard_rows(p, world), shard_elem(p), True,
                                  p.module_kind, p.layer) for p in _trainable(table)]
     root = [p for p in table if p.layer is None]
-    first_layer = min((p.layer for p in table if p.layer is not None), default=None)
-    layer = [p for p in table if p.layer is not None and p.layer == first_layer]
+    unit_layer = largest_layer(table)
+    layer = [p for p in table if p.layer is not None and p.layer == unit_layer]
     root_bytes, root_gather, root_rs = _fsdp_group_sizes(root, world, shard_elem)
     layer_bytes, layer_gather, layer_rs = _fsdp_group_sizes(layer, world, shard_elem)
     sizes = FsdpSizes(root_bytes=root_bytes, root_gather_bytes=root_gather, layer_bytes=layer_bytes,

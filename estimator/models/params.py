@@ -61,10 +61,29 @@ def expand_params(params: dict, num_layers: int) -> list[ParamInfo]:
     order = backward_order(params, num_layers)
     table = [_info(row, row["name"], None, tp, None if layers_at is None else i < layers_at,
                    order.get((None, row["name"]))) for i, row in enumerate(params["non_layer"])]
-    for layer in range(num_layers):
+    for layer, rows in enumerate(layer_rows(params, num_layers)):
         table.extend(_info(row, f"{prefix}.{layer}.{row['name']}", layer, tp,
-                           backward_index=order.get((layer, row["name"]))) for row in params["per_layer"])
+                           backward_index=order.get((layer, row["name"]))) for row in rows)
     return table
+
+
+def layer_rows(params: dict, num_layers: int) -> list[list[dict]]:
+    """Each decoder layer's parameter rows: its own kind's where the profile recorded the whole model's kinds
+    (layers not all alike, ``layer_kinds``), else the generic layer's for every layer."""
+    kinds = params.get("layer_kinds")
+    if kinds and len(kinds["of_layer"]) == num_layers:
+        return [kinds["rows"][kind] for kind in kinds["of_layer"]]
+    return [params["per_layer"]] * num_layers
+
+
+def largest_layer(table: list[ParamInfo]) -> int | None:
+    """The decoder layer holding the most parameter bytes (the first of equals): the unit whose buffers bound
+    every layer's when layers are not all alike (e.g. experts after a dense first layer)."""
+    sizes: dict[int, int] = {}
+    for p in table:
+        if p.layer is not None:
+            sizes[p.layer] = sizes.get(p.layer, 0) + p.nbytes
+    return min(sizes, key=lambda layer: (-sizes[layer], layer)) if sizes else None
 
 
 def backward_order(params: dict, num_layers: int) -> dict[tuple[int | None, str], int]:
@@ -73,7 +92,7 @@ def backward_order(params: dict, num_layers: int) -> dict[tuple[int | None, str]
     the generic layer's order repeated from the last layer to the first, then the rest). Empty when the profile
     does not record it or its generic layer does not match its parameter table."""
     recorded = params.get("grad_order")
-    if not recorded:
+    if not recorded or params.get("layer_kinds"):  # the generic layer's order is not every layer's
         return {}
     first = next((i for i, (layer, _) in enumerate(recorded) if layer is not None), len(recorded))
     head = [name for layer, name in recorded[:first] if layer is None]
@@ -104,10 +123,8 @@ def param_counts(params: dict, num_layers: int) -> tuple[int, int]:
     def numel(row: dict) -> int:
         return row.get("global_numel", row["numel"])
 
-    rows = params["non_layer"] + params["per_layer"] * num_layers
-    total = sum(numel(r) for r in params["non_layer"]) + num_layers * sum(numel(r) for r in params["per_layer"])
-    trainable = sum(numel(r) for r in rows if r["trainable"])
-    return total, trainable
+    rows = params["non_layer"] + [row for layer in layer_rows(params, num_layers) for row in layer]
+    return sum(numel(r) for r in rows), sum(numel(r) for r in rows if r["trainable"])
 
 
 def param_table(arch: ModelArch, profile: dict) -> list[ParamInfo]:

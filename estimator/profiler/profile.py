@@ -432,31 +432,12 @@ def param_table(model: torch.nn.Module, layers: torch.nn.ModuleList, num_layers:
     ``dtensor: true`` with ``global_shape`` / ``global_numel`` of the whole parameter); plain ones are whole.
     ``buffers``: bytes of module buffers outside the layers and in one generic layer."""
     prefix = next(name for name, mod in model.named_modules() if mod is layers)
-    kinds = {}
-    for mod_name, mod in model.named_modules():
-        kind = _module_kind(mod)
-        for p_name, _ in mod.named_parameters(recurse=False):
-            kinds[f"{mod_name}.{p_name}" if mod_name else p_name] = kind
-    tied: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        tied.setdefault(id(param), []).append(name)
     non_layer, per_layer = [], []
     generic = f"{prefix}.1."
     layers_at = None  # how many non-layer tensors model.parameters() yields before the decoder layers
-    for name, param in model.named_parameters():
+    for name, _param, row in _param_rows(model):
         if layers_at is None and name.startswith(f"{prefix}."):
             layers_at = len(non_layer)
-        local = getattr(param, "_local_tensor", None)  # TP: a DTensor; this rank holds its local shard
-        held = param if local is None else local
-        row = {"name": name, "shape": list(held.shape), "numel": held.numel(),
-               "elem_bytes": held.element_size(), "trainable": param.requires_grad,
-               "kind": kinds.get(name, "other"), "tied": tied[id(param)][1:]}
-        state = getattr(param, "quant_state", None)
-        if state is not None:  # QLoRA: the logical weight, stored packed with its quantization state
-            row.update(shape=list(state.shape), numel=math.prod(state.shape), elem_bytes=state.dtype.itemsize,
-                       stored_bytes=quantized_bytes(held, state))
-        if local is not None:  # stepped by the DTensor optimizer (build_tp_optimizer); global size for counts
-            row.update(dtensor=True, global_shape=list(param.shape), global_numel=param.numel())
         if name.startswith(generic):
             per_layer.append({**row, "name": name[len(generic):]})
         elif not name.startswith(f"{prefix}."):
@@ -480,6 +461,60 @@ def param_table(model: torch.nn.Module, layers: torch.nn.ModuleList, num_layers:
     if differing:  # e.g. a dense first layer before mixture-of-experts ones: every layer is counted as layer 1
         table["layers_differ"] = differing
     return table
+
+
+def _param_rows(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, dict]]:
+    """(name, parameter, table row) of every parameter, in ``model.parameters()`` order."""
+    kinds = {}
+    for mod_name, mod in model.named_modules():
+        kind = _module_kind(mod)
+        for p_name, _ in mod.named_parameters(recurse=False):
+            kinds[f"{mod_name}.{p_name}" if mod_name else p_name] = kind
+    tied: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(param), []).append(name)
+    out = []
+    for name, param in model.named_parameters():
+        local = getattr(param, "_local_tensor", None)  # TP: a DTensor; this rank holds its local shard
+        held = param if local is None else local
+        row = {"name": name, "shape": list(held.shape), "numel": held.numel(),
+               "elem_bytes": held.element_size(), "trainable": param.requires_grad,
+               "kind": kinds.get(name, "other"), "tied": tied[id(param)][1:]}
+        state = getattr(param, "quant_state", None)
+        if state is not None:  # QLoRA: the logical weight, stored packed with its quantization state
+            row.update(shape=list(state.shape), numel=math.prod(state.shape), elem_bytes=state.dtype.itemsize,
+                       stored_bytes=quantized_bytes(held, state))
+        if local is not None:  # stepped by the DTensor optimizer (build_tp_optimizer); global size for counts
+            row.update(dtensor=True, global_shape=list(param.shape), global_numel=param.numel())
+        out.append((name, param, row))
+    return out
+
+
+def full_depth_layer_kinds(config: dict, training: TrainingSpec) -> dict:
+    """Every decoder layer's parameter rows for the whole model (a meta-device build, no memory), grouped into
+    kinds: ``{"rows": [rows of kind 0, ...], "of_layer": [kind of layer 0, ...]}``. For models whose layers are
+    not all alike (a dense first layer before mixture-of-experts ones, sparse steps): ``expand_params`` gives
+    each layer its own kind's tensors."""
+    from estimator.models.arch import arch_from_config
+
+    full = build.build_model(config, training, meta=True)
+    base = full.get_base_model() if hasattr(full, "get_base_model") else full
+    layers = decoder_layers(base, arch_from_config(config).num_layers)
+    table_model = full if training.lora else base
+    prefix = next(name for name, mod in table_model.named_modules() if mod is layers)
+    per_layer: dict[int, list[dict]] = {}
+    for name, _param, row in _param_rows(table_model):
+        if name.startswith(f"{prefix}."):
+            index, _, rest = name[len(prefix) + 1:].partition(".")
+            per_layer.setdefault(int(index), []).append({**row, "name": rest, "tied": []})
+    rows: list[list[dict]] = []
+    of_layer = []
+    for index in range(len(layers)):
+        layer_rows = per_layer.get(index, [])
+        if layer_rows not in rows:
+            rows.append(layer_rows)
+        of_layer.append(rows.index(layer_rows))
+    return {"rows": rows, "of_layer": of_layer}
 
 
 def grad_hook_order(top: torch.nn.Module, base: torch.nn.Module, layers: torch.nn.ModuleList,
@@ -544,6 +579,8 @@ def build_profile(config: dict, training: TrainingSpec, *, check: bool = True, t
             regimes.append(fitted)
         table_model = model.base if not training.lora else model.model
         params = param_table(table_model, model.layers, PROFILE_LAYERS)
+        if params.get("layers_differ") and tp <= 1 and not training.qlora:
+            params["layer_kinds"] = full_depth_layer_kinds(config, training)
         if tp <= 1:  # DeepSpeed ZeRO-1/2 reduces gradients in this order (ZeRO runs on the untouched model)
             params["grad_order"] = grad_hook_order(model.model, table_model, model.layers, model.warm_step)
         attn = build.effective_attn(model.base)
