@@ -164,6 +164,15 @@ def _resolve(layout: _Layout, namer: _Namer, codes: list[int], context3: int | N
     return resolved
 
 
+def _frees_shared(event: tuple) -> bool:
+    """A free of a tensor of no layer (made before the stack, e.g. rotary cos/sin) inside a layer segment: that
+    layer was the tensor's last user in its stack's order. In the generic segment it happens once, as the last
+    generic layer runs (the layer beyond did not use it in the trace, e.g. layer 0 whose frozen attention saves
+    nothing when only the MLP has LoRA), not once per generic layer."""
+    kind, _o, _ident, _nbytes, layer, _delta = event
+    return kind == FREE and layer is None
+
+
 def _emit(out: list, namer: _Namer, resolved: list[tuple], context: int | None, num_layers: int) -> None:
     """Append ``resolved`` events running as layer ``context`` (None: outside the layers). A touched tensor's
     layer: ``context`` + its offset when within one layer, else the first or last layer (the module docstring)."""
@@ -206,7 +215,9 @@ def _expand_segments(events: dict, segments: dict, num_layers: int, held: list[i
         if name in LAYER_SEGMENTS:
             if name not in resolved:
                 resolved[name] = _resolve(layout, namer, segments[name], LAYER_SEGMENTS[name][1], skip_free)
-            _emit(out, namer, resolved[name], layer, num_layers)
+                resolved[name + " not last"] = [event for event in resolved[name] if not _frees_shared(event)]
+            last_generic = name not in ("fw", "bw") or layer == (num_layers - 2 if name == "fw" else 1)
+            _emit(out, namer, resolved[name if last_generic else name + " not last"], layer, num_layers)
             continue
         runs = _outer_runs(segments[name], layout)
         for index, (label, codes) in enumerate(runs):

@@ -42,6 +42,8 @@ def _profile(path: str, training: TrainingSpec):
     pytest.param(OPT, TrainingSpec(precision="fp32", attn="eager"), marks=pytest.mark.slow),
     pytest.param(LLAMA, TrainingSpec(precision="bf16", lora_rank=8), marks=pytest.mark.slow),
     pytest.param(LLAMA, TrainingSpec(precision="bf16", grad_ckpt=True), marks=pytest.mark.slow),
+    # LoRA on the MLP only: layer 0's frozen attention saves nothing, so layer 1's backward frees the rotary cos/sin
+    (LLAMA, TrainingSpec(precision="bf16", lora_rank=8, lora_targets="gate_proj,up_proj,down_proj")),
 ])
 def test_expansion_to_four_layers_equals_a_four_layer_trace(config, training):
     """The profiler's depth check: the 3-layer event list expanded to 4 layers against a real 4-layer trace,
