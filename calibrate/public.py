@@ -213,7 +213,10 @@ DIAGNOSES = [
      "published reserved"),
     (lambda r, s: r["rescore_lengths"] == "True" and s.err_pct > 0,
      "source ambiguity: seq_len is the max-length cap; the longest padded batch may be shorter (re-score with "
-     "the batch lengths, --lengths)"),
+     "the batch lengths, --lengths). PEFT's cap is a character filter (<= 1300) that its data.py ties to 768 "
+     "tokens as a bound, its runs' own metrics give a mean of about 209 tokens per sample (the row's lengths "
+     "column), and run.py empties the cache every 10 steps, so the peak is the longest of a few hundred "
+     "10-step windows, not a 768-token batch"),
     (lambda r, s: "generation eval" in r["assumptions"] and s.err_pct < 0,
      "source ambiguity: the published peak covers the whole run, generation-based evaluation included"),
 ]

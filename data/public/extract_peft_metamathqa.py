@@ -57,6 +57,15 @@ def _scope(peft: dict | None, train: dict) -> tuple[str, int, str, list[str]]:
     return ("dora" if peft.get("use_dora") else "lora"), int(peft["r"]), targets, out
 
 
+def _mean_tokens(tinfo: dict) -> str:
+    """The run's own mean sample length: run.py's ``train total tokens`` counts each sample's tokens + 1 (EOS)."""
+    final = [m for m in tinfo.get("metrics") or [] if "train total tokens" in m]
+    if not final or not final[-1].get("train samples"):
+        return ""
+    mean = final[-1]["train total tokens"] / final[-1]["train samples"] - 1
+    return f"; mean {mean:.1f} tokens per sample over the run (metrics: train total tokens / train samples, less EOS)"
+
+
 def _row(entry: dict, data: dict) -> dict:
     info, train, peft = data["run_info"], data["run_info"]["train_config"], data["run_info"]["peft_config"]
     tinfo, meta = data["train_info"], data["meta_info"]
@@ -78,7 +87,9 @@ def _row(entry: dict, data: dict) -> dict:
         "attention: attn_implementation null -> transformers' default sdpa",
         "batch = padded: each batch is padded to its longest sample, so transformers builds the 4-D attention mask "
         "(SDPA keeps it per layer and repeats the grouped key/value heads)",
-        "torch.optim.AdamW default foreach implementation; gradient clipping at 1.0 (foreach norm)"]
+        "torch.optim.AdamW default foreach implementation; gradient clipping at 1.0 (foreach norm)",
+        "run.py empties the cache every 10 steps (ACCELERATOR_EMPTY_CACHE_SCHEDULE, huggingface/peft@026d1e01), so "
+        "the reserved peak is what at most 10 consecutive steps of mixed lengths reserve"]
     return row(
         row_id=f"{SOURCE}:{entry['commit'][:12]}:{info['experiment_name']}", source=SOURCE, source_ref=ref(entry),
         source_table=f"train_info.{key}", source_key=info["experiment_name"],
@@ -89,7 +100,7 @@ def _row(entry: dict, data: dict) -> dict:
         model_hub_id=train["model_id"], framework="transformers+peft (custom loop)", adapter=adapter,
         loop="manual", batch="padded", padding="longest", max_length=int(train["max_seq_length"]), seq_len_basis="max_length_cap",
         lengths="MetaMathQA filtered to <= 1300 characters (query + response), Llama-3 tokenizer, bucketed by "
-                "length (bucket_factor x batch), padded per batch to the longest sample",
+                "length (bucket_factor x batch), padded per batch to the longest sample" + _mean_tokens(tinfo),
         rescore_lengths=True, torch_version=packages.get("torch-version", ""),
         transformers_version=packages.get("transformers-version", ""),
         peft_version=packages.get("peft-version", ""), bitsandbytes_version=packages.get("bitsandbytes-version", ""),
