@@ -105,6 +105,16 @@ class Estimate:
         }
 
 
+@dataclass(frozen=True)
+class StepSequence:
+    """The shapes of the steps a rank runs, in order, for the reserved replay (``estimator.batching``: an
+    epoch's batches); ``empty_cache_every``: the loop calls ``torch.cuda.empty_cache()`` every that many steps
+    (HF Trainer's ``torch_empty_cache_steps``)."""
+
+    shapes: tuple[tuple[int, int], ...]
+    empty_cache_every: int | None = None
+
+
 def check_spec(spec: RunSpec, arch: ModelArch) -> None:
     """Model-dependent validation (the spec validates itself on construction)."""
     training, parallel = spec.training, spec.parallel
@@ -203,8 +213,8 @@ def _replay(model: methods.StepModel, segments: dict, num_layers: int, b: int, s
 
 
 def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, rank: int,
-                   path: methods.Zero12Rank | None = None, alloc_conf: str | None = None
-                   ) -> tuple[RankEstimate, methods.StepModel]:
+                   path: methods.Zero12Rank | None = None, alloc_conf: str | None = None,
+                   sequence: StepSequence | None = None) -> tuple[RankEstimate, methods.StepModel]:
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
     model = _step_model(spec, table, rank, path)
@@ -240,7 +250,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     breakdown = {k: int(round(parts.get(k, 0.0))) for k in COMPONENTS if parts.get(k)}
     allocated = int(round(max(fb_total, step_total) + workspace))
     communicators = 0 if spec.parallel.world_size == 1 else (2 if spec.parallel.method == "dp_tp" else 1)
-    replayed = _replayed(spec, arch, profile, table, coeffs, regime, communicators, alloc_conf)
+    replayed = _replayed(spec, arch, profile, table, coeffs, regime, communicators, alloc_conf, sequence)
     if replayed is None:
         reserved = residuals.reserved_from_allocated(allocated, coeffs)
         allocator_fields = {}
@@ -256,31 +266,40 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
 
 
 def _replayed(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, regime: dict,
-              communicators: int, alloc_conf: str | None):
+              communicators: int, alloc_conf: str | None, sequence: StepSequence | None = None):
     """This rank's reserved peak replayed through the caching-allocator model, or None where the prior stands
     (``estimator.reserved.rank.why_not``). The allocator may use the GPU's memory less the CUDA context and the
-    NCCL buffers."""
+    NCCL buffers. ``sequence``: the steps' shapes in order (an epoch of mixed batch shapes), not identical
+    steps of the spec's shape."""
     from estimator.reserved.expand import ExpansionError
-    from estimator.reserved.rank import replay_reserved, why_not
+    from estimator.reserved.rank import replay_reserved, replay_reserved_sequence, why_not
 
     if alloc_conf is None or why_not(spec, regime, arch.num_layers) is not None:
         return None
     capacity = get_gpu(spec.gpu).capacity_bytes
     allowed = capacity - coeffs.cuda_context_bytes - communicators * coeffs.nccl_bytes_per_communicator
+    options = dict(workspace_bytes=coeffs.cublas_workspace_bytes, workspaces=coeffs.cublas_workspaces,
+                   allowed_bytes=max(allowed, 0), conf_text=alloc_conf)
     try:
-        return replay_reserved(spec, profile, regime, table, arch.num_layers,
-                               workspace_bytes=coeffs.cublas_workspace_bytes, workspaces=coeffs.cublas_workspaces,
-                               allowed_bytes=max(allowed, 0), conf_text=alloc_conf)
+        if sequence is not None:
+            return replay_reserved_sequence(spec, profile, regime, table, arch.num_layers, list(sequence.shapes),
+                                            empty_cache_every=sequence.empty_cache_every, **options)
+        return replay_reserved(spec, profile, regime, table, arch.num_layers, **options)
     except ExpansionError:
         return None
 
 
 def _reserved_note(spec: RunSpec, profile: dict, worst: RankEstimate, alloc_conf: str | None,
-                   num_layers: int) -> str:
+                   num_layers: int, sequence: StepSequence | None = None) -> str:
     if worst.reserved_source == "replayed":
         oom = "; the allocator runs OUT OF MEMORY under the GPU's capacity" if worst.allocator_oom else ""
-        return (f"reserved: replayed through the caching-allocator model (setup + {worst.replayed_steps} steps "
-                f"until the cache repeats; PYTORCH_CUDA_ALLOC_CONF={alloc_conf or '(defaults)'}; fragmentation "
+        steps = f"{worst.replayed_steps} steps until the cache repeats"
+        if sequence is not None:
+            emptied = f", empty_cache() every {sequence.empty_cache_every}" if sequence.empty_cache_every else ""
+            steps = (f"the {worst.replayed_steps} steps of {len(set(sequence.shapes))} batch shapes in their "
+                     f"order{emptied}")
+        return (f"reserved: replayed through the caching-allocator model (setup + {steps}; "
+                f"PYTORCH_CUDA_ALLOC_CONF={alloc_conf or '(defaults)'}; fragmentation "
                 f"at the reserved peak {worst.fragmentation_bytes / GIB:.2f} GiB; "
                 f"{worst.num_alloc_retries} alloc retries{oom})")
     from estimator.reserved.rank import why_not
@@ -377,10 +396,12 @@ def resolve_alloc_conf(alloc_conf: str | None) -> str:
 
 
 def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = True, alloc_conf: str | None = None,
-             replay_reserved: bool = True) -> Estimate:
+             replay_reserved: bool = True, sequence: StepSequence | None = None) -> Estimate:
     """Per-rank peak memory of ``spec``. ``coefficients``: a GPU coefficient file path or loaded object.
     ``alloc_conf``: the ``PYTORCH_CUDA_ALLOC_CONF`` string the reserved replay uses (default: the environment's,
-    else PyTorch's defaults); ``replay_reserved=False`` keeps the prior for the reserved level."""
+    else PyTorch's defaults); ``replay_reserved=False`` keeps the prior for the reserved level. ``sequence``: the
+    reserved replay runs these step shapes in order instead of repeating the spec's (whose shape should be the
+    sequence's worst: the allocated peak is the spec's)."""
     conf = resolve_alloc_conf(alloc_conf) if replay_reserved else None
 
     gpu = get_gpu(spec.gpu)
@@ -413,7 +434,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         if worst_middle is not None and worst_middle.peak_device_bytes > max(r.peak_device_bytes for r in ranks):
             ranks.insert(1, worst_middle)
     else:
-        first, model = _rank_estimate(spec, arch, profile, table, coeffs, 0, alloc_conf=conf)
+        first, model = _rank_estimate(spec, arch, profile, table, coeffs, 0, alloc_conf=conf, sequence=sequence)
         if last and spec.parallel.method == "fsdp1":  # the padding of every flat parameter sits in the last shard
             ranks = [first, _rank_estimate(spec, arch, profile, table, coeffs, last, alloc_conf=conf)[0]]
         else:
@@ -439,7 +460,8 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
                      "each layer keeps its (b, heads, s, s) probabilities; 16-bit attention inputs or "
                      "--attn flash avoid it")
     notes += _depth_note(_regime(profile, spec.training.micro_batch_size, spec.training.seq_len))
-    notes.append(_reserved_note(spec, profile, worst, conf, arch.num_layers))
+    notes.append(_reserved_note(spec, profile, worst, conf, arch.num_layers,
+                                sequence if worst.rank == 0 else None))
     if spec.training.qlora:
         notes.append("qlora: traced as transformers + peft run it (bitsandbytes NF4 with double quantization, "
                      "prepare_model_for_kbit_training: other weights and the adapters in fp32)")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 
 from estimator.batching.batches import ORDERS, PADDINGS
-from estimator.batching.epoch import EpochOptions
+from estimator.batching.epoch import REPLAY_STEPS, EpochOptions
 from estimator.batching.lengths import read_lengths
 
-FLAGS = ("padding", "batching", "pad_to_multiple_of", "seed")
+FLAGS = ("padding", "batching", "pad_to_multiple_of", "seed", "empty_cache_steps", "replay_steps")
 
 
 def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +23,12 @@ def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pad-to-multiple-of", type=int, default=None, metavar="N",
                        help="round padded lengths up to a multiple of N (the data collator's option, e.g. 8)")
     group.add_argument("--seed", type=int, default=None, help="shuffle seed of the epoch (default 0)")
+    group.add_argument("--empty-cache-steps", type=int, default=None, metavar="N",
+                       help="the loop calls torch.cuda.empty_cache() every N steps (HF Trainer's "
+                            "torch_empty_cache_steps): the cache is rebuilt from there")
+    group.add_argument("--replay-steps", type=int, default=None, metavar="N",
+                       help=f"replay the first N steps of the epoch in order through the allocator model for the "
+                            f"reserved level (default {REPLAY_STEPS}; 0: the worst batch's shape repeated)")
 
 
 def batching_from_args(args: argparse.Namespace) -> tuple[list[int], EpochOptions] | None:
@@ -34,5 +40,6 @@ def batching_from_args(args: argparse.Namespace) -> tuple[list[int], EpochOption
         return None
     options = EpochOptions(padding=args.padding or "longest", batching=args.batching or "random",
                            pad_to_multiple_of=args.pad_to_multiple_of,
-                           seed=0 if args.seed is None else args.seed)
+                           seed=0 if args.seed is None else args.seed, empty_cache_steps=args.empty_cache_steps,
+                           replay_steps=REPLAY_STEPS if args.replay_steps is None else args.replay_steps)
     return read_lengths(args.lengths), options

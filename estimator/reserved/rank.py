@@ -7,7 +7,7 @@ from __future__ import annotations
 from estimator.allocator import parse_alloc_conf
 from estimator.models.params import ParamInfo
 from estimator.reserved.expand import ExpansionError, expand, step_sizes
-from estimator.reserved.replay import ReservedReplay, replay_rank
+from estimator.reserved.replay import ReservedReplay, replay_rank, replay_sequence
 from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocations
 
 METHODS = ("single", "ddp", "tp")
@@ -84,6 +84,44 @@ def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, 
                                         num_layers, method, mixed))
         _SETUPS[key] = hit
     return hit[1]
+
+
+def in_regime(regime: dict, b: int, s: int) -> bool:
+    return (regime["b_min"] <= b and (regime["b_max"] is None or b <= regime["b_max"])
+            and regime["s_min"] <= s and (regime["s_max"] is None or s <= regime["s_max"]))
+
+
+def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[ParamInfo], num_layers: int,
+                             shapes: list[tuple[int, int]], *, workspace_bytes: int, workspaces: int,
+                             allowed_bytes: int | None, conf_text: str | None,
+                             empty_cache_every: int | None = None) -> ReservedReplay:
+    """Steps of the (micro-batch, sequence) ``shapes`` in order, each at its own sizes, through one allocator
+    (``replay_sequence``). Every step runs the spec's regime's events: shapes of another regime (a micro-batch of
+    1 where the spec's has more rows: an epoch's last, short batch) are left out. The run's need is reported
+    when the cap is hit, as ``replay_reserved`` does. ExpansionError: no replay."""
+    training = spec.training
+    events = regime["events"]
+    expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)))
+    plans: dict[tuple[int, int], StepPlan] = {}
+    sequence = []
+    for b, s in shapes:
+        if not in_regime(regime, b, s):
+            continue
+        if (b, s) not in plans:
+            sizes = step_sizes(events["polys"], b, s)
+            sizes += [2 * sizes[poly] for poly in expansion.copy_of]
+            plans[b, s] = StepPlan(expansion=expansion, sizes=sizes, batch_bytes=b * s * INT64,
+                                   workspace_bytes=workspace_bytes, workspaces=workspaces)
+        sequence.append(plans[b, s])
+    if not sequence:
+        raise ExpansionError("sequence: no step of the spec's regime")
+    setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"))
+    conf = alloc_conf(conf_text)
+    capped = replay_sequence(setup, sequence, conf, allowed_bytes, empty_cache_every)
+    if not capped.oom:
+        return capped
+    needed = replay_sequence(setup, sequence, conf, None, empty_cache_every)
+    return ReservedReplay(**{**needed.__dict__, "oom": True, "num_alloc_retries": capped.num_alloc_retries})
 
 
 def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], num_layers: int, *,

@@ -96,15 +96,23 @@ def _templates(expansion: Expansion, workspaces: int) -> tuple[list, list, list]
 def _steps(plan: StepPlan, setup: Setup) -> tuple[list, list, list]:
     """The (code, slot, bytes) operations of the first, the second and every later step at this plan's sizes;
     the second with DDP's bucket rebuild (after the batch is allocated)."""
+    return tuple(_step_ops(plan, plan, setup, kind) for kind in (0, 1, 2))
+
+
+def _step_ops(plan: StepPlan, previous: StepPlan, setup: Setup, kind: int) -> list[tuple[int, int, int]]:
+    """Step kind ``kind``'s (code, slot, bytes) operations at ``plan``'s sizes; what it frees of the previous
+    step (its batch, a manual loop's outputs) at ``previous``'s. The second step carries DDP's bucket rebuild
+    (after the batch is allocated)."""
     sizes = [*plan.sizes, plan.batch_bytes, plan.workspace_bytes]
-    first, second, later = ([(code, slot, sizes[index]) for code, slot, index in template]
-                            for template in _templates(plan.expansion, plan.workspaces))
-    if setup.rebuilt_buckets:
+    before = sizes if previous is plan else [*previous.sizes, previous.batch_bytes, previous.workspace_bytes]
+    ops = [(code, slot, (before if code == _FREE_PREVIOUS else sizes)[index])
+           for code, slot, index in _templates(plan.expansion, plan.workspaces)[kind]]
+    if kind == 1 and setup.rebuilt_buckets:
         setup_keys = len(setup.allocations)
         rebuild = [(_FREE_SETUP, i, setup.allocations[i][1]) for i in setup.bucket_indices]
         rebuild += [(_NEW_SETUP, setup_keys + k, size) for k, size in enumerate(setup.rebuilt_buckets)]
-        second[BATCH_TENSORS:BATCH_TENSORS] = rebuild
-    return first, second, later
+        ops[BATCH_TENSORS:BATCH_TENSORS] = rebuild
+    return ops
 
 
 class _Run:
@@ -182,3 +190,33 @@ def replay_rank(setup: Setup, plan: StepPlan, conf=None, allowed_bytes: int | No
     return ReservedReplay(peak_reserved_bytes=run.peak, peak_allocated_bytes=allocator.peak_allocated_bytes,
                           peak_requested_bytes=run.requested_peak, fragmentation_bytes=run.fragmentation,
                           num_alloc_retries=allocator.num_alloc_retries, oom=oom, steps=steps, steady=steady)
+
+
+def replay_sequence(setup: Setup, plans: list[StepPlan], conf=None, allowed_bytes: int | None = None,
+                    empty_cache_every: int | None = None) -> ReservedReplay:
+    """Setup, then one step per plan in order: batches of different shapes (one expansion, sizes per step)
+    through one caching allocator, whose reserved level keeps what the blocks of every shape so far left
+    split in its cache. ``empty_cache_every``: ``torch.cuda.empty_cache()`` after every that many steps (a
+    training script's schedule). ``steady`` is False: the sequence is replayed whole, not until it repeats."""
+    run = _Run(conf, allowed_bytes, setup)
+    slots = plans[0].expansion.steady.keys + BATCH_TENSORS + plans[0].workspaces
+    steps, oom = 0, False
+    try:
+        run.run([(_NEW_SETUP, i, nbytes) for i, (_name, nbytes) in enumerate(setup.allocations)], [], [])
+        previous_addr: list = []
+        for step, plan in enumerate(plans):
+            before = plans[step - 1] if step else plan
+            ops = _step_ops(plan, before, setup, min(step, 2))
+            addr = [None] * slots
+            run.step_peak = run.allocator.reserved_bytes
+            run.run(ops, addr, previous_addr)
+            previous_addr = addr
+            steps += 1
+            if empty_cache_every and steps % empty_cache_every == 0:
+                run.allocator.empty_cache()
+    except OutOfMemory:
+        oom = True
+    allocator = run.allocator
+    return ReservedReplay(peak_reserved_bytes=run.peak, peak_allocated_bytes=allocator.peak_allocated_bytes,
+                          peak_requested_bytes=run.requested_peak, fragmentation_bytes=run.fragmentation,
+                          num_alloc_retries=allocator.num_alloc_retries, oom=oom, steps=steps, steady=False)

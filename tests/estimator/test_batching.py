@@ -17,7 +17,7 @@ from estimator.batching import (
     read_lengths,
 )
 from estimator.batching.batches import grouped_order
-from estimator.batching.epoch import percentile, shape_spec
+from estimator.batching.epoch import epoch_for, percentile, shape_spec, step_sequence
 from estimator.io.cli import main
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
@@ -210,7 +210,16 @@ def test_the_epoch_peak_is_the_estimate_at_the_worst_batch():
     worst = result.worst
     assert (worst.rows, worst.padded_len, worst.has_padding) == (4, 1024, True)   # 1500 truncated at 1024
     direct = estimate(shape_spec(spec(), worst))
-    assert result.estimate.peak_device_bytes == direct.peak_device_bytes
+    assert result.estimate.peak_allocated_bytes == direct.peak_allocated_bytes
+    # the reserved level: the rank's batches replayed in order through the allocator, the worst shape among them
+    sequence = step_sequence(epoch_for(spec(seq_len=1024), lengths, EpochOptions(batching="grouped")), worst,
+                             EpochOptions())
+    assert len(sequence.shapes) == 8 and sequence.shapes[0] == (4, 1024) and (4, 40) in sequence.shapes
+    assert result.estimate.peak_device_bytes == estimate(shape_spec(spec(), worst),
+                                                         sequence=sequence).peak_device_bytes
+    assert "replays all 8 of the rank's steps" in " ".join(result.estimate.notes)
+    alone = estimate_epoch(spec(seq_len=1024), lengths, EpochOptions(batching="grouped", replay_steps=0))
+    assert alone.estimate.peak_device_bytes == direct.peak_device_bytes
     # activations follow the longest batch: more than the typical 4 x 40 batch holds
     assert result.estimate.peak_allocated_bytes > estimate(spec(seq_len=40)).peak_allocated_bytes
     summary = result.summary
@@ -218,6 +227,20 @@ def test_the_epoch_peak_is_the_estimate_at_the_worst_batch():
     assert summary["padded_len"]["p50"] == 40 and summary["lengths"]["truncated"] == 1
     assert summary["real_tokens"] == 30 * 40 + 200 + 1024
     assert any(n.startswith("attention mask:") for n in result.estimate.notes)
+
+
+def test_the_replayed_steps_are_capped_and_keep_the_worst_batch():
+    lengths = [40] * 60 + [300]
+    options = EpochOptions(batching="random", seed=0, replay_steps=5, empty_cache_steps=2)
+    epoch = epoch_for(spec(seq_len=256), lengths, options)
+    worst = max(epoch.ranks[0], key=lambda b: b.padded_len)
+    assert worst.step >= 5  # a later batch: it replaces the fifth
+    sequence = step_sequence(epoch, worst, options)
+    assert sequence.shapes[-1] == (worst.rows, 256) and len(sequence.shapes) == 5
+    assert sequence.empty_cache_every == 2
+    result = estimate_epoch(spec(seq_len=256), lengths, options)
+    assert "replays the first 5 of the rank's 16 steps" in " ".join(result.estimate.notes)
+    assert "empty_cache() every 2" in " ".join(result.estimate.notes)
 
 
 def test_packed_epochs_have_no_mask_note_and_full_rows():
@@ -274,6 +297,9 @@ def test_cli_compare_prints_each_split_once(capsys, lengths_file):
     (["--lengths", "/no/such/file"], "error: lengths: no such file '/no/such/file'"),
     (["--lengths", "BAD"], "line 2: token length 'x' is not an integer"),
     (["--lengths", "GOOD", "--pad-to-multiple-of", "0"], "error: pad_to_multiple_of: must be a positive integer"),
+    (["--lengths", "GOOD", "--empty-cache-steps", "0"], "error: empty_cache_steps: must be >= 1, got 0"),
+    (["--lengths", "GOOD", "--replay-steps", "-1"], "error: replay_steps: must be >= 0, got -1"),
+    (["--empty-cache-steps", "10"], "error: empty_cache_steps: needs --lengths FILE"),
 ])
 def test_cli_errors_are_one_line_exit_2(capsys, tmp_path, extra, message):
     (tmp_path / "bad.txt").write_text("5\nx\n")

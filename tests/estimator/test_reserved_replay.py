@@ -17,8 +17,12 @@ from estimator.spec import TrainingSpec
 GIB = 1024**3
 
 
-def _plain_replay(setup, plan, conf, allowed_bytes, max_steps=8) -> ReservedReplay:
-    """The replay over request tuples with global keys, one dict lookup per event."""
+def _plain_replay(setup, plan, conf, allowed_bytes, max_steps=8, sequence=None, empty_cache_every=None
+                  ) -> ReservedReplay:
+    """The replay over request tuples with global keys, one dict lookup per event. ``sequence``: one plan per
+    step, replayed whole (no stop when the cache repeats)."""
+    if sequence is not None:
+        max_steps = len(sequence)
     allocator = CachingAllocator(conf, capacity_bytes=allowed_bytes)
     addr, size = {}, {}
     live = requested_peak = peak = fragmentation = 0
@@ -29,7 +33,7 @@ def _plain_replay(setup, plan, conf, allowed_bytes, max_steps=8) -> ReservedRepl
     try:
         for step in range(-1, max_steps):
             if step >= 0:
-                requests = step_requests(plan, step, base)
+                requests = step_requests(plan if sequence is None else sequence[step], step, base)
                 if step == 1 and setup.rebuilt_buckets:
                     rebuild = [("free", i) for i in setup.bucket_indices]
                     rebuild += [("alloc", setup_keys + k, n, 0) for k, n in enumerate(setup.rebuilt_buckets)]
@@ -53,6 +57,10 @@ def _plain_replay(setup, plan, conf, allowed_bytes, max_steps=8) -> ReservedRepl
             if step < 0:
                 continue
             steps += 1
+            if sequence is not None:
+                if empty_cache_every and steps % empty_cache_every == 0:
+                    allocator.empty_cache()
+                continue
             state = (step_peak, _segments(allocator))
             if step >= 2 and state == previous:
                 steady = True
@@ -64,17 +72,19 @@ def _plain_replay(setup, plan, conf, allowed_bytes, max_steps=8) -> ReservedRepl
                           allocator.num_alloc_retries, oom, steps, steady)
 
 
-def _inputs(model, precision, method, loop, b, s):
+def _inputs(model, precision, method, loop, b, s, other_lengths=()):
+    """(setup, the plan at (b, s)[, the plans at (b, each of ``other_lengths``)])."""
     training = TrainingSpec(precision=precision, micro_batch_size=b, seq_len=s, loop=loop)
     arch, profile = api.load_model_profile(model, training, 1, allow_build=False)
     regime = api._regime(profile, b, s)
     events = regime["events"]
     table = api._param_table(profile, arch.num_layers)
     coeffs = load_coefficients("h100-80gb")
-    plan = StepPlan(reserved_rank._expansion(events, arch.num_layers, loop), step_sizes(events["polys"], b, s),
-                    b * s * INT64, coeffs.cublas_workspace_bytes, coeffs.cublas_workspaces)
+    expansion = reserved_rank._expansion(events, arch.num_layers, loop)
+    plans = [StepPlan(expansion, step_sizes(events["polys"], b, length), b * length * INT64,
+                      coeffs.cublas_workspace_bytes, coeffs.cublas_workspaces) for length in (s, *other_lengths)]
     setup = reserved_rank._setup(profile, table, arch.num_layers, method, precision.startswith("mixed_"))
-    return setup, plan
+    return (setup, *plans) if other_lengths else (setup, plans[0])
 
 
 CASES = [("meta-llama/Llama-3.2-1B", "mixed_bf16", "single", "trainer", 2, 512),
@@ -97,3 +107,21 @@ def test_compiled_replay_equals_the_plain_replay(case):
             assert capped == _plain_replay(setup, plan, conf, allowed)
             seen.add((capped.oom, capped.num_alloc_retries > 0))
     assert (True, True) in seen  # the out-of-memory path was exercised
+
+
+@pytest.mark.parametrize("case", CASES[1:3], ids=lambda c: f"{c[0].split('/')[1]}-{c[2]}-{c[3]}")
+def test_a_sequence_of_shapes_equals_the_plain_replay(case):
+    """Steps of mixed lengths (an epoch of padded batches; the manual loop frees the previous step's outputs at
+    their own size), with and without an empty_cache() schedule: the compiled sequence replay equals the plain
+    one, and a sequence of one shape reaches what the repeated-step replay reaches."""
+    from estimator.reserved.replay import replay_sequence
+
+    setup, longest, short, middle = _inputs(*case, other_lengths=(case[5] // 4, case[5] // 2))
+    conf = reserved_rank.alloc_conf("")
+    order = [short, longest, middle, short, middle, middle, longest, short, longest, middle]
+    for every in (None, 3):
+        got = replay_sequence(setup, order, conf, None, every)
+        assert got == _plain_replay(setup, None, conf, None, sequence=order, empty_cache_every=every)
+    alone = replay_rank(setup, longest, conf, None)
+    assert replay_sequence(setup, [longest] * alone.steps, conf, None).peak_reserved_bytes == \
+        alone.peak_reserved_bytes
