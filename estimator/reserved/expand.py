@@ -51,6 +51,8 @@ class Expansion:
     persistent_keys: frozenset[int]  # keys the first step leaves allocated on purpose (optimizer states)
     # fp32 copies of the held outputs (``outputs_fp32``): size index len(polys) + j is twice copy_of[j]'s bytes
     copy_of: tuple[int, ...] = ()
+    # keys of the parameter gradients the backward allocates (the same in both steps: made before the optimizer)
+    grad_keys: frozenset[int] = frozenset()
 
 
 def _decode(code: int) -> tuple[bool, int]:
@@ -173,9 +175,11 @@ def _frees_shared(event: tuple) -> bool:
     return kind == FREE and layer is None
 
 
-def _emit(out: list, namer: _Namer, resolved: list[tuple], context: int | None, num_layers: int) -> None:
+def _emit(out: list, namer: _Namer, resolved: list[tuple], context: int | None, num_layers: int,
+          grads: frozenset[int] = frozenset(), grad_keys: set[int] | None = None) -> None:
     """Append ``resolved`` events running as layer ``context`` (None: outside the layers). A touched tensor's
-    layer: ``context`` + its offset when within one layer, else the first or last layer (the module docstring)."""
+    layer: ``context`` + its offset when within one layer, else the first or last layer (the module docstring).
+    The keys of the parameter gradients (ordinals ``grads``) allocated go into ``grad_keys``."""
     last, keys, stride = num_layers - 1, namer.keys, namer.stride
     for kind, o, ident, nbytes, a, delta in resolved:
         if a is None:
@@ -190,15 +194,21 @@ def _emit(out: list, namer: _Namer, resolved: list[tuple], context: int | None, 
             target = 0 if a == 0 else last
         if ident is None:
             raise ExpansionError(f"events: ordinal {o} freed but never allocated in the step")
-        out.append((kind, keys.setdefault(ident * stride + target + 1, len(keys)), nbytes))
+        key = keys.setdefault(ident * stride + target + 1, len(keys))
+        out.append((kind, key, nbytes))
+        if kind == ALLOC and o in grads:
+            grad_keys.add(key)
 
 
 def _expand_segments(events: dict, segments: dict, num_layers: int, held: list[int], manual: bool,
-                     fp32_copies: bool = False) -> tuple[list, _Namer, tuple[int, int]]:
+                     fp32_copies: bool = False, grad_keys: set[int] | None = None
+                     ) -> tuple[list, _Namer, tuple[int, int]]:
     """``fp32_copies``: the forward returns fp32 copies of the held outputs (accelerate's wrapper): the manual
     loop holds the copies, made as the forward returns; the originals go as the trainer loop drops them."""
     layout = _Layout(events, segments)
     namer = _Namer(num_layers)
+    grads = frozenset(events.get("grads", ()))
+    grad_keys = set() if grad_keys is None else grad_keys
     out: list = []
     skip_free = set(held) if manual and not fp32_copies else set()
     starts = {}
@@ -217,13 +227,14 @@ def _expand_segments(events: dict, segments: dict, num_layers: int, held: list[i
                 resolved[name] = _resolve(layout, namer, segments[name], LAYER_SEGMENTS[name][1], skip_free)
                 resolved[name + " not last"] = [event for event in resolved[name] if not _frees_shared(event)]
             last_generic = name not in ("fw", "bw") or layer == (num_layers - 2 if name == "fw" else 1)
-            _emit(out, namer, resolved[name if last_generic else name + " not last"], layer, num_layers)
+            _emit(out, namer, resolved[name if last_generic else name + " not last"], layer, num_layers, grads,
+                  grad_keys)
             continue
         runs = _outer_runs(segments[name], layout)
         for index, (label, codes) in enumerate(runs):
             run = _resolve(layout, namer, codes, label, skip_free)
             for context, _context3 in _outer_contexts(name, runs, index, num_layers):
-                _emit(out, namer, run, context, num_layers)
+                _emit(out, namer, run, context, num_layers, grads, grad_keys)
     return out, namer, starts
 
 
@@ -248,8 +259,9 @@ def expand(events: dict, num_layers: int, loop: str = "trainer", fp32_copies: bo
     fp32_copies = fp32_copies and manual
     held = [o for o, _saved in events["held"]]
     steady_segments = {**events["segments"], "optimizer_pre": []}
+    grad_keys: set[int] = set()
     steady_ops, steady_names, steady_starts = _expand_segments(events, steady_segments, num_layers, held, manual,
-                                                               fp32_copies)
+                                                               fp32_copies, grad_keys)
     first_segments = {**events["segments"], "optimizer_pre": _first_optimizer_pre(events),
                       "optimizer": events["first_optimizer"]}
     first_ops, first_names, starts = _expand_segments(events, first_segments, num_layers, held, manual,
@@ -269,7 +281,8 @@ def expand(events: dict, num_layers: int, loop: str = "trainer", fp32_copies: bo
                      workspace_at=(starts["fw_first"], starts["mid_bw"]),
                      optimizer_at=(starts["optimizer"], steady_starts["optimizer"]),
                      persistent_keys=frozenset(persistent - previous),
-                     copy_of=tuple(events["size"][o] for o in held) if fp32_copies else ())
+                     copy_of=tuple(events["size"][o] for o in held) if fp32_copies else (),
+                     grad_keys=frozenset(grad_keys))
 
 
 def check_step(ops: list, previous_alive: set[int] = frozenset()) -> set[int]:

@@ -11,6 +11,7 @@ from estimator.reserved.replay import ReservedReplay, replay_rank, replay_sequen
 from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocations
 
 METHODS = ("single", "ddp", "tp")
+ACCUMULATING_METHODS = ("single", "tp")  # gradient accumulation replayed (estimator.reserved.accumulate)
 _EXPANSIONS: dict[tuple, tuple] = {}
 _SETUPS: dict[tuple, tuple] = {}
 _CONFS: dict[str, object] = {}
@@ -27,8 +28,9 @@ def why_not(spec, regime: dict, num_layers: int) -> str | None:
         return "the profile has no event list (traced before event lists were kept)"
     if events.get("optimizer") != training.optimizer:
         return f"the profile's optimizer step was traced with {events.get('optimizer')}, not {training.optimizer}"
-    if training.grad_accum_steps > 1:
-        return "gradient accumulation's micro-batches are not in the event list"
+    if training.grad_accum_steps > 1 and spec.parallel.method not in ACCUMULATING_METHODS:
+        return (f"{spec.parallel.method} with gradient accumulation: its gradient buckets under no_sync are not "
+                "modelled yet")
     if training.qlora:
         return "QLoRA's packed weights are not one allocation per parameter"
     if num_layers < 2:
@@ -117,10 +119,11 @@ def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[Para
         raise ExpansionError("sequence: no step of the spec's regime")
     setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"))
     conf = alloc_conf(conf_text)
-    capped = replay_sequence(setup, sequence, conf, allowed_bytes, empty_cache_every)
+    accum = training.grad_accum_steps
+    capped = replay_sequence(setup, sequence, conf, allowed_bytes, empty_cache_every, accum)
     if not capped.oom:
         return capped
-    needed = replay_sequence(setup, sequence, conf, None, empty_cache_every)
+    needed = replay_sequence(setup, sequence, conf, None, empty_cache_every, accum)
     return ReservedReplay(**{**needed.__dict__, "oom": True, "num_alloc_retries": capped.num_alloc_retries})
 
 
@@ -139,8 +142,9 @@ def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], n
                     workspaces=workspaces)
     setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"))
     conf = alloc_conf(conf_text)
-    capped = replay_rank(setup, plan, conf, allowed_bytes)
+    accum = training.grad_accum_steps
+    capped = replay_rank(setup, plan, conf, allowed_bytes, accum=accum)
     if not capped.oom:
         return capped
-    needed = replay_rank(setup, plan, conf, None)
+    needed = replay_rank(setup, plan, conf, None, accum=accum)
     return ReservedReplay(**{**needed.__dict__, "oom": True, "num_alloc_retries": capped.num_alloc_retries})

@@ -11,12 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from estimator.allocator import CachingAllocator, OutOfMemory
+from estimator.reserved.accumulate import micro_steps
 from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, StepEvents
 from estimator.reserved.timeline import BATCH_TENSORS, Setup, StepPlan
 
 MAX_STEPS = 8
-# Operation codes: allocate into / free from this step's slots, free the previous step's, or the setup's.
-_NEW, _FREE, _FREE_PREVIOUS, _FREE_SETUP, _NEW_SETUP = 0, 1, 2, 3, 4
+# Operation codes: allocate into / free from this step's slots, free the previous step's, or the setup's, or the
+# accumulation cycle's first micro-step's (its gradients, at zero_grad).
+_NEW, _FREE, _FREE_PREVIOUS, _FREE_SETUP, _NEW_SETUP, _FREE_CYCLE = 0, 1, 2, 3, 4, 5
 _TEMPLATES: dict[tuple, tuple] = {}
 
 
@@ -51,18 +53,25 @@ def _template(expansion: Expansion, workspaces: int, kind: int) -> list[tuple[in
     -1 the workspace (``_steps`` appends their bytes). Slots: the step's keys, then the batch, then the
     workspaces."""
     events = expansion.first if kind == 0 else expansion.steady
-    keys = events.keys
+    poly_of = _slot_polys(expansion.steady if kind == 2 else expansion.first, events.keys)
+    return _compile(expansion, events.ops, events.keys, workspaces if kind == 0 else 0, poly_of if kind else None)
+
+
+def _compile(expansion: Expansion, step_ops: list, keys: int, workspaces: int, poly_of: dict | None
+             ) -> list[tuple[int, int, int]]:
+    """One step's (code, slot, size index) operations: its batch, the previous step's batch freed (``poly_of``:
+    the previous step's slot sizes; None for the run's first step), ``workspaces`` cuBLAS workspaces at their
+    first matmuls, its events."""
     batch, workspace = -2, -1
-    poly_of = _slot_polys(expansion.steady if kind == 2 else expansion.first, keys)
     ops: list[tuple] = [(_NEW, keys + t, batch) for t in range(BATCH_TENSORS)]
-    if kind:
+    if poly_of is not None:
         ops += [(_FREE_PREVIOUS, keys + t, batch) for t in range(BATCH_TENSORS)]
     workspace_at: dict[int, list[int]] = {}
-    if kind == 0 and workspaces:
+    if workspaces:
         forward, backward = expansion.workspace_at
         workspace_at = {forward: [0], backward: list(range(1, workspaces))}
     own: dict[int, int] = {}
-    for index, (op, key, poly) in enumerate(events.ops):
+    for index, (op, key, poly) in enumerate(step_ops):
         for w in workspace_at.get(index, ()):
             ops.append((_NEW, keys + BATCH_TENSORS + w, workspace))
         if op == ALLOC:
@@ -72,7 +81,35 @@ def _template(expansion: Expansion, workspaces: int, kind: int) -> list[tuple[in
             ops.append((_FREE, key, own[key]))
         elif op == FREE_PREVIOUS:
             ops.append((_FREE_PREVIOUS, key, poly_of[key]))
+        else:  # FREE_CYCLE: a gradient of the cycle's first micro-step
+            ops.append((_FREE_CYCLE, key, poly))
     return ops
+
+
+def _micro_templates(expansion: Expansion, workspaces: int, k: int) -> dict[tuple[int, int], list]:
+    """Gradient accumulation over ``k`` micro-steps: templates by (cycle kind: 0 the run's first cycle, 1 any
+    later; micro kind: 0 the cycle's first, 1 a middle one, 2 the last)."""
+    key = (id(expansion), workspaces, "micro", k)
+    hit = _TEMPLATES.get(key)
+    if hit is not None and hit[0] is expansion:
+        return hit[1]
+    micro = micro_steps(expansion)
+    keys = expansion.steady.keys
+    poly_of = _slot_polys(expansion.steady, keys)
+    templates = {}
+    for cycle in (0, 1):
+        for kind, index in ((0, 0), (1, 1), (2, k - 1)):
+            first = cycle == 0 and index == 0
+            templates[cycle, kind] = _compile(expansion, micro.ops(cycle, index, k), keys,
+                                              workspaces if first else 0, None if first else poly_of)
+    if len(_TEMPLATES) > 64:
+        _TEMPLATES.clear()
+    _TEMPLATES[key] = (expansion, templates)
+    return templates
+
+
+def _micro_kind(micro: int, k: int) -> int:
+    return 0 if micro == 0 else 2 if micro == k - 1 else 1
 
 
 def _slot_polys(events: StepEvents, keys: int) -> dict[int, int]:
@@ -99,14 +136,16 @@ def _steps(plan: StepPlan, setup: Setup) -> tuple[list, list, list]:
     return tuple(_step_ops(plan, plan, setup, kind) for kind in (0, 1, 2))
 
 
-def _step_ops(plan: StepPlan, previous: StepPlan, setup: Setup, kind: int) -> list[tuple[int, int, int]]:
-    """Step kind ``kind``'s (code, slot, bytes) operations at ``plan``'s sizes; what it frees of the previous
-    step (its batch, a manual loop's outputs) at ``previous``'s. The second step carries DDP's bucket rebuild
-    (after the batch is allocated)."""
+def _step_ops(plan: StepPlan, previous: StepPlan, setup: Setup, kind: int, template: list | None = None
+              ) -> list[tuple[int, int, int]]:
+    """Step kind ``kind``'s (code, slot, bytes) operations at ``plan``'s sizes (``template``: a micro-step's
+    instead); what it frees of the previous step (its batch, a manual loop's outputs) at ``previous``'s. The
+    second step carries DDP's bucket rebuild (after the batch is allocated)."""
     sizes = [*plan.sizes, plan.batch_bytes, plan.workspace_bytes]
     before = sizes if previous is plan else [*previous.sizes, previous.batch_bytes, previous.workspace_bytes]
-    ops = [(code, slot, (before if code == _FREE_PREVIOUS else sizes)[index])
-           for code, slot, index in _templates(plan.expansion, plan.workspaces)[kind]]
+    if template is None:
+        template = _templates(plan.expansion, plan.workspaces)[kind]
+    ops = [(code, slot, (before if code == _FREE_PREVIOUS else sizes)[index]) for code, slot, index in template]
     if kind == 1 and setup.rebuilt_buckets:
         setup_keys = len(setup.allocations)
         rebuild = [(_FREE_SETUP, i, setup.allocations[i][1]) for i in setup.bucket_indices]
@@ -124,8 +163,10 @@ class _Run:
         self.live = self.requested_peak = 0
         self.peak = self.step_peak = self.fragmentation = 0
 
-    def run(self, ops: list[tuple], addr: list, previous: list) -> None:
-        """Apply ``ops`` with this step's address slots ``addr`` and the previous step's ``previous``."""
+    def run(self, ops: list[tuple], addr: list, previous: list, cycle: list | None = None) -> None:
+        """Apply ``ops`` with this step's address slots ``addr``, the previous step's ``previous`` and the
+        accumulation cycle's first micro-step's ``cycle`` (default: this step's)."""
+        cycle = addr if cycle is None else cycle
         allocator, setup_addr = self.allocator, self.setup_addr
         malloc, free = allocator.malloc, allocator.free
         live, requested_peak, step_peak = self.live, self.requested_peak, self.step_peak
@@ -145,6 +186,10 @@ class _Run:
                     free(setup_addr[slot])
                     live -= nbytes
                     continue
+                elif code == _FREE_CYCLE:
+                    free(cycle[slot])
+                    live -= nbytes
+                    continue
                 else:
                     setup_addr[slot] = malloc(nbytes, 0)
                 live += nbytes
@@ -161,9 +206,11 @@ class _Run:
 
 
 def replay_rank(setup: Setup, plan: StepPlan, conf=None, allowed_bytes: int | None = None,
-                max_steps: int = MAX_STEPS) -> ReservedReplay:
+                max_steps: int = MAX_STEPS, accum: int = 1) -> ReservedReplay:
     """``allowed_bytes``: what the allocator may reserve (the GPU's memory less what others hold); None:
-    unlimited."""
+    unlimited. ``accum``: micro-steps per optimizer step (``max_steps`` then counts optimizer steps)."""
+    if accum > 1:
+        return _replay_accumulating(setup, plan, conf, allowed_bytes, max_steps, accum)
     run = _Run(conf, allowed_bytes, setup)
     steps, steady, oom = 0, False, False
     steps_ops = _steps(plan, setup)
@@ -192,27 +239,71 @@ def replay_rank(setup: Setup, plan: StepPlan, conf=None, allowed_bytes: int | No
                           num_alloc_retries=allocator.num_alloc_retries, oom=oom, steps=steps, steady=steady)
 
 
+def _replay_accumulating(setup: Setup, plan: StepPlan, conf, allowed_bytes: int | None, max_cycles: int,
+                         k: int) -> ReservedReplay:
+    """``replay_rank`` with an optimizer step every ``k`` micro-steps (``estimator.reserved.accumulate``), until
+    a cycle repeats the previous one's reserved peak and segments."""
+    run = _Run(conf, allowed_bytes, setup)
+    templates = _micro_templates(plan.expansion, plan.workspaces, k)
+    ops = {kinds: _step_ops(plan, plan, setup, 2, template) for kinds, template in templates.items()}
+    slots = plan.expansion.steady.keys + BATCH_TENSORS + plan.workspaces
+    steps, steady, oom = 0, False, False
+    try:
+        run.run([(_NEW_SETUP, i, nbytes) for i, (_name, nbytes) in enumerate(setup.allocations)], [], [])
+        previous_state = None
+        previous_addr: list = []
+        for cycle in range(max_cycles):
+            run.step_peak = run.allocator.reserved_bytes
+            cycle_addr: list = []
+            for micro in range(k):
+                addr = [None] * slots
+                cycle_addr = addr if micro == 0 else cycle_addr
+                run.run(ops[min(cycle, 1), _micro_kind(micro, k)], addr, previous_addr, cycle_addr)
+                previous_addr = addr
+                steps += 1
+            state = (run.step_peak, _segments(run.allocator))
+            if cycle >= 2 and state == previous_state:
+                steady = True
+                break
+            previous_state = state
+    except OutOfMemory:
+        oom = True
+    allocator = run.allocator
+    return ReservedReplay(peak_reserved_bytes=run.peak, peak_allocated_bytes=allocator.peak_allocated_bytes,
+                          peak_requested_bytes=run.requested_peak, fragmentation_bytes=run.fragmentation,
+                          num_alloc_retries=allocator.num_alloc_retries, oom=oom, steps=steps, steady=steady)
+
+
 def replay_sequence(setup: Setup, plans: list[StepPlan], conf=None, allowed_bytes: int | None = None,
-                    empty_cache_every: int | None = None) -> ReservedReplay:
+                    empty_cache_every: int | None = None, accum: int = 1) -> ReservedReplay:
     """Setup, then one step per plan in order: batches of different shapes (one expansion, sizes per step)
     through one caching allocator, whose reserved level keeps what the blocks of every shape so far left
-    split in its cache. ``empty_cache_every``: ``torch.cuda.empty_cache()`` after every that many steps (a
-    training script's schedule). ``steady`` is False: the sequence is replayed whole, not until it repeats."""
+    split in its cache. ``accum``: the plans are micro-batches, an optimizer step every ``accum`` of them.
+    ``empty_cache_every``: ``torch.cuda.empty_cache()`` after every that many optimizer steps (a training
+    script's schedule). ``steady`` is False: the sequence is replayed whole, not until it repeats."""
     run = _Run(conf, allowed_bytes, setup)
-    slots = plans[0].expansion.steady.keys + BATCH_TENSORS + plans[0].workspaces
+    expansion = plans[0].expansion
+    slots = expansion.steady.keys + BATCH_TENSORS + plans[0].workspaces
+    templates = _micro_templates(expansion, plans[0].workspaces, accum) if accum > 1 else None
     steps, oom = 0, False
     try:
         run.run([(_NEW_SETUP, i, nbytes) for i, (_name, nbytes) in enumerate(setup.allocations)], [], [])
         previous_addr: list = []
+        cycle_addr: list = []
         for step, plan in enumerate(plans):
             before = plans[step - 1] if step else plan
-            ops = _step_ops(plan, before, setup, min(step, 2))
+            cycle, micro = divmod(step, accum)
+            if templates is None:
+                ops = _step_ops(plan, before, setup, min(step, 2))
+            else:
+                ops = _step_ops(plan, before, setup, 2, templates[min(cycle, 1), _micro_kind(micro, accum)])
             addr = [None] * slots
+            cycle_addr = addr if micro == 0 else cycle_addr
             run.step_peak = run.allocator.reserved_bytes
-            run.run(ops, addr, previous_addr)
+            run.run(ops, addr, previous_addr, cycle_addr)
             previous_addr = addr
             steps += 1
-            if empty_cache_every and steps % empty_cache_every == 0:
+            if empty_cache_every and micro == accum - 1 and (cycle + 1) % empty_cache_every == 0:
                 run.allocator.empty_cache()
     except OutOfMemory:
         oom = True

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from estimator.models.params import ParamInfo
+from estimator.reserved.accumulate import MicroSteps
 from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion
 
 MIB = 1024 * 1024
@@ -133,6 +134,35 @@ def step_requests(plan: StepPlan, step: int, base_key: int) -> list[tuple]:
             out.append(("free", offset + key))
         elif kind == FREE_PREVIOUS:
             out.append(("free", previous + key))
+    return out
+
+
+def micro_step_requests(plan: StepPlan, micro: MicroSteps, accum: int, step: int, base_key: int) -> list[tuple]:
+    """Requests of micro-step ``step`` (0 = the first) of a run with an optimizer step every ``accum``
+    micro-steps (``estimator.reserved.accumulate``), keys as ``step_requests`` gives them."""
+    keys = plan.expansion.steady.keys
+    per_step = keys + BATCH_TENSORS + plan.workspaces
+    cycle, index = divmod(step, accum)
+    offset = base_key + step * per_step
+    previous, first_of_cycle = offset - per_step, base_key + cycle * accum * per_step
+    out: list[tuple] = [("alloc", offset + keys + t, plan.batch_bytes, 0) for t in range(BATCH_TENSORS)]
+    if step:
+        out.extend(("free", previous + keys + t) for t in range(BATCH_TENSORS))
+    workspace_at = {}
+    if step == 0 and plan.workspaces:
+        forward, backward = plan.expansion.workspace_at
+        workspace_at = {forward: [0], backward: list(range(1, plan.workspaces))}
+    for at, (kind, key, poly) in enumerate(micro.ops(cycle, index, accum)):
+        for w in workspace_at.get(at, ()):
+            out.append(("alloc", offset + keys + BATCH_TENSORS + w, plan.workspace_bytes, 0))
+        if kind == ALLOC:
+            out.append(("alloc", offset + key, plan.sizes[poly], 0))
+        elif kind == FREE:
+            out.append(("free", offset + key))
+        elif kind == FREE_PREVIOUS:
+            out.append(("free", previous + key))
+        else:  # FREE_CYCLE
+            out.append(("free", first_of_cycle + key))
     return out
 
 

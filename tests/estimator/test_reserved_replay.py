@@ -9,20 +9,25 @@ from estimator import api
 from estimator.allocator import CachingAllocator, OutOfMemory
 from estimator.hardware.residuals import load_coefficients
 from estimator.reserved import rank as reserved_rank
+from estimator.reserved.accumulate import micro_steps
 from estimator.reserved.expand import step_sizes
 from estimator.reserved.replay import ReservedReplay, _segments, replay_rank
-from estimator.reserved.timeline import BATCH_TENSORS, INT64, StepPlan, step_requests
+from estimator.reserved.timeline import BATCH_TENSORS, INT64, StepPlan, micro_step_requests, step_requests
 from estimator.spec import TrainingSpec
 
 GIB = 1024**3
 
 
-def _plain_replay(setup, plan, conf, allowed_bytes, max_steps=8, sequence=None, empty_cache_every=None
-                  ) -> ReservedReplay:
+def _plain_replay(setup, plan, conf, allowed_bytes, max_steps=8, sequence=None, empty_cache_every=None,
+                  accum=1) -> ReservedReplay:
     """The replay over request tuples with global keys, one dict lookup per event. ``sequence``: one plan per
-    step, replayed whole (no stop when the cache repeats)."""
+    step, replayed whole (no stop when the cache repeats). ``accum``: micro-steps per optimizer step (the steps
+    counted, and the cache compared, per optimizer step)."""
     if sequence is not None:
         max_steps = len(sequence)
+    elif accum > 1:
+        max_steps *= accum
+    micro = micro_steps((plan or sequence[0]).expansion) if accum > 1 else None
     allocator = CachingAllocator(conf, capacity_bytes=allowed_bytes)
     addr, size = {}, {}
     live = requested_peak = peak = fragmentation = 0
@@ -32,7 +37,10 @@ def _plain_replay(setup, plan, conf, allowed_bytes, max_steps=8, sequence=None, 
     streams = [[("alloc", i, n, 0) for i, (_name, n) in enumerate(setup.allocations)]]
     try:
         for step in range(-1, max_steps):
-            if step >= 0:
+            if step >= 0 and micro is not None:
+                step_plan = plan if sequence is None else sequence[step]
+                requests = micro_step_requests(step_plan, micro, accum, step, base)
+            elif step >= 0:
                 requests = step_requests(plan if sequence is None else sequence[step], step, base)
                 if step == 1 and setup.rebuilt_buckets:
                     rebuild = [("free", i) for i in setup.bucket_indices]
@@ -40,7 +48,8 @@ def _plain_replay(setup, plan, conf, allowed_bytes, max_steps=8, sequence=None, 
                     requests = requests[:BATCH_TENSORS] + rebuild + requests[BATCH_TENSORS:]
             else:
                 requests = streams[0]
-            step_peak = allocator.reserved_bytes
+            if step < 0 or step % accum == 0:
+                step_peak = allocator.reserved_bytes
             for request in requests:
                 if request[0] == "alloc":
                     addr[request[1]] = allocator.malloc(request[2], request[3])
@@ -58,11 +67,13 @@ def _plain_replay(setup, plan, conf, allowed_bytes, max_steps=8, sequence=None, 
                 continue
             steps += 1
             if sequence is not None:
-                if empty_cache_every and steps % empty_cache_every == 0:
+                if empty_cache_every and steps % (empty_cache_every * accum) == 0:
                     allocator.empty_cache()
                 continue
+            if steps % accum:
+                continue
             state = (step_peak, _segments(allocator))
-            if step >= 2 and state == previous:
+            if step // accum >= 2 and state == previous:
                 steady = True
                 break
             previous = state
@@ -125,3 +136,26 @@ def test_a_sequence_of_shapes_equals_the_plain_replay(case):
     alone = replay_rank(setup, longest, conf, None)
     assert replay_sequence(setup, [longest] * alone.steps, conf, None).peak_reserved_bytes == \
         alone.peak_reserved_bytes
+
+
+ACCUMULATING = [("meta-llama/Llama-3.2-1B", "mixed_bf16", "single", "trainer", 2, 512),
+                ("Qwen/Qwen2.5-0.5B", "bf16", "single", "manual", 3, 256)]
+
+
+@pytest.mark.parametrize("case", ACCUMULATING, ids=lambda c: f"{c[0].split('/')[1]}-{c[3]}")
+def test_accumulating_replay_equals_the_plain_replay(case):
+    """An optimizer step every 3 micro-steps: the compiled replay until a cycle repeats, and a sequence of mixed
+    lengths with an empty_cache() schedule, against the plain replay of ``micro_step_requests``; a cap that
+    forces release-and-retry or out-of-memory."""
+    from estimator.reserved.replay import replay_sequence
+
+    setup, plan, short = _inputs(*case, other_lengths=(case[5] // 2,))
+    conf = reserved_rank.alloc_conf("")
+    free = replay_rank(setup, plan, conf, None, accum=3)
+    assert free == _plain_replay(setup, plan, conf, None, accum=3) and free.steady
+    capped = replay_rank(setup, plan, conf, free.peak_reserved_bytes * 3 // 4, accum=3)
+    assert capped == _plain_replay(setup, plan, conf, free.peak_reserved_bytes * 3 // 4, accum=3)
+    assert capped.oom or capped.num_alloc_retries
+    order = [short, plan, short, plan, plan, short, short, plan]
+    assert replay_sequence(setup, order, conf, None, 2, accum=3) == \
+        _plain_replay(setup, None, conf, None, sequence=order, empty_cache_every=2, accum=3)
