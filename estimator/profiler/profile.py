@@ -645,7 +645,7 @@ def _check_depth(config: dict, training: TrainingSpec, regime: dict, fitted: dic
 def _check_events(deeper: _Model, events: dict, b: int, s: int) -> dict:
     """``events_first_mismatch`` (steady step) and ``events_first_optimizer_mismatch``: None when the expansion
     to the deeper model's depth equals its trace; ``events_steady``: how many events were compared."""
-    from estimator.reserved.expand import ExpansionError, expand, first_mismatch, step_sizes
+    from estimator.reserved.expand import FREE, ExpansionError, expand, first_mismatch, step_sizes
 
     timeline = deeper.recorder.timeline
 
@@ -660,7 +660,10 @@ def _check_events(deeper: _Model, events: dict, b: int, s: int) -> dict:
     sizes = step_sizes(events["polys"], b, s)
     steady = traced(deeper.full_window)
     first_at = expansion.optimizer_at[0]
+    # the frees the expansion adds where the trace's module tracker keeps the autograd graph's leaves
+    added = expansion.freed_with_loss
+    steady_ops = [op for op in expansion.steady.ops if not (op[0] == FREE and op[1] in added)]
     return {"events_steady": len(steady),
-            "events_first_mismatch": first_mismatch(expansion.steady.ops, sizes, steady),
+            "events_first_mismatch": first_mismatch(steady_ops, sizes, steady),
             "events_first_optimizer_mismatch": first_mismatch(expansion.first.ops[first_at:], sizes,
                                                               traced(deeper.first_optimizer_window))}

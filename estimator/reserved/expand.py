@@ -53,6 +53,8 @@ class Expansion:
     copy_of: tuple[int, ...] = ()
     # keys of the parameter gradients the backward allocates (the same in both steps: made before the optimizer)
     grad_keys: frozenset[int] = frozenset()
+    # keys the trace never frees that the expansion frees just before the loss (``_free_with_the_loss``)
+    freed_with_loss: frozenset[int] = frozenset()
 
 
 def _decode(code: int) -> tuple[bool, int]:
@@ -249,6 +251,39 @@ def _first_optimizer_pre(events: dict) -> list[int]:
     return [code for code in steady if code < 0 and ~code not in made_here and ~code not in freed_first]
 
 
+def _free_with_the_loss(orphans: set[int], steady: list, steady_at: int, first: list, first_at: int,
+                        grad_keys: set[int]) -> tuple[list, list, int]:
+    """Tensors of the forward and backward that the traced step never frees, freed as the loss goes (just before
+    it). They are
+    what only the autograd graph keeps, e.g. the embedding output that ``enable_input_require_grads`` (LoRA with
+    checkpointing) turns into a leaf, with the gradient stored on it: in a real run the graph, and with it they,
+    die with the loss (a real CPU run frees them there); in the trace a module tracker's backward hooks keep
+    them. The loss is the run of frees that opens the steady step's optimizer segment and closes the first
+    step's forward and backward (``_first_optimizer_pre``); the steady step's optimizer part then starts at the
+    orphans' frees. ExpansionError for anything else never freed."""
+    made = {key for kind, key, _ in steady[:steady_at] if kind == ALLOC}
+    if not orphans <= made - grad_keys:
+        raise ExpansionError(f"events: {len(orphans - made)} tensors of a steady step are never freed")
+    end = steady_at
+    while end < len(steady) and steady[end][0] == FREE and steady[end][1] in made:
+        end += 1
+    if end == steady_at:
+        raise ExpansionError("events: no loss freed at the steady step's optimizer segment")
+    polys = {key: poly for kind, key, poly in steady[:steady_at] if kind == ALLOC}
+    # newest first: a leaf's .grad goes before the leaf's own storage, as the leaf is destroyed
+    frees = [(FREE, key, polys[key]) for key in sorted(orphans, reverse=True)]
+    first_alive = {key for kind, key, _ in first[:first_at] if kind == ALLOC} - \
+        {key for kind, key, _ in first[:first_at] if kind == FREE}
+    first_frees = [op for op in frees if op[1] in first_alive]
+    loss = {key for _, key, _ in steady[steady_at:end]}
+    at = first_at
+    while at > 0 and first[at - 1][0] == FREE and first[at - 1][1] in loss:
+        at -= 1
+    # before the loss: the graph's tensors go as the last reference to its root does
+    return (steady[:steady_at] + frees + steady[steady_at:], first[:at] + first_frees + first[at:],
+            first_at + len(first_frees))
+
+
 def expand(events: dict, num_layers: int, loop: str = "trainer", fp32_copies: bool = False) -> Expansion:
     """The first and the steady step of ``num_layers`` layers (>= 2); ``fp32_copies``: a manual loop holds fp32
     copies of the output object's tensors (every held one 16-bit: the caller checks). Raises ExpansionError
@@ -273,6 +308,11 @@ def expand(events: dict, num_layers: int, loop: str = "trainer", fp32_copies: bo
     # get the same key in both, as the segments before it are the same.
     keys = max(len(steady_names.keys), len(first_names.keys))
     previous = {key for kind, key, _ in steady_ops if kind == FREE_PREVIOUS}
+    orphans = check_step(steady_ops, previous_alive=previous) - previous
+    if orphans:
+        steady_ops, first_ops, first_at = _free_with_the_loss(orphans, steady_ops, steady_starts["optimizer"],
+                                                              first_ops, starts["optimizer"], grad_keys)
+        starts = {**starts, "optimizer": first_at}
     persistent = check_step(first_ops)
     leaked = check_step(steady_ops, previous_alive=previous)
     if leaked - previous:
@@ -282,7 +322,7 @@ def expand(events: dict, num_layers: int, loop: str = "trainer", fp32_copies: bo
                      optimizer_at=(starts["optimizer"], steady_starts["optimizer"]),
                      persistent_keys=frozenset(persistent - previous),
                      copy_of=tuple(events["size"][o] for o in held) if fp32_copies else (),
-                     grad_keys=frozenset(grad_keys))
+                     grad_keys=frozenset(grad_keys), freed_with_loss=frozenset(orphans))
 
 
 def check_step(ops: list, previous_alive: set[int] = frozenset()) -> set[int]:

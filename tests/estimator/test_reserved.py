@@ -44,6 +44,8 @@ def _profile(path: str, training: TrainingSpec):
     pytest.param(LLAMA, TrainingSpec(precision="bf16", grad_ckpt=True), marks=pytest.mark.slow),
     # LoRA on the MLP only: layer 0's frozen attention saves nothing, so layer 1's backward frees the rotary cos/sin
     (LLAMA, TrainingSpec(precision="bf16", lora_rank=8, lora_targets="gate_proj,up_proj,down_proj")),
+    # LoRA with checkpointing: the embedding output is a leaf the trace keeps (freed with the loss, compared apart)
+    (LLAMA, TrainingSpec(precision="bf16", lora_rank=8, grad_ckpt=True)),
 ])
 def test_expansion_to_four_layers_equals_a_four_layer_trace(config, training):
     """The profiler's depth check: the 3-layer event list expanded to 4 layers against a real 4-layer trace,
@@ -143,13 +145,20 @@ def _real_cpu_events(training: TrainingSpec, steps: int, accum: int = 1):
             if e[0] != "m" and e[1] not in buffers and e[1] not in host]
 
 
-@pytest.mark.parametrize("precision", ["fp32", pytest.param("mixed_bf16", marks=pytest.mark.slow)])
-def test_generated_stream_equals_a_real_cpu_run(llama_path, precision):
+@pytest.mark.parametrize("variant", [
+    {"precision": "fp32"},
+    pytest.param({"precision": "mixed_bf16"}, marks=pytest.mark.slow),
+    # LoRA with checkpointing: the embedding output becomes a leaf (enable_input_require_grads) that the trace's
+    # module tracker keeps; the real run frees it and its .grad with the graph, just before the loss
+    {"precision": "bf16", "lora_rank": 8, "grad_ckpt": True},
+], ids=lambda v: "-".join(f"{k}={v[k]}" for k in v))
+def test_generated_stream_equals_a_real_cpu_run(llama_path, variant):
     """Setup (parameters in their real order, fp32 masters), three steps (batches, the first step's Adam states,
     the steady steps): the same sizes in the same order, the same tensor freed, to the event."""
     # eager attention: the kernels a real CPU run executes are CUDA's too (SDPA's are not: the profile traces
     # CUDA's choice, estimator.profiler.cuda_path)
-    training = TrainingSpec(precision=precision, attn="eager", micro_batch_size=B, seq_len=S)
+    precision = variant["precision"]
+    training = TrainingSpec(attn="eager", micro_batch_size=B, seq_len=S, **variant)
     spec = RunSpec(model=llama_path, training=training)
     arch, profile, table, regime = _profile(llama_path, training)
     setup = reserved_rank._setup(profile, table, arch.num_layers, "single", precision.startswith("mixed_"))
