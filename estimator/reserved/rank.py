@@ -11,7 +11,9 @@ from estimator.reserved.replay import ReservedReplay, replay_rank, replay_sequen
 from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocations
 
 METHODS = ("single", "ddp", "tp")
-ACCUMULATING_METHODS = ("single", "tp")  # gradient accumulation replayed (estimator.reserved.accumulate)
+# gradient accumulation replayed (estimator.reserved.accumulate); DDP under no_sync: gradients accumulate as on
+# one GPU, the buckets are copied into only at the synchronising micro-step (no allocation)
+ACCUMULATING_METHODS = ("single", "tp", "ddp")
 _EXPANSIONS: dict[tuple, tuple] = {}
 _SETUPS: dict[tuple, tuple] = {}
 _CONFS: dict[str, object] = {}

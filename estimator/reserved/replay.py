@@ -246,6 +246,10 @@ def _replay_accumulating(setup: Setup, plan: StepPlan, conf, allowed_bytes: int 
     run = _Run(conf, allowed_bytes, setup)
     templates = _micro_templates(plan.expansion, plan.workspaces, k)
     ops = {kinds: _step_ops(plan, plan, setup, 2, template) for kinds, template in templates.items()}
+    # DDP rebuilds its buckets at the first forward after a synchronised backward (DistributedDataParallel.
+    # _pre_forward calls Reducer._rebuild_buckets under no_sync too; the order is recorded by a synchronised
+    # backward only): the second cycle's first micro-step
+    rebuild = _step_ops(plan, plan, setup, 1, templates[1, 0]) if setup.rebuilt_buckets else ops[1, 0]
     slots = plan.expansion.steady.keys + BATCH_TENSORS + plan.workspaces
     steps, steady, oom = 0, False, False
     try:
@@ -258,7 +262,8 @@ def _replay_accumulating(setup: Setup, plan: StepPlan, conf, allowed_bytes: int 
             for micro in range(k):
                 addr = [None] * slots
                 cycle_addr = addr if micro == 0 else cycle_addr
-                run.run(ops[min(cycle, 1), _micro_kind(micro, k)], addr, previous_addr, cycle_addr)
+                kinds = (min(cycle, 1), _micro_kind(micro, k))
+                run.run(rebuild if (cycle, micro) == (1, 0) else ops[kinds], addr, previous_addr, cycle_addr)
                 previous_addr = addr
                 steps += 1
             state = (run.step_peak, _segments(run.allocator))
@@ -296,7 +301,8 @@ def replay_sequence(setup: Setup, plans: list[StepPlan], conf=None, allowed_byte
             if templates is None:
                 ops = _step_ops(plan, before, setup, min(step, 2))
             else:
-                ops = _step_ops(plan, before, setup, 2, templates[min(cycle, 1), _micro_kind(micro, accum)])
+                kind = 1 if (cycle, micro) == (1, 0) else 2  # DDP's bucket rebuild (above)
+                ops = _step_ops(plan, before, setup, kind, templates[min(cycle, 1), _micro_kind(micro, accum)])
             addr = [None] * slots
             cycle_addr = addr if micro == 0 else cycle_addr
             run.step_peak = run.allocator.reserved_bytes

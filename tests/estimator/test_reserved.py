@@ -71,6 +71,8 @@ def test_expansion_to_four_layers_equals_a_four_layer_trace(config, training):
     (TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S, grad_accum_steps=3), ParallelSpec()),
     (TrainingSpec(precision="bf16", micro_batch_size=B, seq_len=S, loop="manual", grad_accum_steps=2),
      ParallelSpec()),
+    (TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S, grad_accum_steps=2),
+     ParallelSpec(method="ddp", world_size=2)),
 ])
 def test_replayed_allocated_level_equals_the_estimate(llama_path, training, parallel):
     """The requested bytes alive at once in the replayed stream = the estimator's allocated peak + the batch
