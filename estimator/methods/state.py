@@ -147,9 +147,11 @@ def _shard_rows(p: ParamInfo, world: int) -> int:
 
 def _fsdp_group_sizes(params: list[ParamInfo], world: int, reduce_elem: Callable[[ParamInfo], int]
                       ) -> tuple[float, float, float]:
-    """(unsharded bytes, all-gather buffer bytes, reduce-scatter input bytes) of one FSDP2 group."""
-    unsharded = sum(p.nbytes for p in params)
+    """(unsharded bytes, all-gather buffer bytes, reduce-scatter input bytes) of one FSDP2 group. Each unsharded
+    tensor is allocated padded, N x its padded shard (``FSDPParam.init_all_gather_outputs``), the parameter a
+    view of its first elements."""
     gather = world * sum(_shard_rows(p, world) * p.elem_bytes for p in params)
+    unsharded = gather
     rs_in = world * sum(_shard_rows(p, world) * reduce_elem(p) for p in _trainable(params))
     return float(unsharded), float(gather), float(rs_in)
 

@@ -112,6 +112,39 @@ def enumerate_candidates(world_size: int, ckpt_options: Iterable[bool] = (False,
 
 
 # --- micro-batch search ---------------------------------------------------------------------------------
+RELATIVE_SEARCH_TOLERANCE = 16  # below the bound, stop once the bracket is within 1/16 of what fits
+
+
+def search_below_bound(bytes_at: Callable[[int], int], floor_at: Callable[[int], int], capacity: int,
+                       bound: int) -> int:
+    """A large ``mb`` in ``[1, bound]`` with ``bytes_at(mb) <= capacity``, where ``floor_at`` (cheap) never
+    exceeds ``bytes_at`` (expensive, memoised by the caller) and ``bound`` is the largest micro-batch whose
+    floor fits: ``bound`` itself when it fits (one expensive probe), else one within 1/16 of the largest that
+    fits (the replayed reserved level is not monotonic in the micro-batch to the last row: the allocator's
+    segments jump). First guess: the overshoot at ``bound`` carried over to the floor; then interpolation
+    between the bracket's ends, bisecting whenever a probe did not halve the bracket."""
+    if bound < 1 or bytes_at(bound) <= capacity:
+        return max(bound, 0)
+    lo, hi, halved = 0, bound, True  # bytes_at(lo) fits (0: trivially), bytes_at(hi) does not
+    while hi - lo > max(1, lo // RELATIVE_SEARCH_TOLERANCE):
+        if lo == 0:
+            over = bytes_at(hi) - floor_at(hi)
+            probe = search_max_micro_batch(lambda mb, over=over: floor_at(mb) + over, capacity, hi - 1)
+        elif not halved:
+            probe = (lo + hi) // 2
+        else:
+            low, high = bytes_at(lo), bytes_at(hi)
+            probe = lo + int((capacity - low) * (hi - lo) / max(high - low, 1))
+        probe = min(hi - 1, max(lo + 1, probe))
+        width = hi - lo
+        if bytes_at(probe) <= capacity:
+            lo = probe
+        else:
+            hi = probe
+        halved = 2 * (hi - lo) <= width
+    return lo
+
+
 def search_max_micro_batch(bytes_at: Callable[[int], int], capacity: int, cap: int = MAX_MICRO_BATCH) -> int:
     """Largest ``mb`` in ``[1, cap]`` with ``bytes_at(mb) <= capacity`` (0 if none), for ``bytes_at``
     non-decreasing in ``mb``.
@@ -327,11 +360,23 @@ class _Context:
 
     def max_micro_batch(self, cand: Candidate, cap: int, *, probe: bool = False, **training: Any
                         ) -> tuple[int, int]:
-        """(largest fitting micro-batch, capacity bytes)."""
-        capacity = int(self.estimate(cand, 1, probe=probe, **training).capacity_bytes)
-        best = search_max_micro_batch(
-            lambda mb: int(self.estimate(cand, mb, probe=probe, **training).upper_bound_bytes), capacity, cap)
-        return best, capacity
+        """(largest fitting micro-batch, capacity bytes). With a cheap lower bound of the estimate (the default
+        estimator's ``floor_bytes``: reserved = allocated), the search runs on it first; the full estimate (the
+        reserved replay) is then asked only at that micro-batch, and below it only if it does not fit there."""
+        def upper(mb: int) -> int:
+            return int(self.estimate(cand, mb, probe=probe, **training).upper_bound_bytes)
+
+        fn = self.probe_fn if probe and self.probe_fn is not None else self.estimate_fn
+        floor_fn = getattr(fn, "floor_bytes", None)
+        if floor_fn is None or self.epoch is not None:
+            capacity = int(self.estimate(cand, 1, probe=probe, **training).capacity_bytes)
+            return search_max_micro_batch(upper, capacity, cap), capacity
+        capacity = int(fn.prior(self.spec(cand, 1, **training)).capacity_bytes)
+
+        def floor(mb: int) -> int:
+            return int(floor_fn(self.spec(cand, mb, **training)))
+
+        return search_below_bound(upper, floor, capacity, search_max_micro_batch(floor, capacity, cap)), capacity
 
     @property
     def advice_ckpt(self) -> bool:
@@ -457,15 +502,29 @@ def _default_estimate(allow_build: bool = True, alloc_conf: str | None = None) -
     from estimator.api import estimate
     from estimator.reserved.rank import METHODS
 
-    def fn(spec: RunSpec):
-        prior = estimate(spec, allow_build=allow_build, replay_reserved=False)
-        if spec.parallel.method not in METHODS:
-            return prior
-        # The device level with reserved = allocated, scaled as the bound scales the device level.
+    priors: dict[RunSpec, Any] = {}
+
+    def prior_of(spec: RunSpec):
+        if spec not in priors:
+            if len(priors) > 4096:
+                priors.clear()
+            priors[spec] = estimate(spec, allow_build=allow_build, replay_reserved=False)
+        return priors[spec]
+
+    def floor_bytes(spec: RunSpec) -> float:
+        """A lower bound of the replayed estimate's upper bound: the device level with reserved = allocated,
+        scaled as the bound scales the device level (the replayed reserved is never below allocated)."""
+        prior = prior_of(spec)
         floor = prior.peak_device_bytes - prior.peak_reserved_bytes + prior.peak_allocated_bytes
-        if floor * prior.upper_bound_bytes > prior.capacity_bytes * prior.peak_device_bytes:
+        return floor * prior.upper_bound_bytes / prior.peak_device_bytes
+
+    def fn(spec: RunSpec):
+        prior = prior_of(spec)
+        if spec.parallel.method not in METHODS or floor_bytes(spec) > prior.capacity_bytes:
             return prior
         return estimate(spec, allow_build=allow_build, alloc_conf=alloc_conf)
+    fn.floor_bytes = floor_bytes  # type: ignore[attr-defined]
+    fn.prior = prior_of  # type: ignore[attr-defined]
     return fn
 
 

@@ -26,6 +26,17 @@ LAYER_SEGMENTS = {"fw_first": ("fw", 0), "fw": ("fw", 1), "fw_last": ("fw", 2),
 OUTER = ("prefix", "mid_fw", "mid_bw", "suffix", "optimizer_pre", "optimizer")
 
 ALLOC, FREE, FREE_PREVIOUS = 0, 1, 2
+_ON_STREAM = 8  # kind 8 + s: allocate on side stream s >= 1 (its own pools: ``estimator.reserved.fsdp``)
+
+
+def alloc_on(stream: int) -> int:
+    """The op kind of an allocation on side stream ``stream`` (>= 1)."""
+    return _ON_STREAM + stream
+
+
+def stream_of(kind: int) -> int | None:
+    """The stream of an allocation kind (0: ALLOC), None for a free."""
+    return 0 if kind == ALLOC else kind - _ON_STREAM if kind > _ON_STREAM else None
 
 
 class ExpansionError(ValueError):
@@ -55,6 +66,11 @@ class Expansion:
     grad_keys: frozenset[int] = frozenset()
     # keys the trace never frees that the expansion frees just before the loss (``_free_with_the_loss``)
     freed_with_loss: frozenset[int] = frozenset()
+    # where each segment instance starts: (segment, concrete layer or None, op index), in step order, for the
+    # first and the steady step (a method that adds its own events at the boundaries, ``reserved.fsdp``)
+    marks: tuple[tuple, tuple] = ((), ())
+    # the concrete layer (None: no layer) of each parameter gradient's key
+    grad_layers: tuple[tuple[int, int | None], ...] = ()
 
 
 def _decode(code: int) -> tuple[bool, int]:
@@ -178,10 +194,10 @@ def _frees_shared(event: tuple) -> bool:
 
 
 def _emit(out: list, namer: _Namer, resolved: list[tuple], context: int | None, num_layers: int,
-          grads: frozenset[int] = frozenset(), grad_keys: set[int] | None = None) -> None:
+          grads: frozenset[int] = frozenset(), grad_keys: dict[int, int | None] | None = None) -> None:
     """Append ``resolved`` events running as layer ``context`` (None: outside the layers). A touched tensor's
     layer: ``context`` + its offset when within one layer, else the first or last layer (the module docstring).
-    The keys of the parameter gradients (ordinals ``grads``) allocated go into ``grad_keys``."""
+    The keys of the parameter gradients (ordinals ``grads``) allocated go into ``grad_keys``, with their layer."""
     last, keys, stride = num_layers - 1, namer.keys, namer.stride
     for kind, o, ident, nbytes, a, delta in resolved:
         if a is None:
@@ -199,25 +215,27 @@ def _emit(out: list, namer: _Namer, resolved: list[tuple], context: int | None, 
         key = keys.setdefault(ident * stride + target + 1, len(keys))
         out.append((kind, key, nbytes))
         if kind == ALLOC and o in grads:
-            grad_keys.add(key)
+            grad_keys[key] = None if target < 0 else target
 
 
 def _expand_segments(events: dict, segments: dict, num_layers: int, held: list[int], manual: bool,
-                     fp32_copies: bool = False, grad_keys: set[int] | None = None
-                     ) -> tuple[list, _Namer, tuple[int, int]]:
+                     fp32_copies: bool = False, grad_keys: dict[int, int | None] | None = None
+                     ) -> tuple[list, _Namer, dict[str, int], list[tuple]]:
     """``fp32_copies``: the forward returns fp32 copies of the held outputs (accelerate's wrapper): the manual
     loop holds the copies, made as the forward returns; the originals go as the trainer loop drops them."""
     layout = _Layout(events, segments)
     namer = _Namer(num_layers)
     grads = frozenset(events.get("grads", ()))
-    grad_keys = set() if grad_keys is None else grad_keys
+    grad_keys = {} if grad_keys is None else grad_keys
     out: list = []
     skip_free = set(held) if manual and not fp32_copies else set()
     starts = {}
+    marks = []
     resolved: dict[str, list[tuple]] = {}
     copies_at = len(events["polys"])
     for name, layer in _segment_order(num_layers):
         starts.setdefault(name, len(out))
+        marks.append((name, layer, len(out)))
         if name == "mid_bw" and manual and fp32_copies:
             copies = [(namer(("fp32 copy", o), None), copies_at + j) for j, o in enumerate(held)]
             out.extend((ALLOC, key, poly) for key, poly in copies)
@@ -237,7 +255,12 @@ def _expand_segments(events: dict, segments: dict, num_layers: int, held: list[i
             run = _resolve(layout, namer, codes, label, skip_free)
             for context, _context3 in _outer_contexts(name, runs, index, num_layers):
                 _emit(out, namer, run, context, num_layers, grads, grad_keys)
-    return out, namer, starts
+    return out, namer, starts, marks
+
+
+def _shifted(marks: list[tuple], after: int, by: int) -> list[tuple]:
+    """Segment marks after op index ``after`` moved by ``by`` ops (ops inserted or dropped there)."""
+    return [(name, layer, at + by if at > after else at) for name, layer, at in marks]
 
 
 def _first_optimizer_pre(events: dict) -> list[int]:
@@ -252,7 +275,7 @@ def _first_optimizer_pre(events: dict) -> list[int]:
 
 
 def _free_with_the_loss(orphans: set[int], steady: list, steady_at: int, first: list, first_at: int,
-                        grad_keys: set[int]) -> tuple[list, list, int]:
+                        grad_keys: set[int]) -> tuple[list, list, int, int]:
     """Tensors of the forward and backward that the traced step never frees, freed as the loss goes (just before
     it). They are
     what only the autograd graph keeps, e.g. the embedding output that ``enable_input_require_grads`` (LoRA with
@@ -281,7 +304,7 @@ def _free_with_the_loss(orphans: set[int], steady: list, steady_at: int, first: 
         at -= 1
     # before the loss: the graph's tensors go as the last reference to its root does
     return (steady[:steady_at] + frees + steady[steady_at:], first[:at] + first_frees + first[at:],
-            first_at + len(first_frees))
+            first_at + len(first_frees), at)
 
 
 def expand(events: dict, num_layers: int, loop: str = "trainer", fp32_copies: bool = False) -> Expansion:
@@ -294,15 +317,17 @@ def expand(events: dict, num_layers: int, loop: str = "trainer", fp32_copies: bo
     fp32_copies = fp32_copies and manual
     held = [o for o, _saved in events["held"]]
     steady_segments = {**events["segments"], "optimizer_pre": []}
-    grad_keys: set[int] = set()
-    steady_ops, steady_names, steady_starts = _expand_segments(events, steady_segments, num_layers, held, manual,
-                                                               fp32_copies, grad_keys)
+    grad_layers: dict[int, int | None] = {}
+    steady_ops, steady_names, steady_starts, steady_marks = _expand_segments(
+        events, steady_segments, num_layers, held, manual, fp32_copies, grad_layers)
+    grad_keys = set(grad_layers)
     first_segments = {**events["segments"], "optimizer_pre": _first_optimizer_pre(events),
                       "optimizer": events["first_optimizer"]}
-    first_ops, first_names, starts = _expand_segments(events, first_segments, num_layers, held, manual,
-                                                      fp32_copies)
+    first_ops, first_names, starts, first_marks = _expand_segments(events, first_segments, num_layers, held,
+                                                                   manual, fp32_copies)
     if manual:  # the first step has no previous outputs: drop their frees, shifting the later segments
         first_ops = [op for op in first_ops if op[0] != FREE_PREVIOUS]
+        first_marks = _shifted(first_marks, starts["mid_bw"], -len(held))
         starts = {name: at - len(held) if at > starts["mid_bw"] else at for name, at in starts.items()}
     # Keys are step-local; tensors both steps allocate before the optimizer step (a manual loop's held outputs)
     # get the same key in both, as the segments before it are the same.
@@ -310,8 +335,11 @@ def expand(events: dict, num_layers: int, loop: str = "trainer", fp32_copies: bo
     previous = {key for kind, key, _ in steady_ops if kind == FREE_PREVIOUS}
     orphans = check_step(steady_ops, previous_alive=previous) - previous
     if orphans:
-        steady_ops, first_ops, first_at = _free_with_the_loss(orphans, steady_ops, steady_starts["optimizer"],
-                                                              first_ops, starts["optimizer"], grad_keys)
+        steady_at = steady_starts["optimizer"]
+        steady_ops, first_ops, first_at, inserted_at = _free_with_the_loss(
+            orphans, steady_ops, steady_at, first_ops, starts["optimizer"], grad_keys)
+        steady_marks = _shifted(steady_marks, steady_at, len(orphans))
+        first_marks = _shifted(first_marks, inserted_at, first_at - starts["optimizer"])
         starts = {**starts, "optimizer": first_at}
     persistent = check_step(first_ops)
     leaked = check_step(steady_ops, previous_alive=previous)
@@ -322,7 +350,9 @@ def expand(events: dict, num_layers: int, loop: str = "trainer", fp32_copies: bo
                      optimizer_at=(starts["optimizer"], steady_starts["optimizer"]),
                      persistent_keys=frozenset(persistent - previous),
                      copy_of=tuple(events["size"][o] for o in held) if fp32_copies else (),
-                     grad_keys=frozenset(grad_keys), freed_with_loss=frozenset(orphans))
+                     grad_keys=frozenset(grad_keys), freed_with_loss=frozenset(orphans),
+                     marks=(tuple(first_marks), tuple(steady_marks)),
+                     grad_layers=tuple(sorted(grad_layers.items())))
 
 
 def check_step(ops: list, previous_alive: set[int] = frozenset()) -> set[int]:
@@ -330,7 +360,7 @@ def check_step(ops: list, previous_alive: set[int] = frozenset()) -> set[int]:
     the end of the step."""
     state = bytearray(1 + max(map(itemgetter(1), ops), default=0))  # 0 unseen, 1 alive, 2 freed
     for kind, key, _poly in ops:
-        if kind == ALLOC:
+        if kind == ALLOC or kind > _ON_STREAM:
             if state[key]:
                 raise ExpansionError(f"events: tensor {key} allocated twice in one step")
             state[key] = 1

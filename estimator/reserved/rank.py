@@ -6,15 +6,17 @@ from __future__ import annotations
 
 from estimator.allocator import parse_alloc_conf
 from estimator.models.params import ParamInfo
-from estimator.reserved.expand import ExpansionError, expand, step_sizes
+from estimator.reserved.expand import Expansion, ExpansionError, expand, step_sizes
+from estimator.reserved.fsdp import fsdp_setup, fsdp_step
 from estimator.reserved.replay import ReservedReplay, replay_rank, replay_sequence
 from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocations
 
-METHODS = ("single", "ddp", "tp")
+METHODS = ("single", "ddp", "tp", "fsdp")
 # gradient accumulation replayed (estimator.reserved.accumulate); DDP under no_sync: gradients accumulate as on
 # one GPU, the buckets are copied into only at the synchronising micro-step (no allocation)
 ACCUMULATING_METHODS = ("single", "tp", "ddp")
 _EXPANSIONS: dict[tuple, tuple] = {}
+_FSDP_STEPS: dict[tuple, tuple] = {}
 _SETUPS: dict[tuple, tuple] = {}
 _CONFS: dict[str, object] = {}
 
@@ -35,6 +37,8 @@ def why_not(spec, regime: dict, num_layers: int) -> str | None:
                 "modelled yet")
     if training.qlora:
         return "QLoRA's packed weights are not one allocation per parameter"
+    if spec.parallel.method == "fsdp" and spec.parallel.world_size < 2:
+        return "fsdp on one GPU: no collectives (FSDP2 copies the shards in place)"
     if num_layers < 2:
         return "a 1-layer model has no generic layer to repeat"
     if _fp32_copies(training, regime) is None:
@@ -77,17 +81,55 @@ def _expansion(events: dict, num_layers: int, loop: str, fp32_copies: bool = Fal
     return hit[1]
 
 
-def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, mixed: bool) -> Setup:
-    key = (id(profile), id(table), num_layers, method, mixed)
+def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, mixed: bool, world: int = 1
+           ) -> Setup:
+    key = (id(profile), id(table), num_layers, method, mixed, world)
     hit = _SETUPS.get(key)
     if hit is None or hit[0] is not table:
         if len(_SETUPS) > 256:
             _SETUPS.clear()
         buffers = profile["params"].get("buffers") or {}
-        hit = (table, setup_allocations(table, (buffers.get("non_layer", 0), buffers.get("per_layer", 0)),
-                                        num_layers, method, mixed))
+        buffer_bytes = (buffers.get("non_layer", 0), buffers.get("per_layer", 0))
+        if method == "fsdp":
+            setup = fsdp_setup(table, buffer_bytes, num_layers, world, mixed)
+        else:
+            setup = setup_allocations(table, buffer_bytes, num_layers, method, mixed)
+        hit = (table, setup)
         _SETUPS[key] = hit
     return hit[1]
+
+
+def _method_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo], num_layers: int,
+                 base_size_index: int) -> tuple[Expansion, list[int]]:
+    """The rank's step: the expansion itself, or FSDP2's (its buffers' sizes after ``base_size_index``)."""
+    if spec.parallel.method != "fsdp":
+        return expansion, []
+    training = spec.training
+    key = (id(expansion), id(table), spec.parallel.world_size, training.precision, training.optimizer,
+           training.grad_ckpt, base_size_index)
+    hit = _FSDP_STEPS.get(key)
+    if hit is None or hit[0] is not expansion or hit[1] is not table:
+        if len(_FSDP_STEPS) > 256:
+            _FSDP_STEPS.clear()
+        try:
+            built = fsdp_step(expansion, table, spec.parallel.world_size, training.precision, training.optimizer,
+                              base_size_index, num_layers, events["polys"], training.grad_ckpt)
+            hit = (expansion, table, (built.expansion, built.sizes))
+        except ExpansionError as err:
+            hit = (expansion, table, err)
+        _FSDP_STEPS[key] = hit
+    if isinstance(hit[2], ExpansionError):
+        raise hit[2]
+    return hit[2]
+
+
+def _plan(spec, events: dict, expansion: Expansion, table: list[ParamInfo], num_layers: int, b: int, s: int, *,
+          workspace_bytes: int, workspaces: int) -> StepPlan:
+    sizes = step_sizes(events["polys"], b, s)
+    sizes += [2 * sizes[poly] for poly in expansion.copy_of]  # an fp32 copy of a 16-bit tensor
+    step, extra = _method_step(spec, events, expansion, table, num_layers, len(sizes))
+    return StepPlan(expansion=step, sizes=sizes + extra, batch_bytes=b * s * INT64, workspace_bytes=workspace_bytes,
+                    workspaces=workspaces)
 
 
 def in_regime(regime: dict, b: int, s: int) -> bool:
@@ -112,14 +154,13 @@ def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[Para
         if not in_regime(regime, b, s):
             continue
         if (b, s) not in plans:
-            sizes = step_sizes(events["polys"], b, s)
-            sizes += [2 * sizes[poly] for poly in expansion.copy_of]
-            plans[b, s] = StepPlan(expansion=expansion, sizes=sizes, batch_bytes=b * s * INT64,
-                                   workspace_bytes=workspace_bytes, workspaces=workspaces)
+            plans[b, s] = _plan(spec, events, expansion, table, num_layers, b, s, workspace_bytes=workspace_bytes,
+                                workspaces=workspaces)
         sequence.append(plans[b, s])
     if not sequence:
         raise ExpansionError("sequence: no step of the spec's regime")
-    setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"))
+    setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"),
+                   spec.parallel.world_size)
     conf = alloc_conf(conf_text)
     accum = training.grad_accum_steps
     capped = replay_sequence(setup, sequence, conf, allowed_bytes, empty_cache_every, accum)
@@ -138,11 +179,10 @@ def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], n
     b, s = training.micro_batch_size, training.seq_len
     events = regime["events"]
     expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)))
-    sizes = step_sizes(events["polys"], b, s)
-    sizes += [2 * sizes[poly] for poly in expansion.copy_of]  # an fp32 copy of a 16-bit tensor
-    plan = StepPlan(expansion=expansion, sizes=sizes, batch_bytes=b * s * INT64, workspace_bytes=workspace_bytes,
-                    workspaces=workspaces)
-    setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"))
+    plan = _plan(spec, events, expansion, table, num_layers, b, s, workspace_bytes=workspace_bytes,
+                 workspaces=workspaces)
+    setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"),
+                   spec.parallel.world_size)
     conf = alloc_conf(conf_text)
     accum = training.grad_accum_steps
     capped = replay_rank(setup, plan, conf, allowed_bytes, accum=accum)

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 from estimator.allocator import CachingAllocator, OutOfMemory
 from estimator.reserved.accumulate import micro_steps
-from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, StepEvents
+from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, StepEvents, stream_of
 from estimator.reserved.timeline import BATCH_TENSORS, Setup, StepPlan
 
 MAX_STEPS = 8
 # Operation codes: allocate into / free from this step's slots, free the previous step's, or the setup's, or the
 # accumulation cycle's first micro-step's (its gradients, at zero_grad).
 _NEW, _FREE, _FREE_PREVIOUS, _FREE_SETUP, _NEW_SETUP, _FREE_CYCLE = 0, 1, 2, 3, 4, 5
+_NEW_ON = 8  # 8 + s: allocate into this step's slot on side stream s
 _TEMPLATES: dict[tuple, tuple] = {}
 
 
@@ -77,6 +78,9 @@ def _compile(expansion: Expansion, step_ops: list, keys: int, workspaces: int, p
         if op == ALLOC:
             own[key] = poly
             ops.append((_NEW, key, poly))
+        elif op > _NEW_ON:
+            own[key] = poly
+            ops.append((_NEW_ON + stream_of(op), key, poly))
         elif op == FREE:
             ops.append((_FREE, key, own[key]))
         elif op == FREE_PREVIOUS:
@@ -114,7 +118,7 @@ def _micro_kind(micro: int, k: int) -> int:
 
 def _slot_polys(events: StepEvents, keys: int) -> dict[int, int]:
     """The size index each slot of a step of ``events`` is allocated with (the previous step's, for its frees)."""
-    polys = {key: poly for op, key, poly in events.ops if op == ALLOC}
+    polys = {key: poly for op, key, poly in events.ops if stream_of(op) is not None}
     polys.update({keys + t: -2 for t in range(BATCH_TENSORS)})
     return polys
 
@@ -190,6 +194,8 @@ class _Run:
                     free(cycle[slot])
                     live -= nbytes
                     continue
+                elif code > _NEW_ON:
+                    addr[slot] = malloc(nbytes, code - _NEW_ON)
                 else:
                     setup_addr[slot] = malloc(nbytes, 0)
                 live += nbytes

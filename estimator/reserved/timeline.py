@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from estimator.models.params import ParamInfo
 from estimator.reserved.accumulate import MicroSteps
-from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion
+from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, stream_of
 
 MIB = 1024 * 1024
 DDP_FIRST_BUCKET_BYTES = 1 * MIB   # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
@@ -128,8 +128,8 @@ def step_requests(plan: StepPlan, step: int, base_key: int) -> list[tuple]:
     for index, (kind, key, poly) in enumerate(events.ops):
         for w in workspace_at.get(index, ()):
             out.append(("alloc", offset + keys + BATCH_TENSORS + w, plan.workspace_bytes, 0))
-        if kind == ALLOC:
-            out.append(("alloc", offset + key, sizes[poly], 0))
+        if kind == ALLOC or (kind > FREE_PREVIOUS and stream_of(kind)):
+            out.append(("alloc", offset + key, sizes[poly], stream_of(kind)))
         elif kind == FREE:
             out.append(("free", offset + key))
         elif kind == FREE_PREVIOUS:

@@ -2,6 +2,7 @@
 to the full depth and checked against deeper traces and a real CPU run, event by event; the replay's allocated
 level against the estimator's; the API, CLI and plan plumbing."""
 
+import dataclasses
 import json
 
 import pytest
@@ -265,10 +266,14 @@ def test_environment_default_and_cli_flag(llama_path, monkeypatch, capsys):
 
 def test_out_of_scope_methods_and_old_profiles_keep_the_prior(llama_path):
     training = TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S)
-    fsdp = api.estimate(RunSpec(model=llama_path, training=training,
-                                parallel=ParallelSpec(method="fsdp", world_size=2)), alloc_conf="")
-    assert fsdp.reserved_source == "prior"
-    assert any(n.startswith("reserved: prior") and "own streams" in n for n in fsdp.notes)
+    zero = api.estimate(RunSpec(model=llama_path, training=training,
+                                parallel=ParallelSpec(method="zero2", world_size=2)), alloc_conf="")
+    assert zero.reserved_source == "prior"
+    assert any(n.startswith("reserved: prior") and "own streams" in n for n in zero.notes)
+    accumulating = api.estimate(RunSpec(model=llama_path, training=dataclasses.replace(training, grad_accum_steps=2),
+                                        parallel=ParallelSpec(method="fsdp", world_size=2)), alloc_conf="")
+    assert accumulating.reserved_source == "prior"
+    assert any("fsdp with gradient accumulation" in n for n in accumulating.notes)
     shipped = api.estimate(RunSpec(model="facebook/opt-125m", training=training), alloc_conf="")
     assert shipped.reserved_source in ("prior", "replayed")  # replayed once the shipped profiles are re-traced
 

@@ -1,0 +1,373 @@
+"""An FSDP2 rank's step as the caching allocator sees it: the single-GPU step at full depth
+(``estimator.reserved.expand``) with FSDP2's buffers added at the layer boundaries, on their own streams.
+
+``fully_shard`` per decoder layer, then the root (everything else), torch 2.13
+(``torch.distributed.fsdp._fully_shard``); the same boundaries as ``estimator.methods.fsdp_replay``, whose
+allocated peak the replay reproduces, here tensor by tensor (checked against a real CPU run on the fake process
+group, event for event: ``tests/estimator/test_reserved_fsdp.py``). Per group, in parameter order:
+
+* all-gather (``foreach_all_gather``), on the all-gather copy-in stream: under a mixed-precision policy a
+  16-bit copy of the shards (``_get_param_all_gather_inputs``' foreach-copy input), then the all-gather output
+  (N x the padded shards), then the copy freed;
+* copy-out (``wait_for_unshard``), on the default stream: each parameter's unsharded tensor (N x its padded
+  shard; ``alloc_storage``), then the previous group's all-gather output freed in forward (kept one group longer
+  for stream ordering; the last layer's at the root's post-forward), the group's own in backward; backward
+  prefetches the next layer's all-gather after each copy-out;
+* reshard: the unsharded tensors freed (post-forward for layers; the root's at its post-backward);
+* post-backward (``foreach_reduce``): the previous group's reduce-scatter input freed, this one's allocated on
+  the default stream (N x the padded shards of the trainable tensors, in the reduce dtype), the unsharded
+  gradients freed (``unsharded_grads.clear()`` drops them last to first; the last one stays referenced by the
+  loop variable until the reduce-scatter output is allocated), the output (one shard) allocated on the
+  reduce-scatter stream: every sharded gradient of the group is a view of it, so ``zero_grad`` frees it when it
+  reaches the group's last parameter.
+
+The optimizer steps the shards (``foreach`` AdamW: ``exp_avg``/``exp_avg_sq`` per tensor on the first step,
+one ``sqrt`` temporary per tensor, freed last to first). Each stream has its own pools in the allocator model:
+blocks freed on one are never reused by another (FSDP2 keeps references instead of ``record_stream``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from estimator.models.params import ParamInfo
+from estimator.reserved.expand import (
+    ALLOC,
+    FREE,
+    FREE_PREVIOUS,
+    Expansion,
+    ExpansionError,
+    StepEvents,
+    alloc_on,
+    check_step,
+)
+from estimator.reserved.timeline import Setup, model_order
+
+DEFAULT, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2  # allocator streams
+FP32 = 4
+OPTIMIZERS = ("adamw", "adamw_fused", "sgd")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    key: int
+    size_index: int
+
+
+@dataclass(frozen=True)
+class FsdpStep:
+    expansion: Expansion
+    sizes: list[int]  # bytes of the FSDP tensors, size indices ``base`` + j
+
+
+class _Builder:
+    """Keys and sizes of the FSDP tensors of one step, appended after the expansion's."""
+
+    def __init__(self, first_key: int, base: int) -> None:
+        self.next_key, self.base = first_key, base
+        self.sizes: list[int] = []
+        self._size_index: dict[int, int] = {}
+
+    def tensor(self, nbytes: int) -> Tensor:
+        index = self._size_index.get(nbytes)
+        if index is None:
+            index = self._size_index[nbytes] = self.base + len(self.sizes)
+            self.sizes.append(nbytes)
+        key, self.next_key = self.next_key, self.next_key + 1
+        return Tensor(key, index)
+
+
+def shard_numel(p: ParamInfo, world: int) -> int:
+    """Elements of rank 0's padded dim-0 shard (every rank stores ceil(d0 / N) rows)."""
+    rows = p.shape[0] if p.shape else 1
+    return math.ceil(rows / world) * (p.numel // rows if rows else 0)
+
+
+@dataclass(frozen=True)
+class _Group:
+    params: list[ParamInfo]     # model.parameters() order
+    trainable: list[ParamInfo]
+    gather_bytes: int           # all-gather output
+    copy_in_bytes: int          # the 16-bit copy of the shards (mixed precision), 0 without
+    reduce_in_bytes: int        # reduce-scatter input, 0 for a frozen group
+
+
+def _group(params: list[ParamInfo], world: int, mixed: bool) -> _Group:
+    shards = [shard_numel(p, world) for p in params]
+    trainable = [p for p in params if p.trainable]
+    reduce_elem = (lambda p: FP32) if mixed else (lambda p: p.elem_bytes)
+    return _Group(params=params, trainable=trainable,
+                  gather_bytes=world * sum(n * p.elem_bytes for n, p in zip(shards, params)),
+                  copy_in_bytes=sum(n * p.elem_bytes for n, p in zip(shards, params)) if mixed else 0,
+                  reduce_in_bytes=world * sum(shard_numel(p, world) * reduce_elem(p) for p in trainable))
+
+
+def fsdp_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: int, world: int, mixed: bool
+               ) -> Setup:
+    """Each parameter's padded shard (fp32 under mixed precision) in ``model.parameters()`` order, as
+    ``to_empty`` after ``fully_shard`` on a meta model creates them, then the module buffers."""
+    allocations = [(p.name, shard_numel(p, world) * (FP32 if mixed else p.elem_bytes)) for p in model_order(table)]
+    non_layer, per_layer = buffers
+    if per_layer:
+        allocations.extend((f"buffers.{layer}", per_layer) for layer in range(num_layers))
+    if non_layer:
+        allocations.append(("buffers", non_layer))
+    return Setup(allocations, [], [])
+
+
+class _Step:
+    """One step's FSDP2 tensors and the ops that make and free them."""
+
+    def __init__(self, build: _Builder, groups: dict, world: int, grads: dict, first: bool, optimizer: str,
+                 mixed: bool) -> None:
+        self.build, self.groups, self.world, self.grads = build, groups, world, grads
+        self.first, self.optimizer, self.mixed = first, optimizer, mixed
+        self.gathered: dict = {}     # group -> all-gather output
+        self.unsharded: dict = {}    # group -> unsharded tensors
+        self.reduce_in: Tensor | None = None
+        self.reduce_out: dict = {}   # group -> reduce-scatter output (its sharded gradients)
+
+    def _alloc(self, out: list, nbytes: int, stream: int = DEFAULT) -> Tensor:
+        tensor = self.build.tensor(nbytes)
+        out.append((ALLOC if stream == DEFAULT else alloc_on(stream), tensor.key, tensor.size_index))
+        return tensor
+
+    @staticmethod
+    def _free(out: list, tensor: Tensor) -> None:
+        out.append((FREE, tensor.key, tensor.size_index))
+
+    def all_gather(self, out: list, g) -> None:
+        group = self.groups[g]
+        copy_in = self._alloc(out, group.copy_in_bytes, ALL_GATHER) if group.copy_in_bytes else None
+        self.gathered[g] = self._alloc(out, group.gather_bytes, ALL_GATHER)
+        if copy_in is not None:
+            self._free(out, copy_in)
+
+    def free_gathered(self, out: list, g) -> None:
+        self._free(out, self.gathered.pop(g))
+
+    def copy_out(self, out: list, g) -> None:
+        self.unsharded[g] = [self._alloc(out, self.world * shard_numel(p, self.world) * p.elem_bytes)
+                             for p in self.groups[g].params]
+
+    def reshard(self, out: list, g) -> None:
+        for tensor in self.unsharded.pop(g):
+            self._free(out, tensor)
+
+    def post_backward(self, out: list, g) -> None:
+        """Reshard (layers: ``reshard_after_backward``; the root likewise) and reduce-scatter the gradients."""
+        self.reshard(out, g)
+        if self.reduce_in is not None:  # at most one reduce-scatter input in flight, even past a frozen group
+            self._free(out, self.reduce_in)
+            self.reduce_in = None
+        group = self.groups[g]
+        if not group.trainable:
+            return
+        self.reduce_in = self._alloc(out, group.reduce_in_bytes)
+        grads = self.grads.get(g, [])
+        for key, size_index in grads[-2::-1]:
+            out.append((FREE, key, size_index))
+        self.reduce_out[g] = self._alloc(out, group.reduce_in_bytes // self.world, REDUCE_SCATTER)
+        if grads:
+            out.append((FREE, *grads[-1]))
+
+    def end_backward(self, out: list) -> None:
+        if self.reduce_in is not None:
+            self._free(out, self.reduce_in)
+            self.reduce_in = None
+
+    def optimizer_step(self, out: list, order: list[ParamInfo]) -> None:
+        """``foreach`` AdamW over the shards: states on the first step, a sqrt temporary per tensor."""
+        trainable = [p for p in order if p.trainable]
+        elem = (lambda p: FP32) if self.mixed else (lambda p: p.elem_bytes)
+        if self.first and self.optimizer in ("adamw", "adamw_fused"):
+            for p in trainable:
+                self._alloc(out, shard_numel(p, self.world) * elem(p))
+                self._alloc(out, shard_numel(p, self.world) * elem(p))
+        if self.optimizer == "adamw":
+            temps = [self._alloc(out, shard_numel(p, self.world) * elem(p)) for p in trainable]
+            for tensor in reversed(temps):
+                self._free(out, tensor)
+
+    def zero_grad(self, out: list, order: list[ParamInfo], group_of) -> None:
+        """``set_to_none``: a group's reduce-scatter output goes with its last parameter's gradient."""
+        last = {}
+        for p in order:
+            if p.trainable:
+                last[group_of(p)] = p.name
+        for p in order:
+            g = group_of(p)
+            if p.trainable and last[g] == p.name and g in self.reduce_out:
+                self._free(out, self.reduce_out.pop(g))
+
+
+def _group_of(p: ParamInfo):
+    return "root" if p.layer is None else p.layer
+
+
+def _grads_by_group(expansion: Expansion, ops: list, table: list[ParamInfo]) -> dict:
+    """Each group's gradient keys (with their size index) in ``model.parameters()`` order: the backward makes a
+    layer's gradients in its parameters' backward order (``ParamInfo.backward_index``), else taken as made."""
+    layer_of = dict(expansion.grad_layers)
+    made: dict = {}
+    for kind, key, poly in ops:
+        if kind == ALLOC and key in layer_of:
+            g = "root" if layer_of[key] is None else layer_of[key]
+            made.setdefault(g, []).append((key, poly))
+    by_group: dict = {}
+    for p in table:
+        if p.trainable:
+            by_group.setdefault(_group_of(p), []).append(p)
+    out = {}
+    for g, grads in made.items():
+        params = by_group.get(g, [])
+        if len(params) != len(grads):
+            raise ExpansionError(f"fsdp: {len(grads)} gradients made for {len(params)} trainable tensors of "
+                                 f"group {g}")
+        if all(p.backward_index is not None for p in params):
+            backward = sorted(range(len(params)), key=lambda i: params[i].backward_index)
+            in_order = [None] * len(params)
+            for made_at, i in enumerate(backward):
+                in_order[i] = grads[made_at]
+            grads = in_order
+        out[g] = grads
+    return out
+
+
+def _boundary(step: _Step, out: list, name: str, layer: int | None, num_layers: int, first_layer_hooked: bool
+              ) -> None:
+    """FSDP2's events at the start of a segment instance (``fsdp_replay._boundary_events``, tensor by tensor).
+    ``first_layer_hooked``: layer 0's forward inputs require grad, so its post-backward runs as its backward
+    ends; else (a frozen embedding without checkpointing) in backward's final callback, after the root's."""
+    last = num_layers - 1
+    if name == "prefix":
+        step.all_gather(out, "root")
+        step.copy_out(out, "root")
+    elif name in ("fw_first", "fw", "fw_last"):
+        previous = "root" if layer == 0 else layer - 1
+        if layer:
+            step.reshard(out, layer - 1)
+        step.all_gather(out, layer)
+        step.copy_out(out, layer)
+        step.free_gathered(out, previous)
+    elif name == "mid_fw":
+        step.reshard(out, last)
+    elif name == "mid_bw":  # the root's post-forward frees the last gather
+        step.free_gathered(out, last)
+    elif name == "engine_start":  # the root's pre-backward: the last layer's all-gather
+        step.all_gather(out, last)
+    elif name in ("bw_first", "bw", "bw_last"):
+        if layer != last:
+            step.post_backward(out, layer + 1)
+        step.copy_out(out, layer)
+        step.free_gathered(out, layer)
+        if layer > 0:
+            step.all_gather(out, layer - 1)
+    elif name == "suffix":
+        if first_layer_hooked:
+            step.post_backward(out, 0)
+    else:
+        raise ExpansionError(f"fsdp: no boundary events for segment {name!r}")
+
+
+def _engine_start(ops: list, at: int, scalar: set[int]) -> int:
+    """Where backward's hooks can first run: after ``loss.backward()`` made its seed (the segment's first
+    allocation when it is a scalar), past a manual loop's frees of the previous outputs."""
+    i = at
+    while i < len(ops) and ops[i][0] in (FREE, FREE_PREVIOUS):
+        i += 1
+    return i + 1 if i < len(ops) and ops[i][0] == ALLOC and ops[i][2] in scalar else at
+
+
+def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, groups: dict, table: list,
+              world: int, optimizer: str, mixed: bool, first: bool, num_layers: int, scalar: set[int],
+              first_layer_hooked: bool) -> tuple[list, dict]:
+    """The FSDP2 step's ops and where each old op index went. ``scalar``: size indices of constant bytes that
+    hold one scalar."""
+    step = _Step(build, groups, world, _grads_by_group(expansion, ops, table), first, optimizer, mixed)
+    grad_keys = expansion.grad_keys
+    cut = next(at for name, _layer, at in marks if name == "optimizer_pre")
+    at_mark: dict[int, list] = {}
+    seed = None
+    for name, layer, at in marks:
+        if name not in ("optimizer_pre", "optimizer"):
+            at_mark.setdefault(at, []).append((name, layer))
+        if name == "mid_bw":
+            start = _engine_start(ops, at, scalar)
+            at_mark.setdefault(start, []).append(("engine_start", None))
+            seed = ops[start - 1] if start > at else None
+    out: list = []
+    moved: dict[int, int] = {}
+    seed_free = None
+    for index, op in enumerate(ops[:cut]):
+        for name, layer in at_mark.get(index, ()):
+            _boundary(step, out, name, layer, num_layers, first_layer_hooked)
+        moved[index] = len(out)
+        if op[0] == FREE and op[1] in grad_keys:  # gradients go at their group's post-backward
+            continue
+        if seed is not None and op[0] == FREE and op[1] == seed[1]:
+            seed_free = op  # the engine holds backward's seed until its final callbacks (the root's) are done
+            continue
+        out.append(op)
+    for name, layer in at_mark.get(cut, ()):
+        _boundary(step, out, name, layer, num_layers, first_layer_hooked)
+    step.post_backward(out, "root")  # backward's final callback: every group not yet done, root first
+    if not first_layer_hooked:
+        step.post_backward(out, 0)
+    step.end_backward(out)
+    if seed_free is not None:
+        out.append(seed_free)
+    moved[cut] = moved["cut"] = len(out)
+    # what the step frees before and in its optimizer part of its own (the loss): the optimizer's own tensors and
+    # the full gradients are the single GPU's, replaced below
+    made = {op[1] for op in ops[:cut] if op[0] == ALLOC}
+    out.extend(op for op in ops[cut:] if op[0] == FREE and op[1] in made and op[1] not in grad_keys)
+    order = model_order(table)
+    step.optimizer_step(out, order)
+    step.zero_grad(out, order, _group_of)
+    if step.unsharded or step.gathered or step.reduce_out:
+        raise ExpansionError("fsdp: buffers left at the end of the step")
+    return out, moved
+
+
+def fsdp_step(expansion: Expansion, table: list[ParamInfo], world: int, precision: str, optimizer: str,
+              base_size_index: int, num_layers: int, polys: list, grad_ckpt: bool) -> FsdpStep:
+    """The expansion with FSDP2's events; the new tensors' sizes take indices from ``base_size_index`` on
+    (``polys``: the profile's size polynomials). ExpansionError where the step cannot be built (an optimizer not
+    modelled, gradients that do not match)."""
+    if optimizer not in OPTIMIZERS:
+        raise ExpansionError(f"fsdp: the {optimizer} optimizer's step over shards is not modelled")
+    mixed = precision.startswith("mixed_")
+    params: dict = {}
+    for p in model_order(table):
+        params.setdefault(_group_of(p), []).append(p)
+    if any(layer not in params for layer in range(num_layers)) or "root" not in params:
+        raise ExpansionError("fsdp: a decoder layer or the root holds no parameters")
+    groups = {g: _group(ps, world, mixed) for g, ps in params.items()}
+    keys = expansion.steady.keys
+    build = _Builder(keys, base_size_index)
+    first_marks, steady_marks = expansion.marks
+    scalar = {i for i, poly in enumerate(polys) if 0 < poly[0] <= 8 and not any(poly[1:])}
+    # checkpointing makes transformers call enable_input_require_grads; a trainable embedding's output needs
+    # grad anyway
+    hooked = grad_ckpt or any(p.trainable and p.layer is None and p.before_layers is not False for p in table)
+    common = dict(build=build, groups=groups, table=table, world=world, optimizer=optimizer, mixed=mixed,
+                  num_layers=num_layers, scalar=scalar, first_layer_hooked=hooked)
+    first_start = build.next_key
+    first_ops, first_moved = _step_ops(expansion, expansion.first.ops, first_marks, first=True, **common)
+    first_keys = build.next_key
+    build.next_key = first_start  # the steady step's FSDP tensors reuse the first step's key range
+    steady_ops, steady_moved = _step_ops(expansion, expansion.steady.ops, steady_marks, first=False, **common)
+    step_keys = max(first_keys, build.next_key)
+    forward, backward = expansion.workspace_at
+    previous = {key for kind, key, _ in steady_ops if kind == FREE_PREVIOUS}
+    persistent = check_step(first_ops) - previous
+    if check_step(steady_ops, previous_alive=previous) - previous:
+        raise ExpansionError("fsdp: tensors of a steady step are never freed")
+    # the optimizer part starts where the backward's last reduce-scatter is done (not used: no accumulation)
+    return FsdpStep(expansion=replace(
+        expansion, first=StepEvents(first_ops, step_keys), steady=StepEvents(steady_ops, step_keys),
+        workspace_at=(first_moved[forward], first_moved[backward]),
+        optimizer_at=(first_moved["cut"], steady_moved["cut"]),
+        persistent_keys=frozenset(persistent), marks=((), ()), grad_keys=frozenset()), sizes=build.sizes)

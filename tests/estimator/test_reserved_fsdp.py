@@ -1,0 +1,266 @@
+"""FSDP2's reserved level (estimator.reserved.fsdp): the rank's generated stream against a real CPU run on the fake
+process group (rank 0, built as the harness builds it: meta, ``fully_shard``, ``to_empty``), event for event;
+its allocated level against the estimator's; the streams its buffers live on."""
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from estimator import api  # noqa: E402
+from estimator.hardware.residuals import load_coefficients  # noqa: E402
+from estimator.reserved import rank as reserved_rank  # noqa: E402
+from estimator.reserved.expand import ALLOC, stream_of  # noqa: E402
+from estimator.reserved.fsdp import ALL_GATHER, REDUCE_SCATTER, shard_numel  # noqa: E402
+from estimator.reserved.timeline import INT64, step_requests  # noqa: E402
+from estimator.spec import ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
+
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 160,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+         "max_position_embeddings": 512, "tie_word_embeddings": False}
+B, S, STEPS = 2, 64, 3
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reserved_fsdp") / "config.json"
+    path.write_text(json.dumps(LLAMA))
+    return str(path)
+
+
+def _spec(path: str, training: TrainingSpec, world: int) -> RunSpec:
+    return RunSpec(model=path, training=training, parallel=ParallelSpec(method="fsdp", world_size=world))
+
+
+def _plan_and_setup(path: str, training: TrainingSpec, world: int, workspaces: int = 0):
+    spec = _spec(path, training, world)
+    arch, profile = api.load_model_profile(path, training)
+    table, regime = api._param_table(profile, arch.num_layers), api._regime(profile, B, S)
+    expansion = reserved_rank._expansion(regime["events"], arch.num_layers, training.loop)
+    plan = reserved_rank._plan(spec, regime["events"], expansion, table, arch.num_layers, B, S,
+                               workspace_bytes=8 << 20, workspaces=workspaces)
+    setup = reserved_rank._setup(profile, table, arch.num_layers, "fsdp", training.precision.startswith("mixed_"),
+                                 world)
+    return plan, setup
+
+
+def _generated(path: str, training: TrainingSpec, world: int) -> list[tuple]:
+    plan, setup = _plan_and_setup(path, training, world)
+    out = [("alloc", ("setup", i), n, 0) for i, (name, n) in enumerate(setup.allocations)
+           if not name.startswith("buffers")]
+    for step in range(STEPS):
+        out += step_requests(plan, step, 0)
+    return out
+
+
+def _real_fsdp_events(training: TrainingSpec, world: int) -> list[tuple[bool, object, int]]:
+    """Rank 0 of a real CPU run on the fake process group: the model built as ``harness.methods.base.
+    build_sharded`` builds it (meta, ``fully_shard``, ``to_empty``; the shards are the setup), then ``STEPS``
+    steps. FSDP2 resizes the unsharded parameters' storages in place (``alloc_storage``/``free_storage``), which a
+    GPU serves as a new block and a free: recorded as such. Left out: module buffers, the parameters' own
+    initialisation, DTensor's global-shape metadata propagation (fake tensors, never on a GPU), Adam's host-side
+    step counters and zero-byte storages."""
+    import torch
+    from torch.distributed.fsdp._fully_shard import _fsdp_param as param_mod
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
+    from transformers import masking_utils
+
+    from estimator.profiler import build
+    from estimator.profiler.fake_pg import fake_process_group, skip_dtensor_meta_propagation
+    from estimator.profiler.trace import StorageRecorder
+    from harness.fake.wrap import apply_fsdp, build_method_optimizer, build_training, make_mesh
+    from harness.methods.base import initialize_parameters, parameters_on_meta, retie, tied_parameter_names
+
+    spec = RunSpec(model="tiny", parallel=ParallelSpec(method="fsdp", world_size=world), training=training)
+    rec = StorageRecorder()
+    resized: dict[int, int] = {}
+    next_id = [1 << 40]
+    alloc_storage, free_storage = param_mod.alloc_storage, param_mod.free_storage
+
+    def alloc_recorded(tensor):
+        storage, nbytes = tensor.untyped_storage(), tensor.numel() * tensor.itemsize
+        if storage.size() != nbytes:
+            next_id[0] += 1
+            resized[id(storage)] = next_id[0]
+            rec.timeline.sizes[next_id[0]] = nbytes
+            rec.timeline.events.append(("a", next_id[0], nbytes))
+        alloc_storage(tensor)
+
+    def free_recorded(tensor):
+        storage = tensor.untyped_storage()
+        if storage.size():
+            ident = resized.pop(id(storage), None)
+            if ident is None:  # made by torch.empty in the first copy-out
+                ident = rec.sid(storage)
+                rec._refs.pop(ident, None)
+            rec.timeline.events.append(("f", ident))
+        free_storage(tensor)
+
+    ignore_mask = masking_utils._ignore_causal_mask_sdpa
+    masking_utils._ignore_causal_mask_sdpa = lambda padding_mask, *a, **k: ignore_mask(None, *a, **k)
+    param_mod.alloc_storage, param_mod.free_storage = alloc_recorded, free_recorded
+    group_mod.alloc_storage = alloc_recorded
+    try:
+        with fake_process_group(0, world, ("test_reserved_fsdp", 0, world)):
+            mesh = make_mesh(spec, "cpu")
+            torch.manual_seed(0)
+            with parameters_on_meta():
+                model = build.build_model(LLAMA, build_training(spec), "cpu")
+            host_buffers = dict(model.named_buffers())
+            model = apply_fsdp(model, mesh, training, "llama")
+            tied = tied_parameter_names(model)
+            held = build.HeldOutputs(training.loop, training.outputs_fp32)
+            with rec, skip_dtensor_meta_propagation(rec):
+                model.to_empty(device="cpu")
+                retie(model, tied)
+                with torch.no_grad():
+                    for name, buffer in model.named_buffers():
+                        buffer.copy_(host_buffers[name])
+                shards = {rec.sid(p.to_local().untyped_storage()) for p in model.parameters()}
+                rec.mark("init")
+                initialize_parameters(model)
+                optimizer = build_method_optimizer(model, spec)
+                rec.mark("steps")
+                batch = None
+                for _ in range(STEPS):
+                    batch = build.synthetic_batch(B, S, 1000)  # the previous batch goes as this one is bound
+                    build.forward_backward(model, batch, training, held=held)
+                    rec.mark("optimizer")
+                    optimizer.step()
+                    rec.mark("zero_grad")
+                    optimizer.zero_grad(set_to_none=True)
+                held.clear()
+            host = {rec.sid(state["step"].untyped_storage()) for state in optimizer.state.values()}
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = ignore_mask
+        param_mod.alloc_storage, param_mod.free_storage = alloc_storage, free_storage
+        group_mod.alloc_storage = alloc_storage
+    out: list[tuple[bool, object, int]] = []
+    phase, optimizing, freed = "setup", False, set()
+    for event in rec.timeline.events:
+        if event[0] == "m":
+            phase = {"init": "init", "steps": "steps"}.get(event[1], phase)
+            optimizing = event[1] == "optimizer"
+            continue
+        if phase == "init" or (phase == "setup" and event[1] not in shards):
+            continue
+        if event[0] == "a":
+            if event[2] == 0 or (optimizing and event[2] == 4):  # Adam's step counters live on the host
+                host.add(event[1])
+                continue
+            out.append((True, event[1], event[2]))
+        elif event[1] not in host and event[1] not in freed:
+            freed.add(event[1])
+            out.append((False, event[1], rec.timeline.sizes[event[1]]))
+    return out
+
+
+def _runs(stream: list[tuple], generated: bool) -> list[tuple]:
+    """Allocations one by one, consecutive frees as one set (their order does not change the allocator's state:
+    freed neighbours merge the same either way)."""
+    out: list[tuple] = []
+    for event in stream:
+        if (event[0] == "alloc") if generated else event[0]:
+            out.append(("a", event[2], event[1]))
+        elif out and out[-1][0] == "f":
+            out[-1][1].add(event[1])
+        else:
+            out.append(("f", {event[1]}))
+    return out
+
+
+def _in_fresh_process(fn, *args):
+    from tests.estimator.test_reserved import _in_fresh_process as run
+
+    return run(fn, *args)
+
+
+@pytest.mark.parametrize("training, world", [
+    (TrainingSpec(precision="mixed_bf16"), 2),
+    # a frozen embedding without checkpointing: layer 0's post-backward waits for backward's final callback
+    (TrainingSpec(precision="bf16", lora_rank=8), 2),
+    pytest.param(TrainingSpec(precision="fp32"), 4, marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="bf16", grad_ckpt=True), 2, marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="bf16", lora_rank=8, grad_ckpt=True), 2, marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="mixed_bf16"), 3, marks=pytest.mark.slow),  # padded shards
+], ids=lambda v: str(v) if isinstance(v, int) else f"{v.precision}-lora{v.lora_rank}-ckpt{int(v.grad_ckpt)}")
+def test_generated_stream_equals_a_real_fsdp_run(llama_path, training, world):
+    """Setup (each parameter's shard) and three steps: the same allocations in the same order, the same tensors
+    freed between two allocations."""
+    import dataclasses
+
+    # eager attention: the kernels a real CPU run executes are CUDA's too
+    training = dataclasses.replace(training, attn="eager", micro_batch_size=B, seq_len=S)
+    generated = _runs(_generated(llama_path, training, world), True)
+    real = _runs(_in_fresh_process(_real_fsdp_events, training, world), False)
+    assert len(generated) == len(real)
+    ident_of = {}
+    for at, (gen, ref) in enumerate(zip(generated, real)):
+        assert gen[0] == ref[0], at
+        if gen[0] == "a":
+            assert gen[1] == ref[1], at
+            ident_of[gen[2]] = ref[2]
+        else:
+            assert {ident_of[key] for key in gen[1]} == ref[1], at
+
+
+@pytest.mark.parametrize("training, world", [
+    (TrainingSpec(precision="mixed_bf16"), 2),
+    (TrainingSpec(precision="bf16", loop="manual"), 4),
+    (TrainingSpec(precision="fp32", attn="eager", grad_ckpt=True), 2),
+    (TrainingSpec(precision="bf16", lora_rank=8), 3),
+])
+def test_fsdp_replayed_allocated_level_equals_the_estimate(llama_path, training, world):
+    """The requested bytes alive at once in the replayed stream = the estimator's FSDP2 allocated peak + the
+    batch, to the byte; the reserved level is the replay's."""
+    import dataclasses
+
+    training = dataclasses.replace(training, micro_batch_size=B, seq_len=S)
+    spec = _spec(llama_path, training, world)
+    est = api.estimate(spec, alloc_conf="")
+    arch, profile = api.load_model_profile(llama_path, training)
+    coeffs = load_coefficients(est.gpu_key)
+    replayed = reserved_rank.replay_reserved(spec, profile, api._regime(profile, B, S),
+                                             api._param_table(profile, arch.num_layers), arch.num_layers,
+                                             workspace_bytes=coeffs.cublas_workspace_bytes,
+                                             workspaces=coeffs.cublas_workspaces, allowed_bytes=None, conf_text="")
+    assert replayed.peak_requested_bytes == est.peak_allocated_bytes + 3 * B * S * INT64
+    assert est.reserved_source == "replayed" and replayed.steady
+    assert est.peak_reserved_bytes == replayed.peak_reserved_bytes >= replayed.peak_allocated_bytes
+
+
+def test_fsdp_buffers_live_on_their_streams(llama_path):
+    """All-gather copy-ins and outputs on the copy-in stream, reduce-scatter outputs (the sharded gradients) on
+    the reduce-scatter stream, sized from the padded shards; everything else on the default stream."""
+    world = 3
+    training = TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S)
+    plan, _setup = _plan_and_setup(llama_path, training, world)
+    arch, profile = api.load_model_profile(llama_path, training)
+    table = api._param_table(profile, arch.num_layers)
+    layer = [p for p in table if p.layer == 1]
+    shards = sum(shard_numel(p, world) for p in layer)
+    by_stream: dict[int, list[int]] = {}
+    for kind, _key, size in plan.expansion.steady.ops:
+        stream = stream_of(kind)
+        if stream is not None:
+            by_stream.setdefault(stream, []).append(plan.sizes[size])
+    assert sorted(by_stream) == [0, ALL_GATHER, REDUCE_SCATTER]
+    assert by_stream[ALL_GATHER].count(world * shards * 2) == 2 * arch.num_layers  # forward + backward
+    assert by_stream[ALL_GATHER].count(shards * 2) == 2 * arch.num_layers           # the bf16 copy-ins
+    assert by_stream[REDUCE_SCATTER].count(shards * 4) == arch.num_layers               # fp32 gradient shards
+    # a side stream's freed blocks serve only that stream: the same requests on one stream reserve less
+    import dataclasses
+
+    from estimator.reserved.expand import StepEvents
+    from estimator.reserved.replay import replay_rank
+
+    def one_stream(events: StepEvents) -> StepEvents:
+        return StepEvents([(ALLOC if stream_of(k) else k, key, size) for k, key, size in events.ops], events.keys)
+
+    single = dataclasses.replace(plan.expansion, first=one_stream(plan.expansion.first),
+                                 steady=one_stream(plan.expansion.steady))
+    streams = replay_rank(_setup, plan)
+    merged = replay_rank(_setup, dataclasses.replace(plan, expansion=single))
+    assert streams.peak_requested_bytes == merged.peak_requested_bytes
+    assert streams.peak_reserved_bytes > merged.peak_reserved_bytes
