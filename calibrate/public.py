@@ -174,7 +174,45 @@ def _repeats_kv_before_sdpa(r: dict) -> bool:
     return version < (4, 54) and arch.num_kv_heads < arch.num_heads
 
 
+def _version(r: dict) -> tuple[int, ...]:
+    return tuple(int(p) for p in (r.get("transformers_version") or "99").split(".")[:2] if p.isdigit())
+
+
+def _bf16_loss_in_model(r: dict) -> bool:
+    """GPTBigCode's forward in the source's transformers (4.45, 4.48) takes the cross-entropy of its bf16 logits
+    (``CrossEntropyLoss`` on a shifted bf16 copy, no fp32 upcast); under autocast (``outputs_fp32``) cross_entropy
+    runs in fp32 anyway."""
+    from estimator.models.arch import resolve_arch
+
+    return (resolve_arch(r["model"]).model_type == "gpt_bigcode" and _version(r) <= (4, 48)
+            and r["precision"] == "bf16" and r["outputs_fp32"] != "True")
+
+
+def _layer_norm(r: dict) -> bool:
+    """The architecture normalises with LayerNorm (GPT-2 style configs), not a Llama-style RMSNorm."""
+    from estimator.models.arch import resolve_arch
+
+    config = resolve_arch(r["model"]).config
+    return "rms_norm_eps" not in config and "layer_norm_epsilon" in config
+
+
+def _near_capacity(r: dict, s: Scored) -> bool:
+    """The prediction is within 3 % of the board's capacity: the caching allocator would free its cache and retry."""
+    from estimator.hardware.gpus import get_gpu
+
+    capacity = get_gpu(r["gpu"]).capacity_bytes
+    return bool(capacity and s.predicted_bytes and s.predicted_bytes >= 0.97 * capacity)
+
+
+SHARDED = ("fsdp", "fsdp1", "zero1", "zero2", "zero3", "zero_offload")
+
 DIAGNOSES = [
+    (lambda r, s: r["qlora"] == "True" and r["attn"] == "flash" and s.err_pct > 0,
+     "mechanism: the estimator's QLoRA trace runs attention in fp32 through SDPA's math kernel even with --attn "
+     "flash (peft's prepare_model_for_kbit_training leaves fp32 hidden states), keeping (b, heads, s, s) fp32 "
+     "probabilities per layer (b4 x 32 heads x 4096^2 x 4 B = 8.6 GB); transformers' flash_attention_2 path casts "
+     "fp32 query/key/value to the compute dtype and runs FlashAttention, and the source's --bf16 autocast keeps the "
+     "rest of the step in bf16, so no s^2 tensor exists there"),
     (lambda r, s: r["qlora"] == "True" and r["attn"] == "sdpa" and s.err_pct > 0 and _repeats_kv_before_sdpa(r),
      "version: peft's prepare_model_for_kbit_training makes the attention fp32; the source's transformers (< 4.54) "
      "repeated the grouped K/V heads before SDPA, so CUDA ran the memory-efficient kernel. transformers >= 4.54 "
@@ -198,6 +236,27 @@ DIAGNOSES = [
      "chunked bf16 cross-entropy, so the fp32 logits, fp32 log-softmax and their fp32 gradient that the "
      "estimator's transformers trace holds never exist (TinyLlama b8 s512: up to 3 x 8 x 512 x 32,000 x 4 B = "
      "1.5 GiB of the 2.7 GiB gap; the rest is not attributed)"),
+    (lambda r, s: "FSDP1 with LoRA estimated as FSDP2" in r["assumptions"],
+     "mechanism: FSDP1 with LoRA, which the estimator does not model: the HF Trainer gives a PEFT model peft's "
+     "fsdp_auto_wrap_policy (every adapter Linear its own FSDP unit beside the frozen decoder-layer units, "
+     "use_orig_params, BACKWARD_PRE prefetch, reentrant checkpointing re-gathering each layer); the estimate is "
+     "FSDP2 per decoder layer, as the estimator's config reader also does"),
+    (lambda r, s: _bf16_loss_in_model(r) and s.err_pct > 0,
+     "version: the source's transformers (4.45, 4.48) GPTBigCode forward takes the cross-entropy of its bf16 "
+     "logits (a shifted bf16 copy, bf16 log-softmax, no fp32 upcast); transformers 5, which the estimator traces, "
+     "upcasts the logits to fp32 for the loss (ForCausalLMLoss): b4 x 2048 x 49,280 x 4 B = 1.6 GB per fp32 "
+     "logits-sized tensor, twice that at b8"),
+    (lambda r, s: r["quantity"] == "nvml_used" and s.err_pct > 0 and _near_capacity(r, s),
+     "mechanism and source ambiguity: the predicted reserved level reaches the board's capacity (the estimator's "
+     "replay has an allocation retry there); the real caching allocator then frees its cached blocks and retries, "
+     "and nvidia-smi sampled once a second records less: the source's b8 figure (70-71 GiB) is below its own b4 "
+     "figure (74-75 GiB) with the same allocated peak (67.46 GiB, the optimizer step)"),
+    (lambda r, s: r["quantity"] == "nvml_used" and r["method"] in SHARDED and s.reserved_source == "prior"
+     and s.err_pct < 0,
+     "mechanism: reserved from the prior for a sharded method (no allocator replay for FSDP/ZeRO) plus an "
+     "uncalibrated device term; the source's device level grows with the micro-batch while the allocated peak "
+     "(the optimizer step) does not (Mistral-7B full FSDP1 x2: b2 42-43 GiB, b4 51-52 GiB published; 33.74 GiB "
+     "allocated at both): blocks cached in backward stay reserved through the step, and NCCL's buffers add to it"),
     (lambda r, s: r["source"] == "ms_swift_benchmark" and s.err_pct < 0,
      "mechanism and source ambiguity: batch-1 samples of every length up to max_length (truncation 'delete') "
      "pass through one caching allocator for a whole epoch, whose reserved level grows with the mix of block "
@@ -209,6 +268,12 @@ DIAGNOSES = [
      "2048 -> 4096 -> 8192; on the same page qwen-1_8b-chat full fine-tuning falls from 35.11 GiB at 2048 to "
      "31.62 at 4096), and a re-measured value changed (16.28 -> 16.95 GiB at 2048); the longest kept sample is "
      "not published"),
+    (lambda r, s: r["precision"] == "bf16" and r["outputs_fp32"] == "True" and r["qlora"] != "True"
+     and _layer_norm(r) and s.err_pct < 0,
+     "mechanism: the Trainer's --bf16 over bf16 weights runs the step under autocast, which computes layer_norm "
+     "and cross_entropy in fp32 (fp32 LayerNorm outputs saved for backward, an fp32 log-softmax of the logits); "
+     "the row's precision is the estimator's reading of bf16 weights + --bf16 (pure bf16, no autocast). Llama-style "
+     "models, whose RMSNorm and loss already run in fp32, are unchanged by it (the source's Mistral rows match)"),
     (lambda r, s: r["quantity"] == "max_reserved" and s.reserved_source == "prior" and s.allocated_bytes
      and abs(s.allocated_bytes - s.measured_bytes) <= OUTLIER_PCT / 100 * s.measured_bytes,
      "mechanism: reserved from the prior (allocated x (1 + slack ratio) + slack bytes) because the allocator "

@@ -11,12 +11,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import extract_fms_acceleration  # noqa: E402
 import extract_litgpt  # noqa: E402
 import extract_ms_swift_benchmark  # noqa: E402
+import extract_peft_accelerate_docs  # noqa: E402
 import extract_peft_metamathqa  # noqa: E402
 import extract_universal_llm_trainer  # noqa: E402
 
-EXTRACTORS = [extract_litgpt, extract_ms_swift_benchmark, extract_peft_metamathqa, extract_universal_llm_trainer]
+EXTRACTORS = [extract_fms_acceleration, extract_litgpt, extract_ms_swift_benchmark, extract_peft_accelerate_docs,
+              extract_peft_metamathqa, extract_universal_llm_trainer]
 
 
 def build(path: Path = common.HERE / "measurements.csv") -> list[dict]:

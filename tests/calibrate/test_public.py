@@ -251,3 +251,31 @@ def test_html_tables_expand_rowspans():
     [(heading, body)] = module.html_tables(text)
     assert heading == "A / LoRA" and body == [{"Model Type [LoRA]": "m", "Max Length": "512"},
                                               {"Model Type [LoRA]": "m", "Max Length": "1024"}]
+
+
+def test_fms_acceleration_rows_read_the_source_as_it_ran():
+    rows = {r["row_id"]: r for r in _load("public_fms", "extract_fms_acceleration.py").extract()}
+    base = "fms_acceleration:{}:none:{}:{}:x{}:b{}:{}"
+    # packed rows: the run's own tokens/s x runtime gives 4096 for Mistral, 2048 for SantaCoder (its tokenizer)
+    assert rows[base.format("24bdadb228e2", "Mistral-7B-v0.1", "full", 1, 4, "alloc")]["seq_len"] == 4096
+    assert rows[base.format("24bdadb228e2", "gpt_bigcode-santacoder", "full", 1, 4, "nvml")]["seq_len"] == 2048
+    # --bf16 under FSDP: fp32 shards for full fine-tuning, the frozen base stays bf16 with LoRA
+    assert rows[base.format("4e81c64453ec", "Mistral-7B-v0.1", "full", 2, 2, "alloc")]["precision"] == "mixed_bf16"
+    assert rows[base.format("4e81c64453ec", "Mistral-7B-v0.1", "lora", 2, 2, "alloc")]["precision"] == "bf16"
+    assert rows[base.format("24bdadb228e2", "Mistral-7B-v0.1", "full", 2, 2, "alloc")]["method"] == "fsdp1"
+    nvml = rows[base.format("24bdadb228e2", "Mistral-7B-v0.1", "full", 1, 4, "nvml")]
+    assert nvml["quantity"] == "nvml_used" and nvml["unit"] == "MiB" and nvml["in_scope"]
+    # runs without a train_loss did not train (OOM) and give no row; fp16 weights are out of scope
+    assert not any(":Llama-2-70b-hf:full:" in k for k in rows)
+    assert not any(r["in_scope"] for k, r in rows.items() if k.split(":")[1] in ("c3a069c842f2", "b6c1455bf12b"))
+
+
+def test_peft_accelerate_docs_rows_take_the_guides_figures_as_gib_and_keep_qlora_out():
+    rows = {r["row_id"]: r for r in _load("public_peft_docs", "extract_peft_accelerate_docs.py").extract()}
+    z3 = rows["peft_accelerate_docs:deepspeed:lora:Llama-2-70b-hf:x8"]
+    assert (z3["method"], z3["world_size"], z3["micro_batch_size"], z3["grad_accum_steps"]) == ("zero3", 8, 8, 4)
+    assert z3["value_bytes"] == 64 * 2**30 and z3["quantity"] == "nvml_used" and z3["in_scope"]
+    fsdp = rows["peft_accelerate_docs:fsdp:lora:Llama-2-70b-hf:x8"]
+    assert fsdp["value"] == 72 and "FULL_STATE_DICT" in fsdp["assumptions"]  # 72 while training, 80 saving
+    qlora = [r for k, r in rows.items() if ":qlora:" in k]
+    assert len(qlora) == 3 and not any(r["in_scope"] or r["complete"] for r in qlora)
