@@ -37,18 +37,23 @@ MODEL = {"meta-llama/Llama-2-70b-hf": "meta-llama/Llama-2-70b-hf"}
 GIB_OF_H100 = 81559 / 1024   # nvidia-smi total of the h100-80gb catalogue key, in GiB
 
 
-def _args(script: str) -> dict:
-    """``--key value`` pairs of an ``accelerate launch ... train.py`` command line (flags without value: True)."""
-    tokens = script.replace("\\\n", " ").split()
-    out, key = {}, None
-    for tok in tokens:
-        if tok.startswith("--"):
-            key = tok[2:]
-            out[key] = True
-        elif key is not None:
-            out[key] = tok.strip('"')
-            key = None
-    return out
+# The launch commands' arguments that shape memory, as the example scripts give them (the figures, not the
+# scripts: ``examples/sft/<script>`` at each commit of huggingface/peft).
+SCRIPT_ARGS = {
+    ("aa2ca83ca", "run_peft_deepspeed.sh"): {"per_device_train_batch_size": "8", "gradient_accumulation_steps": "4"},
+    ("aa2ca83ca", "run_peft_fsdp.sh"): {"per_device_train_batch_size": "8", "gradient_accumulation_steps": "4"},
+    ("6008f272a", "run_peft_qlora_deepspeed_stage3.sh"): {"per_device_train_batch_size": "2",
+                                                          "gradient_accumulation_steps": "2"},
+    ("6008f272a", "run_peft_qlora_fsdp.sh"): {"per_device_train_batch_size": "2", "gradient_accumulation_steps": "2"},
+}
+COMMON_ARGS = {"model_name_or_path": "meta-llama/Llama-2-70b-hf", "max_seq_len": "2048",
+               "gradient_checkpointing": "True", "use_flash_attn": "True", "lora_r": "8",
+               "lora_target_modules": "all-linear"}
+
+
+def _args(commit: str, script: str) -> dict:
+    """The ``--key value`` arguments of ``examples/sft/<script>`` at ``commit`` (``SCRIPT_ARGS``)."""
+    return {**COMMON_ARGS, **SCRIPT_ARGS[commit, script]}
 
 
 def _yaml(text: str) -> dict:
@@ -89,7 +94,7 @@ def _lora_rows(entries: dict) -> list[dict]:
     for guide, script, config in (("deepspeed", "run_peft_deepspeed.sh", "deepspeed_config.yaml"),
                                   ("fsdp", "run_peft_fsdp.sh", "fsdp_config.yaml")):
         doc_entry, doc = files[f"docs/source/accelerate/{guide}.md"]
-        args = _args(files[f"examples/sft/{script}"][1])
+        args = _args("aa2ca83ca", script)
         cfg = _yaml(files[f"examples/sft/configs/{config}"][1])
         found = re.search(r"memory consumed per GPU is\s+(\d+)(?:-(\d+))? GB \((\d+)(?:-(\d+))?%\)", doc)
         value, percent = int(found.group(1)), int(found.group(3))
@@ -133,7 +138,7 @@ def _qlora_rows(entries: dict) -> list[dict]:
     for guide, (pattern, script, config, gpus) in texts.items():
         doc_entry, doc = files[f"docs/source/accelerate/{guide}.md"]
         section = doc[doc.index("# Use PEFT QLoRA"):]
-        args = _args(files[f"examples/sft/{script}"][1])
+        args = _args("6008f272a", script)
         cfg = _yaml(files[f"examples/sft/configs/{config}"][1])
         boards = re.search(gpus, section).group(1)
         figures = [(re.search(pattern, section).group(1), "")]
