@@ -31,8 +31,9 @@ MONOMIALS = ("1", "s", "s^2", "b", "b*s", "b*s^2")
 
 
 def variant_key(training: TrainingSpec) -> str:
-    # flash attention has the memory shape of the SDPA flash kernel (output + logsumexp, no S×S matrix).
-    attn = "sdpa" if training.attn == "flash" else training.attn
+    # flash attention has the memory shape of the SDPA flash kernel (output + logsumexp, no S×S matrix), but for
+    # QLoRA, whose attention inputs are fp32: FlashAttention-2 casts them to 16 bits, SDPA runs fp32 kernels.
+    attn = "sdpa" if training.attn == "flash" and not training.qlora else training.attn
     lora = f"{'qlora' if training.qlora else 'lora'}{training.lora_rank}-{training.lora_targets}" if training.lora \
         else "full"
     # Padding changes only SDPA's trace: eager attention builds the 4-D mask for full-length batches too, and

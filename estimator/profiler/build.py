@@ -364,14 +364,21 @@ def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, device: torc
 
 
 @contextlib.contextmanager
-def as_on_gpu(batch: str = "full") -> Iterator[None]:
+def as_on_gpu(batch: str = "full", training: TrainingSpec | None = None) -> Iterator[None]:
     """A fake-tensor trace of the program a GPU runs for ``synthetic_batch``: CUDA's kernel choices
     (``estimator.profiler.cuda_path``) and, for a full-length batch (``TrainingSpec.batch``), transformers'
     maskless path (``full_length_attention_mask``); a padded batch takes the 4-D mask path, which is what
-    transformers does on fake tensors anyway. Only for fake tensors: real CPU runs keep their own kernels."""
-    from estimator.profiler.cuda_path import cuda_composites
+    transformers does on fake tensors anyway. ``training``: QLoRA with ``attn="flash"`` runs FlashAttention-2's
+    16-bit casts of its fp32 attention inputs (the SDPA trace stands for the kernel otherwise). Only for fake
+    tensors: real CPU runs keep their own kernels."""
+    from estimator.profiler.cuda_path import cuda_composites, flash_attention_2
 
-    with cuda_composites(), full_length_attention_mask() if batch == "full" else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cuda_composites())
+        if batch == "full":
+            stack.enter_context(full_length_attention_mask())
+        if training is not None and training.qlora and training.attn == "flash":
+            stack.enter_context(flash_attention_2(param_dtype(training.precision)))
         yield
 
 

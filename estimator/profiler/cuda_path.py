@@ -125,10 +125,28 @@ def _flash(query, key, value, dropout_p, is_causal, scale):
     return out[..., :head_dim] if pad else out
 
 
+_FA2_TARGET: list[torch.dtype] = []  # FlashAttention-2's dtype for fp32 inputs, while ``flash_attention_2`` runs
+
+
+@contextlib.contextmanager
+def flash_attention_2(target_dtype: torch.dtype) -> Iterator[None]:
+    """The attention calls run as transformers runs FlashAttention-2 (``integrations/flash_attention.py``): fp32
+    query, key and value (peft's QLoRA keeps the residual stream fp32) are cast to ``target_dtype`` (the
+    quantized model's ``config.dtype``, ``get_target_dtype``) before the kernel, which returns that dtype. The
+    casts keep the layout (heads second-to-last in memory), so the flash kernel's output needs no copy."""
+    _FA2_TARGET.append(target_dtype)
+    try:
+        yield
+    finally:
+        _FA2_TARGET.pop()
+
+
 def sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False):
     """``F.scaled_dot_product_attention`` taking the CUDA dispatcher's kernel."""
     query, key, value, attn_mask = _autocast_inputs(query, key, value, attn_mask)
+    if _FA2_TARGET and query.dtype == torch.float32:
+        query, key, value = (t.to(_FA2_TARGET[-1]) for t in (query, key, value))
     with torch.autocast("cpu", enabled=False):
         backend = cuda_backend(AttentionCall.of(query, key, value, attn_mask, is_causal, enable_gqa))
         for seen in _SEEN:

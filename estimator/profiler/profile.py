@@ -130,14 +130,14 @@ class _Model:
         """One training step, not recorded (e.g. to read the gradient-hook order)."""
         with self._dtensor_patches(), self.mode:
             batch = build.synthetic_batch(b, s, min(self.vocab, 1000))
-            with build.as_on_gpu(self.training.batch):
+            with build.as_on_gpu(self.training.batch, self.training):
                 build.train_step(self.model, self.optimizer, batch, self.training)
 
     def output_bytes(self, b: int, s: int) -> list[tuple[int, bool, bool]]:
         """(bytes, saved by the graph, 16-bit float) of each storage the output object holds besides the loss's,
         from one recorded forward (no backward): what a manual loop keeps bound that the trainer loop drops."""
         rec = self.recorder
-        with self._dtensor_patches(), self.mode, rec, build.as_on_gpu(self.training.batch):
+        with self._dtensor_patches(), self.mode, rec, build.as_on_gpu(self.training.batch, self.training):
             batch = build.synthetic_batch(b, s, min(self.vocab, 1000))
             with build.autocast_context(self.training, "cpu"):
                 outputs = self.model(**batch)
@@ -158,13 +158,13 @@ class _Model:
         with self._dtensor_patches(), self.mode, rec:
             batch = build.synthetic_batch(b, s, min(self.vocab, 1000))
             if not self.warm:
-                with build.as_on_gpu(self.training.batch):
+                with build.as_on_gpu(self.training.batch, self.training):
                     build.forward_backward(self.model, batch, self.training)
                 self._label(mark="first_optimizer")
                 self._step_and_zero_grad("first_step_end")
                 self.warm = True
             rec.mark("window_start")
-            with self.tracker, build.as_on_gpu(self.training.batch):
+            with self.tracker, build.as_on_gpu(self.training.batch, self.training):
                 with build.autocast_context(self.training, "cpu"):
                     outputs = self.model(**batch)
                 loss = outputs.loss

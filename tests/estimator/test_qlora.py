@@ -75,3 +75,24 @@ def test_qlora_weights_are_nf4_and_the_rest_fp32(tmp_path):
     small_state = 7 * layers * 6 * 512
     assert lower <= qlora.breakdown["weights"] <= lower + small_state
     assert any(n.startswith("qlora:") for n in qlora.notes)
+
+
+def test_qlora_with_flash_attention_casts_its_fp32_inputs(tmp_path):
+    """peft's QLoRA keeps the residual stream fp32; transformers' FlashAttention-2 path casts fp32 query, key and
+    value to the quantized model's dtype before the kernel (``get_target_dtype``), where SDPA would run CUDA's
+    fp32 math kernel with grouped-query heads and keep (b, heads, s, s) probabilities per layer."""
+    from estimator.api import load_model_profile
+
+    gqa = {**SMALL["llama"], "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 256,
+           "max_position_embeddings": 2048}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(gqa))
+    peaks, backends = {}, {}
+    for attn in ("sdpa", "flash"):
+        training = TrainingSpec(precision="bf16", micro_batch_size=2, seq_len=512, attn=attn, lora_rank=8,
+                                qlora=True, grad_ckpt=True)
+        peaks[attn] = estimate(RunSpec(model=str(path), training=training)).peak_allocated_bytes
+        backends[attn] = load_model_profile(str(path), training)[1]["sdpa_backends"]
+    assert backends == {"sdpa": ["math"], "flash": ["flash"]}
+    # the probabilities: 2 x 8 heads x 512^2 x 4 B for the checkpointed layer recomputed in backward, at least
+    assert peaks["sdpa"] - peaks["flash"] > 2 * 8 * 512 * 512 * 4
