@@ -207,13 +207,6 @@ def _near_capacity(r: dict, s: Scored) -> bool:
 SHARDED = ("fsdp", "fsdp1", "zero1", "zero2", "zero3", "zero_offload")
 
 DIAGNOSES = [
-    (lambda r, s: r["qlora"] == "True" and r["quantity"] == "nvml_used" and s.err_pct < 0
-     and s.reserved_source == "prior",
-     "mechanism: QLoRA's reserved level is the prior (allocated x 1.1 + 64 MiB: the replay does not take the packed "
-     "NF4 weights yet). The same runs' max_allocated rows are within -0.4 to -2.4 %, so the gap is above the "
-     "allocated level: the source's device level sits 26-27 % over its own allocated peak at batch 4 and at batch "
-     "8, the prior 10 %. Likely the cache: bitsandbytes dequantizes every NF4 weight into a 16-bit temporary for "
-     "each matmul (forward, the checkpointed recompute, backward), interleaved with the activations"),
     (lambda r, s: r["qlora"] == "True" and r["attn"] == "sdpa" and s.err_pct > 0 and _repeats_kv_before_sdpa(r),
      "version: peft's prepare_model_for_kbit_training makes the attention fp32; the source's transformers (< 4.54) "
      "repeated the grouped K/V heads before SDPA, so CUDA ran the memory-efficient kernel. transformers >= 4.54 "

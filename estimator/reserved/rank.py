@@ -35,8 +35,6 @@ def why_not(spec, regime: dict, num_layers: int) -> str | None:
     if training.grad_accum_steps > 1 and spec.parallel.method not in ACCUMULATING_METHODS:
         return (f"{spec.parallel.method} with gradient accumulation: its gradient buckets under no_sync are not "
                 "modelled yet")
-    if training.qlora:
-        return "QLoRA's packed weights are not one allocation per parameter"
     if spec.parallel.method == "fsdp" and spec.parallel.world_size < 2:
         return "fsdp on one GPU: no collectives (FSDP2 copies the shards in place)"
     if num_layers < 2:

@@ -74,6 +74,9 @@ def test_expansion_to_four_layers_equals_a_four_layer_trace(config, training):
      ParallelSpec()),
     (TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S, grad_accum_steps=2),
      ParallelSpec(method="ddp", world_size=2)),
+    # QLoRA: each NF4 weight's packed values and quantization state as one block of the setup
+    (TrainingSpec(precision="bf16", micro_batch_size=B, seq_len=S, lora_rank=8, qlora=True, grad_ckpt=True),
+     ParallelSpec()),
 ])
 def test_replayed_allocated_level_equals_the_estimate(llama_path, training, parallel):
     """The requested bytes alive at once in the replayed stream = the estimator's allocated peak + the batch
