@@ -282,9 +282,9 @@ def _engine_start(ops: list, at: int, scalar: set[int]) -> int:
 
 def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, groups: dict, table: list,
               world: int, optimizer: str, mixed: bool, first: bool, num_layers: int, scalar: set[int],
-              first_layer_hooked: bool) -> tuple[list, dict]:
-    """The FSDP2 step's ops and where each old op index went. ``scalar``: size indices of constant bytes that
-    hold one scalar."""
+              first_layer_hooked: bool) -> tuple[list, dict[int, int], int]:
+    """The FSDP2 step's ops, where each old op index went, and where its optimizer part begins (backward's last
+    reduce-scatter done). ``scalar``: size indices of constant bytes that hold one scalar."""
     step = _Step(build, groups, world, _grads_by_group(expansion, ops, table), first, optimizer, mixed)
     grad_keys = expansion.grad_keys
     cut = next(at for name, _layer, at in marks if name == "optimizer_pre")
@@ -318,7 +318,7 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, gr
     step.end_backward(out)
     if seed_free is not None:
         out.append(seed_free)
-    moved[cut] = moved["cut"] = len(out)
+    optimizer_at = moved[cut] = len(out)
     # what the step frees before and in its optimizer part of its own (the loss): the optimizer's own tensors and
     # the full gradients are the single GPU's, replaced below
     made = {op[1] for op in ops[:cut] if op[0] == ALLOC}
@@ -328,7 +328,7 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, gr
     step.zero_grad(out, order, _group_of)
     if step.unsharded or step.gathered or step.reduce_out:
         raise ExpansionError("fsdp: buffers left at the end of the step")
-    return out, moved
+    return out, moved, optimizer_at
 
 
 def fsdp_step(expansion: Expansion, table: list[ParamInfo], world: int, precision: str, optimizer: str,
@@ -355,19 +355,20 @@ def fsdp_step(expansion: Expansion, table: list[ParamInfo], world: int, precisio
     common = dict(build=build, groups=groups, table=table, world=world, optimizer=optimizer, mixed=mixed,
                   num_layers=num_layers, scalar=scalar, first_layer_hooked=hooked)
     first_start = build.next_key
-    first_ops, first_moved = _step_ops(expansion, expansion.first.ops, first_marks, first=True, **common)
+    first_ops, first_moved, first_optimizer = _step_ops(expansion, expansion.first.ops, first_marks, first=True,
+                                                        **common)
     first_keys = build.next_key
     build.next_key = first_start  # the steady step's FSDP tensors reuse the first step's key range
-    steady_ops, steady_moved = _step_ops(expansion, expansion.steady.ops, steady_marks, first=False, **common)
+    steady_ops, _moved, steady_optimizer = _step_ops(expansion, expansion.steady.ops, steady_marks, first=False,
+                                                     **common)
     step_keys = max(first_keys, build.next_key)
     forward, backward = expansion.workspace_at
     previous = {key for kind, key, _ in steady_ops if kind == FREE_PREVIOUS}
     persistent = check_step(first_ops) - previous
     if check_step(steady_ops, previous_alive=previous) - previous:
         raise ExpansionError("fsdp: tensors of a steady step are never freed")
-    # the optimizer part starts where the backward's last reduce-scatter is done (not used: no accumulation)
     return FsdpStep(expansion=replace(
         expansion, first=StepEvents(first_ops, step_keys), steady=StepEvents(steady_ops, step_keys),
         workspace_at=(first_moved[forward], first_moved[backward]),
-        optimizer_at=(first_moved["cut"], steady_moved["cut"]),
+        optimizer_at=(first_optimizer, steady_optimizer),
         persistent_keys=frozenset(persistent), marks=((), ()), grad_keys=frozenset()), sizes=build.sizes)
