@@ -116,17 +116,18 @@ RELATIVE_SEARCH_TOLERANCE = 16  # below the bound, stop once the bracket is with
 
 
 def search_below_bound(bytes_at: Callable[[int], int], floor_at: Callable[[int], int], capacity: int,
-                       bound: int) -> int:
+                       bound: int, exact: bool = False) -> int:
     """A large ``mb`` in ``[1, bound]`` with ``bytes_at(mb) <= capacity``, where ``floor_at`` (cheap) never
     exceeds ``bytes_at`` (expensive, memoised by the caller) and ``bound`` is the largest micro-batch whose
     floor fits: ``bound`` itself when it fits (one expensive probe), else one within 1/16 of the largest that
     fits (the replayed reserved level is not monotonic in the micro-batch to the last row: the allocator's
-    segments jump). First guess: the overshoot at ``bound`` carried over to the floor; then interpolation
-    between the bracket's ends, bisecting whenever a probe did not halve the bracket."""
+    segments jump; ``exact``: the largest, for a monotonic ``bytes_at``). First guess: the overshoot at ``bound``
+    carried over to the floor; then interpolation between the bracket's ends, bisecting whenever a probe did not
+    halve the bracket."""
     if bound < 1 or bytes_at(bound) <= capacity:
         return max(bound, 0)
     lo, hi, halved = 0, bound, True  # bytes_at(lo) fits (0: trivially), bytes_at(hi) does not
-    while hi - lo > max(1, lo // RELATIVE_SEARCH_TOLERANCE):
+    while hi - lo > (1 if exact else max(1, lo // RELATIVE_SEARCH_TOLERANCE)):
         if lo == 0:
             over = bytes_at(hi) - floor_at(hi)
             probe = search_max_micro_batch(lambda mb, over=over: floor_at(mb) + over, capacity, hi - 1)
@@ -297,12 +298,15 @@ class _Context:
     cache: dict = field(default_factory=dict)
     shapes: dict = field(default_factory=dict)
     calibrated: bool | None = None
+    # "full": the estimator as given; with the default estimator also "floor" (reserved = allocated: no replay can
+    # fit less) and "prior" (the reserved prior, no replay), for layouts that cannot be the fastest
+    mode: str = "full"
 
     def shape(self, lora_rank: int, lora_targets: str) -> ModelShape:
         """Parameter counts from this plan's first estimate with the same LoRA setting, when it has them."""
         key = (lora_rank, lora_targets)
         if key not in self.shapes:
-            est = next((e for (_, _, extra), e in self.cache.items()
+            est = next((e for (_, _, extra, _mode), e in self.cache.items()
                         if dict(extra).get("lora_rank", self.training.lora_rank) == lora_rank), None)
             params = getattr(est, "params", None)
             trainable = getattr(est, "trainable_params", None)
@@ -321,15 +325,19 @@ class _Context:
     def estimate(self, cand: Candidate, mb: int, *, probe: bool = False, **training: Any):
         """The estimate of ``cand`` at micro-batch ``mb`` (memoised). ``probe``: an advice what-if, which must
         not build a profile (seconds to minutes of torch): it raises ``ValueError`` naming the missing profile."""
-        key = (cand, mb, tuple(sorted(training.items())))
+        key = (cand, mb, tuple(sorted(training.items())), self.mode)
         if key not in self.cache:
-            fn = self.probe_fn if probe and self.probe_fn is not None else self.estimate_fn
+            fn = self._fn(probe)
             est = fn(self.spec(cand, mb, **training)) if self.epoch is None else \
                 self._epoch_estimate(fn, cand, mb, training)
             self.cache[key] = est
             if self.calibrated is None:
                 self.calibrated = bool(getattr(est, "calibrated", False))
         return self.cache[key]
+
+    def _fn(self, probe: bool) -> EstimateFn:
+        fn = self.probe_fn if probe and self.probe_fn is not None else self.estimate_fn
+        return fn if self.mode == "full" else getattr(fn, self.mode)
 
     def _epoch_estimate(self, fn: EstimateFn, cand: Candidate, mb: int, training: dict[str, Any]):
         """The estimate at the epoch's worst batch for micro-batch ``mb`` (``seq_len`` truncates the samples)."""
@@ -368,7 +376,7 @@ class _Context:
 
         fn = self.probe_fn if probe and self.probe_fn is not None else self.estimate_fn
         floor_fn = getattr(fn, "floor_bytes", None)
-        if floor_fn is None or self.epoch is not None:
+        if floor_fn is None or self.epoch is not None or self.mode == "floor":
             capacity = int(self.estimate(cand, 1, probe=probe, **training).capacity_bytes)
             return search_max_micro_batch(upper, capacity, cap), capacity
         capacity = int(fn.prior(self.spec(cand, 1, **training)).capacity_bytes)
@@ -376,7 +384,10 @@ class _Context:
         def floor(mb: int) -> int:
             return int(floor_fn(self.spec(cand, mb, **training)))
 
-        return search_below_bound(upper, floor, capacity, search_max_micro_batch(floor, capacity, cap)), capacity
+        bound = search_max_micro_batch(floor, capacity, cap)
+        # the prior is monotonic and near-affine: searched to the exact micro-batch from the floor's answer down
+        exact = self.mode == "prior"
+        return search_below_bound(upper, floor, capacity, bound, exact=exact), capacity
 
     @property
     def advice_ckpt(self) -> bool:
@@ -427,6 +438,35 @@ def _evaluate(ctx: _Context, cand: Candidate, global_batch: int | None) -> Candi
     except ValueError as err:
         res.status, res.reason = "invalid", str(err)
     return res
+
+
+def _evaluate_all(ctx: _Context, cands: list[Candidate], global_batch: int | None
+                  ) -> tuple[list[CandidateResult], int | None]:
+    """Every layout's result, replaying the reserved level only where it can decide the answer: each layout is
+    first sized on its allocated floor (no replay can fit more), then the layouts are replayed fastest first until
+    the next one's optimistic speed cannot beat the best replayed; the rest take the reserved prior. Returns the
+    results and how many layouts were replayed (None: the estimator has no floor, every layout ran in full)."""
+    if getattr(ctx.estimate_fn, "floor", None) is None or ctx.epoch is not None:
+        return [_evaluate(ctx, c, global_batch) for c in cands], None
+    floor_ctx = dataclasses.replace(ctx, mode="floor", cache={})
+    optimistic = [_evaluate(floor_ctx, c, global_batch) for c in cands]
+
+    def speed(res: CandidateResult) -> float:
+        return res.tokens_per_s if res.fits and res.time else -1.0
+
+    results: list[CandidateResult | None] = [None] * len(cands)
+    prior_ctx = dataclasses.replace(ctx, mode="prior", cache={})
+    best, replayed = -1.0, 0
+    for i in sorted(range(len(cands)), key=lambda i: -speed(optimistic[i])):
+        if speed(optimistic[i]) > 0 and speed(optimistic[i]) >= best:
+            results[i] = _evaluate(ctx, cands[i], global_batch)
+            best, replayed = max(best, speed(results[i])), replayed + 1
+        else:
+            results[i] = _evaluate(prior_ctx, cands[i], global_batch)
+    ctx.cache.update(prior_ctx.cache)
+    if ctx.calibrated is None:
+        ctx.calibrated = prior_ctx.calibrated if prior_ctx.calibrated is not None else floor_ctx.calibrated
+    return results, replayed
 
 
 def _per_token(res: CandidateResult) -> dict[str, float]:
@@ -523,8 +563,13 @@ def _default_estimate(allow_build: bool = True, alloc_conf: str | None = None) -
         if spec.parallel.method not in METHODS or floor_bytes(spec) > prior.capacity_bytes:
             return prior
         return estimate(spec, allow_build=allow_build, alloc_conf=alloc_conf)
+    def floor(spec: RunSpec):
+        """The prior estimate with the upper bound at its floor: what no replay can go below."""
+        return dataclasses.replace(prior_of(spec), upper_bound_bytes=int(floor_bytes(spec)))
+
     fn.floor_bytes = floor_bytes  # type: ignore[attr-defined]
     fn.prior = prior_of  # type: ignore[attr-defined]
+    fn.floor = floor  # type: ignore[attr-defined]
     return fn
 
 
@@ -595,7 +640,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
         dps = sorted({c.dp for c in cands}, reverse=True)
         raise ValueError(f"global_batch: {global_batch} is not divisible by the data-parallel degree of any "
                          f"layout on {gpus} GPUs (dp in {', '.join(map(str, dps))})")
-    results = [_evaluate(ctx, c, global_batch) for c in cands]
+    results, replayed = _evaluate_all(ctx, cands, global_batch)
     _raise_if_all_invalid(results, global_batch)
     best = _rank(results)
     dp_link, tp_link = ctx.links(Candidate("dp_tp" if gpus > 1 else "single", gpus, 1))
@@ -604,6 +649,10 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
                   loop=loop, results=results, best=best,
                   assumptions=tput.assumptions(gpu_perf, ctx.eff, dp_link, tp_link))
     result.notes += _notes(ctx, result)
+    if replayed is not None:
+        result.notes.append(f"reserved: the allocator replay ran for the {replayed} layout(s) that could be the "
+                            "fastest; the others, slower even at the micro-batch their allocated level allows, "
+                            "keep the reserved prior")
     if estimate_fn is None:
         result.notes += _expandable_notes(ctx, result, alloc_conf)
     if epoch is not None and best is not None:
@@ -682,8 +731,12 @@ class _Unprofiled(Exception):
 
 
 def _probe_fits(ctx: _Context, cand: Candidate, **training: Any) -> bool:
-    """Does ``cand`` fit micro-batch 1 (safety bound)? An invalid layout does not; a missing profile raises."""
+    """Does ``cand`` fit micro-batch 1 (safety bound)? An invalid layout does not; a missing profile raises. A
+    layout whose allocated floor does not fit is answered without the reserved replay."""
     try:
+        floor = getattr(ctx.probe_fn, "floor", None)
+        if floor is not None and not floor(ctx.spec(cand, 1, **training)).fits:
+            return False
         est = ctx.estimate(cand, 1, probe=True, **training)
     except ValueError as err:
         if UNPROFILED in str(err):
