@@ -167,6 +167,15 @@ class _Run:
         self.live = self.requested_peak = 0
         self.peak = self.step_peak = self.fragmentation = 0
 
+    def setup(self, setup: Setup) -> None:
+        self.run([(_NEW_SETUP, i, nbytes) for i, (_name, nbytes) in enumerate(setup.allocations)], [], [])
+
+    def result(self, *, oom: bool, steps: int, steady: bool) -> ReservedReplay:
+        allocator = self.allocator
+        return ReservedReplay(peak_reserved_bytes=self.peak, peak_allocated_bytes=allocator.peak_allocated_bytes,
+                              peak_requested_bytes=self.requested_peak, fragmentation_bytes=self.fragmentation,
+                              num_alloc_retries=allocator.num_alloc_retries, oom=oom, steps=steps, steady=steady)
+
     def run(self, ops: list[tuple], addr: list, previous: list, cycle: list | None = None) -> None:
         """Apply ``ops`` with this step's address slots ``addr``, the previous step's ``previous`` and the
         accumulation cycle's first micro-step's ``cycle`` (default: this step's)."""
@@ -222,7 +231,7 @@ def replay_rank(setup: Setup, plan: StepPlan, conf=None, allowed_bytes: int | No
     steps_ops = _steps(plan, setup)
     slots = plan.expansion.steady.keys + BATCH_TENSORS + plan.workspaces
     try:
-        run.run([(_NEW_SETUP, i, nbytes) for i, (_name, nbytes) in enumerate(setup.allocations)], [], [])
+        run.setup(setup)
         previous_state = None
         previous_addr: list = []
         for step in range(max_steps):
@@ -239,10 +248,7 @@ def replay_rank(setup: Setup, plan: StepPlan, conf=None, allowed_bytes: int | No
             previous_state = state
     except OutOfMemory:
         oom = True
-    allocator = run.allocator
-    return ReservedReplay(peak_reserved_bytes=run.peak, peak_allocated_bytes=allocator.peak_allocated_bytes,
-                          peak_requested_bytes=run.requested_peak, fragmentation_bytes=run.fragmentation,
-                          num_alloc_retries=allocator.num_alloc_retries, oom=oom, steps=steps, steady=steady)
+    return run.result(oom=oom, steps=steps, steady=steady)
 
 
 def _replay_accumulating(setup: Setup, plan: StepPlan, conf, allowed_bytes: int | None, max_cycles: int,
@@ -259,7 +265,7 @@ def _replay_accumulating(setup: Setup, plan: StepPlan, conf, allowed_bytes: int 
     slots = plan.expansion.steady.keys + BATCH_TENSORS + plan.workspaces
     steps, steady, oom = 0, False, False
     try:
-        run.run([(_NEW_SETUP, i, nbytes) for i, (_name, nbytes) in enumerate(setup.allocations)], [], [])
+        run.setup(setup)
         previous_state = None
         previous_addr: list = []
         for cycle in range(max_cycles):
@@ -279,10 +285,7 @@ def _replay_accumulating(setup: Setup, plan: StepPlan, conf, allowed_bytes: int 
             previous_state = state
     except OutOfMemory:
         oom = True
-    allocator = run.allocator
-    return ReservedReplay(peak_reserved_bytes=run.peak, peak_allocated_bytes=allocator.peak_allocated_bytes,
-                          peak_requested_bytes=run.requested_peak, fragmentation_bytes=run.fragmentation,
-                          num_alloc_retries=allocator.num_alloc_retries, oom=oom, steps=steps, steady=steady)
+    return run.result(oom=oom, steps=steps, steady=steady)
 
 
 def replay_sequence(setup: Setup, plans: list[StepPlan], conf=None, allowed_bytes: int | None = None,
@@ -298,7 +301,7 @@ def replay_sequence(setup: Setup, plans: list[StepPlan], conf=None, allowed_byte
     templates = _micro_templates(expansion, plans[0].workspaces, accum) if accum > 1 else None
     steps, oom = 0, False
     try:
-        run.run([(_NEW_SETUP, i, nbytes) for i, (_name, nbytes) in enumerate(setup.allocations)], [], [])
+        run.setup(setup)
         previous_addr: list = []
         cycle_addr: list = []
         for step, plan in enumerate(plans):
@@ -319,7 +322,4 @@ def replay_sequence(setup: Setup, plans: list[StepPlan], conf=None, allowed_byte
                 run.allocator.empty_cache()
     except OutOfMemory:
         oom = True
-    allocator = run.allocator
-    return ReservedReplay(peak_reserved_bytes=run.peak, peak_allocated_bytes=allocator.peak_allocated_bytes,
-                          peak_requested_bytes=run.requested_peak, fragmentation_bytes=run.fragmentation,
-                          num_alloc_retries=allocator.num_alloc_retries, oom=oom, steps=steps, steady=False)
+    return run.result(oom=oom, steps=steps, steady=False)
