@@ -166,9 +166,18 @@ class _Run:
         self.setup_addr: list = [None] * (len(setup.allocations) + len(setup.rebuilt_buckets))
         self.live = self.requested_peak = 0
         self.peak = self.step_peak = self.fragmentation = 0
+        self.previous_state: tuple | None = None
 
     def setup(self, setup: Setup) -> None:
         self.run([(_NEW_SETUP, i, nbytes) for i, (_name, nbytes) in enumerate(setup.allocations)], [], [])
+
+    def repeats(self, index: int) -> bool:
+        """After step (or cycle) ``index``: whether it repeated the previous one's reserved peak and segments (the
+        allocator is deterministic, so every later one would too); the first steps never count."""
+        state = (self.step_peak, _segments(self.allocator))
+        repeated = index >= 2 and state == self.previous_state
+        self.previous_state = state
+        return repeated
 
     def result(self, *, oom: bool, steps: int, steady: bool) -> ReservedReplay:
         allocator = self.allocator
@@ -232,7 +241,6 @@ def replay_rank(setup: Setup, plan: StepPlan, conf=None, allowed_bytes: int | No
     slots = plan.expansion.steady.keys + BATCH_TENSORS + plan.workspaces
     try:
         run.setup(setup)
-        previous_state = None
         previous_addr: list = []
         for step in range(max_steps):
             ops = steps_ops[min(step, 2)]
@@ -241,11 +249,9 @@ def replay_rank(setup: Setup, plan: StepPlan, conf=None, allowed_bytes: int | No
             run.run(ops, addr, previous_addr)
             previous_addr = addr
             steps += 1
-            state = (run.step_peak, _segments(run.allocator))
-            if step >= 2 and state == previous_state:
+            if run.repeats(step):
                 steady = True
                 break
-            previous_state = state
     except OutOfMemory:
         oom = True
     return run.result(oom=oom, steps=steps, steady=steady)
@@ -266,7 +272,6 @@ def _replay_accumulating(setup: Setup, plan: StepPlan, conf, allowed_bytes: int 
     steps, steady, oom = 0, False, False
     try:
         run.setup(setup)
-        previous_state = None
         previous_addr: list = []
         for cycle in range(max_cycles):
             run.step_peak = run.allocator.reserved_bytes
@@ -278,11 +283,9 @@ def _replay_accumulating(setup: Setup, plan: StepPlan, conf, allowed_bytes: int 
                 run.run(rebuild if (cycle, micro) == (1, 0) else ops[kinds], addr, previous_addr, cycle_addr)
                 previous_addr = addr
                 steps += 1
-            state = (run.step_peak, _segments(run.allocator))
-            if cycle >= 2 and state == previous_state:
+            if run.repeats(cycle):
                 steady = True
                 break
-            previous_state = state
     except OutOfMemory:
         oom = True
     return run.result(oom=oom, steps=steps, steady=steady)
