@@ -13,14 +13,17 @@ is built from it, each micro-step with its own keys (``estimator.reserved.expand
 * the last runs the step's optimizer part; ``zero_grad`` frees the gradients of the cycle's first micro-step
   (``FREE_CYCLE``).
 
-With ``k = 1`` a cycle is the profiled step, op for op.
+With ``k = 1`` a cycle is the profiled step, op for op. FSDP2 (``estimator.reserved.fsdp``) takes the same rules
+with its reduce-scatter outputs as the "gradients": each micro-step's unsharded gradients are reduce-scattered and
+freed in its own backward; the cycle's first output is what the sharded gradients view, a later one is added into
+them (``foreach_reduce``: ``sharded_param.grad._local_tensor += ...``) and freed as ``foreach_reduce`` returns.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from estimator.reserved.expand import ALLOC, FREE, Expansion, ExpansionError
+from estimator.reserved.expand import FREE, Expansion, ExpansionError, stream_of
 
 FREE_CYCLE = 3  # free a gradient the cycle's first micro-step allocated
 
@@ -50,7 +53,7 @@ def micro_steps(expansion: Expansion) -> MicroSteps:
     first_at, steady_at = expansion.optimizer_at
     steady, first = expansion.steady.ops, expansion.first.ops
     head = steady[:steady_at]
-    made = {key for kind, key, _ in head if kind == ALLOC}
+    made = {key for kind, key, _ in head if stream_of(kind) is not None}
     grads = expansion.grad_keys
     tail = [_cycle_free(op, grads) for op in steady[steady_at:]]
     loss = [op for op in steady[steady_at:] if op[0] == FREE and op[1] in made and op[1] not in grads]
@@ -76,13 +79,14 @@ def _accumulating(head: list, grads: frozenset[int]) -> list:
     pending: list[tuple] = []  # gradient frees waiting for their node's end
     freed_since: bool = False
     for kind, key, poly in head:
-        if kind == ALLOC and pending and freed_since:
+        allocates = stream_of(kind) is not None  # on any stream
+        if allocates and pending and freed_since:
             out.extend(pending)
             pending = []
         out.append((kind, key, poly))
-        if kind == ALLOC and key in grads:
+        if allocates and key in grads:
             pending.append((FREE, key, poly))
             freed_since = False
-        elif kind != ALLOC:
+        elif not allocates:
             freed_since = True
     return out + pending

@@ -62,7 +62,8 @@ class Expansion:
     persistent_keys: frozenset[int]  # keys the first step leaves allocated on purpose (optimizer states)
     # fp32 copies of the held outputs (``outputs_fp32``): size index len(polys) + j is twice copy_of[j]'s bytes
     copy_of: tuple[int, ...] = ()
-    # keys of the parameter gradients the backward allocates (the same in both steps: made before the optimizer)
+    # keys of the parameter gradients the backward allocates (the same in both steps: made before the optimizer);
+    # FSDP2's: the reduce-scatter outputs its sharded gradients view (``reserved.fsdp``)
     grad_keys: frozenset[int] = frozenset()
     # keys the trace never frees that the expansion frees just before the loss (``_free_with_the_loss``)
     freed_with_loss: frozenset[int] = frozenset()

@@ -127,6 +127,7 @@ class _Step:
         self.unsharded: dict = {}    # group -> unsharded tensors
         self.reduce_in: Tensor | None = None
         self.reduce_out: dict = {}   # group -> reduce-scatter output (its sharded gradients)
+        self.reduce_out_keys: set[int] = set()
 
     def _alloc(self, out: list, nbytes: int, stream: int = DEFAULT) -> Tensor:
         tensor = self.build.tensor(nbytes)
@@ -169,6 +170,7 @@ class _Step:
         for key, size_index in grads[-2::-1]:
             out.append((FREE, key, size_index))
         self.reduce_out[g] = self._alloc(out, group.reduce_in_bytes // self.world, REDUCE_SCATTER)
+        self.reduce_out_keys.add(self.reduce_out[g].key)
         if grads:
             out.append((FREE, *grads[-1]))
 
@@ -282,9 +284,10 @@ def _engine_start(ops: list, at: int, scalar: set[int]) -> int:
 
 def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, groups: dict, table: list,
               world: int, optimizer: str, mixed: bool, first: bool, num_layers: int, scalar: set[int],
-              first_layer_hooked: bool) -> tuple[list, dict[int, int], int]:
-    """The FSDP2 step's ops, where each old op index went, and where its optimizer part begins (backward's last
-    reduce-scatter done). ``scalar``: size indices of constant bytes that hold one scalar."""
+              first_layer_hooked: bool) -> tuple[list, dict[int, int], int, int, set[int]]:
+    """The FSDP2 step's ops, where each old op index went, where its optimizer part begins (backward's last
+    reduce-scatter done), where the optimizer's own ops begin (the loss freed) and the keys of the reduce-scatter
+    outputs. ``scalar``: size indices of constant bytes that hold one scalar."""
     step = _Step(build, groups, world, _grads_by_group(expansion, ops, table), first, optimizer, mixed)
     grad_keys = expansion.grad_keys
     cut = next(at for name, _layer, at in marks if name == "optimizer_pre")
@@ -323,12 +326,13 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, gr
     # the full gradients are the single GPU's, replaced below
     made = {op[1] for op in ops[:cut] if op[0] == ALLOC}
     out.extend(op for op in ops[cut:] if op[0] == FREE and op[1] in made and op[1] not in grad_keys)
+    loss_freed_at = len(out)
     order = model_order(table)
     step.optimizer_step(out, order)
     step.zero_grad(out, order, _group_of)
     if step.unsharded or step.gathered or step.reduce_out:
         raise ExpansionError("fsdp: buffers left at the end of the step")
-    return out, moved, optimizer_at
+    return out, moved, optimizer_at, loss_freed_at, step.reduce_out_keys
 
 
 def fsdp_step(expansion: Expansion, table: list[ParamInfo], world: int, precision: str, optimizer: str,
@@ -355,12 +359,12 @@ def fsdp_step(expansion: Expansion, table: list[ParamInfo], world: int, precisio
     common = dict(build=build, groups=groups, table=table, world=world, optimizer=optimizer, mixed=mixed,
                   num_layers=num_layers, scalar=scalar, first_layer_hooked=hooked)
     first_start = build.next_key
-    first_ops, first_moved, first_optimizer = _step_ops(expansion, expansion.first.ops, first_marks, first=True,
-                                                        **common)
+    first_ops, first_moved, _first_optimizer, first_loss_freed, first_outputs = _step_ops(
+        expansion, expansion.first.ops, first_marks, first=True, **common)
     first_keys = build.next_key
     build.next_key = first_start  # the steady step's FSDP tensors reuse the first step's key range
-    steady_ops, _moved, steady_optimizer = _step_ops(expansion, expansion.steady.ops, steady_marks, first=False,
-                                                     **common)
+    steady_ops, _moved, steady_optimizer, _loss_freed, steady_outputs = _step_ops(
+        expansion, expansion.steady.ops, steady_marks, first=False, **common)
     step_keys = max(first_keys, build.next_key)
     forward, backward = expansion.workspace_at
     previous = {key for kind, key, _ in steady_ops if kind == FREE_PREVIOUS}
@@ -370,5 +374,6 @@ def fsdp_step(expansion: Expansion, table: list[ParamInfo], world: int, precisio
     return FsdpStep(expansion=replace(
         expansion, first=StepEvents(first_ops, step_keys), steady=StepEvents(steady_ops, step_keys),
         workspace_at=(first_moved[forward], first_moved[backward]),
-        optimizer_at=(first_optimizer, steady_optimizer),
-        persistent_keys=frozenset(persistent), marks=((), ()), grad_keys=frozenset()), sizes=build.sizes)
+        optimizer_at=(first_loss_freed, steady_optimizer),
+        persistent_keys=frozenset(persistent), marks=((), ()), grad_keys=frozenset(first_outputs | steady_outputs)),
+        sizes=build.sizes)

@@ -11,10 +11,10 @@ from estimator.reserved.fsdp import fsdp_setup, fsdp_step
 from estimator.reserved.replay import ReservedReplay, replay_rank, replay_sequence
 from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocations
 
+# Each with gradient accumulation (estimator.reserved.accumulate): DDP under no_sync accumulates as one GPU does,
+# the buckets copied into only at the synchronising micro-step (no allocation); FSDP2 reduce-scatters every
+# micro-step, a later micro-step's output added into the sharded gradients and freed.
 METHODS = ("single", "ddp", "tp", "fsdp")
-# gradient accumulation replayed (estimator.reserved.accumulate); DDP under no_sync: gradients accumulate as on
-# one GPU, the buckets are copied into only at the synchronising micro-step (no allocation)
-ACCUMULATING_METHODS = ("single", "tp", "ddp")
 _EXPANSIONS: dict[tuple, tuple] = {}
 _FSDP_STEPS: dict[tuple, tuple] = {}
 _SETUPS: dict[tuple, tuple] = {}
@@ -32,9 +32,6 @@ def why_not(spec, regime: dict, num_layers: int) -> str | None:
         return "the profile has no event list (traced before event lists were kept)"
     if events.get("optimizer") != training.optimizer:
         return f"the profile's optimizer step was traced with {events.get('optimizer')}, not {training.optimizer}"
-    if training.grad_accum_steps > 1 and spec.parallel.method not in ACCUMULATING_METHODS:
-        return (f"{spec.parallel.method} with gradient accumulation: its gradient buckets under no_sync are not "
-                "modelled yet")
     if spec.parallel.method == "fsdp" and spec.parallel.world_size < 2:
         return "fsdp on one GPU: no collectives (FSDP2 copies the shards in place)"
     if num_layers < 2:

@@ -155,8 +155,8 @@ def micro_step_requests(plan: StepPlan, micro: MicroSteps, accum: int, step: int
     for at, (kind, key, poly) in enumerate(micro.ops(cycle, index, accum)):
         for w in workspace_at.get(at, ()):
             out.append(("alloc", offset + keys + BATCH_TENSORS + w, plan.workspace_bytes, 0))
-        if kind == ALLOC:
-            out.append(("alloc", offset + key, plan.sizes[poly], 0))
+        if kind == ALLOC or (kind > FREE_PREVIOUS and stream_of(kind)):
+            out.append(("alloc", offset + key, plan.sizes[poly], stream_of(kind)))
         elif kind == FREE:
             out.append(("free", offset + key))
         elif kind == FREE_PREVIOUS:

@@ -275,8 +275,7 @@ def test_out_of_scope_methods_and_old_profiles_keep_the_prior(llama_path):
     assert any(n.startswith("reserved: prior") and "own streams" in n for n in zero.notes)
     accumulating = api.estimate(RunSpec(model=llama_path, training=dataclasses.replace(training, grad_accum_steps=2),
                                         parallel=ParallelSpec(method="fsdp", world_size=2)), alloc_conf="")
-    assert accumulating.reserved_source == "prior"
-    assert any("fsdp with gradient accumulation" in n for n in accumulating.notes)
+    assert accumulating.reserved_source == "replayed"  # FSDP2 with accumulation: tests/estimator/test_reserved_fsdp.py
     shipped = api.estimate(RunSpec(model="facebook/opt-125m", training=training), alloc_conf="")
     assert shipped.reserved_source in ("prior", "replayed")  # replayed once the shipped profiles are re-traced
 

@@ -13,7 +13,8 @@ from estimator.hardware.residuals import load_coefficients  # noqa: E402
 from estimator.reserved import rank as reserved_rank  # noqa: E402
 from estimator.reserved.expand import ALLOC, stream_of  # noqa: E402
 from estimator.reserved.fsdp import ALL_GATHER, REDUCE_SCATTER, shard_numel  # noqa: E402
-from estimator.reserved.timeline import INT64, step_requests  # noqa: E402
+from estimator.reserved.accumulate import micro_steps  # noqa: E402
+from estimator.reserved.timeline import INT64, micro_step_requests, step_requests  # noqa: E402
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 160,
@@ -45,19 +46,24 @@ def _plan_and_setup(path: str, training: TrainingSpec, world: int, workspaces: i
     return plan, setup
 
 
-def _generated(path: str, training: TrainingSpec, world: int) -> list[tuple]:
+def _generated(path: str, training: TrainingSpec, world: int, accum: int = 1) -> list[tuple]:
     plan, setup = _plan_and_setup(path, training, world)
     out = [("alloc", ("setup", i), n, 0) for i, (name, n) in enumerate(setup.allocations)
            if not name.startswith("buffers")]
-    for step in range(STEPS):
-        out += step_requests(plan, step, 0)
+    if accum == 1:
+        for step in range(STEPS):
+            out += step_requests(plan, step, 0)
+        return out
+    micro = micro_steps(plan.expansion)
+    for step in range(STEPS * accum):
+        out += micro_step_requests(plan, micro, accum, step, 0)
     return out
 
 
-def _real_fsdp_events(training: TrainingSpec, world: int) -> list[tuple[bool, object, int]]:
+def _real_fsdp_events(training: TrainingSpec, world: int, accum: int = 1) -> list[tuple[bool, object, int]]:
     """Rank 0 of a real CPU run on the fake process group: the model built as ``harness.methods.base.
     build_sharded`` builds it (meta, ``fully_shard``, ``to_empty``; the shards are the setup), then ``STEPS``
-    steps. FSDP2 resizes the unsharded parameters' storages in place (``alloc_storage``/``free_storage``), which a
+    steps of ``accum`` micro-batches each (each reduce-scatters, as the harness runs FSDP2). FSDP2 resizes the unsharded parameters' storages in place (``alloc_storage``/``free_storage``), which a
     GPU serves as a new block and a free: recorded as such. Left out: module buffers, the parameters' own
     initialisation, DTensor's global-shape metadata propagation (fake tensors, never on a GPU), Adam's host-side
     step counters and zero-byte storages."""
@@ -124,8 +130,9 @@ def _real_fsdp_events(training: TrainingSpec, world: int) -> list[tuple[bool, ob
                 rec.mark("steps")
                 batch = None
                 for _ in range(STEPS):
-                    batch = build.synthetic_batch(B, S, 1000)  # the previous batch goes as this one is bound
-                    build.forward_backward(model, batch, training, held=held)
+                    for _micro in range(accum):
+                        batch = build.synthetic_batch(B, S, 1000)  # the previous batch goes as this one is bound
+                        build.forward_backward(model, batch, training, held=held)
                     rec.mark("optimizer")
                     optimizer.step()
                     rec.mark("zero_grad")
@@ -194,6 +201,10 @@ def test_generated_stream_equals_a_real_fsdp_run(llama_path, training, world):
     training = dataclasses.replace(training, attn="eager", micro_batch_size=B, seq_len=S)
     generated = _runs(_generated(llama_path, training, world), True)
     real = _runs(_in_fresh_process(_real_fsdp_events, training, world), False)
+    _assert_same_runs(generated, real)
+
+
+def _assert_same_runs(generated: list[tuple], real: list[tuple]) -> None:
     assert len(generated) == len(real)
     ident_of = {}
     for at, (gen, ref) in enumerate(zip(generated, real)):
@@ -207,9 +218,27 @@ def test_generated_stream_equals_a_real_fsdp_run(llama_path, training, world):
 
 @pytest.mark.parametrize("training, world", [
     (TrainingSpec(precision="mixed_bf16"), 2),
+    pytest.param(TrainingSpec(precision="bf16", lora_rank=8), 3, marks=pytest.mark.slow),
+], ids=lambda v: str(v) if isinstance(v, int) else f"{v.precision}-lora{v.lora_rank}")
+def test_gradient_accumulation_stream_equals_a_real_fsdp_run(llama_path, training, world):
+    """Three optimizer steps of 3 micro-batches each: every micro-batch reduce-scatters; the cycle's first
+    outputs stay (the sharded gradients view them), a later micro-batch's output is added into them and freed."""
+    import dataclasses
+
+    accum = 3
+    training = dataclasses.replace(training, attn="eager", micro_batch_size=B, seq_len=S)
+    generated = _runs(_generated(llama_path, training, world, accum), True)
+    real = _runs(_in_fresh_process(_real_fsdp_events, training, world, accum), False)
+    _assert_same_runs(generated, real)
+
+
+@pytest.mark.parametrize("training, world", [
+    (TrainingSpec(precision="mixed_bf16"), 2),
     (TrainingSpec(precision="bf16", loop="manual"), 4),
     (TrainingSpec(precision="fp32", attn="eager", grad_ckpt=True), 2),
     (TrainingSpec(precision="bf16", lora_rank=8), 3),
+    (TrainingSpec(precision="mixed_bf16", grad_accum_steps=3), 2),
+    (TrainingSpec(precision="bf16", lora_rank=8, grad_accum_steps=2), 3),
 ])
 def test_fsdp_replayed_allocated_level_equals_the_estimate(llama_path, training, world):
     """The requested bytes alive at once in the replayed stream = the estimator's FSDP2 allocated peak + the
