@@ -174,6 +174,28 @@ def backfill_order(profile: dict, config: dict) -> None:
         profile["params"]["grad_order"] = grad_hook_order(model.model, table_model, model.layers, model.warm_step)
 
 
+def backfill_tp_grad_order(path: Path) -> bool:
+    """TP profiles traced before they recorded ``params.grad_order``: take the single-rank sibling's (the same
+    variant without ``_tpN``). Splitting the linears adds collectives to the graph but does not reorder when
+    backward finishes each parameter (fresh tiny-Llama traces agree, ``tests/estimator/test_reserved_fsdp.py``).
+    FSDP2 over a TP model (dp_tp) keeps each group's last gradient longest. True if changed."""
+    profile = json.loads(path.read_text())
+    if not profile.get("tp") or "grad_order" in profile["params"]:
+        return False
+    sibling = path.with_name(path.name.replace(f"_tp{profile['tp']}.json", ".json"))
+    if sibling == path or not sibling.exists():
+        return False
+    order = json.loads(sibling.read_text())["params"].get("grad_order")
+    names = {(None, row["name"]) for row in profile["params"]["non_layer"] if row.get("trainable", True)}
+    names |= {(0, row["name"]) for row in profile["params"]["per_layer"] if row.get("trainable", True)}
+    if order is None or not {(layer if layer is None else 0, name) for layer, name in order} <= names:
+        return False
+    profile["params"]["grad_order"] = order
+    profile.setdefault("provenance", {})["grad_order"] = f"from {sibling.name} (single-rank trace, same variant)"
+    save_profile(path.stem, profile, path.parent)
+    return True
+
+
 def backfill_buffers(path: Path) -> bool:
     """Profiles shipped before module buffers were recorded lack ``params.buffers``: add them from a meta-device
     build of the same shrunken model (buffers are created at construction; no trace needed). True if changed."""

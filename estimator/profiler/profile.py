@@ -581,8 +581,9 @@ def build_profile(config: dict, training: TrainingSpec, *, check: bool = True, t
         params = param_table(table_model, model.layers, PROFILE_LAYERS)
         if params.get("layers_differ") and tp <= 1 and not training.qlora:
             params["layer_kinds"] = full_depth_layer_kinds(config, training)
-        if tp <= 1:  # DeepSpeed ZeRO-1/2 reduces gradients in this order (ZeRO runs on the untouched model)
-            params["grad_order"] = grad_hook_order(model.model, table_model, model.layers, model.warm_step)
+        # DeepSpeed ZeRO-1/2 reduces gradients in this order (ZeRO runs on the untouched model); FSDP2's
+        # post-backward keeps a group's last gradient longest (dp_tp on a TP profile: estimator.reserved.fsdp)
+        params["grad_order"] = grad_hook_order(model.model, table_model, model.layers, model.warm_step)
         attn = build.effective_attn(model.base)
         del model
     import transformers

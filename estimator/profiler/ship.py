@@ -19,7 +19,7 @@ from pathlib import Path
 from estimator.models.arch import catalogue_models, resolve_arch
 from estimator.models.profiles import has_events, profile_key, save_profile
 from estimator.models.tp_plans import check_tp
-from estimator.profiler.carry import backfill_buffers, carry_over_file, variant_training
+from estimator.profiler.carry import backfill_buffers, backfill_tp_grad_order, carry_over_file, variant_training
 from estimator.spec import TrainingSpec
 
 # The spec's default, the same with checkpointing, the paper's setting, pure bf16, and fp16 for pre-Ampere GPUs.
@@ -44,7 +44,7 @@ def carry_over_shipped(directory: Path, *, events: bool = False, models: list[st
             continue
         started = time.perf_counter()
         if carry_over_file(path) and not (events and not has_events(json.loads(path.read_text()))):
-            how = "current or carried over"
+            how = "grad order from its sibling" if backfill_tp_grad_order(path) else "current or carried over"
         else:
             profile = json.loads(path.read_text())
             rebuilt = build_profile(resolve_arch(profile["model"]).config, variant_training(profile),
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             stale = args.events and path.exists() and not has_events(json.loads(path.read_text()))
             if path.exists() and carry_over_file(path) and not stale:
                 backfill_buffers(path)
+                backfill_tp_grad_order(path)
                 continue  # resume; an older schema is rebuilt
             started = time.perf_counter()
             profile = build_profile(arch.config, training, tp=tp)

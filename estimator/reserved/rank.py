@@ -14,7 +14,9 @@ from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocation
 # Each with gradient accumulation (estimator.reserved.accumulate): DDP under no_sync accumulates as one GPU does,
 # the buckets copied into only at the synchronising micro-step (no allocation); FSDP2 reduce-scatters every
 # micro-step, a later micro-step's output added into the sharded gradients and freed.
-METHODS = ("single", "ddp", "tp", "fsdp")
+# dp_tp: FSDP2 over the dp axis of the TP-local model (harness.fake.wrap), replayed as fsdp on dp ranks.
+METHODS = ("single", "ddp", "tp", "fsdp", "dp_tp")
+SHARDED = ("fsdp", "dp_tp")
 _EXPANSIONS: dict[tuple, tuple] = {}
 _FSDP_STEPS: dict[tuple, tuple] = {}
 _SETUPS: dict[tuple, tuple] = {}
@@ -52,6 +54,11 @@ def _fp32_copies(training, regime: dict) -> bool | None:
     return False if not any(any(poly) for poly in sixteen.values()) else None
 
 
+def _shard_world(spec) -> int:
+    """The ranks FSDP2 shards over: all of them, or dp_tp's dp axis."""
+    return spec.parallel.dp if spec.parallel.method == "dp_tp" else spec.parallel.world_size
+
+
 def alloc_conf(text: str | None):
     """The parsed ``PYTORCH_CUDA_ALLOC_CONF`` string (memoized; ``ValueError`` naming a bad option)."""
     key = text or ""
@@ -85,7 +92,7 @@ def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, 
             _SETUPS.clear()
         buffers = profile["params"].get("buffers") or {}
         buffer_bytes = (buffers.get("non_layer", 0), buffers.get("per_layer", 0))
-        if method == "fsdp":
+        if method in SHARDED:
             setup = fsdp_setup(table, buffer_bytes, num_layers, world, mixed)
         else:
             setup = setup_allocations(table, buffer_bytes, num_layers, method, mixed)
@@ -97,18 +104,18 @@ def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, 
 def _method_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo], num_layers: int,
                  base_size_index: int) -> tuple[Expansion, list[int]]:
     """The rank's step: the expansion itself, or FSDP2's (its buffers' sizes after ``base_size_index``)."""
-    if spec.parallel.method != "fsdp":
+    if spec.parallel.method not in SHARDED:
         return expansion, []
-    training = spec.training
-    key = (id(expansion), id(table), spec.parallel.world_size, training.precision, training.optimizer,
-           training.grad_ckpt, base_size_index)
+    training, world = spec.training, _shard_world(spec)
+    key = (id(expansion), id(table), world, training.precision, training.optimizer, training.grad_ckpt,
+           base_size_index)
     hit = _FSDP_STEPS.get(key)
     if hit is None or hit[0] is not expansion or hit[1] is not table:
         if len(_FSDP_STEPS) > 256:
             _FSDP_STEPS.clear()
         try:
-            built = fsdp_step(expansion, table, spec.parallel.world_size, training.precision, training.optimizer,
-                              base_size_index, num_layers, events["polys"], training.grad_ckpt)
+            built = fsdp_step(expansion, table, world, training.precision, training.optimizer, base_size_index,
+                              num_layers, events["polys"], training.grad_ckpt)
             hit = (expansion, table, (built.expansion, built.sizes))
         except ExpansionError as err:
             hit = (expansion, table, err)
@@ -155,7 +162,7 @@ def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[Para
     if not sequence:
         raise ExpansionError("sequence: no step of the spec's regime")
     setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"),
-                   spec.parallel.world_size)
+                   _shard_world(spec))
     conf = alloc_conf(conf_text)
     accum = training.grad_accum_steps
     capped = replay_sequence(setup, sequence, conf, allowed_bytes, empty_cache_every, accum)
@@ -177,7 +184,7 @@ def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], n
     plan = _plan(spec, events, expansion, table, num_layers, b, s, workspace_bytes=workspace_bytes,
                  workspaces=workspaces)
     setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"),
-                   spec.parallel.world_size)
+                   _shard_world(spec))
     conf = alloc_conf(conf_text)
     accum = training.grad_accum_steps
     capped = replay_rank(setup, plan, conf, allowed_bytes, accum=accum)

@@ -30,24 +30,31 @@ def llama_path(tmp_path_factory):
     return str(path)
 
 
-def _spec(path: str, training: TrainingSpec, world: int) -> RunSpec:
-    return RunSpec(model=path, training=training, parallel=ParallelSpec(method="fsdp", world_size=world))
+def _parallel(world: int, tp: int = 1) -> ParallelSpec:
+    """FSDP2 over ``world`` ranks, or (``tp`` > 1) over the dp axis of a dp x tp mesh (dp_tp)."""
+    if tp > 1:
+        return ParallelSpec(method="dp_tp", world_size=world, tp=tp)
+    return ParallelSpec(method="fsdp", world_size=world)
 
 
-def _plan_and_setup(path: str, training: TrainingSpec, world: int, workspaces: int = 0):
-    spec = _spec(path, training, world)
-    arch, profile = api.load_model_profile(path, training)
+def _spec(path: str, training: TrainingSpec, world: int, tp: int = 1) -> RunSpec:
+    return RunSpec(model=path, training=training, parallel=_parallel(world, tp))
+
+
+def _plan_and_setup(path: str, training: TrainingSpec, world: int, workspaces: int = 0, tp: int = 1):
+    spec = _spec(path, training, world, tp)
+    arch, profile = api.load_model_profile(path, training, tp)
     table, regime = api._param_table(profile, arch.num_layers), api._regime(profile, B, S)
     expansion = reserved_rank._expansion(regime["events"], arch.num_layers, training.loop)
     plan = reserved_rank._plan(spec, regime["events"], expansion, table, arch.num_layers, B, S,
                                workspace_bytes=8 << 20, workspaces=workspaces)
-    setup = reserved_rank._setup(profile, table, arch.num_layers, "fsdp", training.precision.startswith("mixed_"),
-                                 world)
+    setup = reserved_rank._setup(profile, table, arch.num_layers, spec.parallel.method,
+                                 training.precision.startswith("mixed_"), spec.parallel.dp)
     return plan, setup
 
 
-def _generated(path: str, training: TrainingSpec, world: int, accum: int = 1) -> list[tuple]:
-    plan, setup = _plan_and_setup(path, training, world)
+def _generated(path: str, training: TrainingSpec, world: int, accum: int = 1, tp: int = 1) -> list[tuple]:
+    plan, setup = _plan_and_setup(path, training, world, tp=tp)
     out = [("alloc", ("setup", i), n, 0) for i, (name, n) in enumerate(setup.allocations)
            if not name.startswith("buffers")]
     if accum == 1:
@@ -60,10 +67,12 @@ def _generated(path: str, training: TrainingSpec, world: int, accum: int = 1) ->
     return out
 
 
-def _real_fsdp_events(training: TrainingSpec, world: int, accum: int = 1) -> list[tuple[bool, object, int]]:
+def _real_fsdp_events(training: TrainingSpec, world: int, accum: int = 1, tp: int = 1
+                      ) -> list[tuple[bool, object, int]]:
     """Rank 0 of a real CPU run on the fake process group: the model built as ``harness.methods.base.
     build_sharded`` builds it (meta, ``fully_shard``, ``to_empty``; the shards are the setup), then ``STEPS``
-    steps of ``accum`` micro-batches each (each reduce-scatters, as the harness runs FSDP2). FSDP2 resizes the unsharded parameters' storages in place (``alloc_storage``/``free_storage``), which a
+    steps of ``accum`` micro-batches each (each reduce-scatters, as the harness runs FSDP2); ``tp`` > 1: dp_tp,
+    ``apply_tp`` over the mesh's tp axis first, as ``harness.fake.wrap.wrap_model`` does. FSDP2 resizes the unsharded parameters' storages in place (``alloc_storage``/``free_storage``), which a
     GPU serves as a new block and a free: recorded as such. Left out: module buffers, the parameters' own
     initialisation, DTensor's global-shape metadata propagation (fake tensors, never on a GPU), Adam's host-side
     step counters and zero-byte storages."""
@@ -75,10 +84,10 @@ def _real_fsdp_events(training: TrainingSpec, world: int, accum: int = 1) -> lis
     from estimator.profiler import build
     from estimator.profiler.fake_pg import fake_process_group, skip_dtensor_meta_propagation
     from estimator.profiler.trace import StorageRecorder
-    from harness.fake.wrap import apply_fsdp, build_method_optimizer, build_training, make_mesh
+    from harness.fake.wrap import build_method_optimizer, build_training, make_mesh, wrap_model
     from harness.methods.base import initialize_parameters, parameters_on_meta, retie, tied_parameter_names
 
-    spec = RunSpec(model="tiny", parallel=ParallelSpec(method="fsdp", world_size=world), training=training)
+    spec = RunSpec(model="tiny", parallel=_parallel(world, tp), training=training)
     rec = StorageRecorder()
     resized: dict[int, int] = {}
     next_id = [1 << 40]
@@ -114,7 +123,7 @@ def _real_fsdp_events(training: TrainingSpec, world: int, accum: int = 1) -> lis
             with parameters_on_meta():
                 model = build.build_model(LLAMA, build_training(spec), "cpu")
             host_buffers = dict(model.named_buffers())
-            model = apply_fsdp(model, mesh, training, "llama")
+            model = wrap_model(model, spec, mesh, LLAMA, fake=True)
             tied = tied_parameter_names(model)
             held = build.HeldOutputs(training.loop, training.outputs_fp32)
             with rec, skip_dtensor_meta_propagation(rec):
@@ -232,23 +241,49 @@ def test_gradient_accumulation_stream_equals_a_real_fsdp_run(llama_path, trainin
     _assert_same_runs(generated, real)
 
 
-@pytest.mark.parametrize("training, world", [
-    (TrainingSpec(precision="mixed_bf16"), 2),
-    (TrainingSpec(precision="bf16", loop="manual"), 4),
-    (TrainingSpec(precision="fp32", attn="eager", grad_ckpt=True), 2),
-    (TrainingSpec(precision="bf16", lora_rank=8), 3),
-    (TrainingSpec(precision="mixed_bf16", grad_accum_steps=3), 2),
-    (TrainingSpec(precision="bf16", lora_rank=8, grad_accum_steps=2), 3),
+@pytest.mark.parametrize("training, accum", [
+    (TrainingSpec(precision="mixed_bf16"), 1),
+    pytest.param(TrainingSpec(precision="bf16", lora_rank=8), 1, marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="bf16", grad_ckpt=True), 1, marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="bf16"), 2, marks=pytest.mark.slow),
+], ids=lambda v: str(v) if isinstance(v, int) else f"{v.precision}-lora{v.lora_rank}-ckpt{int(v.grad_ckpt)}")
+def test_dp_tp_stream_equals_a_real_run(llama_path, training, accum):
+    """dp_tp on 2 x 2 ranks: FSDP2 over the dp axis of the TP-local model, replayed as FSDP2 on the TP profile
+    (whose gradient order says which of a group's gradients the post-backward keeps longest)."""
+    import dataclasses
+
+    training = dataclasses.replace(training, attn="eager", micro_batch_size=B, seq_len=S)
+    generated = _runs(_generated(llama_path, training, 4, accum, tp=2), True)
+    real = _runs(_in_fresh_process(_real_fsdp_events, training, 4, accum, 2), False)
+    _assert_same_runs(generated, real)
+
+
+def test_tp_profiles_keep_the_single_rank_gradient_order(llama_path):
+    """What ``carry.backfill_tp_grad_order`` relies on: splitting the linears does not reorder backward."""
+    training = TrainingSpec(precision="mixed_bf16", attn="eager", micro_batch_size=B, seq_len=S)
+    orders = [api.load_model_profile(llama_path, training, tp)[1]["params"]["grad_order"] for tp in (1, 2)]
+    assert orders[0] == orders[1] and len(orders[0]) == 3 + 9 * 3  # embedding, norm, head; 9 per layer
+
+
+@pytest.mark.parametrize("training, world, tp", [
+    (TrainingSpec(precision="mixed_bf16"), 2, 1),
+    (TrainingSpec(precision="bf16", loop="manual"), 4, 1),
+    (TrainingSpec(precision="fp32", attn="eager", grad_ckpt=True), 2, 1),
+    (TrainingSpec(precision="bf16", lora_rank=8), 3, 1),
+    (TrainingSpec(precision="mixed_bf16", grad_accum_steps=3), 2, 1),
+    (TrainingSpec(precision="bf16", lora_rank=8, grad_accum_steps=2), 3, 1),
+    (TrainingSpec(precision="mixed_bf16"), 6, 2),  # dp_tp: 3 x 2, padded shards
+    (TrainingSpec(precision="bf16", loop="manual", grad_accum_steps=2), 8, 2),
 ])
-def test_fsdp_replayed_allocated_level_equals_the_estimate(llama_path, training, world):
+def test_fsdp_replayed_allocated_level_equals_the_estimate(llama_path, training, world, tp):
     """The requested bytes alive at once in the replayed stream = the estimator's FSDP2 allocated peak + the
     batch, to the byte; the reserved level is the replay's."""
     import dataclasses
 
     training = dataclasses.replace(training, micro_batch_size=B, seq_len=S)
-    spec = _spec(llama_path, training, world)
+    spec = _spec(llama_path, training, world, tp)
     est = api.estimate(spec, alloc_conf="")
-    arch, profile = api.load_model_profile(llama_path, training)
+    arch, profile = api.load_model_profile(llama_path, training, tp)
     coeffs = load_coefficients(est.gpu_key)
     replayed = reserved_rank.replay_reserved(spec, profile, api._regime(profile, B, S),
                                              api._param_table(profile, arch.num_layers), arch.num_layers,
