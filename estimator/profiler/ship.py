@@ -19,7 +19,12 @@ from pathlib import Path
 from estimator.models.arch import catalogue_models, resolve_arch
 from estimator.models.profiles import has_events, profile_key, save_profile
 from estimator.models.tp_plans import check_tp
-from estimator.profiler.carry import backfill_buffers, backfill_tp_grad_order, carry_over_file, variant_training
+from estimator.profiler.carry import (
+    backfill_buffers,
+    backfill_tp_grad_order,
+    carry_over_file,
+    variant_training,
+)
 from estimator.spec import TrainingSpec
 
 # The spec's default, the same with checkpointing, the paper's setting, pure bf16, and fp16 for pre-Ampere GPUs.

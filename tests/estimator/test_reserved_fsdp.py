@@ -11,9 +11,9 @@ pytest.importorskip("torch")
 from estimator import api  # noqa: E402
 from estimator.hardware.residuals import load_coefficients  # noqa: E402
 from estimator.reserved import rank as reserved_rank  # noqa: E402
+from estimator.reserved.accumulate import micro_steps  # noqa: E402
 from estimator.reserved.expand import ALLOC, stream_of  # noqa: E402
 from estimator.reserved.fsdp import ALL_GATHER, REDUCE_SCATTER, shard_numel  # noqa: E402
-from estimator.reserved.accumulate import micro_steps  # noqa: E402
 from estimator.reserved.timeline import INT64, micro_step_requests, step_requests  # noqa: E402
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
 
