@@ -667,14 +667,15 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
 
 def _expandable_notes(ctx: _Context, result: Plan, alloc_conf: str) -> list[str]:
     """Layouts that do not fit at micro-batch 1 but would with ``expandable_segments:True`` (the reserved replay
-    without the fragmentation of fixed segments)."""
+    without the fragmentation of fixed segments) and would then beat the recommendation: a layout slower at
+    micro-batch 1 than the best one that fits changes nothing, and is not replayed."""
     if "expandable_segments" in alloc_conf.replace(" ", ""):
         return []
     conf = ",".join(x for x in (alloc_conf, "expandable_segments:True") if x)
     estimate = _default_estimate(allow_build=False, alloc_conf=conf)
     rescued = []
     for res in result.results:
-        if res.status != "oom":
+        if res.status != "oom" or not _could_beat(ctx, res.candidate, result):
             continue
         try:
             est = estimate(ctx.spec(res.candidate, 1))
@@ -685,6 +686,17 @@ def _expandable_notes(ctx: _Context, result: Plan, alloc_conf: str) -> list[str]
     if not rescued:
         return []
     return [f"PYTORCH_CUDA_ALLOC_CONF={conf} makes {', '.join(rescued)} fit at micro-batch 1 (reserved replay)"]
+
+
+def _could_beat(ctx: _Context, cand: Candidate, result: Plan) -> bool:
+    """Whether ``cand`` at micro-batch 1 would be faster than the recommended layout (True when none fits)."""
+    if result.best is None:
+        return True
+    accum = 1 if result.global_batch is None else max(result.global_batch // cand.dp, 1)
+    try:
+        return ctx.step_time(cand, 1, accum).tokens_per_s > result.best.tokens_per_s
+    except ValueError:
+        return False
 
 
 def _raise_if_all_invalid(results: list[CandidateResult], global_batch: int | None) -> None:

@@ -552,3 +552,28 @@ def test_cli_bad_inputs_are_one_line_exit_2(capsys):
             main(["--model", MODEL, "--gpu", GPU.key, *argv])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, argv
+
+
+def test_expandable_note_names_only_layouts_that_could_beat_the_recommendation(monkeypatch):
+    """A layout out of memory at micro-batch 1 is replayed with expandable segments only when, fitting, it would
+    be faster than the recommended layout; nothing fitting, every one is."""
+    fast, slow = P.Candidate("zero2", 4, 1), P.Candidate("zero3", 4, 1)
+    speed = {fast: 200.0, slow: 50.0}
+    asked = []
+
+    def estimate(spec):
+        asked.append(spec)
+        return SimpleNamespace(reserved_source="replayed", fits=True)
+
+    monkeypatch.setattr(P, "_default_estimate", lambda **kw: estimate)
+    ctx = SimpleNamespace(spec=lambda cand, mb: cand,
+                          step_time=lambda cand, mb, accum: SimpleNamespace(tokens_per_s=speed[cand]))
+    best = P.CandidateResult(P.Candidate("fsdp", 4, 1), time=SimpleNamespace(tokens_per_s=100.0))
+    results = [best, P.CandidateResult(fast, status="oom"), P.CandidateResult(slow, status="oom")]
+    result = SimpleNamespace(results=results, best=best, global_batch=None)
+    notes = P._expandable_notes(ctx, result, "")
+    assert asked == [fast] and len(notes) == 1 and fast.label in notes[0] and slow.label not in notes[0]
+    assert "expandable_segments:True" in notes[0]
+    asked.clear()
+    result.best = None
+    assert "zero3" in P._expandable_notes(ctx, result, "")[0] and asked == [fast, slow]
