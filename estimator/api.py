@@ -250,7 +250,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     breakdown = {k: int(round(parts.get(k, 0.0))) for k in COMPONENTS if parts.get(k)}
     allocated = int(round(max(fb_total, step_total) + workspace))
     communicators = 0 if spec.parallel.world_size == 1 else (2 if spec.parallel.method == "dp_tp" else 1)
-    replayed = _replayed(spec, arch, profile, table, coeffs, regime, communicators, alloc_conf, sequence)
+    replayed = _replayed(spec, arch, profile, table, coeffs, regime, communicators, alloc_conf, sequence, rank)
     if replayed is None:
         reserved = residuals.reserved_from_allocated(allocated, coeffs)
         allocator_fields = {}
@@ -266,7 +266,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
 
 
 def _replayed(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, regime: dict,
-              communicators: int, alloc_conf: str | None, sequence: StepSequence | None = None):
+              communicators: int, alloc_conf: str | None, sequence: StepSequence | None = None, rank: int = 0):
     """This rank's reserved peak replayed through the caching-allocator model, or None where the prior stands
     (``estimator.reserved.rank.why_not``). The allocator may use the GPU's memory less the CUDA context and the
     NCCL buffers. ``sequence``: the steps' shapes in order (an epoch of mixed batch shapes), not identical
@@ -279,7 +279,7 @@ def _replayed(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs
     capacity = get_gpu(spec.gpu).capacity_bytes
     allowed = capacity - coeffs.cuda_context_bytes - communicators * coeffs.nccl_bytes_per_communicator
     options = dict(workspace_bytes=coeffs.cublas_workspace_bytes, workspaces=coeffs.cublas_workspaces,
-                   allowed_bytes=max(allowed, 0), conf_text=alloc_conf)
+                   allowed_bytes=max(allowed, 0), conf_text=alloc_conf, rank=rank)
     try:
         if sequence is not None:
             return replay_reserved_sequence(spec, profile, regime, table, arch.num_layers, list(sequence.shapes),

@@ -5,9 +5,11 @@ sizes and replay."""
 from __future__ import annotations
 
 from estimator.allocator import parse_alloc_conf
+from estimator.methods.fsdp1 import fsdp1_sizes
 from estimator.models.params import ParamInfo
 from estimator.reserved.expand import Expansion, ExpansionError, expand, step_sizes
 from estimator.reserved.fsdp import fsdp_setup, fsdp_step
+from estimator.reserved.fsdp1 import fsdp1_setup, fsdp1_step, why_not_fsdp1
 from estimator.reserved.replay import ReservedReplay, replay_rank, replay_sequence
 from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocations
 
@@ -15,7 +17,8 @@ from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocation
 # the buckets copied into only at the synchronising micro-step (no allocation); FSDP2 reduce-scatters every
 # micro-step, a later micro-step's output added into the sharded gradients and freed.
 # dp_tp: FSDP2 over the dp axis of the TP-local model (harness.fake.wrap), replayed as fsdp on dp ranks.
-METHODS = ("single", "ddp", "tp", "fsdp", "dp_tp")
+# fsdp1: FULL_SHARD with the default prefetching and use_orig_params (estimator.reserved.fsdp1), no accumulation.
+METHODS = ("single", "ddp", "tp", "fsdp", "dp_tp", "fsdp1")
 SHARDED = ("fsdp", "dp_tp")
 _EXPANSIONS: dict[tuple, tuple] = {}
 _FSDP_STEPS: dict[tuple, tuple] = {}
@@ -34,8 +37,14 @@ def why_not(spec, regime: dict, num_layers: int) -> str | None:
         return "the profile has no event list (traced before event lists were kept)"
     if events.get("optimizer") != training.optimizer:
         return f"the profile's optimizer step was traced with {events.get('optimizer')}, not {training.optimizer}"
-    if spec.parallel.method == "fsdp" and spec.parallel.world_size < 2:
-        return "fsdp on one GPU: no collectives (FSDP2 copies the shards in place)"
+    if spec.parallel.method in ("fsdp", "fsdp1") and spec.parallel.world_size < 2:
+        return f"{spec.parallel.method} on one GPU: no collectives"
+    if spec.parallel.method == "fsdp1":
+        reason = why_not_fsdp1(spec.parallel.fsdp1)
+        if reason is None and training.grad_accum_steps > 1:
+            reason = "fsdp1 with gradient accumulation: not modelled yet"
+        if reason is not None:
+            return reason
     if num_layers < 2:
         return "a 1-layer model has no generic layer to repeat"
     if _fp32_copies(training, regime) is None:
@@ -83,9 +92,11 @@ def _expansion(events: dict, num_layers: int, loop: str, fp32_copies: bool = Fal
     return hit[1]
 
 
-def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, mixed: bool, world: int = 1
-           ) -> Setup:
-    key = (id(profile), id(table), num_layers, method, mixed, world)
+def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, mixed: bool, world: int = 1,
+           spec=None) -> Setup:
+    """``spec``: needed for fsdp1 (its unit sizes)."""
+    fsdp1_options = (spec.parallel.fsdp1, spec.training.precision) if method == "fsdp1" else None
+    key = (id(profile), id(table), num_layers, method, mixed, world, fsdp1_options)
     hit = _SETUPS.get(key)
     if hit is None or hit[0] is not table:
         if len(_SETUPS) > 256:
@@ -94,6 +105,8 @@ def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, 
         buffer_bytes = (buffers.get("non_layer", 0), buffers.get("per_layer", 0))
         if method in SHARDED:
             setup = fsdp_setup(table, buffer_bytes, num_layers, world, mixed)
+        elif method == "fsdp1":
+            setup = fsdp1_setup(table, buffer_bytes, num_layers, fsdp1_sizes(spec, table))
         else:
             setup = setup_allocations(table, buffer_bytes, num_layers, method, mixed)
         hit = (table, setup)
@@ -102,8 +115,11 @@ def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, 
 
 
 def _method_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo], num_layers: int,
-                 base_size_index: int) -> tuple[Expansion, list[int]]:
-    """The rank's step: the expansion itself, or FSDP2's (its buffers' sizes after ``base_size_index``)."""
+                 base_size_index: int, rank: int = 0) -> tuple[Expansion, list[int]]:
+    """The rank's step: the expansion itself, or FSDP2's / FSDP1's (their buffers' sizes after
+    ``base_size_index``)."""
+    if spec.parallel.method == "fsdp1":
+        return _fsdp1_step(spec, events, expansion, table, num_layers, base_size_index, rank)
     if spec.parallel.method not in SHARDED:
         return expansion, []
     training, world = spec.training, _shard_world(spec)
@@ -125,11 +141,32 @@ def _method_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo
     return hit[2]
 
 
+def _fsdp1_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo], num_layers: int,
+                base_size_index: int, rank: int) -> tuple[Expansion, list[int]]:
+    training = spec.training
+    key = ("fsdp1", id(expansion), id(table), spec.parallel.world_size, spec.parallel.fsdp1, training.precision,
+           training.optimizer, base_size_index, rank)
+    hit = _FSDP_STEPS.get(key)
+    if hit is None or hit[0] is not expansion or hit[1] is not table:
+        if len(_FSDP_STEPS) > 256:
+            _FSDP_STEPS.clear()
+        try:
+            built = fsdp1_step(expansion, table, fsdp1_sizes(spec, table, rank), training.optimizer, rank,
+                               base_size_index, num_layers, events["polys"])
+            hit = (expansion, table, (built.expansion, built.sizes))
+        except ExpansionError as err:
+            hit = (expansion, table, err)
+        _FSDP_STEPS[key] = hit
+    if isinstance(hit[2], ExpansionError):
+        raise hit[2]
+    return hit[2]
+
+
 def _plan(spec, events: dict, expansion: Expansion, table: list[ParamInfo], num_layers: int, b: int, s: int, *,
-          workspace_bytes: int, workspaces: int) -> StepPlan:
+          workspace_bytes: int, workspaces: int, rank: int = 0) -> StepPlan:
     sizes = step_sizes(events["polys"], b, s)
     sizes += [2 * sizes[poly] for poly in expansion.copy_of]  # an fp32 copy of a 16-bit tensor
-    step, extra = _method_step(spec, events, expansion, table, num_layers, len(sizes))
+    step, extra = _method_step(spec, events, expansion, table, num_layers, len(sizes), rank)
     return StepPlan(expansion=step, sizes=sizes + extra, batch_bytes=b * s * INT64, workspace_bytes=workspace_bytes,
                     workspaces=workspaces)
 
@@ -142,7 +179,7 @@ def in_regime(regime: dict, b: int, s: int) -> bool:
 def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[ParamInfo], num_layers: int,
                              shapes: list[tuple[int, int]], *, workspace_bytes: int, workspaces: int,
                              allowed_bytes: int | None, conf_text: str | None,
-                             empty_cache_every: int | None = None) -> ReservedReplay:
+                             empty_cache_every: int | None = None, rank: int = 0) -> ReservedReplay:
     """Steps of the (micro-batch, sequence) ``shapes`` in order, each at its own sizes, through one allocator
     (``replay_sequence``). Every step runs the spec's regime's events: shapes of another regime (a micro-batch of
     1 where the spec's has more rows: an epoch's last, short batch) are left out. The run's need is reported
@@ -157,12 +194,12 @@ def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[Para
             continue
         if (b, s) not in plans:
             plans[b, s] = _plan(spec, events, expansion, table, num_layers, b, s, workspace_bytes=workspace_bytes,
-                                workspaces=workspaces)
+                                workspaces=workspaces, rank=rank)
         sequence.append(plans[b, s])
     if not sequence:
         raise ExpansionError("sequence: no step of the spec's regime")
     setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"),
-                   _shard_world(spec))
+                   _shard_world(spec), spec)
     conf = alloc_conf(conf_text)
     accum = training.grad_accum_steps
     capped = replay_sequence(setup, sequence, conf, allowed_bytes, empty_cache_every, accum)
@@ -173,8 +210,8 @@ def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[Para
 
 
 def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], num_layers: int, *,
-                    workspace_bytes: int, workspaces: int, allowed_bytes: int | None, conf_text: str | None
-                    ) -> ReservedReplay:
+                    workspace_bytes: int, workspaces: int, allowed_bytes: int | None, conf_text: str | None,
+                    rank: int = 0) -> ReservedReplay:
     """Replay the rank under ``allowed_bytes``; when it runs out there, replay without the cap too, so the
     reserved peak reported is what the run would need (``oom`` stays set). ExpansionError: no replay."""
     training = spec.training
@@ -182,9 +219,9 @@ def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], n
     events = regime["events"]
     expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)))
     plan = _plan(spec, events, expansion, table, num_layers, b, s, workspace_bytes=workspace_bytes,
-                 workspaces=workspaces)
+                 workspaces=workspaces, rank=rank)
     setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"),
-                   _shard_world(spec))
+                   _shard_world(spec), spec)
     conf = alloc_conf(conf_text)
     accum = training.grad_accum_steps
     capped = replay_rank(setup, plan, conf, allowed_bytes, accum=accum)

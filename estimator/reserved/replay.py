@@ -169,7 +169,12 @@ class _Run:
         self.previous_state: tuple | None = None
 
     def setup(self, setup: Setup) -> None:
-        self.run([(_NEW_SETUP, i, nbytes) for i, (_name, nbytes) in enumerate(setup.allocations)], [], [])
+        frees = dict(setup.frees_after)
+        ops = []
+        for i, (_name, nbytes) in enumerate(setup.allocations):
+            ops.append((_NEW_SETUP, i, nbytes))
+            ops.extend((_FREE_SETUP, j, setup.allocations[j][1]) for j in frees.get(i, ()))
+        self.run(ops, [], [])
 
     def repeats(self, index: int) -> bool:
         """After step (or cycle) ``index``: whether it repeated the previous one's reserved peak and segments (the

@@ -35,6 +35,8 @@ class Setup:
     rebuilt_buckets: list[int]
     # indices into ``allocations`` of the buckets the rebuild frees
     bucket_indices: list[int]
+    # (i, indices): right after allocation i, these earlier allocations are freed (FSDP1's flattening)
+    frees_after: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 def model_order(table: list[ParamInfo]) -> list[ParamInfo]:

@@ -1,0 +1,369 @@
+"""An FSDP1 rank's step as the caching allocator sees it: the single-GPU step at full depth
+(``estimator.reserved.expand``) with FSDP1's flat-parameter buffers added at the unit boundaries, on FSDP1's
+streams.
+
+``FullyShardedDataParallel`` per decoder layer, then the root (everything else), as ``estimator.methods.fsdp1``
+sizes it (its allocated peak is what this replay reproduces, tensor by tensor). Read off torch 2.13
+(``torch/distributed/fsdp/_runtime_utils.py``, ``_flat_param.py``) and checked against a real CPU run on the fake
+process group, event for event (``tests/estimator/test_reserved_fsdp1.py``). Per unit:
+
+* setup, in wrap order (layers, then the root): each tensor moved to the device, the flat parameter
+  concatenated (``flatten_tensors``), the rank's shard cloned, the moved tensors and the full flat parameter
+  freed; the first forward's lazy init then allocates and frees, per unit (root first), the 16-bit shard copy
+  (mixed precision), the padded unsharded buffer and (mixed precision) its full-precision twin;
+* ``_unshard``: the 16-bit copy of the shard on the pre-unshard stream (mixed precision), the padded unsharded
+  flat parameter on the unshard stream, the copy freed (``record_stream`` on the unshard stream);
+* reshard (FULL_SHARD: after forward and after backward): the unsharded flat parameter freed (``record_stream``
+  on the default stream);
+* post-backward: autograd concatenates the unit's gradients into the flat gradient (compute dtype, default
+  stream) and frees them; the hook reshards, then on the post-backward stream casts the flat gradient to the
+  reduce dtype, pads it when the flat size does not divide, allocates the new shard (``_saved_grad_shard``) and
+  frees the cast, the padding and the flat gradient (``record_stream`` onto the post-backward stream);
+* ``use_orig_params``: the optimizer steps each tensor's piece of the shard (``foreach`` AdamW: its states on
+  the first step, one ``sqrt`` temporary per piece, freed last to first); ``zero_grad`` frees nothing (the
+  tensors' gradients view the flat gradient), the next forward's root pre-forward drops the flat gradients.
+
+BACKWARD_PRE prefetching: the root's pre-backward unshards the last layer; each layer's pre-backward the one
+before it. Frees made with ``record_stream`` are taken as complete at the next allocation (the GPU keeping up
+with the CPU); ``limit_all_gathers`` bounds how far ahead it can run (docs/allocator.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from estimator.methods.fsdp1 import FlatUnit, Fsdp1Sizes
+from estimator.models.params import ParamInfo
+from estimator.reserved.expand import (
+    ALLOC,
+    FREE,
+    FREE_PREVIOUS,
+    Expansion,
+    ExpansionError,
+    StepEvents,
+    alloc_on,
+    check_step,
+)
+from estimator.reserved.fsdp import OPTIMIZERS, Tensor, _Builder, _engine_start, _grads_by_group
+from estimator.reserved.timeline import Setup, model_order
+
+DEFAULT, PRE_UNSHARD, UNSHARD, POST_BACKWARD = 0, 3, 4, 5  # allocator streams (FSDP2's are 1 and 2)
+FP32 = 4
+
+
+def why_not_fsdp1(options) -> str | None:
+    """The FSDP1 settings this replay follows (None), or what it does not model yet."""
+    if options.sharding_strategy != "FULL_SHARD":
+        return f"fsdp1 {options.sharding_strategy}: only FULL_SHARD's streams are modelled yet"
+    if options.cpu_offload:
+        return "fsdp1 with CPU offload: not modelled yet"
+    if not options.use_orig_params:
+        return "fsdp1 without use_orig_params: its flat-parameter optimizer step is not modelled yet"
+    if options.backward_prefetch != "BACKWARD_PRE" or options.forward_prefetch:
+        return "fsdp1: only the default prefetching (BACKWARD_PRE, no forward prefetch) is modelled yet"
+    return None
+
+
+@dataclass(frozen=True)
+class _Unit:
+    params: list[ParamInfo]   # registration order (the flat parameter's)
+    flat: FlatUnit
+    mixed: bool
+    paddings: tuple[int, ...]  # padding segments' elements, flat order
+
+    @property
+    def mp_bytes(self) -> int:
+        return self.flat.shard_numel * self.flat.compute_elem if self.mixed else 0
+
+    @property
+    def unsharded_bytes(self) -> int:
+        return self.flat.shard_numel * self.flat.world * self.flat.compute_elem
+
+
+def local_pieces(params: list[ParamInfo], flat: FlatUnit, rank: int, aligned: bool) -> list[int]:
+    """Elements of each tensor inside ``rank``'s shard, in registration order (the flat layout of
+    ``methods.fsdp1.flat_unit``: with ``use_orig_params`` each tensor starts 16-byte aligned)."""
+    align = 16 // flat.compute_elem if aligned else 0
+    lo, hi = rank * flat.shard_numel, (rank + 1) * flat.shard_numel
+    out, total = [], 0
+    for p in params:
+        if align and total % align:
+            total += align - total % align
+        out.append(max(0, min(total + p.numel, hi) - max(total, lo)))
+        total += p.numel
+    return out
+
+
+def padding_numels(params: list[ParamInfo], flat: FlatUnit, aligned: bool) -> list[int]:
+    """The flat parameter's padding segments in order: before each tensor to its 16-byte alignment, and at the
+    end to a multiple of the shard group (``use_orig_params``; ``_init_flat_param_and_metadata``)."""
+    if not aligned:
+        return []
+    align = 16 // flat.compute_elem
+    out, total = [], 0
+    for p in params:
+        if total % align:
+            out.append(align - total % align)
+            total += out[-1]
+        total += p.numel
+    if total % flat.world:
+        out.append(flat.world - total % flat.world)
+    return out
+
+
+def _units(table: list[ParamInfo], num_layers: int, sizes: Fsdp1Sizes) -> dict:
+    """Unit -> _Unit: every decoder layer (its tensors in table order) and the root (the rest, registration
+    order)."""
+    aligned = sizes.options.use_orig_params
+
+    def unit(params: list[ParamInfo], flat: FlatUnit) -> _Unit:
+        return _Unit(params, flat, sizes.mixed, tuple(padding_numels(params, flat, aligned)))
+    units = {"root": unit([p for p in model_order(table) if p.layer is None], sizes.root)}
+    for layer in range(num_layers):
+        units[layer] = unit([p for p in table if p.layer == layer], sizes.layer)
+    return units
+
+
+def fsdp1_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: int, sizes: Fsdp1Sizes) -> Setup:
+    """Per unit in wrap order (layers, then the root): its tensors moved, the flat parameter, the shard; the moved
+    tensors and the full flat parameter freed. Then the module buffers."""
+    allocations: list[tuple[str, int]] = []
+    frees: list[tuple[int, tuple[int, ...]]] = []
+    units = _units(table, num_layers, sizes)
+    for name in [*range(num_layers), "root"]:
+        unit = units[name]
+        elem = unit.flat.param_elem
+        first = len(allocations)
+        allocations.extend((f"moved.{p.name}", p.numel * elem) for p in unit.params)
+        paddings = []
+        for n in unit.paddings:  # ones(n) * a magic value: the ones go at once
+            allocations.extend([(f"padding_ones.{name}", n * elem), (f"padding.{name}", n * elem)])
+            frees.append((len(allocations) - 1, (len(allocations) - 2,)))
+            paddings.append(len(allocations) - 1)
+        allocations.append((f"flat.{name}", unit.flat.numel * elem))
+        frees.append((len(allocations) - 1, tuple(paddings)))  # the list that held them goes after the cat
+        allocations.append((f"shard.{name}", unit.flat.shard_numel * elem))
+        frees.append((len(allocations) - 1, (*range(first, first + len(unit.params)), len(allocations) - 2)))
+    non_layer, per_layer = buffers
+    if per_layer:
+        allocations.extend((f"buffers.{layer}", per_layer) for layer in range(num_layers))
+    if non_layer:
+        allocations.append(("buffers", non_layer))
+    return Setup(allocations, [], [], frees_after=tuple(frees))
+
+
+class _Step:
+    """One step's FSDP1 tensors and the ops that make and free them."""
+
+    def __init__(self, build: _Builder, units: dict, grads: dict, first: bool, optimizer: str) -> None:
+        self.build, self.units, self.grads = build, units, grads
+        self.first, self.optimizer = first, optimizer
+        self.unsharded: dict = {}      # unit -> padded unsharded flat parameter
+        self.grad_shards: dict = {}    # unit -> new shard (the sharded gradient)
+
+    def _alloc(self, out: list, nbytes: int, stream: int = DEFAULT) -> Tensor:
+        tensor = self.build.tensor(nbytes)
+        out.append((ALLOC if stream == DEFAULT else alloc_on(stream), tensor.key, tensor.size_index))
+        return tensor
+
+    @staticmethod
+    def _free(out: list, tensor: Tensor) -> None:
+        out.append((FREE, tensor.key, tensor.size_index))
+
+    def unshard(self, out: list, g) -> None:
+        unit = self.units[g]
+        copy = self._alloc(out, unit.mp_bytes, PRE_UNSHARD) if unit.mp_bytes else None
+        self.unsharded[g] = self._alloc(out, unit.unsharded_bytes, UNSHARD)
+        if copy is not None:
+            self._free(out, copy)
+
+    def reshard(self, out: list, g) -> None:
+        self._free(out, self.unsharded.pop(g))
+
+    def post_backward(self, out: list, g) -> None:
+        unit, flat = self.units[g], self.units[g].flat
+        if not flat.trainable:
+            self.reshard(out, g)
+            return
+        # the split's backward fills the padding segments (no gradient) with zeros before it concatenates
+        zeros = [self._alloc(out, n * flat.compute_elem) for n in unit.paddings]
+        flat_grad = self._alloc(out, flat.numel * flat.compute_elem)
+        for key, size_index in self.grads.get(g, []):
+            out.append((FREE, key, size_index))
+        for tensor in zeros:
+            self._free(out, tensor)
+        self.reshard(out, g)
+        temps = []
+        if flat.reduce_elem != flat.compute_elem:
+            temps.append(self._alloc(out, flat.numel * flat.reduce_elem, POST_BACKWARD))
+        padded = flat.shard_numel * flat.world
+        if padded > flat.numel:
+            temps.append(self._alloc(out, padded * flat.reduce_elem, POST_BACKWARD))
+        shard = self._alloc(out, flat.shard_numel * flat.reduce_elem, POST_BACKWARD)
+        if flat.param_elem != flat.reduce_elem:  # cast to the parameters' dtype: a new tensor
+            kept = self._alloc(out, flat.shard_numel * flat.param_elem, POST_BACKWARD)
+            self._free(out, shard)
+            shard = kept
+        self.grad_shards[g] = shard
+        for tensor in [*reversed(temps), flat_grad]:
+            self._free(out, tensor)
+
+    def lazy_init(self, out: list, order: list) -> None:
+        """The first forward's ``init_flat_param_attributes``: buffers allocated and freed once per unit."""
+        for g in order:
+            unit = self.units[g]
+            sizes = [unit.mp_bytes, unit.unsharded_bytes]
+            if unit.mixed:
+                sizes.append(unit.flat.shard_numel * unit.flat.world * unit.flat.param_elem)
+            for nbytes in sizes:
+                if nbytes:
+                    self._free(out, self._alloc(out, nbytes))
+
+    def optimizer_step(self, out: list, pieces: list[int]) -> None:
+        """``foreach`` AdamW over the tensors' pieces of the shards (``pieces``: bytes, parameter order)."""
+        if self.first and self.optimizer in ("adamw", "adamw_fused"):
+            for nbytes in pieces:
+                self._alloc(out, nbytes)
+                self._alloc(out, nbytes)
+        if self.optimizer == "adamw":
+            temps = [self._alloc(out, nbytes) for nbytes in pieces]
+            for tensor in reversed(temps):
+                self._free(out, tensor)
+
+
+def _boundary(step: _Step, out: list, name: str, layer: int | None, num_layers: int, prefix_at: list) -> None:
+    """FSDP1's events at the start of a segment instance (``methods.fsdp1._schedule``, tensor by tensor)."""
+    last = num_layers - 1
+    if name == "prefix":
+        prefix_at.append(len(out))  # the root's pre-forward: lazy init (first step), previous shards freed
+        step.unshard(out, "root")
+    elif name == "fw_first":
+        step.unshard(out, 0)
+    elif name in ("fw", "fw_last"):
+        step.reshard(out, layer - 1)
+        step.unshard(out, layer)
+    elif name == "mid_fw":
+        step.reshard(out, last)
+    elif name == "mid_bw":
+        pass
+    elif name == "engine_start":  # the root's pre-backward prefetches the last layer
+        step.unshard(out, last)
+    elif name in ("bw_first", "bw", "bw_last"):
+        if layer != last:
+            step.post_backward(out, layer + 1)
+        if layer > 0:
+            step.unshard(out, layer - 1)
+    elif name == "suffix":
+        step.post_backward(out, 0)
+    else:
+        raise ExpansionError(f"fsdp1: no boundary events for segment {name!r}")
+
+
+def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, units: dict, table: list,
+              optimizer: str, first: bool, num_layers: int, scalar: set[int], pieces: list[int]
+              ) -> tuple[list, dict[int, int], tuple[int, int], list, int]:
+    """The FSDP1 step's ops, where each old op index went, where its optimizer part begins (before and after the
+    loss is freed),
+    the gradient shards (the next step's root pre-forward frees them) and where the root's pre-forward begins."""
+    grads = {g: list(keys) for g, keys in _grads_by_group(expansion, ops, table).items()}
+    step = _Step(build, units, grads, first, optimizer)
+    grad_keys = expansion.grad_keys
+    cut = next(at for name, _layer, at in marks if name == "optimizer_pre")
+    at_mark: dict[int, list] = {}
+    seed = None
+    for name, layer, at in marks:
+        if name not in ("optimizer_pre", "optimizer"):
+            at_mark.setdefault(at, []).append((name, layer))
+        if name == "mid_bw":
+            start = _engine_start(ops, at, scalar)
+            at_mark.setdefault(start, []).append(("engine_start", None))
+            seed = ops[start - 1] if start > at else None
+    out: list = []
+    moved: dict[int, int] = {}
+    prefix_at: list = []
+    seed_free = None
+    for index, op in enumerate(ops[:cut]):
+        for name, layer in at_mark.get(index, ()):
+            _boundary(step, out, name, layer, num_layers, prefix_at)
+        moved[index] = len(out)
+        if op[0] == FREE and op[1] in grad_keys:  # gradients go at their unit's post-backward
+            continue
+        if seed is not None and op[0] == FREE and op[1] == seed[1]:
+            seed_free = op  # held until the root's post-backward, backward's last hook
+            continue
+        out.append(op)
+    for name, layer in at_mark.get(cut, ()):
+        _boundary(step, out, name, layer, num_layers, prefix_at)
+    step.post_backward(out, "root")
+    if seed_free is not None:
+        out.append(seed_free)
+    optimizer_at = moved[cut] = len(out)
+    made = {op[1] for op in ops[:cut] if op[0] == ALLOC}
+    out.extend(op for op in ops[cut:] if op[0] == FREE and op[1] in made and op[1] not in grad_keys)
+    loss_freed_at = len(out)
+    step.optimizer_step(out, pieces)
+    if step.unsharded:
+        raise ExpansionError("fsdp1: unsharded flat parameters left at the end of the step")
+    shards = [step.grad_shards[g] for g in ["root", *range(num_layers)] if g in step.grad_shards]
+    return out, moved, (optimizer_at, loss_freed_at), shards, prefix_at[0]
+
+
+@dataclass(frozen=True)
+class Fsdp1Step:
+    expansion: Expansion
+    sizes: list[int]  # bytes of the FSDP1 tensors, size indices ``base`` + j
+
+
+def _shifted(moved: dict[int, int], at: int, by: int) -> dict[int, int]:
+    return {k: v + by if v >= at else v for k, v in moved.items()}
+
+
+def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, optimizer: str, rank: int,
+               base_size_index: int, num_layers: int, polys: list) -> Fsdp1Step:
+    """The expansion with FSDP1's events; the new tensors' sizes take indices from ``base_size_index`` on.
+    ExpansionError where the step cannot be built."""
+    if optimizer not in OPTIMIZERS:
+        raise ExpansionError(f"fsdp1: the {optimizer} optimizer's step over shards is not modelled")
+    reason = why_not_fsdp1(sizes.options)
+    if reason:
+        raise ExpansionError(reason)
+    units = _units(table, num_layers, sizes)
+    if any(not units[layer].params for layer in range(num_layers)) or not units["root"].params:
+        raise ExpansionError("fsdp1: a decoder layer or the root holds no parameters")
+    piece_of: dict[str, int] = {}
+    for unit in units.values():
+        for p, n in zip(unit.params, local_pieces(unit.params, unit.flat, rank, sizes.options.use_orig_params)):
+            piece_of[p.name] = n * unit.flat.param_elem
+    pieces = [piece_of[p.name] for p in model_order(table) if p.trainable and piece_of[p.name]]
+    build = _Builder(expansion.steady.keys, base_size_index)
+    first_marks, steady_marks = expansion.marks
+    scalar = {i for i, poly in enumerate(polys) if 0 < poly[0] <= 8 and not any(poly[1:])}
+    common = dict(build=build, units=units, table=table, optimizer=optimizer, num_layers=num_layers,
+                  scalar=scalar, pieces=pieces)
+    start = build.next_key
+    steady_ops, _moved, steady_optimizer, steady_shards, steady_prefix = _step_ops(
+        expansion, expansion.steady.ops, steady_marks, first=False, **common)
+    steady_keys = build.next_key
+    build.next_key = start  # the first step's tensors take the same keys in the same order
+    first_ops, first_moved, first_optimizer, first_shards, first_prefix = _step_ops(
+        expansion, expansion.first.ops, first_marks, first=True, **common)
+    if [t.key for t in first_shards] != [t.key for t in steady_shards]:
+        raise ExpansionError("fsdp1: the gradient shards of the first and the steady step differ")
+    lazy: list = []  # keys after every other tensor of the step, so both steps keep theirs
+    _Step(build, units, {}, True, optimizer).lazy_init(lazy, ["root", *range(num_layers)])
+    first_ops[first_prefix:first_prefix] = lazy
+    first_moved = _shifted(first_moved, first_prefix, len(lazy))
+    # the previous step's gradient shards go at the root's pre-forward (``_clear_grads_if_needed``)
+    previous = [(FREE_PREVIOUS, t.key, t.size_index) for t in steady_shards]
+    steady_ops[steady_prefix:steady_prefix] = previous
+    step_keys = max(steady_keys, build.next_key)
+    forward, backward = expansion.workspace_at
+    kept = {key for kind, key, _ in steady_ops if kind == FREE_PREVIOUS}  # the shards, a manual loop's outputs
+    persistent = check_step(first_ops) - kept
+    if check_step(steady_ops, previous_alive=kept) - kept:
+        raise ExpansionError("fsdp1: tensors of a steady step are never freed")
+    return Fsdp1Step(expansion=replace(
+        expansion, first=StepEvents(first_ops, step_keys), steady=StepEvents(steady_ops, step_keys),
+        workspace_at=(first_moved[forward], first_moved[backward]),
+        optimizer_at=(first_optimizer[1] + len(lazy), steady_optimizer[0] + len(previous)),
+        persistent_keys=frozenset(persistent), marks=((), ()), grad_keys=frozenset()), sizes=build.sizes)

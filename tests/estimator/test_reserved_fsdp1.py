@@ -1,0 +1,225 @@
+"""FSDP1's reserved level (estimator.reserved.fsdp1): the rank's generated stream against a real CPU run on the fake
+process group (built as the harness builds it: the model on the host, ``FullyShardedDataParallel`` per decoder
+layer then the root), event for event; its allocated level against the estimator's."""
+
+import dataclasses
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from estimator import api  # noqa: E402
+from estimator.hardware.residuals import load_coefficients  # noqa: E402
+from estimator.reserved import rank as reserved_rank  # noqa: E402
+from estimator.reserved.timeline import INT64, step_requests  # noqa: E402
+from estimator.spec import Fsdp1Spec, ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
+
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 160,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+         "max_position_embeddings": 512, "tie_word_embeddings": False}
+B, S, STEPS = 2, 64, 3
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reserved_fsdp1") / "config.json"
+    path.write_text(json.dumps(LLAMA))
+    return str(path)
+
+
+def _spec(path: str, training: TrainingSpec, world: int) -> RunSpec:
+    return RunSpec(model=path, training=training, parallel=ParallelSpec(method="fsdp1", world_size=world))
+
+
+def _generated(path: str, training: TrainingSpec, world: int, rank: int) -> list[tuple]:
+    """Setup (without the host-to-device moves, which a CPU run does not make) and ``STEPS`` steps."""
+    spec = _spec(path, training, world)
+    arch, profile = api.load_model_profile(path, training)
+    table, regime = api._param_table(profile, arch.num_layers), api._regime(profile, B, S)
+    expansion = reserved_rank._expansion(regime["events"], arch.num_layers, training.loop)
+    plan = reserved_rank._plan(spec, regime["events"], expansion, table, arch.num_layers, B, S,
+                               workspace_bytes=8 << 20, workspaces=0, rank=rank)
+    setup = reserved_rank._setup(profile, table, arch.num_layers, "fsdp1", training.precision.startswith("mixed_"),
+                                 world, spec)
+    frees = dict(setup.frees_after)
+    names = [name for name, _ in setup.allocations]
+    out = []
+    for i, (name, nbytes) in enumerate(setup.allocations):
+        if not name.startswith(("buffers", "moved.")):
+            out.append(("alloc", ("setup", i), nbytes, 0))
+        out.extend(("free", ("setup", j)) for j in frees.get(i, ()) if not names[j].startswith("moved."))
+    for step in range(STEPS):
+        out += step_requests(plan, step, 0)
+    return out
+
+
+def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int) -> list[tuple[bool, object, int]]:
+    """``rank`` of a real CPU run on the fake process group: the model built on the host, wrapped as
+    ``harness.fake.wrap.wrap_model`` wraps it, then ``STEPS`` steps. FSDP1 resizes the unsharded flat parameters'
+    storages in place (``_alloc_storage``/``_free_storage``), which a GPU serves as a new block and a free:
+    recorded as such. Left out: the host tensors (the model as built, which a GPU run copies in; FSDP's dtype-size
+    probe, made on the default device), Adam's host-side step counters, zero-byte storages and what the run's end
+    frees."""
+    import torch
+    from torch.distributed.fsdp import _flat_param as flat_param_mod
+    from transformers import masking_utils
+
+    from estimator.profiler import build
+    from estimator.profiler.fake_pg import fake_process_group
+    from estimator.profiler.trace import StorageRecorder
+    from harness.fake.wrap import build_method_optimizer, build_training, make_mesh, wrap_model
+
+    spec = RunSpec(model="tiny", parallel=ParallelSpec(method="fsdp1", world_size=world), training=training)
+    rec = StorageRecorder()
+    resized: dict[int, int] = {}
+    next_id = [1 << 40]
+    alloc_storage, free_storage = flat_param_mod._alloc_storage, flat_param_mod._free_storage
+
+    def alloc_recorded(tensor, size):
+        storage, nbytes = tensor.untyped_storage(), size.numel() * tensor.itemsize
+        if storage.size() != nbytes:
+            next_id[0] += 1
+            resized[id(storage)] = next_id[0]
+            rec.timeline.sizes[next_id[0]] = nbytes
+            rec.timeline.events.append(("a", next_id[0], nbytes))
+        alloc_storage(tensor, size)
+
+    def free_recorded(tensor):
+        storage = tensor.untyped_storage()
+        if storage.size():
+            ident = resized.pop(id(storage), None)
+            if ident is None:
+                ident = rec.sid(storage)
+                rec._refs.pop(ident, None)
+            rec.timeline.events.append(("f", ident))
+        free_storage(tensor)
+
+    ignore_mask = masking_utils._ignore_causal_mask_sdpa
+    masking_utils._ignore_causal_mask_sdpa = lambda padding_mask, *a, **k: ignore_mask(None, *a, **k)
+    flat_param_mod._alloc_storage, flat_param_mod._free_storage = alloc_recorded, free_recorded
+    try:
+        with fake_process_group(rank, world, ("test_reserved_fsdp1", rank, world)):
+            mesh = make_mesh(spec, "cpu")
+            torch.manual_seed(0)
+            model = build.build_model(LLAMA, build_training(spec), "cpu")
+            held = build.HeldOutputs(training.loop, training.outputs_fp32)
+            with rec:
+                for p in model.parameters():
+                    rec.track(p)
+                rec.mark("wrap")
+                model = wrap_model(model, spec, mesh, LLAMA, fake=True, device="cpu")
+                optimizer = build_method_optimizer(model, spec)
+                for _ in range(STEPS):
+                    batch = build.synthetic_batch(B, S, 1000)
+                    build.forward_backward(model, batch, training, held=held)
+                    rec.mark("optimizer")
+                    optimizer.step()
+                    rec.mark("zero_grad")
+                    optimizer.zero_grad(set_to_none=True)
+                rec.mark("end")
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = ignore_mask
+        flat_param_mod._alloc_storage, flat_param_mod._free_storage = alloc_storage, free_storage
+    events, sizes = rec.timeline.events, rec.timeline.sizes
+    host, phase = set(), None
+    marks = [i for i, e in enumerate(events) if e[0] == "m"]
+    for i in range(marks[0] + 1, len(events) - 1):  # the dtype-size probe: a scalar dropped at once
+        if events[i][0] == "a" and events[i][2] <= 4 and events[i + 1] == ("f", events[i][1]):
+            host.add(events[i][1])
+    out: list[tuple[bool, object, int]] = []
+    for event in events:
+        if event[0] == "m":
+            phase = event[1]
+            if phase == "end":
+                break
+            continue
+        if event[0] == "a":
+            if phase is None or event[2] == 0 or (phase == "optimizer" and event[2] == 4) or event[1] in host:
+                host.add(event[1])
+                continue
+            out.append((True, event[1], event[2]))
+        elif event[1] not in host:
+            out.append((False, event[1], sizes[event[1]]))
+    return out
+
+
+def _runs(stream: list[tuple], generated: bool) -> list[tuple]:
+    """Allocations one by one, consecutive frees as one set."""
+    out: list[tuple] = []
+    for event in stream:
+        if (event[0] == "alloc") if generated else event[0]:
+            out.append(("a", event[2], event[1]))
+        elif out and out[-1][0] == "f":
+            out[-1][1].add(event[1])
+        else:
+            out.append(("f", {event[1]}))
+    return out
+
+
+def _in_fresh_process(fn, *args):
+    from tests.estimator.test_reserved import _in_fresh_process as run
+
+    return run(fn, *args)
+
+
+@pytest.mark.parametrize("precision, world, rank, ckpt", [
+    ("mixed_bf16", 2, 0, False),
+    ("bf16", 3, 2, False),  # padded flat parameters (zeros for the padding in backward), the last rank's pieces
+    pytest.param("fp32", 4, 0, False, marks=pytest.mark.slow),
+    pytest.param("mixed_bf16", 3, 0, False, marks=pytest.mark.slow),
+    pytest.param("bf16", 4, 3, True, marks=pytest.mark.slow),
+], ids=lambda v: str(v))
+def test_generated_stream_equals_a_real_fsdp1_run(llama_path, precision, world, rank, ckpt):
+    """Setup and three steps: the same allocations in the same order, the same tensors freed between two."""
+    training = TrainingSpec(precision=precision, attn="eager", micro_batch_size=B, seq_len=S, grad_ckpt=ckpt)
+    generated = _runs(_generated(llama_path, training, world, rank), True)
+    real = _runs(_in_fresh_process(_real_fsdp1_events, training, world, rank), False)
+    assert len(generated) == len(real)
+    ident_of = {}
+    for at, (gen, ref) in enumerate(zip(generated, real)):
+        assert gen[0] == ref[0], at
+        if gen[0] == "a":
+            assert gen[1] == ref[1], at
+            ident_of[gen[2]] = ref[2]
+        else:
+            assert {ident_of.get(key) for key in gen[1]} == ref[1], at
+
+
+@pytest.mark.parametrize("training, world", [
+    (TrainingSpec(precision="mixed_bf16"), 2),
+    (TrainingSpec(precision="bf16"), 3),
+    (TrainingSpec(precision="fp32", grad_ckpt=True), 4),
+    (TrainingSpec(precision="mixed_bf16", loop="manual"), 2),
+])
+def test_fsdp1_replayed_allocated_level_equals_the_estimate(llama_path, training, world):
+    """The requested bytes alive at once in the replayed stream = the estimator's FSDP1 allocated peak + the
+    batch, to the byte, on the first and the last rank; the reserved level is the replay's."""
+    training = dataclasses.replace(training, micro_batch_size=B, seq_len=S)
+    spec = _spec(llama_path, training, world)
+    est = api.estimate(spec, alloc_conf="")
+    arch, profile = api.load_model_profile(llama_path, training)
+    coeffs = load_coefficients(est.gpu_key)
+    for rank in est.ranks:
+        replayed = reserved_rank.replay_reserved(
+            spec, profile, api._regime(profile, B, S), api._param_table(profile, arch.num_layers), arch.num_layers,
+            workspace_bytes=coeffs.cublas_workspace_bytes, workspaces=coeffs.cublas_workspaces, allowed_bytes=None,
+            conf_text="", rank=rank.rank)
+        assert replayed.peak_requested_bytes == rank.peak_allocated_bytes + 3 * B * S * INT64
+        assert rank.reserved_source == "replayed" and replayed.steady
+        assert rank.peak_reserved_bytes == replayed.peak_reserved_bytes >= replayed.peak_allocated_bytes
+
+
+def test_other_fsdp1_settings_keep_the_prior(llama_path):
+    training = TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S)
+    for options, reason in ((Fsdp1Spec(sharding_strategy="SHARD_GRAD_OP"), "SHARD_GRAD_OP"),
+                            (Fsdp1Spec(use_orig_params=False), "use_orig_params"),
+                            (Fsdp1Spec(backward_prefetch="BACKWARD_POST"), "prefetching")):
+        spec = RunSpec(model=llama_path, training=training,
+                       parallel=ParallelSpec(method="fsdp1", world_size=2, fsdp1=options))
+        est = api.estimate(spec, alloc_conf="")
+        assert est.reserved_source == "prior"
+        assert any(n.startswith("reserved: prior") and reason in n for n in est.notes)
+    accumulating = api.estimate(_spec(llama_path, dataclasses.replace(training, grad_accum_steps=2), 2),
+                                alloc_conf="")
+    assert accumulating.reserved_source == "prior"
