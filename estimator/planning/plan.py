@@ -443,25 +443,34 @@ def _evaluate(ctx: _Context, cand: Candidate, global_batch: int | None) -> Candi
 def _evaluate_all(ctx: _Context, cands: list[Candidate], global_batch: int | None
                   ) -> tuple[list[CandidateResult], int | None]:
     """Every layout's result, replaying the reserved level only where it can decide the answer: each layout is
-    first sized on its allocated floor (no replay can fit more), then the layouts are replayed fastest first until
-    the next one's optimistic speed cannot beat the best replayed; the rest take the reserved prior. Returns the
+    first sized on its allocated floor (no replay can fit more), then the layouts are replayed in ``_rank``'s order
+    of their floors, each only while its floor would still rank before the best replayed (a tie on speed is decided
+    by the bound, which the floor under-states); the rest take the reserved prior. Returns the
     results and how many layouts were replayed (None: the estimator has no floor, every layout ran in full)."""
     if getattr(ctx.estimate_fn, "floor", None) is None or ctx.epoch is not None:
         return [_evaluate(ctx, c, global_batch) for c in cands], None
     floor_ctx = dataclasses.replace(ctx, mode="floor", cache={})
     optimistic = [_evaluate(floor_ctx, c, global_batch) for c in cands]
 
-    def speed(res: CandidateResult) -> float:
-        return res.tokens_per_s if res.fits and res.time else -1.0
+    def key(res: CandidateResult) -> tuple | None:
+        """``_rank``'s order; the floor's key never ranks after the replayed one's (speed only falls, the bound
+        only rises)."""
+        return _rank_key(res) if res.fits and res.time else None
 
     results: list[CandidateResult | None] = [None] * len(cands)
     prior_ctx = dataclasses.replace(ctx, mode="prior", cache={})
-    best, replayed = -1.0, 0
-    for i in sorted(range(len(cands)), key=lambda i: -speed(optimistic[i])):
-        if speed(optimistic[i]) > 0 and speed(optimistic[i]) >= best:
+    best, replayed = None, 0
+    order = sorted((i for i in range(len(cands)) if key(optimistic[i]) is not None), key=lambda i: key(optimistic[i]))
+    for i in order:
+        if best is None or key(optimistic[i]) < best:
             results[i] = _evaluate(ctx, cands[i], global_batch)
-            best, replayed = max(best, speed(results[i])), replayed + 1
+            replayed += 1
+            mine = key(results[i])
+            best = mine if best is None or (mine is not None and mine < best) else best
         else:
+            results[i] = _evaluate(prior_ctx, cands[i], global_batch)
+    for i in range(len(cands)):
+        if results[i] is None:  # does not fit even on its floor
             results[i] = _evaluate(prior_ctx, cands[i], global_batch)
     ctx.cache.update(prior_ctx.cache)
     if ctx.calibrated is None:
@@ -504,10 +513,15 @@ def _loss_reason(res: CandidateResult, best: CandidateResult) -> str:
     return f"{ratio:.2f}x the best: {why}"
 
 
+def _rank_key(r: CandidateResult) -> tuple:
+    """Fastest first; on a tie the smaller bound, then the simpler method, no checkpointing, less TP."""
+    return (-round(r.tokens_per_s, 6), r.bound_bytes or 0, METHOD_RANK[r.candidate.method], r.candidate.grad_ckpt,
+            r.candidate.tp)
+
+
 def _rank(results: list[CandidateResult]) -> CandidateResult | None:
     ok = [r for r in results if r.fits and r.time]
-    ok.sort(key=lambda r: (-round(r.tokens_per_s, 6), r.bound_bytes or 0, METHOD_RANK[r.candidate.method],
-                           r.candidate.grad_ckpt, r.candidate.tp))
+    ok.sort(key=_rank_key)
     for i, r in enumerate(ok, 1):
         r.rank = i
     if not ok:
