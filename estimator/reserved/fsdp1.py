@@ -53,8 +53,8 @@ FP32 = 4
 
 def why_not_fsdp1(options) -> str | None:
     """The FSDP1 settings this replay follows (None), or what it does not model yet."""
-    if options.sharding_strategy != "FULL_SHARD":
-        return f"fsdp1 {options.sharding_strategy}: only FULL_SHARD's streams are modelled yet"
+    if options.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        return f"fsdp1 {options.sharding_strategy}: only FULL_SHARD's and SHARD_GRAD_OP's streams are modelled yet"
     if options.cpu_offload:
         return "fsdp1 with CPU offload: not modelled yet"
     if not options.use_orig_params:
@@ -231,8 +231,11 @@ class _Step:
                 self._free(out, tensor)
 
 
-def _boundary(step: _Step, out: list, name: str, layer: int | None, num_layers: int, prefix_at: list) -> None:
-    """FSDP1's events at the start of a segment instance (``methods.fsdp1._schedule``, tensor by tensor)."""
+def _boundary(step: _Step, out: list, name: str, layer: int | None, num_layers: int, prefix_at: list,
+              reshard_after_forward: bool) -> None:
+    """FSDP1's events at the start of a segment instance (``methods.fsdp1._schedule``, tensor by tensor).
+    SHARD_GRAD_OP (``reshard_after_forward`` off) keeps each layer unsharded from its forward to its
+    post-backward, so backward has nothing to unshard."""
     last = num_layers - 1
     if name == "prefix":
         prefix_at.append(len(out))  # the root's pre-forward: lazy init (first step), previous shards freed
@@ -240,18 +243,21 @@ def _boundary(step: _Step, out: list, name: str, layer: int | None, num_layers: 
     elif name == "fw_first":
         step.unshard(out, 0)
     elif name in ("fw", "fw_last"):
-        step.reshard(out, layer - 1)
+        if reshard_after_forward:
+            step.reshard(out, layer - 1)
         step.unshard(out, layer)
     elif name == "mid_fw":
-        step.reshard(out, last)
+        if reshard_after_forward:
+            step.reshard(out, last)
     elif name == "mid_bw":
         pass
     elif name == "engine_start":  # the root's pre-backward prefetches the last layer
-        step.unshard(out, last)
+        if reshard_after_forward:
+            step.unshard(out, last)
     elif name in ("bw_first", "bw", "bw_last"):
         if layer != last:
             step.post_backward(out, layer + 1)
-        if layer > 0:
+        if layer > 0 and reshard_after_forward:
             step.unshard(out, layer - 1)
     elif name == "suffix":
         step.post_backward(out, 0)
@@ -260,8 +266,8 @@ def _boundary(step: _Step, out: list, name: str, layer: int | None, num_layers: 
 
 
 def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, units: dict, table: list,
-              optimizer: str, first: bool, num_layers: int, scalar: set[int], pieces: list[int]
-              ) -> tuple[list, dict[int, int], tuple[int, int], list, int]:
+              optimizer: str, first: bool, num_layers: int, scalar: set[int], pieces: list[int],
+              reshard_after_forward: bool) -> tuple[list, dict[int, int], tuple[int, int], list, int]:
     """The FSDP1 step's ops, where each old op index went, where its optimizer part begins (before and after the
     loss is freed),
     the gradient shards (the next step's root pre-forward frees them) and where the root's pre-forward begins."""
@@ -284,7 +290,7 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
     seed_free = None
     for index, op in enumerate(ops[:cut]):
         for name, layer in at_mark.get(index, ()):
-            _boundary(step, out, name, layer, num_layers, prefix_at)
+            _boundary(step, out, name, layer, num_layers, prefix_at, reshard_after_forward)
         moved[index] = len(out)
         if op[0] == FREE and op[1] in grad_keys:  # gradients go at their unit's post-backward
             continue
@@ -293,7 +299,7 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
             continue
         out.append(op)
     for name, layer in at_mark.get(cut, ()):
-        _boundary(step, out, name, layer, num_layers, prefix_at)
+        _boundary(step, out, name, layer, num_layers, prefix_at, reshard_after_forward)
     step.post_backward(out, "root")
     if seed_free is not None:
         out.append(seed_free)
@@ -339,7 +345,8 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
     first_marks, steady_marks = expansion.marks
     scalar = {i for i, poly in enumerate(polys) if 0 < poly[0] <= 8 and not any(poly[1:])}
     common = dict(build=build, units=units, table=table, optimizer=optimizer, num_layers=num_layers,
-                  scalar=scalar, pieces=pieces)
+                  scalar=scalar, pieces=pieces,
+                  reshard_after_forward=sizes.options.sharding_strategy == "FULL_SHARD")
     start = build.next_key
     steady_ops, _moved, steady_optimizer, steady_shards, steady_prefix = _step_ops(
         expansion, expansion.steady.ops, steady_marks, first=False, **common)

@@ -28,13 +28,14 @@ def llama_path(tmp_path_factory):
     return str(path)
 
 
-def _spec(path: str, training: TrainingSpec, world: int) -> RunSpec:
-    return RunSpec(model=path, training=training, parallel=ParallelSpec(method="fsdp1", world_size=world))
+def _spec(path: str, training: TrainingSpec, world: int, strategy: str = "FULL_SHARD") -> RunSpec:
+    return RunSpec(model=path, training=training,
+                   parallel=ParallelSpec(method="fsdp1", world_size=world, fsdp1=Fsdp1Spec(sharding_strategy=strategy)))
 
 
-def _generated(path: str, training: TrainingSpec, world: int, rank: int) -> list[tuple]:
+def _generated(path: str, training: TrainingSpec, world: int, rank: int, strategy: str) -> list[tuple]:
     """Setup (without the host-to-device moves, which a CPU run does not make) and ``STEPS`` steps."""
-    spec = _spec(path, training, world)
+    spec = _spec(path, training, world, strategy)
     arch, profile = api.load_model_profile(path, training)
     table, regime = api._param_table(profile, arch.num_layers), api._regime(profile, B, S)
     expansion = reserved_rank._expansion(regime["events"], arch.num_layers, training.loop)
@@ -54,7 +55,8 @@ def _generated(path: str, training: TrainingSpec, world: int, rank: int) -> list
     return out
 
 
-def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int) -> list[tuple[bool, object, int]]:
+def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: str
+                       ) -> list[tuple[bool, object, int]]:
     """``rank`` of a real CPU run on the fake process group: the model built on the host, wrapped as
     ``harness.fake.wrap.wrap_model`` wraps it, then ``STEPS`` steps. FSDP1 resizes the unsharded flat parameters'
     storages in place (``_alloc_storage``/``_free_storage``), which a GPU serves as a new block and a free:
@@ -70,7 +72,7 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int) -> list[tu
     from estimator.profiler.trace import StorageRecorder
     from harness.fake.wrap import build_method_optimizer, build_training, make_mesh, wrap_model
 
-    spec = RunSpec(model="tiny", parallel=ParallelSpec(method="fsdp1", world_size=world), training=training)
+    spec = _spec("tiny", training, world, strategy)
     rec = StorageRecorder()
     resized: dict[int, int] = {}
     next_id = [1 << 40]
@@ -163,18 +165,20 @@ def _in_fresh_process(fn, *args):
     return run(fn, *args)
 
 
-@pytest.mark.parametrize("precision, world, rank, ckpt", [
-    ("mixed_bf16", 2, 0, False),
-    ("bf16", 3, 2, False),  # padded flat parameters (zeros for the padding in backward), the last rank's pieces
-    pytest.param("fp32", 4, 0, False, marks=pytest.mark.slow),
-    pytest.param("mixed_bf16", 3, 0, False, marks=pytest.mark.slow),
-    pytest.param("bf16", 4, 3, True, marks=pytest.mark.slow),
+@pytest.mark.parametrize("precision, world, rank, ckpt, strategy", [
+    ("mixed_bf16", 2, 0, False, "FULL_SHARD"),
+    ("bf16", 3, 2, False, "FULL_SHARD"),  # padded flat parameters (zeros in backward), the last rank's pieces
+    ("mixed_bf16", 2, 0, False, "SHARD_GRAD_OP"),  # layers unsharded from forward to post-backward
+    pytest.param("fp32", 4, 0, False, "FULL_SHARD", marks=pytest.mark.slow),
+    pytest.param("mixed_bf16", 3, 0, False, "FULL_SHARD", marks=pytest.mark.slow),
+    pytest.param("bf16", 4, 3, True, "FULL_SHARD", marks=pytest.mark.slow),
+    pytest.param("bf16", 3, 2, True, "SHARD_GRAD_OP", marks=pytest.mark.slow),
 ], ids=lambda v: str(v))
-def test_generated_stream_equals_a_real_fsdp1_run(llama_path, precision, world, rank, ckpt):
+def test_generated_stream_equals_a_real_fsdp1_run(llama_path, precision, world, rank, ckpt, strategy):
     """Setup and three steps: the same allocations in the same order, the same tensors freed between two."""
     training = TrainingSpec(precision=precision, attn="eager", micro_batch_size=B, seq_len=S, grad_ckpt=ckpt)
-    generated = _runs(_generated(llama_path, training, world, rank), True)
-    real = _runs(_in_fresh_process(_real_fsdp1_events, training, world, rank), False)
+    generated = _runs(_generated(llama_path, training, world, rank, strategy), True)
+    real = _runs(_in_fresh_process(_real_fsdp1_events, training, world, rank, strategy), False)
     assert len(generated) == len(real)
     ident_of = {}
     for at, (gen, ref) in enumerate(zip(generated, real)):
@@ -186,17 +190,19 @@ def test_generated_stream_equals_a_real_fsdp1_run(llama_path, precision, world, 
             assert {ident_of.get(key) for key in gen[1]} == ref[1], at
 
 
-@pytest.mark.parametrize("training, world", [
-    (TrainingSpec(precision="mixed_bf16"), 2),
-    (TrainingSpec(precision="bf16"), 3),
-    (TrainingSpec(precision="fp32", grad_ckpt=True), 4),
-    (TrainingSpec(precision="mixed_bf16", loop="manual"), 2),
+@pytest.mark.parametrize("training, world, strategy", [
+    (TrainingSpec(precision="mixed_bf16"), 2, "FULL_SHARD"),
+    (TrainingSpec(precision="bf16"), 3, "FULL_SHARD"),
+    (TrainingSpec(precision="fp32", grad_ckpt=True), 4, "FULL_SHARD"),
+    (TrainingSpec(precision="mixed_bf16", loop="manual"), 2, "FULL_SHARD"),
+    (TrainingSpec(precision="mixed_bf16"), 3, "SHARD_GRAD_OP"),
+    (TrainingSpec(precision="bf16", grad_ckpt=True), 2, "SHARD_GRAD_OP"),
 ])
-def test_fsdp1_replayed_allocated_level_equals_the_estimate(llama_path, training, world):
+def test_fsdp1_replayed_allocated_level_equals_the_estimate(llama_path, training, world, strategy):
     """The requested bytes alive at once in the replayed stream = the estimator's FSDP1 allocated peak + the
     batch, to the byte, on the first and the last rank; the reserved level is the replay's."""
     training = dataclasses.replace(training, micro_batch_size=B, seq_len=S)
-    spec = _spec(llama_path, training, world)
+    spec = _spec(llama_path, training, world, strategy)
     est = api.estimate(spec, alloc_conf="")
     arch, profile = api.load_model_profile(llama_path, training)
     coeffs = load_coefficients(est.gpu_key)
@@ -212,7 +218,7 @@ def test_fsdp1_replayed_allocated_level_equals_the_estimate(llama_path, training
 
 def test_other_fsdp1_settings_keep_the_prior(llama_path):
     training = TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S)
-    for options, reason in ((Fsdp1Spec(sharding_strategy="SHARD_GRAD_OP"), "SHARD_GRAD_OP"),
+    for options, reason in ((Fsdp1Spec(sharding_strategy="NO_SHARD"), "NO_SHARD"),
                             (Fsdp1Spec(use_orig_params=False), "use_orig_params"),
                             (Fsdp1Spec(backward_prefetch="BACKWARD_POST"), "prefetching")):
         spec = RunSpec(model=llama_path, training=training,
