@@ -116,18 +116,11 @@ def fsdp_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: int
     return Setup(allocations, [], [])
 
 
-class _Step:
-    """One step's FSDP2 tensors and the ops that make and free them."""
+class BufferOps:
+    """Allocations and frees of a method's own tensors, keyed after the expansion's (``_Builder``)."""
 
-    def __init__(self, build: _Builder, groups: dict, world: int, grads: dict, first: bool, optimizer: str,
-                 mixed: bool) -> None:
-        self.build, self.groups, self.world, self.grads = build, groups, world, grads
-        self.first, self.optimizer, self.mixed = first, optimizer, mixed
-        self.gathered: dict = {}     # group -> all-gather output
-        self.unsharded: dict = {}    # group -> unsharded tensors
-        self.reduce_in: Tensor | None = None
-        self.reduce_out: dict = {}   # group -> reduce-scatter output (its sharded gradients)
-        self.reduce_out_keys: set[int] = set()
+    def __init__(self, build: _Builder) -> None:
+        self.build = build
 
     def _alloc(self, out: list, nbytes: int, stream: int = DEFAULT) -> Tensor:
         tensor = self.build.tensor(nbytes)
@@ -138,12 +131,49 @@ class _Step:
     def _free(out: list, tensor: Tensor) -> None:
         out.append((FREE, tensor.key, tensor.size_index))
 
+    def _staged(self, out: list, staging: tuple[int, int], nbytes: int, stream: int) -> Tensor:
+        """A collective's output allocated after its input's 16-bit staging copy (bytes, stream; 0 bytes: none),
+        which is freed once the output exists."""
+        copy = self._alloc(out, staging[0], staging[1]) if staging[0] else None
+        tensor = self._alloc(out, nbytes, stream)
+        if copy is not None:
+            self._free(out, copy)
+        return tensor
+
+
+def boundary_marks(ops: list, marks: tuple, scalar: set[int]) -> tuple[int, dict[int, list], tuple | None]:
+    """(where the optimizer part begins, the segment instances starting at each op index, with backward's
+    start as ``engine_start``, backward's seed allocation or None)."""
+    cut = next(at for name, _layer, at in marks if name == "optimizer_pre")
+    at_mark: dict[int, list] = {}
+    seed = None
+    for name, layer, at in marks:
+        if name not in ("optimizer_pre", "optimizer"):
+            at_mark.setdefault(at, []).append((name, layer))
+        if name == "mid_bw":
+            start = _engine_start(ops, at, scalar)
+            at_mark.setdefault(start, []).append(("engine_start", None))
+            seed = ops[start - 1] if start > at else None
+    return cut, at_mark, seed
+
+
+class _Step(BufferOps):
+    """One step's FSDP2 tensors and the ops that make and free them."""
+
+    def __init__(self, build: _Builder, groups: dict, world: int, grads: dict, first: bool, optimizer: str,
+                 mixed: bool) -> None:
+        super().__init__(build)
+        self.groups, self.world, self.grads = groups, world, grads
+        self.first, self.optimizer, self.mixed = first, optimizer, mixed
+        self.gathered: dict = {}     # group -> all-gather output
+        self.unsharded: dict = {}    # group -> unsharded tensors
+        self.reduce_in: Tensor | None = None
+        self.reduce_out: dict = {}   # group -> reduce-scatter output (its sharded gradients)
+        self.reduce_out_keys: set[int] = set()
+
     def all_gather(self, out: list, g) -> None:
         group = self.groups[g]
-        copy_in = self._alloc(out, group.copy_in_bytes, ALL_GATHER) if group.copy_in_bytes else None
-        self.gathered[g] = self._alloc(out, group.gather_bytes, ALL_GATHER)
-        if copy_in is not None:
-            self._free(out, copy_in)
+        self.gathered[g] = self._staged(out, (group.copy_in_bytes, ALL_GATHER), group.gather_bytes, ALL_GATHER)
 
     def free_gathered(self, out: list, g) -> None:
         self._free(out, self.gathered.pop(g))
@@ -290,16 +320,7 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, gr
     outputs. ``scalar``: size indices of constant bytes that hold one scalar."""
     step = _Step(build, groups, world, _grads_by_group(expansion, ops, table), first, optimizer, mixed)
     grad_keys = expansion.grad_keys
-    cut = next(at for name, _layer, at in marks if name == "optimizer_pre")
-    at_mark: dict[int, list] = {}
-    seed = None
-    for name, layer, at in marks:
-        if name not in ("optimizer_pre", "optimizer"):
-            at_mark.setdefault(at, []).append((name, layer))
-        if name == "mid_bw":
-            start = _engine_start(ops, at, scalar)
-            at_mark.setdefault(start, []).append(("engine_start", None))
-            seed = ops[start - 1] if start > at else None
+    cut, at_mark, seed = boundary_marks(ops, marks, scalar)
     out: list = []
     moved: dict[int, int] = {}
     seed_free = None

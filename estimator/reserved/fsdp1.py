@@ -41,10 +41,9 @@ from estimator.reserved.expand import (
     Expansion,
     ExpansionError,
     StepEvents,
-    alloc_on,
     check_step,
 )
-from estimator.reserved.fsdp import OPTIMIZERS, Tensor, _Builder, _engine_start, _grads_by_group
+from estimator.reserved.fsdp import OPTIMIZERS, BufferOps, _Builder, _grads_by_group, boundary_marks
 from estimator.reserved.timeline import Setup, model_order
 
 DEFAULT, PRE_UNSHARD, UNSHARD, POST_BACKWARD = 0, 3, 4, 5  # allocator streams (FSDP2's are 1 and 2)
@@ -152,30 +151,19 @@ def fsdp1_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: in
     return Setup(allocations, [], [], frees_after=tuple(frees))
 
 
-class _Step:
+class _Step(BufferOps):
     """One step's FSDP1 tensors and the ops that make and free them."""
 
     def __init__(self, build: _Builder, units: dict, grads: dict, first: bool, optimizer: str) -> None:
-        self.build, self.units, self.grads = build, units, grads
+        super().__init__(build)
+        self.units, self.grads = units, grads
         self.first, self.optimizer = first, optimizer
         self.unsharded: dict = {}      # unit -> padded unsharded flat parameter
         self.grad_shards: dict = {}    # unit -> new shard (the sharded gradient)
 
-    def _alloc(self, out: list, nbytes: int, stream: int = DEFAULT) -> Tensor:
-        tensor = self.build.tensor(nbytes)
-        out.append((ALLOC if stream == DEFAULT else alloc_on(stream), tensor.key, tensor.size_index))
-        return tensor
-
-    @staticmethod
-    def _free(out: list, tensor: Tensor) -> None:
-        out.append((FREE, tensor.key, tensor.size_index))
-
     def unshard(self, out: list, g) -> None:
         unit = self.units[g]
-        copy = self._alloc(out, unit.mp_bytes, PRE_UNSHARD) if unit.mp_bytes else None
-        self.unsharded[g] = self._alloc(out, unit.unsharded_bytes, UNSHARD)
-        if copy is not None:
-            self._free(out, copy)
+        self.unsharded[g] = self._staged(out, (unit.mp_bytes, PRE_UNSHARD), unit.unsharded_bytes, UNSHARD)
 
     def reshard(self, out: list, g) -> None:
         self._free(out, self.unsharded.pop(g))
@@ -274,16 +262,7 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
     grads = {g: list(keys) for g, keys in _grads_by_group(expansion, ops, table).items()}
     step = _Step(build, units, grads, first, optimizer)
     grad_keys = expansion.grad_keys
-    cut = next(at for name, _layer, at in marks if name == "optimizer_pre")
-    at_mark: dict[int, list] = {}
-    seed = None
-    for name, layer, at in marks:
-        if name not in ("optimizer_pre", "optimizer"):
-            at_mark.setdefault(at, []).append((name, layer))
-        if name == "mid_bw":
-            start = _engine_start(ops, at, scalar)
-            at_mark.setdefault(start, []).append(("engine_start", None))
-            seed = ops[start - 1] if start > at else None
+    cut, at_mark, seed = boundary_marks(ops, marks, scalar)
     out: list = []
     moved: dict[int, int] = {}
     prefix_at: list = []

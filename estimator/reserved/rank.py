@@ -125,20 +125,9 @@ def _method_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo
     training, world = spec.training, _shard_world(spec)
     key = (id(expansion), id(table), world, training.precision, training.optimizer, training.grad_ckpt,
            base_size_index)
-    hit = _FSDP_STEPS.get(key)
-    if hit is None or hit[0] is not expansion or hit[1] is not table:
-        if len(_FSDP_STEPS) > 256:
-            _FSDP_STEPS.clear()
-        try:
-            built = fsdp_step(expansion, table, world, training.precision, training.optimizer, base_size_index,
-                              num_layers, events["polys"], training.grad_ckpt)
-            hit = (expansion, table, (built.expansion, built.sizes))
-        except ExpansionError as err:
-            hit = (expansion, table, err)
-        _FSDP_STEPS[key] = hit
-    if isinstance(hit[2], ExpansionError):
-        raise hit[2]
-    return hit[2]
+    return _memo_step(key, expansion, table, lambda: fsdp_step(
+        expansion, table, world, training.precision, training.optimizer, base_size_index, num_layers,
+        events["polys"], training.grad_ckpt))
 
 
 def _fsdp1_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo], num_layers: int,
@@ -146,13 +135,19 @@ def _fsdp1_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo]
     training = spec.training
     key = ("fsdp1", id(expansion), id(table), spec.parallel.world_size, spec.parallel.fsdp1, training.precision,
            training.optimizer, base_size_index, rank)
+    return _memo_step(key, expansion, table, lambda: fsdp1_step(
+        expansion, table, fsdp1_sizes(spec, table, rank), training.optimizer, rank, base_size_index, num_layers,
+        events["polys"]))
+
+
+def _memo_step(key: tuple, expansion: Expansion, table: list[ParamInfo], build) -> tuple[Expansion, list[int]]:
+    """A sharded method's step (``build()``: an FsdpStep or Fsdp1Step), memoized; ExpansionError is kept too."""
     hit = _FSDP_STEPS.get(key)
     if hit is None or hit[0] is not expansion or hit[1] is not table:
         if len(_FSDP_STEPS) > 256:
             _FSDP_STEPS.clear()
         try:
-            built = fsdp1_step(expansion, table, fsdp1_sizes(spec, table, rank), training.optimizer, rank,
-                               base_size_index, num_layers, events["polys"])
+            built = build()
             hit = (expansion, table, (built.expansion, built.sizes))
         except ExpansionError as err:
             hit = (expansion, table, err)

@@ -14,11 +14,7 @@ from estimator.hardware.residuals import load_coefficients  # noqa: E402
 from estimator.reserved import rank as reserved_rank  # noqa: E402
 from estimator.reserved.timeline import INT64, step_requests  # noqa: E402
 from estimator.spec import Fsdp1Spec, ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
-
-LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 160,
-         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
-         "max_position_embeddings": 512, "tie_word_embeddings": False}
-B, S, STEPS = 2, 64, 3
+from tests.estimator.test_reserved_fsdp import LLAMA, STEPS, B, S, _in_fresh_process, _runs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -144,25 +140,6 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
         elif event[1] not in host:
             out.append((False, event[1], sizes[event[1]]))
     return out
-
-
-def _runs(stream: list[tuple], generated: bool) -> list[tuple]:
-    """Allocations one by one, consecutive frees as one set."""
-    out: list[tuple] = []
-    for event in stream:
-        if (event[0] == "alloc") if generated else event[0]:
-            out.append(("a", event[2], event[1]))
-        elif out and out[-1][0] == "f":
-            out[-1][1].add(event[1])
-        else:
-            out.append(("f", {event[1]}))
-    return out
-
-
-def _in_fresh_process(fn, *args):
-    from tests.estimator.test_reserved import _in_fresh_process as run
-
-    return run(fn, *args)
 
 
 @pytest.mark.parametrize("precision, world, rank, ckpt, strategy", [
