@@ -65,21 +65,38 @@ class FlatUnit:
         return float(self.numel * self.compute_elem) if self.trainable else 0.0
 
 
-def flat_unit(params: list[ParamInfo], world: int, rank: int, compute_elem: int, param_elem: int,
-              reduce_elem: int, aligned: bool) -> FlatUnit:
+def flat_layout(params: list[ParamInfo], world: int, compute_elem: int, aligned: bool
+                ) -> tuple[list[int], list[int], int]:
+    """(each tensor's offset in the flat parameter, the padding segments' elements in flat order, the total).
+    ``aligned`` (``use_orig_params``): each tensor starts 16-byte aligned and the total is padded to a multiple
+    of the shard group (``_init_flat_param_and_metadata``)."""
     align = ALIGN_BYTES // compute_elem if aligned else 0
-    spans: list[tuple[int, ParamInfo]] = []
+    offsets: list[int] = []
+    paddings: list[int] = []
     total = 0
     for p in params:
         if align and total % align:
-            total += align - total % align
-        spans.append((total, p))
+            paddings.append(align - total % align)
+            total += paddings[-1]
+        offsets.append(total)
         total += p.numel
     if aligned and total % world:
-        total += world - total % world
-    shard = math.ceil(total / world) if total else 0
+        paddings.append(world - total % world)
+        total += paddings[-1]
+    return offsets, paddings, total
+
+
+def shard_pieces(params: list[ParamInfo], offsets: list[int], shard: int, rank: int) -> list[int]:
+    """Elements of each tensor inside ``rank``'s shard of ``shard`` elements."""
     lo, hi = rank * shard, (rank + 1) * shard
-    local = sum(max(0, min(off + p.numel, hi) - max(off, lo)) for off, p in spans if p.trainable)
+    return [max(0, min(off + p.numel, hi) - max(off, lo)) for off, p in zip(offsets, params)]
+
+
+def flat_unit(params: list[ParamInfo], world: int, rank: int, compute_elem: int, param_elem: int,
+              reduce_elem: int, aligned: bool) -> FlatUnit:
+    offsets, _paddings, total = flat_layout(params, world, compute_elem, aligned)
+    shard = math.ceil(total / world) if total else 0
+    local = sum(n for n, p in zip(shard_pieces(params, offsets, shard, rank), params) if p.trainable)
     return FlatUnit(numel=total, shard_numel=shard, param_elem=param_elem, compute_elem=compute_elem,
                     reduce_elem=reduce_elem, trainable=any(p.trainable for p in params),
                     local_trainable_numel=local, world=world)

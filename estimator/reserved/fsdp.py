@@ -140,6 +140,18 @@ class BufferOps:
             self._free(out, copy)
         return tensor
 
+    def adamw(self, out: list, tensor_bytes: list[int], first: bool, optimizer: str) -> None:
+        """``foreach`` AdamW over tensors of these bytes, in order: the states on the first step, one ``sqrt``
+        temporary per tensor, freed last to first (``fused``: no temporaries; SGD: neither)."""
+        if first and optimizer in ("adamw", "adamw_fused"):
+            for nbytes in tensor_bytes:
+                self._alloc(out, nbytes)
+                self._alloc(out, nbytes)
+        if optimizer == "adamw":
+            temps = [self._alloc(out, nbytes) for nbytes in tensor_bytes]
+            for tensor in reversed(temps):
+                self._free(out, tensor)
+
 
 def boundary_marks(ops: list, marks: tuple, scalar: set[int]) -> tuple[int, dict[int, list], tuple | None]:
     """(where the optimizer part begins, the segment instances starting at each op index, with backward's
@@ -210,17 +222,10 @@ class _Step(BufferOps):
             self.reduce_in = None
 
     def optimizer_step(self, out: list, order: list[ParamInfo]) -> None:
-        """``foreach`` AdamW over the shards: states on the first step, a sqrt temporary per tensor."""
-        trainable = [p for p in order if p.trainable]
+        """AdamW over the shards (``BufferOps.adamw``)."""
         elem = (lambda p: FP32) if self.mixed else (lambda p: p.elem_bytes)
-        if self.first and self.optimizer in ("adamw", "adamw_fused"):
-            for p in trainable:
-                self._alloc(out, shard_numel(p, self.world) * elem(p))
-                self._alloc(out, shard_numel(p, self.world) * elem(p))
-        if self.optimizer == "adamw":
-            temps = [self._alloc(out, shard_numel(p, self.world) * elem(p)) for p in trainable]
-            for tensor in reversed(temps):
-                self._free(out, tensor)
+        self.adamw(out, [shard_numel(p, self.world) * elem(p) for p in order if p.trainable], self.first,
+                   self.optimizer)
 
     def zero_grad(self, out: list, order: list[ParamInfo], group_of) -> None:
         """``set_to_none``: a group's reduce-scatter output goes with its last parameter's gradient."""

@@ -17,8 +17,8 @@ process group, event for event (``tests/estimator/test_reserved_fsdp1.py``). Per
   on the default stream);
 * post-backward: autograd concatenates the unit's gradients into the flat gradient (compute dtype, default
   stream) and frees them; the hook reshards, then on the post-backward stream casts the flat gradient to the
-  reduce dtype, pads it when the flat size does not divide, allocates the new shard (``_saved_grad_shard``) and
-  frees the cast, the padding and the flat gradient (``record_stream`` onto the post-backward stream);
+  reduce dtype, allocates the new shard (``_saved_grad_shard``) and frees the cast and the flat gradient
+  (``record_stream`` onto the post-backward stream);
 * ``use_orig_params``: the optimizer steps each tensor's piece of the shard (``foreach`` AdamW: its states on
   the first step, one ``sqrt`` temporary per piece, freed last to first); ``zero_grad`` frees nothing (the
   tensors' gradients view the flat gradient), the next forward's root pre-forward drops the flat gradients.
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from estimator.methods.fsdp1 import FlatUnit, Fsdp1Sizes
+from estimator.methods.fsdp1 import FlatUnit, Fsdp1Sizes, flat_layout, shard_pieces
 from estimator.models.params import ParamInfo
 from estimator.reserved.expand import (
     ALLOC,
@@ -46,8 +46,7 @@ from estimator.reserved.expand import (
 from estimator.reserved.fsdp import OPTIMIZERS, BufferOps, _Builder, _grads_by_group, boundary_marks
 from estimator.reserved.timeline import Setup, model_order
 
-DEFAULT, PRE_UNSHARD, UNSHARD, POST_BACKWARD = 0, 3, 4, 5  # allocator streams (FSDP2's are 1 and 2)
-FP32 = 4
+PRE_UNSHARD, UNSHARD, POST_BACKWARD = 3, 4, 5  # allocator streams (0 the default; FSDP2's are 1 and 2)
 
 
 def why_not_fsdp1(options) -> str | None:
@@ -69,6 +68,7 @@ class _Unit:
     flat: FlatUnit
     mixed: bool
     paddings: tuple[int, ...]  # padding segments' elements, flat order
+    offsets: tuple[int, ...]   # each tensor's offset in the flat parameter
 
     @property
     def mp_bytes(self) -> int:
@@ -79,44 +79,14 @@ class _Unit:
         return self.flat.shard_numel * self.flat.world * self.flat.compute_elem
 
 
-def local_pieces(params: list[ParamInfo], flat: FlatUnit, rank: int, aligned: bool) -> list[int]:
-    """Elements of each tensor inside ``rank``'s shard, in registration order (the flat layout of
-    ``methods.fsdp1.flat_unit``: with ``use_orig_params`` each tensor starts 16-byte aligned)."""
-    align = 16 // flat.compute_elem if aligned else 0
-    lo, hi = rank * flat.shard_numel, (rank + 1) * flat.shard_numel
-    out, total = [], 0
-    for p in params:
-        if align and total % align:
-            total += align - total % align
-        out.append(max(0, min(total + p.numel, hi) - max(total, lo)))
-        total += p.numel
-    return out
-
-
-def padding_numels(params: list[ParamInfo], flat: FlatUnit, aligned: bool) -> list[int]:
-    """The flat parameter's padding segments in order: before each tensor to its 16-byte alignment, and at the
-    end to a multiple of the shard group (``use_orig_params``; ``_init_flat_param_and_metadata``)."""
-    if not aligned:
-        return []
-    align = 16 // flat.compute_elem
-    out, total = [], 0
-    for p in params:
-        if total % align:
-            out.append(align - total % align)
-            total += out[-1]
-        total += p.numel
-    if total % flat.world:
-        out.append(flat.world - total % flat.world)
-    return out
-
-
 def _units(table: list[ParamInfo], num_layers: int, sizes: Fsdp1Sizes) -> dict:
     """Unit -> _Unit: every decoder layer (its tensors in table order) and the root (the rest, registration
     order)."""
     aligned = sizes.options.use_orig_params
 
     def unit(params: list[ParamInfo], flat: FlatUnit) -> _Unit:
-        return _Unit(params, flat, sizes.mixed, tuple(padding_numels(params, flat, aligned)))
+        offsets, paddings, _total = flat_layout(params, flat.world, flat.compute_elem, aligned)
+        return _Unit(params, flat, sizes.mixed, tuple(paddings), tuple(offsets))
     units = {"root": unit([p for p in model_order(table) if p.layer is None], sizes.root)}
     for layer in range(num_layers):
         units[layer] = unit([p for p in table if p.layer == layer], sizes.layer)
@@ -154,10 +124,9 @@ def fsdp1_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: in
 class _Step(BufferOps):
     """One step's FSDP1 tensors and the ops that make and free them."""
 
-    def __init__(self, build: _Builder, units: dict, grads: dict, first: bool, optimizer: str) -> None:
+    def __init__(self, build: _Builder, units: dict, grads: dict) -> None:
         super().__init__(build)
         self.units, self.grads = units, grads
-        self.first, self.optimizer = first, optimizer
         self.unsharded: dict = {}      # unit -> padded unsharded flat parameter
         self.grad_shards: dict = {}    # unit -> new shard (the sharded gradient)
 
@@ -181,20 +150,14 @@ class _Step(BufferOps):
         for tensor in zeros:
             self._free(out, tensor)
         self.reshard(out, g)
-        temps = []
-        if flat.reduce_elem != flat.compute_elem:
-            temps.append(self._alloc(out, flat.numel * flat.reduce_elem, POST_BACKWARD))
-        padded = flat.shard_numel * flat.world
-        if padded > flat.numel:
-            temps.append(self._alloc(out, padded * flat.reduce_elem, POST_BACKWARD))
-        shard = self._alloc(out, flat.shard_numel * flat.reduce_elem, POST_BACKWARD)
-        if flat.param_elem != flat.reduce_elem:  # cast to the parameters' dtype: a new tensor
-            kept = self._alloc(out, flat.shard_numel * flat.param_elem, POST_BACKWARD)
-            self._free(out, shard)
-            shard = kept
-        self.grad_shards[g] = shard
-        for tensor in [*reversed(temps), flat_grad]:
-            self._free(out, tensor)
+        # the use_orig_params layout already divides by the shard group: no F.pad before the reduce-scatter
+        cast = (self._alloc(out, flat.numel * flat.reduce_elem, POST_BACKWARD)
+                if flat.reduce_elem != flat.compute_elem else None)
+        # the reduce dtype is the shards' (fp32 under mixed precision), so the new shard is kept as it is
+        self.grad_shards[g] = self._alloc(out, flat.shard_numel * flat.reduce_elem, POST_BACKWARD)
+        for tensor in (cast, flat_grad):
+            if tensor is not None:
+                self._free(out, tensor)
 
     def lazy_init(self, out: list, order: list) -> None:
         """The first forward's ``init_flat_param_attributes``: buffers allocated and freed once per unit."""
@@ -207,16 +170,6 @@ class _Step(BufferOps):
                 if nbytes:
                     self._free(out, self._alloc(out, nbytes))
 
-    def optimizer_step(self, out: list, pieces: list[int]) -> None:
-        """``foreach`` AdamW over the tensors' pieces of the shards (``pieces``: bytes, parameter order)."""
-        if self.first and self.optimizer in ("adamw", "adamw_fused"):
-            for nbytes in pieces:
-                self._alloc(out, nbytes)
-                self._alloc(out, nbytes)
-        if self.optimizer == "adamw":
-            temps = [self._alloc(out, nbytes) for nbytes in pieces]
-            for tensor in reversed(temps):
-                self._free(out, tensor)
 
 
 def _boundary(step: _Step, out: list, name: str, layer: int | None, num_layers: int, prefix_at: list,
@@ -257,10 +210,10 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
               optimizer: str, first: bool, num_layers: int, scalar: set[int], pieces: list[int],
               reshard_after_forward: bool) -> tuple[list, dict[int, int], tuple[int, int], list, int]:
     """The FSDP1 step's ops, where each old op index went, where its optimizer part begins (before and after the
-    loss is freed),
-    the gradient shards (the next step's root pre-forward frees them) and where the root's pre-forward begins."""
+    loss is freed), the gradient shards (the next step's root pre-forward frees them) and where the root's
+    pre-forward begins."""
     grads = {g: list(keys) for g, keys in _grads_by_group(expansion, ops, table).items()}
-    step = _Step(build, units, grads, first, optimizer)
+    step = _Step(build, units, grads)
     grad_keys = expansion.grad_keys
     cut, at_mark, seed = boundary_marks(ops, marks, scalar)
     out: list = []
@@ -286,7 +239,7 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
     made = {op[1] for op in ops[:cut] if op[0] == ALLOC}
     out.extend(op for op in ops[cut:] if op[0] == FREE and op[1] in made and op[1] not in grad_keys)
     loss_freed_at = len(out)
-    step.optimizer_step(out, pieces)
+    step.adamw(out, pieces, first, optimizer)  # the tensors' pieces of the shards, parameter order
     if step.unsharded:
         raise ExpansionError("fsdp1: unsharded flat parameters left at the end of the step")
     shards = [step.grad_shards[g] for g in ["root", *range(num_layers)] if g in step.grad_shards]
@@ -317,7 +270,7 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
         raise ExpansionError("fsdp1: a decoder layer or the root holds no parameters")
     piece_of: dict[str, int] = {}
     for unit in units.values():
-        for p, n in zip(unit.params, local_pieces(unit.params, unit.flat, rank, sizes.options.use_orig_params)):
+        for p, n in zip(unit.params, shard_pieces(unit.params, unit.offsets, unit.flat.shard_numel, rank)):
             piece_of[p.name] = n * unit.flat.param_elem
     pieces = [piece_of[p.name] for p in model_order(table) if p.trainable and piece_of[p.name]]
     build = _Builder(expansion.steady.keys, base_size_index)
@@ -336,7 +289,7 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
     if [t.key for t in first_shards] != [t.key for t in steady_shards]:
         raise ExpansionError("fsdp1: the gradient shards of the first and the steady step differ")
     lazy: list = []  # keys after every other tensor of the step, so both steps keep theirs
-    _Step(build, units, {}, True, optimizer).lazy_init(lazy, ["root", *range(num_layers)])
+    _Step(build, units, {}).lazy_init(lazy, ["root", *range(num_layers)])
     first_ops[first_prefix:first_prefix] = lazy
     first_moved = _shifted(first_moved, first_prefix, len(lazy))
     # the previous step's gradient shards go at the root's pre-forward (``_clear_grads_if_needed``)

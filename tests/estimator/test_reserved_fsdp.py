@@ -67,13 +67,38 @@ def _generated(path: str, training: TrainingSpec, world: int, accum: int = 1, tp
     return out
 
 
+class StorageResizes:
+    """FSDP resizes unsharded storages in place (``alloc_storage``/``free_storage``), which a GPU serves as a new
+    block and a free: records each resize on ``rec``'s timeline as an allocation or a free of its own."""
+
+    def __init__(self, rec) -> None:
+        self.rec, self.resized, self.next_id = rec, {}, 1 << 40
+
+    def allocated(self, tensor, nbytes: int) -> None:
+        storage = tensor.untyped_storage()
+        if storage.size() != nbytes:
+            self.next_id += 1
+            self.resized[id(storage)] = self.next_id
+            self.rec.timeline.sizes[self.next_id] = nbytes
+            self.rec.timeline.events.append(("a", self.next_id, nbytes))
+
+    def freed(self, tensor) -> None:
+        storage = tensor.untyped_storage()
+        if storage.size():
+            ident = self.resized.pop(id(storage), None)
+            if ident is None:  # a storage made by torch.empty (FSDP2's first copy-out, FSDP1's setup)
+                ident = self.rec.sid(storage)
+                self.rec._refs.pop(ident, None)
+            self.rec.timeline.events.append(("f", ident))
+
+
 def _real_fsdp_events(training: TrainingSpec, world: int, accum: int = 1, tp: int = 1
                       ) -> list[tuple[bool, object, int]]:
     """Rank 0 of a real CPU run on the fake process group: the model built as ``harness.methods.base.
     build_sharded`` builds it (meta, ``fully_shard``, ``to_empty``; the shards are the setup), then ``STEPS``
     steps of ``accum`` micro-batches each (each reduce-scatters, as the harness runs FSDP2); ``tp`` > 1: dp_tp,
-    ``apply_tp`` over the mesh's tp axis first, as ``harness.fake.wrap.wrap_model`` does. FSDP2 resizes the unsharded parameters' storages in place (``alloc_storage``/``free_storage``), which a
-    GPU serves as a new block and a free: recorded as such. Left out: module buffers, the parameters' own
+    ``apply_tp`` over the mesh's tp axis first, as ``harness.fake.wrap.wrap_model`` does. Resized storages are
+    recorded as blocks (``StorageResizes``). Left out: module buffers, the parameters' own
     initialisation, DTensor's global-shape metadata propagation (fake tensors, never on a GPU), Adam's host-side
     step counters and zero-byte storages."""
     import torch
@@ -89,27 +114,15 @@ def _real_fsdp_events(training: TrainingSpec, world: int, accum: int = 1, tp: in
 
     spec = RunSpec(model="tiny", parallel=_parallel(world, tp), training=training)
     rec = StorageRecorder()
-    resized: dict[int, int] = {}
-    next_id = [1 << 40]
+    resizes = StorageResizes(rec)
     alloc_storage, free_storage = param_mod.alloc_storage, param_mod.free_storage
 
     def alloc_recorded(tensor):
-        storage, nbytes = tensor.untyped_storage(), tensor.numel() * tensor.itemsize
-        if storage.size() != nbytes:
-            next_id[0] += 1
-            resized[id(storage)] = next_id[0]
-            rec.timeline.sizes[next_id[0]] = nbytes
-            rec.timeline.events.append(("a", next_id[0], nbytes))
+        resizes.allocated(tensor, tensor.numel() * tensor.itemsize)
         alloc_storage(tensor)
 
     def free_recorded(tensor):
-        storage = tensor.untyped_storage()
-        if storage.size():
-            ident = resized.pop(id(storage), None)
-            if ident is None:  # made by torch.empty in the first copy-out
-                ident = rec.sid(storage)
-                rec._refs.pop(ident, None)
-            rec.timeline.events.append(("f", ident))
+        resizes.freed(tensor)
         free_storage(tensor)
 
     ignore_mask = masking_utils._ignore_causal_mask_sdpa

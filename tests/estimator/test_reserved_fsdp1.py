@@ -14,7 +14,16 @@ from estimator.hardware.residuals import load_coefficients  # noqa: E402
 from estimator.reserved import rank as reserved_rank  # noqa: E402
 from estimator.reserved.timeline import INT64, step_requests  # noqa: E402
 from estimator.spec import Fsdp1Spec, ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
-from tests.estimator.test_reserved_fsdp import LLAMA, STEPS, B, S, _in_fresh_process, _runs  # noqa: E402
+from tests.estimator.test_reserved_fsdp import (  # noqa: E402
+    LLAMA,
+    STEPS,
+    B,
+    S,
+    StorageResizes,
+    _assert_same_runs,
+    _in_fresh_process,
+    _runs,
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +63,8 @@ def _generated(path: str, training: TrainingSpec, world: int, rank: int, strateg
 def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: str
                        ) -> list[tuple[bool, object, int]]:
     """``rank`` of a real CPU run on the fake process group: the model built on the host, wrapped as
-    ``harness.fake.wrap.wrap_model`` wraps it, then ``STEPS`` steps. FSDP1 resizes the unsharded flat parameters'
-    storages in place (``_alloc_storage``/``_free_storage``), which a GPU serves as a new block and a free:
-    recorded as such. Left out: the host tensors (the model as built, which a GPU run copies in; FSDP's dtype-size
+    ``harness.fake.wrap.wrap_model`` wraps it, then ``STEPS`` steps. Resized flat parameters are recorded as
+    blocks (``StorageResizes``). Left out: the host tensors (the model as built, which a GPU run copies in; FSDP's dtype-size
     probe, made on the default device), Adam's host-side step counters, zero-byte storages and what the run's end
     frees."""
     import torch
@@ -70,27 +78,15 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
 
     spec = _spec("tiny", training, world, strategy)
     rec = StorageRecorder()
-    resized: dict[int, int] = {}
-    next_id = [1 << 40]
+    resizes = StorageResizes(rec)
     alloc_storage, free_storage = flat_param_mod._alloc_storage, flat_param_mod._free_storage
 
     def alloc_recorded(tensor, size):
-        storage, nbytes = tensor.untyped_storage(), size.numel() * tensor.itemsize
-        if storage.size() != nbytes:
-            next_id[0] += 1
-            resized[id(storage)] = next_id[0]
-            rec.timeline.sizes[next_id[0]] = nbytes
-            rec.timeline.events.append(("a", next_id[0], nbytes))
+        resizes.allocated(tensor, size.numel() * tensor.itemsize)
         alloc_storage(tensor, size)
 
     def free_recorded(tensor):
-        storage = tensor.untyped_storage()
-        if storage.size():
-            ident = resized.pop(id(storage), None)
-            if ident is None:
-                ident = rec.sid(storage)
-                rec._refs.pop(ident, None)
-            rec.timeline.events.append(("f", ident))
+        resizes.freed(tensor)
         free_storage(tensor)
 
     ignore_mask = masking_utils._ignore_causal_mask_sdpa
@@ -156,15 +152,7 @@ def test_generated_stream_equals_a_real_fsdp1_run(llama_path, precision, world, 
     training = TrainingSpec(precision=precision, attn="eager", micro_batch_size=B, seq_len=S, grad_ckpt=ckpt)
     generated = _runs(_generated(llama_path, training, world, rank, strategy), True)
     real = _runs(_in_fresh_process(_real_fsdp1_events, training, world, rank, strategy), False)
-    assert len(generated) == len(real)
-    ident_of = {}
-    for at, (gen, ref) in enumerate(zip(generated, real)):
-        assert gen[0] == ref[0], at
-        if gen[0] == "a":
-            assert gen[1] == ref[1], at
-            ident_of[gen[2]] = ref[2]
-        else:
-            assert {ident_of.get(key) for key in gen[1]} == ref[1], at
+    _assert_same_runs(generated, real)
 
 
 @pytest.mark.parametrize("training, world, strategy", [
