@@ -38,6 +38,9 @@ class RankEstimate:
     num_alloc_retries: int | None = None       # replayed: cache flushes and retries under the GPU's capacity
     allocator_oom: bool = False                # replayed: the allocator runs out of memory under that capacity
     replayed_steps: int | None = None          # replayed: steps until the cache repeated
+    # replayed with decide_fit: stopped once the reserved level proved the spec does not fit, so the reserved and
+    # device levels are lower bounds (what the rank had reserved by then)
+    reserved_lower_bound: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,8 +160,23 @@ def fp32_outputs_extra_bytes(regime: dict, training: TrainingSpec, b: int, s: in
     return poly(sixteen["dropped"], b, s) + 2 * poly(sixteen["saved"], b, s)
 
 
+_STEP_MODELS: dict[tuple, tuple[list, methods.StepModel]] = {}
+
+
 def _step_model(spec: RunSpec, table, rank: int = 0, path: methods.Zero12Rank | None = None
                 ) -> methods.StepModel:
+    """The method's step model, memoized per table: it depends on the layout, the precision and the optimizer,
+    not on the micro-batch or the sequence (a plan's search asks for the same one at every micro-batch)."""
+    key = (spec.parallel, spec.training.precision, spec.training.optimizer, id(table), rank, path)
+    hit = _STEP_MODELS.get(key)
+    if hit is None or hit[0] is not table:
+        if len(_STEP_MODELS) > 1024:
+            _STEP_MODELS.clear()
+        hit = _STEP_MODELS[key] = (table, _new_step_model(spec, table, rank, path))
+    return hit[1]
+
+
+def _new_step_model(spec: RunSpec, table, rank: int, path: methods.Zero12Rank | None) -> methods.StepModel:
     method = spec.parallel.method
     if method in ("single", "tp"):
         return methods.single(spec, table)
@@ -214,7 +232,8 @@ def _replay(model: methods.StepModel, segments: dict, num_layers: int, b: int, s
 
 def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, rank: int,
                    path: methods.Zero12Rank | None = None, alloc_conf: str | None = None,
-                   sequence: StepSequence | None = None) -> tuple[RankEstimate, methods.StepModel]:
+                   sequence: StepSequence | None = None, decide_fit: bool = False
+                   ) -> tuple[RankEstimate, methods.StepModel]:
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
     model = _step_model(spec, table, rank, path)
@@ -250,7 +269,8 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     breakdown = {k: int(round(parts.get(k, 0.0))) for k in COMPONENTS if parts.get(k)}
     allocated = int(round(max(fb_total, step_total) + workspace))
     communicators = 0 if spec.parallel.world_size == 1 else (2 if spec.parallel.method == "dp_tp" else 1)
-    replayed = _replayed(spec, arch, profile, table, coeffs, regime, communicators, alloc_conf, sequence, rank)
+    replayed = _replayed(spec, arch, profile, table, coeffs, regime, communicators, alloc_conf, sequence, rank,
+                         decide_fit)
     if replayed is None:
         reserved = residuals.reserved_from_allocated(allocated, coeffs)
         allocator_fields = {}
@@ -258,7 +278,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
         reserved = replayed.peak_reserved_bytes
         allocator_fields = {"reserved_source": "replayed", "fragmentation_bytes": replayed.fragmentation_bytes,
                             "num_alloc_retries": replayed.num_alloc_retries, "allocator_oom": replayed.oom,
-                            "replayed_steps": replayed.steps}
+                            "replayed_steps": replayed.steps, "reserved_lower_bound": replayed.stopped_above}
     device = residuals.device_from_reserved(reserved, coeffs, communicators)
     return RankEstimate(rank=rank, peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
                         peak_device_bytes=device, breakdown=breakdown, phase=f"{phase} (steady step)",
@@ -266,11 +286,12 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
 
 
 def _replayed(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, regime: dict,
-              communicators: int, alloc_conf: str | None, sequence: StepSequence | None = None, rank: int = 0):
+              communicators: int, alloc_conf: str | None, sequence: StepSequence | None = None, rank: int = 0,
+              decide_fit: bool = False):
     """This rank's reserved peak replayed through the caching-allocator model, or None where the prior stands
     (``estimator.reserved.rank.why_not``). The allocator may use the GPU's memory less the CUDA context and the
     NCCL buffers. ``sequence``: the steps' shapes in order (an epoch of mixed batch shapes), not identical
-    steps of the spec's shape."""
+    steps of the spec's shape. ``decide_fit``: stop once the reserved level proves the spec does not fit."""
     from estimator.reserved.expand import ExpansionError
     from estimator.reserved.rank import replay_reserved, replay_reserved_sequence, why_not
 
@@ -278,8 +299,9 @@ def _replayed(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs
         return None
     capacity = get_gpu(spec.gpu).capacity_bytes
     allowed = capacity - coeffs.cuda_context_bytes - communicators * coeffs.nccl_bytes_per_communicator
+    stop = residuals.reserved_fit_limit_bytes(capacity, coeffs, communicators) if decide_fit else None
     options = dict(workspace_bytes=coeffs.cublas_workspace_bytes, workspaces=coeffs.cublas_workspaces,
-                   allowed_bytes=max(allowed, 0), conf_text=alloc_conf, rank=rank)
+                   allowed_bytes=max(allowed, 0), conf_text=alloc_conf, rank=rank, stop_above_bytes=stop)
     try:
         if sequence is not None:
             return replay_reserved_sequence(spec, profile, regime, table, arch.num_layers, list(sequence.shapes),
@@ -294,7 +316,11 @@ def _reserved_note(spec: RunSpec, profile: dict, worst: RankEstimate, alloc_conf
     if worst.reserved_source == "replayed":
         oom = "; the allocator runs OUT OF MEMORY under the GPU's capacity" if worst.allocator_oom else ""
         steps = f"{worst.replayed_steps} steps until the cache repeats"
-        if sequence is not None:
+        if worst.reserved_lower_bound:
+            where = f"step {worst.replayed_steps}" if worst.replayed_steps else "the setup"
+            steps = (f"stopped after {where}, in which the reserved level proved that the run does not fit: "
+                     "reserved and device levels are lower bounds")
+        elif sequence is not None:
             emptied = f", empty_cache() every {sequence.empty_cache_every}" if sequence.empty_cache_every else ""
             steps = (f"the {worst.replayed_steps} steps of {len(set(sequence.shapes))} batch shapes in their "
                      f"order{emptied}")
@@ -396,12 +422,16 @@ def resolve_alloc_conf(alloc_conf: str | None) -> str:
 
 
 def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = True, alloc_conf: str | None = None,
-             replay_reserved: bool = True, sequence: StepSequence | None = None) -> Estimate:
+             replay_reserved: bool = True, sequence: StepSequence | None = None, decide_fit: bool = False
+             ) -> Estimate:
     """Per-rank peak memory of ``spec``. ``coefficients``: a GPU coefficient file path or loaded object.
     ``alloc_conf``: the ``PYTORCH_CUDA_ALLOC_CONF`` string the reserved replay uses (default: the environment's,
     else PyTorch's defaults); ``replay_reserved=False`` keeps the prior for the reserved level. ``sequence``: the
     reserved replay runs these step shapes in order instead of repeating the spec's (whose shape should be the
-    sequence's worst: the allocated peak is the spec's)."""
+    sequence's worst: the allocated peak is the spec's). ``decide_fit``: only ``fits`` is wanted (the plan's
+    search): a rank's replay stops once its reserved level proves the spec does not fit, and that rank's reserved
+    and device levels are then lower bounds (``RankEstimate.reserved_lower_bound``); when rank 0 proves it, the
+    other ranks are not estimated (``ranks`` holds rank 0 alone). ``fits`` is exact."""
     conf = resolve_alloc_conf(alloc_conf) if replay_reserved else None
 
     gpu = get_gpu(spec.gpu)
@@ -422,21 +452,25 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     # ZeRO-1/2 a middle rank when it is worse than both. Only ZeRO-1/2's gradient partition buffer depends on the
     # rank (its size, and when backward or the reduction after it reaches the rank's partition), so one
     # computation serves every rank elsewhere.
+    def rank_estimate(rank: int, path: methods.Zero12Rank | None = None, sequence: StepSequence | None = None):
+        return _rank_estimate(spec, arch, profile, table, coeffs, rank, path, conf, sequence, decide_fit)
+
     if last and spec.parallel.zero_stage in (1, 2):
         paths = methods.zero12_ranks(table, spec.parallel.world_size, spec.parallel.zero.reduce_bucket_size)
-        first, model = _rank_estimate(spec, arch, profile, table, coeffs, 0, paths[0], conf)
-        ranks = [first, _rank_estimate(spec, arch, profile, table, coeffs, last, paths[last], conf)[0]]
+        first, model = rank_estimate(0, paths[0])
+        ranks = [first, rank_estimate(last, paths[last])[0]]
         # A middle rank can hold more (its buffer includes the tensors cut by both of its boundaries): report the
         # worst of those no other rank dominates, when it is worse than both ends.
-        middle = [_rank_estimate(spec, arch, profile, table, coeffs, r, paths[r], conf)[0]
-                  for r in _undominated(paths) if 0 < r < last]
+        middle = [rank_estimate(r, paths[r])[0] for r in _undominated(paths) if 0 < r < last]
         worst_middle = max(middle, key=lambda r: r.peak_device_bytes, default=None)
         if worst_middle is not None and worst_middle.peak_device_bytes > max(r.peak_device_bytes for r in ranks):
             ranks.insert(1, worst_middle)
     else:
-        first, model = _rank_estimate(spec, arch, profile, table, coeffs, 0, alloc_conf=conf, sequence=sequence)
-        if last and spec.parallel.method == "fsdp1":  # the padding of every flat parameter sits in the last shard
-            ranks = [first, _rank_estimate(spec, arch, profile, table, coeffs, last, alloc_conf=conf)[0]]
+        first, model = rank_estimate(0, sequence=sequence)
+        if first.reserved_lower_bound:  # decide_fit: rank 0 alone proves the spec does not fit
+            ranks = [first]
+        elif last and spec.parallel.method == "fsdp1":  # the padding of every flat parameter sits in the last shard
+            ranks = [first, rank_estimate(last)[0]]
         else:
             ranks = [first] + ([dataclasses.replace(first, rank=last)] if last else [])
     worst = max(ranks, key=lambda r: r.peak_device_bytes)

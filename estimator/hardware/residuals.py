@@ -176,6 +176,23 @@ def upper_bound_bytes(device_bytes: int, coeffs: Coefficients) -> int:
     return math.ceil(device_bytes * coeffs.upper_bound_ratio)
 
 
+def reserved_fit_limit_bytes(capacity_bytes: int, coeffs: Coefficients, num_communicators: int) -> int:
+    """The largest reserved peak whose upper bound still fits ``capacity_bytes`` (-1 if none does): a reserved
+    level above it decides that a run does not fit, whatever else it reserves."""
+    def fits(reserved: int) -> bool:
+        return upper_bound_bytes(device_from_reserved(reserved, coeffs, num_communicators), coeffs) <= capacity_bytes
+
+    if not fits(0):
+        return -1
+    lo, hi = 0, max(int(capacity_bytes), 1)
+    while fits(hi):  # a bound ratio below 1
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:  # fits(lo), not fits(hi): the bound rises with the reserved level
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def provenance_notes(coeffs: Coefficients) -> list[str]:
     """"calibrated on published measurements (N rows, sources ...)" for a file ``calibrate public --fit`` wrote."""
     block = coeffs.provenance

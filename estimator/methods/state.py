@@ -290,8 +290,23 @@ class Zero12Rank:
     #                        backward (IPG buckets not included)
 
 
+_ZERO12_RANKS: dict[tuple, tuple[list, list]] = {}
+
+
 def zero12_ranks(table: list[ParamInfo], world: int, bucket: float) -> list[Zero12Rank]:
-    """Every rank's ``Zero12Rank``, from the parameter table alone (one pass over the tensors and the ranks)."""
+    """Every rank's ``Zero12Rank``, from the parameter table alone; memoized per table (a plan asks for the same
+    table's ranks at every micro-batch it tries)."""
+    key = (id(table), world, bucket)
+    hit = _ZERO12_RANKS.get(key)
+    if hit is None or hit[0] is not table:
+        if len(_ZERO12_RANKS) > 256:
+            _ZERO12_RANKS.clear()
+        hit = _ZERO12_RANKS[key] = (table, _zero12_ranks(table, world, bucket))
+    return hit[1]
+
+
+def _zero12_ranks(table: list[ParamInfo], world: int, bucket: float) -> list[Zero12Rank]:
+    """``zero12_ranks`` computed: one pass over the tensors and the ranks."""
     trainable = _trainable(table)
     elem = min((p.elem_bytes for p in table), default=2)
     flat = _zero_flat_order(trainable)

@@ -160,17 +160,20 @@ def format_plan(p: Plan) -> str:
     for r in order:
         c = r.candidate
         why = f"{r.rank}" + ("" if r.rank == 1 else f"  {r.reason}") if r.rank else r.reason
+        at_least = ">=" if r.peak_lower_bound else ""
         mx = "-" if r.status == "invalid" else (f">={r.max_micro_batch}" if r.max_micro_batch >= planner.MAX_MICRO_BATCH
                                                   else str(r.max_micro_batch))
         lines.append(f"{c.label:<14}{c.tp:>3} {'yes' if c.grad_ckpt else 'no':<5}"
                      f"{'yes' if r.fits else ('-' if r.status == 'invalid' else 'no'):<5}{mx:>7}"
-                     f"{r.micro_batch or '-':>6}{r.grad_accum or '-':>6}{_gib(r.peak_bytes):>9}"
-                     f"{_gib(r.bound_bytes):>10}{_gib(r.host_ram_node_bytes):>9}"
+                     f"{r.micro_batch or '-':>6}{r.grad_accum or '-':>6}{at_least + _gib(r.peak_bytes):>9}"
+                     f"{at_least + _gib(r.bound_bytes):>10}{_gib(r.host_ram_node_bytes):>9}"
                      f"{(f'{r.tokens_per_s:,.0f}' if r.time else '-'):>11}  {why}")
     lines.append("")
     if any(r.host_ram_node_bytes for r in p.results):
         lines.append("host GiB: CPU RAM per node for the offloaded states (optimizer partitions, fp32 master "
                      "weights and gradients; ZeRO-Infinity also the parameters)")
+    if any(r.peak_lower_bound for r in p.results):
+        lines.append(">= GiB: lower bounds; the reserved replay stopped once it proved the layout does not fit")
     lines.append(recommendation_line(p))
     lines += [f"  advice: {a}" for a in p.advice]
     lines += [f"  note: {n}" for n in p.notes]

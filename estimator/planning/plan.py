@@ -213,6 +213,8 @@ class CandidateResult:
     grad_accum: int = 0
     peak_bytes: int | None = None      # estimate's peak device bytes (worst rank) at micro_batch (or 1 if OOM)
     bound_bytes: int | None = None     # calibrated safety bound at the same point
+    # peak and bound are lower bounds: the reserved replay stopped once it proved the layout does not fit
+    peak_lower_bound: bool = False
     capacity_bytes: int | None = None
     host_ram_bytes: int | None = None  # CPU RAM one rank's offloaded states need (estimator); 0 without offload
     time: tput.StepTime | None = None
@@ -239,7 +241,7 @@ class CandidateResult:
                 "grad_ckpt": c.grad_ckpt, "status": self.status, "fits": self.fits, "reason": self.reason,
                 "max_micro_batch": self.max_micro_batch, "micro_batch": self.micro_batch,
                 "grad_accum": self.grad_accum, "peak_bytes": self.peak_bytes, "bound_bytes": self.bound_bytes,
-                "capacity_bytes": self.capacity_bytes, "host_ram_bytes": self.host_ram_bytes,
+                "peak_lower_bound": self.peak_lower_bound, "capacity_bytes": self.capacity_bytes, "host_ram_bytes": self.host_ram_bytes,
                 "host_ram_node_bytes": self.host_ram_node_bytes, "run_as": RUN_AS[c.method],
                 "tokens_per_s": round(self.tokens_per_s, 1) if self.time else None,
                 "step_time": self.time.to_dict() if self.time else None, "rank": self.rank}
@@ -415,9 +417,10 @@ def _evaluate(ctx: _Context, cand: Candidate, global_batch: int | None) -> Candi
         est = ctx.estimate(cand, 1)
         res.status = "oom"
         res.peak_bytes, res.bound_bytes = int(est.peak_device_bytes), int(est.upper_bound_bytes)
+        res.peak_lower_bound = any(getattr(r, "reserved_lower_bound", False) for r in getattr(est, "ranks", ()))
         res.host_ram_bytes = getattr(est, "host_ram_bytes", None)
-        res.reason = (f"does not fit at micro-batch 1: bound {res.bound_bytes / GIB:.1f} GiB > "
-                      f"{capacity / GIB:.1f} GiB")
+        res.reason = (f"does not fit at micro-batch 1: bound {'>= ' if res.peak_lower_bound else ''}"
+                      f"{res.bound_bytes / GIB:.1f} GiB > {capacity / GIB:.1f} GiB")
         return res
     if global_batch is None:
         mb, accum = best, 1
@@ -576,7 +579,8 @@ def _default_estimate(allow_build: bool = True, alloc_conf: str | None = None) -
         prior = prior_of(spec)
         if spec.parallel.method not in METHODS or floor_bytes(spec) > prior.capacity_bytes:
             return prior
-        return estimate(spec, allow_build=allow_build, alloc_conf=alloc_conf)
+        # the plan asks only whether a spec fits: a replay stops once its reserved level proves it does not
+        return estimate(spec, allow_build=allow_build, alloc_conf=alloc_conf, decide_fit=True)
     def floor(spec: RunSpec):
         """The prior estimate with the upper bound at its floor: what no replay can go below."""
         return dataclasses.replace(prior_of(spec), upper_bound_bytes=int(floor_bytes(spec)))
@@ -680,37 +684,40 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
 
 
 def _expandable_notes(ctx: _Context, result: Plan, alloc_conf: str) -> list[str]:
-    """Layouts that do not fit at micro-batch 1 but would with ``expandable_segments:True`` (the reserved replay
-    without the fragmentation of fixed segments) and would then beat the recommendation: a layout slower at
-    micro-batch 1 than the best one that fits changes nothing, and is not replayed."""
+    """The fastest layout that does not fit at micro-batch 1 but would with ``expandable_segments:True`` (the
+    reserved replay without the fragmentation of fixed segments) and would then beat the recommendation. The
+    candidates are replayed fastest first, until one fits: a slower one would not be the answer, and a layout
+    slower at micro-batch 1 than the best one that fits changes nothing."""
     if "expandable_segments" in alloc_conf.replace(" ", ""):
         return []
     conf = ",".join(x for x in (alloc_conf, "expandable_segments:True") if x)
     estimate = _default_estimate(allow_build=False, alloc_conf=conf)
-    rescued = []
+    speeds = {}
     for res in result.results:
-        if res.status != "oom" or not _could_beat(ctx, res.candidate, result):
-            continue
+        if res.status == "oom":
+            speed = _speed_at_one(ctx, res.candidate, result)
+            if speed is not None and (result.best is None or speed > result.best.tokens_per_s):
+                speeds[res.candidate] = speed
+    for cand in sorted(speeds, key=lambda c: (-speeds[c], METHOD_RANK[c.method], c.grad_ckpt)):
         try:
-            est = estimate(ctx.spec(res.candidate, 1))
+            est = estimate(ctx.spec(cand, 1))
         except ValueError:  # no profile for this layout's variant: nothing to say
             continue
         if getattr(est, "reserved_source", "prior") == "replayed" and est.fits:
-            rescued.append(res.candidate.label + (" (ckpt)" if res.candidate.grad_ckpt else ""))
-    if not rescued:
-        return []
-    return [f"PYTORCH_CUDA_ALLOC_CONF={conf} makes {', '.join(rescued)} fit at micro-batch 1 (reserved replay)"]
+            label = cand.label + (" (ckpt)" if cand.grad_ckpt else "")
+            faster = "the fastest layout that does not fit without it" if result.best is None else \
+                "faster than the recommendation"
+            return [f"PYTORCH_CUDA_ALLOC_CONF={conf} makes {label} fit at micro-batch 1 (reserved replay); {faster}"]
+    return []
 
 
-def _could_beat(ctx: _Context, cand: Candidate, result: Plan) -> bool:
-    """Whether ``cand`` at micro-batch 1 would be faster than the recommended layout (True when none fits)."""
-    if result.best is None:
-        return True
+def _speed_at_one(ctx: _Context, cand: Candidate, result: Plan) -> float | None:
+    """``cand``'s tokens/s at micro-batch 1 (None: it cannot run)."""
     accum = 1 if result.global_batch is None else max(result.global_batch // cand.dp, 1)
     try:
-        return ctx.step_time(cand, 1, accum).tokens_per_s > result.best.tokens_per_s
+        return ctx.step_time(cand, 1, accum).tokens_per_s
     except ValueError:
-        return False
+        return None
 
 
 def _raise_if_all_invalid(results: list[CandidateResult], global_batch: int | None) -> None:

@@ -4,6 +4,8 @@ sizes and replay."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from estimator.allocator import parse_alloc_conf
 from estimator.methods.fsdp1 import fsdp1_sizes
 from estimator.models.params import ParamInfo
@@ -174,11 +176,12 @@ def in_regime(regime: dict, b: int, s: int) -> bool:
 def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[ParamInfo], num_layers: int,
                              shapes: list[tuple[int, int]], *, workspace_bytes: int, workspaces: int,
                              allowed_bytes: int | None, conf_text: str | None,
-                             empty_cache_every: int | None = None, rank: int = 0) -> ReservedReplay:
+                             empty_cache_every: int | None = None, rank: int = 0,
+                             stop_above_bytes: int | None = None) -> ReservedReplay:
     """Steps of the (micro-batch, sequence) ``shapes`` in order, each at its own sizes, through one allocator
     (``replay_sequence``). Every step runs the spec's regime's events: shapes of another regime (a micro-batch of
     1 where the spec's has more rows: an epoch's last, short batch) are left out. The run's need is reported
-    when the cap is hit, as ``replay_reserved`` does. ExpansionError: no replay."""
+    when the cap is hit, as ``replay_reserved`` does (``_capped_then_needed``). ExpansionError: no replay."""
     training = spec.training
     events = regime["events"]
     expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)))
@@ -195,20 +198,29 @@ def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[Para
         raise ExpansionError("sequence: no step of the spec's regime")
     setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"),
                    _shard_world(spec), spec)
-    conf = alloc_conf(conf_text)
-    accum = training.grad_accum_steps
-    capped = replay_sequence(setup, sequence, conf, allowed_bytes, empty_cache_every, accum)
+    return _capped_then_needed(
+        lambda cap, stop: replay_sequence(setup, sequence, alloc_conf(conf_text), cap, empty_cache_every,
+                                          training.grad_accum_steps, stop), allowed_bytes, stop_above_bytes)
+
+
+def _capped_then_needed(replay, allowed_bytes: int | None, stop_above_bytes: int | None) -> ReservedReplay:
+    """``replay(cap, stop)`` under ``allowed_bytes``; when it runs out there, again without the cap, so the reserved
+    peak reported is what the run would need (``oom`` stays set). With ``stop_above_bytes`` (the question is only
+    whether it fits) an out-of-memory answers it: no second replay, the peak stays a lower bound."""
+    capped = replay(allowed_bytes, stop_above_bytes)
     if not capped.oom:
         return capped
-    needed = replay_sequence(setup, sequence, conf, None, empty_cache_every, accum)
-    return ReservedReplay(**{**needed.__dict__, "oom": True, "num_alloc_retries": capped.num_alloc_retries})
+    if stop_above_bytes is not None:
+        return dataclasses.replace(capped, stopped_above=True)
+    needed = replay(None, None)
+    return dataclasses.replace(needed, oom=True, num_alloc_retries=capped.num_alloc_retries)
 
 
 def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], num_layers: int, *,
                     workspace_bytes: int, workspaces: int, allowed_bytes: int | None, conf_text: str | None,
-                    rank: int = 0) -> ReservedReplay:
-    """Replay the rank under ``allowed_bytes``; when it runs out there, replay without the cap too, so the
-    reserved peak reported is what the run would need (``oom`` stays set). ExpansionError: no replay."""
+                    rank: int = 0, stop_above_bytes: int | None = None) -> ReservedReplay:
+    """Replay the rank under ``allowed_bytes`` (``_capped_then_needed``); ``stop_above_bytes``: stop once the
+    reserved peak passes it. ExpansionError: no replay."""
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
     events = regime["events"]
@@ -217,10 +229,6 @@ def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], n
                  workspaces=workspaces, rank=rank)
     setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"),
                    _shard_world(spec), spec)
-    conf = alloc_conf(conf_text)
-    accum = training.grad_accum_steps
-    capped = replay_rank(setup, plan, conf, allowed_bytes, accum=accum)
-    if not capped.oom:
-        return capped
-    needed = replay_rank(setup, plan, conf, None, accum=accum)
-    return ReservedReplay(**{**needed.__dict__, "oom": True, "num_alloc_retries": capped.num_alloc_retries})
+    return _capped_then_needed(
+        lambda cap, stop: replay_rank(setup, plan, alloc_conf(conf_text), cap, accum=training.grad_accum_steps,
+                                      stop_above_bytes=stop), allowed_bytes, stop_above_bytes)

@@ -33,6 +33,13 @@ class ReservedReplay:
     oom: bool                        # the allocator could not serve a request under the cap
     steps: int                       # steps replayed (setup excluded)
     steady: bool                     # the last two steps were the same
+    # The replay stopped after the step in which the reserved peak passed ``stop_above_bytes`` (a level that already
+    # decides the question asked, e.g. "does it fit?"): the peak fields are lower bounds, reached by then.
+    stopped_above: bool = False
+
+
+class _Exceeded(Exception):
+    """The reserved peak passed the replay's ``stop_above_bytes`` in the step (or setup) just replayed."""
 
 
 def _segments(allocator: CachingAllocator) -> tuple:
@@ -123,21 +130,32 @@ def _slot_polys(events: StepEvents, keys: int) -> dict[int, int]:
     return polys
 
 
-def _templates(expansion: Expansion, workspaces: int) -> tuple[list, list, list]:
-    key = (id(expansion), workspaces)
+def _cached_template(expansion: Expansion, workspaces: int, kind: int) -> list[tuple[int, int, int]]:
+    """``_template``, memoized per expansion and kind (a replay that stops in its first step never compiles the
+    later kinds)."""
+    key = (id(expansion), workspaces, kind)
     hit = _TEMPLATES.get(key)
     if hit is None or hit[0] is not expansion:
-        if len(_TEMPLATES) > 64:
+        if len(_TEMPLATES) > 192:
             _TEMPLATES.clear()
-        hit = (expansion, tuple(_template(expansion, workspaces, kind) for kind in (0, 1, 2)))
-        _TEMPLATES[key] = hit
+        hit = _TEMPLATES[key] = (expansion, _template(expansion, workspaces, kind))
     return hit[1]
 
 
-def _steps(plan: StepPlan, setup: Setup) -> tuple[list, list, list]:
-    """The (code, slot, bytes) operations of the first, the second and every later step at this plan's sizes;
-    the second with DDP's bucket rebuild (after the batch is allocated)."""
-    return tuple(_step_ops(plan, plan, setup, kind) for kind in (0, 1, 2))
+class _Steps:
+    """The (code, slot, bytes) operations of step ``index`` at this plan's sizes: the first, the second (with DDP's
+    bucket rebuild, after the batch is allocated) or any later one; each kind built when first asked for (a replay
+    that stops early never needs the later ones)."""
+
+    def __init__(self, plan: StepPlan, setup: Setup) -> None:
+        self.plan, self.setup = plan, setup
+        self.kinds: list[list | None] = [None, None, None]
+
+    def __getitem__(self, index: int) -> list:
+        kind = min(index, 2)
+        if self.kinds[kind] is None:
+            self.kinds[kind] = _step_ops(self.plan, self.plan, self.setup, kind)
+        return self.kinds[kind]
 
 
 def _step_ops(plan: StepPlan, previous: StepPlan, setup: Setup, kind: int, template: list | None = None
@@ -148,7 +166,7 @@ def _step_ops(plan: StepPlan, previous: StepPlan, setup: Setup, kind: int, templ
     sizes = [*plan.sizes, plan.batch_bytes, plan.workspace_bytes]
     before = sizes if previous is plan else [*previous.sizes, previous.batch_bytes, previous.workspace_bytes]
     if template is None:
-        template = _templates(plan.expansion, plan.workspaces)[kind]
+        template = _cached_template(plan.expansion, plan.workspaces, kind)
     ops = [(code, slot, (before if code == _FREE_PREVIOUS else sizes)[index]) for code, slot, index in template]
     if kind == 1 and setup.rebuilt_buckets:
         setup_keys = len(setup.allocations)
@@ -161,8 +179,10 @@ def _step_ops(plan: StepPlan, previous: StepPlan, setup: Setup, kind: int, templ
 class _Run:
     """The allocator plus the bookkeeping of one replay."""
 
-    def __init__(self, conf, allowed_bytes: int | None, setup: Setup) -> None:
+    def __init__(self, conf, allowed_bytes: int | None, setup: Setup, stop_above_bytes: int | None = None) -> None:
         self.allocator = CachingAllocator(conf, capacity_bytes=allowed_bytes)
+        # the reserved peak never falls, so once above this level the rest of the replay cannot change the answer
+        self.stop_above_bytes = float("inf") if stop_above_bytes is None else stop_above_bytes
         self.setup_addr: list = [None] * (len(setup.allocations) + len(setup.rebuilt_buckets))
         self.live = self.requested_peak = 0
         self.peak = self.step_peak = self.fragmentation = 0
@@ -176,6 +196,13 @@ class _Run:
             ops.extend((_FREE_SETUP, j, setup.allocations[j][1]) for j in frees.get(i, ()))
         self.run(ops, [], [])
 
+    def check_stop(self) -> None:
+        """At the end of a step (or the setup): stop if the reserved peak passed ``stop_above_bytes``. The step
+        that passed it is finished first, so the lower bound is that step's whole peak (the first step's is
+        usually close to the steady one: a better guide for the plan's micro-batch search than the crossing)."""
+        if self.peak > self.stop_above_bytes:
+            raise _Exceeded
+
     def repeats(self, index: int) -> bool:
         """After step (or cycle) ``index``: whether it repeated the previous one's reserved peak and segments (the
         allocator is deterministic, so every later one would too); the first steps never count."""
@@ -184,11 +211,12 @@ class _Run:
         self.previous_state = state
         return repeated
 
-    def result(self, *, oom: bool, steps: int, steady: bool) -> ReservedReplay:
+    def result(self, *, oom: bool, steps: int, steady: bool, stopped_above: bool = False) -> ReservedReplay:
         allocator = self.allocator
         return ReservedReplay(peak_reserved_bytes=self.peak, peak_allocated_bytes=allocator.peak_allocated_bytes,
                               peak_requested_bytes=self.requested_peak, fragmentation_bytes=self.fragmentation,
-                              num_alloc_retries=allocator.num_alloc_retries, oom=oom, steps=steps, steady=steady)
+                              num_alloc_retries=allocator.num_alloc_retries, oom=oom, steps=steps, steady=steady,
+                              stopped_above=stopped_above)
 
     def run(self, ops: list[tuple], addr: list, previous: list, cycle: list | None = None) -> None:
         """Apply ``ops`` with this step's address slots ``addr``, the previous step's ``previous`` and the
@@ -235,38 +263,43 @@ class _Run:
 
 
 def replay_rank(setup: Setup, plan: StepPlan, conf=None, allowed_bytes: int | None = None,
-                max_steps: int = MAX_STEPS, accum: int = 1) -> ReservedReplay:
+                max_steps: int = MAX_STEPS, accum: int = 1, stop_above_bytes: int | None = None) -> ReservedReplay:
     """``allowed_bytes``: what the allocator may reserve (the GPU's memory less what others hold); None:
-    unlimited. ``accum``: micro-steps per optimizer step (``max_steps`` then counts optimizer steps)."""
+    unlimited. ``accum``: micro-steps per optimizer step (``max_steps`` then counts optimizer steps).
+    ``stop_above_bytes``: stop at the end of the step in which the reserved peak passes it (``stopped_above``)."""
     if accum > 1:
-        return _replay_accumulating(setup, plan, conf, allowed_bytes, max_steps, accum)
-    run = _Run(conf, allowed_bytes, setup)
-    steps, steady, oom = 0, False, False
-    steps_ops = _steps(plan, setup)
+        return _replay_accumulating(setup, plan, conf, allowed_bytes, max_steps, accum, stop_above_bytes)
+    run = _Run(conf, allowed_bytes, setup, stop_above_bytes)
+    steps, steady, oom, stopped = 0, False, False, False
+    steps_ops = _Steps(plan, setup)
     slots = plan.expansion.steady.keys + BATCH_TENSORS + plan.workspaces
     try:
         run.setup(setup)
+        run.check_stop()
         previous_addr: list = []
         for step in range(max_steps):
-            ops = steps_ops[min(step, 2)]
+            ops = steps_ops[step]
             addr = [None] * slots
             run.step_peak = run.allocator.reserved_bytes
             run.run(ops, addr, previous_addr)
             previous_addr = addr
             steps += 1
+            run.check_stop()
             if run.repeats(step):
                 steady = True
                 break
     except OutOfMemory:
         oom = True
-    return run.result(oom=oom, steps=steps, steady=steady)
+    except _Exceeded:
+        stopped = True
+    return run.result(oom=oom, steps=steps, steady=steady, stopped_above=stopped)
 
 
 def _replay_accumulating(setup: Setup, plan: StepPlan, conf, allowed_bytes: int | None, max_cycles: int,
-                         k: int) -> ReservedReplay:
+                         k: int, stop_above_bytes: int | None = None) -> ReservedReplay:
     """``replay_rank`` with an optimizer step every ``k`` micro-steps (``estimator.reserved.accumulate``), until
     a cycle repeats the previous one's reserved peak and segments."""
-    run = _Run(conf, allowed_bytes, setup)
+    run = _Run(conf, allowed_bytes, setup, stop_above_bytes)
     templates = _micro_templates(plan.expansion, plan.workspaces, k)
     ops = {kinds: _step_ops(plan, plan, setup, 2, template) for kinds, template in templates.items()}
     # DDP rebuilds its buckets at the first forward after a synchronised backward (DistributedDataParallel.
@@ -274,9 +307,10 @@ def _replay_accumulating(setup: Setup, plan: StepPlan, conf, allowed_bytes: int 
     # backward only): the second cycle's first micro-step
     rebuild = _step_ops(plan, plan, setup, 1, templates[1, 0]) if setup.rebuilt_buckets else ops[1, 0]
     slots = plan.expansion.steady.keys + BATCH_TENSORS + plan.workspaces
-    steps, steady, oom = 0, False, False
+    steps, steady, oom, stopped = 0, False, False, False
     try:
         run.setup(setup)
+        run.check_stop()
         previous_addr: list = []
         for cycle in range(max_cycles):
             run.step_peak = run.allocator.reserved_bytes
@@ -288,28 +322,33 @@ def _replay_accumulating(setup: Setup, plan: StepPlan, conf, allowed_bytes: int 
                 run.run(rebuild if (cycle, micro) == (1, 0) else ops[kinds], addr, previous_addr, cycle_addr)
                 previous_addr = addr
                 steps += 1
+                run.check_stop()
             if run.repeats(cycle):
                 steady = True
                 break
     except OutOfMemory:
         oom = True
-    return run.result(oom=oom, steps=steps, steady=steady)
+    except _Exceeded:
+        stopped = True
+    return run.result(oom=oom, steps=steps, steady=steady, stopped_above=stopped)
 
 
 def replay_sequence(setup: Setup, plans: list[StepPlan], conf=None, allowed_bytes: int | None = None,
-                    empty_cache_every: int | None = None, accum: int = 1) -> ReservedReplay:
+                    empty_cache_every: int | None = None, accum: int = 1, stop_above_bytes: int | None = None
+                    ) -> ReservedReplay:
     """Setup, then one step per plan in order: batches of different shapes (one expansion, sizes per step)
     through one caching allocator, whose reserved level keeps what the blocks of every shape so far left
     split in its cache. ``accum``: the plans are micro-batches, an optimizer step every ``accum`` of them.
     ``empty_cache_every``: ``torch.cuda.empty_cache()`` after every that many optimizer steps (a training
     script's schedule). ``steady`` is False: the sequence is replayed whole, not until it repeats."""
-    run = _Run(conf, allowed_bytes, setup)
+    run = _Run(conf, allowed_bytes, setup, stop_above_bytes)
     expansion = plans[0].expansion
     slots = expansion.steady.keys + BATCH_TENSORS + plans[0].workspaces
     templates = _micro_templates(expansion, plans[0].workspaces, accum) if accum > 1 else None
-    steps, oom = 0, False
+    steps, oom, stopped = 0, False, False
     try:
         run.setup(setup)
+        run.check_stop()
         previous_addr: list = []
         cycle_addr: list = []
         for step, plan in enumerate(plans):
@@ -326,8 +365,11 @@ def replay_sequence(setup: Setup, plans: list[StepPlan], conf=None, allowed_byte
             run.run(ops, addr, previous_addr, cycle_addr)
             previous_addr = addr
             steps += 1
+            run.check_stop()
             if empty_cache_every and micro == accum - 1 and (cycle + 1) % empty_cache_every == 0:
                 run.allocator.empty_cache()
     except OutOfMemory:
         oom = True
-    return run.result(oom=oom, steps=steps, steady=False)
+    except _Exceeded:
+        stopped = True
+    return run.result(oom=oom, steps=steps, steady=False, stopped_above=stopped)

@@ -554,26 +554,54 @@ def test_cli_bad_inputs_are_one_line_exit_2(capsys):
         assert exit_.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, argv
 
 
-def test_expandable_note_names_only_layouts_that_could_beat_the_recommendation(monkeypatch):
-    """A layout out of memory at micro-batch 1 is replayed with expandable segments only when, fitting, it would
-    be faster than the recommended layout; nothing fitting, every one is."""
-    fast, slow = P.Candidate("zero2", 4, 1), P.Candidate("zero3", 4, 1)
-    speed = {fast: 200.0, slow: 50.0}
+def test_expandable_note_names_the_fastest_layout_it_rescues(monkeypatch):
+    """Layouts out of memory at micro-batch 1 are replayed with expandable segments fastest first, and only while
+    they would beat the recommendation; the first that fits is named and ends the search."""
+    fastest, fast, slow = P.Candidate("ddp", 4, 1), P.Candidate("zero2", 4, 1), P.Candidate("zero3", 4, 1)
+    speed = {fastest: 300.0, fast: 200.0, slow: 50.0}
+    fits = {fastest: False, fast: True, slow: True}
     asked = []
 
     def estimate(spec):
         asked.append(spec)
-        return SimpleNamespace(reserved_source="replayed", fits=True)
+        return SimpleNamespace(reserved_source="replayed", fits=fits[spec])
 
     monkeypatch.setattr(P, "_default_estimate", lambda **kw: estimate)
     ctx = SimpleNamespace(spec=lambda cand, mb: cand,
                           step_time=lambda cand, mb, accum: SimpleNamespace(tokens_per_s=speed[cand]))
     best = P.CandidateResult(P.Candidate("fsdp", 4, 1), time=SimpleNamespace(tokens_per_s=100.0))
-    results = [best, P.CandidateResult(fast, status="oom"), P.CandidateResult(slow, status="oom")]
+    results = [best] + [P.CandidateResult(c, status="oom") for c in (slow, fast, fastest)]
     result = SimpleNamespace(results=results, best=best, global_batch=None)
     notes = P._expandable_notes(ctx, result, "")
-    assert asked == [fast] and len(notes) == 1 and fast.label in notes[0] and slow.label not in notes[0]
-    assert "expandable_segments:True" in notes[0]
+    assert asked == [fastest, fast] and len(notes) == 1
+    assert fast.label in notes[0] and "expandable_segments:True" in notes[0] and "faster than" in notes[0]
+    asked.clear()
+    fits[fast] = False
+    assert P._expandable_notes(ctx, result, "") == [] and asked == [fastest, fast]  # slow cannot beat fsdp
     asked.clear()
     result.best = None
-    assert "zero3" in P._expandable_notes(ctx, result, "")[0] and asked == [fast, slow]
+    note = P._expandable_notes(ctx, result, "")[0]
+    assert slow.label in note and asked == [fastest, fast, slow]
+    assert P._expandable_notes(ctx, result, "expandable_segments:True") == []
+
+
+def test_layouts_that_do_not_fit_report_lower_bounds():
+    """The plan's replays stop once a layout's reserved level proves it does not fit (``decide_fit``): such a
+    layout's peak and bound are lower bounds, marked in the result, the reason and the table, and the full
+    estimate agrees that it does not fit, at a bound no lower."""
+    from estimator.api import estimate
+    from estimator.spec import RunSpec, TrainingSpec
+
+    p = P.plan("facebook/opt-2.7b", gpus=4, gpu="v100-16gb", seq_len=512, methods=["fsdp", "fsdp1"])
+    oom = [r for r in p.results if r.status == "oom"]
+    assert oom and all(r.peak_lower_bound for r in oom)
+    assert all(">= " in r.reason and r.to_dict()["peak_lower_bound"] for r in oom)
+    text = format_plan(p)
+    assert ">= GiB: lower bounds" in text
+    for r in oom:
+        training = TrainingSpec(micro_batch_size=1, seq_len=512, grad_ckpt=r.candidate.grad_ckpt,
+                                precision=p.precision, optimizer=p.optimizer)
+        full = estimate(RunSpec(model=p.model, gpu="v100-16gb", training=training,
+                                parallel=r.candidate.parallel_spec()))
+        assert not full.fits and full.upper_bound_bytes >= r.bound_bytes
+        assert not any(rank.reserved_lower_bound for rank in full.ranks)

@@ -164,3 +164,61 @@ def test_accumulating_replay_equals_the_plain_replay(case):
     order = [short, plan, short, plan, plan, short, short, plan]
     assert replay_sequence(setup, order, conf, None, 2, accum=3) == \
         _plain_replay(setup, None, conf, None, sequence=order, empty_cache_every=2, accum=3)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=lambda c: f"{c[0].split('/')[1]}-{c[2]}-{c[3]}")
+def test_a_replay_stops_once_its_reserved_peak_passes_the_level(case):
+    """``stop_above_bytes``: below the full replay's peak the replay stops with a peak above the level and no
+    higher than the full one (the peak only rises); at the full peak or above it changes nothing; in every
+    form (repeated steps, accumulation, a sequence of shapes)."""
+    from estimator.reserved.replay import replay_sequence
+
+    setup, plan, short = _inputs(*case, other_lengths=(case[5] // 2,))
+    conf = reserved_rank.alloc_conf("")
+    runs = {"steps": lambda stop: replay_rank(setup, plan, conf, None, stop_above_bytes=stop),
+            "accumulation": lambda stop: replay_rank(setup, plan, conf, None, accum=2, stop_above_bytes=stop),
+            "sequence": lambda stop: replay_sequence(setup, [short, plan, short, plan], conf, None,
+                                                     stop_above_bytes=stop)}
+    for name, run in runs.items():
+        full = run(None)
+        assert not full.stopped_above
+        assert run(full.peak_reserved_bytes) == full, name
+        for stop in (full.peak_reserved_bytes - 1, full.peak_reserved_bytes // 2):
+            early = run(stop)
+            assert early.stopped_above and stop < early.peak_reserved_bytes <= full.peak_reserved_bytes, name
+            assert early.steps <= full.steps and not early.steady, name
+
+
+def test_decide_fit_answers_fits_exactly_and_marks_lower_bounds():
+    """The plan's ``estimate(decide_fit=True)``: the same ``fits`` at every micro-batch across the point where the
+    full estimate stops fitting; the same numbers where it fits; lower bounds, marked, where it does not. The
+    stop level is the largest reserved peak whose bound still fits."""
+    from estimator.hardware.residuals import device_from_reserved, reserved_fit_limit_bytes, upper_bound_bytes
+    from estimator.spec import RunSpec
+
+    coeffs = load_coefficients("t4-16gb")
+    capacity = 16 * GIB
+    for communicators in (0, 1, 2):
+        limit = reserved_fit_limit_bytes(capacity, coeffs, communicators)
+        assert upper_bound_bytes(device_from_reserved(limit, coeffs, communicators), coeffs) <= capacity
+        assert upper_bound_bytes(device_from_reserved(limit + 1, coeffs, communicators), coeffs) > capacity
+    assert reserved_fit_limit_bytes(GIB // 4, coeffs, 0) == -1  # the CUDA context alone does not fit
+
+    seen = set()
+    for mb in (1, 2, 3, 4, 8):
+        spec = RunSpec(model="Qwen/Qwen2.5-0.5B", gpu="t4-16gb",
+                       training=TrainingSpec(precision="bf16", micro_batch_size=mb, seq_len=1024, loop="manual"))
+        full = api.estimate(spec, alloc_conf="", allow_build=False)
+        decided = api.estimate(spec, alloc_conf="", allow_build=False, decide_fit=True)
+        assert full.reserved_source == decided.reserved_source == "replayed"
+        assert decided.fits == full.fits, mb
+        seen.add(full.fits)
+        if full.fits:
+            assert decided == full
+        else:
+            assert decided.ranks[0].reserved_lower_bound and not full.ranks[0].reserved_lower_bound
+            assert decided.upper_bound_bytes <= full.upper_bound_bytes
+            # above the capacity, or out of memory under it (a segment the cap refuses: no second replay)
+            assert full.capacity_bytes < decided.upper_bound_bytes or decided.ranks[0].allocator_oom
+            assert any("lower bounds" in n for n in decided.notes)
+    assert seen == {True, False}
