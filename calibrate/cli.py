@@ -108,7 +108,7 @@ def run_public(args: argparse.Namespace) -> int:
     else:
         print("no scorable rows")
     for fit in fits:
-        print(f"fit {fit.gpu_key}: {'shipped' if fit.accepted else fit.refused}")
+        print(f"fit {fit.gpu_key} {fit.term}: {'shipped' if fit.accepted else fit.refused}")
     print(f"wrote {path}")
     return 0
 

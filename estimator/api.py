@@ -441,9 +441,9 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     check_spec(spec, arch)
     coeffs = coefficients if isinstance(coefficients, residuals.Coefficients) else \
         residuals.load_coefficients(gpu.key, coefficients)
-    if coeffs.calibrated:
-        # A calibrated file's reserved terms were fitted and cross-validated on the prior path (allocated x
-        # (1 + ratio) + bytes): the estimate follows what was fitted. The replay serves the documented priors.
+    if residuals.reserved_terms_fitted(coeffs):
+        # Reserved terms fitted and cross-validated on the prior path (allocated x (1 + ratio) + bytes): the
+        # estimate follows what was fitted. The replay serves the documented priors (and a fitted CUDA context).
         conf = None
     arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build)
     last = spec.parallel.world_size - 1

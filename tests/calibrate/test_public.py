@@ -279,3 +279,46 @@ def test_peft_accelerate_docs_rows_take_the_guides_figures_as_gib_and_keep_qlora
     assert fsdp["value"] == 72 and "FULL_STATE_DICT" in fsdp["assumptions"]  # 72 while training, 80 saving
     qlora = [r for k, r in rows.items() if ":qlora:" in k]
     assert len(qlora) == 3 and not any(r["in_scope"] or r["complete"] for r in qlora)
+
+
+def _context_points(source, device_gib, context_bytes):
+    """nvml_used rows whose device level is the estimate's base (less its context) + ``context_bytes``."""
+    from calibrate.public_fit import Point
+
+    return [Point(source, d * 2**30, d * 2**30 + context_bytes,
+                  {"row_id": f"{source}:{d}", "world_size": "2", "micro_batch_size": "4", "seq_len": "4096",
+                   "lora_rank": "16", "method": "fsdp", "precision": "bf16", "optimizer": "adamw", "attn": "flash"})
+            for d in device_gib]
+
+
+def test_the_cuda_context_is_fitted_from_device_rows_and_ships_without_turning_the_replay_off(tmp_path):
+    """nvml_used rows pin the CUDA context: recovered from agreeing sources, refused from one, and a file that
+    fitted only the context keeps the reserved replay (its reserved terms are still the priors)."""
+    from calibrate.public_fit import CONTEXT, fit_context, judge, write_accepted
+    from estimator import api
+    from estimator.hardware.residuals import load_coefficients, provenance_notes, reserved_terms_fitted
+    from estimator.spec import RunSpec, TrainingSpec
+
+    real = 700 * 2**20
+    (context,) = fit_context(_context_points("a", [20, 40, 60], real))
+    assert context == pytest.approx(real, rel=1e-9)
+    prior = (float(load_coefficients("a100-80gb").cuda_context_bytes),)
+    one = judge("a100-80gb", _context_points("a", [20, 40], real), prior, CONTEXT)
+    assert not one.accepted and "needs 2 sources" in one.refused
+    fit = judge("a100-80gb", _context_points("a", [20, 40], real) + _context_points("b", [30, 50], real), prior,
+                CONTEXT)
+    assert fit.accepted and fit.loso_median_pct < fit.prior_median_pct
+    data = tmp_path / "m.csv"
+    data.write_text("x\n")
+    [path] = write_accepted([fit], data, tmp_path / "coeffs")
+    coeffs = load_coefficients("a100-80gb", path)
+    assert coeffs.calibrated and coeffs.cuda_context_bytes == pytest.approx(real, abs=1)
+    assert coeffs.reserved_slack_ratio == load_coefficients("a100-80gb").reserved_slack_ratio
+    assert not reserved_terms_fitted(coeffs)
+    assert "fitted: cuda_context_bytes" in provenance_notes(coeffs)[0]
+    spec = RunSpec(model="Qwen/Qwen2.5-0.5B", gpu="a100-80gb",
+                   training=TrainingSpec(precision="bf16", micro_batch_size=2, seq_len=512))
+    calibrated, shipped = api.estimate(spec, path, allow_build=False), api.estimate(spec, allow_build=False)
+    assert calibrated.reserved_source == shipped.reserved_source == "replayed"
+    assert calibrated.peak_reserved_bytes == shipped.peak_reserved_bytes
+    assert calibrated.peak_device_bytes - shipped.peak_device_bytes == coeffs.cuda_context_bytes - int(prior[0])
