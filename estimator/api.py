@@ -13,6 +13,7 @@ from estimator.methods import state as methods
 from estimator.methods.fsdp1 import fsdp1
 from estimator.methods.timeline import Replay, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
+from estimator.models.memo import memo_by_owner
 from estimator.models.params import buffer_bytes, expand_params, param_counts
 from estimator.models.tp_plans import check_tp
 from estimator.profiler.cache import load_model_profile
@@ -168,12 +169,7 @@ def _step_model(spec: RunSpec, table, rank: int = 0, path: methods.Zero12Rank | 
     """The method's step model, memoized per table: it depends on the layout, the precision and the optimizer,
     not on the micro-batch or the sequence (a plan's search asks for the same one at every micro-batch)."""
     key = (spec.parallel, spec.training.precision, spec.training.optimizer, id(table), rank, path)
-    hit = _STEP_MODELS.get(key)
-    if hit is None or hit[0] is not table:
-        if len(_STEP_MODELS) > 1024:
-            _STEP_MODELS.clear()
-        hit = _STEP_MODELS[key] = (table, _new_step_model(spec, table, rank, path))
-    return hit[1]
+    return memo_by_owner(_STEP_MODELS, key, table, lambda: _new_step_model(spec, table, rank, path), limit=1024)
 
 
 def _new_step_model(spec: RunSpec, table, rank: int, path: methods.Zero12Rank | None) -> methods.StepModel:
@@ -206,15 +202,8 @@ _TABLES: dict[tuple, tuple[dict, list]] = {}
 
 def _param_table(profile: dict, num_layers: int) -> list:
     """The expanded parameter table, memoized per loaded profile (a plan asks for it ~100 times)."""
-    key = (id(profile), num_layers)
-    hit = _TABLES.get(key)
-    if hit is not None and hit[0] is profile:
-        return hit[1]
-    table = expand_params(profile["params"], num_layers)
-    if len(_TABLES) > 256:
-        _TABLES.clear()
-    _TABLES[key] = (profile, table)
-    return table
+    return memo_by_owner(_TABLES, (id(profile), num_layers), profile,
+                         lambda: expand_params(profile["params"], num_layers))
 
 
 def _replay(model: methods.StepModel, segments: dict, num_layers: int, b: int, s: int, *, accumulating: bool

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from estimator.methods.timeline import ExtraBytes
+from estimator.models.memo import memo_by_owner
 from estimator.models.params import ParamInfo, largest_layer
 from estimator.spec import RunSpec, ZeroSpec
 
@@ -296,13 +297,8 @@ _ZERO12_RANKS: dict[tuple, tuple[list, list]] = {}
 def zero12_ranks(table: list[ParamInfo], world: int, bucket: float) -> list[Zero12Rank]:
     """Every rank's ``Zero12Rank``, from the parameter table alone; memoized per table (a plan asks for the same
     table's ranks at every micro-batch it tries)."""
-    key = (id(table), world, bucket)
-    hit = _ZERO12_RANKS.get(key)
-    if hit is None or hit[0] is not table:
-        if len(_ZERO12_RANKS) > 256:
-            _ZERO12_RANKS.clear()
-        hit = _ZERO12_RANKS[key] = (table, _zero12_ranks(table, world, bucket))
-    return hit[1]
+    return memo_by_owner(_ZERO12_RANKS, (id(table), world, bucket), table,
+                         lambda: _zero12_ranks(table, world, bucket))
 
 
 def _zero12_ranks(table: list[ParamInfo], world: int, bucket: float) -> list[Zero12Rank]:

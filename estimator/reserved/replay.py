@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from estimator.allocator import CachingAllocator, OutOfMemory
+from estimator.models.memo import memo_by_owner
 from estimator.reserved.accumulate import micro_steps
 from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, StepEvents, stream_of
 from estimator.reserved.timeline import BATCH_TENSORS, Setup, StepPlan
@@ -133,13 +134,8 @@ def _slot_polys(events: StepEvents, keys: int) -> dict[int, int]:
 def _cached_template(expansion: Expansion, workspaces: int, kind: int) -> list[tuple[int, int, int]]:
     """``_template``, memoized per expansion and kind (a replay that stops in its first step never compiles the
     later kinds)."""
-    key = (id(expansion), workspaces, kind)
-    hit = _TEMPLATES.get(key)
-    if hit is None or hit[0] is not expansion:
-        if len(_TEMPLATES) > 192:
-            _TEMPLATES.clear()
-        hit = _TEMPLATES[key] = (expansion, _template(expansion, workspaces, kind))
-    return hit[1]
+    return memo_by_owner(_TEMPLATES, (id(expansion), workspaces, kind), expansion,
+                         lambda: _template(expansion, workspaces, kind), limit=192)
 
 
 class _Steps:
