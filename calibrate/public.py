@@ -215,7 +215,8 @@ DIAGNOSES = [
      "estimate is for today's stack (transformers 5, torch 2.13), not the source's"),
     (lambda r, s: _litgpt(r) and r["qlora"] == "True",
      "mechanism: LitGPT's QLoRA is not peft's (every Linear incl. the LM head in NF4, the rest bf16, PagedAdamW "
-     "states in managed memory) and its model code chunks the LM head; the estimator traces peft's recipe"),
+     "states in managed memory, LoRA dropout on bf16 inputs) and its model code chunks the LM head; the estimator "
+     "traces peft's recipe (fp32 activations around the adapters, an fp32 dropped input per adapted module)"),
     (lambda r, s: _litgpt(r) and r["method"] == "fsdp",
      "mechanism: not a training-step peak. Lightning's FSDP1 (LitGPT 8641822, torch 2.1) LoRA runs publish about "
      "the whole bf16 model plus this rank's shard (Llama-2-7B on 2 GPUs: 13.5 + 6.7 = 20.2 GB, published "
@@ -229,7 +230,8 @@ DIAGNOSES = [
      "mechanism: LitGPT's own model code, not transformers: it evaluates the LM head in 128-token chunks with a "
      "chunked bf16 cross-entropy, so the fp32 logits, fp32 log-softmax and their fp32 gradient that the "
      "estimator's transformers trace holds never exist (TinyLlama b8 s512: up to 3 x 8 x 512 x 32,000 x 4 B = "
-     "1.5 GiB of the 2.7 GiB gap; the rest is not attributed)"),
+     "1.5 GiB); and its LoRA (dropout 0.05, no checkpointing) keeps each dropped input in bf16, once per fused "
+     "QKV, where peft's fp32 adapters keep an fp32 dropped input per adapted projection (q, k and v apart)"),
     (lambda r, s: "FSDP1 with LoRA estimated as FSDP2" in r["assumptions"],
      "mechanism: FSDP1 with LoRA, which the estimator does not model: the HF Trainer gives a PEFT model peft's "
      "fsdp_auto_wrap_policy (every adapter Linear its own FSDP unit beside the frozen decoder-layer units, "

@@ -71,6 +71,9 @@ class TrainingSpec:
     # "all-linear", or a comma-separated list of module names.
     lora_rank: int = 0
     lora_targets: str = "auto"
+    # peft's LoraConfig.lora_dropout: above zero, each adapted module keeps a dropout mask and the dropped input
+    # for backward (how much depends only on whether it is above zero, not on its value).
+    lora_dropout: float = 0.0
     qlora: bool = False
     grad_accum_steps: int = 1
     loop: str = "trainer"
@@ -92,6 +95,11 @@ class TrainingSpec:
             _fail("lora_rank", f"must be a positive integer (0 disables LoRA), got {self.lora_rank!r}")
         if self.qlora and self.lora_rank == 0:
             _fail("qlora", "QLoRA needs a LoRA rank (--lora-rank R)")
+        if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, (int, float)) \
+                or not 0 <= self.lora_dropout < 1:
+            _fail("lora_dropout", f"must be a probability in [0, 1), got {self.lora_dropout!r}")
+        if self.lora_dropout and self.lora_rank == 0:
+            _fail("lora_dropout", "LoRA dropout needs a LoRA rank (--lora-rank R)")
         if not isinstance(self.lora_targets, str) or not self.lora_targets.strip():
             _fail("lora_targets", f"must be 'auto', 'all-linear' or module names, got {self.lora_targets!r}")
         _check_positive_int("grad_accum_steps", self.grad_accum_steps)

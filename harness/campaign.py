@@ -203,7 +203,7 @@ class Planned:
         ws = f"ws{s.parallel.world_size}" + (f"/tp{s.parallel.tp}" if s.parallel.tp > 1 else "")
         extras = [t.precision, t.attn, "ckpt" if t.grad_ckpt else "nockpt"]
         if t.lora_rank:
-            extras.append(f"lora{t.lora_rank}")
+            extras.append(f"lora{t.lora_rank}" + (f"-dropout{t.lora_dropout:g}" if t.lora_dropout else ""))
         if self.opts.memory.cap_gib:
             extras.append(f"cap{self.opts.memory.cap_gib:g}G")
         return (f"{short_model(s.model)} {s.parallel.method} {ws} mb{t.micro_batch_size} seq{t.seq_len} "

@@ -155,8 +155,8 @@ def _row(entry: dict, versions: dict, steps: int, cells: dict, quantity: str, ea
         notes.append("--bf16 over bf16 weights: autocast runs the step (layer_norm and cross_entropy in fp32); the "
                      "estimator's bf16 has no autocast")
     if lora:
-        notes.append("LoRA r 16, alpha 16, dropout 0.1 (the estimator traces dropout 0: one dropout mask per "
-                     "adapted projection is not counted); tokenizer's added <pad> token makes the vocab +1 row")
+        notes.append("LoRA r 16, alpha 16, dropout 0.1 (a dropout mask per adapted projection, inside each "
+                     "checkpointed layer's recomputation); tokenizer's added <pad> token makes the vocab +1 row")
     if qlora:
         notes.append("QLoRA: peft's prepare_model_for_kbit_training (non-quantized weights fp32), then TRL's "
                      "peft_module_casting_to_bf16 casts embed_tokens and lm_head back to bf16 under --bf16 and "
@@ -175,7 +175,8 @@ def _row(entry: dict, versions: dict, steps: int, cells: dict, quantity: str, ea
                                                                    "torch_dtype", "bf16", "fp16")),
         model=MODELS.get(hub, hub), gpu="a100-80gb", method=method, world_size=world,
         micro_batch_size=batch, seq_len=seq_len, precision=precision or "bf16", optimizer="adamw", grad_ckpt=True,
-        attn="flash", lora_rank=int(float(cells["r"])) if lora else 0, lora_targets=targets, qlora=qlora,
+        attn="flash", lora_rank=int(float(cells["r"])) if lora else 0, lora_targets=targets,
+        lora_dropout=float(cells.get("lora_dropout") or 0) if lora else 0.0, qlora=qlora,
         grad_accum_steps=1, loop="trainer", batch="full", outputs_fp32=bool(half), model_hub_id=hub,
         framework=f"fms-hf-tuning (HF Trainer / TRL SFTTrainer){', accelerate FSDP1' if world > 1 else ''}",
         adapter=adapter, padding="packed", max_length=seq_len, seq_len_basis="longest_sample",

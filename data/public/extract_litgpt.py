@@ -49,6 +49,7 @@ LORA_MODULES = {"lora_query": ["q_proj"], "lora_key": ["k_proj"], "lora_value": 
                 "lora_head": ["lm_head"]}
 GPUS = {"A10G": "a10-24gb", "A100": "a100-40gb"}
 RESOURCE_BATCH = 128  # finetune/lora.py at 8641822: batch_size; accumulation = batch_size // micro_batch_size
+RESOURCE_LORA_DROPOUT = 0.05  # finetune/lora.py at 8641822: lora_dropout
 BYTES_PER_PARAM_FLOOR = 8  # bf16 weights + gradients + two bf16 AdamW states
 # Parameter counts of the full fine-tuning checkpoints (LitGPT's own config: Llama-3.2 untied, so the LM head counts)
 FULL_PARAMS = {"meta-llama/Llama-3.2-1B": 1_498_482_688, "meta-llama/Llama-3.2-3B": 3_606_752_256,
@@ -137,6 +138,7 @@ def _resource_rows(entry: dict, text: str) -> list[dict]:
                 method="fsdp" if multi else "single", world_size=world,
                 micro_batch_size=int(cells["Microbatch size"]), seq_len=longest, precision="bf16",
                 optimizer="adamw", grad_ckpt=multi, attn="sdpa", lora_rank=8, lora_targets="q_proj,v_proj",
+                lora_dropout=RESOURCE_LORA_DROPOUT,
                 grad_accum_steps=RESOURCE_BATCH // int(cells["Microbatch size"]),
                 qlora=quant != "None", model_hub_id=hub, framework="litgpt 8641822 (Lightning Fabric)",
                 adapter="qlora" if quant != "None" else "lora", loop="manual", padding="longest",
@@ -192,7 +194,8 @@ def _confighub_rows(entry: dict, text: str, configs: dict[str, tuple[dict, dict]
                 gpu=GPUS[machine.split("x", 1)[1]], method="fsdp" if devices > 1 else "single",
                 world_size=devices, micro_batch_size=mb, seq_len=int(config["train.max_seq_length"]),
                 precision="bf16", optimizer="adamw", grad_ckpt=devices > 1, attn="sdpa", lora_rank=lora_rank,
-                lora_targets=_targets(config) if lora_rank else "auto", qlora=bool(quant), grad_accum_steps=accum,
+                lora_targets=_targets(config) if lora_rank else "auto",
+                lora_dropout=float(config.get("lora_dropout") or 0) if lora_rank else 0.0, qlora=bool(quant), grad_accum_steps=accum,
                 model_hub_id=hub, framework="litgpt 00af8b0d (Lightning Fabric)",
                 adapter={"full": "full", "lora": "lora", "qlora": "qlora"}[kind], loop="manual", padding="longest",
                 max_length=int(config["train.max_seq_length"]), seq_len_basis="max_length_cap",

@@ -24,7 +24,7 @@ from common import SOURCES, manifest, ref, row
 
 SOURCE = "ms_swift_benchmark"
 DEFAULTS = {"max_length": 2048, "batch_size": 1, "gradient_checkpointing": True, "use_flash_attn": True,
-            "lora_rank": 8, "lora_target_modules": "DEFAULT", "quantization": "bf16",
+            "lora_rank": 8, "lora_target_modules": "DEFAULT", "lora_dropout_p": 0.05, "quantization": "bf16",
             "gradient_accumulation_steps": 16}
 # Table header -> argument it varies.
 VARIED = {"Max Length": "max_length", "Batch Size": "batch_size", "Use Flash Attn": "use_flash_attn",
@@ -109,7 +109,7 @@ def _row(entry: dict, heading: str, cells: dict) -> dict | None:
         precision="bf16", optimizer="adamw", grad_ckpt=flag[args["gradient_checkpointing"]],
         attn="flash" if flag[args["use_flash_attn"]] else "eager",
         lora_rank=0 if full else int(args["lora_rank"]), lora_targets=default_targets if not full and model
-        else "auto", qlora=False, grad_accum_steps=int(args["gradient_accumulation_steps"]), loop="trainer",
+        else "auto", lora_dropout=0.0 if full else float(args["lora_dropout_p"]), qlora=False, grad_accum_steps=int(args["gradient_accumulation_steps"]), loop="trainer",
         outputs_fp32=True,  # the Trainer's bf16 runs through accelerate's forward wrapper (no effect: trainer loop)
         model_hub_id=hub, framework="ms-swift v1 (HF Seq2SeqTrainer, swift LoRA tuner)",
         adapter="full" if full else "lora", padding="longest", max_length=int(args["max_length"]),

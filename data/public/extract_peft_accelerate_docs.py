@@ -48,7 +48,7 @@ SCRIPT_ARGS = {
 }
 COMMON_ARGS = {"model_name_or_path": "meta-llama/Llama-2-70b-hf", "max_seq_len": "2048",
                "gradient_checkpointing": "True", "use_flash_attn": "True", "lora_r": "8",
-               "lora_target_modules": "all-linear"}
+               "lora_target_modules": "all-linear", "lora_dropout": "0.1"}
 
 
 def _args(commit: str, script: str) -> dict:
@@ -77,7 +77,8 @@ def _common(args: dict) -> dict:
                 micro_batch_size=int(args["per_device_train_batch_size"]), seq_len=int(args["max_seq_len"]),
                 optimizer="adamw", grad_ckpt=args["gradient_checkpointing"] == "True",
                 attn="flash" if args["use_flash_attn"] == "True" else "eager", lora_rank=int(args["lora_r"]),
-                lora_targets=args["lora_target_modules"], grad_accum_steps=int(args["gradient_accumulation_steps"]),
+                lora_targets=args["lora_target_modules"], lora_dropout=float(args["lora_dropout"]),
+                grad_accum_steps=int(args["gradient_accumulation_steps"]),
                 loop="trainer", batch="full", padding="packed", max_length=int(args["max_seq_len"]),
                 seq_len_basis="longest_sample", lengths=f"packed: every row {args['max_seq_len']} tokens (TRL "
                 "ConstantLengthDataset over smangrul/ultrachat-10k-chatml)", rescore_lengths=False)
@@ -90,7 +91,7 @@ def _lora_rows(entries: dict) -> list[dict]:
                     "resized to a multiple of 8 (32,000 -> 32,008 rows; the catalogue model keeps 32,000)",
                     "versions not pinned (examples/sft/requirements.txt installs transformers, accelerate, peft and "
                     "trl from git main, 2024-02-26; deepspeed unpinned)",
-                    "LoRA dropout 0.1 (the estimator traces dropout 0)"]
+                    "LoRA dropout 0.1"]
     for guide, script, config in (("deepspeed", "run_peft_deepspeed.sh", "deepspeed_config.yaml"),
                                   ("fsdp", "run_peft_fsdp.sh", "fsdp_config.yaml")):
         doc_entry, doc = files[f"docs/source/accelerate/{guide}.md"]

@@ -97,6 +97,7 @@ def _row(entry: dict, data: dict) -> dict:
         micro_batch_size=int(train["batch_size"]), seq_len=int(train["max_seq_length"]), precision=precision,
         optimizer="adamw", grad_ckpt=bool(train.get("use_gc") or False),
         attn=train.get("attn_implementation") or "sdpa", lora_rank=rank, lora_targets=targets,
+        lora_dropout=float((peft or {}).get("lora_dropout") or 0) if rank else 0.0,
         model_hub_id=train["model_id"], framework="transformers+peft (custom loop)", adapter=adapter,
         loop="manual", batch="padded", padding="longest", max_length=int(train["max_seq_length"]), seq_len_basis="max_length_cap",
         lengths="MetaMathQA filtered to <= 1300 characters (query + response), Llama-3 tokenizer, bucketed by "

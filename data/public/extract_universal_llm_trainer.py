@@ -75,6 +75,9 @@ def _row(entry, configs, gpu_name, versions, cells) -> dict | None:
     world = len(config["device"].strip("[]").split(","))
     qlora = config["bit"] == "4"
     lora = config["peft_config_path"] not in ("False", "")
+    # the LoRA config is snapshotted for the rows in scope (others keep 0: their rows are not scored)
+    peft_config = configs.get(config["peft_config_path"], (None, {}))[1] if lora else {}
+    lora_dropout = float(peft_config.get("lora_dropout") or 0)
     gpu = GPUS.get(gpu_name)
     out = []
     if model is None:
@@ -104,7 +107,8 @@ def _row(entry, configs, gpu_name, versions, cells) -> dict | None:
         source_key=" | ".join(c.strip() for c in cells.values()), model=model or hub, gpu=gpu or gpu_name,
         method="fsdp" if fsdp else "single", world_size=world, micro_batch_size=int(config["batch_size"]),
         seq_len=int(config["max_length"]), precision="bf16", optimizer="adamw", grad_ckpt=True, attn="sdpa",
-        lora_rank=8 if lora else 0, lora_targets=ALL_LINEAR if lora else "auto", qlora=qlora,
+        lora_rank=8 if lora else 0, lora_targets=ALL_LINEAR if lora else "auto", lora_dropout=lora_dropout,
+        qlora=qlora,
         grad_accum_steps=int(config["gradient_accumuate_step"]), loop="trainer", model_hub_id=hub,
         framework="universal-llm-trainer 9efd14b (custom loop, transformers model)",
         adapter="qlora" if qlora else ("lora" if lora else "full"), padding="max_length",

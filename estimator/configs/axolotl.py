@@ -18,7 +18,7 @@ from estimator.configs.reading import Reading, unknown_keys, words
 
 NO_EFFECT = HF_NO_EFFECT | words("""
 base_model_config model_type tokenizer_type tokenizer_config strict datasets test_datasets dataset_prepared_path
-val_set_size output_dir hub_model_id hub_strategy hf_use_auth_token lora_alpha lora_dropout lora_fan_in_fan_out
+val_set_size output_dir hub_model_id hub_strategy hf_use_auth_token lora_alpha lora_fan_in_fan_out
 lora_model_dir lora_modules_to_save wandb_project wandb_entity wandb_watch wandb_name wandb_run_id wandb_log_model
 wandb_mode num_epochs lr_scheduler learning_rate train_on_inputs group_by_length tf32 early_stopping_patience
 resume_from_checkpoint auto_resume_from_checkpoints local_rank logging_steps warmup_steps warmup_ratio
@@ -35,7 +35,7 @@ def read_axolotl(path: str, data: dict[str, Any]) -> Reading:
     reading = Reading(path, "axolotl config")
     handled = {"base_model", "sequence_len", "micro_batch_size", "gradient_accumulation_steps", "optimizer",
                "gradient_checkpointing", "flash_attention", "sdp_attention", "eager_attention", "xformers_attention",
-               "adapter", "lora_r", "lora_target_modules", "lora_target_linear", "load_in_4bit", "load_in_8bit",
+               "adapter", "lora_r", "lora_target_modules", "lora_target_linear", "lora_dropout", "load_in_4bit", "load_in_8bit",
                "bf16", "fp16", "bfloat16", "float16", "sample_packing", "deepspeed", "fsdp", "fsdp_config",
                "fsdp_version", "torch_compile", "batch_size", "unsloth_lora_mlp", "unsloth_lora_qkv",
                "unsloth_lora_o", "liger_cross_entropy", "liger_fused_linear_cross_entropy", "gpu_memory_limit"}
@@ -120,6 +120,7 @@ def _read_adapter(reading: Reading, data: dict[str, Any]) -> None:
         modules = data["lora_target_modules"]
         reading.set("lora_targets", modules if isinstance(modules, str) else ",".join(map(str, modules)),
                     "lora_target_modules")
+    reading.lora_dropout("lora_dropout", data)
     if adapter == "qlora" or reading.flag("load_in_4bit", data.get("load_in_4bit")):
         reading.set("qlora", True, "adapter" if adapter == "qlora" else "load_in_4bit")
     if reading.flag("load_in_8bit", data.get("load_in_8bit")):

@@ -113,7 +113,8 @@ def spec_from_settings(settings: dict[str, Setting], report: ConfigReport) -> Ru
         seq_len=value("seq_len", _DEFAULTS.seq_len, "no sequence length given; pass --seq-len"),
         precision=precision, optimizer=value("optimizer", "adamw"), grad_ckpt=bool(value("grad_ckpt", False)),
         attn=value("attn", "sdpa"), lora_rank=value("lora_rank", 0),
-        lora_targets=value("lora_targets", "auto"), qlora=bool(value("qlora", False)),
+        lora_targets=value("lora_targets", "auto"),
+        lora_dropout=value("lora_dropout", 0.0) if value("lora_rank", 0) else 0.0, qlora=bool(value("qlora", False)),
         grad_accum_steps=value("grad_accum_steps", 1), loop=value("loop", "trainer"),
         outputs_fp32=_outputs_fp32(settings, method, value))
     gpu = str(value("gpu", "h100-80gb", "no config names the GPU type; pass --gpu")).lower()

@@ -15,7 +15,7 @@ from estimator.spec import RunSpec
 _FLAG_SETTINGS = {"model": "model", "gpus": "world_size", "method": "method", "tp": "tp",
                   "micro_batch_size": "micro_batch_size", "seq_len": "seq_len", "precision": "precision",
                   "optimizer": "optimizer", "grad_ckpt": "grad_ckpt", "attn": "attn", "lora_rank": "lora_rank",
-                  "lora_targets": "lora_targets", "qlora": "qlora", "loop": "loop", "gpu": "gpu",
+                  "lora_targets": "lora_targets", "lora_dropout": "lora_dropout", "qlora": "qlora", "loop": "loop", "gpu": "gpu",
                   "grad_accum_steps": "grad_accum_steps", "outputs_fp32": "outputs_fp32",
                   "deepspeed": "deepspeed"}
 
@@ -64,6 +64,7 @@ def plan_args_from_configs(args: argparse.Namespace, argv: list[str], build_pars
     args.attn = keep("attn", t.attn)
     args.lora_rank = keep("lora_rank", t.lora_rank)
     args.lora_targets = keep("lora_targets", t.lora_targets)
+    args.lora_dropout = keep("lora_dropout", t.lora_dropout)
     args.loop = keep("loop", t.loop)
     args.outputs_fp32 = keep("outputs_fp32", t.outputs_fp32)
     if args.precision is None:

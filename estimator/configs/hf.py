@@ -48,7 +48,7 @@ dataset_text_field dataset_kwargs dataset_num_proc eos_token pad_token chat_temp
 shuffle_dataset eval_packing completion_only_loss assistant_only_loss dataset_batch_size num_of_sequences
 chars_per_token pad_to_multiple_of dataset_name dataset_config dataset_train_split dataset_test_split
 dataset_streaming gradient_checkpointing_use_reentrant ignore_bias_buffers model_revision trust_remote_code
-base_model_revision model_code_revision lora_alpha lora_dropout lora_modules_to_save lora_task_type use_rslora
+base_model_revision model_code_revision lora_alpha lora_modules_to_save lora_task_type use_rslora
 bnb_4bit_quant_type use_bnb_nested_quant bnb_4bit_quant_storage lora_target_parameters config
 """)
 # Fields that mark a file as TRL's (SFTConfig, ModelConfig, the sft script's arguments).
@@ -177,7 +177,7 @@ def read_trl(reading: Reading, data: dict[str, Any]) -> set[str]:
     handled = {"max_length", "max_seq_length", "packing", "packing_strategy", "padding_free", "model_init_kwargs",
                "loss_type", "activation_offloading", "model_name_or_path", "torch_dtype", "dtype",
                "attn_implementation", "use_flash_attention_2", "use_peft", "lora_r", "lora_target_modules",
-               "load_in_4bit", "load_in_8bit"}
+               "lora_dropout", "load_in_4bit", "load_in_8bit"}
     _read_trl_length(reading, data)
     if data.get("model_name_or_path"):
         reading.set("model", str(data["model_name_or_path"]), "model_name_or_path")
@@ -231,6 +231,9 @@ def _read_trl_peft(reading: Reading, data: dict[str, Any]) -> None:
     if targets:
         reading.set("lora_targets", targets if isinstance(targets, str) else ",".join(map(str, targets)),
                     "lora_target_modules")
+    if data.get("lora_dropout") is None:
+        reading.assume("lora_dropout", 0.05, "ModelConfig's lora_dropout default")
+    reading.lora_dropout("lora_dropout", data)
     if reading.flag("load_in_4bit", data.get("load_in_4bit")):
         reading.set("qlora", True, "load_in_4bit")
     if reading.flag("load_in_8bit", data.get("load_in_8bit")):

@@ -20,7 +20,7 @@ from estimator.configs.reading import Reading, unknown_keys, words
 
 NO_EFFECT = HF_NO_EFFECT | words("""
 trust_remote_code do_train template dataset dataset_dir eval_dataset max_samples overwrite_cache
-preprocessing_num_workers tokenized_path val_size plot_loss ddp_timeout lora_alpha lora_dropout additional_target
+preprocessing_num_workers tokenized_path val_size plot_loss ddp_timeout lora_alpha additional_target
 loraplus_lr_ratio loraplus_lr_embedding create_new_adapter train_on_prompt mask_history streaming buffer_size
 mix_strategy interleave_probs preprocessing_batch_size ignore_pad_token_for_loss eval_on_each_dataset tool_format
 media_dir adapter_name_or_path cache_dir model_revision hf_hub_token use_fast_tokenizer resize_vocab
@@ -34,7 +34,8 @@ _FLASH = {"auto": "sdpa", "sdpa": "sdpa", "disabled": "eager", "fa2": "flash", "
 def read_llamafactory(path: str, data: dict[str, Any]) -> Reading:
     reading = Reading(path, "LLaMA-Factory config")
     handled = read_training_arguments(reading, data)
-    handled |= {"model_name_or_path", "stage", "finetuning_type", "lora_rank", "lora_target", "quantization_bit",
+    handled |= {"model_name_or_path", "stage", "finetuning_type", "lora_rank", "lora_target", "lora_dropout",
+                "quantization_bit",
                 "cutoff_len", "packing", "neat_packing", "flash_attn", "disable_gradient_checkpointing",
                 "pure_bf16", "use_unsloth", "enable_liger_kernel", "use_galore", "use_badam", "use_apollo",
                 "use_dora", "use_rslora", "quantization_method", "infer_backend"}
@@ -77,6 +78,7 @@ def _read_method(reading: Reading, data: dict[str, Any]) -> None:
         target = str(data.get("lora_target", "all"))
         targets = "all-linear" if target == "all" else target
         (reading.set if "lora_target" in data else reading.assume)("lora_targets", targets, "lora_target")
+        reading.lora_dropout("lora_dropout", data)
         if data.get("quantization_bit") is not None:
             bits = reading.count("quantization_bit", data["quantization_bit"])
             if bits == 4:

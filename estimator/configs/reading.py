@@ -9,7 +9,7 @@ Settings (the vocabulary every reader writes; ``build`` turns them into one ``Ru
 DeepSpeed config dict or path), ``fsdp1`` (a dict of ``Fsdp1Spec`` fields the config gives), ``micro_batch_size``, ``seq_len``, ``half`` (``bf16``/``fp16``/``none``: the
 mixed-precision switch), ``weights_dtype`` (``fp32``/``bf16``/``fp16``: what the model is loaded in),
 ``precision`` (an exact ``TrainingSpec.precision``), ``optimizer``, ``grad_ckpt``, ``attn``, ``lora_rank``,
-``lora_targets``, ``qlora``, ``grad_accum_steps``, ``loop``, ``outputs_fp32`` (accelerate's mixed precision wraps
+``lora_targets``, ``lora_dropout``, ``qlora``, ``grad_accum_steps``, ``loop``, ``outputs_fp32`` (accelerate's mixed precision wraps
 the forward: fp32 outputs), ``packing``, ``gpu``.
 """
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SETTINGS = ("model", "world_size", "method", "deepspeed", "fsdp1", "micro_batch_size", "seq_len", "half", "weights_dtype",
-            "precision", "optimizer", "grad_ckpt", "attn", "lora_rank", "lora_targets", "qlora",
-            "grad_accum_steps", "loop", "outputs_fp32", "packing", "gpu")
+            "precision", "optimizer", "grad_ckpt", "attn", "lora_rank", "lora_targets", "lora_dropout",
+            "qlora", "grad_accum_steps", "loop", "outputs_fp32", "packing", "gpu")
 _TRUE = {"true", "yes", "on", "1", "y", "t"}
 _FALSE = {"false", "no", "off", "0", "n", "f", "none", "null", ""}
 
@@ -84,6 +84,23 @@ class Reading:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             self.fail(key, f"must be an integer >= {minimum}, got {value!r}")
         return value
+
+    def probability(self, key: str, value: Any) -> float:
+        """A dropout probability in [0, 1)."""
+        if isinstance(value, str):
+            try:
+                value = float(value.strip())
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            self.fail(key, f"must be a probability in [0, 1), got {value!r}")
+        return float(value)
+
+    def lora_dropout(self, key: str, data: dict[str, Any]) -> None:
+        """``lora_dropout`` when the file gives it (the LoRA readers share the key's name)."""
+        name = key.rsplit(".", 1)[-1]
+        if data.get(name) is not None:
+            self.set("lora_dropout", self.probability(key, data[name]), key)
 
 
 def words(text: str) -> frozenset[str]:

@@ -89,6 +89,7 @@ def _read_model(reading: Reading, model: dict[str, Any]) -> None:
         rank = model.get("lora_rank", 8)
         reading.set("lora_rank", reading.count("model.lora_rank", rank), "model.lora_rank")
         reading.set("lora_targets", _lora_targets(reading, model), "model.lora_attn_modules")
+        reading.lora_dropout("model.lora_dropout", model)
         if qlora:
             reading.set("qlora", True, "model._component_")
     known = {"_component_", "lora_rank", "lora_attn_modules", "apply_lora_to_mlp", "apply_lora_to_output",

@@ -64,7 +64,7 @@ def model_facts(model: Any) -> dict[str, Any]:
     base = unwrap(model)
     lora = _lora(model)
     if lora:
-        facts["lora_rank"], facts["lora_targets"] = lora
+        facts["lora_rank"], facts["lora_targets"], facts["lora_dropout"] = lora
     facts["qlora"] = bool(getattr(base, "is_loaded_in_4bit", False))
     dtype = _weights_dtype(base, facts["qlora"])
     if dtype:
@@ -115,7 +115,7 @@ def fsdp1_facts(model: Any) -> dict[str, Any]:
     return {"method": "fsdp1", "fsdp1": settings}
 
 
-def _lora(model: Any) -> tuple[int, str] | None:
+def _lora(model: Any) -> tuple[int, str, float] | None:
     configs = getattr(model, "peft_config", None)
     if not isinstance(configs, dict) or not configs:
         return None
@@ -128,7 +128,8 @@ def _lora(model: Any) -> tuple[int, str] | None:
         text = "all-linear" if targets == "all-linear" else targets
     else:
         text = ",".join(sorted(map(str, targets or []))) or "auto"
-    return rank, text
+    dropout = getattr(config, "lora_dropout", 0.0)
+    return rank, text, float(dropout) if isinstance(dropout, (int, float)) and 0 <= dropout < 1 else 0.0
 
 
 def _weights_dtype(base: Any, qlora: bool) -> str | None:

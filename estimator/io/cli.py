@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn", choices=ATTENTIONS)
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0 = full fine-tuning)")
     p.add_argument("--lora-targets", default="auto", help="auto | all-linear | comma-separated module names")
+    p.add_argument("--lora-dropout", type=float, default=None, metavar="P",
+                   help="peft's lora_dropout (default 0): above 0 each adapted module keeps a dropout mask")
     p.add_argument("--qlora", action="store_true", help="4-bit base weights (needs --lora-rank)")
     p.add_argument("--grad-accum-steps", type=int, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--loop", choices=LOOPS, help="training loop: 'trainer' (default: HF Trainer, TRL, torchtune drop "
@@ -98,7 +100,8 @@ def _training(args, base: TrainingSpec) -> TrainingSpec:
                         grad_ckpt=pick(args.grad_ckpt, base.grad_ckpt), attn=pick(args.attn, base.attn),
                         lora_rank=args.lora_rank or base.lora_rank,
                         lora_targets=args.lora_targets if args.lora_targets != "auto" else base.lora_targets,
-                        qlora=args.qlora or base.qlora, loop=pick(args.loop, base.loop),
+                        lora_dropout=pick(args.lora_dropout, base.lora_dropout), qlora=args.qlora or base.qlora,
+                        loop=pick(args.loop, base.loop),
                         batch=pick(args.batch, base.batch), outputs_fp32=pick(args.outputs_fp32, base.outputs_fp32),
                         grad_accum_steps=pick(args.grad_accum_steps, base.grad_accum_steps))
 
@@ -179,7 +182,8 @@ def _gib(value: float) -> str:
 
 
 def _lora_label(t) -> str:
-    return f", {'QLoRA' if t.qlora else 'LoRA'} r={t.lora_rank}" if t.lora else ""
+    dropout = f" dropout {t.lora_dropout:g}" if t.lora_dropout else ""
+    return f", {'QLoRA' if t.qlora else 'LoRA'} r={t.lora_rank}{dropout}" if t.lora else ""
 
 
 def _loop_label(t) -> str:

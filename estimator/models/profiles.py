@@ -36,6 +36,8 @@ def variant_key(training: TrainingSpec) -> str:
     attn = "sdpa" if training.attn == "flash" and not training.qlora else training.attn
     lora = f"{'qlora' if training.qlora else 'lora'}{training.lora_rank}-{training.lora_targets}" if training.lora \
         else "full"
+    if training.lora_dropout:  # the masks exist whatever the probability: one profile for every p > 0
+        lora += "-dropout"
     # Padding changes only SDPA's trace: eager attention builds the 4-D mask for full-length batches too, and
     # FlashAttention-2 unpads the batch instead of masking it.
     padded = "_padded" if training.batch == "padded" and training.attn == "sdpa" else ""

@@ -46,6 +46,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--attn", choices=ATTENTIONS, default="sdpa")
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0 = full fine-tuning)")
     parser.add_argument("--lora-targets", default="auto", help="LoRA target modules (default: auto)")
+    parser.add_argument("--lora-dropout", type=float, default=0.0, metavar="P",
+                        help="peft's lora_dropout (default 0): above 0 each adapted module keeps a dropout mask")
     parser.add_argument("--ckpt", choices=("both", "on", "off"), default="both",
                         help="gradient checkpointing candidates (default: both)")
     parser.add_argument("--methods", default=None,
@@ -100,7 +102,7 @@ def run_plan(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         result = planner.plan(args.model, gpus=args.gpus, gpu=args.gpu, seq_len=args.seq_len,
                               global_batch=args.global_batch, precision=args.precision, optimizer=args.optimizer,
                               attn=args.attn, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
-                              ckpt_options=ckpt, methods=_methods(args.methods), interconnect=args.interconnect,
+                              lora_dropout=args.lora_dropout, ckpt_options=ckpt, methods=_methods(args.methods), interconnect=args.interconnect,
                               bandwidth_gbs=args.bandwidth, host_ram_gb=args.host_ram, loop=args.loop,
                               epoch=epoch, alloc_conf=args.alloc_conf, batch=args.batch,
                               fsdp1=fsdp1_from_args(args, "fsdp1", getattr(args, "fsdp1_base", None)),

@@ -605,7 +605,7 @@ def _check_options(methods: Iterable[str] | None, ckpt_options: tuple[bool, ...]
 
 def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: int | None = None,
          precision: str | None = None, optimizer: str = "adamw", attn: str = "sdpa", lora_rank: int = 0,
-         lora_targets: str = "auto", ckpt_options: Iterable[bool] = (False, True),
+         lora_targets: str = "auto", lora_dropout: float = 0.0, ckpt_options: Iterable[bool] = (False, True),
          methods: Iterable[str] | None = None, interconnect: str | None = None,
          bandwidth_gbs: float | None = None, host_ram_gb: float | None = None, advise: bool = True,
          estimate_fn: EstimateFn | None = None, gpu_info: tput.GpuPerf | None = None, loop: str = "trainer",
@@ -635,8 +635,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
         raise ValueError(f"seq_len: {seq_len} is longer than the model's {arch.max_positions} positions")
     precision = precision or _default_precision(gpu_perf)
     training = TrainingSpec(micro_batch_size=1, seq_len=seq_len, precision=precision, optimizer=optimizer,
-                            attn=attn, lora_rank=lora_rank, lora_targets=lora_targets, loop=loop, batch=batch,
-                            outputs_fp32=outputs_fp32)
+                            attn=attn, lora_rank=lora_rank, lora_targets=lora_targets, lora_dropout=lora_dropout,
+                            loop=loop, batch=batch, outputs_fp32=outputs_fp32)
     if not any(gpu_perf.peak_flops.values()) or not gpu_perf.capacity_bytes:
         raise ValueError(f"gpu: {gpu_perf.key!r} has no capacity or peak FLOP/s in the catalogue; "
                          "the planner needs a known GPU type")

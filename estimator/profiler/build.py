@@ -226,7 +226,8 @@ def lora_target_modules(model: torch.nn.Module, targets: str) -> list[str] | str
 def apply_lora(model: torch.nn.Module, training: TrainingSpec) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
-    lora = LoraConfig(r=training.lora_rank, lora_alpha=2 * training.lora_rank, lora_dropout=0.0,
+    lora = LoraConfig(r=training.lora_rank, lora_alpha=2 * training.lora_rank,
+                      lora_dropout=training.lora_dropout,
                       target_modules=lora_target_modules(model, training.lora_targets), task_type="CAUSAL_LM")
     with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing: harmless
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated", category=FutureWarning)

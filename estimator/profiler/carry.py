@@ -158,7 +158,8 @@ def variant_training(profile: dict) -> TrainingSpec:
     variant = profile["variant"]
     return TrainingSpec(precision=variant["precision"], attn=variant["attn"], grad_ckpt=variant["grad_ckpt"],
                         lora_rank=variant["lora_rank"], lora_targets=variant["lora_targets"],
-                        qlora=variant.get("qlora", False), batch=variant.get("batch", "full"))
+                        qlora=variant.get("qlora", False), batch=variant.get("batch", "full"),
+                        lora_dropout=variant.get("lora_dropout", 0.0))
 
 
 def backfill_order(profile: dict, config: dict) -> None:

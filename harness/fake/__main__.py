@@ -26,6 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-ckpt", action="store_true")
     p.add_argument("--lora-rank", type=int, default=0)
     p.add_argument("--lora-targets", default="auto")
+    p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument("--num-layers", type=int, default=None, help="trace a copy with this many layers")
     p.add_argument("--ranks", default=None, help="comma-separated ranks (default: 0 and the last)")
     p.add_argument("--round-to", type=int, default=512)
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                        training=TrainingSpec(micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
                                              precision=args.precision, optimizer=args.optimizer,
                                              grad_ckpt=args.grad_ckpt, attn=args.attn,
-                                             lora_rank=args.lora_rank, lora_targets=args.lora_targets))
+                                             lora_rank=args.lora_rank, lora_targets=args.lora_targets,
+                                             lora_dropout=args.lora_dropout))
         ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
         config = None
         if args.num_layers is not None:

@@ -27,6 +27,9 @@ Options (each a choice a real run makes):
   torch methods run them), amp_bf16 / amp_fp16 (fp32 weights, ``torch.autocast`` on the CPU: its op lists
   differ from CUDA's, so amp points are CPU autocast).
 * ``grad_ckpt``: non-reentrant activation checkpointing on every decoder layer, as HF enables it.
+* ``lora_rank`` / ``lora_targets`` / ``lora_dropout``: peft's ``LoraConfig`` applied by ``get_peft_model`` after
+  checkpointing is enabled (adapters in fp32 over 16-bit weights: peft's ``autocast_adapter_dtype``); the
+  optimizer steps the adapters only.
 * ``outputs_fp32``: the forward wrapped in accelerate's own ``convert_outputs_to_fp32`` (what
   ``Accelerator.prepare_model`` does under bf16/fp16 mixed precision): the output object holds fp32 copies.
 
@@ -70,6 +73,11 @@ class Variant:
     # FSDP2; torch's defaults otherwise (use_orig_params=False: MemTracker hooks every module parameter's
     # gradient accumulation, and with use_orig_params the layers' parameters are non-leaf views in forward).
     fsdp1: str | None = None
+    # LoRA by peft's own ``get_peft_model`` (0: full fine-tuning); targets "auto" leave peft its per-architecture
+    # default, else "all-linear" or comma-separated module names.
+    lora_rank: int = 0
+    lora_targets: str = "auto"
+    lora_dropout: float = 0.0
 
 
 @dataclass
@@ -176,6 +184,8 @@ def build(config: dict[str, Any], variant: Variant, lr: float = 1e-5) -> Built:
     model.config.use_cache = False
     if variant.grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if variant.lora_rank:
+        model = _with_lora(model, variant)
     model.train()
     process_group = False
     if variant.fsdp_world > 1:
@@ -197,6 +207,16 @@ def build(config: dict[str, Any], variant: Variant, lr: float = 1e-5) -> Built:
         else:
             optimizer = torch.optim.AdamW(params, lr=lr, foreach=True)
     return Built(variant, model, optimizer, mode, int(config["vocab_size"]), process_group=process_group)
+
+
+def _with_lora(model, variant: Variant):
+    from peft import LoraConfig, get_peft_model
+
+    targets = None if variant.lora_targets == "auto" else (
+        "all-linear" if variant.lora_targets == "all-linear" else variant.lora_targets.split(","))
+    config = LoraConfig(r=variant.lora_rank, lora_alpha=2 * variant.lora_rank, lora_dropout=variant.lora_dropout,
+                        target_modules=targets, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
 
 
 def _init_fake_process_group(variant: Variant) -> None:
@@ -383,6 +403,20 @@ def peak_bytes(built: Built, b: int, s: int, loop: str = "trainer", batch: str =
     return peak
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _skip_frozen_grad_hooks(tracker, model) -> None:
+    """MemTracker puts a gradient hook on every module parameter it meets, which torch refuses on a frozen one
+    (LoRA's base weights). A frozen parameter never has a gradient, so marking its hooks as installed changes
+    nothing it counts: tensors are counted by MemTracker's dispatch mode, the hooks only label gradients."""
+    for param in model.parameters():
+        if not param.requires_grad:
+            tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+
+
 def _tracker(built: Built):
     if built.variant.fsdp_world > 1 and built.variant.fsdp1 is None:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -392,6 +426,7 @@ def _tracker(built: Built):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
+    _skip_frozen_grad_hooks(tracker, built.model)
     inner = getattr(built.optimizer, "inner", built.optimizer)
     # mixed_*: the fp32 masters are no module's parameters; MemTracker counts them only when named
     tracker.track_external(built.model, inner, *getattr(built.optimizer, "masters", []))
@@ -424,6 +459,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, help="decoder depth (default: the config's)")
     parser.add_argument("--fsdp", type=int, default=1, help="FSDP2 world size (1: single GPU)")
     parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+    parser.add_argument("--lora-targets", default="auto", help="auto | all-linear | comma-separated module names")
+    parser.add_argument("--lora-dropout", type=float, default=0.0)
     return parser.parse_args(argv)
 
 
@@ -433,7 +471,10 @@ def main(argv: list[str] | None = None) -> int:
         config = load_model_config(args.model)
         if not 0 <= args.rank < args.fsdp:
             raise ValueError(f"rank: {args.rank} not in 0..{args.fsdp - 1}")
-        variant = Variant(args.precision, args.attn, args.ckpt, args.kernels, args.fsdp, args.rank)
+        if args.lora_rank < 0 or not 0 <= args.lora_dropout < 1:
+            raise ValueError("lora: the rank must be >= 0 and the dropout in [0, 1)")
+        variant = Variant(args.precision, args.attn, args.ckpt, args.kernels, args.fsdp, args.rank,
+                          lora_rank=args.lora_rank, lora_targets=args.lora_targets, lora_dropout=args.lora_dropout)
         peak = oracle_peak(config, variant, args.micro_batch_size, args.seq_len, args.loop, args.batch,
                            args.layers, args.outputs_fp32)
     except ValueError as err:

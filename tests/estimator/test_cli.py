@@ -24,6 +24,9 @@ def test_json_has_contract_keys(capsys):
     ["--model", "no-such-model"], ["--micro-batch-size", "0"], ["--model", "facebook/opt-125m", "--gpu", "x"],
     ["--model", "facebook/opt-125m", "--seq-len", "99999"], ["--method", "nope"],
     ["--model", "facebook/opt-125m", "--method", "tp", "--gpus", "5"],
+    ["--model", "facebook/opt-125m", "--lora-dropout", "0.1"],
+    ["--model", "facebook/opt-125m", "--lora-rank", "8", "--lora-dropout", "1.5"],
+    ["--model", "facebook/opt-125m", "--lora-rank", "8", "--lora-dropout", "some"],
 ])
 def test_user_errors_are_one_line_exit_2(argv):
     result = subprocess.run([sys.executable, "-m", "estimator", *argv], capture_output=True, text=True, timeout=60)

@@ -31,7 +31,7 @@ CASES = {
     "trl_sft": (["trl_sft_lora.yaml"], [],
                 "--model Qwen/Qwen2.5-0.5B --micro-batch-size 2 --seq-len 2048 --precision bf16 --optimizer "
                 "adamw_fused --grad-ckpt --attn sdpa --lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj "
-                "--grad-accum-steps 8 --outputs-fp32"),
+                "--lora-dropout 0.05 --grad-accum-steps 8 --outputs-fp32"),
     "accelerate_fsdp2": (["accelerate_fsdp2.yaml"], ["--model", "facebook/opt-125m"],
                          "--model facebook/opt-125m --method fsdp --gpus 8 --micro-batch-size 1 --precision "
                          "mixed_bf16 --grad-ckpt --loop manual --outputs-fp32"),
@@ -42,7 +42,7 @@ CASES = {
         ["accelerate_fsdp2.yaml", "trl_sft_lora.yaml"], ["--model", "facebook/opt-125m"],
         "--model facebook/opt-125m --method fsdp --gpus 8 --micro-batch-size 2 --seq-len 2048 --precision mixed_bf16 "
         "--optimizer adamw_fused --grad-ckpt --lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj "
-        "--grad-accum-steps 8 --outputs-fp32"),
+        "--lora-dropout 0.05 --grad-accum-steps 8 --outputs-fp32"),
     "torchtune_full": (["torchtune_llama3_2_1b_full.yaml"], ["--gpus", "4"],
                        "--model meta-llama/Llama-3.2-1B --method fsdp --gpus 4 --micro-batch-size 4 --seq-len 1024 "
                        "--precision bf16 --optimizer adamw_fused --grad-ckpt --attn sdpa"),
@@ -52,7 +52,7 @@ CASES = {
                        "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --grad-accum-steps 8"),
     "axolotl": (["axolotl_qlora.yaml"], [],
                 "--model meta-llama/Llama-3.2-1B --micro-batch-size 2 --seq-len 1024 --precision bf16 --optimizer "
-                "adamw_8bit --grad-ckpt --attn flash --lora-rank 32 --lora-targets all-linear --qlora "
+                "adamw_8bit --grad-ckpt --attn flash --lora-rank 32 --lora-targets all-linear --lora-dropout 0.05 --qlora "
                 "--grad-accum-steps 4 --outputs-fp32"),
     "llamafactory": (["llamafactory_lora_sft.yaml"], ["--gpus", "2"],
                      "--model meta-llama/Llama-3.2-1B --method ddp --gpus 2 --micro-batch-size 1 --seq-len 2048 "
@@ -219,6 +219,29 @@ def test_a_bad_fsdp1_value_names_the_file_and_key(tmp_path):
     config = {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_backward_prefetch": "SOMETIMES"}}
     with pytest.raises(ValueError, match=r"acc\.yaml: fsdp_config\.fsdp_backward_prefetch: 'SOMETIMES'"):
         spec_from_configs([_write_yaml(tmp_path / "acc.yaml", config)], {"model": "facebook/opt-125m"})
+
+
+LLAMAFACTORY_LORA = {"model_name_or_path": "meta-llama/Llama-3.2-1B", "stage": "sft", "finetuning_type": "lora"}
+
+
+@pytest.mark.parametrize(("name", "config", "expected"), [
+    ("llamafactory.yaml", {**LLAMAFACTORY_LORA, "lora_dropout": 0.1}, 0.1),
+    ("llamafactory.yaml", LLAMAFACTORY_LORA, 0.0),
+    ("axolotl.yaml", {"base_model": "meta-llama/Llama-3.2-1B", "adapter": "lora", "lora_dropout": "0.05"}, 0.05),
+    ("trl.yaml", {"model_name_or_path": "meta-llama/Llama-3.2-1B", "use_peft": True, "max_length": 512}, 0.05),
+    ("trl.yaml", {"model_name_or_path": "meta-llama/Llama-3.2-1B", "use_peft": True, "lora_dropout": 0.0}, 0.0),
+    ("torchtune.yaml", {"model": {"_component_": "torchtune.models.llama3_2.lora_llama3_2_1b",
+                                  "lora_attn_modules": ["q_proj", "v_proj"], "lora_dropout": 0.1}}, 0.1),
+])
+def test_lora_dropout_is_read_from_each_tool_or_its_default(tmp_path, name, config, expected):
+    spec, _ = spec_from_configs([_write_yaml(tmp_path / name, config)], {})
+    assert spec.training.lora_rank > 0 and spec.training.lora_dropout == expected
+
+
+def test_a_bad_lora_dropout_names_the_file_and_key(tmp_path):
+    config = {**LLAMAFACTORY_LORA, "lora_dropout": 1.5}
+    with pytest.raises(ValueError, match=r"lf\.yaml: lora_dropout: must be a probability in \[0, 1\), got 1\.5"):
+        spec_from_configs([_write_yaml(tmp_path / "lf.yaml", config)], {})
 
 
 def test_files_that_disagree_are_named():

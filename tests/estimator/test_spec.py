@@ -6,6 +6,13 @@ from estimator.models.arch import arch_from_config, catalogue_models, load_confi
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
 
+def test_lora_dropout_has_one_profile_for_every_probability_above_zero():
+    from estimator.models.profiles import variant_key
+
+    keys = {p: variant_key(TrainingSpec(lora_rank=8, lora_dropout=p)) for p in (0.0, 0.05, 0.3)}
+    assert keys[0.05] == keys[0.3] == keys[0.0] + "-dropout"
+
+
 def test_qlora_with_fsdp_or_tp_is_refused():
     qlora = TrainingSpec(lora_rank=8, qlora=True)
     for method, tp in (("fsdp", 1), ("tp", 4), ("dp_tp", 2)):
@@ -18,6 +25,8 @@ def test_qlora_with_fsdp_or_tp_is_refused():
     ({"micro_batch_size": 0}, "micro_batch_size"), ({"seq_len": -1}, "seq_len"),
     ({"precision": "fp8"}, "precision"), ({"optimizer": "lion"}, "optimizer"), ({"attn": "xformers"}, "attn"),
     ({"lora_rank": -2}, "lora_rank"), ({"qlora": True}, "qlora"), ({"attn": "flash", "precision": "fp32"}, "attn"),
+    ({"lora_dropout": 0.1}, "lora_dropout"), ({"lora_rank": 8, "lora_dropout": 1.0}, "lora_dropout"),
+    ({"lora_rank": 8, "lora_dropout": -0.1}, "lora_dropout"), ({"lora_rank": 8, "lora_dropout": "0.1"}, "lora_dropout"),
 ])
 def test_training_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}: "):

@@ -230,3 +230,14 @@ def test_the_guard_sees_accelerates_fp32_output_wrapper():
     out = subprocess.run([sys.executable, "-c", _ACCELERATE_LIVE], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [None, True]
+
+
+def test_the_guard_reads_lora_rank_targets_and_dropout_off_the_peft_model():
+    from peft import LoraConfig, get_peft_model
+
+    from estimator.integrations import live
+
+    model = get_peft_model(_model(), LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj", "v_proj"],
+                                                task_type="CAUSAL_LM"))
+    facts = live.model_facts(model)
+    assert (facts["lora_rank"], facts["lora_targets"], facts["lora_dropout"]) == (4, "q_proj,v_proj", 0.1)
