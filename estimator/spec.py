@@ -245,12 +245,13 @@ class RunSpec:
 
     def _canonical_dict(self) -> dict[str, Any]:
         """to_dict without the settings of a method not used, nor settings added later at their default (FSDP1's,
-        ``outputs_fp32``): ids stay as they were."""
+        ``outputs_fp32``, ``lora_dropout``): ids stay as they were."""
         data = self.to_dict()
         if self.parallel.method != "fsdp1":
             data["parallel"].pop("fsdp1")
-        if not self.training.outputs_fp32:
-            data["training"].pop("outputs_fp32")
+        for name in ("outputs_fp32", "lora_dropout"):
+            if not getattr(self.training, name):
+                data["training"].pop(name)
         return data
 
     def to_json(self) -> str:

@@ -125,7 +125,7 @@ def _row(entry: dict, versions: dict, steps: int, cells: dict, quantity: str, ea
     if qlora and world > 1:
         out.append("QLoRA sharded by FSDP (bnb_4bit_quant_storage = torch_dtype): the estimator does not shard "
                    "4-bit weights")
-    method = "single" if world == 1 else ("fsdp" if lora else "fsdp1")
+    method = "single" if world == 1 else "fsdp1"
     targets = ",".join(sorted(cells["target_modules"].split())) if lora else "auto"
     adapter = "qlora" if qlora else ("lora" if lora else "full")
     notes = [f"configs: scenarios.yaml, defaults.yaml, accelerate.yaml, requirements.txt at {entry['commit'][:12]}",
@@ -143,8 +143,8 @@ def _row(entry: dict, versions: dict, steps: int, cells: dict, quantity: str, ea
         if entry["commit"].startswith("4e81c64"):
             notes.append("accelerate 0.33 reads the yaml's fsdp_backward_prefetch_policy as BACKWARD_PRE")
     if world > 1 and lora:
-        notes.append("FSDP1 with LoRA estimated as FSDP2 per decoder layer (the estimator's config reader does the "
-                     "same: it has no FSDP1 wrap of PEFT modules)")
+        notes.append("FSDP1 with LoRA: the Trainer wraps a PEFT model with peft's fsdp_auto_wrap_policy (each adapter "
+                     "Linear its own unit inside the frozen decoder-layer units), which the fsdp1 method models")
     if precision == "mixed_bf16":
         notes.append("--bf16 under FSDP: accelerate upcasts the sharded trainable parameters to fp32 (mixed_bf16)")
     elif world > 1 and half:

@@ -121,10 +121,10 @@ def spec_from_settings(settings: dict[str, Setting], report: ConfigReport) -> Ru
     tp = value("tp", 1) if "tp" in settings else (world if method == "tp" else 1)
     model = str(settings["model"].value)
     fsdp1 = _fsdp1(settings, method)
-    if method == "fsdp1" and training.lora_rank:
-        report.not_modelled.append("fsdp1 with LoRA: PEFT's FSDP1 wrap policy gives the adapters units of their "
-                                   "own, which the fsdp1 method does not model; estimated as fsdp (FSDP2, "
-                                   "fully_shard per decoder layer)")
+    if method == "fsdp1" and training.lora_rank and (precision.startswith("mixed_") or fsdp1.forward_prefetch
+                                                     or fsdp1.backward_prefetch != "BACKWARD_PRE"):
+        report.not_modelled.append("fsdp1 with LoRA under mixed precision or other than the default prefetching: "
+                                   "estimated as fsdp (FSDP2, fully_shard per decoder layer)")
         method = "fsdp"
     if method == "deepspeed":
         base = RunSpec(model=model, parallel=ParallelSpec(method="ddp" if world > 1 else "single", world_size=world),

@@ -24,6 +24,15 @@ _flat_param.py`` and ``_runtime_utils.py``; order checked against the CPU oracle
 blocks the caching allocator still waits on: reserved memory, not allocated. CPU offload keeps shards, optimizer
 states and the step on the host; a GPU copy of each shard is made for its all-gather, and the sharded gradients
 stay on the GPU until backward ends. NO_SHARD keeps the whole flat parameter and its full-size gradient.
+
+LoRA: FSDP1 flattens tensors of one dtype only, so fp32 adapters over 16-bit weights cannot share a decoder
+layer's unit; peft's ``fsdp_auto_wrap_policy`` (what the HF Trainer gives a PEFT model under FSDP) makes every
+leaf module with a trainable weight (each ``lora_A``/``lora_B`` Linear) a unit of its own inside the decoder-layer
+units, which then hold the frozen base weights alone (no gradient, no reduction). An adapter unit's gradient
+becomes this rank's shard in its post-backward, within its layer's backward; its transient gathers (one adapter
+weight at a time: KiB to a few MiB) are not counted, but SHARD_GRAD_OP keeps them from forward to backward as it
+keeps the layer's. Under mixed_* FSDP1's MixedPrecision would also cast the
+adapters to 16 bits, which changes what they save for backward: not modelled.
 """
 
 from __future__ import annotations
@@ -108,6 +117,12 @@ class Fsdp1Sizes:
     layer: FlatUnit
     options: Fsdp1Spec
     mixed: bool  # 16-bit compute from fp32 shards (MixedPrecision param_dtype)
+    adapters: tuple[FlatUnit, ...] = ()  # LoRA: one unit per adapter weight of a decoder layer
+
+    @property
+    def adapter_kept_bytes(self) -> float:
+        """One layer's adapter gradients as this rank keeps them (its shards; NO_SHARD: whole)."""
+        return float(sum((u.shard_numel if self.sharded else u.numel) * u.param_elem for u in self.adapters))
 
     @property
     def sharded(self) -> bool:
@@ -123,6 +138,8 @@ class Fsdp1Sizes:
         whole flat parameter under mixed_*, nothing otherwise (the parameters are the flat parameter)."""
         if not self.sharded and not self.mixed:
             return 0.0
+        if unit is self.layer and not self.frees_after_forward:  # SHARD_GRAD_OP keeps the adapters' gathers too
+            return unit.unsharded_bytes + sum(a.unsharded_bytes for a in self.adapters)
         return unit.unsharded_bytes
 
     def low_precision_shard_bytes(self, unit: FlatUnit) -> float:
@@ -150,7 +167,9 @@ def _post_backward(sz: Fsdp1Sizes, unit: FlatUnit, params_part: str, grads_part:
     """The unit's gradients are complete: flat gradient, reshard (BACKWARD_POST prefetches here), reduce.
     ``grad_bytes``: the unit's own parameter gradients to drop (None: everything in ``grads_part``)."""
     if not unit.trainable:
-        return _free(sz, unit, params_part) + (_unshard(sz, sz.layer, "layer_params") if prefetch_after else [])
+        events = _adapters_post_backward(sz, grads_part, grad_bytes, accumulating) if unit is sz.layer else []
+        return events + _free(sz, unit, params_part) + (_unshard(sz, sz.layer, "layer_params") if prefetch_after
+                                                        else [])
     drop = (lambda st: 0.0) if grad_bytes is None else (lambda st: max(st[grads_part] - grad_bytes, 0.0))
     events = [set_part("flat_grad", lambda st: unit.flat_grad_bytes), set_part(grads_part, drop)]
     events += _free(sz, unit, params_part)
@@ -179,6 +198,16 @@ def _post_backward(sz: Fsdp1Sizes, unit: FlatUnit, params_part: str, grads_part:
     if accumulating:  # added in place into the saved shard
         events.append(set_part("grad_shards", lambda st: st["grad_shards"] - kept))
     return events + [set_part("reduce", lambda st: 0.0), set_part("flat_grad", lambda st: 0.0)]
+
+
+def _adapters_post_backward(sz: Fsdp1Sizes, grads_part: str, grad_bytes: float | None, accumulating: bool) -> list:
+    """The layer's adapter units have reduced their gradients: this rank's shards kept (added in place under
+    accumulation), the traced full-size adapter gradients dropped."""
+    if not sz.adapters:
+        return []
+    kept = 0.0 if accumulating else sz.adapter_kept_bytes
+    drop = (lambda st: 0.0) if grad_bytes is None else (lambda st: max(st[grads_part] - grad_bytes, 0.0))
+    return [set_part("grad_shards", lambda st: st["grad_shards"] + kept), set_part(grads_part, drop)]
 
 
 def _keep_flat_grad(kept: float):
@@ -225,6 +254,12 @@ def _backward_events(sz: Fsdp1Sizes, layer_index: int, num_layers: int, layer_gr
     # layer, that one has already unsharded itself.
     post = opts.backward_prefetch == "BACKWARD_POST" and not delay
     events = []
+    if sz.adapters and pre and reshard_fw:
+        # Prefetching follows the units' post-forward order, in which each layer's adapters come before it: a
+        # layer's pre-backward prefetches its own last adapter, and the previous layer is gathered by this layer's
+        # first adapter, at the end of its backward, before this layer reshards (the last layer: by the root).
+        events += _unshard(sz, sz.layer, "layer_params") if 0 <= layer_index < num_layers - 1 else []
+        pre = False
     finished = layer_index + 1 + delay
     if finished < num_layers:
         events += _post_backward(sz, sz.layer, "layer_params", "layer_grads", accumulating,
@@ -234,7 +269,7 @@ def _backward_events(sz: Fsdp1Sizes, layer_index: int, num_layers: int, layer_gr
         return events
     last = layer_index == num_layers - 1
     # BACKWARD_PRE: every layer was prefetched (the last by the root); BACKWARD_POST: all but the last.
-    if reshard_fw and not pre and not (post and not last):
+    if reshard_fw and not pre and not (post and not last) and not sz.adapters:
         events += _unshard(sz, sz.layer, "layer_params")
     if pre and reshard_fw and layer_index > 0:
         events += _unshard(sz, sz.layer, "layer_params")
@@ -282,7 +317,8 @@ def replay_fsdp1(segments: dict, num_layers: int, b: int, s: int, sizes: Fsdp1Si
         per_unit = sizes.layer.shard_numel if sizes.sharded else sizes.layer.numel
         root_unit = sizes.root.shard_numel if sizes.sharded else sizes.root.numel
         state["grad_shards"] = (num_layers * per_unit * sizes.layer.param_elem * sizes.layer.trainable
-                                + root_unit * sizes.root.param_elem * sizes.root.trainable)
+                                + root_unit * sizes.root.param_elem * sizes.root.trainable
+                                + num_layers * sizes.adapter_kept_bytes)
     layer_grad_bytes = segments["bw_last"]["net_grad"]
     for name, repeats, events in _schedule(num_layers, sizes, layer_grad_bytes, accumulating):
         act, state = walk.repeat(name, segments[name], events, act, state, repeats)
@@ -327,6 +363,15 @@ def fsdp1_sizes(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> Fsdp1Si
     world = options.shard_size(parallel.world_size)
     mixed = training.precision.startswith("mixed_")
     root, layer = _units(table)
+    adapters = [p for p in layer if p.trainable] if training.lora else []
+    if adapters and (options.forward_prefetch or options.backward_prefetch != "BACKWARD_PRE"):
+        raise ValueError("method: fsdp1 with LoRA is modelled with the default prefetching only (BACKWARD_PRE, no "
+                         "forward prefetch): the adapters' units change what each prefetch gathers")
+    if adapters and mixed:
+        raise ValueError("method: fsdp1 with LoRA under mixed_* is not modelled (FSDP1's MixedPrecision casts the "
+                         "adapters to 16 bits, which changes what they keep for backward); use bf16, fp32, amp_* "
+                         "or fsdp")
+    layer = [p for p in layer if not p.trainable] if adapters else layer
 
     def unit(params: list[ParamInfo], name: str) -> FlatUnit:
         compute = _uniform_elem(params, name)
@@ -334,7 +379,7 @@ def fsdp1_sizes(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> Fsdp1Si
         reduce = FP32 if mixed else compute
         return flat_unit(params, world, rank % world, compute, param_elem, reduce, options.use_orig_params)
     return Fsdp1Sizes(root=unit(root, "root unit"), layer=unit(layer, "decoder layer"), options=options,
-                      mixed=mixed)
+                      mixed=mixed, adapters=tuple(unit([p], f"adapter {p.name}") for p in adapters))
 
 
 def fsdp1(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> StepModel:
@@ -344,7 +389,7 @@ def fsdp1(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> StepModel:
     sizes = fsdp1_sizes(spec, table, rank)
     options = sizes.options
     num_layers = len({p.layer for p in table if p.layer is not None})
-    units = [(sizes.root, 1), (sizes.layer, num_layers)]
+    units = [(sizes.root, 1), (sizes.layer, num_layers)] + [(a, num_layers) for a in sizes.adapters]
     stored = [(u.shard_numel if sizes.sharded else u.numel, u, n) for u, n in units]
     weights = float(sum(numel * u.param_elem * n for numel, u, n in stored))
     grads = float(sum(numel * u.param_elem * n for numel, u, n in stored if u.trainable))
@@ -355,7 +400,8 @@ def fsdp1(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> StepModel:
                    for numel, u, n in stored if u.trainable) for _ in range(n)]
     states = optimizer_state_bytes(stepped, training.optimizer, False)
     temp = step_temp_bytes(stepped, training.optimizer, False)
-    notes = ["fsdp1: FullyShardedDataParallel per decoder layer then the root "
+    adapters = ", each LoRA adapter weight its own unit (peft's fsdp_auto_wrap_policy)" if sizes.adapters else ""
+    notes = [f"fsdp1: FullyShardedDataParallel per decoder layer then the root{adapters} "
              f"({options.sharding_strategy}, use_orig_params={options.use_orig_params}, backward_prefetch="
              f"{options.backward_prefetch}); limit_all_gathers changes reserved, not allocated memory"]
     host = 0.0

@@ -45,6 +45,8 @@ def why_not(spec, regime: dict, num_layers: int) -> str | None:
         reason = why_not_fsdp1(spec.parallel.fsdp1)
         if reason is None and training.grad_accum_steps > 1:
             reason = "fsdp1 with gradient accumulation: not modelled yet"
+        if reason is None and training.lora:
+            reason = "fsdp1 with LoRA: the adapters' own units are not in the replay yet"
         if reason is not None:
             return reason
     if num_layers < 2:

@@ -148,7 +148,8 @@ def fsdp1_mixed_precision(training: TrainingSpec):
 
 def apply_fsdp1(model: nn.Module, spec: RunSpec, mesh, model_type: str, device: torch.device | str) -> nn.Module:
     """FSDP1 as accelerate's TRANSFORMER_BASED_WRAP builds it: one FSDP unit (one flat parameter) per decoder
-    layer, the root unit holding everything else; ``spec.parallel.fsdp1`` for the rest."""
+    layer, the root unit holding everything else; with LoRA peft's ``fsdp_auto_wrap_policy`` (the same, and each
+    adapter Linear its own unit); ``spec.parallel.fsdp1`` for the rest."""
     from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -156,9 +157,14 @@ def apply_fsdp1(model: nn.Module, spec: RunSpec, mesh, model_type: str, device: 
     from estimator.profiler.tp import decoder_layers
 
     options = spec.parallel.fsdp1
-    layer_classes = {type(layer) for layer in decoder_layers(model, model_type)}
+    if spec.training.lora:  # what the HF Trainer gives a PEFT model: each adapter Linear a unit of its own
+        from peft.utils.other import fsdp_auto_wrap_policy
+
+        policy = fsdp_auto_wrap_policy(model)
+    else:
+        policy = ModuleWrapPolicy({type(layer) for layer in decoder_layers(model, model_type)})
     prefetch = None if options.backward_prefetch == "NONE" else BackwardPrefetch[options.backward_prefetch]
-    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(layer_classes),
+    return FSDP(model, auto_wrap_policy=policy,
                 sharding_strategy=ShardingStrategy[options.sharding_strategy],
                 mixed_precision=fsdp1_mixed_precision(spec.training),
                 cpu_offload=CPUOffload(offload_params=options.cpu_offload), backward_prefetch=prefetch,

@@ -189,14 +189,18 @@ def test_trainer_fsdp_config_version_1_equals_the_flags(tmp_path):
     assert spec.parallel.method == "fsdp" and any("offload" in line for line in report.not_modelled)
 
 
-def test_axolotl_fsdp_defaults_to_fsdp1_and_lora_under_fsdp1_falls_back_to_fsdp(tmp_path):
+def test_axolotl_fsdp_defaults_to_fsdp1_and_lora_stays_fsdp1_but_not_under_mixed_precision(tmp_path):
     base = {"base_model": "facebook/opt-125m", "micro_batch_size": 1, "sequence_len": 512, "bf16": True,
             "fsdp": ["full_shard", "auto_wrap"], "fsdp_config": {"fsdp_sharding_strategy": "NO_SHARD"}}
     spec, _ = spec_from_configs([_write_yaml(tmp_path / "ax.yaml", base)], {"world_size": 2})
     assert spec.parallel.method == "fsdp1" and spec.parallel.fsdp1.sharding_strategy == "NO_SHARD"
     lora = {**base, "adapter": "lora", "lora_r": 8, "lora_target_linear": True}
     spec, report = spec_from_configs([_write_yaml(tmp_path / "ax_lora.yaml", lora)], {"world_size": 2})
+    assert spec.training.precision == "mixed_bf16"  # FSDP1's MixedPrecision would cast the adapters too
     assert spec.parallel.method == "fsdp" and any("fsdp1 with LoRA" in line for line in report.not_modelled)
+    spec, report = spec_from_configs([_write_yaml(tmp_path / "ax_lora.yaml", lora)],
+                                     {"world_size": 2, "precision": "bf16"})
+    assert spec.parallel.method == "fsdp1" and not any("fsdp1 with LoRA" in line for line in report.not_modelled)
 
 
 def test_hybrid_shard_zero2_is_estimated_as_hybrid_shard_and_said(tmp_path):

@@ -11,6 +11,9 @@ def test_lora_dropout_has_one_profile_for_every_probability_above_zero():
 
     keys = {p: variant_key(TrainingSpec(lora_rank=8, lora_dropout=p)) for p in (0.0, 0.05, 0.3)}
     assert keys[0.05] == keys[0.3] == keys[0.0] + "-dropout"
+    # run directories are keyed by spec_id: a dropout above zero is another run, zero keeps the ids of old runs
+    ids = {p: RunSpec(training=TrainingSpec(lora_rank=8, lora_dropout=p)).spec_id for p in (0.0, 0.05)}
+    assert ids[0.0] != ids[0.05]
 
 
 def test_qlora_with_fsdp_or_tp_is_refused():
