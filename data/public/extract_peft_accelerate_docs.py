@@ -116,8 +116,9 @@ def _lora_rows(entries: dict) -> list[dict]:
                       f"{value} while training, the rise at the end is the FULL_STATE_DICT save",
                       "FSDP1 (FULL_SHARD, BACKWARD_PRE, use_orig_params false) over fp32 weights with bf16 mixed "
                       "precision: fp32 shards (mixed_bf16); train.py sets peft's fsdp_auto_wrap_policy",
-                      "FSDP1 with LoRA estimated as FSDP2 (the estimator's config reader does the same: it has no "
-                      "FSDP1 wrap of PEFT modules)"]
+                      "FSDP1 with LoRA under mixed precision estimated as FSDP2 (the estimator's fsdp1 models peft's "
+                      "wrap policy in bf16/fp32 only: MixedPrecision would cast the adapters to bf16; the config "
+                      "reader does the same)"]
         rows.append(row(
             row_id=f"{SOURCE}:{guide}:lora:Llama-2-70b-hf:x{cfg['num_processes']}", source=SOURCE,
             source_ref=ref(doc_entry), source_table="Memory usage",
