@@ -31,8 +31,10 @@ leaf module with a trainable weight (each ``lora_A``/``lora_B`` Linear) a unit o
 units, which then hold the frozen base weights alone (no gradient, no reduction). An adapter unit's gradient
 becomes this rank's shard in its post-backward, within its layer's backward; its transient gathers (one adapter
 weight at a time: KiB to a few MiB) are not counted, but SHARD_GRAD_OP keeps them from forward to backward as it
-keeps the layer's. Under mixed_* FSDP1's MixedPrecision would also cast the
-adapters to 16 bits, which changes what they save for backward: not modelled.
+keeps the layer's. Prefetching follows the units' post-forward order (each layer's adapters before it), so the
+previous layer is gathered by this layer's first adapter near the end of its backward: placed at the layer
+boundary (docs/error_matrix/README.md, Finding 13). Not modelled: mixed_* (FSDP1's MixedPrecision would cast the
+adapters to 16 bits, which changes what they save for backward) and prefetching other than BACKWARD_PRE.
 """
 
 from __future__ import annotations
