@@ -198,7 +198,9 @@ def test_axolotl_fsdp_defaults_to_fsdp1_and_lora_stays_fsdp1_but_not_under_mixed
     spec, report = spec_from_configs([_write_yaml(tmp_path / "ax_lora.yaml", lora)], {"world_size": 2})
     assert spec.training.precision == "mixed_bf16"  # FSDP1's MixedPrecision would cast the adapters too
     assert spec.parallel.method == "fsdp" and any("fsdp1 with LoRA" in line for line in report.not_modelled)
-    spec, report = spec_from_configs([_write_yaml(tmp_path / "ax_lora.yaml", lora)],
+    assert spec.parallel.fsdp1.backward_prefetch == "NONE"  # and no prefetch is another reason
+    prefetch = {**lora, "fsdp_config": {"fsdp_backward_prefetch": "BACKWARD_PRE"}}
+    spec, report = spec_from_configs([_write_yaml(tmp_path / "ax_lora.yaml", prefetch)],
                                      {"world_size": 2, "precision": "bf16"})
     assert spec.parallel.method == "fsdp1" and not any("fsdp1 with LoRA" in line for line in report.not_modelled)
 
