@@ -254,11 +254,12 @@ def _shard_fsdp1(model, hf_config, variant: Variant):
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     layers = next(getattr(hf_config, k) for k in _LAYER_KEYS if hasattr(hf_config, k))
-    policy = ModuleWrapPolicy({type(layer) for layer in _decoder_layers(model, layers)})
     if variant.lora_rank:  # peft's own policy, as the HF Trainer applies it to a PEFT model
         from peft.utils.other import fsdp_auto_wrap_policy
 
         policy = fsdp_auto_wrap_policy(model)
+    else:
+        policy = ModuleWrapPolicy({type(layer) for layer in _decoder_layers(model, layers)})
     mixed = None
     if variant.precision.startswith("mixed_"):
         half = torch.float16 if variant.precision.endswith("fp16") else torch.bfloat16
