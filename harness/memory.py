@@ -119,6 +119,33 @@ def host_peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+# --------------------------------------------------------------------------------------------- history
+
+SNAPSHOT_SUFFIX = ".snapshot.pickle.gz"
+# Events kept by the allocator's ring buffer: a 1B model's step is ~10k events, so several steps fit whole
+# (a cold-start trace: the replay needs no reconstruction of earlier state).
+HISTORY_MAX_ENTRIES = 2_000_000
+
+
+def start_allocator_history(torch: Any) -> None:
+    """Record every allocator event from now on, without stack frames (the replay needs none; frames would
+    make the file 10x larger and the step slower)."""
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                             max_entries=HISTORY_MAX_ENTRIES)
+
+
+def dump_allocator_history(torch: Any, path: Any) -> int:
+    """Write the snapshot (segments + device traces) gzipped, stop recording; returns the file's bytes."""
+    import gzip
+    import pickle
+
+    data = gzip.compress(pickle.dumps(torch.cuda.memory._snapshot()), compresslevel=6)
+    torch.cuda.memory._record_memory_history(enabled=None)
+    with open(path, "wb") as handle:
+        handle.write(data)
+    return len(data)
+
+
 # --------------------------------------------------------------------------------------------- probe
 
 class MemoryProbe:

@@ -64,6 +64,10 @@ class MemoryOptions:
     # CPU runs: count live tensor storages (512-byte blocks, as the CUDA caching allocator rounds) through a
     # dispatch mode, for allocated-level peaks without a GPU (memory_source counted-cpu); slows CPU steps.
     count_cpu: bool = True
+    # CUDA runs: record the caching allocator's history (torch.cuda.memory._record_memory_history, no stack
+    # frames) from before the rank's first allocation to the end of its last step, and write the snapshot as
+    # rank<r>.snapshot.pickle.gz in the run dir: a real trace for `python -m estimator.allocator replay`.
+    snapshot: bool = False
 
 
 @dataclass

@@ -109,13 +109,14 @@ def measure_rank(spec, opts, run_dir: Path, *, rank: int, world_size: int, local
                         run_id=run_dir.name, emulated=emulated,
                         measured_by="emulated_fake_pg" if emulated else "real_run", node=node_name())
     where = Where()
-    probe = trainer = None
+    probe = trainer = snapshot_path = None
     try:
         device = distributed.pick_device(opts.backend, local_rank)
         probe = MemoryProbe(device, sample_interval_s=opts.memory.sample_interval_s,
                             count_cpu=opts.memory.count_cpu)
         record.memory_source = probe.source
         probe.start()
+        snapshot_path = _start_history(probe, opts, run_dir, rank)
         _init_device(probe, record, opts)
         if rank == 0:
             from harness.environment import enrich_env_file
@@ -136,6 +137,7 @@ def measure_rank(spec, opts, run_dir: Path, *, rank: int, world_size: int, local
         record.host_peak_rss_bytes = host_peak_rss_bytes()
         _notes(record, emulated, probe)
         record.finalize()
+        _dump_history(snapshot_path, record)
         _cleanup(trainer, probe)
         if record.status == "ok" or emulated:
             try:
@@ -169,6 +171,34 @@ def _init_device(probe, record, opts) -> None:
         opts.memory.cap_fraction * record.device_total_bytes if opts.memory.cap_fraction else None)
     record.memory_cap_bytes = probe.set_cap(int(cap)) if cap else None
     record.cuda_context_bytes = probe.context_bytes()
+
+
+def _start_history(probe, opts, run_dir: Path, rank: int) -> Path | None:
+    """memory.snapshot on CUDA: the allocator's history from before the first allocation of this process (a
+    cold-start trace) to the end; written after the last step, OOM or not."""
+    from harness.memory import SNAPSHOT_SUFFIX, start_allocator_history
+
+    if not (opts.memory.snapshot and probe.enabled):
+        return None
+    import torch
+
+    torch.cuda.init()  # the allocator exists from here; recording before it would record nothing
+    start_allocator_history(torch)
+    return run_dir / f"rank{rank}{SNAPSHOT_SUFFIX}"
+
+
+def _dump_history(path: Path | None, record) -> None:
+    if path is None:
+        return
+    import torch
+
+    from harness.memory import dump_allocator_history
+
+    try:
+        record.extra["snapshot_file"] = path.name
+        record.extra["snapshot_bytes"] = dump_allocator_history(torch, path)
+    except Exception as err:  # noqa: BLE001 - a failed dump must not lose the measurement
+        record.notes.append(f"snapshot: {type(err).__name__}: {str(err)[:200]}")
 
 
 def _setup(spec, opts, dist_ctx, probe, record):

@@ -4,8 +4,10 @@ The pickle format can name any importable callable; a snapshot only needs builti
 scalars, so every global lookup is refused before it can run.
 """
 
+import gzip
 import io
 import pickle
+import zlib
 
 
 class SnapshotError(ValueError):
@@ -19,6 +21,11 @@ class _BuiltinsOnlyUnpickler(pickle.Unpickler):
 
 
 def load_snapshot_bytes(data: bytes):
+    if data[:2] == b"\x1f\x8b":  # gzipped, as the harness writes them (rank<r>.snapshot.pickle.gz)
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as err:
+            raise SnapshotError(f"not a readable gzip file ({type(err).__name__}: {err})") from None
     try:
         return _BuiltinsOnlyUnpickler(io.BytesIO(data)).load()
     except SnapshotError:

@@ -100,3 +100,32 @@ def test_gpu_keys_come_from_the_catalogue_and_unknown_boards_get_their_own():
     assert normalize_gpu_name("Tesla V100-SXM2-16GB", 16_945_512_448) == "v100-16gb"
     assert normalize_gpu_name("NVIDIA RTX A6000", 51_041_271_808) == "rtxa6000-48gb"
     assert normalize_gpu_name("cpu", 0) == "cpu"
+
+
+def test_allocator_history_is_recorded_without_frames_and_written_as_a_loadable_gzip(tmp_path):
+    """memory.snapshot: what the worker asks of torch's recorder, and a file `estimator.allocator replay` reads."""
+    from types import SimpleNamespace
+
+    from estimator.allocator.snapshot import check_snapshot, load_snapshot
+    from harness.memory import dump_allocator_history, start_allocator_history
+
+    calls = []
+    snapshot = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 0, "size": 512, "stream": 0}]]}
+    memory = SimpleNamespace(_record_memory_history=lambda **kw: calls.append(kw), _snapshot=lambda: snapshot)
+    fake_torch = SimpleNamespace(cuda=SimpleNamespace(memory=memory))
+    start_allocator_history(fake_torch)
+    assert calls[0]["enabled"] == "all" and calls[0]["context"] is None and calls[0]["max_entries"] > 100_000
+    path = tmp_path / "rank0.snapshot.pickle.gz"
+    assert dump_allocator_history(fake_torch, path) == path.stat().st_size
+    assert calls[1] == {"enabled": None}  # recording stops once the file is written
+    assert check_snapshot(load_snapshot(str(path)))["device_traces"] == snapshot["device_traces"]
+
+
+def test_a_cpu_run_asked_for_a_snapshot_writes_none(tmp_path):
+    from types import SimpleNamespace
+
+    from harness.worker import _start_history
+
+    probe = SimpleNamespace(enabled=False)
+    opts = SimpleNamespace(memory=SimpleNamespace(snapshot=True))
+    assert _start_history(probe, opts, tmp_path, 0) is None
