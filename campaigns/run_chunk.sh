@@ -77,5 +77,5 @@ fi
 # 4. the chunks, until the deadline
 UNTIL=$(( START + BUDGET_S ))
 echo "campaign: $(( UNTIL - $(date +%s) )) s left of the ${BUDGET_S} s budget"
-"$PY" -m harness.campaign run "${ARGS[@]}" --until "$UNTIL" --out "$OUT" --work /tmp/llmem-campaign
+"$PY" -m harness.campaign --work /tmp/llmem-campaign run "${ARGS[@]}" --until "$UNTIL" --out "$OUT"
 echo "run_chunk: exit $? after $(( $(date +%s) - START )) s"
