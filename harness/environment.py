@@ -133,19 +133,23 @@ def package_versions() -> dict[str, str | None]:
 
 @functools.lru_cache(maxsize=1)
 def git_state() -> tuple[str | None, bool | None]:
-    """(sha, dirty) of the repository the harness runs from. Outside a git checkout (a copy of the working tree
-    without .git, e.g. on a lent GPU machine): ``HARNESS_GIT_SHA`` / ``HARNESS_GIT_DIRTY`` (0/1) as the caller
-    read them from the checkout the copy was made of, else (None, None)."""
+    """(sha, dirty) of the repository the harness runs from. ``HARNESS_GIT_SHA`` with ``HARNESS_GIT_DIRTY`` (0/1),
+    as the caller read them from the checkout a copy was made of, win: on a lent GPU machine the copy's own git
+    state is not the checkout's (files arrive with other modes, so every script looked modified there and the
+    paper chunks refused to run). Else the checkout's git, else (None, None)."""
+    env_sha = os.environ.get("HARNESS_GIT_SHA", "").strip() or None
+    env_dirty = os.environ.get("HARNESS_GIT_DIRTY", "").strip().lower()
+    if env_sha and env_dirty:
+        return env_sha, env_dirty in ("1", "true", "yes")
     try:
         sha = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=10, check=True).stdout.strip()
-        status = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True, timeout=10, check=True).stdout
+        status = subprocess.run(["git", "-C", str(REPO_ROOT), "-c", "core.fileMode=false", "status", "--porcelain",
+                                 "--untracked-files=no"], capture_output=True, text=True, timeout=10,
+                                check=True).stdout
         return sha, bool(status.strip())
     except (OSError, subprocess.SubprocessError):
-        sha = os.environ.get("HARNESS_GIT_SHA", "").strip() or None
-        dirty = os.environ.get("HARNESS_GIT_DIRTY", "").strip().lower()
-        return sha, (dirty in ("1", "true", "yes")) if sha and dirty else None
+        return env_sha, None
 
 
 def capture_env(device: DeviceInfo | None = None, torch_device: Any = None) -> dict[str, Any]:

@@ -125,3 +125,20 @@ def test_preflight_rejects_points_that_cannot_run(tmp_path):
         plan_point(*point_args(tmp_path, "backend=fake", "method=zero2", "parallel.world_size=2"), CPU_DEVICE)
     with pytest.raises(ValueError, match="^emulate.ranks:"):
         plan_point(*point_args(tmp_path, "method=ddp", "emulate.world_size=2", "emulate.ranks=[0,5]"), CPU_DEVICE)
+
+
+def test_the_callers_git_state_wins_over_the_copys(monkeypatch):
+    """On a lent GPU machine the working-tree copy looks modified to git (modes); the checkout's state, passed in
+    HARNESS_GIT_SHA / HARNESS_GIT_DIRTY, is the one measurements record and allow_dirty checks."""
+    from harness.environment import git_state
+
+    monkeypatch.setenv("HARNESS_GIT_SHA", "a" * 40)
+    monkeypatch.setenv("HARNESS_GIT_DIRTY", "0")
+    git_state.cache_clear()
+    try:
+        assert git_state() == ("a" * 40, False)
+        monkeypatch.setenv("HARNESS_GIT_DIRTY", "1")
+        git_state.cache_clear()
+        assert git_state() == ("a" * 40, True)
+    finally:
+        git_state.cache_clear()
