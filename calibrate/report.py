@@ -21,7 +21,7 @@ import pandas as pd
 from calibrate import data as D
 from calibrate.export import git_state
 from calibrate.fit import LEVELS, level_metrics
-from calibrate.terms import analytic_terms, predict
+from calibrate.terms import analytic_terms, predict, replayed_levels
 from estimator.columns import spec_from_columns
 from estimator.hardware.residuals import Coefficients, load_coefficients
 
@@ -69,9 +69,18 @@ def predicted_rows(rows: pd.DataFrame, coefficients_dir: Path | None, allow_buil
                                  "pred_reserved_bytes": np.nan, "pred_device_bytes": np.nan}, index=group.index)
         else:
             used[key] = coefficients_for(str(key), coefficients_dir)
-            pred = predict(group, group["emulated"], used[key])
+            pred = predict(group, group["emulated"], used[key]).join(
+                replayed_levels(group, used[key], allow_build=allow_build))
+            # Where the estimator replays the allocator, its reserved level is the replay's; the device level
+            # keeps what predict adds above reserved (context, and NCCL only where real buffers existed).
+            replay = pred["replayed_reserved_bytes"].notna()
+            above = pred["pred_device_bytes"] - pred["pred_reserved_bytes"]
+            pred.loc[replay, "pred_reserved_bytes"] = pred.loc[replay, "replayed_reserved_bytes"]
+            pred.loc[replay, "pred_device_bytes"] = pred.loc[replay, "replayed_reserved_bytes"] + above[replay]
+            pred = pred.drop(columns=["replayed_reserved_bytes"])
         parts.append(pred)
     rows = rows.join(pd.concat(parts)) if parts else rows
+    rows["reserved_source"] = rows["reserved_source"].fillna("") if "reserved_source" in rows else ""
     for level in LEVELS:
         measured = rows[f"peak_{level}_bytes"]
         rows[f"err_{level}_pct"] = (rows[f"pred_{level}_bytes"] - measured) / measured * 100.0
@@ -401,7 +410,7 @@ def build_report(data: list[Path], out: Path, *, coefficients_dir: Path | None =
     keep = ["_file", "_line", "run_id", "gpu_key", "rank", "source", "model", "model_family", "method",
             "world_size", "micro_batch_size", "seq_len", "precision", "grad_ckpt", "run_status",
             *[f"peak_{lvl}_bytes" for lvl in LEVELS], *[f"pred_{lvl}_bytes" for lvl in LEVELS],
-            *[f"err_{lvl}_pct" for lvl in LEVELS], "estimate_error"]
+            *[f"err_{lvl}_pct" for lvl in LEVELS], "reserved_source", "estimate_error"]
     rows[keep].to_csv(out / "rows.csv", index=False)
     for frame, name in ((t2, "table2.csv"), (fig89, "fig8_9.csv"), (t3, "table3.csv"), (summary, "summary.csv")):
         frame.to_csv(out / name, index=False)

@@ -77,6 +77,38 @@ def analytic_terms(rows: pd.DataFrame, *, allow_build: bool = True,
     return pd.DataFrame(out, index=rows.index)
 
 
+def replayed_levels(rows: pd.DataFrame, coeffs: Coefficients, *, allow_build: bool = True) -> pd.DataFrame:
+    """Per row, the reserved level ``estimate`` itself gives with ``coeffs`` where it replays the rank's timeline
+    through the caching-allocator model (``replayed_reserved_bytes``; NaN where it keeps the prior's
+    ``allocated x (1 + ratio) + bytes``, which ``predict`` computes), and ``reserved_source``. A report that scored
+    the prior's formula on rows the estimator replays would score a number no user is shown."""
+    cache: dict[RunSpec, dict | None] = {}
+    replayed, sources = [], []
+    for _, row in rows.iterrows():
+        try:
+            spec = spec_from_columns(row.to_dict())
+        except (ValueError, TypeError, KeyError):
+            spec = None
+        if spec is not None and spec not in cache:
+            try:
+                est = estimate(spec, coeffs, allow_build=allow_build)
+                cache[spec] = {"ranks": {r.rank: r for r in est.ranks}, "worst": est.worst_rank}
+            except ValueError:
+                cache[spec] = None
+        result = cache.get(spec) if spec is not None else None
+        rank_est = None
+        if result is not None:
+            rank = int(row["rank"]) if not pd.isna(row["rank"]) else -1
+            rank_est = result["ranks"].get(rank, result["ranks"][result["worst"]])
+        if rank_est is not None and rank_est.reserved_source == "replayed":
+            replayed.append(rank_est.peak_reserved_bytes)
+            sources.append("replayed")
+        else:
+            replayed.append(math.nan)
+            sources.append("prior" if rank_est is not None else "")
+    return pd.DataFrame({"replayed_reserved_bytes": replayed, "reserved_source": sources}, index=rows.index)
+
+
 def _family(model: str) -> str:
     """The model family used for leave-one-family-out: the config's ``model_type`` (opt, llama, bloom, ...)."""
     try:
