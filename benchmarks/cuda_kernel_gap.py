@@ -33,7 +33,7 @@ def main() -> int:
         training = TrainingSpec(micro_batch_size=b, seq_len=s, precision=precision, attn=attn)
         est = estimate(RunSpec(model=model, training=training))
         row = {"model": model, "precision": precision, "attn": attn, "micro_batch_size": b, "seq_len": s,
-               "estimate_bytes": est.peak_allocated_bytes - est.breakdown.get("cublas_workspace", 0)}
+               "estimate_bytes": est.traced_allocated_bytes}
         config = mt.load_model_config(model)
         for name, kernels, batch in (("cpu", "cpu", "full"), ("cuda", "cuda", "full"), ("cpu_padded", "cpu", "padded"),
                                      ("cuda_padded", "cuda", "padded")):

@@ -102,7 +102,7 @@ def main() -> int:
             ranks = {r.rank: r for r in est.ranks}
             for rank, value in sorted(traced.items()):
                 mine = ranks.get(rank, est.ranks[-1])
-                predicted = mine.peak_allocated_bytes - mine.breakdown.get("cublas_workspace", 0)
+                predicted = mine.traced_allocated_bytes
                 err = (predicted - value) / value
                 worst = max(worst, abs(err))
                 rows.append({"model": model, "method": method, "world_size": gpus, "tp": tp, "rank": rank,

@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
         print(f"error: the run ended {record.status}: {rank0.error}", file=sys.stderr)
         return 1
     est = estimate(spec.replace(gpu="h100-80gb"))
-    predicted = est.peak_allocated_bytes - est.breakdown.get("cublas_workspace", 0)
+    predicted = est.traced_allocated_bytes
     measured = rank0.peak_allocated_bytes
     print(f"measured {measured} B  estimate {predicted} B  {100 * (predicted - measured) / measured:+.2f} %")
     return 0

@@ -195,7 +195,7 @@ def _estimate_bytes(model: str, method: str, world: int, rank: int, b: int, s: i
     est = estimate(RunSpec(model=model, parallel=_parallel(method, world, sharding), training=training))
     ranks = {r.rank: r for r in est.ranks}
     mine = ranks.get(rank, est.ranks[-1])
-    return mine.peak_allocated_bytes - mine.breakdown.get("cublas_workspace", 0)
+    return mine.traced_allocated_bytes
 
 
 def table(args, done: dict[str, dict]) -> list[dict]:

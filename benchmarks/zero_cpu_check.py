@@ -56,7 +56,7 @@ def compare(run_dir: Path) -> list[dict]:
     for path in sorted(run_dir.glob("rank*.json")):
         rec = json.loads(path.read_text())
         mine = est.ranks[0] if rec["rank"] == 0 else est.ranks[-1]  # the estimate reports rank 0 and the last
-        predicted = mine.peak_allocated_bytes - mine.breakdown.get("cublas_workspace", 0)
+        predicted = mine.traced_allocated_bytes
         measured = rec["peak_allocated_bytes"]
         steady = [s for s in rec["steps"] if not s["warmup"]][-1]
         phase = max(steady["phases"], key=lambda p: p["peak_allocated_bytes"] or 0)["phase"]

@@ -78,12 +78,13 @@ def analytic_terms(rows: pd.DataFrame, *, allow_build: bool = True,
 
 
 def replayed_levels(rows: pd.DataFrame, coeffs: Coefficients, *, allow_build: bool = True) -> pd.DataFrame:
-    """Per row, the reserved level ``estimate`` itself gives with ``coeffs`` where it replays the rank's timeline
-    through the caching-allocator model (``replayed_reserved_bytes``; NaN where it keeps the prior's
-    ``allocated x (1 + ratio) + bytes``, which ``predict`` computes), and ``reserved_source``. A report that scored
-    the prior's formula on rows the estimator replays would score a number no user is shown."""
+    """Per row, the reserved and allocated levels ``estimate`` itself gives with ``coeffs`` where it replays the
+    rank's timeline through the caching-allocator model (``replayed_reserved_bytes``, ``replayed_allocated_bytes``:
+    with the allocator's block rounding; NaN where it keeps the prior's ``allocated x (1 + ratio) + bytes``, which
+    ``predict`` computes), and ``reserved_source``. A report that scored the prior's formula on rows the estimator
+    replays would score numbers no user is shown."""
     cache: dict[RunSpec, dict | None] = {}
-    replayed, sources = [], []
+    replayed, allocated, sources = [], [], []
     for _, row in rows.iterrows():
         try:
             spec = spec_from_columns(row.to_dict())
@@ -102,11 +103,14 @@ def replayed_levels(rows: pd.DataFrame, coeffs: Coefficients, *, allow_build: bo
             rank_est = result["ranks"].get(rank, result["ranks"][result["worst"]])
         if rank_est is not None and rank_est.reserved_source == "replayed":
             replayed.append(rank_est.peak_reserved_bytes)
+            allocated.append(rank_est.peak_allocated_bytes)
             sources.append("replayed")
         else:
             replayed.append(math.nan)
+            allocated.append(math.nan)
             sources.append("prior" if rank_est is not None else "")
-    return pd.DataFrame({"replayed_reserved_bytes": replayed, "reserved_source": sources}, index=rows.index)
+    return pd.DataFrame({"replayed_reserved_bytes": replayed, "replayed_allocated_bytes": allocated,
+                         "reserved_source": sources}, index=rows.index)
 
 
 def _family(model: str) -> str:

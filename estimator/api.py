@@ -21,7 +21,10 @@ from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
 GIB = 1024**3
 COMPONENTS = ("weights", "buffers", "gradients", "optimizer_states", "master_weights", "activations", "outputs_held",
-              "comm_buffers", "gathered_params", "temporaries", "cublas_workspace")
+              "comm_buffers", "gathered_params", "temporaries", "cublas_workspace", "allocator_rounding")
+# Allocated bytes only a GPU holds: cuBLAS workspaces, and the remainders (< 1 MiB each) the caching allocator
+# leaves inside the blocks it hands out, which torch.cuda.max_memory_allocated counts.
+GPU_ONLY_COMPONENTS = ("cublas_workspace", "allocator_rounding")
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,12 @@ class RankEstimate:
     # replayed with decide_fit: stopped once the reserved level proved the spec does not fit, so the reserved and
     # device levels are lower bounds (what the rank had reserved by then)
     reserved_lower_bound: bool = False
+
+    @property
+    def traced_allocated_bytes(self) -> int:
+        """The allocated peak less what only a GPU holds (GPU_ONLY_COMPONENTS): what a CPU trace of the same
+        program, or a CPU run counting its live storages, measures."""
+        return self.peak_allocated_bytes - sum(self.breakdown.get(k, 0) for k in GPU_ONLY_COMPONENTS)
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,10 @@ class Estimate:
         return self._worst().breakdown
 
     @property
+    def traced_allocated_bytes(self) -> int:
+        return self._worst().traced_allocated_bytes
+
+    @property
     def phase(self) -> str:
         return self._worst().phase
 
@@ -100,6 +113,7 @@ class Estimate:
             "world_size": self.spec.parallel.world_size, "tp": self.spec.parallel.tp, "gpu": self.gpu_key,
             "peak_allocated_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
             "peak_device_bytes": self.peak_device_bytes, "upper_bound_bytes": self.upper_bound_bytes,
+            "traced_allocated_bytes": self.traced_allocated_bytes,
             "reserved_source": self.reserved_source, "alloc_conf": self.alloc_conf,
             "capacity_bytes": self.capacity_bytes, "fits": self.fits, "headroom_bytes": self.headroom_bytes,
             "host_ram_bytes": self.host_ram_bytes, "phase": self.phase, "worst_rank": self.worst_rank,
@@ -255,11 +269,13 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     parts["outputs_held"] = held + fp32_copies
     parts["buffers"] = buffers
     parts["cublas_workspace"] = workspace
-    breakdown = {k: int(round(parts.get(k, 0.0))) for k in COMPONENTS if parts.get(k)}
-    allocated = int(round(max(fb_total, step_total) + workspace))
     communicators = 0 if spec.parallel.world_size == 1 else (2 if spec.parallel.method == "dp_tp" else 1)
     replayed = _replayed(spec, arch, profile, table, coeffs, regime, communicators, alloc_conf, sequence, rank,
                          decide_fit)
+    if replayed is not None:  # the replay hands out the blocks the GPU would: their unsplit remainders count
+        parts["allocator_rounding"] = max(0, replayed.peak_allocated_bytes - replayed.peak_requested_bytes)
+    breakdown = {k: int(round(parts.get(k, 0.0))) for k in COMPONENTS if parts.get(k)}
+    allocated = int(round(max(fb_total, step_total) + workspace + parts.get("allocator_rounding", 0)))
     if replayed is None:
         reserved = residuals.reserved_from_allocated(allocated, coeffs)
         allocator_fields = {}

@@ -173,8 +173,8 @@ class MemoryGuard:
             "row": row, "spec": self.spec.to_dict(), "prediction": self.estimate.to_dict(),
             "configs": self.report.to_dict(), "steps": self.steps, "environment": env})
         predicted = self.estimate.peak_allocated_bytes
-        if self._measured_key == "cpu":  # CPU runs lack the cuBLAS workspace (compared as the CLI does)
-            predicted -= self.estimate.breakdown.get("cublas_workspace", 0)
+        if self._measured_key == "cpu":  # CPU runs lack the cuBLAS workspace and block rounding (as the CLI compares)
+            predicted = self.estimate.traced_allocated_bytes
         measured_alloc = peaks["peak_allocated_bytes"]
         if measured_alloc:
             LOG.info("rank %d: measured peak %d bytes allocated vs predicted %d (%+.1f %%); recorded in %s",

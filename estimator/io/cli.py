@@ -329,7 +329,8 @@ def _run(args) -> int:
     est, epoch = _estimate(spec, args.coefficients, varlen)
     if args.from_run and not args.gpu and _run_gpu(args.from_run) in CPU_RUN_GPUS:
         est.notes.append(f"from_run: measured without a GPU; predicted for {CPU_RUN_PREDICT_GPU} (--gpu names "
-                         "another). Compare the allocated level less cublas_workspace, which CPU runs lack")
+                         "another). Compare traced_allocated_bytes: the allocated level less cublas_workspace and "
+                         "allocator_rounding, which CPU runs lack")
     if args.plot:
         _plot([est], args.plot)
     print(json.dumps(_with_epoch(est.to_dict(), epoch), indent=2) if args.json

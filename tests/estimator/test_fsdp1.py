@@ -48,7 +48,7 @@ def _spec(tmp_path, training, world=4, **options):
 
 
 def _tensor_bytes(rank) -> int:
-    return rank.peak_allocated_bytes - rank.breakdown.get("cublas_workspace", 0)
+    return rank.traced_allocated_bytes
 
 
 CASES = [

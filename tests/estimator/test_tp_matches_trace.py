@@ -36,7 +36,7 @@ def _compare(tmp_path, family: str, tp: int, training: TrainingSpec, method: str
     ranks = {r.rank: r for r in est.ranks}
     assert set(traced) == set(ranks)
     for rank, record in traced.items():
-        predicted = ranks[rank].peak_allocated_bytes - ranks[rank].breakdown.get("cublas_workspace", 0)
+        predicted = ranks[rank].traced_allocated_bytes
         reference = record["peak_allocated_bytes"]
         assert abs(predicted - reference) / reference < 0.01, (family, rank, predicted, reference)
     return est

@@ -20,7 +20,7 @@ def _measured_and_estimated(tmp_path, loop: str) -> tuple[int, int]:
     spec = RunSpec.from_json((run_dir / "spec.json").read_text())
     assert record.status == "ok" and spec.training.loop == loop
     est = estimate(spec.replace(gpu="h100-80gb"))
-    return rank0.peak_allocated_bytes, est.peak_allocated_bytes - est.breakdown["cublas_workspace"]
+    return rank0.peak_allocated_bytes, est.traced_allocated_bytes
 
 
 @pytest.mark.parametrize("loop", ["trainer", "manual"])

@@ -110,7 +110,7 @@ def test_fsdp1_settings_reach_the_run_and_the_estimate_matches_it(overrides, tmp
     rows = [r for r in read_rows(tmp_path / "data/measurements/cpu/default.csv") if r["run_id"] == record.run_id]
     assert {r["fsdp1_sharding_strategy"] for r in rows} == {spec.parallel.fsdp1.sharding_strategy}
     est = estimate(spec.replace(gpu="h100-80gb"))
-    estimated = est.peak_allocated_bytes - est.breakdown["cublas_workspace"]
+    estimated = est.traced_allocated_bytes
     for rank in (0, 1):
         measured = rank_from_dict(read_json(run_dir / f"rank{rank}.json")).peak_allocated_bytes
         assert abs(estimated - measured) / measured < 0.01, (rank, measured, estimated)

@@ -37,7 +37,7 @@ def test_zero_estimate_matches_deepspeed_on_cpu(tmp_path, method, buckets):
     run_dir = tmp_path / "runs/default/cpu" / record.run_id
     est = estimate(RunSpec.from_json((run_dir / "spec.json").read_text()).replace(gpu="h100-80gb"))
     for rank, mine in zip((0, 1), est.ranks):
-        predicted = mine.peak_allocated_bytes - mine.breakdown["cublas_workspace"]
+        predicted = mine.traced_allocated_bytes
         rank_record = read_json(run_dir / f"rank{rank}.json")
         assert rank_record["memory_source"] == "counted-cpu"
         measured = rank_record["peak_allocated_bytes"]

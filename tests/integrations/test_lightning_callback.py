@@ -37,7 +37,7 @@ def test_lightning_callback_predicts_and_records(tmp_path):
     # loop=manual (-1.8 %); loop=trainer would predict 4,204,868 (-7.5 %).
     assert est.spec.training.loop == "manual"
     (row,) = list(csv.DictReader((records / "cpu" / "my-runs.rank0.csv").open()))
-    predicted = est.peak_allocated_bytes - est.breakdown.get("cublas_workspace", 0)
+    predicted = est.traced_allocated_bytes
     assert int(row["peak_allocated_bytes"]) == pytest.approx(predicted, rel=0.05)
 
 

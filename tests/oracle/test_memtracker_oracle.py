@@ -38,7 +38,7 @@ def _estimate(tmp_path, config: dict, training: TrainingSpec) -> int:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     est = estimate(RunSpec(model=str(path), training=training))
-    return est.peak_allocated_bytes - est.breakdown.get("cublas_workspace", 0)
+    return est.traced_allocated_bytes
 
 
 def _memtracker(config: dict, training: TrainingSpec, kernels: str = "cuda", loop: str | None = None,
