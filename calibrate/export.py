@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from calibrate import fit as F
-from calibrate.terms import predict
+from calibrate.terms import predict, replayed_levels
 from estimator.hardware.gpus import get_gpu
 from estimator.hardware.residuals import REQUIRED_TERMS, SCHEMA_VERSION, Coefficients, load_coefficients
 
@@ -138,6 +138,8 @@ def fit_gpu(rows: pd.DataFrame, files: list[dict], gpu_key: str, *, quantile: fl
             out.refused.append(f"{gpu_key}: {result.scheme} device-level p95 error {p95:.2f} % exceeds "
                                f"{max_cv_error_pct:g} %; worst rows: " + "; ".join(_worst_rows(fitted, result.oof)))
     primary = results[0]
+    if (why := replay_beats_the_fit(fitted, prior, primary.oof)) is not None:
+        out.refused.append(f"{gpu_key}: {why}")
     ratio = F.upper_bound_ratio(fitted["peak_device_bytes"].to_numpy(), primary.oof["pred_device_bytes"].to_numpy(),
                                 quantile)
     terms = F.fit_terms(fitted, prior)
@@ -152,6 +154,24 @@ def fit_gpu(rows: pd.DataFrame, files: list[dict], gpu_key: str, *, quantile: fl
                             quantile=quantile, primary=primary.scheme, exceeded=exceeded,
                             threshold_pct=max_cv_error_pct, command=command)
     return out
+
+
+def replay_beats_the_fit(fitted: pd.DataFrame, prior: Coefficients, oof: pd.DataFrame) -> str | None:
+    """Why the fitted reserved terms must not ship, or None. A fitted file's reserved terms switch the estimator's
+    caching-allocator replay off (``residuals.reserved_terms_fitted``): on the rows the replay covers, the fit
+    must predict the measured reserved level better out of fold than the replay the prior keeps."""
+    levels = replayed_levels(fitted, prior, allow_build=False)
+    on = (levels["reserved_source"] == "replayed").to_numpy()
+    if not on.any():
+        return None
+    measured = fitted["peak_reserved_bytes"].to_numpy(float)[on]
+    replay_pct = float(np.median(np.abs(levels["replayed_reserved_bytes"].to_numpy(float)[on] - measured) / measured))
+    fit_pct = float(np.median(np.abs(oof["pred_reserved_bytes"].to_numpy(float)[on] - measured) / measured))
+    if replay_pct >= fit_pct:
+        return None
+    return (f"its reserved terms would replace the allocator replay on {int(on.sum())} rows, where the replay's "
+            f"median |error| {100 * replay_pct:.2f} % beats the fitted formula's {100 * fit_pct:.2f} % out of fold; "
+            "the shipped file keeps the replay")
 
 
 def document(coeffs: Coefficients, terms: F.TermFit, prior: Coefficients, fitted: pd.DataFrame,

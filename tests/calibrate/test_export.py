@@ -114,6 +114,18 @@ def test_export_is_refused_above_the_cv_threshold(synthetic_root, tmp_path, caps
     assert "h100-80gb/synthetic.csv line " in err  # the worst rows are named
 
 
+def test_a_fit_worse_than_the_allocator_replay_is_refused(tmp_path, capsys):
+    """A fitted file's reserved terms switch the replay off. On this project's H200 runs the replay is within a
+    median 0.04 % of the measured reserved level, the fitted formula 5 % out of fold: nothing may ship, even with
+    the CV threshold out of the way."""
+    h200 = Path(__file__).resolve().parents[2] / "data/measurements/h200-141gb"
+    code = main(["fit", "--data", str(h200), "--out", str(tmp_path), "--max-cv-error-pct", "1000", "--no-build"])
+    err = capsys.readouterr().err
+    assert code == 1 and not list(tmp_path.iterdir())
+    assert "refused: h200-141gb: its reserved terms would replace the allocator replay on " in err
+    assert "device-level p95" not in err  # this was the only reason
+
+
 def test_dry_run_writes_nothing(synthetic_root, tmp_path, capsys):
     assert main(["fit", "--data", str(synthetic_root), "--out", str(tmp_path), "--dry-run", "--no-build"]) == 0
     assert "cv leave_one_method_out" in capsys.readouterr().out and not list(tmp_path.iterdir())
