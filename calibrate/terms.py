@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import pandas as pd
 
-from estimator.api import estimate
+from estimator.api import Estimate, RankEstimate, estimate
 from estimator.columns import spec_from_columns
 from estimator.hardware import residuals
 from estimator.hardware.residuals import Coefficients
@@ -29,50 +29,55 @@ PROBE = Coefficients(gpu_key="probe", calibrated=True, source="probe", descripti
 TERM_COLUMNS = ["analytic_allocated_bytes", "communicators", "model_family", "params", "estimate_error"]
 
 
-def _probe(spec: RunSpec, allow_build: bool) -> dict:
-    est = estimate(spec, PROBE, allow_build=allow_build)
-    ranks = {r.rank: r for r in est.ranks}
-    return {"ranks": {k: (r.peak_allocated_bytes, r.peak_device_bytes - r.peak_reserved_bytes)
-                      for k, r in ranks.items()},
-            "worst": est.worst_rank, "params": est.params}
+def rank_estimates(rows: pd.DataFrame, coeffs: Coefficients, *, allow_build: bool = True,
+                   progress: Callable[[int, int], None] | None = None) -> list[tuple[Estimate, RankEstimate] | str]:
+    """Per row, ``estimate``'s result under ``coeffs`` and the row's rank in it (ranks the estimator does not
+    model separately, it computes ranks 0 and N-1, take its worst rank), or why it cannot be estimated. One
+    estimate per distinct spec."""
+    cache: dict[RunSpec, Estimate | str] = {}
+    out: list[tuple[Estimate, RankEstimate] | str] = []
+    total = len(rows)
+    for n, (_, row) in enumerate(rows.iterrows()):
+        if progress:
+            progress(n, total)
+        try:
+            spec = spec_from_columns(row.to_dict())
+        except (ValueError, TypeError, KeyError) as err:
+            out.append(f"spec: {err}")
+            continue
+        if spec not in cache:
+            try:
+                cache[spec] = estimate(spec, coeffs, allow_build=allow_build)
+            except ValueError as err:
+                cache[spec] = str(err).splitlines()[0]
+        est = cache[spec]
+        if isinstance(est, str):
+            out.append(est)
+            continue
+        ranks = {r.rank: r for r in est.ranks}
+        rank = int(row["rank"]) if not pd.isna(row["rank"]) else -1
+        out.append((est, ranks.get(rank, ranks[est.worst_rank])))
+    return out
 
 
 def analytic_terms(rows: pd.DataFrame, *, allow_build: bool = True,
                    progress: Callable[[int, int], None] | None = None) -> pd.DataFrame:
     """Per row: ``analytic_allocated_bytes``, ``communicators`` (the estimator's, for a real job),
     ``model_family`` (the config's model_type), ``params``, and ``estimate_error`` (why the estimator could not
-    estimate the row; the other cells are then empty). Ranks the estimator does not model separately (it
-    computes ranks 0 and N-1) take its worst rank."""
-    cache: dict[RunSpec, dict | str] = {}
+    estimate the row; the other cells are then empty)."""
     out = {c: [] for c in TERM_COLUMNS}
-    total = len(rows)
-    for n, (_, row) in enumerate(rows.iterrows()):
-        if progress:
-            progress(n, total)
-        result: dict | str
-        try:
-            spec = spec_from_columns(row.to_dict())
-        except (ValueError, TypeError, KeyError) as err:
-            result = f"spec: {err}"
-        else:
-            if spec not in cache:
-                try:
-                    cache[spec] = _probe(spec, allow_build)
-                except ValueError as err:
-                    cache[spec] = str(err).splitlines()[0]
-            result = cache[spec]
+    for (_, row), result in zip(rows.iterrows(), rank_estimates(rows, PROBE, allow_build=allow_build,
+                                                                  progress=progress)):
+        out["model_family"].append(_family(str(row["model"])))
         if isinstance(result, str):
             for c in ("analytic_allocated_bytes", "communicators", "params"):
                 out[c].append(math.nan)
-            out["model_family"].append(_family(str(row["model"])))
             out["estimate_error"].append(result)
             continue
-        rank = int(row["rank"]) if not pd.isna(row["rank"]) else -1
-        allocated, comms = result["ranks"].get(rank, result["ranks"][result["worst"]])
-        out["analytic_allocated_bytes"].append(allocated)
-        out["communicators"].append(comms)
-        out["model_family"].append(_family(str(row["model"])))
-        out["params"].append(result["params"])
+        est, rank = result
+        out["analytic_allocated_bytes"].append(rank.peak_allocated_bytes)
+        out["communicators"].append(rank.peak_device_bytes - rank.peak_reserved_bytes)
+        out["params"].append(est.params)
         out["estimate_error"].append("")
     return pd.DataFrame(out, index=rows.index)
 
@@ -83,32 +88,17 @@ def replayed_levels(rows: pd.DataFrame, coeffs: Coefficients, *, allow_build: bo
     with the allocator's block rounding; NaN where it keeps the prior's ``allocated x (1 + ratio) + bytes``, which
     ``predict`` computes), and ``reserved_source``. A report that scored the prior's formula on rows the estimator
     replays would score numbers no user is shown."""
-    cache: dict[RunSpec, dict | None] = {}
     replayed, allocated, sources = [], [], []
-    for _, row in rows.iterrows():
-        try:
-            spec = spec_from_columns(row.to_dict())
-        except (ValueError, TypeError, KeyError):
-            spec = None
-        if spec is not None and spec not in cache:
-            try:
-                est = estimate(spec, coeffs, allow_build=allow_build)
-                cache[spec] = {"ranks": {r.rank: r for r in est.ranks}, "worst": est.worst_rank}
-            except ValueError:
-                cache[spec] = None
-        result = cache.get(spec) if spec is not None else None
-        rank_est = None
-        if result is not None:
-            rank = int(row["rank"]) if not pd.isna(row["rank"]) else -1
-            rank_est = result["ranks"].get(rank, result["ranks"][result["worst"]])
-        if rank_est is not None and rank_est.reserved_source == "replayed":
-            replayed.append(rank_est.peak_reserved_bytes)
-            allocated.append(rank_est.peak_allocated_bytes)
+    for result in rank_estimates(rows, coeffs, allow_build=allow_build):
+        rank = None if isinstance(result, str) else result[1]
+        if rank is not None and rank.reserved_source == "replayed":
+            replayed.append(rank.peak_reserved_bytes)
+            allocated.append(rank.peak_allocated_bytes)
             sources.append("replayed")
         else:
             replayed.append(math.nan)
             allocated.append(math.nan)
-            sources.append("prior" if rank_est is not None else "")
+            sources.append("prior" if rank is not None else "")
     return pd.DataFrame({"replayed_reserved_bytes": replayed, "replayed_allocated_bytes": allocated,
                          "reserved_source": sources}, index=rows.index)
 

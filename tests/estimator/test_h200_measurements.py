@@ -6,20 +6,18 @@ import statistics
 
 import pandas as pd
 
-from estimator.api import estimate
-from estimator.columns import spec_from_columns
+from calibrate.terms import rank_estimates
+from estimator.hardware.residuals import load_coefficients
 
 MEASUREMENTS = pathlib.Path(__file__).resolve().parents[2] / "data" / "measurements" / "h200-141gb"
 
 
 def scored(table: str) -> list[tuple[pd.Series, object]]:
     rows = pd.read_csv(MEASUREMENTS / f"{table}.csv")
-    out = []
-    for _, row in rows[rows["run_status"] == "ok"].iterrows():
-        est = estimate(spec_from_columns(row.to_dict()), allow_build=False)
-        ranks = {r.rank: r for r in est.ranks}
-        out.append((row, ranks.get(int(row["rank"]), ranks[est.worst_rank])))
-    return out
+    rows = rows[rows["run_status"] == "ok"]
+    results = rank_estimates(rows, load_coefficients("h200-141gb"), allow_build=False)
+    assert not [r for r in results if isinstance(r, str)]
+    return [(row, rank) for (_, row), (_, rank) in zip(rows.iterrows(), results)]
 
 
 def pct(predicted: int, measured: int) -> float:
