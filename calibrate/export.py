@@ -8,6 +8,7 @@ date. Export is refused (nothing written) when the cross-validated error exceeds
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import platform
@@ -22,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from calibrate import fit as F
-from calibrate.terms import predict, replayed_levels
+from calibrate.terms import REPLAYED_COLUMNS, predict, with_replayed_levels
 from estimator.hardware.gpus import get_gpu
 from estimator.hardware.residuals import REQUIRED_TERMS, SCHEMA_VERSION, Coefficients, load_coefficients
 
@@ -30,7 +31,8 @@ FIT_SCHEMA_VERSION = 1
 WORST_ROWS_SHOWN = 5
 TERM_FORMULAS = {
     "allocated": "analytic_allocated_bytes + cublas_workspace_bytes x cublas_workspaces",
-    "reserved": "allocated x (1 + reserved_slack_ratio) + reserved_slack_bytes",
+    "reserved": ("the caching-allocator replay where the estimator runs it (estimator.reserved), else "
+                 "allocated x (1 + reserved_slack_ratio) + reserved_slack_bytes"),
     "device": "reserved + cuda_context_bytes + nccl_bytes_per_communicator x communicators",
     "upper_bound": "device x upper_bound_ratio",
 }
@@ -127,6 +129,17 @@ def fit_gpu(rows: pd.DataFrame, files: list[dict], gpu_key: str, *, quantile: fl
     if fitted.empty:
         out.refused.append(f"{gpu_key}: no ok CUDA rows the estimator can estimate; nothing to fit")
         return out
+    # Where the estimator replays the allocator its reserved level is the replay's, whatever the file says: the
+    # formula's terms are fitted on the other rows, and every prediction below takes the replay where it runs.
+    # The replay allocates the cuBLAS workspaces, so it runs with the ones these rows measure (read off the
+    # allocated level less what the replay adds to the analytical bytes: block rounding, ZeRO's flush buffers).
+    rows = with_replayed_levels(rows, prior)
+    workspace = F.fit_workspace(F.fit_rows(rows))
+    if int(round(workspace / (prior.cublas_workspaces or 1))) != prior.cublas_workspace_bytes:
+        replaying = dataclasses.replace(
+            prior, cublas_workspace_bytes=int(round(workspace / (prior.cublas_workspaces or 1))))
+        rows = with_replayed_levels(rows.drop(columns=[*REPLAYED_COLUMNS, "replay_extra_bytes"]), replaying)
+    fitted = F.fit_rows(rows)
     results, skipped = F.run_cv(fitted, prior)
     if not results:
         out.refused.append(f"{gpu_key}: cross-validation needs rows from at least 2 runs "
@@ -138,8 +151,6 @@ def fit_gpu(rows: pd.DataFrame, files: list[dict], gpu_key: str, *, quantile: fl
             out.refused.append(f"{gpu_key}: {result.scheme} device-level p95 error {p95:.2f} % exceeds "
                                f"{max_cv_error_pct:g} %; worst rows: " + "; ".join(_worst_rows(fitted, result.oof)))
     primary = results[0]
-    if (why := replay_beats_the_fit(fitted, prior, primary.oof)) is not None:
-        out.refused.append(f"{gpu_key}: {why}")
     ratio = F.upper_bound_ratio(fitted["peak_device_bytes"].to_numpy(), primary.oof["pred_device_bytes"].to_numpy(),
                                 quantile)
     terms = F.fit_terms(fitted, prior)
@@ -154,24 +165,6 @@ def fit_gpu(rows: pd.DataFrame, files: list[dict], gpu_key: str, *, quantile: fl
                             quantile=quantile, primary=primary.scheme, exceeded=exceeded,
                             threshold_pct=max_cv_error_pct, command=command)
     return out
-
-
-def replay_beats_the_fit(fitted: pd.DataFrame, prior: Coefficients, oof: pd.DataFrame) -> str | None:
-    """Why the fitted reserved terms must not ship, or None. A fitted file's reserved terms switch the estimator's
-    caching-allocator replay off (``residuals.reserved_terms_fitted``): on the rows the replay covers, the fit
-    must predict the measured reserved level better out of fold than the replay the prior keeps."""
-    levels = replayed_levels(fitted, prior, allow_build=False)
-    on = (levels["reserved_source"] == "replayed").to_numpy()
-    if not on.any():
-        return None
-    measured = fitted["peak_reserved_bytes"].to_numpy(float)[on]
-    replay_pct = float(np.median(np.abs(levels["replayed_reserved_bytes"].to_numpy(float)[on] - measured) / measured))
-    fit_pct = float(np.median(np.abs(oof["pred_reserved_bytes"].to_numpy(float)[on] - measured) / measured))
-    if replay_pct >= fit_pct:
-        return None
-    return (f"its reserved terms would replace the allocator replay on {int(on.sum())} rows, where the replay's "
-            f"median |error| {100 * replay_pct:.2f} % beats the fitted formula's {100 * fit_pct:.2f} % out of fold; "
-            "the shipped file keeps the replay")
 
 
 def document(coeffs: Coefficients, terms: F.TermFit, prior: Coefficients, fitted: pd.DataFrame,
@@ -223,7 +216,8 @@ def document(coeffs: Coefficients, terms: F.TermFit, prior: Coefficients, fitted
                              "target": "peak_reserved_bytes - peak_allocated_bytes",
                              "features": ["peak_allocated_bytes"],
                              "estimator": "sklearn LinearRegression(positive=True), intercept >= 0, GiB units; "
-                                          "rows with allocation retries left out",
+                                          "rows with allocation retries, and rows whose reserved level the "
+                                          "estimator replays, left out",
                              "coefficients": {"reserved_slack_ratio": terms.reserved_slack_ratio,
                                               "reserved_slack_bytes": terms.reserved_slack_bytes}},
                 "device": {"formula": TERM_FORMULAS["device"], "target": "peak_device_bytes - peak_reserved_bytes",

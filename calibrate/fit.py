@@ -3,7 +3,8 @@
 Three small models, each on *measured* quantities so that each isolates one piece of physics:
 
     allocated_measured - analytic_allocated   = W                          (cuBLAS workspaces: a constant)
-    reserved_measured  - allocated_measured   = ratio x allocated + bytes  (caching-allocator slack)
+    reserved_measured  - allocated_measured   = ratio x allocated + bytes  (caching-allocator slack, on the rows
+                                                                            the estimator does not replay)
     device_measured    - reserved_measured    = context + nccl x comms     (CUDA context, NCCL buffers)
 
 ``W`` is the median residual (robust to the odd run); the two linear models are non-negative least squares
@@ -64,6 +65,15 @@ def _identifiable(x: np.ndarray) -> bool:
     return len(x) >= 3 and len(np.unique(x)) >= 2
 
 
+def fit_workspace(rows: pd.DataFrame) -> float:
+    """The cuBLAS workspaces' total bytes: the median of measured - analytical allocated (>= 0), less what the
+    allocator replay adds where the estimator runs it (``replay_extra_bytes``: block rounding, flush buffers)."""
+    residual = rows["peak_allocated_bytes"].to_numpy(float) - rows["analytic_allocated_bytes"].to_numpy(float)
+    if "replay_extra_bytes" in rows:
+        residual = residual - rows["replay_extra_bytes"].to_numpy(float)
+    return max(0.0, float(np.median(residual)))
+
+
 def fit_terms(rows: pd.DataFrame, prior: Coefficients) -> TermFit:
     """Fit on ``rows`` (ok CUDA rows with analytical terms; see ``fit_rows``)."""
     if rows.empty:
@@ -72,16 +82,18 @@ def fit_terms(rows: pd.DataFrame, prior: Coefficients) -> TermFit:
     alloc = rows["peak_allocated_bytes"].to_numpy(float)
     reserved = rows["peak_reserved_bytes"].to_numpy(float)
     device = rows["peak_device_bytes"].to_numpy(float)
-    analytic = rows["analytic_allocated_bytes"].to_numpy(float)
 
-    workspace = max(0.0, float(np.median(alloc - analytic)))
-    sources["cublas_workspace_bytes"] = (f"fitted: median of measured - analytical allocated over {len(rows)} rows"
-                                         + (" (negative median clamped to 0)" if np.median(alloc - analytic) < 0
-                                            else ""))
+    workspace = fit_workspace(rows)
+    sources["cublas_workspace_bytes"] = (f"fitted: median of measured - analytical allocated (less the replay's "
+                                         f"block rounding) over {len(rows)} rows"
+                                         + (" (negative median clamped to 0)" if workspace == 0 else ""))
 
     # Allocation retries mean the allocator flushed its cache under pressure: reserved was squeezed, so those
-    # rows say nothing about the slack it keeps when free to.
+    # rows say nothing about the slack it keeps when free to. Rows whose reserved level the estimator replays
+    # through the caching-allocator model never use the formula: it is fitted on the others alone.
     calm = (rows["num_alloc_retries"].fillna(0) == 0).to_numpy()
+    if "reserved_source" in rows:
+        calm = calm & (rows["reserved_source"] != "replayed").to_numpy()
     x, y = alloc[calm] / GIB, (reserved[calm] - alloc[calm]) / GIB
     if _identifiable(x):
         ratio, slack_gib = _nonneg_linear(x, y)
@@ -92,7 +104,8 @@ def fit_terms(rows: pd.DataFrame, prior: Coefficients) -> TermFit:
         slack_gib = max(0.0, float(np.median(y - ratio * x))) if len(x) else prior.reserved_slack_bytes / GIB
         sources["reserved_slack_ratio"] = "prior kept: fewer than 3 rows or one allocation size"
         sources["reserved_slack_bytes"] = (f"fitted: median over {len(x)} rows with the prior ratio" if len(x)
-                                           else "prior kept: no row without allocation retries")
+                                           else "prior kept: no row without allocation retries whose reserved "
+                                                "level the estimator does not replay")
 
     comms = effective_communicators(rows["communicators"], rows["emulated"]).to_numpy(float)
     extra = (device - reserved) / GIB

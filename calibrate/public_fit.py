@@ -3,7 +3,8 @@
 Only two kinds of rows pin a residual term; the others (``max_allocated``) say nothing about it:
 
 * ``max_reserved`` rows pin the allocator residual, ``reserved = allocated x (1 + ratio) + bytes``: the
-  estimator's own peak allocated is the input, the published reserved peak the target;
+  estimator's own peak allocated is the input, the published reserved peak the target (rows whose reserved level
+  the estimator replays through the caching-allocator model are left out: the formula never applies there);
 * ``nvml_used`` rows pin the CUDA context (and non-PyTorch memory), what the device level holds beyond the
   estimator's reserved level and NCCL buffers: the estimate less its prior context is the input, the published
   device level the target.
@@ -75,10 +76,13 @@ class KeyFit:
 
 
 def reserved_points(scored: list[Scored]) -> dict[str, list[Point]]:
-    """Estimable ``max_reserved`` rows, per GPU key, as (estimator allocated, published reserved) pairs."""
+    """Estimable ``max_reserved`` rows the estimator does not replay, per GPU key, as (estimator allocated,
+    published reserved) pairs."""
     out: dict[str, list[Point]] = {}
     for s in scored:
         if s.error or s.row["quantity"] != "max_reserved" or s.allocated_bytes is None:
+            continue
+        if s.reserved_source == "replayed":  # the estimator replays this one: the formula never applies there
             continue
         out.setdefault(s.row["gpu"], []).append(Point(s.row["source"], s.allocated_bytes, s.measured_bytes, s.row))
     return out

@@ -69,17 +69,8 @@ def predicted_rows(rows: pd.DataFrame, coefficients_dir: Path | None, allow_buil
                                  "pred_reserved_bytes": np.nan, "pred_device_bytes": np.nan}, index=group.index)
         else:
             used[key] = coefficients_for(str(key), coefficients_dir)
-            pred = predict(group, group["emulated"], used[key]).join(
-                replayed_levels(group, used[key], allow_build=allow_build))
-            # Where the estimator replays the allocator, its reserved level is the replay's and its allocated level
-            # counts the replay's block rounding; the device level keeps what predict adds above reserved (context,
-            # and NCCL only where real buffers existed).
-            replay = pred["replayed_reserved_bytes"].notna()
-            above = pred["pred_device_bytes"] - pred["pred_reserved_bytes"]
-            for level in ("reserved", "allocated"):
-                pred.loc[replay, f"pred_{level}_bytes"] = pred.loc[replay, f"replayed_{level}_bytes"]
-            pred.loc[replay, "pred_device_bytes"] = pred.loc[replay, "replayed_reserved_bytes"] + above[replay]
-            pred = pred.drop(columns=["replayed_reserved_bytes", "replayed_allocated_bytes"])
+            levels = replayed_levels(group, used[key], allow_build=allow_build)
+            pred = predict(group.join(levels), group["emulated"], used[key]).join(levels[["reserved_source"]])
         parts.append(pred)
     rows = rows.join(pd.concat(parts)) if parts else rows
     rows["reserved_source"] = rows["reserved_source"].fillna("") if "reserved_source" in rows else ""

@@ -30,7 +30,8 @@ TERM_COLUMNS = ["analytic_allocated_bytes", "communicators", "model_family", "pa
 
 
 def rank_estimates(rows: pd.DataFrame, coeffs: Coefficients, *, allow_build: bool = True,
-                   progress: Callable[[int, int], None] | None = None) -> list[tuple[Estimate, RankEstimate] | str]:
+                   progress: Callable[[int, int], None] | None = None, replay_reserved: bool = True
+                   ) -> list[tuple[Estimate, RankEstimate] | str]:
     """Per row, ``estimate``'s result under ``coeffs`` and the row's rank in it (ranks the estimator does not
     model separately, it computes ranks 0 and N-1, take its worst rank), or why it cannot be estimated. One
     estimate per distinct spec."""
@@ -47,7 +48,7 @@ def rank_estimates(rows: pd.DataFrame, coeffs: Coefficients, *, allow_build: boo
             continue
         if spec not in cache:
             try:
-                cache[spec] = estimate(spec, coeffs, allow_build=allow_build)
+                cache[spec] = estimate(spec, coeffs, allow_build=allow_build, replay_reserved=replay_reserved)
             except ValueError as err:
                 cache[spec] = str(err).splitlines()[0]
         est = cache[spec]
@@ -66,8 +67,10 @@ def analytic_terms(rows: pd.DataFrame, *, allow_build: bool = True,
     ``model_family`` (the config's model_type), ``params``, and ``estimate_error`` (why the estimator could not
     estimate the row; the other cells are then empty)."""
     out = {c: [] for c in TERM_COLUMNS}
+    # The analytical bytes alone: no allocator replay (its block rounding and its ZeRO flush buffers are in
+    # ``replayed_levels``, with the workspaces a replay needs).
     for (_, row), result in zip(rows.iterrows(), rank_estimates(rows, PROBE, allow_build=allow_build,
-                                                                  progress=progress)):
+                                                                  progress=progress, replay_reserved=False)):
         out["model_family"].append(_family(str(row["model"])))
         if isinstance(result, str):
             for c in ("analytic_allocated_bytes", "communicators", "params"):
@@ -80,6 +83,19 @@ def analytic_terms(rows: pd.DataFrame, *, allow_build: bool = True,
         out["params"].append(est.params)
         out["estimate_error"].append("")
     return pd.DataFrame(out, index=rows.index)
+
+
+REPLAYED_COLUMNS = ("replayed_reserved_bytes", "replayed_allocated_bytes", "reserved_source")
+
+
+def with_replayed_levels(rows: pd.DataFrame, coeffs: Coefficients, *, allow_build: bool = False) -> pd.DataFrame:
+    """``rows`` (with ``analytic_terms``) joined with ``replayed_levels`` under ``coeffs`` and
+    ``replay_extra_bytes``: what a replayed allocated level holds beyond the analytical bytes and the workspaces
+    (the allocator's block rounding, ZeRO-1/2's flush buffers; 0 where the estimator does not replay)."""
+    levels = replayed_levels(rows, coeffs, allow_build=allow_build)
+    extra = (levels["replayed_allocated_bytes"] - rows["analytic_allocated_bytes"]
+             - residuals.cublas_workspace_bytes(coeffs))
+    return rows.join(levels).assign(replay_extra_bytes=extra.fillna(0.0))
 
 
 def replayed_levels(rows: pd.DataFrame, coeffs: Coefficients, *, allow_build: bool = True) -> pd.DataFrame:
@@ -118,18 +134,24 @@ def effective_communicators(communicators: pd.Series, emulated: pd.Series) -> pd
 
 def predict(terms: pd.DataFrame, emulated: pd.Series, coeffs: Coefficients) -> pd.DataFrame:
     """Allocated / reserved / device predictions of every row, with the estimator's own arithmetic
-    (``estimator.api`` adds the workspace to the analytical bytes, then applies ``estimator.hardware.residuals``)."""
+    (``estimator.api`` adds the workspace to the analytical bytes, then applies ``estimator.hardware.residuals``).
+    Where ``terms`` carries ``replayed_levels`` (the estimator replays the rank through the caching-allocator
+    model), the reserved and allocated levels are the replay's, as ``estimate`` reports them; the device level
+    adds what the formula adds above reserved (context, and NCCL only where real buffers existed)."""
     comms = effective_communicators(terms["communicators"], emulated)
     workspace = residuals.cublas_workspace_bytes(coeffs)
+    replayed = terms.get("replayed_reserved_bytes", pd.Series(math.nan, index=terms.index))
+    replayed_alloc = terms.get("replayed_allocated_bytes", pd.Series(math.nan, index=terms.index))
     alloc, reserved, device = [], [], []
-    for analytic, n_comm in zip(terms["analytic_allocated_bytes"], comms):
+    for analytic, n_comm, r_replay, a_replay in zip(terms["analytic_allocated_bytes"], comms, replayed,
+                                                     replayed_alloc):
         if pd.isna(analytic):
             alloc.append(math.nan)
             reserved.append(math.nan)
             device.append(math.nan)
             continue
-        a = int(round(analytic + workspace))
-        r = residuals.reserved_from_allocated(a, coeffs)
+        a = int(round(analytic + workspace)) if pd.isna(r_replay) else int(a_replay)
+        r = residuals.reserved_from_allocated(a, coeffs) if pd.isna(r_replay) else int(r_replay)
         alloc.append(a)
         reserved.append(r)
         device.append(residuals.device_from_reserved(r, coeffs, int(n_comm)))

@@ -17,6 +17,7 @@ from estimator.models.memo import memo_by_owner
 from estimator.models.params import buffer_bytes, expand_params, param_counts
 from estimator.models.tp_plans import check_tp
 from estimator.profiler.cache import load_model_profile
+from estimator.reserved.timeline import BATCH_TENSORS, INT64
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
 GIB = 1024**3
@@ -272,10 +273,13 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     communicators = 0 if spec.parallel.world_size == 1 else (2 if spec.parallel.method == "dp_tp" else 1)
     replayed = _replayed(spec, arch, profile, table, coeffs, regime, communicators, alloc_conf, sequence, rank,
                          decide_fit)
+    flush = 0.0
     if replayed is not None:  # the replay hands out the blocks the GPU would: their unsplit remainders count
         parts["allocator_rounding"] = max(0, replayed.peak_allocated_bytes - replayed.peak_requested_bytes)
+        flush = _zero_flush_bytes(spec, replayed, max(fb_total, step_total) + workspace)
+        parts["comm_buffers"] = parts.get("comm_buffers", 0.0) + flush
     breakdown = {k: int(round(parts.get(k, 0.0))) for k in COMPONENTS if parts.get(k)}
-    allocated = int(round(max(fb_total, step_total) + workspace + parts.get("allocator_rounding", 0)))
+    allocated = int(round(max(fb_total, step_total) + workspace + flush + parts.get("allocator_rounding", 0)))
     if replayed is None:
         reserved = residuals.reserved_from_allocated(allocated, coeffs)
         allocator_fields = {}
@@ -288,6 +292,17 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     return RankEstimate(rank=rank, peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
                         peak_device_bytes=device, breakdown=breakdown, phase=f"{phase} (steady step)",
                         **allocator_fields), model
+
+
+def _zero_flush_bytes(spec: RunSpec, replayed, step_model_bytes: float) -> float:
+    """ZeRO-1/2: what the replay's requested peak holds above the step model's, at an IPG flush: DeepSpeed
+    concatenates the bucket's slices of several partitions into one buffer for the reduction (up to
+    ``reduce_bucket_size`` elements; ``estimator.reserved.zero``), an instant the step model's segment candidates
+    do not place. The replay also holds the input batch, which the step model leaves out."""
+    if spec.parallel.method not in ("zero1", "zero2"):
+        return 0.0
+    batch = BATCH_TENSORS * INT64 * spec.training.micro_batch_size * spec.training.seq_len
+    return max(0.0, replayed.peak_requested_bytes - batch - step_model_bytes)
 
 
 def _replayed(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, regime: dict,
@@ -336,8 +351,7 @@ def _reserved_note(spec: RunSpec, profile: dict, worst: RankEstimate, alloc_conf
     from estimator.reserved.rank import why_not
 
     regime = _regime(profile, spec.training.micro_batch_size, spec.training.seq_len)
-    reason = why_not(spec, regime, num_layers) if alloc_conf is not None else \
-        "replay off, or a calibrated coefficient file whose reserved terms were fitted on this path"
+    reason = why_not(spec, regime, num_layers) if alloc_conf is not None else "replay off"
     return f"reserved: prior allocated x (1 + slack ratio) + slack bytes ({reason or 'the event list cannot be repeated for this depth'})"
 
 
@@ -446,10 +460,6 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     check_spec(spec, arch)
     coeffs = coefficients if isinstance(coefficients, residuals.Coefficients) else \
         residuals.load_coefficients(gpu.key, coefficients)
-    if residuals.reserved_terms_fitted(coeffs):
-        # Reserved terms fitted and cross-validated on the prior path (allocated x (1 + ratio) + bytes): the
-        # estimate follows what was fitted. The replay serves the documented priors (and a fitted CUDA context).
-        conf = None
     arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build)
     last = spec.parallel.world_size - 1
     table = _param_table(profile, arch.num_layers)

@@ -193,17 +193,6 @@ def reserved_fit_limit_bytes(capacity_bytes: int, coeffs: Coefficients, num_comm
     return lo
 
 
-def reserved_terms_fitted(coeffs: Coefficients) -> bool:
-    """Whether the file's reserved terms (allocated x (1 + ratio) + bytes) were fitted: every term of a
-    ``calibrate fit`` file; in a ``calibrate public --fit`` file only those its notes call fitted (a file that
-    fitted the CUDA context alone keeps the prior's reserved path, the allocator replay)."""
-    if not coeffs.calibrated:
-        return False
-    if coeffs.provenance.get("kind") != "published measurements":
-        return True
-    return "Fitted" in str(coeffs.notes.get("reserved_slack_ratio", ""))
-
-
 def provenance_notes(coeffs: Coefficients) -> list[str]:
     """"calibrated on published measurements (N rows, sources ...)" for a file ``calibrate public --fit`` wrote."""
     block = coeffs.provenance

@@ -392,14 +392,21 @@ def fsdp_step(expansion: Expansion, table: list[ParamInfo], world: int, precisio
     steady_ops, _moved, steady_optimizer, _loss_freed, steady_outputs = _step_ops(
         expansion, expansion.steady.ops, steady_marks, first=False, **common)
     step_keys = max(first_keys, build.next_key)
+    return FsdpStep(expansion=method_expansion(
+        "fsdp", expansion, first_ops, steady_ops, step_keys, first_moved, (first_loss_freed, steady_optimizer),
+        grad_keys=frozenset(first_outputs | steady_outputs)), sizes=build.sizes)
+
+
+def method_expansion(method: str, expansion: Expansion, first_ops: list, steady_ops: list, keys: int,
+                     first_moved: dict[int, int], optimizer_at: tuple[int, int], **fields) -> Expansion:
+    """The expansion with a method's own ops in both steps (``first_moved``: where the first step's old op
+    indices went): every free finds its tensor, and a steady step leaves nothing behind but what the next one
+    frees (``FREE_PREVIOUS``); the first step's survivors are its persistent tensors (optimizer states)."""
     forward, backward = expansion.workspace_at
-    previous = {key for kind, key, _ in steady_ops if kind == FREE_PREVIOUS}
-    persistent = check_step(first_ops) - previous
-    if check_step(steady_ops, previous_alive=previous) - previous:
-        raise ExpansionError("fsdp: tensors of a steady step are never freed")
-    return FsdpStep(expansion=replace(
-        expansion, first=StepEvents(first_ops, step_keys), steady=StepEvents(steady_ops, step_keys),
-        workspace_at=(first_moved[forward], first_moved[backward]),
-        optimizer_at=(first_loss_freed, steady_optimizer),
-        persistent_keys=frozenset(persistent), marks=((), ()), grad_keys=frozenset(first_outputs | steady_outputs)),
-        sizes=build.sizes)
+    kept = {key for kind, key, _ in steady_ops if kind == FREE_PREVIOUS}
+    persistent = check_step(first_ops) - kept
+    if check_step(steady_ops, previous_alive=kept) - kept:
+        raise ExpansionError(f"{method}: tensors of a steady step are never freed")
+    return replace(expansion, first=StepEvents(first_ops, keys), steady=StepEvents(steady_ops, keys),
+                   workspace_at=(first_moved[forward], first_moved[backward]), optimizer_at=optimizer_at,
+                   persistent_keys=frozenset(persistent), marks=((), ()), **fields)

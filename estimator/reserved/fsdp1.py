@@ -30,7 +30,7 @@ with the CPU); ``limit_all_gathers`` bounds how far ahead it can run (docs/alloc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from estimator.methods.fsdp1 import FlatUnit, Fsdp1Sizes, flat_layout, shard_pieces
 from estimator.models.params import ParamInfo
@@ -40,10 +40,15 @@ from estimator.reserved.expand import (
     FREE_PREVIOUS,
     Expansion,
     ExpansionError,
-    StepEvents,
-    check_step,
 )
-from estimator.reserved.fsdp import OPTIMIZERS, BufferOps, _Builder, _grads_by_group, boundary_marks
+from estimator.reserved.fsdp import (
+    OPTIMIZERS,
+    BufferOps,
+    _Builder,
+    _grads_by_group,
+    boundary_marks,
+    method_expansion,
+)
 from estimator.reserved.timeline import Setup, model_order
 
 PRE_UNSHARD, UNSHARD, POST_BACKWARD = 3, 4, 5  # allocator streams (0 the default; FSDP2's are 1 and 2)
@@ -296,13 +301,8 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
     previous = [(FREE_PREVIOUS, t.key, t.size_index) for t in steady_shards]
     steady_ops[steady_prefix:steady_prefix] = previous
     step_keys = max(steady_keys, build.next_key)
-    forward, backward = expansion.workspace_at
-    kept = {key for kind, key, _ in steady_ops if kind == FREE_PREVIOUS}  # the shards, a manual loop's outputs
-    persistent = check_step(first_ops) - kept
-    if check_step(steady_ops, previous_alive=kept) - kept:
-        raise ExpansionError("fsdp1: tensors of a steady step are never freed")
-    return Fsdp1Step(expansion=replace(
-        expansion, first=StepEvents(first_ops, step_keys), steady=StepEvents(steady_ops, step_keys),
-        workspace_at=(first_moved[forward], first_moved[backward]),
-        optimizer_at=(first_optimizer[1] + len(lazy), steady_optimizer[0] + len(previous)),
-        persistent_keys=frozenset(persistent), marks=((), ()), grad_keys=frozenset()), sizes=build.sizes)
+    # kept to the next step: the shards, a manual loop's outputs
+    return Fsdp1Step(expansion=method_expansion(
+        "fsdp1", expansion, first_ops, steady_ops, step_keys, first_moved,
+        (first_optimizer[1] + len(lazy), steady_optimizer[0] + len(previous)), grad_keys=frozenset()),
+        sizes=build.sizes)

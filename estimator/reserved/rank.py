@@ -14,13 +14,16 @@ from estimator.reserved.fsdp import fsdp_setup, fsdp_step
 from estimator.reserved.fsdp1 import fsdp1_setup, fsdp1_step, why_not_fsdp1
 from estimator.reserved.replay import ReservedReplay, replay_rank, replay_sequence
 from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocations
+from estimator.reserved.zero import why_not_zero, zero_setup, zero_step
 
 # Each with gradient accumulation (estimator.reserved.accumulate): DDP under no_sync accumulates as one GPU does,
 # the buckets copied into only at the synchronising micro-step (no allocation); FSDP2 reduce-scatters every
 # micro-step, a later micro-step's output added into the sharded gradients and freed.
 # dp_tp: FSDP2 over the dp axis of the TP-local model (harness.fake.wrap), replayed as fsdp on dp ranks.
 # fsdp1: FULL_SHARD with the default prefetching and use_orig_params (estimator.reserved.fsdp1), no accumulation.
-METHODS = ("single", "ddp", "tp", "fsdp", "dp_tp", "fsdp1")
+# zero1 / zero2: DeepSpeed's flat buffers, IPG bucket and partition step (estimator.reserved.zero), default stream.
+METHODS = ("single", "ddp", "tp", "fsdp", "dp_tp", "fsdp1", "zero1", "zero2")
+ZERO = ("zero1", "zero2")
 SHARDED = ("fsdp", "dp_tp")
 _EXPANSIONS: dict[tuple, tuple] = {}
 _FSDP_STEPS: dict[tuple, tuple] = {}
@@ -31,7 +34,11 @@ _CONFS: dict[str, object] = {}
 def why_not(spec, regime: dict, num_layers: int) -> str | None:
     """Why this spec's reserved peak cannot be replayed (None: it can)."""
     training = spec.training
-    if spec.parallel.method not in METHODS:
+    if spec.parallel.method.startswith("zero"):
+        reason = why_not_zero(spec)
+        if reason is not None:
+            return reason
+    elif spec.parallel.method not in METHODS:
         return (f"{spec.parallel.method}: its communication buffers run on their own streams with delayed frees, "
                 "not modelled yet")
     events = regime.get("events")
@@ -109,6 +116,8 @@ def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, 
         buffer_bytes = (buffers.get("non_layer", 0), buffers.get("per_layer", 0))
         if method in SHARDED:
             setup = fsdp_setup(table, buffer_bytes, num_layers, world, mixed)
+        elif method in ZERO:
+            setup = zero_setup(table, buffer_bytes, num_layers, world, _elem16(table))
         elif method == "fsdp1":
             setup = fsdp1_setup(table, buffer_bytes, num_layers, fsdp1_sizes(spec, table))
         else:
@@ -124,6 +133,8 @@ def _method_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo
     ``base_size_index``)."""
     if spec.parallel.method == "fsdp1":
         return _fsdp1_step(spec, events, expansion, table, num_layers, base_size_index, rank)
+    if spec.parallel.method in ZERO:
+        return _zero_step(spec, events, expansion, table, base_size_index, rank)
     if spec.parallel.method not in SHARDED:
         return expansion, []
     training, world = spec.training, _shard_world(spec)
@@ -142,6 +153,22 @@ def _fsdp1_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo]
     return _memo_step(key, expansion, table, lambda: fsdp1_step(
         expansion, table, fsdp1_sizes(spec, table, rank), training.optimizer, rank, base_size_index, num_layers,
         events["polys"]))
+
+
+def _elem16(table: list[ParamInfo]) -> int:
+    """DeepSpeed's flat-buffer element size: the model's (16-bit under mixed precision)."""
+    return min((p.elem_bytes for p in table), default=2)
+
+
+def _zero_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo], base_size_index: int, rank: int
+               ) -> tuple[Expansion, list[int]]:
+    training, parallel = spec.training, spec.parallel
+    stage, bucket = int(parallel.method[-1]), parallel.zero.reduce_bucket_size
+    key = ("zero", id(expansion), id(table), parallel.world_size, stage, bucket, training.optimizer,
+           base_size_index, rank)
+    return _memo_step(key, expansion, table, lambda: zero_step(
+        expansion, table, parallel.world_size, rank, stage, _elem16(table), bucket, training.optimizer,
+        base_size_index, events["polys"]))
 
 
 def _memo_step(key: tuple, expansion: Expansion, table: list[ParamInfo], build) -> tuple[Expansion, list[int]]:

@@ -46,7 +46,12 @@ def test_cv_metrics_per_group(fitted):
         for level in F.LEVELS:
             m = scheme["overall"][level]
             assert set(m) == {"n", "median_abs_pct", "p95_abs_pct", "max_abs_pct", "worst_under_gib"}
-            assert 0 <= m["median_abs_pct"] <= m["p95_abs_pct"] <= m["max_abs_pct"] < 1.0  # low-noise data
+            assert 0 <= m["median_abs_pct"] <= m["p95_abs_pct"] <= m["max_abs_pct"]
+            for group, metrics in scheme["per_group"].items():
+                # ZeRO-3 is the one method whose reserved level the estimator does not replay: held out, no row
+                # fits the formula's slack and the prior's stands (10 % + 64 MiB against the planted 7 % + 40 MiB)
+                bound = 5.0 if (scheme is method and group == "zero3" and level != "allocated") else 1.0
+                assert metrics[level]["max_abs_pct"] < bound, (group, level)  # low-noise data
     assert cv["threshold"]["max_pct"] == F.DEFAULT_MAX_CV_ERROR_PCT
 
 

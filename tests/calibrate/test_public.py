@@ -11,6 +11,7 @@ from calibrate import public as P
 from calibrate.cli import main
 from estimator import RunSpec, TrainingSpec, estimate
 from estimator.columns import SPEC_INPUT_COLUMNS, spec_columns
+from estimator.spec import ParallelSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 PUBLIC = ROOT / "data" / "public"
@@ -234,8 +235,17 @@ def test_accepted_fit_ships_a_valid_file_the_estimator_names(tmp_path):
     assert "calibrated on published measurements (4 rows, sources a, b" in note
 
 
-def test_cli_fit_refuses_a_single_source_key(synthetic_csv, tmp_path, capsys):
-    path, _ = synthetic_csv
+def test_cli_fit_refuses_a_single_source_key(tmp_path, capsys):
+    """One source's reserved rows on a path the estimator does not replay (ZeRO-3): the formula's slack is not
+    identified by one source. (Rows the estimator replays never feed the formula.)"""
+    common = _common()
+    zero3 = RunSpec(model=MODEL, gpu="a100-40gb", parallel=ParallelSpec(method="zero3", world_size=2),
+                    training=TrainingSpec(micro_batch_size=2, seq_len=256, precision="mixed_bf16"))
+    est = estimate(zero3, allow_build=False)
+    assert est.reserved_source == "prior"
+    path = tmp_path / "measurements.csv"
+    common.write_csv([_row(common, f"z:{i}", zero3, "max_reserved", int(est.peak_reserved_bytes * f), source="one")
+                      for i, f in enumerate((1.1, 1.2))], path)
     out = tmp_path / "report"
     code = main(["public", "--data", str(path), "--out", str(out), "--no-build", "--no-baselines", "--fit",
                  "--coefficients-out", str(tmp_path)])
@@ -296,7 +306,7 @@ def test_the_cuda_context_is_fitted_from_device_rows_and_ships_without_turning_t
     fitted only the context keeps the reserved replay (its reserved terms are still the priors)."""
     from calibrate.public_fit import CONTEXT, fit_context, judge, write_accepted
     from estimator import api
-    from estimator.hardware.residuals import load_coefficients, provenance_notes, reserved_terms_fitted
+    from estimator.hardware.residuals import load_coefficients, provenance_notes
     from estimator.spec import RunSpec, TrainingSpec
 
     real = 700 * 2**20
@@ -314,7 +324,6 @@ def test_the_cuda_context_is_fitted_from_device_rows_and_ships_without_turning_t
     coeffs = load_coefficients("a100-80gb", path)
     assert coeffs.calibrated and coeffs.cuda_context_bytes == pytest.approx(real, abs=1)
     assert coeffs.reserved_slack_ratio == load_coefficients("a100-80gb").reserved_slack_ratio
-    assert not reserved_terms_fitted(coeffs)
     assert "fitted: cuda_context_bytes" in provenance_notes(coeffs)[0]
     spec = RunSpec(model="Qwen/Qwen2.5-0.5B", gpu="a100-80gb",
                    training=TrainingSpec(precision="bf16", micro_batch_size=2, seq_len=512))

@@ -15,7 +15,7 @@ from estimator.io.cli import main as cli_main  # noqa: E402
 from estimator.reserved import rank as reserved_rank  # noqa: E402
 from estimator.reserved.expand import ExpansionError, expand, step_sizes  # noqa: E402
 from estimator.reserved.timeline import INT64, StepPlan, step_requests  # noqa: E402
-from estimator.spec import ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
+from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec  # noqa: E402
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 160,
          "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
@@ -275,9 +275,16 @@ def test_environment_default_and_cli_flag(llama_path, monkeypatch, capsys):
 def test_out_of_scope_methods_and_old_profiles_keep_the_prior(llama_path):
     training = TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S)
     zero = api.estimate(RunSpec(model=llama_path, training=training,
-                                parallel=ParallelSpec(method="zero2", world_size=2)), alloc_conf="")
+                                parallel=ParallelSpec(method="zero3", world_size=2)), alloc_conf="")
     assert zero.reserved_source == "prior"
-    assert any(n.startswith("reserved: prior") and "own streams" in n for n in zero.notes)
+    assert any(n.startswith("reserved: prior") and "coordinator" in n for n in zero.notes)
+    overlapped = api.estimate(RunSpec(model=llama_path, training=training, parallel=ParallelSpec(
+        method="zero2", world_size=2, zero=ZeroSpec(overlap_comm=True))), alloc_conf="")
+    assert overlapped.reserved_source == "prior"
+    assert any(n.startswith("reserved: prior") and "reduction stream" in n for n in overlapped.notes)
+    zero2 = api.estimate(RunSpec(model=llama_path, training=training,
+                                 parallel=ParallelSpec(method="zero2", world_size=2)), alloc_conf="")
+    assert zero2.reserved_source == "replayed"  # tests/estimator/test_reserved_zero.py
     accumulating = api.estimate(RunSpec(model=llama_path, training=dataclasses.replace(training, grad_accum_steps=2),
                                         parallel=ParallelSpec(method="fsdp", world_size=2)), alloc_conf="")
     assert accumulating.reserved_source == "replayed"  # FSDP2 with accumulation: tests/estimator/test_reserved_fsdp.py

@@ -1,0 +1,324 @@
+"""A DeepSpeed ZeRO-1/2 rank's timeline as the caching allocator sees it: the single-GPU step at full depth
+(``estimator.reserved.expand``) with DeepSpeed 0.19's own tensors (``deepspeed/runtime/zero/stage_1_and_2.py``),
+default stream only (``overlap_comm`` off, DeepSpeed's default below stage 3), contiguous gradients.
+
+Setup (``DeepSpeedZeroOptimizer.__init__``): the model full size on the device, each tensor on its own; the
+trainable tensors flattened into one 16-bit buffer (``model.parameters()`` order, padded to 2 x world elements),
+then each original freed as its parameter becomes a view of the buffer; the fp32 master partition
+(``partition.clone().float()``: the 16-bit clone freed once cast; fp32 weights keep the clone); the fp32
+gradient of ``initialize_optimizer_states``, made and dropped.
+
+Each step, in backward (ZeRO-2: at each gradient's hook, in the order backward finishes them; ZeRO-1: after
+backward, over the tensors in flat order):
+
+* the first hook allocates the IPG bucket (``reduce_bucket_size`` elements of the 16-bit dtype);
+* a gradient that would overflow the bucket flushes it first; the gradient is then copied into the bucket and
+  its own storage freed, except an oversized one (more elements than the bucket), which keeps its storage;
+* a flush reduces the bucket's slices (``average_tensor``): every slice of it concatenated into one buffer when
+  there is more than one (``allreduce_bucket``'s flatten), freed after the reduction; then each gradient that
+  overlaps this rank's partition is copied into ``grads_in_partition`` (allocated at the first one: every tensor
+  that overlaps the partition, in full), an oversized one's storage freed then; an oversized gradient of another
+  partition goes too (ZeRO-2; ZeRO-1 holds it until the end of the reduction);
+* the epilogue flushes what is left and frees the bucket.
+
+The optimizer step (after the loss is freed): an fp64 copy of each gradient piece of the partition for the norm,
+one at a time; the partition's gradients flattened (16-bit) and cast to fp32, the flat copy then
+``grads_in_partition`` freed; Adam over the one fp32 partition (its states on the first step, one ``sqrt``
+temporary); the fp32 gradient freed. Checked against real DeepSpeed CPU runs on the fake process group
+(``tests/estimator/test_reserved_zero.py``) and the H200's ZeRO ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from estimator.methods.state import _zero_flat_order
+from estimator.models.params import ParamInfo
+from estimator.reserved.expand import ALLOC, FREE, Expansion, ExpansionError
+from estimator.reserved.fsdp import (
+    BufferOps,
+    Tensor,
+    _Builder,
+    _grads_by_group,
+    boundary_marks,
+    method_expansion,
+)
+from estimator.reserved.timeline import Setup, setup_allocations
+
+FP32, FP64 = 4, 8
+STAGES = (1, 2)
+OPTIMIZERS = ("adamw", "adamw_fused", "sgd")
+PRECISIONS = ("mixed_bf16", "mixed_fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The flat buffer's order and this rank's partition of it."""
+
+    flat: list[ParamInfo]              # trainable tensors in flat order
+    offsets: list[int]                 # each tensor's first element in the flat buffer
+    partition_numel: int               # elements per rank (the buffer padded to 2 x world, divided)
+    world: int
+
+    def ranks_of(self, k: int) -> range:
+        """The partitions flat tensor ``k`` overlaps."""
+        size, p = self.partition_numel, self.flat[k]
+        if p.numel == 0:
+            return range(0)
+        return range(self.offsets[k] // size, min((self.offsets[k] + p.numel - 1) // size, self.world - 1) + 1)
+
+    def pieces(self, k: int) -> list[tuple[int, int]]:
+        """(partition, elements) of flat tensor ``k``, in flat order."""
+        size, start, end = self.partition_numel, self.offsets[k], self.offsets[k] + self.flat[k].numel
+        return [(r, min(end, (r + 1) * size) - max(start, r * size)) for r in self.ranks_of(k)]
+
+
+def zero_layout(table: list[ParamInfo], world: int) -> Layout:
+    flat = _zero_flat_order([p for p in table if p.trainable])
+    offsets, total = [], 0
+    for p in flat:
+        offsets.append(total)
+        total += p.numel
+    align = 2 * world  # nccl_start_alignment_factor x world
+    return Layout(flat=flat, offsets=offsets, partition_numel=max(1, -(-total // align) * align // world),
+                  world=world)
+
+
+def why_not_zero(spec) -> str | None:
+    """Why this ZeRO spec's reserved peak cannot be replayed (None: it can)."""
+    parallel, training = spec.parallel, spec.training
+    zcfg = parallel.zero
+    if parallel.method not in ("zero1", "zero2"):
+        return (f"{parallel.method}: the parameter coordinator's gathers and prefetches are not in the replay yet"
+                if parallel.method == "zero3" else f"{parallel.method}: the offloaded step is not in the replay yet")
+    if zcfg.offload_optimizer:
+        return "ZeRO with optimizer offload: not in the replay yet"
+    if zcfg.overlap_comm_for(int(parallel.method[-1])):
+        return "ZeRO with overlap_comm: the reduction stream's buffers are not in the replay yet"
+    if not zcfg.contiguous_gradients:
+        return "ZeRO without contiguous_gradients: not in the replay yet"
+    if training.precision not in PRECISIONS:
+        return f"ZeRO under {training.precision}: not in the replay yet"
+    if training.optimizer not in OPTIMIZERS:
+        return f"ZeRO with {training.optimizer}: its step over the partition is not in the replay yet"
+    if training.lora or training.qlora:
+        return "ZeRO with LoRA: the adapters' own dtype and buffers are not in the replay yet"
+    if training.grad_accum_steps > 1:
+        return "ZeRO with gradient accumulation: not in the replay yet"
+    return None
+
+
+def zero_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: int, world: int, elem16: int
+               ) -> Setup:
+    """The model on the device, DeepSpeed's flattening and the rank's fp32 master partition (module docstring)."""
+    base = setup_allocations(table, buffers, num_layers, "single", False)
+    allocations = list(base.allocations)
+    index = {name: i for i, (name, _) in enumerate(allocations)}
+    layout = zero_layout(table, world)
+    partition = layout.partition_numel
+    frees: list[tuple[int, tuple[int, ...]]] = []
+    allocations.append(("zero.flat", partition * world * elem16))
+    frees.append((len(allocations) - 1, tuple(index[p.name] for p in layout.flat if p.name in index)))
+    allocations.append(("zero.partition_clone", partition * elem16))
+    if elem16 != FP32:
+        allocations.append(("zero.master", partition * FP32))
+        frees.append((len(allocations) - 1, (len(allocations) - 2,)))
+    allocations.append(("zero.initial_grad", partition * FP32))
+    frees.append((len(allocations) - 1, (len(allocations) - 1,)))
+    return Setup(allocations, [], [], tuple(frees))
+
+
+class _Step(BufferOps):
+    """One step's DeepSpeed tensors and the ops that make and free them (module docstring)."""
+
+    def __init__(self, build: _Builder, layout: Layout, rank: int, stage: int, elem16: int, bucket: int,
+                 grad_of: dict, first: bool, optimizer: str) -> None:
+        super().__init__(build)
+        self.layout, self.rank, self.stage, self.elem16, self.bucket_numel = layout, rank, stage, elem16, bucket
+        self.grad_of, self.first, self.optimizer = grad_of, first, optimizer
+        self.flat_index = {id(p): k for k, p in enumerate(layout.flat)}
+        self.ipg: Tensor | None = None
+        self.in_partition: Tensor | None = None
+        self.pending: list[ParamInfo] = []
+        self.elements = 0
+        self.oversized: ParamInfo | None = None
+        self.held: list[ParamInfo] = []   # ZeRO-1: oversized gradients of other partitions, to the epilogue
+        self.mine = [k for k, _ in enumerate(layout.flat) if rank in layout.ranks_of(k)]
+        # the partition's tail past the last tensor (the last rank's: the buffer is padded to 2 x world)
+        end = sum(p.numel for p in layout.flat)
+        self.pad_numel = max(0, min((rank + 1) * layout.partition_numel, layout.partition_numel * layout.world)
+                             - max(end, rank * layout.partition_numel))
+        self.pad: Tensor | None = None
+
+    def _free_grad(self, out: list, p: ParamInfo) -> None:
+        key, size_index = self.grad_of[id(p)]
+        out.append((FREE, key, size_index))
+
+    def hook(self, out: list, p: ParamInfo) -> None:
+        """``reduce_independent_p_g_buckets_and_remove_grads`` for one gradient (after ``setup_buckets``)."""
+        if p.numel == 0:
+            return
+        self.setup_buckets(out)
+        if self.elements + p.numel > self.bucket_numel:
+            self.flush(out)
+        if p.numel > self.bucket_numel:
+            self.oversized = p
+        else:
+            self._free_grad(out, p)  # copied into the bucket; the gradient becomes a view of it
+        self.pending.append(p)
+        self.elements += p.numel
+
+    def setup_buckets(self, out: list) -> None:
+        if self.ipg is None:
+            self.ipg = self._alloc(out, self.bucket_numel * self.elem16)
+
+    def flush(self, out: list) -> None:
+        """``reduce_ipg_grads``: the slices reduced (one concatenation when there are several), then copied."""
+        slices: list[list[int]] = []  # [partition, elements], consecutive pieces of one partition merged
+        for p in self.pending:
+            for partition, numel in self.layout.pieces(self.flat_index[id(p)]):
+                if slices and slices[-1][0] == partition:
+                    slices[-1][1] += numel
+                else:
+                    slices.append([partition, numel])
+        chunk: list[int] = []
+        for _, numel in slices:  # allreduce_and_scatter: chunks of just over reduce_bucket_size elements
+            chunk.append(numel)
+            if sum(chunk) > self.bucket_numel:
+                self._concatenate(out, chunk)
+                chunk = []
+        self._concatenate(out, chunk)
+        for p in self.pending:
+            mine = self.rank in self.layout.ranks_of(self.flat_index[id(p)])
+            if mine and self.in_partition is None:
+                numel = sum(self.layout.flat[k].numel for k in self.mine)
+                self.in_partition = self._alloc(out, numel * self.elem16)
+            if p is self.oversized:
+                if mine or self.stage == 2:
+                    self._free_grad(out, p)
+                else:
+                    self.held.append(p)
+        self.pending, self.elements, self.oversized = [], 0, None
+
+    def _concatenate(self, out: list, chunk: list[int]) -> None:
+        if len(chunk) > 1:  # one tensor is flattened as a view
+            self._free(out, self._alloc(out, sum(chunk) * self.elem16))
+
+    def epilogue(self, out: list) -> None:
+        """``independent_gradient_partition_epilogue``: the last flush, the bucket freed, then every gradient
+        attribute cleared."""
+        self.flush(out)
+        if self.pad_numel:  # get_flat_partition pads the partition's gradient list with zeros
+            self.pad = self._alloc(out, self.pad_numel * self.elem16)
+        if self.ipg is not None:
+            self._free(out, self.ipg)
+            self.ipg = None
+        for p in self.held:
+            self._free_grad(out, p)
+        self.held = []
+
+    def optimizer_step(self, out: list) -> None:
+        """The norm's fp64 copies, the flat fp32 gradient, the optimizer over the partition (module docstring)."""
+        partition = self.layout.partition_numel
+        for k in self.mine:
+            numel = dict(self.layout.pieces(k))[self.rank]
+            self._free(out, self._alloc(out, numel * FP64))
+        # flatten: one piece is viewed, not copied; an fp32 gradient is not cast (the flat tensor, or that view)
+        flat = self._alloc(out, partition * self.elem16) if len(self.mine) + bool(self.pad) > 1 else None
+        grad32 = self._alloc(out, partition * FP32) if self.elem16 != FP32 else flat
+        if flat is not None and grad32 is not flat:
+            self._free(out, flat)
+        held = self.in_partition if grad32 is None else None  # the fp32 view keeps grads_in_partition alive
+        if self.in_partition is not None and held is None:
+            self._free(out, self.in_partition)
+        self.in_partition = None
+        if self.pad is not None:
+            self._free(out, self.pad)
+            self.pad = None
+        self.adamw(out, [partition * FP32], self.first, self.optimizer)
+        for tensor in (grad32, held):
+            if tensor is not None:
+                self._free(out, tensor)
+
+
+def _grad_params(expansion: Expansion, ops: list, table: list[ParamInfo]) -> dict:
+    """id(ParamInfo) -> (gradient key, size index) of this step's gradients."""
+    by_group: dict = {}
+    for p in table:
+        if p.trainable:
+            by_group.setdefault("root" if p.layer is None else p.layer, []).append(p)
+    out = {}
+    for g, grads in _grads_by_group(expansion, ops, table).items():
+        for p, grad in zip(by_group.get(g, []), grads):
+            out[id(p)] = grad
+    return out
+
+
+def _step_ops(expansion: Expansion, ops: list, marks: tuple, table: list[ParamInfo], step: _Step, polys: list
+              ) -> tuple[list, dict[int, int], int]:
+    """The ZeRO step's ops, where each old op index went and where the optimizer's own ops begin."""
+    grad_keys = expansion.grad_keys
+    scalar = {i for i, poly in enumerate(polys) if 0 < poly[0] <= 8 and not any(poly[1:])}
+    cut, _at_mark, _seed = boundary_marks(ops, marks, scalar)
+    param_of_key = {step.grad_of[id(p)][0]: p for p in table if id(p) in step.grad_of}
+    out: list = []
+    moved: dict[int, int] = {}
+    # Gradients whose hooks are due: AccumulateGrad runs once the node that made the gradient is done (its other
+    # outputs allocated, its saved tensors released), i.e. at the next allocation after a free.
+    ready: list[ParamInfo] = []
+    released = False
+    for index, op in enumerate(ops[:cut]):
+        if ready and op[0] == FREE:
+            released = True
+        elif ready and released:
+            for p in ready:
+                step.hook(out, p) if step.stage == 2 else step.setup_buckets(out)
+            ready, released = [], False
+        moved[index] = len(out)
+        if op[0] == FREE and op[1] in grad_keys:  # DeepSpeed frees the gradients itself
+            continue
+        out.append(op)
+        if op[0] == ALLOC and op[1] in param_of_key:
+            ready.append(param_of_key[op[1]])
+    for p in ready:
+        step.hook(out, p) if step.stage == 2 else step.setup_buckets(out)
+    if step.stage == 1:  # reduce_gradients after backward, in flat order
+        for p in step.layout.flat:
+            if id(p) in step.grad_of:
+                step.hook(out, p)
+    step.epilogue(out)
+    moved[cut] = len(out)
+    made = {op[1] for op in ops[:cut] if op[0] == ALLOC}
+    out.extend(op for op in ops[cut:] if op[0] == FREE and op[1] in made and op[1] not in grad_keys)
+    optimizer_at = len(out)
+    step.optimizer_step(out)
+    return out, moved, optimizer_at
+
+
+@dataclass(frozen=True)
+class ZeroStep:
+    expansion: Expansion
+    sizes: list[int]  # bytes of DeepSpeed's tensors, size indices ``base`` + j
+
+
+def zero_step(expansion: Expansion, table: list[ParamInfo], world: int, rank: int, stage: int, elem16: int,
+              bucket_numel: int, optimizer: str, base_size_index: int, polys: list) -> ZeroStep:
+    """The expansion with DeepSpeed's events for ``rank``; new tensors' sizes take indices from
+    ``base_size_index`` on. ExpansionError where the step cannot be built."""
+    if stage not in STAGES:
+        raise ExpansionError(f"zero: stage {stage} is not in the replay")
+    if optimizer not in OPTIMIZERS:
+        raise ExpansionError(f"zero: the {optimizer} optimizer's step over the partition is not modelled")
+    layout = zero_layout(table, world)
+    build = _Builder(expansion.steady.keys, base_size_index)
+    first_marks, steady_marks = expansion.marks
+    start = build.next_key
+    built = []
+    for first, events, marks in ((True, expansion.first, first_marks), (False, expansion.steady, steady_marks)):
+        build.next_key = start  # the steady step's tensors reuse the first step's key range
+        step = _Step(build, layout, rank, stage, elem16, int(bucket_numel), _grad_params(expansion, events.ops,
+                                                                                          table), first, optimizer)
+        built.append((*_step_ops(expansion, events.ops, marks, table, step, polys), build.next_key))
+    (first_ops, first_moved, first_optimizer, first_end), (steady_ops, _moved, steady_optimizer, steady_end) = built
+    return ZeroStep(expansion=method_expansion("zero", expansion, first_ops, steady_ops, max(first_end, steady_end),
+                                               first_moved, (first_optimizer, steady_optimizer)), sizes=build.sizes)
