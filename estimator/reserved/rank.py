@@ -164,11 +164,12 @@ def _zero_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo],
                ) -> tuple[Expansion, list[int]]:
     training, parallel = spec.training, spec.parallel
     stage, bucket = int(parallel.method[-1]), parallel.zero.reduce_bucket_size
-    key = ("zero", id(expansion), id(table), parallel.world_size, stage, bucket, training.optimizer,
+    overlap = parallel.zero.overlap_comm_for(stage)
+    key = ("zero", id(expansion), id(table), parallel.world_size, stage, bucket, overlap, training.optimizer,
            base_size_index, rank)
     return _memo_step(key, expansion, table, lambda: zero_step(
         expansion, table, parallel.world_size, rank, stage, _elem16(table), bucket, training.optimizer,
-        base_size_index, events["polys"]))
+        base_size_index, events["polys"], overlap))
 
 
 def _memo_step(key: tuple, expansion: Expansion, table: list[ParamInfo], build) -> tuple[Expansion, list[int]]:

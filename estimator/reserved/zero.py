@@ -1,6 +1,7 @@
 """A DeepSpeed ZeRO-1/2 rank's timeline as the caching allocator sees it: the single-GPU step at full depth
 (``estimator.reserved.expand``) with DeepSpeed 0.19's own tensors (``deepspeed/runtime/zero/stage_1_and_2.py``),
-default stream only (``overlap_comm`` off, DeepSpeed's default below stage 3), contiguous gradients.
+contiguous gradients; with ``overlap_comm`` (off by default below stage 3; on in the Hugging Face examples' configs)
+the reductions run on DeepSpeed's reduction stream.
 
 Setup (``DeepSpeedZeroOptimizer.__init__``): the model full size on the device, each tensor on its own; the
 trainable tensors flattened into one 16-bit buffer (``model.parameters()`` order, padded to 2 x world elements),
@@ -46,6 +47,7 @@ from estimator.reserved.fsdp import (
 from estimator.reserved.timeline import Setup, setup_allocations
 
 FP32, FP64 = 4, 8
+DEFAULT, REDUCTION = 0, 1  # allocator streams
 STAGES = (1, 2)
 OPTIMIZERS = ("adamw", "adamw_fused", "sgd")
 PRECISIONS = ("mixed_bf16", "mixed_fp16", "fp32")
@@ -93,8 +95,6 @@ def why_not_zero(spec) -> str | None:
                 if parallel.method == "zero3" else f"{parallel.method}: the offloaded step is not in the replay yet")
     if zcfg.offload_optimizer:
         return "ZeRO with optimizer offload: not in the replay yet"
-    if zcfg.overlap_comm_for(int(parallel.method[-1])):
-        return "ZeRO with overlap_comm: the reduction stream's buffers are not in the replay yet"
     if not zcfg.contiguous_gradients:
         return "ZeRO without contiguous_gradients: not in the replay yet"
     if training.precision not in PRECISIONS:
@@ -132,12 +132,17 @@ class _Step(BufferOps):
     """One step's DeepSpeed tensors and the ops that make and free them (module docstring)."""
 
     def __init__(self, build: _Builder, layout: Layout, rank: int, stage: int, elem16: int, bucket: int,
-                 grad_of: dict, first: bool, optimizer: str) -> None:
+                 grad_of: dict, first: bool, optimizer: str, overlap: bool = False) -> None:
         super().__init__(build)
         self.layout, self.rank, self.stage, self.elem16, self.bucket_numel = layout, rank, stage, elem16, bucket
+        # overlap_comm: two buckets (one filling while the other reduces); the reduction and the copies into the
+        # partition run on the reduction stream, whose allocations have their own pools
+        self.overlap, self.reduce_stream = overlap, REDUCTION if overlap else DEFAULT
+        # process_gradients: ZeRO-2, or any stage with overlap_comm, reduces in each gradient's hook
+        self.reduces_in_backward = stage == 2 or overlap
         self.grad_of, self.first, self.optimizer = grad_of, first, optimizer
         self.flat_index = {id(p): k for k, p in enumerate(layout.flat)}
-        self.ipg: Tensor | None = None
+        self.ipg: list[Tensor] | None = None
         self.in_partition: Tensor | None = None
         self.pending: list[ParamInfo] = []
         self.elements = 0
@@ -170,7 +175,7 @@ class _Step(BufferOps):
 
     def setup_buckets(self, out: list) -> None:
         if self.ipg is None:
-            self.ipg = self._alloc(out, self.bucket_numel * self.elem16)
+            self.ipg = [self._alloc(out, self.bucket_numel * self.elem16) for _ in range(1 + self.overlap)]
 
     def flush(self, out: list) -> None:
         """``reduce_ipg_grads``: the slices reduced (one concatenation when there are several), then copied."""
@@ -192,7 +197,7 @@ class _Step(BufferOps):
             mine = self.rank in self.layout.ranks_of(self.flat_index[id(p)])
             if mine and self.in_partition is None:
                 numel = sum(self.layout.flat[k].numel for k in self.mine)
-                self.in_partition = self._alloc(out, numel * self.elem16)
+                self.in_partition = self._alloc(out, numel * self.elem16, self.reduce_stream)
             if p is self.oversized:
                 if mine or self.stage == 2:
                     self._free_grad(out, p)
@@ -202,7 +207,7 @@ class _Step(BufferOps):
 
     def _concatenate(self, out: list, chunk: list[int]) -> None:
         if len(chunk) > 1:  # one tensor is flattened as a view
-            self._free(out, self._alloc(out, sum(chunk) * self.elem16))
+            self._free(out, self._alloc(out, sum(chunk) * self.elem16, self.reduce_stream))
 
     def epilogue(self, out: list) -> None:
         """``independent_gradient_partition_epilogue``: the last flush, the bucket freed, then every gradient
@@ -210,9 +215,9 @@ class _Step(BufferOps):
         self.flush(out)
         if self.pad_numel:  # get_flat_partition pads the partition's gradient list with zeros
             self.pad = self._alloc(out, self.pad_numel * self.elem16)
-        if self.ipg is not None:
-            self._free(out, self.ipg)
-            self.ipg = None
+        for bucket in self.ipg or ():  # overlap_comm: freed after a synchronize, so at once
+            self._free(out, bucket)
+        self.ipg = None
         for p in self.held:
             self._free_grad(out, p)
         self.held = []
@@ -272,7 +277,7 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, table: list[ParamIn
             released = True
         elif ready and released:
             for p in ready:
-                step.hook(out, p) if step.stage == 2 else step.setup_buckets(out)
+                step.hook(out, p) if step.reduces_in_backward else step.setup_buckets(out)
             ready, released = [], False
         moved[index] = len(out)
         if op[0] == FREE and op[1] in grad_keys:  # DeepSpeed frees the gradients itself
@@ -281,8 +286,8 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, table: list[ParamIn
         if op[0] == ALLOC and op[1] in param_of_key:
             ready.append(param_of_key[op[1]])
     for p in ready:
-        step.hook(out, p) if step.stage == 2 else step.setup_buckets(out)
-    if step.stage == 1:  # reduce_gradients after backward, in flat order
+        step.hook(out, p) if step.reduces_in_backward else step.setup_buckets(out)
+    if not step.reduces_in_backward:  # ZeRO-1's reduce_gradients after backward, in flat order
         for p in step.layout.flat:
             if id(p) in step.grad_of:
                 step.hook(out, p)
@@ -302,7 +307,8 @@ class ZeroStep:
 
 
 def zero_step(expansion: Expansion, table: list[ParamInfo], world: int, rank: int, stage: int, elem16: int,
-              bucket_numel: int, optimizer: str, base_size_index: int, polys: list) -> ZeroStep:
+              bucket_numel: int, optimizer: str, base_size_index: int, polys: list, overlap: bool = False
+              ) -> ZeroStep:
     """The expansion with DeepSpeed's events for ``rank``; new tensors' sizes take indices from
     ``base_size_index`` on. ExpansionError where the step cannot be built."""
     if stage not in STAGES:
@@ -316,8 +322,8 @@ def zero_step(expansion: Expansion, table: list[ParamInfo], world: int, rank: in
     built = []
     for first, events, marks in ((True, expansion.first, first_marks), (False, expansion.steady, steady_marks)):
         build.next_key = start  # the steady step's tensors reuse the first step's key range
-        step = _Step(build, layout, rank, stage, elem16, int(bucket_numel), _grad_params(expansion, events.ops,
-                                                                                          table), first, optimizer)
+        step = _Step(build, layout, rank, stage, elem16, int(bucket_numel),
+                     _grad_params(expansion, events.ops, table), first, optimizer, overlap)
         built.append((*_step_ops(expansion, events.ops, marks, table, step, polys), build.next_key))
     (first_ops, first_moved, first_optimizer, first_end), (steady_ops, _moved, steady_optimizer, steady_end) = built
     return ZeroStep(expansion=method_expansion("zero", expansion, first_ops, steady_ops, max(first_end, steady_end),

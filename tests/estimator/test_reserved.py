@@ -278,10 +278,13 @@ def test_out_of_scope_methods_and_old_profiles_keep_the_prior(llama_path):
                                 parallel=ParallelSpec(method="zero3", world_size=2)), alloc_conf="")
     assert zero.reserved_source == "prior"
     assert any(n.startswith("reserved: prior") and "coordinator" in n for n in zero.notes)
+    offloaded = api.estimate(RunSpec(model=llama_path, training=training, parallel=ParallelSpec(
+        method="zero2", world_size=2, zero=ZeroSpec(offload_optimizer=True))), alloc_conf="")
+    assert offloaded.reserved_source == "prior"
+    assert any(n.startswith("reserved: prior") and "offload" in n for n in offloaded.notes)
     overlapped = api.estimate(RunSpec(model=llama_path, training=training, parallel=ParallelSpec(
         method="zero2", world_size=2, zero=ZeroSpec(overlap_comm=True))), alloc_conf="")
-    assert overlapped.reserved_source == "prior"
-    assert any(n.startswith("reserved: prior") and "reduction stream" in n for n in overlapped.notes)
+    assert overlapped.reserved_source == "replayed"
     zero2 = api.estimate(RunSpec(model=llama_path, training=training,
                                  parallel=ParallelSpec(method="zero2", world_size=2)), alloc_conf="")
     assert zero2.reserved_source == "replayed"  # tests/estimator/test_reserved_zero.py

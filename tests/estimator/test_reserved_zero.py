@@ -31,8 +31,8 @@ def llama_path(tmp_path_factory):
     return str(path)
 
 
-def _spec(path: str, method: str, world: int, training: TrainingSpec, bucket: int) -> RunSpec:
-    zero = ZeroSpec(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+def _spec(path: str, method: str, world: int, training: TrainingSpec, bucket: int, overlap: bool = False) -> RunSpec:
+    zero = ZeroSpec(reduce_bucket_size=bucket, allgather_bucket_size=bucket, overlap_comm=overlap)
     return RunSpec(model=path, training=training, parallel=ParallelSpec(method=method, world_size=world, zero=zero))
 
 
@@ -120,13 +120,16 @@ def _real_zero_events(config: dict, spec: RunSpec, rank: int) -> list[tuple]:
 
 
 def _requests(stream: list[tuple], generated: bool) -> list[tuple]:
-    """Allocator requests, scalars left out (the generated stream's own: the loss and its kin)."""
+    """Allocator requests on one stream (a CPU run has one: the reduction stream's share of ``overlap_comm`` is
+    DeepSpeed's reading, not this test's), scalars left out (the generated stream's own: the loss and its kin)."""
     out: list[tuple] = []
     scalars: set = set()
     for event in stream:
         if generated:
             if event[0] == "alloc" and event[2] < SCALAR_BYTES:
                 scalars.add(event[1])
+            elif event[0] == "alloc":
+                out.append((*event[:3], 0))
             elif event[1] not in scalars:
                 out.append(event)
         else:
@@ -150,6 +153,8 @@ CASES = [
     ("zero2", 4, 3, "mixed_bf16", 20_000),   # several flushes; the embedding oversized
     ("zero1", 4, 0, "mixed_bf16", 20_000),
     ("zero2", 2, 0, "mixed_bf16", 500_000_000),  # DeepSpeed's default bucket: one flush
+    ("zero2-overlap", 4, 1, "mixed_bf16", 20_000),  # two buckets; reductions in the hooks
+    pytest.param("zero1-overlap", 4, 3, "mixed_bf16", 20_000, marks=pytest.mark.slow),
     pytest.param("zero2", 4, 1, "fp32", 20_000, marks=pytest.mark.slow),
     pytest.param("zero2", 3, 2, "mixed_bf16", 20_000, marks=pytest.mark.slow),  # the last rank: padded
     pytest.param("zero1", 4, 0, "fp32", 20_000, marks=pytest.mark.slow),  # one piece: flattened as a view
@@ -168,7 +173,8 @@ def test_generated_stream_matches_a_real_deepspeed_run(llama_path, method, world
     from estimator.reserved.timeline import live_requested_peak
 
     training = TrainingSpec(precision=precision, attn="eager", micro_batch_size=B, seq_len=S)
-    spec = _spec(llama_path, method, world, training, bucket)
+    method, _, overlap = method.partition("-")
+    spec = _spec(llama_path, method, world, training, bucket, overlap=bool(overlap))
     generated = _requests(_generated(spec, rank), True)
     real = _requests(_in_fresh_process(_real_zero_events, LLAMA, spec, rank), False)
     setup = sum(1 for name, _ in _setup_of(spec).allocations if not name.startswith("buffers"))
