@@ -49,7 +49,10 @@ class MicroSteps:
 
 
 def micro_steps(expansion: Expansion) -> MicroSteps:
-    """ExpansionError when the first step does not free the loss right before its optimizer step."""
+    """ExpansionError when the first step does not free the loss right before its optimizer step. A method's
+    own micro-steps (``Expansion.micro``) when it built them."""
+    if expansion.micro is not None:
+        return expansion.micro
     first_at, steady_at = expansion.optimizer_at
     steady, first = expansion.steady.ops, expansion.first.ops
     head = steady[:steady_at]

@@ -72,6 +72,9 @@ class Expansion:
     marks: tuple[tuple, tuple] = ((), ())
     # the concrete layer (None: no layer) of each parameter gradient's key
     grad_layers: tuple[tuple[int, int | None], ...] = ()
+    # a method whose gradients do not accumulate as autograd's do builds its own micro-steps
+    # (``estimator.reserved.accumulate.MicroSteps``; DeepSpeed ZeRO-2, ``reserved.zero``)
+    micro: object | None = None
 
 
 def _decode(code: int) -> tuple[bool, int]:

@@ -164,12 +164,12 @@ def _zero_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo],
                ) -> tuple[Expansion, list[int]]:
     training, parallel = spec.training, spec.parallel
     stage, bucket = int(parallel.method[-1]), parallel.zero.reduce_bucket_size
-    overlap = parallel.zero.overlap_comm_for(stage)
-    key = ("zero", id(expansion), id(table), parallel.world_size, stage, bucket, overlap, training.optimizer,
-           base_size_index, rank)
+    overlap, accumulating = parallel.zero.overlap_comm_for(stage), training.grad_accum_steps > 1
+    key = ("zero", id(expansion), id(table), parallel.world_size, stage, bucket, overlap, accumulating,
+           training.optimizer, base_size_index, rank)
     return _memo_step(key, expansion, table, lambda: zero_step(
         expansion, table, parallel.world_size, rank, stage, _elem16(table), bucket, training.optimizer,
-        base_size_index, events["polys"], overlap))
+        base_size_index, events["polys"], overlap, accumulating))
 
 
 def _memo_step(key: tuple, expansion: Expansion, table: list[ParamInfo], build) -> tuple[Expansion, list[int]]:

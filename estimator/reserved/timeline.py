@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from estimator.models.params import ParamInfo
-from estimator.reserved.accumulate import MicroSteps
+from estimator.reserved.accumulate import MicroSteps, micro_steps
 from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, stream_of
 
 MIB = 1024 * 1024
@@ -166,6 +166,14 @@ def micro_step_requests(plan: StepPlan, micro: MicroSteps, accum: int, step: int
         else:  # FREE_CYCLE
             out.append(("free", first_of_cycle + key))
     return out
+
+
+def run_requests(plan: StepPlan, steps: int, accum: int = 1) -> list[tuple]:
+    """Requests of ``steps`` optimizer steps of ``accum`` micro-steps each (the setup left out)."""
+    if accum == 1:
+        return [request for step in range(steps) for request in step_requests(plan, step, 0)]
+    micro = micro_steps(plan.expansion)
+    return [request for step in range(steps * accum) for request in micro_step_requests(plan, micro, accum, step, 0)]
 
 
 def live_requested_peak(requests: list[tuple]) -> int:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from estimator.methods.state import _zero_flat_order
 from estimator.models.params import ParamInfo
+from estimator.reserved.accumulate import FREE_CYCLE, MicroSteps
 from estimator.reserved.expand import ALLOC, FREE, Expansion, ExpansionError
 from estimator.reserved.fsdp import (
     BufferOps,
@@ -103,8 +104,8 @@ def why_not_zero(spec) -> str | None:
         return f"ZeRO with {training.optimizer}: its step over the partition is not in the replay yet"
     if training.lora or training.qlora:
         return "ZeRO with LoRA: the adapters' own dtype and buffers are not in the replay yet"
-    if training.grad_accum_steps > 1:
-        return "ZeRO with gradient accumulation: not in the replay yet"
+    if training.grad_accum_steps > 1 and parallel.method != "zero2":
+        return "ZeRO-1 with gradient accumulation: its fp32 accumulation buffers are not in the replay yet"
     return None
 
 
@@ -132,8 +133,9 @@ class _Step(BufferOps):
     """One step's DeepSpeed tensors and the ops that make and free them (module docstring)."""
 
     def __init__(self, build: _Builder, layout: Layout, rank: int, stage: int, elem16: int, bucket: int,
-                 grad_of: dict, first: bool, optimizer: str, overlap: bool = False) -> None:
+                 grad_of: dict, first: bool, optimizer: str, overlap: bool = False, micro: str = "only") -> None:
         super().__init__(build)
+        self.micro = micro  # "only" (no accumulation), "first" or "later" micro-step of an accumulation cycle
         self.layout, self.rank, self.stage, self.elem16, self.bucket_numel = layout, rank, stage, elem16, bucket
         # overlap_comm: two buckets (one filling while the other reduces); the reduction and the copies into the
         # partition run on the reduction stream, whose allocations have their own pools
@@ -211,13 +213,18 @@ class _Step(BufferOps):
 
     def epilogue(self, out: list) -> None:
         """``independent_gradient_partition_epilogue``: the last flush, the bucket freed, then every gradient
-        attribute cleared."""
+        attribute cleared. Under accumulation (``micro``): a micro-step after the cycle's first adds its
+        ``grads_in_partition`` into the first's and frees it here; the zero pad of the accumulation boundary
+        (a few bytes) is left out."""
         self.flush(out)
-        if self.pad_numel:  # get_flat_partition pads the partition's gradient list with zeros
+        if self.pad_numel and self.micro == "only":  # get_flat_partition pads the gradient list with zeros
             self.pad = self._alloc(out, self.pad_numel * self.elem16)
         for bucket in self.ipg or ():  # overlap_comm: freed after a synchronize, so at once
             self._free(out, bucket)
         self.ipg = None
+        if self.micro == "later" and self.in_partition is not None:
+            self._free(out, self.in_partition)
+            self.in_partition = None
         for p in self.held:
             self._free_grad(out, p)
         self.held = []
@@ -259,9 +266,10 @@ def _grad_params(expansion: Expansion, ops: list, table: list[ParamInfo]) -> dic
     return out
 
 
-def _step_ops(expansion: Expansion, ops: list, marks: tuple, table: list[ParamInfo], step: _Step, polys: list
-              ) -> tuple[list, dict[int, int], int]:
-    """The ZeRO step's ops, where each old op index went and where the optimizer's own ops begin."""
+def _backward_ops(expansion: Expansion, ops: list, marks: tuple, table: list[ParamInfo], step: _Step, polys: list
+                  ) -> tuple[list, dict[int, int], list]:
+    """The ZeRO step's forward and backward with DeepSpeed's events, where each old op index went, and the
+    frees that precede the optimizer step (the loss)."""
     grad_keys = expansion.grad_keys
     scalar = {i for i, poly in enumerate(polys) if 0 < poly[0] <= 8 and not any(poly[1:])}
     cut, _at_mark, _seed = boundary_marks(ops, marks, scalar)
@@ -294,10 +302,7 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, table: list[ParamIn
     step.epilogue(out)
     moved[cut] = len(out)
     made = {op[1] for op in ops[:cut] if op[0] == ALLOC}
-    out.extend(op for op in ops[cut:] if op[0] == FREE and op[1] in made and op[1] not in grad_keys)
-    optimizer_at = len(out)
-    step.optimizer_step(out)
-    return out, moved, optimizer_at
+    return out, moved, [op for op in ops[cut:] if op[0] == FREE and op[1] in made and op[1] not in grad_keys]
 
 
 @dataclass(frozen=True)
@@ -307,8 +312,8 @@ class ZeroStep:
 
 
 def zero_step(expansion: Expansion, table: list[ParamInfo], world: int, rank: int, stage: int, elem16: int,
-              bucket_numel: int, optimizer: str, base_size_index: int, polys: list, overlap: bool = False
-              ) -> ZeroStep:
+              bucket_numel: int, optimizer: str, base_size_index: int, polys: list, overlap: bool = False,
+              accumulating: bool = False) -> ZeroStep:
     """The expansion with DeepSpeed's events for ``rank``; new tensors' sizes take indices from
     ``base_size_index`` on. ExpansionError where the step cannot be built."""
     if stage not in STAGES:
@@ -318,13 +323,42 @@ def zero_step(expansion: Expansion, table: list[ParamInfo], world: int, rank: in
     layout = zero_layout(table, world)
     build = _Builder(expansion.steady.keys, base_size_index)
     first_marks, steady_marks = expansion.marks
-    start = build.next_key
-    built = []
-    for first, events, marks in ((True, expansion.first, first_marks), (False, expansion.steady, steady_marks)):
-        build.next_key = start  # the steady step's tensors reuse the first step's key range
+    start, ends = build.next_key, []
+
+    def built(first: bool, micro: str) -> tuple[list, dict[int, int], list, list, set[int]]:
+        """(forward and backward, moved indices, the loss's frees, the optimizer step, the key of the
+        ``grads_in_partition`` backward leaves to it) of one kind of step; every kind's DeepSpeed tensors take
+        the same keys, in the same order."""
+        events, marks = (expansion.first, first_marks) if first else (expansion.steady, steady_marks)
+        build.next_key = start
         step = _Step(build, layout, rank, stage, elem16, int(bucket_numel),
-                     _grad_params(expansion, events.ops, table), first, optimizer, overlap)
-        built.append((*_step_ops(expansion, events.ops, marks, table, step, polys), build.next_key))
-    (first_ops, first_moved, first_optimizer, first_end), (steady_ops, _moved, steady_optimizer, steady_end) = built
-    return ZeroStep(expansion=method_expansion("zero", expansion, first_ops, steady_ops, max(first_end, steady_end),
-                                               first_moved, (first_optimizer, steady_optimizer)), sizes=build.sizes)
+                     _grad_params(expansion, events.ops, table), first, optimizer, overlap, micro)
+        body, moved, loss = _backward_ops(expansion, events.ops, marks, table, step, polys)
+        kept = {step.in_partition.key} if step.in_partition is not None else set()
+        tail: list = []
+        step.optimizer_step(tail)
+        ends.append(build.next_key)
+        return body, moved, loss, tail, kept
+
+    (first_body, first_moved, first_loss, first_tail, _), (body, _, loss, tail, _) = (built(True, "only"),
+                                                                                    built(False, "only"))
+    micro = None
+    if accumulating:
+        if stage != 2:
+            raise ExpansionError("zero: gradient accumulation is replayed for ZeRO-2 only")
+        head_first, _, _, first_cycle_tail, in_partition = built(True, "first")
+        head, _, _, cycle_tail, _ = built(False, "first")
+        middle = built(False, "later")[0]
+        micro = MicroSteps(first_head=head_first, head=head, middle=middle, before_optimizer=loss,
+                           first_tail=first_loss + _cycle_frees(first_cycle_tail, in_partition),
+                           tail=loss + _cycle_frees(cycle_tail, in_partition))
+    first_ops, steady_ops = first_body + first_loss + first_tail, body + loss + tail
+    optimizer_at = (len(first_body) + len(first_loss), len(body) + len(loss))
+    return ZeroStep(expansion=method_expansion("zero", expansion, first_ops, steady_ops, max(ends), first_moved,
+                                               optimizer_at, micro=micro), sizes=build.sizes)
+
+
+def _cycle_frees(ops: list, kept: set[int]) -> list:
+    """The optimizer step of an accumulation cycle's last micro-step: what it frees of ``kept`` (the cycle's
+    first ``grads_in_partition``) was allocated by the cycle's first micro-step."""
+    return [(FREE_CYCLE, key, poly) if kind == FREE and key in kept else (kind, key, poly) for kind, key, poly in ops]

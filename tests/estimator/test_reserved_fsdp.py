@@ -11,10 +11,9 @@ pytest.importorskip("torch")
 from estimator import api  # noqa: E402
 from estimator.hardware.residuals import load_coefficients  # noqa: E402
 from estimator.reserved import rank as reserved_rank  # noqa: E402
-from estimator.reserved.accumulate import micro_steps  # noqa: E402
 from estimator.reserved.expand import ALLOC, stream_of  # noqa: E402
 from estimator.reserved.fsdp import ALL_GATHER, REDUCE_SCATTER, shard_numel  # noqa: E402
-from estimator.reserved.timeline import INT64, micro_step_requests, step_requests  # noqa: E402
+from estimator.reserved.timeline import INT64, run_requests  # noqa: E402
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 160,
@@ -57,14 +56,7 @@ def _generated(path: str, training: TrainingSpec, world: int, accum: int = 1, tp
     plan, setup = _plan_and_setup(path, training, world, tp=tp)
     out = [("alloc", ("setup", i), n, 0) for i, (name, n) in enumerate(setup.allocations)
            if not name.startswith("buffers")]
-    if accum == 1:
-        for step in range(STEPS):
-            out += step_requests(plan, step, 0)
-        return out
-    micro = micro_steps(plan.expansion)
-    for step in range(STEPS * accum):
-        out += micro_step_requests(plan, micro, accum, step, 0)
-    return out
+    return out + run_requests(plan, STEPS, accum)
 
 
 class StorageResizes:

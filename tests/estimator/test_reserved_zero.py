@@ -2,6 +2,7 @@
 world on torch's fake process group, built and stepped as the harness runs it (``harness.methods.deepspeed``),
 every storage recorded in order."""
 
+import dataclasses
 import json
 
 import pytest
@@ -11,7 +12,7 @@ pytest.importorskip("deepspeed")
 
 from estimator import api  # noqa: E402
 from estimator.reserved import rank as reserved_rank  # noqa: E402
-from estimator.reserved.timeline import step_requests  # noqa: E402
+from estimator.reserved.timeline import run_requests  # noqa: E402
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec  # noqa: E402
 
 # Tied embeddings, as Llama-3.2-1B: the tensor's gradient is finished last, from two uses.
@@ -51,9 +52,7 @@ def _generated(spec: RunSpec, rank: int) -> list[tuple]:
         if not name.startswith("buffers"):
             out.append(("alloc", ("setup", i), n, 0))
         out.extend(("free", ("setup", j)) for j in frees.get(i, ()))
-    for step in range(STEPS):
-        out += step_requests(plan, step, 0)
-    return out
+    return out + run_requests(plan, STEPS, training.grad_accum_steps)
 
 
 def _real_zero_events(config: dict, spec: RunSpec, rank: int) -> list[tuple]:
@@ -95,10 +94,11 @@ def _real_zero_events(config: dict, spec: RunSpec, rank: int) -> list[tuple]:
             buffers = {rec.sid(b.untyped_storage()) for b in trainer.engine.module.buffers()}
             rec.mark("steps")
             for _ in range(STEPS):
-                batch = build.synthetic_batch(B, S, config["vocab_size"])
-                loss = trainer.forward(batch)
-                trainer.backward(loss)
-                del loss
+                for _micro in range(spec.training.grad_accum_steps):
+                    batch = build.synthetic_batch(B, S, config["vocab_size"])
+                    loss = trainer.forward(batch)
+                    trainer.backward(loss)  # DeepSpeed's step() off the boundary, as the harness calls it
+                    del loss
                 trainer.step()
             trainer.close()
     finally:
@@ -154,6 +154,8 @@ CASES = [
     ("zero1", 4, 0, "mixed_bf16", 20_000),
     ("zero2", 2, 0, "mixed_bf16", 500_000_000),  # DeepSpeed's default bucket: one flush
     ("zero2-overlap", 4, 1, "mixed_bf16", 20_000),  # two buckets; reductions in the hooks
+    ("zero2-accum3", 2, 0, "mixed_bf16", 20_000),  # three micro-steps per optimizer step
+    pytest.param("zero2-overlap-accum2", 3, 2, "fp32", 500_000_000, marks=pytest.mark.slow),
     pytest.param("zero1-overlap", 4, 3, "mixed_bf16", 20_000, marks=pytest.mark.slow),
     pytest.param("zero2", 4, 1, "fp32", 20_000, marks=pytest.mark.slow),
     pytest.param("zero2", 3, 2, "mixed_bf16", 20_000, marks=pytest.mark.slow),  # the last rank: padded
@@ -173,8 +175,10 @@ def test_generated_stream_matches_a_real_deepspeed_run(llama_path, method, world
     from estimator.reserved.timeline import live_requested_peak
 
     training = TrainingSpec(precision=precision, attn="eager", micro_batch_size=B, seq_len=S)
-    method, _, overlap = method.partition("-")
-    spec = _spec(llama_path, method, world, training, bucket, overlap=bool(overlap))
+    method, *options = method.split("-")
+    accum = next((int(o[len("accum"):]) for o in options if o.startswith("accum")), 1)
+    training = dataclasses.replace(training, grad_accum_steps=accum)
+    spec = _spec(llama_path, method, world, training, bucket, overlap="overlap" in options)
     generated = _requests(_generated(spec, rank), True)
     real = _requests(_in_fresh_process(_real_zero_events, LLAMA, spec, rank), False)
     setup = sum(1 for name, _ in _setup_of(spec).allocations if not name.startswith("buffers"))
