@@ -15,6 +15,7 @@ from estimator.methods.timeline import Replay, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
 from estimator.models.memo import memo_by_owner
 from estimator.models.params import buffer_bytes, expand_params, param_counts
+from estimator.models.profiles import adapters_in_16bit
 from estimator.models.tp_plans import check_tp
 from estimator.profiler.cache import load_model_profile
 from estimator.reserved.timeline import BATCH_TENSORS, INT64
@@ -460,7 +461,8 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     check_spec(spec, arch)
     coeffs = coefficients if isinstance(coefficients, residuals.Coefficients) else \
         residuals.load_coefficients(gpu.key, coefficients)
-    arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build)
+    arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build,
+                                       adapters_16bit=adapters_in_16bit(spec.training, spec.parallel.method))
     last = spec.parallel.world_size - 1
     table = _param_table(profile, arch.num_layers)
     # Rank 0 and the last rank are reported (FSDP/ZeRO padding and TP layouts put any asymmetry there), and under

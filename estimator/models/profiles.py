@@ -30,7 +30,10 @@ PROFILE_SCHEMA_VERSION = 6
 MONOMIALS = ("1", "s", "s^2", "b", "b*s", "b*s^2")
 
 
-def variant_key(training: TrainingSpec) -> str:
+def variant_key(training: TrainingSpec, adapters_16bit: bool = False) -> str:
+    """``adapters_16bit``: LoRA adapters in the model's 16-bit dtype (DeepSpeed casts every parameter to its
+    mixed-precision dtype; peft alone keeps them fp32): peft then feeds them the 16-bit inputs instead of fp32
+    copies (key suffix ``-a16``)."""
     # flash attention has the memory shape of the SDPA flash kernel (output + logsumexp, no S×S matrix), but for
     # QLoRA, whose attention inputs are fp32: FlashAttention-2 casts them to 16 bits, SDPA runs fp32 kernels.
     attn = "sdpa" if training.attn == "flash" and not training.qlora else training.attn
@@ -38,15 +41,28 @@ def variant_key(training: TrainingSpec) -> str:
         else "full"
     if training.lora_dropout:  # the masks exist whatever the probability: one profile for every p > 0
         lora += "-dropout"
+    if adapters_16bit:
+        lora += "-a16"
     # Padding changes only SDPA's trace: eager attention builds the 4-D mask for full-length batches too, and
     # FlashAttention-2 unpads the batch instead of masking it.
     padded = "_padded" if training.batch == "padded" and training.attn == "sdpa" else ""
     return f"{training.precision}_{attn}_{'ckpt' if training.grad_ckpt else 'nockpt'}_{lora}{padded}"
 
 
-def profile_key(config_sha: str, training: TrainingSpec, tp: int = 1) -> str:
+def profile_key(config_sha: str, training: TrainingSpec, tp: int = 1, adapters_16bit: bool = False) -> str:
     """``<config sha>_<variant>``, plus ``_tp<N>`` for the profile of one rank of an N-way tensor-parallel model."""
-    return f"{config_sha}_{variant_key(training)}" + (f"_tp{tp}" if tp > 1 else "")
+    return f"{config_sha}_{variant_key(training, adapters_16bit)}" + (f"_tp{tp}" if tp > 1 else "")
+
+
+def adapters_in_16bit(training: TrainingSpec, method: str) -> bool:
+    """Whether a run's LoRA adapters are 16-bit: DeepSpeed casts the whole model to its mixed-precision dtype,
+    adapters included (``engine._cast_module_mixed_precision``); elsewhere peft keeps them fp32
+    (``autocast_adapter_dtype``). QLoRA's adapters stay as prepared; fp32 runs have nothing to cast. Applied to
+    ZeRO-1/2, checked against real DeepSpeed runs; ZeRO-3 with LoRA misses more than the adapters' dtype (a real
+    run holds 16 % more than its estimate with 16-bit adapters, docs/error_matrix/README.md Finding 14) and keeps
+    the fp32-adapter profile, the nearer of the two, until that is found."""
+    return (method in ("zero1", "zero2") and training.lora and not training.qlora
+            and training.precision in ("mixed_bf16", "mixed_fp16", "bf16"))
 
 
 def user_cache_dir() -> Path:

@@ -223,6 +223,20 @@ def lora_target_modules(model: torch.nn.Module, targets: str) -> list[str] | str
     return ["q_proj", "v_proj"] if {"q_proj", "v_proj"} <= leaf_names else "all-linear"
 
 
+_ADAPTERS_16BIT = [False]
+
+
+@contextlib.contextmanager
+def lora_adapters_16bit(on: bool) -> Iterator[None]:
+    """Models built inside get their LoRA adapters in the model's dtype (``get_peft_model(...,
+    autocast_adapter_dtype=False)``), as DeepSpeed's cast leaves them; peft's default is fp32 adapters."""
+    before, _ADAPTERS_16BIT[0] = _ADAPTERS_16BIT[0], on
+    try:
+        yield
+    finally:
+        _ADAPTERS_16BIT[0] = before
+
+
 def apply_lora(model: torch.nn.Module, training: TrainingSpec) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
@@ -231,7 +245,7 @@ def apply_lora(model: torch.nn.Module, training: TrainingSpec) -> torch.nn.Modul
                       target_modules=lora_target_modules(model, training.lora_targets), task_type="CAUSAL_LM")
     with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing: harmless
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated", category=FutureWarning)
-        return get_peft_model(model, lora)
+        return get_peft_model(model, lora, autocast_adapter_dtype=not _ADAPTERS_16BIT[0])
 
 
 def build_optimizer(params, training: TrainingSpec, lr: float = 1e-5) -> torch.optim.Optimizer:

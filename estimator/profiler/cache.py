@@ -12,10 +12,11 @@ from estimator.spec import TrainingSpec
 
 
 def get_profile(config: dict, config_sha: str, training: TrainingSpec, *, allow_build: bool = True,
-                tp: int = 1) -> dict:
+                tp: int = 1, adapters_16bit: bool = False) -> dict:
     """The cached profile, or one built now (torch + transformers, seconds) and cached. ``tp > 1``: the profile
-    of one rank of the ``tp``-way tensor-parallel model (its own key)."""
-    key = profile_key(config_sha, training, tp)
+    of one rank of the ``tp``-way tensor-parallel model (its own key); ``adapters_16bit``: LoRA adapters in the
+    model's 16-bit dtype (``estimator.models.profiles.adapters_in_16bit``)."""
+    key = profile_key(config_sha, training, tp, adapters_16bit)
     found = find_profile(key)
     if found is not None:
         return found
@@ -33,22 +34,26 @@ def get_profile(config: dict, config_sha: str, training: TrainingSpec, *, allow_
         raise ValueError(f"model: this architecture/variant has not been profiled yet and profiling needs "
                          f"torch + transformers (+ peft for LoRA, bitsandbytes for QLoRA; {err.name} missing): "
                          "pip install '.[profile]'") from None
-    stale = find_profile(key, stale=True)
-    if stale is not None and has_events(stale):  # without its event list, re-trace: the reserved replay needs it
-        from estimator.profiler.carry import carry_over
+    from estimator.profiler.build import lora_adapters_16bit
 
-        stale = json.loads(json.dumps(stale))  # _read's cached object stays as read
-        if carry_over(stale, config):  # seconds instead of a full trace
-            save_profile(key, stale)
-            return stale
-    profile = build_profile(config, training, tp=tp) if tp > 1 else build_profile(config, training)
+    with lora_adapters_16bit(adapters_16bit):
+        stale = find_profile(key, stale=True)
+        if stale is not None and has_events(stale):  # without its event list, re-trace: the replay needs it
+            from estimator.profiler.carry import carry_over
+
+            stale = json.loads(json.dumps(stale))  # _read's cached object stays as read
+            if carry_over(stale, config):  # seconds instead of a full trace
+                save_profile(key, stale)
+                return stale
+        profile = build_profile(config, training, tp=tp) if tp > 1 else build_profile(config, training)
     save_profile(key, profile)
     return profile
 
 
-def load_model_profile(model: str, training: TrainingSpec, tp: int = 1, *, allow_build: bool = True
-                       ) -> tuple[ModelArch, dict]:
+def load_model_profile(model: str, training: TrainingSpec, tp: int = 1, *, allow_build: bool = True,
+                       adapters_16bit: bool = False) -> tuple[ModelArch, dict]:
     """The architecture and its profile; ``tp > 1``: the profile of one rank of the ``tp``-way TP model (local
     shards in its parameter table, replicated parts and full logits in its activations)."""
     arch = cached_arch(model)
-    return arch, get_profile(arch.config, arch.config_sha, training, allow_build=allow_build, tp=tp)
+    return arch, get_profile(arch.config, arch.config_sha, training, allow_build=allow_build, tp=tp,
+                             adapters_16bit=adapters_16bit)

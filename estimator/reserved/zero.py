@@ -45,7 +45,7 @@ from estimator.reserved.fsdp import (
     boundary_marks,
     method_expansion,
 )
-from estimator.reserved.timeline import Setup, setup_allocations
+from estimator.reserved.timeline import Setup, model_order, setup_allocations
 
 FP32, FP64 = 4, 8
 DEFAULT, REDUCTION = 0, 1  # allocator streams
@@ -102,8 +102,8 @@ def why_not_zero(spec) -> str | None:
         return f"ZeRO under {training.precision}: not in the replay yet"
     if training.optimizer not in OPTIMIZERS:
         return f"ZeRO with {training.optimizer}: its step over the partition is not in the replay yet"
-    if training.lora or training.qlora:
-        return "ZeRO with LoRA: the adapters' own dtype and buffers are not in the replay yet"
+    if training.qlora:
+        return "ZeRO with QLoRA: its quantized base is not in the replay yet"
     if training.grad_accum_steps > 1 and parallel.method != "zero2":
         return "ZeRO-1 with gradient accumulation: its fp32 accumulation buffers are not in the replay yet"
     return None
@@ -111,13 +111,25 @@ def why_not_zero(spec) -> str | None:
 
 def zero_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: int, world: int, elem16: int
                ) -> Setup:
-    """The model on the device, DeepSpeed's flattening and the rank's fp32 master partition (module docstring)."""
-    base = setup_allocations(table, buffers, num_layers, "single", False)
+    """The model on the device, DeepSpeed's flattening and the rank's fp32 master partition (module docstring).
+    With LoRA (16-bit adapters, ``estimator.models.profiles.adapters_in_16bit``): the base model first, then
+    peft's adapters in fp32, then DeepSpeed's cast of each to 16 bits (the fp32 one freed)."""
+    frozen = [p for p in table if not p.trainable]
+    base = setup_allocations(frozen or table, buffers, num_layers, "single", False)
     allocations = list(base.allocations)
+    frees: list[tuple[int, tuple[int, ...]]] = []
+    if frozen:
+        adapters = [p for p in model_order(table) if p.trainable]
+        fp32 = len(allocations)
+        # peft makes them fp32; DeepSpeed casts 16-bit runs' (fp32 runs keep them as made)
+        allocations += [(p.name if p.elem_bytes == FP32 else f"{p.name}.fp32", p.numel * FP32) for p in adapters]
+        for j, p in enumerate(adapters):
+            if p.elem_bytes < FP32:
+                allocations.append((p.name, p.nbytes))
+                frees.append((len(allocations) - 1, (fp32 + j,)))
     index = {name: i for i, (name, _) in enumerate(allocations)}
     layout = zero_layout(table, world)
     partition = layout.partition_numel
-    frees: list[tuple[int, tuple[int, ...]]] = []
     allocations.append(("zero.flat", partition * world * elem16))
     frees.append((len(allocations) - 1, tuple(index[p.name] for p in layout.flat if p.name in index)))
     allocations.append(("zero.partition_clone", partition * elem16))

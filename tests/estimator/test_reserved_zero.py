@@ -11,6 +11,7 @@ pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 
 from estimator import api  # noqa: E402
+from estimator.models.profiles import adapters_in_16bit  # noqa: E402
 from estimator.reserved import rank as reserved_rank  # noqa: E402
 from estimator.reserved.timeline import run_requests  # noqa: E402
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec  # noqa: E402
@@ -39,7 +40,8 @@ def _spec(path: str, method: str, world: int, training: TrainingSpec, bucket: in
 
 def _generated(spec: RunSpec, rank: int) -> list[tuple]:
     training = spec.training
-    arch, profile = api.load_model_profile(spec.model, training, 1)
+    arch, profile = api.load_model_profile(spec.model, training, 1,
+                                           adapters_16bit=adapters_in_16bit(training, spec.parallel.method))
     table, regime = api._param_table(profile, arch.num_layers), api._regime(profile, B, S)
     expansion = reserved_rank._expansion(regime["events"], arch.num_layers, training.loop)
     plan = reserved_rank._plan(spec, regime["events"], expansion, table, arch.num_layers, B, S,
@@ -155,6 +157,9 @@ CASES = [
     ("zero2", 2, 0, "mixed_bf16", 500_000_000),  # DeepSpeed's default bucket: one flush
     ("zero2-overlap", 4, 1, "mixed_bf16", 20_000),  # two buckets; reductions in the hooks
     ("zero2-accum3", 2, 0, "mixed_bf16", 20_000),  # three micro-steps per optimizer step
+    ("zero2-lora", 2, 1, "mixed_bf16", 20_000),  # the base model, then peft's fp32 adapters cast to 16 bits
+    pytest.param("zero1-lora", 3, 2, "fp32", 20_000, marks=pytest.mark.slow),  # fp32 adapters: no cast
+    pytest.param("zero2-lora-accum2", 4, 0, "mixed_bf16", 500_000_000, marks=pytest.mark.slow),
     pytest.param("zero2-overlap-accum2", 3, 2, "fp32", 500_000_000, marks=pytest.mark.slow),
     pytest.param("zero1-overlap", 4, 3, "mixed_bf16", 20_000, marks=pytest.mark.slow),
     pytest.param("zero2", 4, 1, "fp32", 20_000, marks=pytest.mark.slow),
@@ -177,7 +182,8 @@ def test_generated_stream_matches_a_real_deepspeed_run(llama_path, method, world
     training = TrainingSpec(precision=precision, attn="eager", micro_batch_size=B, seq_len=S)
     method, *options = method.split("-")
     accum = next((int(o[len("accum"):]) for o in options if o.startswith("accum")), 1)
-    training = dataclasses.replace(training, grad_accum_steps=accum)
+    training = dataclasses.replace(training, grad_accum_steps=accum, lora_rank=8 if "lora" in options else 0,
+                                   lora_targets="all-linear")
     spec = _spec(llama_path, method, world, training, bucket, overlap="overlap" in options)
     generated = _requests(_generated(spec, rank), True)
     real = _requests(_in_fresh_process(_real_zero_events, LLAMA, spec, rank), False)
@@ -185,10 +191,17 @@ def test_generated_stream_matches_a_real_deepspeed_run(llama_path, method, world
     assert _phases(generated, setup) == _phases(real, setup)
     assert live_requested_peak(generated) == live_requested_peak(real)
     assert simulate(generated)["peak_reserved_bytes"] == simulate(real)["peak_reserved_bytes"]
+    # and the estimate's allocated level (LoRA: DeepSpeed casts peft's fp32 adapters to 16 bits; with fp32 ones
+    # the estimate was 13 % over, Finding 14 of docs/error_matrix/README.md)
+    est = api.estimate(spec)  # a middle rank the estimate does not report: its worst
+    traced = next((r for r in est.ranks if r.rank == rank), max(est.ranks, key=lambda r: r.traced_allocated_bytes)
+                  ).traced_allocated_bytes
+    assert abs(traced - live_requested_peak(real)) / live_requested_peak(real) < 0.01
 
 
 def _setup_of(spec: RunSpec):
-    arch, profile = api.load_model_profile(spec.model, spec.training, 1)
+    arch, profile = api.load_model_profile(spec.model, spec.training, 1,
+                                           adapters_16bit=adapters_in_16bit(spec.training, spec.parallel.method))
     table = api._param_table(profile, arch.num_layers)
     return reserved_rank._setup(profile, table, arch.num_layers, spec.parallel.method, False,
                                 spec.parallel.world_size, spec)
