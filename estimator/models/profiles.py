@@ -57,10 +57,9 @@ def profile_key(config_sha: str, training: TrainingSpec, tp: int = 1, adapters_1
 def adapters_in_16bit(training: TrainingSpec, method: str) -> bool:
     """Whether a run's LoRA adapters are 16-bit: DeepSpeed casts the whole model to its mixed-precision dtype,
     adapters included (``engine._cast_module_mixed_precision``); elsewhere peft keeps them fp32
-    (``autocast_adapter_dtype``). QLoRA's adapters stay as prepared; fp32 runs have nothing to cast. Applied to
-    ZeRO-1/2, checked against real DeepSpeed runs; ZeRO-3 with LoRA misses more than the adapters' dtype (a real
-    run holds 16 % more than its estimate with 16-bit adapters, docs/error_matrix/README.md Finding 14) and keeps
-    the fp32-adapter profile, the nearer of the two, until that is found."""
+    (``autocast_adapter_dtype``). QLoRA's adapters stay as prepared; fp32 runs have nothing to cast. ZeRO-3
+    builds the model under ``zero.Init`` (as the Hugging Face Trainer does), and DeepSpeed skips the cast for a
+    zero-init model: its adapters stay fp32 (docs/error_matrix/README.md Finding 14)."""
     return (method in ("zero1", "zero2") and training.lora and not training.qlora
             and training.precision in ("mixed_bf16", "mixed_fp16", "bf16"))
 
