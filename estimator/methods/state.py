@@ -301,31 +301,52 @@ def zero12_ranks(table: list[ParamInfo], world: int, bucket: float) -> list[Zero
                          lambda: _zero12_ranks(table, world, bucket))
 
 
-def _zero12_ranks(table: list[ParamInfo], world: int, bucket: float) -> list[Zero12Rank]:
-    """``zero12_ranks`` computed: one pass over the tensors and the ranks."""
-    trainable = _trainable(table)
-    elem = min((p.elem_bytes for p in table), default=2)
-    flat = _zero_flat_order(trainable)
-    offsets = []
-    total = 0
+@dataclass(frozen=True)
+class ZeroLayout:
+    """DeepSpeed ZeRO-1/2's flat buffer: its tensors' order and the ranks' partitions of it."""
+
+    flat: list[ParamInfo]              # trainable tensors in flat order (``_zero_flat_order``)
+    offsets: list[int]                 # each tensor's first element in the flat buffer
+    partition_numel: int               # elements per rank (the buffer padded to 2 x world, divided)
+    world: int
+
+    def ranks_of(self, k: int) -> range:
+        """The partitions flat tensor ``k`` overlaps (``get_partition_info``: it starts inside, or the start cuts
+        it)."""
+        size, p = self.partition_numel, self.flat[k]
+        if p.numel == 0:
+            return range(0)
+        return range(self.offsets[k] // size, min((self.offsets[k] + p.numel - 1) // size, self.world - 1) + 1)
+
+    def pieces(self, k: int) -> list[tuple[int, int]]:
+        """(partition, elements) of flat tensor ``k``, in flat order."""
+        size, start, end = self.partition_numel, self.offsets[k], self.offsets[k] + self.flat[k].numel
+        return [(r, min(end, (r + 1) * size) - max(start, r * size)) for r in self.ranks_of(k)]
+
+
+def zero_layout(table: list[ParamInfo], world: int) -> ZeroLayout:
+    flat = _zero_flat_order(_trainable(table))
+    offsets, total = [], 0
     for p in flat:
         offsets.append(total)
         total += p.numel
     align = 2 * world  # nccl_start_alignment_factor x world
-    size = max(1, -(-total // align) * align // world)
+    return ZeroLayout(flat=flat, offsets=offsets, partition_numel=max(1, -(-total // align) * align // world),
+                      world=world)
 
-    def ranks_of(k: int) -> range:
-        """The partitions flat tensor k overlaps (get_partition_info: it starts inside, or the start cuts it)."""
-        if flat[k].numel == 0:
-            return range(0)
-        return range(offsets[k] // size, min((offsets[k] + flat[k].numel - 1) // size, world - 1) + 1)
 
+def _zero12_ranks(table: list[ParamInfo], world: int, bucket: float) -> list[Zero12Rank]:
+    """``zero12_ranks`` computed: one pass over the tensors and the ranks."""
+    trainable = _trainable(table)
+    elem = min((p.elem_bytes for p in table), default=2)
+    layout = zero_layout(table, world)
+    flat, size, ranks_of = layout.flat, layout.partition_numel, layout.ranks_of
     buffer = [0] * world
     largest = [0] * world
     for k, p in enumerate(flat):
-        for r in ranks_of(k):
+        for r, numel in layout.pieces(k):
             buffer[r] += p.numel
-            largest[r] = max(largest[r], min(offsets[k] + p.numel, (r + 1) * size) - max(offsets[k], r * size))
+            largest[r] = max(largest[r], numel)
     index = {id(p): k for k, p in enumerate(flat)}
 
     def grad(p: ParamInfo) -> float:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from estimator.methods.state import _zero_flat_order
+from estimator.methods.state import ZeroLayout, zero_layout
 from estimator.models.params import ParamInfo
 from estimator.reserved.accumulate import FREE_CYCLE, MicroSteps
 from estimator.reserved.expand import ALLOC, FREE, Expansion, ExpansionError
@@ -52,39 +52,6 @@ DEFAULT, REDUCTION = 0, 1  # allocator streams
 STAGES = (1, 2)
 OPTIMIZERS = ("adamw", "adamw_fused", "sgd")
 PRECISIONS = ("mixed_bf16", "mixed_fp16", "fp32")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The flat buffer's order and this rank's partition of it."""
-
-    flat: list[ParamInfo]              # trainable tensors in flat order
-    offsets: list[int]                 # each tensor's first element in the flat buffer
-    partition_numel: int               # elements per rank (the buffer padded to 2 x world, divided)
-    world: int
-
-    def ranks_of(self, k: int) -> range:
-        """The partitions flat tensor ``k`` overlaps."""
-        size, p = self.partition_numel, self.flat[k]
-        if p.numel == 0:
-            return range(0)
-        return range(self.offsets[k] // size, min((self.offsets[k] + p.numel - 1) // size, self.world - 1) + 1)
-
-    def pieces(self, k: int) -> list[tuple[int, int]]:
-        """(partition, elements) of flat tensor ``k``, in flat order."""
-        size, start, end = self.partition_numel, self.offsets[k], self.offsets[k] + self.flat[k].numel
-        return [(r, min(end, (r + 1) * size) - max(start, r * size)) for r in self.ranks_of(k)]
-
-
-def zero_layout(table: list[ParamInfo], world: int) -> Layout:
-    flat = _zero_flat_order([p for p in table if p.trainable])
-    offsets, total = [], 0
-    for p in flat:
-        offsets.append(total)
-        total += p.numel
-    align = 2 * world  # nccl_start_alignment_factor x world
-    return Layout(flat=flat, offsets=offsets, partition_numel=max(1, -(-total // align) * align // world),
-                  world=world)
 
 
 def why_not_zero(spec) -> str | None:
@@ -144,7 +111,7 @@ def zero_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: int
 class _Step(BufferOps):
     """One step's DeepSpeed tensors and the ops that make and free them (module docstring)."""
 
-    def __init__(self, build: _Builder, layout: Layout, rank: int, stage: int, elem16: int, bucket: int,
+    def __init__(self, build: _Builder, layout: ZeroLayout, rank: int, stage: int, elem16: int, bucket: int,
                  grad_of: dict, first: bool, optimizer: str, overlap: bool = False, micro: str = "only") -> None:
         super().__init__(build)
         self.micro = micro  # "only" (no accumulation), "first" or "later" micro-step of an accumulation cycle
