@@ -18,7 +18,6 @@ from estimator.models.params import buffer_bytes, expand_params, param_counts
 from estimator.models.profiles import adapters_in_16bit
 from estimator.models.tp_plans import check_tp
 from estimator.profiler.cache import load_model_profile
-from estimator.reserved.timeline import BATCH_TENSORS, INT64
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
 GIB = 1024**3
@@ -302,6 +301,8 @@ def _zero_flush_bytes(spec: RunSpec, replayed, step_model_bytes: float) -> float
     do not place. The replay also holds the input batch, which the step model leaves out."""
     if spec.parallel.method not in ("zero1", "zero2"):
         return 0.0
+    from estimator.reserved.timeline import BATCH_TENSORS, INT64
+
     batch = BATCH_TENSORS * INT64 * spec.training.micro_batch_size * spec.training.seq_len
     return max(0.0, replayed.peak_requested_bytes - batch - step_model_bytes)
 
