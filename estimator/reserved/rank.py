@@ -163,7 +163,7 @@ def _elem16(table: list[ParamInfo]) -> int:
 def _zero_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo], base_size_index: int, rank: int
                ) -> tuple[Expansion, list[int]]:
     training, parallel = spec.training, spec.parallel
-    stage, bucket = int(parallel.method[-1]), parallel.zero.reduce_bucket_size
+    stage, bucket = parallel.zero_stage, parallel.zero.reduce_bucket_size
     overlap, accumulating = parallel.zero.overlap_comm_for(stage), training.grad_accum_steps > 1
     key = ("zero", id(expansion), id(table), parallel.world_size, stage, bucket, overlap, accumulating,
            training.optimizer, base_size_index, rank)
@@ -173,7 +173,7 @@ def _zero_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo],
 
 
 def _memo_step(key: tuple, expansion: Expansion, table: list[ParamInfo], build) -> tuple[Expansion, list[int]]:
-    """A sharded method's step (``build()``: an FsdpStep or Fsdp1Step), memoized; ExpansionError is kept too."""
+    """A sharded method's step (``build()``: an FsdpStep, Fsdp1Step or ZeroStep), memoized; ExpansionError is kept too."""
     hit = _FSDP_STEPS.get(key)
     if hit is None or hit[0] is not expansion or hit[1] is not table:
         if len(_FSDP_STEPS) > 256:
