@@ -15,7 +15,7 @@ from estimator.methods.timeline import Replay, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
 from estimator.models.memo import memo_by_owner
 from estimator.models.params import buffer_bytes, expand_params, param_counts
-from estimator.models.profiles import adapters_in_16bit
+from estimator.models.profiles import adapters_in_16bit, versions_note
 from estimator.models.tp_plans import check_tp
 from estimator.profiler.cache import load_model_profile
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
@@ -504,6 +504,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         notes.append("tp: traced profile of one TP rank (decoder-layer linears split; embeddings, norms and lm_head "
                      "replicated, so every rank holds the full logits)")
     notes.append(_loop_note(spec.training, profile))
+    notes.append(versions_note(profile))
     notes += _batch_note(spec.training, profile)
     notes += _layers_note(profile)
     if "math" in profile.get("sdpa_backends", ()):

@@ -112,3 +112,42 @@ def save_profile(key: str, profile: dict, directory: Path | None = None) -> Path
     os.replace(tmp, path)
     _read.cache_clear()  # a memoized older copy at this path would hide the new one
     return path
+
+
+def _major_minor(version: str | None) -> tuple[int, ...]:
+    parts = []
+    for part in (version or "").split(".")[:2]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def installed_version(package: str) -> str | None:
+    """The installed release of ``package`` from its metadata (nothing imported); None when absent."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def versions_note(profile: dict, installed_transformers: str | None = None) -> str:
+    """Which model code the estimate describes: the transformers and torch releases the profile was traced with,
+    and a warning when the transformers installed here (or ``installed_transformers``) is an older release or
+    another major one, whose model code may allocate differently (releases before 4.46 upcast the logits inside
+    ``forward`` and kept them in the output; GPTBigCode before 4.49 took the loss of 16-bit logits without an
+    upcast). A newer minor release is only named: it is what a fresh install traces next."""
+    traced = profile.get("provenance", {})
+    transformers, torch = traced.get("transformers"), traced.get("torch")
+    if not transformers:
+        return "model code: the profile does not record the transformers release it was traced with"
+    note = f"model code: traced with transformers {transformers}" + (f", torch {torch}" if torch else "")
+    mine = installed_transformers or installed_version("transformers")
+    theirs, ours = _major_minor(mine), _major_minor(transformers)
+    if mine and theirs and ours and (theirs < ours or theirs[0] != ours[0]):
+        note += (f"; transformers {mine} here is another release, whose model code may allocate differently "
+                 "(the estimate is for the traced one)")
+    return note

@@ -66,7 +66,7 @@ def micro_steps(expansion: Expansion) -> MicroSteps:
     if sorted(first[first_end:first_at]) != sorted(loss):
         raise ExpansionError("events: the first step does not free the loss right before its optimizer step")
     first_tail = [_cycle_free(op, grads) for op in first[first_end:]]
-    return MicroSteps(first_head=first[:first_end], head=head, middle=_accumulating(head, grads),
+    return MicroSteps(first_head=first[:first_end], head=head, middle=accumulating_backward(head, grads),
                       before_optimizer=loss, first_tail=first_tail, tail=tail)
 
 
@@ -75,7 +75,7 @@ def _cycle_free(op: tuple, grads: frozenset[int]) -> tuple:
     return (FREE_CYCLE, key, poly) if kind == FREE and key in grads else op
 
 
-def _accumulating(head: list, grads: frozenset[int]) -> list:
+def accumulating_backward(head: list, grads: frozenset[int]) -> list:
     """``head`` with every gradient allocation freed again once its node is done: before the first allocation
     that follows a free after it (at the end, if none does)."""
     out: list = []

@@ -25,7 +25,12 @@ backward, over the tensors in flat order):
 The optimizer step (after the loss is freed): an fp64 copy of each gradient piece of the partition for the norm,
 one at a time; the partition's gradients flattened (16-bit) and cast to fp32, the flat copy then
 ``grads_in_partition`` freed; Adam over the one fp32 partition (its states on the first step, one ``sqrt``
-temporary); the fp32 gradient freed. Checked against real DeepSpeed CPU runs on the fake process group
+temporary); the fp32 gradient freed.
+
+Gradient accumulation: ZeRO-2 reduces every micro-step (a later micro-step's ``grads_in_partition`` is added into
+the cycle's first); ZeRO-1 reduces at the boundary only, the gradients accumulating in ``.grad`` in the model's
+dtype and the IPG bucket living the whole cycle (``_zero1_micro_steps``). Checked against real DeepSpeed CPU runs
+on the fake process group
 (``tests/estimator/test_reserved_zero.py``) and the H200's ZeRO ranks.
 """
 
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 
 from estimator.methods.state import ZeroLayout, zero_layout
 from estimator.models.params import ParamInfo
-from estimator.reserved.accumulate import FREE_CYCLE, MicroSteps
+from estimator.reserved.accumulate import FREE_CYCLE, MicroSteps, accumulating_backward
 from estimator.reserved.expand import ALLOC, FREE, Expansion, ExpansionError
 from estimator.reserved.fsdp import (
     BufferOps,
@@ -71,8 +76,8 @@ def why_not_zero(spec) -> str | None:
         return f"ZeRO with {training.optimizer}: its step over the partition is not in the replay yet"
     if training.qlora:
         return "ZeRO with QLoRA: its quantized base is not in the replay yet"
-    if training.grad_accum_steps > 1 and parallel.method != "zero2":
-        return "ZeRO-1 with gradient accumulation: its fp32 accumulation buffers are not in the replay yet"
+    if training.grad_accum_steps > 1 and parallel.method == "zero1" and zcfg.overlap_comm:
+        return "ZeRO-1 with gradient accumulation and overlap_comm: not in the replay yet"
     return None
 
 
@@ -245,10 +250,21 @@ def _grad_params(expansion: Expansion, ops: list, table: list[ParamInfo]) -> dic
     return out
 
 
-def _backward_ops(expansion: Expansion, ops: list, marks: tuple, table: list[ParamInfo], step: _Step, polys: list
-                  ) -> tuple[list, dict[int, int], list]:
+def _reduce_after_backward(out: list, step: _Step) -> None:
+    """ZeRO-1's ``reduce_gradients`` after backward (in flat order; ZeRO-2 reduced in the hooks), then the
+    epilogue."""
+    if not step.reduces_in_backward:
+        for p in step.layout.flat:
+            if id(p) in step.grad_of:
+                step.hook(out, p)
+    step.epilogue(out)
+
+
+def _backward_ops(expansion: Expansion, ops: list, marks: tuple, table: list[ParamInfo], step: _Step, polys: list,
+                  boundary: bool = True) -> tuple[list, dict[int, int], list]:
     """The ZeRO step's forward and backward with DeepSpeed's events, where each old op index went, and the
-    frees that precede the optimizer step (the loss)."""
+    frees that precede the optimizer step (the loss). ``boundary`` False: a ZeRO-1 micro-step before the
+    accumulation boundary, whose gradients stay in ``.grad`` unreduced (the hooks only set up the bucket)."""
     grad_keys = expansion.grad_keys
     scalar = {i for i, poly in enumerate(polys) if 0 < poly[0] <= 8 and not any(poly[1:])}
     cut, _at_mark, _seed = boundary_marks(ops, marks, scalar)
@@ -274,11 +290,8 @@ def _backward_ops(expansion: Expansion, ops: list, marks: tuple, table: list[Par
             ready.append(param_of_key[op[1]])
     for p in ready:
         step.hook(out, p) if step.reduces_in_backward else step.setup_buckets(out)
-    if not step.reduces_in_backward:  # ZeRO-1's reduce_gradients after backward, in flat order
-        for p in step.layout.flat:
-            if id(p) in step.grad_of:
-                step.hook(out, p)
-    step.epilogue(out)
+    if boundary:
+        _reduce_after_backward(out, step)
     moved[cut] = len(out)
     made = {op[1] for op in ops[:cut] if op[0] == ALLOC}
     return out, moved, [op for op in ops[cut:] if op[0] == FREE and op[1] in made and op[1] not in grad_keys]
@@ -322,9 +335,12 @@ def zero_step(expansion: Expansion, table: list[ParamInfo], world: int, rank: in
     (first_body, first_moved, first_loss, first_tail, _), (body, _, loss, tail, _) = (built(True, "only"),
                                                                                     built(False, "only"))
     micro = None
-    if accumulating:
-        if stage != 2:
-            raise ExpansionError("zero: gradient accumulation is replayed for ZeRO-2 only")
+    if accumulating and stage == 1:
+        if overlap:
+            raise ExpansionError("zero: ZeRO-1 with gradient accumulation and overlap_comm is not in the replay")
+        micro = _zero1_micro_steps(expansion, table, layout, build, start, rank, elem16, int(bucket_numel),
+                                   optimizer, polys, ends)
+    elif accumulating:
         head_first, _, _, first_cycle_tail, in_partition = built(True, "first")
         head, _, _, cycle_tail, _ = built(False, "first")
         middle = built(False, "later")[0]
@@ -335,6 +351,52 @@ def zero_step(expansion: Expansion, table: list[ParamInfo], world: int, rank: in
     optimizer_at = (len(first_body) + len(first_loss), len(body) + len(loss))
     return ZeroStep(expansion=method_expansion("zero", expansion, first_ops, steady_ops, max(ends), first_moved,
                                                optimizer_at, micro=micro), sizes=build.sizes)
+
+
+def _zero1_micro_steps(expansion: Expansion, table: list[ParamInfo], layout: ZeroLayout, build: _Builder,
+                       start: int, rank: int, elem16: int, bucket_numel: int, optimizer: str, polys: list,
+                       ends: list) -> MicroSteps:
+    """ZeRO-1 under gradient accumulation (``DeepSpeedEngine.allreduce_gradients``: stage 1 reduces at the
+    boundary only). Every micro-step's hooks run ``setup_buckets``, which allocates the IPG bucket once per cycle
+    (``ready_for_gradients`` is reset by the boundary's epilogue); the gradients accumulate in ``.grad`` in the
+    model's dtype (DeepSpeed's ``grad_accum_dtype`` defaults to it); the last micro-step's backward is followed by
+    the reduction in flat order, which frees the accumulated gradients and, in its epilogue, the bucket (both made
+    by the cycle's first micro-step: ``FREE_CYCLE``), then the optimizer step."""
+    first_marks, steady_marks = expansion.marks
+    grad_keys = expansion.grad_keys
+
+    def step_of(first: bool) -> _Step:
+        ops = (expansion.first if first else expansion.steady).ops
+        return _Step(build, layout, rank, 1, elem16, bucket_numel, _grad_params(expansion, ops, table), first,
+                     optimizer)
+
+    def head(first: bool) -> tuple[list, list, _Step]:
+        build.next_key = start
+        events, marks = (expansion.first, first_marks) if first else (expansion.steady, steady_marks)
+        step = step_of(first)
+        body, _, loss = _backward_ops(expansion, events.ops, marks, table, step, polys, boundary=False)
+        return body, loss, step
+
+    def tail(first: bool, owner: _Step) -> list:
+        """The boundary's reduction and the optimizer step, after the last micro-step's backward."""
+        step = step_of(first)
+        step.ipg = owner.ipg
+        out: list = []
+        _reduce_after_backward(out, step)
+        out = _cycle_frees(out, set(grad_keys) | {t.key for t in owner.ipg or ()})
+        step.optimizer_step(out)
+        ends.append(build.next_key)
+        return out
+
+    first_head, first_loss, first_step = head(True)
+    steady_head, loss, steady_step = head(False)
+    middle_step = step_of(False)
+    middle_step.ipg = steady_step.ipg  # set up by the cycle's first micro-step
+    middle, _, _ = _backward_ops(expansion, expansion.steady.ops, steady_marks, table, middle_step, polys,
+                                 boundary=False)
+    return MicroSteps(first_head=first_head, head=steady_head, middle=accumulating_backward(middle, grad_keys),
+                      before_optimizer=loss, first_tail=first_loss + tail(True, first_step),
+                      tail=loss + tail(False, steady_step))
 
 
 def _cycle_frees(ops: list, kept: set[int]) -> list:

@@ -159,8 +159,9 @@ def _decoder_layers(model, num_layers: int):
     return max(stacks, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 
-def build(config: dict[str, Any], variant: Variant, lr: float = 1e-5) -> Built:
-    """Fake-tensor model + optimizer of ``variant`` (FSDP2: rank ``variant.rank`` of ``variant.fsdp_world``)."""
+def build(config: dict[str, Any], variant: Variant, lr: float = 1e-5, *, fake: bool = True) -> Built:
+    """Fake-tensor model + optimizer of ``variant`` (FSDP2: rank ``variant.rank`` of ``variant.fsdp_world``);
+    ``fake=False``: the same program on real CPU tensors (``harness.fake.live_storage``; tiny configs only)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -193,7 +194,7 @@ def build(config: dict[str, Any], variant: Variant, lr: float = 1e-5) -> Built:
         process_group = True
         if variant.fsdp1 is None:
             _shard(model, hf_config, variant)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with mode:
         model.to_empty(device="cpu")
         if variant.fsdp_world == 1 or variant.fsdp1 is not None:

@@ -157,6 +157,7 @@ CASES = [
     ("zero2", 2, 0, "mixed_bf16", 500_000_000),  # DeepSpeed's default bucket: one flush
     ("zero2-overlap", 4, 1, "mixed_bf16", 20_000),  # two buckets; reductions in the hooks
     ("zero2-accum3", 2, 0, "mixed_bf16", 20_000),  # three micro-steps per optimizer step
+    ("zero1-accum3", 2, 1, "mixed_bf16", 20_000),  # reduced at the boundary only; the bucket lives the cycle
     ("zero2-lora", 2, 1, "mixed_bf16", 20_000),  # the base model, then peft's fp32 adapters cast to 16 bits
     pytest.param("zero1-lora", 3, 2, "fp32", 20_000, marks=pytest.mark.slow),  # fp32 adapters: no cast
     pytest.param("zero2-lora-accum2", 4, 0, "mixed_bf16", 500_000_000, marks=pytest.mark.slow),
@@ -166,6 +167,8 @@ CASES = [
     pytest.param("zero2", 3, 2, "mixed_bf16", 20_000, marks=pytest.mark.slow),  # the last rank: padded
     pytest.param("zero1", 4, 0, "fp32", 20_000, marks=pytest.mark.slow),  # one piece: flattened as a view
     pytest.param("zero1", 3, 1, "fp32", 500_000_000, marks=pytest.mark.slow),  # padded partitions
+    pytest.param("zero1-accum2", 4, 3, "fp32", 500_000_000, marks=pytest.mark.slow),
+    pytest.param("zero1-lora-accum2", 3, 0, "mixed_bf16", 20_000, marks=pytest.mark.slow),
 ]
 
 
