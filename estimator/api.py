@@ -234,6 +234,28 @@ def _replay(model: methods.StepModel, segments: dict, num_layers: int, b: int, s
     return replay(segments, num_layers, b, s, grad_policy=policy, extra_bytes=model.segment_extra)
 
 
+def _grad_sync_note(spec: RunSpec) -> list[str]:
+    if spec.training.grad_accum_steps == 1 or spec.parallel.method not in ("fsdp", "fsdp1", "dp_tp"):
+        return []
+    if spec.training.grad_sync == "last":
+        return ["grad_sync: last — every micro-batch but the last runs under no_sync (the HF Trainer, accelerate's "
+                "accumulate()): the unsharded gradients are held between micro-batches"]
+    return ["grad_sync: every — the gradients are reduce-scattered on every micro-batch (torchtitan, accelerate's "
+            "sync_each_batch=True); the HF Trainer's default holds them unsharded in between: --grad-sync last"]
+
+
+def _micro_batches(spec: RunSpec) -> tuple:
+    """The kinds of micro-batch whose forward and backward can set the peak (``methods.fsdp_replay``)."""
+    k = spec.training.grad_accum_steps
+    if k == 1:
+        return (False,)
+    if spec.training.grad_sync == "last" and spec.parallel.method in ("fsdp", "dp_tp", "fsdp1"):
+        from estimator.methods.fsdp_replay import SYNCED_LAST, UNSYNCED_FIRST, UNSYNCED_LATER
+
+        return (UNSYNCED_FIRST, UNSYNCED_LATER, SYNCED_LAST) if k > 2 else (UNSYNCED_FIRST, SYNCED_LAST)
+    return (False, True)
+
+
 def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, rank: int,
                    path: methods.Zero12Rank | None = None, alloc_conf: str | None = None,
                    sequence: StepSequence | None = None, decide_fit: bool = False
@@ -243,11 +265,11 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     model = _step_model(spec, table, rank, path)
     regime = _regime(profile, b, s)
     segments = loop_segments(regime, training.loop)
-    fb = _replay(model, segments, arch.num_layers, b, s, accumulating=False)
-    if training.grad_accum_steps > 1:  # later micro-batches start with every gradient held
-        later = _replay(model, segments, arch.num_layers, b, s, accumulating=True)
-        if later.peak_bytes > fb.peak_bytes:
-            fb = later
+    fb = None
+    for micro in _micro_batches(spec):  # a later micro-batch starts with gradients held
+        candidate = _replay(model, segments, arch.num_layers, b, s, accumulating=micro)
+        if fb is None or candidate.peak_bytes > fb.peak_bytes:
+            fb = candidate
     buffers = buffer_bytes(profile["params"], arch.num_layers)  # module buffers: every rank, never sharded
     resident = sum(model.resident.values()) + buffers
     workspace = residuals.cublas_workspace_bytes(coeffs)
@@ -505,6 +527,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
                      "replicated, so every rank holds the full logits)")
     notes.append(_loop_note(spec.training, profile))
     notes.append(versions_note(profile))
+    notes += _grad_sync_note(spec)
     notes += _batch_note(spec.training, profile)
     notes += _layers_note(profile)
     if "math" in profile.get("sdpa_backends", ()):

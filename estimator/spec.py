@@ -34,6 +34,11 @@ LOOPS = ("trainer", "manual")
 # and SDPA runs causal kernels) or "padded" (some rows shorter: it builds the 4-D mask, and SDPA repeats the
 # grouped k/v heads and converts the mask in every layer).
 BATCHES = ("full", "padded")
+# When FSDP reduces the gradients under gradient accumulation: on "every" micro-batch (torchtitan, a plain torch
+# loop, accelerate with ``sync_each_batch=True``) or on the "last" one only (the HF Trainer and accelerate's
+# ``accumulate()``, Lightning's ``no_backward_sync``: ``no_sync()`` / ``set_requires_gradient_sync(False)`` on the
+# others, every rank holding the unsharded gradients in between). Other methods' memory does not depend on it.
+GRAD_SYNCS = ("every", "last")
 
 
 def _fail(field_name: str, message: str) -> None:
@@ -82,6 +87,7 @@ class TrainingSpec:
     # forward in autocast + ``convert_outputs_to_fp32``: accelerate scripts and the HF Trainer with bf16/fp16,
     # DeepSpeed excepted). A manual loop then holds fp32 logits through backward.
     outputs_fp32: bool = False
+    grad_sync: str = "every"
 
     def __post_init__(self) -> None:
         _check_positive_int("micro_batch_size", self.micro_batch_size)
@@ -105,6 +111,7 @@ class TrainingSpec:
         _check_positive_int("grad_accum_steps", self.grad_accum_steps)
         _check_choice("loop", self.loop, LOOPS)
         _check_choice("batch", self.batch, BATCHES)
+        _check_choice("grad_sync", self.grad_sync, GRAD_SYNCS)
         if not isinstance(self.outputs_fp32, bool):
             _fail("outputs_fp32", f"must be true or false, got {self.outputs_fp32!r}")
         if self.attn == "flash" and self.precision == "fp32":
@@ -245,13 +252,15 @@ class RunSpec:
 
     def _canonical_dict(self) -> dict[str, Any]:
         """to_dict without the settings of a method not used, nor settings added later at their default (FSDP1's,
-        ``outputs_fp32``, ``lora_dropout``): ids stay as they were."""
+        ``outputs_fp32``, ``lora_dropout``, ``grad_sync``): ids stay as they were."""
         data = self.to_dict()
         if self.parallel.method != "fsdp1":
             data["parallel"].pop("fsdp1")
         for name in ("outputs_fp32", "lora_dropout"):
             if not getattr(self.training, name):
                 data["training"].pop(name)
+        if self.training.grad_sync == "every":
+            data["training"].pop("grad_sync")
         return data
 
     def to_json(self) -> str:

@@ -64,6 +64,8 @@ def read_accelerate(path: str, data: dict[str, Any]) -> Reading:
     if isinstance(dynamo, dict) and str(dynamo.get("dynamo_backend", "NO")).upper() not in ("NO", "EAGER"):
         reading.not_modelled("dynamo_config.dynamo_backend", "torch.compile is not modelled; estimated eager")
     unknown_keys(reading, data, handled, NO_EFFECT)
+    reading.assume("grad_sync", "last", "accelerate's accumulate() skips the gradient sync (no_sync) on all but "
+                   "the last micro-batch unless GradientAccumulationPlugin(sync_each_batch=True)", weak=True)
     reading.assume("loop", "manual", "an accelerate config alone: accelerate's examples keep `outputs` bound "
                    "through backward; pass the Trainer's arguments too (or --loop trainer) for a Trainer script", weak=True)
     return reading

@@ -116,6 +116,9 @@ def spec_from_settings(settings: dict[str, Setting], report: ConfigReport) -> Ru
         lora_targets=value("lora_targets", "auto"),
         lora_dropout=value("lora_dropout", 0.0) if value("lora_rank", 0) else 0.0, qlora=bool(value("qlora", False)),
         grad_accum_steps=value("grad_accum_steps", 1), loop=value("loop", "trainer"),
+        # it changes nothing without accumulation or sharded gradients: left at its default there (same spec id)
+        grad_sync=value("grad_sync", "every") if value("grad_accum_steps", 1) > 1 and method in (
+            "fsdp", "fsdp1", "dp_tp") else "every",
         outputs_fp32=_outputs_fp32(settings, method, value))
     gpu = str(value("gpu", "h100-80gb", "no config names the GPU type; pass --gpu")).lower()
     tp = value("tp", 1) if "tp" in settings else (world if method == "tp" else 1)

@@ -16,7 +16,7 @@ _FLAG_SETTINGS = {"model": "model", "gpus": "world_size", "method": "method", "t
                   "micro_batch_size": "micro_batch_size", "seq_len": "seq_len", "precision": "precision",
                   "optimizer": "optimizer", "grad_ckpt": "grad_ckpt", "attn": "attn", "lora_rank": "lora_rank",
                   "lora_targets": "lora_targets", "lora_dropout": "lora_dropout", "qlora": "qlora", "loop": "loop", "gpu": "gpu",
-                  "grad_accum_steps": "grad_accum_steps", "outputs_fp32": "outputs_fp32",
+                  "grad_accum_steps": "grad_accum_steps", "grad_sync": "grad_sync", "outputs_fp32": "outputs_fp32",
                   "deepspeed": "deepspeed"}
 
 
@@ -66,6 +66,7 @@ def plan_args_from_configs(args: argparse.Namespace, argv: list[str], build_pars
     args.lora_targets = keep("lora_targets", t.lora_targets)
     args.lora_dropout = keep("lora_dropout", t.lora_dropout)
     args.loop = keep("loop", t.loop)
+    args.grad_sync = keep("grad_sync", t.grad_sync)
     args.outputs_fp32 = keep("outputs_fp32", t.outputs_fp32)
     if args.precision is None:
         args.precision = _plan_precision(spec)

@@ -72,6 +72,22 @@ def read_hf(path: str, data: dict[str, Any]) -> Reading:
     return reading
 
 
+def _read_grad_sync(reading: Reading, accelerator_config: Any) -> None:
+    """The Trainer runs every micro-batch but the last under accelerate's ``no_sync`` (FSDP keeps the unsharded
+    gradients) unless ``accelerator_config.gradient_accumulation_kwargs.sync_each_batch`` is set."""
+    kwargs = (accelerator_config or {}).get("gradient_accumulation_kwargs") if isinstance(accelerator_config, dict) \
+        else None
+    if isinstance(kwargs, dict) and "sync_each_batch" in kwargs:
+        every = reading.flag("accelerator_config.gradient_accumulation_kwargs.sync_each_batch",
+                             kwargs["sync_each_batch"])
+        reading.set("grad_sync", "every" if every else "last",
+                    "accelerator_config.gradient_accumulation_kwargs.sync_each_batch")
+    else:
+        reading.assume("grad_sync", "last", "the Trainer skips FSDP's gradient sync (accelerate's no_sync) on all "
+                       "but the last micro-batch; accelerator_config.gradient_accumulation_kwargs.sync_each_batch "
+                       "reduces on every one")
+
+
 def read_training_arguments(reading: Reading, data: dict[str, Any], *, trl: bool = False) -> set[str]:
     """The TrainingArguments fields that change the peak; returns the keys handled."""
     handled = set()
@@ -90,6 +106,7 @@ def read_training_arguments(reading: Reading, data: dict[str, Any], *, trl: bool
         reading.set("grad_accum_steps", reading.count("gradient_accumulation_steps",
                                                       data["gradient_accumulation_steps"]),
                     "gradient_accumulation_steps")
+    _read_grad_sync(reading, take("accelerator_config"))
     _read_half(reading, take("bf16"), take("fp16"), trl=trl)
     if take("optim") is not None:
         read_hf_optimizer(reading, "optim", data["optim"])

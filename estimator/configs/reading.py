@@ -9,7 +9,7 @@ Settings (the vocabulary every reader writes; ``build`` turns them into one ``Ru
 DeepSpeed config dict or path), ``fsdp1`` (a dict of ``Fsdp1Spec`` fields the config gives), ``micro_batch_size``, ``seq_len``, ``half`` (``bf16``/``fp16``/``none``: the
 mixed-precision switch), ``weights_dtype`` (``fp32``/``bf16``/``fp16``: what the model is loaded in),
 ``precision`` (an exact ``TrainingSpec.precision``), ``optimizer``, ``grad_ckpt``, ``attn``, ``lora_rank``,
-``lora_targets``, ``lora_dropout``, ``qlora``, ``grad_accum_steps``, ``loop``, ``outputs_fp32`` (accelerate's mixed precision wraps
+``lora_targets``, ``lora_dropout``, ``qlora``, ``grad_accum_steps``, ``grad_sync``, ``loop``, ``outputs_fp32`` (accelerate's mixed precision wraps
 the forward: fp32 outputs), ``packing``, ``gpu``.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 SETTINGS = ("model", "world_size", "method", "deepspeed", "fsdp1", "micro_batch_size", "seq_len", "half", "weights_dtype",
             "precision", "optimizer", "grad_ckpt", "attn", "lora_rank", "lora_targets", "lora_dropout",
-            "qlora", "grad_accum_steps", "loop", "outputs_fp32", "packing", "gpu")
+            "qlora", "grad_accum_steps", "grad_sync", "loop", "outputs_fp32", "packing", "gpu")
 _TRUE = {"true", "yes", "on", "1", "y", "t"}
 _FALSE = {"false", "no", "off", "0", "n", "f", "none", "null", ""}
 

@@ -17,6 +17,7 @@ from estimator.io.fsdp1_args import add_fsdp1_arguments, fsdp1_from_args
 from estimator.spec import (
     ATTENTIONS,
     BATCHES,
+    GRAD_SYNCS,
     LOOPS,
     METHODS,
     OPTIMIZERS,
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="peft's lora_dropout (default 0): above 0 each adapted module keeps a dropout mask")
     p.add_argument("--qlora", action="store_true", help="4-bit base weights (needs --lora-rank)")
     p.add_argument("--grad-accum-steps", type=int, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--grad-sync", choices=GRAD_SYNCS, help="FSDP under gradient accumulation: reduce the gradients "
+                   "on 'every' micro-batch (default: torchtitan, a plain loop, accelerate's sync_each_batch=True) or "
+                   "the 'last' only (the HF Trainer and accelerate's accumulate(): every rank holds the unsharded "
+                   "gradients in between)")
     p.add_argument("--loop", choices=LOOPS, help="training loop: 'trainer' (default: HF Trainer, TRL, torchtune drop "
                    "the model's output object before backward) or 'manual' (outputs = model(**batch); "
                    "loss = outputs.loss; loss.backward(): the logits stay alive)")
@@ -103,7 +108,8 @@ def _training(args, base: TrainingSpec) -> TrainingSpec:
                         lora_dropout=pick(args.lora_dropout, base.lora_dropout), qlora=args.qlora or base.qlora,
                         loop=pick(args.loop, base.loop),
                         batch=pick(args.batch, base.batch), outputs_fp32=pick(args.outputs_fp32, base.outputs_fp32),
-                        grad_accum_steps=pick(args.grad_accum_steps, base.grad_accum_steps))
+                        grad_accum_steps=pick(args.grad_accum_steps, base.grad_accum_steps),
+                        grad_sync=pick(args.grad_sync, base.grad_sync))
 
 
 # CPU runs and fake-tensor traces carry gpu "cpu": their allocated level is a GPU's minus the cuBLAS workspace,
@@ -187,7 +193,9 @@ def _lora_label(t) -> str:
 
 
 def _loop_label(t) -> str:
-    return f", {t.loop} loop" + (", fp32 outputs" if t.outputs_fp32 else "")
+    sync = f", gradients reduced on the {t.grad_sync} micro-batch" if t.grad_accum_steps > 1 and \
+        t.grad_sync == "last" else ""
+    return f", {t.loop} loop" + (", fp32 outputs" if t.outputs_fp32 else "") + sync
 
 
 def render_compare(results: list[tuple[str, object, str]], spec: RunSpec, gpus: int) -> str:

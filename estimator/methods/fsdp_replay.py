@@ -25,7 +25,14 @@ FORWARD_LAYER = ("fw_first", "fw", "fw_last")
 BACKWARD_LAYER = ("bw_first", "bw", "bw_last")
 # Parts of the overlay state; the first four are FSDP buffers, the rest gradients.
 BUFFERS = ("root_params", "gather", "layer_params", "reduce_scatter")
-GRADS = ("root_grads", "layer_grads", "grad_shards")
+GRADS = ("root_grads", "layer_grads", "grad_shards", "held_grads")
+# Micro-batches under gradient accumulation. ``grad_sync="every"``: FIRST (no gradient shard yet) and LATER
+# (every shard held, a new one added in place). ``grad_sync="last"`` (FSDP2's ``set_requires_gradient_sync(False)``
+# on all but the last): UNSYNCED_FIRST keeps each group's unsharded gradients, UNSYNCED_LATER adds into them,
+# SYNCED_LAST adds into them and reduce-scatters.
+FIRST, LATER, UNSYNCED_FIRST, UNSYNCED_LATER, SYNCED_LAST = "first", "later", "unsynced_first", "unsynced_later", \
+    "synced_last"
+MICRO_BATCHES = (FIRST, LATER, UNSYNCED_FIRST, UNSYNCED_LATER, SYNCED_LAST)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +45,15 @@ class FsdpSizes:
     layer_rs_out_bytes: float   # one rank's gradient shard
     root_rs_in_bytes: float
     root_rs_out_bytes: float
+    # Unsharded gradients held between micro-batches that skip the reduce-scatter (``grad_sync="last"``): each
+    # parameter's gradient, unpadded, in the reduce dtype (FSDP2's ``unsharded_accumulated_grad``) or, when that
+    # is the compute dtype, the unsharded parameter's own ``.grad``.
+    layer_held_bytes: float = 0.0
+    root_held_bytes: float = 0.0
+    # whether the held gradient is a copy in the reduce dtype (mixed precision) rather than autograd's ``.grad``,
+    # into which a later micro-batch's gradient is added as soon as it is made
+    held_is_copy: bool = True
+    largest_grad_bytes: float = 0.0   # one parameter's unsharded gradient, compute dtype
 
 
 Event = Callable[[dict], bool]  # mutates the state; True when the state can be a new peak (it grew)
@@ -62,10 +78,36 @@ def _reduce_scatter(rs_in: float, rs_out: float, grads: str, accumulating: bool)
     return events
 
 
-def _post_backward(sz: FsdpSizes, accumulating: bool) -> list[Event]:
-    """A finished layer: reshard, free the previous reduce-scatter input, reduce-scatter this layer's grads."""
+def _unsynced(held: float, grads: str, micro: str) -> list[Event]:
+    """``FSDPParamGroup.post_backward`` without the reduce-scatter: the first micro-batch keeps the gradients
+    (converted to the reduce dtype, the 16-bit ones freed), a later one has added them into the held ones."""
+    if micro == UNSYNCED_FIRST:
+        return [set_part("held_grads", lambda st: st["held_grads"] + held), set_part(grads, lambda st: 0.0)]
+    return [set_part(grads, lambda st: 0.0)]
+
+
+def _synced_last(rs_in: float, rs_out: float, held: float, grads: str) -> list[Event]:
+    """The last micro-batch: the new gradients added into the held ones and freed, the reduce-scatter input
+    copied from them, then they go; the shard is the step's first."""
+    return [set_part(grads, lambda st: 0.0), set_part("reduce_scatter", lambda st: rs_in),
+            set_part("held_grads", lambda st: st["held_grads"] - held),
+            set_part("grad_shards", lambda st: st["grad_shards"] + rs_out)]
+
+
+def _group_post_backward(rs_in: float, rs_out: float, held: float, grads: str, micro: str) -> list[Event]:
+    if micro in (UNSYNCED_FIRST, UNSYNCED_LATER):
+        return _unsynced(held, grads, micro)
+    if micro == SYNCED_LAST:
+        return _synced_last(rs_in, rs_out, held, grads)
+    return _reduce_scatter(rs_in, rs_out, grads, micro == LATER)
+
+
+def _post_backward(sz: FsdpSizes, micro: str) -> list[Event]:
+    """A finished layer: reshard, free the previous reduce-scatter input, reduce-scatter this layer's grads
+    (or keep them: ``_group_post_backward``)."""
     return [set_part("layer_params", lambda st: 0.0),
-            *_reduce_scatter(sz.layer_rs_in_bytes, sz.layer_rs_out_bytes, "layer_grads", accumulating)]
+            *_group_post_backward(sz.layer_rs_in_bytes, sz.layer_rs_out_bytes, sz.layer_held_bytes, "layer_grads",
+                                  micro)]
 
 
 def _pre_backward(sz: FsdpSizes, prefetch: bool) -> list[Event]:
@@ -75,7 +117,7 @@ def _pre_backward(sz: FsdpSizes, prefetch: bool) -> list[Event]:
     return events
 
 
-def _boundary_events(name: str, num_layers: int, sz: FsdpSizes, accumulating: bool) -> list[Event]:
+def _boundary_events(name: str, num_layers: int, sz: FsdpSizes, micro: str) -> list[Event]:
     """FSDP2 events at the start of a profile segment (its layer's pre-hook, or the previous one's post-hook)."""
     if name == "prefix":
         return [set_part("gather", lambda st: sz.root_gather_bytes), set_part("root_params", lambda st: sz.root_bytes)]
@@ -94,15 +136,16 @@ def _boundary_events(name: str, num_layers: int, sz: FsdpSizes, accumulating: bo
         return [set_part("gather", lambda st: 0.0), set_part("gather", lambda st: sz.layer_gather_bytes)]
     if name in BACKWARD_LAYER:
         first = name == "bw_first" or num_layers == 1
-        return ([] if first else _post_backward(sz, accumulating)) + _pre_backward(sz, prefetch=name != "bw_last")
+        return ([] if first else _post_backward(sz, micro)) + _pre_backward(sz, prefetch=name != "bw_last")
     if name == "suffix":
-        return _post_backward(sz, accumulating)
+        return _post_backward(sz, micro)
     raise ValueError(f"fsdp: unknown profile segment {name!r}")
 
 
-def _root_post_backward(sz: FsdpSizes, accumulating: bool) -> list[Event]:
+def _root_post_backward(sz: FsdpSizes, micro: str) -> list[Event]:
     return [set_part("root_params", lambda st: 0.0),
-            *_reduce_scatter(sz.root_rs_in_bytes, sz.root_rs_out_bytes, "root_grads", accumulating),
+            *_group_post_backward(sz.root_rs_in_bytes, sz.root_rs_out_bytes, sz.root_held_bytes, "root_grads",
+                                  micro),
             set_part("reduce_scatter", lambda st: 0.0)]
 
 
@@ -114,9 +157,13 @@ class Walk:
     """Runs segments with their boundary events over an overlay state, keeping the highest total seen.
     ``grad_part``: the state part a segment's own gradients accumulate in."""
 
-    def __init__(self, b: int, s: int, grad_part: Callable[[str], str] = _grad_part) -> None:
+    def __init__(self, b: int, s: int, grad_part: Callable[[str], str] = _grad_part,
+                 in_flight_grad_bytes: float | None = None) -> None:
         self.b, self.s = b, s
         self.grad_part = grad_part
+        # set: each gradient is added into one already held as soon as autograd makes it, so at most this much
+        # of the segment's own gradients is ever alive (and none at its end)
+        self.in_flight = in_flight_grad_bytes
         self.best: tuple[float, float, dict, str] = (float("-inf"), 0.0, {}, "prefix")
 
     def consider(self, act: float, state: dict, name: str) -> None:
@@ -133,9 +180,9 @@ class Walk:
         part = self.grad_part(name)
         held = state[part]
         for cand_act, cand_grad in seg["candidates"]:
-            state[part] = held + cand_grad
+            state[part] = held + (cand_grad if self.in_flight is None else min(cand_grad, self.in_flight))
             self.consider(act + poly(cand_act, self.b, self.s), state, name)
-        state[part] = held + seg["net_grad"]
+        state[part] = held + (seg["net_grad"] if self.in_flight is None else 0.0)
         return act + poly(seg["net_act"], self.b, self.s), state
 
     def repeat(self, name: str, seg: dict, events: list[Event], act: float, state: dict, repeats: int
@@ -157,19 +204,26 @@ class Walk:
         return act, state
 
 
-def replay_fsdp(segments: dict, num_layers: int, b: int, s: int, sizes: FsdpSizes, accumulating: bool = False
+def replay_fsdp(segments: dict, num_layers: int, b: int, s: int, sizes: FsdpSizes, accumulating: bool | str = False
                 ) -> Replay:
     """Peak of activations + gradients + FSDP2 buffers over one steady step's forward and backward.
-    ``accumulating``: a micro-batch after the first (every rank already holds all its gradient shards)."""
-    walk = Walk(b, s)
+    ``accumulating``: which micro-batch (``MICRO_BATCHES``; False / True: FIRST / LATER)."""
+    micro = accumulating if isinstance(accumulating, str) else LATER if accumulating else FIRST
+    if micro not in MICRO_BATCHES:
+        raise ValueError(f"fsdp: unknown micro-batch {micro!r}")
+    in_flight = sizes.largest_grad_bytes if micro in (UNSYNCED_LATER, SYNCED_LAST) and not sizes.held_is_copy \
+        else None
+    walk = Walk(b, s, in_flight_grad_bytes=in_flight)
     act = 0.0
     state = dict.fromkeys(BUFFERS + GRADS, 0.0)
-    if accumulating:
+    if micro == LATER:
         state["grad_shards"] = num_layers * sizes.layer_rs_out_bytes + sizes.root_rs_out_bytes
+    elif micro in (UNSYNCED_LATER, SYNCED_LAST):
+        state["held_grads"] = num_layers * sizes.layer_held_bytes + sizes.root_held_bytes
     for name, repeats in segment_sequence(num_layers):
-        events = _boundary_events(name, num_layers, sizes, accumulating)
+        events = _boundary_events(name, num_layers, sizes, micro)
         act, state = walk.repeat(name, segments[name], events, act, state, repeats)
-    for event in _root_post_backward(sizes, accumulating):
+    for event in _root_post_backward(sizes, micro):
         if event(state):
             walk.consider(act, state, "suffix")
     total, peak_act, parts, seg = walk.best

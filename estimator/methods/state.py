@@ -177,10 +177,15 @@ def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
     layer = [p for p in table if p.layer is not None and p.layer == unit_layer]
     root_bytes, root_gather, root_rs = _fsdp_group_sizes(root, world, shard_elem)
     layer_bytes, layer_gather, layer_rs = _fsdp_group_sizes(layer, world, shard_elem)
+    def held(params: list[ParamInfo]) -> float:  # unsharded, unpadded, in the reduce dtype
+        return float(sum(p.numel * shard_elem(p) for p in _trainable(params)))
+
     sizes = FsdpSizes(root_bytes=root_bytes, root_gather_bytes=root_gather, layer_bytes=layer_bytes,
                       layer_gather_bytes=layer_gather, layer_rs_in_bytes=layer_rs,
                       layer_rs_out_bytes=layer_rs / world, root_rs_in_bytes=root_rs,
-                      root_rs_out_bytes=root_rs / world)
+                      root_rs_out_bytes=root_rs / world, layer_held_bytes=held(layer), root_held_bytes=held(root),
+                      held_is_copy=mixed,
+                      largest_grad_bytes=float(max((p.nbytes for p in _trainable(table)), default=0)))
     resident = {"weights": float(sum(_shard_rows(p, world) * shard_elem(p) for p in table)),
                 "optimizer_states": optimizer_state_bytes(trainable_shard, training.optimizer, False)}
     return StepModel(resident=resident, grad_policy=_full, segment_extra=None,

@@ -14,7 +14,7 @@ from estimator.batching.cli_args import add_batching_arguments, batching_from_ar
 from estimator.io.fsdp1_args import add_fsdp1_arguments, fsdp1_from_args
 from estimator.planning import plan as planner
 from estimator.planning.plan import Plan
-from estimator.spec import ATTENTIONS, BATCHES, LOOPS, OPTIMIZERS, PRECISIONS
+from estimator.spec import ATTENTIONS, BATCHES, GRAD_SYNCS, LOOPS, OPTIMIZERS, PRECISIONS
 
 GIB = 1024**3
 
@@ -60,6 +60,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="host RAM per node, GiB: offload layouts that need more do not fit (default: unchecked)")
     parser.add_argument("--llmem", action="store_true",
                         help="also show LLMem's Algorithm 1 choice for this setting")
+    parser.add_argument("--grad-sync", choices=GRAD_SYNCS, default="every",
+                        help="FSDP under gradient accumulation: reduce on 'every' micro-batch (torchtitan, "
+                             "sync_each_batch=True) or the 'last' only (the HF Trainer's default: unsharded "
+                             "gradients held in between)")
     parser.add_argument("--loop", choices=LOOPS, default="trainer",
                         help="training loop: 'trainer' drops the output object before backward (HF Trainer, TRL); "
                              "'manual' keeps `outputs` (the logits) alive through backward")
@@ -106,7 +110,7 @@ def run_plan(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                               bandwidth_gbs=args.bandwidth, host_ram_gb=args.host_ram, loop=args.loop,
                               epoch=epoch, alloc_conf=args.alloc_conf, batch=args.batch,
                               fsdp1=fsdp1_from_args(args, "fsdp1", getattr(args, "fsdp1_base", None)),
-                              outputs_fp32=args.outputs_fp32)
+                              outputs_fp32=args.outputs_fp32, grad_sync=args.grad_sync)
         baseline = None
         if args.llmem:
             from estimator.baselines import llmem_select
@@ -153,7 +157,8 @@ def format_plan(p: Plan) -> str:
     gb = f", global batch {p.global_batch}" if p.global_batch else ""
     lora = f", LoRA r={p.lora_rank}" if p.lora_rank else ""
     lines = [f"Plan: {p.model} on {p.world_size} x {p.gpu_name}, seq {p.seq_len}, {p.precision}, "
-             f"{p.optimizer}{lora}{gb}, {p.loop} loop", ""]
+             f"{p.optimizer}{lora}{gb}, {p.loop} loop"
+             + (", FSDP gradients reduced on the last micro-batch" if p.grad_sync == "last" else ""), ""]
     header = (f"{'method':<14}{'tp':>3} {'ckpt':<5}{'fits':<5}{'max mb':>7}{'mb':>6}{'accum':>6}"
               f"{'peak GiB':>9}{'bound GiB':>10}{'host GiB':>9}{'tokens/s':>11}  rank / why lost")
     lines += [header, "-" * len(header)]

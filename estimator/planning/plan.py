@@ -268,12 +268,14 @@ class Plan:
     estimates: int = 0
     elapsed_s: float = 0.0
     epoch: dict[str, Any] | None = None    # with sample lengths: the recommendation's epoch summary
+    grad_sync: str = "every"
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "gpu": self.gpu_key, "gpu_name": self.gpu_name,
                 "world_size": self.world_size, "seq_len": self.seq_len, "precision": self.precision,
                 "optimizer": self.optimizer, "global_batch": self.global_batch, "lora_rank": self.lora_rank,
-                "loop": self.loop, "recommendation": self.best.to_dict() if self.best else None,
+                "loop": self.loop, "grad_sync": self.grad_sync,
+                "recommendation": self.best.to_dict() if self.best else None,
                 "candidates": [r.to_dict() for r in self.results], "advice": self.advice, "notes": self.notes,
                 "throughput_model": self.assumptions, "memory_calibrated": self.memory_calibrated,
                 "estimates": self.estimates, "elapsed_s": round(self.elapsed_s, 4),
@@ -281,6 +283,8 @@ class Plan:
 
 
 # --- the planner ----------------------------------------------------------------------------------------
+FSDP_METHODS = ("fsdp", "fsdp1", "dp_tp")  # the methods whose memory ``TrainingSpec.grad_sync`` changes
+
 @dataclass
 class _Context:
     model: str
@@ -297,6 +301,7 @@ class _Context:
     # Sample lengths (estimator.batching.epoch.EpochSource): memory at each micro-batch's worst batch, step time
     # at its mean padded length, tokens/s in real tokens.
     epoch: Any = None
+    global_batch: int | None = None
     cache: dict = field(default_factory=dict)
     shapes: dict = field(default_factory=dict)
     calibrated: bool | None = None
@@ -317,7 +322,15 @@ class _Context:
                                            trainable=int(trainable) if isinstance(trainable, int) else None)
         return self.shapes[key]
 
+    def held_accumulation(self, cand: Candidate, mb: int) -> int:
+        """The micro-batches per step ``cand`` runs at ``mb`` when that changes its memory: FSDP holding its
+        unsharded gradients between micro-batches (``grad_sync="last"``); else 1 (the plan sizes one)."""
+        if self.global_batch is None or self.training.grad_sync != "last" or cand.method not in FSDP_METHODS:
+            return 1
+        return max(1, -(-self.global_batch // (cand.dp * mb)))
+
     def spec(self, cand: Candidate, mb: int, **training: Any) -> RunSpec:
+        training.setdefault("grad_accum_steps", self.held_accumulation(cand, mb))
         train = dataclasses.replace(self.training, micro_batch_size=mb, grad_ckpt=cand.grad_ckpt, **training)
         parallel = cand.parallel_spec()
         if cand.method == "fsdp1":
@@ -610,7 +623,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
          bandwidth_gbs: float | None = None, host_ram_gb: float | None = None, advise: bool = True,
          estimate_fn: EstimateFn | None = None, gpu_info: tput.GpuPerf | None = None, loop: str = "trainer",
          epoch: Any = None, alloc_conf: str | None = None, batch: str = "full",
-         fsdp1: Fsdp1Spec | None = None, outputs_fp32: bool = False) -> Plan:
+         fsdp1: Fsdp1Spec | None = None, outputs_fp32: bool = False, grad_sync: str = "every") -> Plan:
     """Search, rank and advise. Raises ``ValueError("field: ...")`` for bad input (unknown GPU or model,
     impossible N, a global batch no candidate can split, a method with no layout on N GPUs).
 
@@ -621,7 +634,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     each batch's padding decides its ``batch`` (else ``batch``: "full" or "padded", ``TrainingSpec.batch``).
     ``alloc_conf``: the ``PYTORCH_CUDA_ALLOC_CONF`` the reserved replay uses (default: the environment's).
     ``fsdp1``: the settings of the fsdp1 layout (default: FULL_SHARD, use_orig_params, BACKWARD_PRE).
-    ``outputs_fp32``: the forward returns fp32 copies of its 16-bit outputs (``TrainingSpec.outputs_fp32``)."""
+    ``outputs_fp32``: the forward returns fp32 copies of its 16-bit outputs (``TrainingSpec.outputs_fp32``).
+    ``grad_sync``: when FSDP reduces under gradient accumulation (``TrainingSpec.grad_sync``)."""
     started = time.perf_counter()
     from estimator.api import resolve_alloc_conf
 
@@ -636,7 +650,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     precision = precision or _default_precision(gpu_perf)
     training = TrainingSpec(micro_batch_size=1, seq_len=seq_len, precision=precision, optimizer=optimizer,
                             attn=attn, lora_rank=lora_rank, lora_targets=lora_targets, lora_dropout=lora_dropout,
-                            loop=loop, batch=batch, outputs_fp32=outputs_fp32)
+                            loop=loop, batch=batch, outputs_fp32=outputs_fp32, grad_sync=grad_sync)
     if not any(gpu_perf.peak_flops.values()) or not gpu_perf.capacity_bytes:
         raise ValueError(f"gpu: {gpu_perf.key!r} has no capacity or peak FLOP/s in the catalogue; "
                          "the planner needs a known GPU type")
@@ -649,7 +663,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
                    probe_fn=None if estimate_fn else _default_estimate(allow_build=False, alloc_conf=alloc_conf),
                    ckpt_options=ckpt_options,
                    host_ram_bytes=int(host_ram_gb * GIB) if host_ram_gb is not None else None, epoch=epoch,
-                   fsdp1=fsdp1 or Fsdp1Spec())
+                   fsdp1=fsdp1 or Fsdp1Spec(), global_batch=global_batch)
     if gpus % ctx.fsdp1.shard_size(gpus):
         raise ValueError(f"gpus_per_node: HYBRID_SHARD needs whole nodes: {gpus} GPUs is not a multiple of "
                          f"{ctx.fsdp1.gpus_per_node}")
@@ -664,7 +678,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     dp_link, tp_link = ctx.links(Candidate("dp_tp" if gpus > 1 else "single", gpus, 1))
     result = Plan(model=model, gpu_key=gpu_perf.key, gpu_name=gpu_perf.name, world_size=gpus, seq_len=seq_len,
                   precision=precision, optimizer=optimizer, global_batch=global_batch, lora_rank=lora_rank,
-                  loop=loop, results=results, best=best,
+                  loop=loop, grad_sync=grad_sync, results=results, best=best,
                   assumptions=tput.assumptions(gpu_perf, ctx.eff, dp_link, tp_link))
     result.notes += _notes(ctx, result)
     if replayed is not None:

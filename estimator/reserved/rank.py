@@ -46,6 +46,9 @@ def why_not(spec, regime: dict, num_layers: int) -> str | None:
         return "the profile has no event list (traced before event lists were kept)"
     if events.get("optimizer") != training.optimizer:
         return f"the profile's optimizer step was traced with {events.get('optimizer')}, not {training.optimizer}"
+    if (spec.parallel.method in ("fsdp", "fsdp1", "dp_tp") and training.grad_accum_steps > 1
+            and training.grad_sync == "last"):
+        return "FSDP holding unsharded gradients between micro-batches (grad_sync last): not in the replay yet"
     if spec.parallel.method in ("fsdp", "fsdp1") and spec.parallel.world_size < 2:
         return f"{spec.parallel.method} on one GPU: no collectives"
     if spec.parallel.method == "fsdp1":

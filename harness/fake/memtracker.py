@@ -331,8 +331,26 @@ def _synthetic_batch(b: int, s: int, vocab: int, batch: str):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def _unsynced(built: Built, grad_sync: str, last: bool) -> contextlib.AbstractContextManager:
+    """A micro-batch before the last under ``grad_sync="last"``: FSDP2's ``set_requires_gradient_sync(False)``,
+    FSDP1's ``no_sync()`` (what accelerate's ``no_sync`` calls for each)."""
+    if last or grad_sync == "every" or built.variant.fsdp_world == 1:
+        return contextlib.nullcontext()
+    if built.variant.fsdp1 is not None:
+        return built.model.no_sync()
+
+    @contextlib.contextmanager
+    def fsdp2_no_sync():
+        built.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            built.model.set_requires_gradient_sync(True)
+    return fsdp2_no_sync()
+
+
 def _train_steps(built: Built, b: int, s: int, loop: str, batch: str, steps: int, after_step=None,
-                 outputs_fp32: bool = False) -> None:
+                 outputs_fp32: bool = False, accum: int = 1, grad_sync: str = "every") -> None:
     import torch
 
     _, autocast = _dtypes(built.variant.precision)
@@ -344,15 +362,19 @@ def _train_steps(built: Built, b: int, s: int, loop: str, batch: str, steps: int
     data = _synthetic_batch(b, s, built.vocab_size, batch)
     outputs = None
     for _ in range(steps):
-        amp = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
-        if loop == "manual":
-            with amp:
-                outputs = model(**data)
-            loss = outputs.loss
-        else:
-            with amp:
-                loss = model(**data).loss
-        loss.backward()
+        for micro in range(accum):
+            amp = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+            with _unsynced(built, grad_sync, micro == accum - 1):
+                if loop == "manual":
+                    with amp:
+                        outputs = model(**data)
+                    loss = outputs.loss
+                else:
+                    with amp:
+                        loss = model(**data).loss
+                (loss / accum).backward()
+            if after_step is not None and micro < accum - 1:  # FSDPMemTracker: one forward per iteration
+                after_step()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if after_step is not None:
@@ -388,8 +410,10 @@ def warm_up(built: Built) -> None:
 
 
 def peak_bytes(built: Built, b: int, s: int, loop: str = "trainer", batch: str = "full", *,
-               by_category: bool = False, outputs_fp32: bool = False) -> int | tuple[int, dict[str, int]]:
-    """Peak live bytes over two steady-state steps at (b, s), from MemTracker (FSDPMemTracker for FSDP)."""
+               by_category: bool = False, outputs_fp32: bool = False, accum: int = 1, grad_sync: str = "every"
+               ) -> int | tuple[int, dict[str, int]]:
+    """Peak live bytes over two steady-state steps at (b, s), from MemTracker (FSDPMemTracker for FSDP);
+    ``accum`` micro-batches per step, reduced on every one or on the last (``grad_sync``)."""
     if loop not in LOOPS:
         raise ValueError(f"loop: {loop!r} is not one of {', '.join(LOOPS)}")
     if batch not in BATCHES:
@@ -399,7 +423,8 @@ def peak_bytes(built: Built, b: int, s: int, loop: str = "trainer", batch: str =
     tracker = _tracker(built)
     with _contexts(built, batch), tracker:
         # MemTracker keeps per-module stats of one iteration; its peak snapshot spans both
-        _train_steps(built, b, s, loop, batch, 2, after_step=tracker.reset_mod_stats, outputs_fp32=outputs_fp32)
+        _train_steps(built, b, s, loop, batch, 2, after_step=tracker.reset_mod_stats, outputs_fp32=outputs_fp32,
+                     accum=accum, grad_sync=grad_sync)
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
     peak = snapshot["Total"]
     if built.variant.kernels == "cuda":  # AdamW's step counts are host tensors on CUDA

@@ -30,6 +30,7 @@ from harness.fake.wrap import (
     make_mesh,
     wrap_model,
 )
+from harness.methods.base import gradient_sync
 
 # FSDP2 allocates its optimizer state in step 1; FSDP1 also records the execution order its prefetching follows.
 STEADY_FROM_STEP_2 = (*FSDP_METHODS, "fsdp1")
@@ -245,9 +246,9 @@ def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: i
                 counter.begin_step()
                 counter.set_phase("forward")
                 for micro in range(accum):
-                    # DDP syncs only the last micro-batch (no_sync), as the harness does; FSDP syncs each one.
-                    sync = contextlib.nullcontext() if method != "ddp" or micro == accum - 1 else model.no_sync()
-                    with sync:
+                    # DDP syncs only the last micro-batch (no_sync), as the harness does; FSDP each one, or the
+                    # last only with grad_sync "last"
+                    with gradient_sync(model, method, training.grad_sync, micro == accum - 1):
                         forward_backward(model, batch, training, "cpu", scale=1.0 / accum, held=held)
                 counter.set_phase("optimizer")
                 optimizer.step()
@@ -332,3 +333,4 @@ def trace_run(spec: RunSpec, ranks=None, *, config: dict[str, Any] | None = None
     return {"per_rank": per_rank, "trace_s": round(time.perf_counter() - t0, 3),
             "measured_by": "fake_tensor_trace" if fake_tensors else "cpu_tensor_trace", "notes": _notes(spec, round_to),
             "spec_id": spec.spec_id, "round_to": round_to, "steps": steps}
+

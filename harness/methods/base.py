@@ -72,6 +72,30 @@ class TorchTrainer:
         self.optimizer = None
 
 
+def unsynced_micro_batch(model: torch.nn.Module, method: str, grad_sync: str) -> Any:
+    """The context factory a micro-batch before the last runs in (None: every micro-batch reduces): DDP's
+    ``no_sync`` always; FSDP's with ``grad_sync="last"``, as the HF Trainer and accelerate's ``accumulate()``
+    run them: ``no_sync()`` for FSDP1, ``set_requires_gradient_sync(False)`` for FSDP2 (fsdp, dp_tp)."""
+    if method == "ddp" or (method == "fsdp1" and grad_sync == "last"):
+        return model.no_sync
+    if method in ("fsdp", "dp_tp") and grad_sync == "last":
+        @contextlib.contextmanager
+        def no_sync():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        return no_sync
+    return None
+
+
+def gradient_sync(model: torch.nn.Module, method: str, grad_sync: str, last: bool):
+    """The context one micro-batch runs in (``unsynced_micro_batch``)."""
+    no_sync = None if last else unsynced_micro_batch(model, method, grad_sync)
+    return contextlib.nullcontext() if no_sync is None else no_sync()
+
+
 def build_on_device(ctx: WrapContext, training: TrainingSpec) -> torch.nn.Module:
     """The model from the shared builder, on this rank's device; pretrained weights when asked and reachable.
     Every rank seeds identically first: TP scatters from rank 0 and DDP expects equal replicas."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from estimator.profiler.build import build_optimizer
 from harness.fake.wrap import build_training, make_mesh, wrap_model
-from harness.methods.base import TorchTrainer, WrapContext, build_sharded
+from harness.methods.base import TorchTrainer, WrapContext, build_sharded, unsynced_micro_batch
 
 
 def wrap(ctx: WrapContext) -> TorchTrainer:
@@ -32,4 +32,5 @@ def wrap(ctx: WrapContext) -> TorchTrainer:
                                                            device=ctx.device))
     optimizer = build_optimizer(model.parameters(), built)
     # Forward uses the spec's precision: autocast only for amp_* (mixed_* casts through the FSDP policy).
-    return TorchTrainer(model, optimizer, ctx.spec.training, ctx.device)
+    no_sync = unsynced_micro_batch(model, ctx.spec.parallel.method, ctx.spec.training.grad_sync)
+    return TorchTrainer(model, optimizer, ctx.spec.training, ctx.device, no_sync=no_sync)

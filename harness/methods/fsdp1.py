@@ -13,7 +13,8 @@ What the estimator needs to know, exactly:
   as it flattens and shards (``device_id``), so no rank holds the whole model on the GPU: what accelerate and
   the Trainer do with a CPU-loaded model. The optimizer is built after wrapping, on the flat (or, with
   ``use_orig_params``, the original-shaped view) parameters.
-* Gradient accumulation: every micro-batch reduce-scatters (no ``no_sync``), as the estimator assumes.
+* Gradient accumulation: every micro-batch reduce-scatters, or with ``training.grad_sync=last`` only the last
+  (``no_sync()`` on the others, as the HF Trainer runs it: unsharded flat gradients held in between).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from estimator.profiler.build import build_model, build_optimizer
 from harness.fake.wrap import build_training, make_mesh, wrap_model
-from harness.methods.base import TorchTrainer, WrapContext
+from harness.methods.base import TorchTrainer, WrapContext, unsynced_micro_batch
 
 
 def wrap(ctx: WrapContext) -> TorchTrainer:
@@ -36,4 +37,5 @@ def wrap(ctx: WrapContext) -> TorchTrainer:
     mesh = make_mesh(ctx.spec, ctx.device.type)
     model = wrap_model(model, ctx.spec, mesh, ctx.config, fake=ctx.fake_pg, device=ctx.device)
     optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], training)
-    return TorchTrainer(model, optimizer, ctx.spec.training, ctx.device)
+    no_sync = unsynced_micro_batch(model, ctx.spec.parallel.method, ctx.spec.training.grad_sync)
+    return TorchTrainer(model, optimizer, ctx.spec.training, ctx.device, no_sync=no_sync)

@@ -25,7 +25,7 @@ a DTensor).
 from __future__ import annotations
 
 from harness.fake.wrap import build_method_optimizer, build_training, make_mesh, wrap_model
-from harness.methods.base import TorchTrainer, WrapContext, build_sharded
+from harness.methods.base import TorchTrainer, WrapContext, build_sharded, unsynced_micro_batch
 
 
 def wrap(ctx: WrapContext) -> TorchTrainer:
@@ -34,7 +34,8 @@ def wrap(ctx: WrapContext) -> TorchTrainer:
     model = build_sharded(ctx, built, lambda m: wrap_model(m, ctx.spec, mesh, ctx.config, fake=ctx.fake_pg,
                                                            device=ctx.device))
     optimizer = build_method_optimizer(model, ctx.spec)
-    return TorchTrainer(model, optimizer, ctx.spec.training, ctx.device)
+    no_sync = unsynced_micro_batch(model, ctx.spec.parallel.method, ctx.spec.training.grad_sync)  # dp_tp
+    return TorchTrainer(model, optimizer, ctx.spec.training, ctx.device, no_sync=no_sync)
 
 
 wrap_dp_tp = wrap  # the mesh shape and the FSDP step over "dp" come from the spec's method

@@ -42,7 +42,7 @@ CASES = {
         ["accelerate_fsdp2.yaml", "trl_sft_lora.yaml"], ["--model", "facebook/opt-125m"],
         "--model facebook/opt-125m --method fsdp --gpus 8 --micro-batch-size 2 --seq-len 2048 --precision mixed_bf16 "
         "--optimizer adamw_fused --grad-ckpt --lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj "
-        "--lora-dropout 0.05 --grad-accum-steps 8 --outputs-fp32"),
+        "--lora-dropout 0.05 --grad-accum-steps 8 --grad-sync last --outputs-fp32"),
     "torchtune_full": (["torchtune_llama3_2_1b_full.yaml"], ["--gpus", "4"],
                        "--model meta-llama/Llama-3.2-1B --method fsdp --gpus 4 --micro-batch-size 4 --seq-len 1024 "
                        "--precision bf16 --optimizer adamw_fused --grad-ckpt --attn sdpa"),
