@@ -766,7 +766,21 @@ def _notes(ctx: _Context, result: Plan) -> list[str]:
     if ctx.epoch is not None:
         notes.append("lengths: each micro-batch's memory is the estimate at its epoch's worst batch; step time at "
                      "the epoch's mean padded length, tokens/s in real (unpadded) tokens")
+    notes += _grad_sync_notes(ctx, result)
     return notes
+
+
+def _grad_sync_notes(ctx: _Context, result: Plan) -> list[str]:
+    """What held FSDP gradients cost, where a layout held them (``TrainingSpec.grad_sync``)."""
+    held = [r for r in result.results if r.candidate.method in FSDP_METHODS and r.grad_accum > 1]
+    if ctx.training.grad_sync != "last" or not held:
+        return []
+    t = ctx.training
+    elem = 4 if t.precision.startswith("mixed_") or t.precision == "fp32" else 2
+    trainable = ctx.shape(t.lora_rank, t.lora_targets).trainable
+    return [f"grad_sync: last — FSDP layouts with accumulation hold the unsharded gradients between micro-batches "
+            f"(~{trainable * elem / GIB:.1f} GiB per rank, the HF Trainer's default); accelerate's "
+            "sync_each_batch=True (--grad-sync every) reduce-scatters each micro-batch instead"]
 
 
 # --- advice ---------------------------------------------------------------------------------------------

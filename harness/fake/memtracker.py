@@ -372,7 +372,7 @@ def _train_steps(built: Built, b: int, s: int, loop: str, batch: str, steps: int
                 else:
                     with amp:
                         loss = model(**data).loss
-                (loss / accum).backward()
+                (loss * (1.0 / accum) if accum > 1 else loss).backward()  # the scale the harness's loop applies
             if after_step is not None and micro < accum - 1:  # FSDPMemTracker: one forward per iteration
                 after_step()
         optimizer.step()

@@ -113,7 +113,9 @@ def test_the_plan_sizes_fsdp_with_the_accumulation_it_runs():
     kwargs = dict(gpus=4, gpu="h100-80gb", seq_len=2048, global_batch=512, methods=["fsdp"], ckpt_options=[False],
                   advise=False)
     every = plan("Qwen/Qwen2.5-0.5B", **kwargs).best
-    last = plan("Qwen/Qwen2.5-0.5B", grad_sync="last", **kwargs).best
+    held = plan("Qwen/Qwen2.5-0.5B", grad_sync="last", **kwargs)
+    last = held.best
+    assert any(n.startswith("grad_sync: last — FSDP layouts with accumulation hold") for n in held.notes)
     assert last.grad_accum > 1 and last.micro_batch <= every.micro_batch
     if last.micro_batch == every.micro_batch:  # 494 M parameters' fp32 gradients (1.8 GiB) held, not their shards
         assert last.peak_bytes - every.peak_bytes > 2**30
