@@ -50,7 +50,8 @@ def test_fsdp2_held_gradients_match_both_oracles(tmp_path, precision):
     assert last > 1.1 * every  # the unsharded gradients, held
 
 
-@pytest.mark.parametrize(("precision", "strategy"), [("bf16", "FULL_SHARD"), ("fp32", "SHARD_GRAD_OP")])
+@pytest.mark.parametrize(("precision", "strategy"), [("bf16", "FULL_SHARD"), ("fp32", "SHARD_GRAD_OP"),
+                                                    ("mixed_bf16", "FULL_SHARD")])
 def test_fsdp1_held_flat_gradients_match_the_tracer(tmp_path, precision, strategy):
     pytest.importorskip("torch")
     from estimator.api import estimate
@@ -66,8 +67,8 @@ def test_what_fsdp1_does_not_model_under_held_gradients_is_a_one_line_error(tmp_
     from estimator.api import estimate
 
     with pytest.raises(ValueError, match=r"^grad_sync: fsdp1 holding its gradients"):
-        estimate(_spec(tmp_path, "mixed_bf16", "last", 2, "fsdp1"))
-    estimate(_spec(tmp_path, "mixed_bf16", "last", 1, "fsdp1"))  # nothing is held without accumulation
+        estimate(_spec(tmp_path, "bf16", "last", 2, "fsdp1", sharding_strategy="NO_SHARD"))
+    estimate(_spec(tmp_path, "bf16", "last", 1, "fsdp1", sharding_strategy="NO_SHARD"))  # nothing held: k = 1
 
 
 def test_the_reserved_level_of_held_gradients_keeps_the_prior(tmp_path):
