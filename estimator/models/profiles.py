@@ -124,8 +124,10 @@ def _major_minor(version: str | None) -> tuple[int, ...]:
     return tuple(parts)
 
 
+@functools.cache
 def installed_version(package: str) -> str | None:
-    """The installed release of ``package`` from its metadata (nothing imported); None when absent."""
+    """The installed release of ``package`` from its metadata (nothing imported); None when absent. Read once per
+    process: every estimate's notes ask, and a plan makes a hundred estimates (1.5 ms each uncached)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
