@@ -15,7 +15,7 @@ from estimator.methods.timeline import Replay, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
 from estimator.models.memo import memo_by_owner
 from estimator.models.params import buffer_bytes, expand_params, param_counts
-from estimator.models.profiles import adapters_in_16bit, versions_note
+from estimator.models.profiles import adapters_in_16bit, traced_release, versions_note
 from estimator.models.tp_plans import check_tp
 from estimator.profiler.cache import load_model_profile
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
@@ -68,6 +68,8 @@ class Estimate:
     trainable_params: int
     notes: list[str] = field(default_factory=list)
     alloc_conf: str = ""
+    # The transformers release (major.minor) whose model code the profile traced ("" when it does not say).
+    model_code: str = ""
 
     def _worst(self) -> RankEstimate:
         return next(r for r in self.ranks if r.rank == self.worst_rank)
@@ -120,7 +122,8 @@ class Estimate:
             "host_ram_bytes": self.host_ram_bytes, "phase": self.phase, "worst_rank": self.worst_rank,
             "breakdown": self.breakdown, "ranks": [asdict(r) for r in self.ranks],
             "params": self.params, "trainable_params": self.trainable_params,
-            "calibrated": self.calibrated, "notes": list(self.notes), "spec": self.spec.to_dict(),
+            "calibrated": self.calibrated, "model_code": self.model_code, "notes": list(self.notes),
+            "spec": self.spec.to_dict(),
         }
 
 
@@ -526,7 +529,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         notes.append("tp: traced profile of one TP rank (decoder-layer linears split; embeddings, norms and lm_head "
                      "replicated, so every rank holds the full logits)")
     notes.append(_loop_note(spec.training, profile))
-    notes.append(versions_note(profile))
+    notes.append(versions_note(profile, model_code=spec.training.model_code))
     notes += _grad_sync_note(spec)
     notes += _batch_note(spec.training, profile)
     notes += _layers_note(profile)
@@ -546,4 +549,4 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     return Estimate(spec=spec, ranks=ranks, worst_rank=worst.rank, capacity_bytes=gpu.capacity_bytes,
                     upper_bound_bytes=upper, host_ram_bytes=int(model.host_bytes) if model else 0,
                     calibrated=coeffs.calibrated, gpu_key=gpu.key, params=total, trainable_params=trainable,
-                    notes=notes, alloc_conf=conf or "")
+                    notes=notes, alloc_conf=conf or "", model_code=traced_release(profile) or "")

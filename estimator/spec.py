@@ -60,6 +60,15 @@ def _check_nonneg_number(field_name: str, value: Any) -> None:
         _fail(field_name, f"must be a non-negative number, got {value!r}")
 
 
+def model_code_release(version: str) -> str | None:
+    """'4.45.2' -> '4.45' (major.minor, what model code changes with); None when it is not a release number."""
+    parts = str(version).strip().split(".")
+    if len(parts) < 2 or not parts[0].isdigit():
+        return None
+    minor = "".join(ch for ch in parts[1] if ch.isdigit()) if parts[1][:1].isdigit() else ""
+    return f"{int(parts[0])}.{int(minor)}" if minor else None
+
+
 @dataclass(frozen=True)
 class TrainingSpec:
     """What one optimizer step looks like on one data-parallel rank."""
@@ -88,6 +97,11 @@ class TrainingSpec:
     # DeepSpeed excepted). A manual loop then holds fp32 logits through backward.
     outputs_fp32: bool = False
     grad_sync: str = "every"
+    # The transformers release whose model code runs ("4.45"; major.minor): releases allocate differently (before
+    # 4.46 the logits are upcast to fp32 inside ``forward`` and kept in the output). "": the release the shipped
+    # profiles were traced with. A profile traced with it is used where one is shipped or cached, or can be traced
+    # here (that release installed); otherwise the shipped one, and the estimate says so.
+    model_code: str = ""
 
     def __post_init__(self) -> None:
         _check_positive_int("micro_batch_size", self.micro_batch_size)
@@ -114,6 +128,8 @@ class TrainingSpec:
         _check_choice("grad_sync", self.grad_sync, GRAD_SYNCS)
         if not isinstance(self.outputs_fp32, bool):
             _fail("outputs_fp32", f"must be true or false, got {self.outputs_fp32!r}")
+        if not isinstance(self.model_code, str) or (self.model_code and model_code_release(self.model_code) is None):
+            _fail("model_code", f"must be a transformers release such as 4.45 or 4.45.2, got {self.model_code!r}")
         if self.attn == "flash" and self.precision == "fp32":
             _fail("attn", "flash attention needs 16-bit activations; use sdpa or eager with fp32")
 
@@ -252,11 +268,11 @@ class RunSpec:
 
     def _canonical_dict(self) -> dict[str, Any]:
         """to_dict without the settings of a method not used, nor settings added later at their default (FSDP1's,
-        ``outputs_fp32``, ``lora_dropout``, ``grad_sync``): ids stay as they were."""
+        ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``): ids stay as they were."""
         data = self.to_dict()
         if self.parallel.method != "fsdp1":
             data["parallel"].pop("fsdp1")
-        for name in ("outputs_fp32", "lora_dropout"):
+        for name in ("outputs_fp32", "lora_dropout", "model_code"):
             if not getattr(self.training, name):
                 data["training"].pop(name)
         if self.training.grad_sync == "every":

@@ -19,7 +19,7 @@ SOURCES = HERE / "sources"
 # Mirrors estimator.columns.SPEC_INPUT_COLUMNS (tests/calibrate/test_public.py checks they agree).
 SPEC = ["model", "gpu", "method", "world_size", "tp", "micro_batch_size", "seq_len", "precision", "optimizer",
         "grad_ckpt", "attn", "lora_rank", "lora_targets", "lora_dropout", "qlora", "grad_accum_steps", "loop",
-        "batch", "outputs_fp32", "grad_sync", "zero_reduce_bucket_size", "zero_allgather_bucket_size", "zero_overlap_comm", "zero_contiguous_gradients",
+        "batch", "outputs_fp32", "grad_sync", "model_code", "zero_reduce_bucket_size", "zero_allgather_bucket_size", "zero_overlap_comm", "zero_contiguous_gradients",
         "zero_reduce_scatter", "zero_stage3_prefetch_bucket_size", "zero_stage3_param_persistence_threshold",
         "zero_stage3_max_live_parameters", "zero_stage3_max_reuse_distance", "zero_sub_group_size",
         "zero_offload_optimizer", "zero_offload_param", "zero_pin_memory", "fsdp1_sharding_strategy",
@@ -62,6 +62,8 @@ def row(**fields) -> dict:
     if unknown:
         raise KeyError(f"unknown columns {sorted(unknown)}")
     out.update(fields)
+    if not out["model_code"]:  # the model code the run executed is its transformers release's
+        out["model_code"] = out["transformers_version"]
     if out["quantity"] not in QUANTITIES or out["scope"] not in SCOPES or out["loop"] not in LOOPS:
         raise ValueError(f"{out['row_id']}: bad quantity/scope/loop {out['quantity']}/{out['scope']}/{out['loop']}")
     if out["padding"] not in PADDINGS:

@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "on 'every' micro-batch (default: torchtitan, a plain loop, accelerate's sync_each_batch=True) or "
                    "the 'last' only (the HF Trainer and accelerate's accumulate(): every rank holds the unsharded "
                    "gradients in between)")
+    p.add_argument("--model-code", metavar="RELEASE", default=None, help="the transformers release whose model code runs (e.g. 4.45): releases allocate differently (before 4.46 the logits are upcast to fp32 inside forward). Default: the release the shipped profiles were traced with; a release with no shipped or cached profile is traced here when installed, else the default is used and the output says so")
     p.add_argument("--loop", choices=LOOPS, help="training loop: 'trainer' (default: HF Trainer, TRL, torchtune drop "
                    "the model's output object before backward) or 'manual' (outputs = model(**batch); "
                    "loss = outputs.loss; loss.backward(): the logits stay alive)")
@@ -109,7 +110,8 @@ def _training(args, base: TrainingSpec) -> TrainingSpec:
                         loop=pick(args.loop, base.loop),
                         batch=pick(args.batch, base.batch), outputs_fp32=pick(args.outputs_fp32, base.outputs_fp32),
                         grad_accum_steps=pick(args.grad_accum_steps, base.grad_accum_steps),
-                        grad_sync=pick(args.grad_sync, base.grad_sync))
+                        grad_sync=pick(args.grad_sync, base.grad_sync),
+                        model_code=pick(args.model_code, base.model_code))
 
 
 # CPU runs and fake-tensor traces carry gpu "cpu": their allocated level is a GPU's minus the cuBLAS workspace,

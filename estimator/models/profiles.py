@@ -13,7 +13,7 @@ import os
 from importlib import resources
 from pathlib import Path
 
-from estimator.spec import TrainingSpec
+from estimator.spec import TrainingSpec, model_code_release
 
 # 2: SDPA traced without the 4-D mask transformers skips for full-length batches on the GPU.
 # 3: the parameter table records the decoder layers' place in model.parameters() (``layers_at``) and the order
@@ -50,8 +50,11 @@ def variant_key(training: TrainingSpec, adapters_16bit: bool = False) -> str:
 
 
 def profile_key(config_sha: str, training: TrainingSpec, tp: int = 1, adapters_16bit: bool = False) -> str:
-    """``<config sha>_<variant>``, plus ``_tp<N>`` for the profile of one rank of an N-way tensor-parallel model."""
-    return f"{config_sha}_{variant_key(training, adapters_16bit)}" + (f"_tp{tp}" if tp > 1 else "")
+    """``<config sha>_<variant>``, plus ``_tp<N>`` for the profile of one rank of an N-way tensor-parallel model and
+    ``_tf<major.minor>`` for one traced with the model code of that transformers release (``model_code``)."""
+    release = model_code_release(training.model_code) if training.model_code else None
+    return (f"{config_sha}_{variant_key(training, adapters_16bit)}" + (f"_tp{tp}" if tp > 1 else "")
+            + (f"_tf{release}" if release else ""))
 
 
 def adapters_in_16bit(training: TrainingSpec, method: str) -> bool:
@@ -136,17 +139,31 @@ def installed_version(package: str) -> str | None:
         return None
 
 
-def versions_note(profile: dict, installed_transformers: str | None = None) -> str:
+def traced_release(profile: dict) -> str | None:
+    """The transformers release (major.minor) a profile was traced with; None when it does not record one."""
+    traced = profile.get("provenance", {}).get("transformers")
+    return model_code_release(traced) if traced else None
+
+
+def versions_note(profile: dict, installed_transformers: str | None = None, model_code: str = "") -> str:
     """Which model code the estimate describes: the transformers and torch releases the profile was traced with,
     and a warning when the transformers installed here (or ``installed_transformers``) is an older release or
     another major one, whose model code may allocate differently (releases before 4.46 upcast the logits inside
     ``forward`` and kept them in the output; GPTBigCode before 4.49 took the loss of 16-bit logits without an
-    upcast). A newer minor release is only named: it is what a fresh install traces next."""
+    upcast). A newer minor release is only named: it is what a fresh install traces next. ``model_code``: the
+    release the spec asked for (``TrainingSpec.model_code``), compared instead of the installed one."""
     traced = profile.get("provenance", {})
     transformers, torch = traced.get("transformers"), traced.get("torch")
     if not transformers:
         return "model code: the profile does not record the transformers release it was traced with"
     note = f"model code: traced with transformers {transformers}" + (f", torch {torch}" if torch else "")
+    if model_code:
+        if traced_release(profile) == model_code_release(model_code):
+            return note + f" (the model code of transformers {model_code_release(model_code)}, as asked)"
+        return note + (f"; no profile of transformers {model_code_release(model_code)}'s model code for this model "
+                       "and variant is shipped or cached, and tracing one needs that release installed "
+                       f"(pip install 'transformers=={model_code_release(model_code)}.*'): the estimate is for "
+                       f"{transformers}")
     mine = installed_transformers or installed_version("transformers")
     theirs, ours = _major_minor(mine), _major_minor(transformers)
     if mine and theirs and ours and (theirs < ours or theirs[0] != ours[0]):

@@ -64,6 +64,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="FSDP under gradient accumulation: reduce on 'every' micro-batch (torchtitan, "
                              "sync_each_batch=True) or the 'last' only (the HF Trainer's default: unsharded "
                              "gradients held in between)")
+    parser.add_argument("--model-code", metavar="RELEASE", default="", help="the transformers release whose model code runs (e.g. 4.45): releases allocate differently (before 4.46 the logits are upcast to fp32 inside forward). Default: the release the shipped profiles were traced with; a release with no shipped or cached profile is traced here when installed, else the default is used and the output says so")
     parser.add_argument("--loop", choices=LOOPS, default="trainer",
                         help="training loop: 'trainer' drops the output object before backward (HF Trainer, TRL); "
                              "'manual' keeps `outputs` (the logits) alive through backward")
@@ -110,7 +111,8 @@ def run_plan(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                               bandwidth_gbs=args.bandwidth, host_ram_gb=args.host_ram, loop=args.loop,
                               epoch=epoch, alloc_conf=args.alloc_conf, batch=args.batch,
                               fsdp1=fsdp1_from_args(args, "fsdp1", getattr(args, "fsdp1_base", None)),
-                              outputs_fp32=args.outputs_fp32, grad_sync=args.grad_sync)
+                              outputs_fp32=args.outputs_fp32, grad_sync=args.grad_sync,
+                              model_code=args.model_code)
         baseline = None
         if args.llmem:
             from estimator.baselines import llmem_select

@@ -623,7 +623,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
          bandwidth_gbs: float | None = None, host_ram_gb: float | None = None, advise: bool = True,
          estimate_fn: EstimateFn | None = None, gpu_info: tput.GpuPerf | None = None, loop: str = "trainer",
          epoch: Any = None, alloc_conf: str | None = None, batch: str = "full",
-         fsdp1: Fsdp1Spec | None = None, outputs_fp32: bool = False, grad_sync: str = "every") -> Plan:
+         fsdp1: Fsdp1Spec | None = None, outputs_fp32: bool = False, grad_sync: str = "every",
+         model_code: str = "") -> Plan:
     """Search, rank and advise. Raises ``ValueError("field: ...")`` for bad input (unknown GPU or model,
     impossible N, a global batch no candidate can split, a method with no layout on N GPUs).
 
@@ -635,7 +636,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     ``alloc_conf``: the ``PYTORCH_CUDA_ALLOC_CONF`` the reserved replay uses (default: the environment's).
     ``fsdp1``: the settings of the fsdp1 layout (default: FULL_SHARD, use_orig_params, BACKWARD_PRE).
     ``outputs_fp32``: the forward returns fp32 copies of its 16-bit outputs (``TrainingSpec.outputs_fp32``).
-    ``grad_sync``: when FSDP reduces under gradient accumulation (``TrainingSpec.grad_sync``)."""
+    ``grad_sync``: when FSDP reduces under gradient accumulation (``TrainingSpec.grad_sync``).
+    ``model_code``: the transformers release whose model code runs (``TrainingSpec.model_code``)."""
     started = time.perf_counter()
     from estimator.api import resolve_alloc_conf
 
@@ -650,7 +652,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     precision = precision or _default_precision(gpu_perf)
     training = TrainingSpec(micro_batch_size=1, seq_len=seq_len, precision=precision, optimizer=optimizer,
                             attn=attn, lora_rank=lora_rank, lora_targets=lora_targets, lora_dropout=lora_dropout,
-                            loop=loop, batch=batch, outputs_fp32=outputs_fp32, grad_sync=grad_sync)
+                            loop=loop, batch=batch, outputs_fp32=outputs_fp32, grad_sync=grad_sync,
+                            model_code=model_code)
     if not any(gpu_perf.peak_flops.values()) or not gpu_perf.capacity_bytes:
         raise ValueError(f"gpu: {gpu_perf.key!r} has no capacity or peak FLOP/s in the catalogue; "
                          "the planner needs a known GPU type")

@@ -116,9 +116,10 @@ def _from_config(cfg, dtype: torch.dtype, attn: str) -> torch.nn.Module:
     of the same spec ends up (there 'flash' already means sdpa)."""
     from transformers import AutoModelForCausalLM
 
+    dtype_kw = "dtype" if transformers_release() >= (4, 56) else "torch_dtype"  # the keyword's name before 4.56
     while True:
         try:
-            return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
+            return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, **{dtype_kw: dtype})
         except ValueError as err:
             text = str(err)
             if attn not in _ATTN_FALLBACK or ("attention implementation" not in text and "Flash Attention" not in text):
@@ -408,7 +409,6 @@ def full_length_attention_mask() -> Iterator[None]:
     SDPA path and adds per-layer mask copies. We tell it what the data would have told it: no padding.
     """
     from torch._subclasses.fake_tensor import is_fake
-    from transformers import masking_utils
 
     def make(orig):
         def ignore_causal_mask_sdpa(padding_mask, *args, **kwargs):
@@ -417,8 +417,31 @@ def full_length_attention_mask() -> Iterator[None]:
             return orig(padding_mask, *args, **kwargs)
         return ignore_causal_mask_sdpa
 
-    with patched_attr(masking_utils, "_ignore_causal_mask_sdpa", make):
+    if transformers_release() >= (4, 53):
+        from transformers import masking_utils
+
+        with patched_attr(masking_utils, "_ignore_causal_mask_sdpa", make):
+            yield
+        return
+    # Older releases ask AttentionMaskConverter, a staticmethod there (patched on the class, kept static).
+    from transformers.modeling_attn_mask_utils import AttentionMaskConverter
+
+    orig = AttentionMaskConverter.__dict__["_ignore_causal_mask_sdpa"]
+    AttentionMaskConverter._ignore_causal_mask_sdpa = staticmethod(make(orig.__func__))
+    try:
         yield
+    finally:
+        AttentionMaskConverter._ignore_causal_mask_sdpa = orig
+
+
+@functools.cache
+def transformers_release() -> tuple[int, int]:
+    """(major, minor) of the transformers imported here: the profiler also traces older model code (a profile's
+    ``transformers`` release, ``TrainingSpec.transformers``), whose API differs in a few names."""
+    import transformers
+
+    major, minor = transformers.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
 @contextlib.contextmanager

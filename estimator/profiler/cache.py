@@ -5,10 +5,16 @@ out now with torch, once (``estimator.profiler.profile``), or an older cached on
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from estimator.models.arch import ModelArch, cached_arch
-from estimator.models.profiles import find_profile, has_events, profile_key, save_profile
-from estimator.spec import TrainingSpec
+from estimator.models.profiles import find_profile, has_events, installed_version, profile_key, save_profile
+from estimator.spec import TrainingSpec, model_code_release
+
+
+def _installed_release() -> str | None:
+    installed = installed_version("transformers")
+    return model_code_release(installed) if installed else None
 
 
 def get_profile(config: dict, config_sha: str, training: TrainingSpec, *, allow_build: bool = True,
@@ -20,6 +26,10 @@ def get_profile(config: dict, config_sha: str, training: TrainingSpec, *, allow_
     found = find_profile(key)
     if found is not None:
         return found
+    if training.model_code and not (allow_build and _installed_release() == model_code_release(training.model_code)):
+        # That release's model code cannot be traced here: the default profile stands in (its note says so).
+        return get_profile(config, config_sha, replace(training, model_code=""), allow_build=allow_build, tp=tp,
+                           adapters_16bit=adapters_16bit)
     if not allow_build:
         raise ValueError(f"model: no cached profile for this architecture and variant ({key}); "
                          "profiling it needs torch and transformers (pip install '.[profile]')")

@@ -2,13 +2,18 @@
 
     python -m estimator.profiler.ship [--models NAME ...] [--variants KEY ...] [--tp 1 2 4 ...] [--events]
                                       [--out DIR]
+    python -m estimator.profiler.ship --rows data/public/measurements.csv [--out DIR]
 
 Variants are TrainingSpec field sets; a profile already present (current schema) is skipped, so the command resumes.
+``--rows``: the profiles a measurement table's rows ask for with ``model_code`` equal to the transformers release
+installed here, traced with its model code (run it once per release, each from an environment with that release).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import dataclasses
 import itertools
 import json
 import sys
@@ -16,8 +21,15 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from estimator.columns import spec_from_columns
 from estimator.models.arch import catalogue_models, resolve_arch
-from estimator.models.profiles import has_events, profile_key, save_profile
+from estimator.models.profiles import (
+    adapters_in_16bit,
+    has_events,
+    installed_version,
+    profile_key,
+    save_profile,
+)
 from estimator.models.tp_plans import check_tp
 from estimator.profiler.carry import (
     backfill_buffers,
@@ -25,7 +37,7 @@ from estimator.profiler.carry import (
     carry_over_file,
     variant_training,
 )
-from estimator.spec import TrainingSpec
+from estimator.spec import RunSpec, TrainingSpec, model_code_release
 
 # The spec's default, the same with checkpointing, the paper's setting, pure bf16, and fp16 for pre-Ampere GPUs.
 DEFAULT_VARIANTS = {
@@ -61,6 +73,52 @@ def carry_over_shipped(directory: Path, *, events: bool = False, models: list[st
     return 0
 
 
+def specs_of_release(rows_csv: Path, release: str) -> list[RunSpec]:
+    """The complete, in-scope rows' specs whose ``model_code`` is ``release`` (major.minor), one per profile."""
+    with rows_csv.open(newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if r.get("complete") == "True" and r.get("in_scope") == "True"
+                and model_code_release(r.get("model_code") or "") == release]
+    specs: dict[str, RunSpec] = {}
+    for row in rows:
+        try:
+            spec = spec_from_columns(row)
+        except ValueError:
+            continue  # not a spec the estimator takes: the table's own check reports it
+        arch = resolve_arch(spec.model)
+        specs.setdefault(_row_profile_key(spec, arch.config_sha), spec)
+    return list(specs.values())
+
+
+def _row_profile_key(spec: RunSpec, config_sha: str) -> str:
+    return profile_key(config_sha, spec.training, spec.parallel.tp,
+                       adapters_in_16bit(spec.training, spec.parallel.method))
+
+
+def ship_rows(rows_csv: Path, out: Path) -> int:
+    """Trace the profiles of ``rows_csv``'s rows that run the installed transformers' model code."""
+    from estimator.profiler.build import lora_adapters_16bit
+    from estimator.profiler.profile import build_profile
+
+    release = model_code_release(installed_version("transformers") or "")
+    for spec in specs_of_release(rows_csv, release):
+        arch = resolve_arch(spec.model)
+        key = _row_profile_key(spec, arch.config_sha)
+        if (out / f"{key}.json").exists():
+            continue  # resume
+        started = time.perf_counter()
+        training = dataclasses.replace(spec.training, micro_batch_size=1, seq_len=512, grad_accum_steps=1)
+        try:
+            with lora_adapters_16bit(adapters_in_16bit(spec.training, spec.parallel.method)):
+                profile = build_profile(arch.config, training, tp=spec.parallel.tp)
+        except Exception as err:  # noqa: BLE001 - one variant this release cannot trace must not stop the others
+            print(f"{arch.name:<55}{key.split('_', 1)[1]:<48}failed: {type(err).__name__}: {err}".splitlines()[0])
+            continue
+        profile["model"] = arch.name
+        save_profile(key, profile, out)
+        print(f"{arch.name:<55}{key.split('_', 1)[1]:<48}{time.perf_counter() - started:6.1f} s", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=None)
@@ -77,10 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--carry-over", action="store_true",
                         help="bring every shipped profile to the current schema (re-trace those that cannot be; with "
                              "--events also those without event lists; with --models only theirs)")
+    parser.add_argument("--rows", type=Path, default=None,
+                        help="a measurement table (data/public/measurements.csv): trace the profiles its rows ask "
+                             "for with model_code equal to the installed transformers release")
     args = parser.parse_args(argv)
     from estimator.profiler.profile import build_profile
 
     out = args.out or Path(str(resources.files("estimator") / "profiles"))
+    if args.rows is not None:
+        return ship_rows(args.rows, out)
     if args.carry_over:
         models = [resolve_arch(m).name for m in args.models] if args.models else None
         return carry_over_shipped(out, events=args.events, models=models)
