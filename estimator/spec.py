@@ -94,7 +94,8 @@ class TrainingSpec:
     batch: str = "full"
     # The forward returns fp32 copies of its 16-bit outputs (accelerate's mixed precision wraps the model's
     # forward in autocast + ``convert_outputs_to_fp32``: accelerate scripts and the HF Trainer with bf16/fp16,
-    # DeepSpeed excepted). A manual loop then holds fp32 logits through backward.
+    # DeepSpeed excepted). A manual loop then holds fp32 logits through backward; over 16-bit weights the forward
+    # runs under autocast too (``forward_autocast``).
     outputs_fp32: bool = False
     grad_sync: str = "every"
     # The transformers release whose model code runs ("4.45"; major.minor): releases allocate differently (before
@@ -136,6 +137,18 @@ class TrainingSpec:
     @property
     def lora(self) -> bool:
         return self.lora_rank > 0
+
+    @property
+    def forward_autocast(self) -> str | None:
+        """The dtype ("bf16" | "fp16") the forward runs under autocast, or None: amp_* over fp32 weights, and
+        accelerate's mixed precision (``outputs_fp32``: the HF Trainer's --bf16/--fp16, accelerate's
+        ``mixed_precision``) over 16-bit weights too, where CUDA's autocast still runs layer_norm, softmax,
+        log_softmax, exp, pow, sum and the losses in fp32."""
+        if self.precision.startswith("amp_"):
+            return self.precision[len("amp_"):]
+        if self.outputs_fp32 and self.precision in ("bf16", "mixed_bf16", "mixed_fp16"):
+            return "fp16" if self.precision.endswith("fp16") else "bf16"
+        return None
 
     @property
     def tokens_per_micro_batch(self) -> int:

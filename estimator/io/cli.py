@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--outputs-fp32", action="store_true", default=None,
                    help="the forward returns fp32 copies of its 16-bit outputs, as accelerate's mixed precision "
                         "wraps it (accelerate scripts, the HF Trainer with bf16/fp16; not DeepSpeed): a manual "
-                        "loop then holds fp32 logits")
+                        "loop then holds fp32 logits; over 16-bit weights (bf16, mixed_*) the forward also runs "
+                        "under autocast, LayerNorm, softmax and the loss in fp32")
     p.add_argument("--batch", choices=BATCHES, help="'full' (default: every row full length, or packed: no "
                    "attention mask) or 'padded' (some rows padded: transformers builds the 4-D mask; with "
                    "--lengths it is set per batch)")

@@ -46,7 +46,10 @@ def variant_key(training: TrainingSpec, adapters_16bit: bool = False) -> str:
     # Padding changes only SDPA's trace: eager attention builds the 4-D mask for full-length batches too, and
     # FlashAttention-2 unpads the batch instead of masking it.
     padded = "_padded" if training.batch == "padded" and training.attn == "sdpa" else ""
-    return f"{training.precision}_{attn}_{'ckpt' if training.grad_ckpt else 'nockpt'}_{lora}{padded}"
+    # Traced under autocast with CUDA's op lists (``estimator.profiler.cuda_path.cuda_autocast_lists``); amp_*
+    # profiles traced before with CPU autocast's lists keep their old key and are not found.
+    autocast = "_autocast" if training.forward_autocast else ""
+    return f"{training.precision}_{attn}_{'ckpt' if training.grad_ckpt else 'nockpt'}_{lora}{padded}{autocast}"
 
 
 def profile_key(config_sha: str, training: TrainingSpec, tp: int = 1, adapters_16bit: bool = False) -> str:

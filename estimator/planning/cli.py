@@ -70,7 +70,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                              "'manual' keeps `outputs` (the logits) alive through backward")
     parser.add_argument("--outputs-fp32", action="store_true",
                         help="the forward returns fp32 copies of its 16-bit outputs (accelerate's mixed precision, "
-                             "the HF Trainer with bf16/fp16): a manual loop holds fp32 logits")
+                             "the HF Trainer with bf16/fp16): a manual loop holds fp32 logits; over 16-bit weights "
+                             "the forward also runs under autocast")
     parser.add_argument("--batch", choices=BATCHES, default="full",
                         help="'full' (default: every row full length, or packed) or 'padded' (some rows padded: "
                              "an attention mask; set per batch from --lengths)")

@@ -31,8 +31,9 @@ def param_dtype(precision: str) -> torch.dtype:
     return torch.float32  # fp32 and amp_* keep fp32 weights
 
 
-def autocast_dtype(precision: str) -> torch.dtype | None:
-    return {"amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}.get(precision)
+def autocast_dtype(training: TrainingSpec) -> torch.dtype | None:
+    """The forward's autocast dtype (``TrainingSpec.forward_autocast``), or None."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.forward_autocast or "")
 
 
 def with_num_layers(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -305,7 +306,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
 @contextlib.contextmanager
 def autocast_context(training: TrainingSpec, device: torch.device | str) -> Iterator[None]:
-    dtype = autocast_dtype(training.precision)
+    dtype = autocast_dtype(training)
     if dtype is None:
         yield
         return

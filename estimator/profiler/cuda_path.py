@@ -23,6 +23,12 @@ and the tensors the chosen kernel keeps for backward differ (docs/error_matrix/R
   gradient per input). The meta kernel accepts only bf16, so other dtypes are traced through
   ``_GroupedMMFallback``, which allocates what the fallback allocates.
 
+* Autocast: CUDA's op lists (aten/src/ATen/autocast_mode.h, ``AT_FORALL_FP32`` and
+  ``AT_FORALL_FP32_SET_OPT_DTYPE``) run layer_norm, group_norm, exp, log, pow, rsqrt, the losses and logsumexp in
+  fp32, and softmax, log_softmax, sum, cumsum and prod with an fp32 result; CPU autocast's lists leave most of
+  them in 16 bits (docs/error_matrix/README.md, Finding 7). ``cuda_autocast_lists()`` registers CUDA's policy
+  for them at the AutocastCPU dispatch key for the duration, so the CPU autocast of a trace runs CUDA's program.
+
 ``cuda_composites()`` swaps these functions for the duration with ones that call the op CUDA would run; the op's
 meta kernel then gives, on fake tensors, the tensors CUDA returns and autograd saves. Under autocast the
 attention inputs are cast first, as CUDA's autocast does for ``scaled_dot_product_attention``. Not reproduced:
@@ -232,17 +238,89 @@ def backends_seen() -> Iterator[set[str]]:
         _SEEN.remove(seen)
 
 
+# CUDA autocast's fp32 policy (``AT_FORALL_FP32``): 16-bit floating inputs are cast to fp32. Overloads as
+# ``name`` or ``name.overload``; upsampling and the rarer norms are left out (no transformer runs them).
+_FP32_OPS = ("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal",
+             "rsqrt", "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus",
+             "layer_norm", "native_layer_norm", "group_norm", "cosine_similarity", "poisson_nll_loss",
+             "cosine_embedding_loss", "nll_loss", "nll_loss2d", "hinge_embedding_loss", "kl_div", "l1_loss",
+             "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss",
+             "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss", "binary_cross_entropy_with_logits",
+             "dist", "pdist", "cdist", "renorm", "logsumexp")
+# ``AT_FORALL_FP32_SET_OPT_DTYPE``: a 16-bit input with no ``dtype`` given runs with ``dtype=torch.float32``.
+_FP32_RESULT_OPS = ("prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum",
+                    "linalg_vector_norm", "sum", "sum.dim_IntList")
+
+
+def _aten(name: str):
+    op, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, op), overload or "default")
+
+
+def _to_fp32(value):
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in _SIXTEEN_BIT else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_fp32(v) for v in value)
+    return value
+
+
+_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+
+def _fp32_policy(op):
+    def kernel(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            return op(*_to_fp32(args), **{k: _to_fp32(v) for k, v in kwargs.items()})
+    return kernel
+
+
+def _fp32_result_policy(op):
+    at = [a.name for a in op._schema.arguments].index("dtype")
+
+    def kernel(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            given = args[at] if len(args) > at else kwargs.get("dtype")
+            if given is None and isinstance(args[0], torch.Tensor) and args[0].dtype in _SIXTEEN_BIT:
+                if len(args) > at:
+                    args = (*args[:at], torch.float32, *args[at + 1:])
+                else:
+                    kwargs = {**kwargs, "dtype": torch.float32}
+            return op(*args, **kwargs)
+    return kernel
+
+
+@contextlib.contextmanager
+def cuda_autocast_lists() -> Iterator[None]:
+    """CPU autocast applies CUDA autocast's fp32 policies for the duration (see the module doc): a dispatcher
+    registration at AutocastCPU, removed on exit. Outside an autocast region nothing changes."""
+    import warnings
+
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():  # each registration overrides CPU autocast's own kernel, and says so
+            warnings.simplefilter("ignore")
+            for name in _FP32_OPS:
+                library.impl(name, _fp32_policy(_aten(name)), "AutocastCPU")
+            for name in _FP32_RESULT_OPS:
+                library.impl(name, _fp32_result_policy(_aten(name)), "AutocastCPU")
+        yield
+    finally:
+        library._destroy()
+
+
 @contextlib.contextmanager
 def cuda_composites() -> Iterator[None]:
-    """``F.scaled_dot_product_attention``, ``F.dropout`` and grouped matmuls run CUDA's kernels for the duration
-    (fake tensors)."""
+    """``F.scaled_dot_product_attention``, ``F.dropout`` and grouped matmuls run CUDA's kernels, and autocast
+    CUDA's op lists, for the duration (fake tensors)."""
     originals = F.scaled_dot_product_attention, F.dropout, getattr(F, "grouped_mm", None), torch._grouped_mm
     F.scaled_dot_product_attention, F.dropout = sdpa_as_on_cuda, dropout_as_on_cuda
     torch._grouped_mm = grouped_mm_as_on_cuda
     if originals[2] is not None:
         F.grouped_mm = grouped_mm_as_on_cuda
     try:
-        yield
+        with cuda_autocast_lists():
+            yield
     finally:
         F.scaled_dot_product_attention, F.dropout = originals[:2]
         torch._grouped_mm = originals[3]

@@ -619,7 +619,8 @@ def _process_group(tp: int) -> contextlib.AbstractContextManager:
 def _variant(training: TrainingSpec) -> dict:
     return {"precision": training.precision, "attn": training.attn, "grad_ckpt": training.grad_ckpt,
             "lora_rank": training.lora_rank, "lora_targets": training.lora_targets, "qlora": training.qlora,
-            "batch": training.batch, "lora_dropout": training.lora_dropout}
+            "batch": training.batch, "lora_dropout": training.lora_dropout,
+            "forward_autocast": training.forward_autocast}
 
 
 def _check_depth(config: dict, training: TrainingSpec, regime: dict, fitted: dict, tp: int = 1) -> dict:

@@ -56,8 +56,13 @@ def carry_over_shipped(directory: Path, *, events: bool = False, models: list[st
     re-trace those without event lists. ``models``: only these catalogue models' profiles."""
     from estimator.profiler.profile import build_profile
 
+    release = model_code_release(installed_version("transformers") or "")
     for path in sorted(directory.glob("*.json")):
         if models is not None and json.loads(path.read_text()).get("model") not in models:
+            continue
+        traced_for = path.stem.rpartition("_tf")[2] if "_tf" in path.stem else None
+        if traced_for is not None and traced_for != release:
+            print(f"{path.stem:<60}kept: transformers {traced_for}'s model code (ship --rows with it installed)")
             continue
         started = time.perf_counter()
         if carry_over_file(path) and not (events and not has_events(json.loads(path.read_text()))):

@@ -14,6 +14,12 @@ A trace on fake *CPU* tensors runs the CPU choices of two composite ops whose CU
 * ``F.dropout``: on CUDA the composite calls ``native_dropout`` (a bool mask is saved); on CPU it draws a
   mask in the input's dtype (``bernoulli_``) and multiplies.
 
+* Autocast: CUDA's autocast runs layer_norm, exp, log, pow, rsqrt, logsumexp and the losses in fp32 and gives
+  softmax, log_softmax, sum, cumsum and prod an fp32 result (``AT_FORALL_FP32``, ``AT_FORALL_FP32_SET_OPT_DTYPE``
+  in aten/src/ATen/autocast_mode.h); CPU autocast keeps most of them in 16 bits. ``cuda_kernels()`` applies
+  CUDA's rule to the Python functions a model calls (they are replaced for the duration), while CPU autocast
+  is on.
+
 ``cuda_kernels()`` replaces both functions for the duration with the CUDA choice, calling the CUDA ops
 (``_scaled_dot_product_flash_attention``, ``_scaled_dot_product_efficient_attention``, ``native_dropout``),
 whose meta kernels give on fake tensors exactly the tensors the CUDA kernels return and autograd saves
@@ -112,12 +118,72 @@ def cuda_dropout(input, p=0.5, training=True, inplace=False):
     return input.copy_(out) if inplace else out
 
 
+_T = torch.Tensor
+# (owner, attribute) of the Python functions a model calls that CUDA's autocast runs in fp32 ...
+_CUDA_FP32 = [(F, "layer_norm"), (F, "group_norm"), (F, "softplus"), (F, "mse_loss"), (F, "l1_loss"),
+              (F, "smooth_l1_loss"), (F, "huber_loss"), (F, "kl_div"), (F, "nll_loss"),
+              (F, "binary_cross_entropy_with_logits"), (F, "cosine_similarity"), (torch, "layer_norm")] + [
+    (owner, name) for name in ("exp", "log", "log1p", "expm1", "pow", "rsqrt", "reciprocal", "logsumexp")
+    for owner in (torch, _T)] + [(_T, "__pow__")]
+# ... or with an fp32 result when no dtype is asked for.
+_CUDA_FP32_RESULT = [(F, "softmax"), (F, "log_softmax")] + [
+    (owner, name) for name in ("softmax", "log_softmax", "sum", "cumsum", "prod") for owner in (torch, _T)]
+
+
+def _fp32(value):
+    if isinstance(value, torch.Tensor) and value.dtype in _HALF:
+        return value.float()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fp32(v) for v in value)
+    return value
+
+
+def _in_fp32(fn):
+    def run(*args, **kwargs):
+        if not torch.is_autocast_enabled("cpu"):
+            return fn(*args, **kwargs)
+        with torch.autocast("cpu", enabled=False):  # nested patched calls pass straight through
+            return fn(*_fp32(args), **{k: _fp32(v) for k, v in kwargs.items()})
+    return run
+
+
+def _fp32_result(fn):
+    def run(*args, **kwargs):
+        asked = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
+        if torch.is_autocast_enabled("cpu") and not asked and args and isinstance(args[0], torch.Tensor) \
+                and args[0].dtype in _HALF:
+            kwargs = {**kwargs, "dtype": torch.float32}
+        return fn(*args, **kwargs)
+    return run
+
+
+@contextlib.contextmanager
+def cuda_autocast_functions() -> Iterator[None]:
+    """While CPU autocast is on, the functions CUDA's autocast runs in fp32 (or gives an fp32 result) do so: the
+    functions themselves are replaced (not a function mode, which backward's recomputation would not see)."""
+    patched = [(owner, name, owner.__dict__.get(name), wrap(getattr(owner, name)))
+               for pairs, wrap in ((_CUDA_FP32, _in_fp32), (_CUDA_FP32_RESULT, _fp32_result))
+               for owner, name in pairs]
+    for owner, name, _, replacement in patched:
+        setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        for owner, name, original, _ in reversed(patched):
+            if original is None:
+                delattr(owner, name)  # inherited: uncover the base class's again
+            else:
+                setattr(owner, name, original)
+
+
 @contextlib.contextmanager
 def cuda_kernels() -> Iterator[None]:
-    """``F.scaled_dot_product_attention`` and ``F.dropout`` take their CUDA path for the duration."""
+    """``F.scaled_dot_product_attention`` and ``F.dropout`` take their CUDA path, and autocast CUDA's fp32
+    rules, for the duration."""
     saved = F.scaled_dot_product_attention, F.dropout
     F.scaled_dot_product_attention, F.dropout = cuda_sdpa, cuda_dropout
     try:
-        yield
+        with cuda_autocast_functions():
+            yield
     finally:
         F.scaled_dot_product_attention, F.dropout = saved

@@ -353,7 +353,9 @@ def _train_steps(built: Built, b: int, s: int, loop: str, batch: str, steps: int
                  outputs_fp32: bool = False, accum: int = 1, grad_sync: str = "every") -> None:
     import torch
 
-    _, autocast = _dtypes(built.variant.precision)
+    weights, autocast = _dtypes(built.variant.precision)
+    if outputs_fp32 and autocast is None and weights != torch.float32:
+        autocast = weights  # accelerate's mixed precision autocasts the forward over 16-bit weights too
     model, optimizer = built.model, built.optimizer
     if outputs_fp32:  # accelerate's own wrapper, as Accelerator.prepare_model applies it under mixed precision
         from accelerate.utils import convert_outputs_to_fp32

@@ -124,7 +124,8 @@ def patch_deepspeed(*, fake_pg: bool) -> None:
 
 
 def autocast_inside(model: torch.nn.Module, spec: RunSpec, device: torch.device) -> None:
-    """amp_*: run the model's own forward under ``torch.autocast``; an autocast around ``engine(**batch)`` is
+    """amp_* (and accelerate's mixed precision over 16-bit weights, ``TrainingSpec.forward_autocast``): run the
+    model's own forward under ``torch.autocast``; an autocast around ``engine(**batch)`` is
     switched off on GPUs. DeepSpeed's engine forward calls the module inside ``autocast_if_enabled``
     (deepspeed/runtime/torch_autocast.py), which, when a CUDA autocast is already on and the config has no
     ``torch_autocast`` section, enters ``torch.autocast("cuda", enabled=False)``: the step would run in fp32. (CPU
@@ -132,7 +133,7 @@ def autocast_inside(model: torch.nn.Module, spec: RunSpec, device: torch.device)
     makes ZeRO communicate Linear weights and gradients in 16 bits, not the amp program of the other methods."""
     from estimator.profiler.build import autocast_context, autocast_dtype
 
-    if autocast_dtype(spec.training.precision) is None:
+    if autocast_dtype(spec.training) is None:
         return
     forward = model.forward
 

@@ -31,6 +31,7 @@ def wrap(ctx: WrapContext) -> TorchTrainer:
     model = build_sharded(ctx, built, lambda m: wrap_model(m, ctx.spec, mesh, ctx.config, fake=ctx.fake_pg,
                                                            device=ctx.device))
     optimizer = build_optimizer(model.parameters(), built)
-    # Forward uses the spec's precision: autocast only for amp_* (mixed_* casts through the FSDP policy).
+    # Forward uses the spec's precision: autocast for amp_* and under accelerate's wrapper (outputs_fp32); mixed_*
+    # casts through the FSDP policy.
     no_sync = unsynced_micro_batch(model, ctx.spec.parallel.method, ctx.spec.training.grad_sync)
     return TorchTrainer(model, optimizer, ctx.spec.training, ctx.device, no_sync=no_sync)
