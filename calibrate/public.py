@@ -216,7 +216,8 @@ def _near_capacity(r: dict, s: Scored) -> bool:
 SHARDED = ("fsdp", "fsdp1", "zero1", "zero2", "zero3", "zero_offload")
 
 DIAGNOSES = [
-    (lambda r, s: r["qlora"] == "True" and r["attn"] == "sdpa" and s.err_pct > 0 and _repeats_kv_before_sdpa(r),
+    (lambda r, s: r["qlora"] == "True" and r["attn"] == "sdpa" and s.err_pct > 0 and _repeats_kv_before_sdpa(r)
+     and not _own_release(r, s),
      "version: peft's prepare_model_for_kbit_training makes the attention fp32; the source's transformers (< 4.54) "
      "repeated the grouped K/V heads before SDPA, so CUDA ran the memory-efficient kernel. transformers >= 4.54 "
      "with torch >= 2.5 passes enable_gqa instead, and fp32 with grouped-query heads then runs the math kernel, "

@@ -18,7 +18,7 @@ from estimator.models.params import buffer_bytes, expand_params, param_counts
 from estimator.models.profiles import adapters_in_16bit, traced_release, versions_note
 from estimator.models.tp_plans import check_tp
 from estimator.profiler.cache import load_model_profile
-from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
+from estimator.spec import FSDP_METHODS, ParallelSpec, RunSpec, TrainingSpec
 
 GIB = 1024**3
 COMPONENTS = ("weights", "buffers", "gradients", "optimizer_states", "master_weights", "activations", "outputs_held",
@@ -238,7 +238,7 @@ def _replay(model: methods.StepModel, segments: dict, num_layers: int, b: int, s
 
 
 def _grad_sync_note(spec: RunSpec) -> list[str]:
-    if spec.training.grad_accum_steps == 1 or spec.parallel.method not in ("fsdp", "fsdp1", "dp_tp"):
+    if spec.training.grad_accum_steps == 1 or spec.parallel.method not in FSDP_METHODS:
         return []
     if spec.training.grad_sync == "last":
         return ["grad_sync: last — every micro-batch but the last runs under no_sync (the HF Trainer, accelerate's "
@@ -252,7 +252,7 @@ def _micro_batches(spec: RunSpec) -> tuple:
     k = spec.training.grad_accum_steps
     if k == 1:
         return (False,)
-    if spec.training.grad_sync == "last" and spec.parallel.method in ("fsdp", "dp_tp", "fsdp1"):
+    if spec.training.grad_sync == "last" and spec.parallel.method in FSDP_METHODS:
         from estimator.methods.fsdp_replay import SYNCED_LAST, UNSYNCED_FIRST, UNSYNCED_LATER
 
         return (UNSYNCED_FIRST, UNSYNCED_LATER, SYNCED_LAST) if k > 2 else (UNSYNCED_FIRST, SYNCED_LAST)

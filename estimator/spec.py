@@ -18,6 +18,8 @@ SCHEMA_VERSION = 1
 METHODS = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp1", "tp", "dp_tp", "zero_offload")
 # Methods DeepSpeed runs; their bucket/prefetch settings live in ZeroSpec.
 ZERO_METHODS = ("zero1", "zero2", "zero3", "zero_offload")
+# FSDP shards (dp_tp: FSDP2 over the mesh's dp axis): what TrainingSpec.grad_sync changes and the methods share.
+FSDP_METHODS = ("fsdp", "fsdp1", "dp_tp")
 QLORA_UNSUPPORTED_METHODS = ("fsdp", "fsdp1", "tp", "dp_tp")
 # torch.distributed.fsdp.ShardingStrategy names (FSDP1); HYBRID_SHARD shards within a node, replicates across.
 FSDP1_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")

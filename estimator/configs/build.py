@@ -11,7 +11,7 @@ from typing import Any
 
 from estimator.configs.reading import SETTINGS, Reading, Setting
 from estimator.io.fsdp1_args import FSDP1_FLAGS
-from estimator.spec import Fsdp1Spec, ParallelSpec, RunSpec, TrainingSpec
+from estimator.spec import FSDP_METHODS, Fsdp1Spec, ParallelSpec, RunSpec, TrainingSpec
 
 SHARDED = ("fsdp", "fsdp1", "deepspeed")
 _FLAG_NAMES = {"world_size": "gpus"}
@@ -117,8 +117,8 @@ def spec_from_settings(settings: dict[str, Setting], report: ConfigReport) -> Ru
         lora_dropout=value("lora_dropout", 0.0) if value("lora_rank", 0) else 0.0, qlora=bool(value("qlora", False)),
         grad_accum_steps=value("grad_accum_steps", 1), loop=value("loop", "trainer"),
         # it changes nothing without accumulation or sharded gradients: left at its default there (same spec id)
-        grad_sync=value("grad_sync", "every") if value("grad_accum_steps", 1) > 1 and method in (
-            "fsdp", "fsdp1", "dp_tp") else "every",
+        grad_sync=value("grad_sync", "every") if value("grad_accum_steps", 1) > 1 and method in FSDP_METHODS
+        else "every",
         outputs_fp32=_outputs_fp32(settings, method, value))
     gpu = str(value("gpu", "h100-80gb", "no config names the GPU type; pass --gpu")).lower()
     tp = value("tp", 1) if "tp" in settings else (world if method == "tp" else 1)

@@ -20,7 +20,7 @@ from typing import Any
 
 from estimator.planning import throughput as tput
 from estimator.planning.shape import ModelShape, model_facts, model_shape
-from estimator.spec import Fsdp1Spec, ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
+from estimator.spec import FSDP_METHODS, Fsdp1Spec, ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
 
 GIB = 1024**3
 MAX_MICRO_BATCH = 4096          # search ceiling (reported as ">= cap" when reached)
@@ -283,7 +283,6 @@ class Plan:
 
 
 # --- the planner ----------------------------------------------------------------------------------------
-FSDP_METHODS = ("fsdp", "fsdp1", "dp_tp")  # the methods whose memory ``TrainingSpec.grad_sync`` changes
 
 @dataclass
 class _Context:
@@ -770,6 +769,9 @@ def _notes(ctx: _Context, result: Plan) -> list[str]:
         notes.append("lengths: each micro-batch's memory is the estimate at its epoch's worst batch; step time at "
                      "the epoch's mean padded length, tokens/s in real (unpadded) tokens")
     notes += _grad_sync_notes(ctx, result)
+    if best and best.micro_batch:  # which release's model code the plan describes, as each estimate says
+        est = ctx.estimate(best.candidate, best.micro_batch)
+        notes += [n for n in getattr(est, "notes", ()) if n.startswith("model code:")]
     return notes
 
 

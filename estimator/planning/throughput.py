@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from estimator.planning.shape import ModelShape, model_shape
+from estimator.spec import FSDP_METHODS
 
 SCHEMA_VERSION = 1
 
@@ -405,7 +406,7 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
     elif m in ("zero3", "fsdp", "fsdp1", "dp_tp") + ZERO3_OFFLOAD:   # dp_tp: FSDP2 over the dp axis of the mesh
         micro_comm = 3 * dp_link.time("all_gather", psi, dp, shape.layers + 1)
         parts["dp_gather_scatter"] = micro_comm * accum
-        overlap = OVERLAP["fsdp" if m in ("fsdp", "fsdp1", "dp_tp") else "zero3"] \
+        overlap = OVERLAP["fsdp" if m in FSDP_METHODS else "zero3"] \
             if setup.overlap_comm is not False else 0.0
         hidden_micro = overlap * compute_micro        # prefetch hides under forward and backward
     sharded = "fsdp" if m in ("dp_tp", "fsdp1") else ("zero3" if m in ZERO3_OFFLOAD else m)

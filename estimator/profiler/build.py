@@ -392,15 +392,14 @@ def as_on_gpu(batch: str = "full", training: TrainingSpec | None = None) -> Iter
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(cuda_composites())
-        if batch == "full":
-            stack.enter_context(full_length_attention_mask())
+        stack.enter_context(full_length_attention_mask(padded=batch != "full"))
         if training is not None and training.qlora and training.attn == "flash":
             stack.enter_context(flash_attention_2(param_dtype(training.precision)))
         yield
 
 
 @contextlib.contextmanager
-def full_length_attention_mask() -> Iterator[None]:
+def full_length_attention_mask(padded: bool = False) -> Iterator[None]:
     """Let transformers skip the 4-D attention mask for SDPA as it does on the GPU for our batch.
 
     The traced batch is ``synthetic_batch``: full length, ``attention_mask`` all ones. On real tensors
@@ -408,12 +407,16 @@ def full_length_attention_mask() -> Iterator[None]:
     memory-efficient kernels, ``enable_gqa`` instead of ``repeat_kv``). On fake tensors it cannot read the mask
     (``is_tracing`` is true for FakeTensor) and materialises a ``(b, 1, s, s)`` mask instead, which changes the
     SDPA path and adds per-layer mask copies. We tell it what the data would have told it: no padding.
+    ``padded``: the batch has padding, so the mask is kept (what transformers 5 concludes on fake tensors by
+    itself; older releases read the mask's values, which fake tensors do not have).
     """
     from torch._subclasses.fake_tensor import is_fake
 
     def make(orig):
         def ignore_causal_mask_sdpa(padding_mask, *args, **kwargs):
             if padding_mask is not None and is_fake(padding_mask):
+                if padded:
+                    return False
                 padding_mask = None  # all ones by construction (synthetic_batch)
             return orig(padding_mask, *args, **kwargs)
         return ignore_causal_mask_sdpa

@@ -15,6 +15,7 @@ from estimator.reserved.fsdp1 import fsdp1_setup, fsdp1_step, why_not_fsdp1
 from estimator.reserved.replay import ReservedReplay, replay_rank, replay_sequence
 from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocations
 from estimator.reserved.zero import why_not_zero, zero_setup, zero_step
+from estimator.spec import FSDP_METHODS
 
 # Each with gradient accumulation (estimator.reserved.accumulate): DDP under no_sync accumulates as one GPU does,
 # the buckets copied into only at the synchronising micro-step (no allocation); FSDP2 reduce-scatters every
@@ -46,7 +47,7 @@ def why_not(spec, regime: dict, num_layers: int) -> str | None:
         return "the profile has no event list (traced before event lists were kept)"
     if events.get("optimizer") != training.optimizer:
         return f"the profile's optimizer step was traced with {events.get('optimizer')}, not {training.optimizer}"
-    if (spec.parallel.method in ("fsdp", "fsdp1", "dp_tp") and training.grad_accum_steps > 1
+    if (spec.parallel.method in FSDP_METHODS and training.grad_accum_steps > 1
             and training.grad_sync == "last"):
         return "FSDP holding unsharded gradients between micro-batches (grad_sync last): not in the replay yet"
     if spec.parallel.method in ("fsdp", "fsdp1") and spec.parallel.world_size < 2:

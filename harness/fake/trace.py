@@ -20,10 +20,10 @@ from estimator.profiler.fake_pg import (
     fake_process_group,
     skip_dtensor_meta_propagation,
 )
-from estimator.spec import RunSpec
+from estimator.spec import FSDP_METHODS, RunSpec
 from harness.fake.counter import StorageCounter
 from harness.fake.wrap import (
-    FSDP_METHODS,
+    FSDP2_METHODS,
     TORCH_METHODS,
     build_method_optimizer,
     build_training,
@@ -33,7 +33,7 @@ from harness.fake.wrap import (
 from harness.methods.base import gradient_sync
 
 # FSDP2 allocates its optimizer state in step 1; FSDP1 also records the execution order its prefetching follows.
-STEADY_FROM_STEP_2 = (*FSDP_METHODS, "fsdp1")
+STEADY_FROM_STEP_2 = FSDP_METHODS
 _UNSUPPORTED_OPTIMIZERS = {"adamw_8bit": "bitsandbytes' 8-bit AdamW needs CUDA"}
 
 
@@ -206,8 +206,9 @@ def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: i
             stack.enter_context(counter)
             stack.enter_context(_skip_dtensor_meta_propagation(counter))
             if fake_tensors:  # CUDA's kernel choices, or the CPU's to compare with a real CPU run
-                stack.enter_context(as_on_gpu(training.batch) if kernels == "cuda" else full_length_attention_mask())
-            if method in FSDP_METHODS:
+                stack.enter_context(as_on_gpu(training.batch) if kernels == "cuda"
+                                    else full_length_attention_mask(padded=training.batch != "full"))
+            if method in FSDP2_METHODS:
                 stack.enter_context(_fsdp_tags(counter))
             if method == "fsdp1":
                 stack.enter_context(_fsdp1_tags(counter))
@@ -305,7 +306,7 @@ def _notes(spec: RunSpec, round_to: int) -> list[str]:
         notes.append("attn flash: traced with SDPA's CPU flash-style kernel (no S x S matrix)")
     if training.grad_ckpt:
         notes.append("grad_ckpt: recomputed activations are counted as Temp (created in backward)")
-    if method in FSDP_METHODS and training.precision.startswith("mixed_"):
+    if method in FSDP2_METHODS and training.precision.startswith("mixed_"):
         notes.append("fsdp mixed_*: fp32 sharded params + MixedPrecisionPolicy(param_dtype=16-bit, "
                      "reduce_dtype=fp32); AdamW steps the fp32 shards directly")
     return notes

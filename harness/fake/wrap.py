@@ -61,12 +61,12 @@ import torch
 from torch import nn
 
 from estimator.profiler.tp import OptimizerChain  # noqa: F401  (re-exported: it moved there)
-from estimator.spec import RunSpec, TrainingSpec
+from estimator.spec import FSDP_METHODS, RunSpec, TrainingSpec
 
-FSDP_METHODS = ("fsdp", "dp_tp")
+FSDP2_METHODS = ("fsdp", "dp_tp")
 TORCH_METHODS = ("single", "ddp", "fsdp", "fsdp1", "tp", "dp_tp")
 # Methods whose mixed_* precision is fp32 shards + a 16-bit compute policy (no MasterWeightOptimizer).
-SHARDED_MASTER_METHODS = ("fsdp", "fsdp1", "dp_tp")
+SHARDED_MASTER_METHODS = FSDP_METHODS
 
 
 def _fp32_variant(training: TrainingSpec) -> TrainingSpec:

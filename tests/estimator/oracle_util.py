@@ -19,7 +19,8 @@ def traced_peak_bytes(config: dict, training, kernels: str = "cuda") -> int:
         recorder.mark("start")  # params exist before: count from here, add them below
         held = build.HeldOutputs(training.loop, training.outputs_fp32)
         # a full-length batch as the GPU runs it (see the functions)
-        program = build.as_on_gpu(training.batch) if kernels == "cuda" else build.full_length_attention_mask()
+        program = build.as_on_gpu(training.batch) if kernels == "cuda" \
+            else build.full_length_attention_mask(padded=training.batch != "full")
         with program:
             for _ in range(2):
                 build.train_step(model, optimizer, batch, training, held=held)

@@ -116,3 +116,17 @@ def test_ship_lists_one_spec_per_profile_of_a_release(tmp_path):
         writer.writerows(rows)
     assert [s.training.micro_batch_size for s in specs_of_release(table, "4.45")] == [4]
     assert len(specs_of_release(table, "4.48")) == 1 and specs_of_release(table, "4.50") == []
+
+
+def test_the_plan_names_the_model_code_it_describes(tmp_path):
+    pytest.importorskip("torch")
+    from estimator.planning.plan import plan
+
+    from .test_matches_trace import TINY
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY["llama"]))
+    result = plan(str(path), gpus=1, gpu="h100-80gb", seq_len=64, methods=["single"], ckpt_options=(False,),
+                  model_code="3.9")
+    assert any(n.startswith("model code:") and "no profile of transformers 3.9's model code" in n
+               for n in result.notes)
