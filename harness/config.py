@@ -139,6 +139,7 @@ def to_run(cfg: DictConfig | dict[str, Any], *, gpu_key: str | None = None) -> t
     if training_fields.get("batch", "auto") == "auto":
         training_fields["batch"] = batch_kind(opts.data)
     training = _prefixed("training.", lambda: TrainingSpec(**training_fields))
+    _check_model_code(training.model_code)
     gpu = data.get("gpu") or "auto"
     if gpu == "auto":
         gpu = gpu_key or "auto"
@@ -149,6 +150,18 @@ def to_run(cfg: DictConfig | dict[str, Any], *, gpu_key: str | None = None) -> t
     if opts.emulated and spec.parallel.world_size < 2:
         raise ValueError("emulate.world_size: emulation needs a world size of at least 2")
     return spec, opts
+
+
+def _check_model_code(model_code: str) -> None:
+    """A run executes the installed transformers' model code: another release cannot be measured here."""
+    from estimator.models.profiles import installed_version
+    from estimator.spec import model_code_release
+
+    installed = installed_version("transformers") or ""
+    if model_code and model_code_release(model_code) != model_code_release(installed):
+        raise ValueError(f"training.model_code: {model_code} is not the installed transformers {installed}; a run "
+                         f"measures the installed release's model code (pip install 'transformers=="
+                         f"{model_code_release(model_code)}.*' to measure that one)")
 
 
 def batch_kind(data_opts) -> str:

@@ -137,3 +137,14 @@ def test_slurm_launchers_compose_with_the_gpu_count_of_the_launch():
     assert config.hydra.launcher.gpus_per_node == 4 and config.hydra.launcher.tasks_per_node == 1
     _, opts = to_run(compose("launcher=srun"))
     assert (opts.launcher.command, opts.launcher.nnodes) == ("srun", 1)
+
+
+def test_a_run_measures_the_installed_model_code_only():
+    from estimator.models.profiles import installed_version
+    from estimator.spec import model_code_release
+
+    release = model_code_release(installed_version("transformers"))
+    spec, _ = to_run(compose(f"training.model_code={release}"), gpu_key="cpu")
+    assert spec.training.model_code == release
+    with pytest.raises(ValueError, match=r"^training.model_code: 3.9 is not the installed transformers"):
+        to_run(compose("training.model_code=3.9"), gpu_key="cpu")
