@@ -14,6 +14,7 @@ from estimator.methods.fsdp1 import fsdp1
 from estimator.methods.timeline import Replay, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
 from estimator.models.memo import memo_by_owner
+from estimator.models.moe import moe_facts, moe_notes
 from estimator.models.params import buffer_bytes, expand_params, param_counts
 from estimator.models.profiles import adapters_in_16bit, traced_release, versions_note
 from estimator.models.tp_plans import check_tp
@@ -533,6 +534,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     notes += _grad_sync_note(spec)
     notes += _batch_note(spec.training, profile)
     notes += _layers_note(profile)
+    notes += moe_notes(moe_facts(arch.config, profile["params"], arch.num_layers, total))
     if "math" in profile.get("sdpa_backends", ()):
         notes.append("attention: CUDA runs SDPA's math kernel here (no flash or memory-efficient kernel takes these "
                      "inputs, e.g. fp32 attention with grouped-query heads, as QLoRA's fp32 hidden states give): "

@@ -769,9 +769,9 @@ def _notes(ctx: _Context, result: Plan) -> list[str]:
         notes.append("lengths: each micro-batch's memory is the estimate at its epoch's worst batch; step time at "
                      "the epoch's mean padded length, tokens/s in real (unpadded) tokens")
     notes += _grad_sync_notes(ctx, result)
-    if best and best.micro_batch:  # which release's model code the plan describes, as each estimate says
+    if best and best.micro_batch:  # the model code it describes and, for MoE, the experts and routing, as estimated
         est = ctx.estimate(best.candidate, best.micro_batch)
-        notes += [n for n in getattr(est, "notes", ()) if n.startswith("model code:")]
+        notes += [n for n in getattr(est, "notes", ()) if n.startswith(("model code:", "moe"))]
     return notes
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from estimator.models.arch import resolve_arch
+from estimator.models.moe import moe_facts
 from estimator.models.params import param_counts
 from estimator.profiler.cache import load_model_profile
 from estimator.spec import TrainingSpec
@@ -18,7 +19,8 @@ class ModelShape:
     """What the throughput model needs to know about a model."""
 
     params: int              # all parameters
-    matmul_params: int       # parameters used in a matmul (LM head included, input embedding excluded)
+    matmul_params: int       # parameters a token's matmuls use (LM head included, input embedding and the routed
+    #                          experts a token is not sent to excluded)
     layers: int
     hidden_size: int
     head_params: int = 0     # the LM head's matmul parameters (V x h, tied or not): replicated under TP
@@ -70,10 +72,11 @@ def model_shape(model: str, lora_rank: int = 0, lora_targets: str = "auto", *, p
     """The throughput model's view of ``model``. ``params`` / ``trainable`` come from an estimate (exact:
     the profiled parameter table, LoRA adapters included); otherwise they are counted here."""
     arch = model_facts(model)["arch"]
-    params = params or int(model_summary(model)["params"])
+    summary = model_summary(model)
+    params = params or int(summary["params"])
     vh = arch.vocab_size * arch.hidden_size
     positions = _position_params(arch)
-    matmul = params - positions - (0 if arch.tie_word_embeddings else vh)
+    matmul = params - positions - (0 if arch.tie_word_embeddings else vh) - summary["unrouted_expert_params"]
     replicated = vh + positions + (0 if arch.tie_word_embeddings else vh)
     if lora_rank:
         trainable = trainable or _lora_params(arch, lora_rank, lora_targets)
@@ -86,7 +89,11 @@ def model_summary(model: str) -> dict:
     """Architecture facts and parameter count of a model (catalogue name, config path or hub id)."""
     arch, profile = load_model_profile(model, TrainingSpec())
     total, _ = param_counts(profile["params"], arch.num_layers)
-    return {"name": arch.name, "model_type": arch.model_type, "params": total, "layers": arch.num_layers,
+    moe = moe_facts(arch.config, profile["params"], arch.num_layers, total)
+    # MoE: compute follows the experts a token is routed to (top-k of each layer's experts), not all of them
+    unrouted = total - moe.active_params if moe and moe.active_params is not None else 0
+    return {"name": arch.name, "model_type": arch.model_type, "params": total, "unrouted_expert_params": unrouted,
+            "layers": arch.num_layers,
             "hidden_size": arch.hidden_size, "vocab_size": arch.vocab_size, "num_heads": arch.num_heads,
             "num_kv_heads": arch.num_kv_heads, "ffn_size": arch.ffn_size, "max_positions": arch.max_positions,
             "tie_word_embeddings": arch.tie_word_embeddings}

@@ -57,7 +57,9 @@ def with_num_layers(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
 def hf_config(config: dict[str, Any], training: TrainingSpec):
     from transformers import AutoConfig
 
-    config = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version")}
+    # a deep copy: transformers rewrites nested settings in place (rope_scaling's "type" -> "rope_type"), and the
+    # caller's dict is the architecture's, whose fingerprint keys the profile
+    config = {k: copy.deepcopy(v) for k, v in config.items() if k not in ("_name_or_path", "transformers_version")}
     model_type = config.pop("model_type")
     cfg = AutoConfig.for_model(model_type, **config)
     cfg.use_cache = False

@@ -168,7 +168,8 @@ def build(config: dict[str, Any], variant: Variant, lr: float = 1e-5, *, fake: b
 
     if variant.precision not in PRECISIONS:
         raise ValueError(f"precision: {variant.precision!r} is not one of {', '.join(PRECISIONS)}")
-    fields = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version", "architectures")}
+    fields = {k: copy.deepcopy(v) for k, v in config.items()  # transformers rewrites nested settings in place
+              if k not in ("_name_or_path", "transformers_version", "architectures")}
     model_type = fields.pop("model_type")
     hf_config = AutoConfig.for_model(model_type, **fields)
     hf_config.use_cache = False

@@ -1,0 +1,92 @@
+"""Mixture-of-experts facts for an estimate: how many routed experts each MoE layer has, how many a token visits,
+and the experts' share of the parameters (read from the profile's parameter table, so every family's naming of
+its expert tensors counts the same way). Pure standard library.
+
+Routing and memory: transformers runs the routed experts dropless (``integrations/moe.py``: grouped_mm over the
+tokens x top-k rows sorted by expert; the eager path loops over the experts hit, whose rows also sum to tokens x
+top-k). What the step saves for backward therefore has static shapes, whatever the router picks: on one device a
+skewed routing changes the per-expert split of those rows, not their bytes. Expert parallelism, where a rank's
+buffers follow the busiest expert, is not modelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from estimator.models.params import layer_rows
+
+_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k")
+_SHARED_COUNT_KEYS = ("n_shared_experts", "num_shared_experts")
+
+
+@dataclass(frozen=True)
+class MoeFacts:
+    experts: int            # routed experts per MoE layer
+    top_k: int | None       # experts each token is routed to
+    shared: str             # what is always active besides them ("" when nothing)
+    moe_layers: int
+    num_layers: int
+    expert_params: int      # the routed experts' parameters, every layer
+    total_params: int
+
+    @property
+    def active_params(self) -> int | None:
+        """Parameters a token passes through: everything but the experts it is not routed to."""
+        if not self.top_k:
+            return None
+        return self.total_params - self.expert_params + self.expert_params * self.top_k // self.experts
+
+
+def _first_int(config: dict, keys: tuple[str, ...]) -> int | None:
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def is_routed_expert(name: str) -> bool:
+    """A routed expert's tensor (``mlp.experts.gate_up_proj``, ``block_sparse_moe.experts.3.w1.weight``), not a
+    shared expert's (``mlp.shared_experts.*``, ``mlp.shared_expert.*``) nor the router's."""
+    return ".experts." in f".{name}"
+
+
+def _shared(config: dict) -> str:
+    count = _first_int(config, _SHARED_COUNT_KEYS)
+    if count:
+        return f"{count} shared expert{'s' if count > 1 else ''}"
+    if config.get("shared_expert_intermediate_size"):
+        return "a shared expert"
+    return ""
+
+
+def moe_facts(config: dict, params: dict, num_layers: int, total_params: int) -> MoeFacts | None:
+    """None for a dense model (no routed experts in the config or the parameter table)."""
+    experts = _first_int(config, _EXPERT_COUNT_KEYS)
+    if not experts or experts < 2:
+        return None
+    rows = layer_rows(params, num_layers)
+    per_layer = [sum(r["numel"] for r in layer if is_routed_expert(r["name"])) for layer in rows]
+    if not any(per_layer):
+        return None
+    return MoeFacts(experts=experts, top_k=_first_int(config, _TOP_K_KEYS), shared=_shared(config),
+                    moe_layers=sum(1 for n in per_layer if n), num_layers=num_layers,
+                    expert_params=sum(per_layer), total_params=total_params)
+
+
+def moe_notes(facts: MoeFacts | None) -> list[str]:
+    if facts is None:
+        return []
+    visits = f", {facts.top_k} per token" if facts.top_k else ""
+    shared = f", plus {facts.shared}" if facts.shared else ""
+    active = (f"; a token passes through {facts.active_params / 1e9:.2f} B"
+              if facts.active_params is not None else "")
+    return [f"moe: {facts.experts} routed experts in {facts.moe_layers} of {facts.num_layers} layers{visits}{shared}; "
+            f"they hold {facts.expert_params / 1e9:.2f} B of the {facts.total_params / 1e9:.2f} B parameters "
+            f"({100 * facts.expert_params / facts.total_params:.1f} %, stored, gradients and optimizer states alike "
+            f"for full fine-tuning){active}",
+            "moe routing: dropless, as transformers runs the experts (every token's top-k rows, sorted by expert): "
+            "what backward keeps has the same bytes however balanced the router is, so this estimate holds for "
+            "balanced and skewed routing on one device; expert parallelism (per-rank buffers that follow the "
+            "busiest expert) is not modelled"]

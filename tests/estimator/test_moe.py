@@ -1,0 +1,143 @@
+"""Mixture-of-experts: the experts' share and the routing assumption in the estimate, and the claim behind it
+(dropless experts save the same bytes however the router spreads the tokens), checked on a real CPU run."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from estimator.models.moe import is_routed_expert, moe_facts, moe_notes
+
+TINY_QWEN3_MOE = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+                             / "qwen3_moe_tiny.json").read_text())
+
+
+def test_routed_expert_tensors_are_told_from_shared_experts_and_routers():
+    assert is_routed_expert("mlp.experts.gate_up_proj")
+    assert is_routed_expert("block_sparse_moe.experts.3.w1.weight")
+    assert is_routed_expert("experts.down_proj")
+    for name in ("mlp.shared_experts.gate_proj.weight", "mlp.shared_expert.up_proj.weight", "mlp.gate.weight",
+                 "self_attn.q_proj.weight"):
+        assert not is_routed_expert(name)
+
+
+def _row(name: str, numel: int) -> dict:
+    return {"name": name, "numel": numel, "trainable": True}
+
+
+def test_moe_facts_from_the_parameter_table():
+    dense = [_row("mlp.up_proj.weight", 100)]
+    moe = [_row("mlp.gate.weight", 8), _row("mlp.experts.gate_up_proj", 800), _row("mlp.experts.down_proj", 400)]
+    params = {"per_layer": moe, "layer_kinds": {"rows": {"dense": dense, "moe": moe},
+                                               "of_layer": ["dense", "moe", "moe"]}}
+    config = {"num_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1}
+    facts = moe_facts(config, params, 3, total_params=5000)
+    assert (facts.experts, facts.top_k, facts.moe_layers, facts.expert_params) == (8, 2, 2, 2400)
+    assert facts.active_params == 5000 - 2400 + 600
+    note, routing = moe_notes(facts)
+    assert note.startswith("moe: 8 routed experts in 2 of 3 layers, 2 per token, plus 1 shared expert;")
+    assert "48.0 %" in note and routing.startswith("moe routing: dropless")
+    assert moe_facts({"hidden_size": 8}, params, 3, 5000) is None  # a dense config
+    assert moe_facts(config, {"per_layer": dense}, 3, 300) is None  # no expert tensors
+
+
+CATALOGUE_TOTALS_B = {  # published totals, billions of parameters
+    "mistralai/Mixtral-8x7B-v0.1": 46.7, "Qwen/Qwen1.5-MoE-A2.7B": 14.3, "Qwen/Qwen3-30B-A3B": 30.5,
+    "deepseek-ai/DeepSeek-V2-Lite": 15.7, "allenai/OLMoE-1B-7B-0924": 6.9,
+}
+
+
+@pytest.mark.parametrize("model", list(CATALOGUE_TOTALS_B))
+def test_catalogue_moe_models_under_fsdp_on_8_gpus(model):
+    """Shipped profiles: no torch. The parameter count is the published one; the notes give the experts' share and
+    the routing assumption."""
+    from estimator.api import estimate
+    from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
+
+    spec = RunSpec(model=model, gpu="h100-80gb", parallel=ParallelSpec(method="fsdp", world_size=8),
+                   training=TrainingSpec(seq_len=2048, grad_ckpt=True))
+    est = estimate(spec, allow_build=False)
+    assert est.params / 1e9 == pytest.approx(CATALOGUE_TOTALS_B[model], abs=0.05)
+    assert any(n.startswith("moe: ") for n in est.notes)
+    assert any(n.startswith("moe routing: dropless") for n in est.notes)
+
+
+def test_dense_models_get_no_moe_note():
+    from estimator.api import estimate
+    from estimator.spec import RunSpec
+
+    assert not any(n.startswith("moe") for n in estimate(RunSpec(), allow_build=False).notes)
+
+
+def _force_routing(model, pick) -> None:
+    """Every router returns ``pick(tokens, top_k, experts)`` as its choice of experts."""
+    def hook(module, _inputs, output):
+        logits, weights, _ = output
+        return logits, weights, pick(logits.shape[0], weights.shape[-1], module.num_experts).to(logits.device)
+
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    assert routers
+    for router in routers:
+        router.register_forward_hook(hook)
+
+
+def test_balanced_and_skewed_routing_keep_the_same_bytes_on_a_real_cpu_run():
+    """The routing claim of ``estimator.models.moe``: a real CPU run (every live storage counted after every
+    operator, ``harness.fake.live_storage``) of the tiny Qwen3-MoE config with every router forced to spread the
+    tokens evenly, then to send every token to the same top-k experts."""
+    import torch
+
+    from harness.fake import live_storage
+    from harness.fake import memtracker as mt
+
+    def balanced(tokens, k, experts):
+        return (torch.arange(tokens)[:, None] * k + torch.arange(k)[None, :]) % experts
+
+    def skewed(tokens, k, experts):
+        return torch.arange(k)[None, :].expand(tokens, k).contiguous()
+
+    peaks = {}
+    for name, pick in (("balanced", balanced), ("skewed", skewed)):
+        torch.manual_seed(0)
+        built = mt.build(TINY_QWEN3_MOE, mt.Variant(precision="fp32", attn="eager", kernels="cpu"), fake=False)
+        _force_routing(built.model, pick)
+        peaks[name] = live_storage.peak_bytes(built, 2, 128)
+    assert peaks["balanced"] == peaks["skewed"]
+
+
+def test_building_a_model_leaves_the_architecture_s_config_as_it_was():
+    """transformers rewrites nested settings in place (DeepSeek-V2-Lite's rope_scaling "type" -> "rope_type"):
+    the profile's key, the config's fingerprint, must not change between two builds of one process."""
+    pytest.importorskip("torch")
+    from estimator.models.arch import resolve_arch
+    from estimator.profiler.build import hf_config
+    from estimator.spec import TrainingSpec
+
+    arch = resolve_arch("deepseek-ai/DeepSeek-V2-Lite")
+    before = arch.config_sha
+    hf_config(arch.config, TrainingSpec())
+    assert arch.config_sha == before
+
+
+def test_every_shipped_catalogue_profile_is_keyed_by_its_model_s_fingerprint():
+    from estimator.models.arch import resolve_arch
+
+    profiles = Path(__file__).resolve().parents[2] / "estimator" / "profiles"
+    shas: dict[str, str] = {}
+    for path in sorted(profiles.glob("*.json")):
+        model = json.loads(path.read_text()).get("model")
+        if model:
+            shas.setdefault(model, resolve_arch(model).config_sha)
+            assert path.name.startswith(shas[model] + "_"), path.name
+
+
+def test_the_plan_counts_a_token_s_compute_through_its_routed_experts_only():
+    """Mixtral-8x7B: 46.7 B parameters, of which a token's matmuls use about 12.9 B (2 of 8 experts per layer, the
+    LM head; not the input embedding): FLOPs per token follow those."""
+    from estimator.planning.shape import model_shape
+
+    shape = model_shape("mistralai/Mixtral-8x7B-v0.1")
+    assert shape.params / 1e9 == pytest.approx(46.70, abs=0.01)
+    assert shape.matmul_params / 1e9 == pytest.approx(12.88 - 32000 * 4096 / 1e9, abs=0.01)
+    dense = model_shape("mistralai/Mistral-7B-v0.1")
+    assert dense.matmul_params == dense.params - 32000 * 4096
