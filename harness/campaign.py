@@ -255,11 +255,13 @@ def composer() -> Any:
 def _plain_model_choice(overrides: list[Any]) -> Path | None:
     """``conf/model/<choice>.yaml`` when the job picks a model with a plain ``model=<choice>`` and both that file
     and the job's experiment make the shortcut exact (the model file: no defaults list, no package header; the
-    experiment: no ``model`` node of its own). Hydra merges such a group file into ``model`` and nothing else, so
+    experiment: no ``model`` node of its own; the job: no ``model.<key>`` override). Hydra merges such a group file into ``model`` and nothing else, so
     merging it over the schema defaults gives the same config, and the chunk needs one composition per
     (experiment, method, ...) instead of one per model too (each Hydra composition costs ~0.2-0.7 s)."""
     choice = experiment = None
     for o in overrides:
+        if o.key_or_group.startswith("model."):  # merged after them, the group file would undo them
+            return None
         if o.package is not None or o.is_add() or o.is_delete() or o.is_force_add():
             continue
         if o.key_or_group == "model":

@@ -83,7 +83,7 @@ def test_chunk_points_are_valid_specs(name, tmp_path):
 
 
 def test_model_shortcut_composes_what_hydra_composes(tmp_path):
-    jobs = [j for c in CHUNKS if c.name in ("a1_core_small", "b1_emulated_llama1b", "c1_paper_table2", "d1_lora")
+    jobs = [j for c in CHUNKS if c.name in ("a1_core_small", "b1_emulated_llama1b", "c1_paper_table2", "d1_lora", "m1_moe")
             for j in covering(campaign.expand_chunk(c))[:2]]
     plain = JobComposer("measure")
     from harness.config import to_run
