@@ -4,6 +4,7 @@ out now with torch, once (``estimator.profiler.profile``), or an older cached on
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import replace
 
@@ -65,5 +66,35 @@ def load_model_profile(model: str, training: TrainingSpec, tp: int = 1, *, allow
     """The architecture and its profile; ``tp > 1``: the profile of one rank of the ``tp``-way TP model (local
     shards in its parameter table, replicated parts and full logits in its activations)."""
     arch = cached_arch(model)
-    return arch, get_profile(arch.config, arch.config_sha, training, allow_build=allow_build, tp=tp,
-                             adapters_16bit=adapters_16bit)
+    profile = get_profile(arch.config, arch.config_sha, training, allow_build=allow_build, tp=tp,
+                          adapters_16bit=adapters_16bit)
+    return arch, with_layer_kinds_at_depth(profile, arch, training, allow_build=allow_build)
+
+
+def with_layer_kinds_at_depth(profile: dict, arch: ModelArch, training: TrainingSpec, *,
+                              allow_build: bool = True) -> dict:
+    """The profile with its layer kinds for ``arch``'s depth. One profile serves every depth of an architecture
+    (``config_fingerprint`` leaves the depth out), but which layers are dense and which hold experts was recorded
+    for the depth traced first. transformers picks each layer's kind from its index (``first_k_dense_replace``,
+    ``mlp_only_layers``, ``decoder_sparse_step``, ``moe_layer_freq``), so a shallower model's kinds are the first
+    layers' kinds; a deeper one's are read off a meta-device build (torch, once per process)."""
+    kinds = profile["params"].get("layer_kinds")
+    if not kinds or len(kinds["of_layer"]) == arch.num_layers:
+        return profile
+    if arch.num_layers < len(kinds["of_layer"]):
+        of_layer = kinds["of_layer"][:arch.num_layers]
+        kinds = {"rows": kinds["rows"], "of_layer": of_layer}
+    elif not allow_build:
+        raise ValueError(f"model: which of its {arch.num_layers} layers hold experts was recorded for "
+                         f"{len(kinds['of_layer'])} layers only; reading it off the model needs torch and "
+                         "transformers (pip install '.[profile]')")
+    else:
+        kinds = _deeper_layer_kinds(json.dumps(arch.config, sort_keys=True), training)
+    return {**profile, "params": {**profile["params"], "layer_kinds": kinds}}
+
+
+@functools.lru_cache(maxsize=16)
+def _deeper_layer_kinds(config_json: str, training: TrainingSpec) -> dict:
+    from estimator.profiler.profile import full_depth_layer_kinds
+
+    return full_depth_layer_kinds(json.loads(config_json), training)

@@ -122,3 +122,26 @@ def test_the_plan_counts_a_token_s_compute_through_its_routed_experts_only():
     assert shape.matmul_params / 1e9 == pytest.approx(12.88 - 32000 * 4096 / 1e9, abs=0.01)
     dense = model_shape("mistralai/Mistral-7B-v0.1")
     assert dense.matmul_params == dense.params - 32000 * 4096
+
+
+def test_a_shallower_config_keeps_its_own_dense_first_layer():
+    """One profile serves every depth of an architecture; which layers hold experts is the depth's own. The H100
+    ran DeepSeek-V2-Lite's first 3 layers (a dense layer, then 2 MoE layers): 1,670,135,296 parameters as
+    transformers builds it, not 3 MoE layers' worth."""
+    from estimator.api import estimate
+    from estimator.spec import RunSpec
+
+    est = estimate(RunSpec(model="harness/assets/models/deepseek-v2-lite-3l.json"), allow_build=False)
+    assert est.params == 1_670_135_296
+    assert any("in 2 of 3 layers" in n for n in est.notes)
+
+
+def test_a_deeper_config_than_recorded_asks_for_torch_without_it(tmp_path):
+    from estimator.api import estimate
+    from estimator.spec import RunSpec
+
+    config = json.loads(Path("harness/assets/models/deepseek-v2-lite-3l.json").read_text())
+    path = tmp_path / "deeper.json"
+    path.write_text(json.dumps({**config, "num_hidden_layers": 40}))
+    with pytest.raises(ValueError, match="recorded for 27 layers only"):
+        estimate(RunSpec(model=str(path)), allow_build=False)
