@@ -22,7 +22,7 @@ from calibrate import data as D
 from calibrate.export import git_state
 from calibrate.fit import LEVELS, level_metrics
 from calibrate.terms import analytic_terms, predict, replayed_levels
-from estimator.columns import spec_from_columns
+from estimator.columns import measured_spec_from_columns
 from estimator.hardware.residuals import Coefficients, load_coefficients
 
 GIB = 1024**3
@@ -169,7 +169,7 @@ def table2(rows: pd.DataFrame, coeffs: dict[str, Coefficients]) -> pd.DataFrame:
         if "spec_id" in rows else pd.DataFrame()
     out = []
     for _, row in best.iterrows():
-        spec = spec_from_columns(row.to_dict())
+        spec = measured_spec_from_columns(row.to_dict())
         started = time.perf_counter()
         estimate(spec, coeffs[row["gpu_key"]], allow_build=False)
         ours_ms = (time.perf_counter() - started) * 1e3

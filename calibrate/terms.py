@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pandas as pd
 
 from estimator.api import Estimate, RankEstimate, estimate
-from estimator.columns import spec_from_columns
+from estimator.columns import measured_spec_from_columns
 from estimator.hardware import residuals
 from estimator.hardware.residuals import Coefficients
 from estimator.models.arch import resolve_arch
@@ -42,7 +42,7 @@ def rank_estimates(rows: pd.DataFrame, coeffs: Coefficients, *, allow_build: boo
         if progress:
             progress(n, total)
         try:
-            spec = spec_from_columns(row.to_dict())
+            spec = measured_spec_from_columns(row.to_dict())
         except (ValueError, TypeError, KeyError) as err:
             out.append(f"spec: {err}")
             continue

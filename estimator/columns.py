@@ -69,6 +69,24 @@ def spec_from_columns(row: dict[str, Any]) -> RunSpec:
                    training=TrainingSpec(**typed(TrainingSpec, "")))
 
 
+def measured_spec_from_columns(row: dict[str, Any]) -> RunSpec:
+    """The spec a measured row ran, model code included. The harness leaves ``model_code`` empty (the installed
+    transformers ran) and records that release in ``transformers_version``; where it is not the release installed
+    here, the estimate must trace that release's model code (CodeGen, for one, took eager attention before 5.24
+    and SDPA since), so the row's spec names it."""
+    spec = spec_from_columns(row)
+    ran = parse_cell(row.get("transformers_version"), "")
+    if spec.training.model_code or not ran:
+        return spec
+    from estimator.models.profiles import installed_version
+    from estimator.spec import model_code_release
+
+    installed = installed_version("transformers")
+    if installed and model_code_release(str(ran)) == model_code_release(installed):
+        return spec
+    return dataclasses.replace(spec, training=dataclasses.replace(spec.training, model_code=str(ran)))
+
+
 def _int(value: Any) -> int:
     value = parse_cell(value, 0)
     if value is None:

@@ -54,6 +54,30 @@ class FsdpSizes:
     # into which a later micro-batch's gradient is added as soon as it is made
     held_is_copy: bool = True
     largest_grad_bytes: float = 0.0   # one parameter's unsharded gradient, compute dtype
+    # Each decoder layer's own group sizes where layers are not all alike (a dense first layer before expert
+    # layers); empty: every layer is the one described above.
+    layers: tuple[LayerGroup, ...] = ()
+
+    def layer(self, index: int | None) -> LayerGroup:
+        if self.layers and index is not None:
+            return self.layers[index]
+        return LayerGroup(self.layer_bytes, self.layer_gather_bytes, self.layer_rs_in_bytes,
+                          self.layer_rs_out_bytes, self.layer_held_bytes)
+
+    def sum_layers(self, num_layers: int, field: str) -> float:
+        if self.layers:
+            return sum(getattr(group, field) for group in self.layers)
+        return num_layers * getattr(self.layer(None), field)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+    """One decoder layer's FSDP2 group (the fields of ``FsdpSizes`` named ``layer_*``)."""
+    bytes: float
+    gather_bytes: float
+    rs_in_bytes: float
+    rs_out_bytes: float
+    held_bytes: float = 0.0
 
 
 Event = Callable[[dict], bool]  # mutates the state; True when the state can be a new peak (it grew)
@@ -102,43 +126,57 @@ def _group_post_backward(rs_in: float, rs_out: float, held: float, grads: str, m
     return _reduce_scatter(rs_in, rs_out, grads, micro == LATER)
 
 
-def _post_backward(sz: FsdpSizes, micro: str) -> list[Event]:
+def _post_backward(group: LayerGroup, micro: str) -> list[Event]:
     """A finished layer: reshard, free the previous reduce-scatter input, reduce-scatter this layer's grads
     (or keep them: ``_group_post_backward``)."""
     return [set_part("layer_params", lambda st: 0.0),
-            *_group_post_backward(sz.layer_rs_in_bytes, sz.layer_rs_out_bytes, sz.layer_held_bytes, "layer_grads",
-                                  micro)]
+            *_group_post_backward(group.rs_in_bytes, group.rs_out_bytes, group.held_bytes, "layer_grads", micro)]
 
 
-def _pre_backward(sz: FsdpSizes, prefetch: bool) -> list[Event]:
-    events = [set_part("layer_params", lambda st: sz.layer_bytes), set_part("gather", lambda st: 0.0)]
-    if prefetch:
-        events.append(set_part("gather", lambda st: sz.layer_gather_bytes))
+def _pre_backward(group: LayerGroup, prefetched: LayerGroup | None) -> list[Event]:
+    events = [set_part("layer_params", lambda st: group.bytes), set_part("gather", lambda st: 0.0)]
+    if prefetched is not None:
+        events.append(set_part("gather", lambda st: prefetched.gather_bytes))
     return events
 
 
-def _boundary_events(name: str, num_layers: int, sz: FsdpSizes, micro: str) -> list[Event]:
-    """FSDP2 events at the start of a profile segment (its layer's pre-hook, or the previous one's post-hook)."""
+def segment_layer(name: str, k: int, num_layers: int) -> int | None:
+    """The decoder layer of the ``k``-th instance of a profile segment (None: outside the layers)."""
+    return {"fw_first": 0, "fw": 1 + k, "fw_last": num_layers - 1, "bw_first": num_layers - 1,
+            "bw": num_layers - 2 - k, "bw_last": 0}.get(name)
+
+
+def _boundary_events(name: str, num_layers: int, sz: FsdpSizes, micro: str, index: int | None = None
+                     ) -> list[Event]:
+    """FSDP2 events at the start of a profile segment (its layer's pre-hook, or the previous one's post-hook);
+    ``index``: the segment's layer (None: the generic layer, every layer alike)."""
+    def near(offset: int) -> LayerGroup:  # the layer ``offset`` away from this one
+        return sz.layer(None if index is None else index + offset)
+
+    here = sz.layer(index)
     if name == "prefix":
         return [set_part("gather", lambda st: sz.root_gather_bytes), set_part("root_params", lambda st: sz.root_bytes)]
     if name == "fw_first":
-        return [set_part("gather", lambda st: sz.root_gather_bytes + sz.layer_gather_bytes),
-                set_part("layer_params", lambda st: sz.layer_bytes),
-                set_part("gather", lambda st: sz.layer_gather_bytes)]
+        return [set_part("gather", lambda st: sz.root_gather_bytes + here.gather_bytes),
+                set_part("layer_params", lambda st: here.bytes),
+                set_part("gather", lambda st: here.gather_bytes)]
     if name in FORWARD_LAYER:
+        previous = near(-1)
         return [set_part("layer_params", lambda st: 0.0),
-                set_part("gather", lambda st: 2 * sz.layer_gather_bytes),
-                set_part("layer_params", lambda st: sz.layer_bytes),
-                set_part("gather", lambda st: sz.layer_gather_bytes)]
+                set_part("gather", lambda st: previous.gather_bytes + here.gather_bytes),
+                set_part("layer_params", lambda st: here.bytes),
+                set_part("gather", lambda st: here.gather_bytes)]
     if name == "mid_fw":
         return [set_part("layer_params", lambda st: 0.0)]
     if name == "mid_bw":  # root post-forward frees the last gather; backward's first prefetch re-gathers it
-        return [set_part("gather", lambda st: 0.0), set_part("gather", lambda st: sz.layer_gather_bytes)]
+        last = sz.layer(None if not sz.layers else num_layers - 1)
+        return [set_part("gather", lambda st: 0.0), set_part("gather", lambda st: last.gather_bytes)]
     if name in BACKWARD_LAYER:
         first = name == "bw_first" or num_layers == 1
-        return ([] if first else _post_backward(sz, micro)) + _pre_backward(sz, prefetch=name != "bw_last")
+        prefetched = near(-1) if name != "bw_last" else None
+        return ([] if first else _post_backward(near(+1), micro)) + _pre_backward(here, prefetched)
     if name == "suffix":
-        return _post_backward(sz, micro)
+        return _post_backward(sz.layer(None if not sz.layers else 0), micro)
     raise ValueError(f"fsdp: unknown profile segment {name!r}")
 
 
@@ -217,12 +255,17 @@ def replay_fsdp(segments: dict, num_layers: int, b: int, s: int, sizes: FsdpSize
     act = 0.0
     state = dict.fromkeys(BUFFERS + GRADS, 0.0)
     if micro == LATER:
-        state["grad_shards"] = num_layers * sizes.layer_rs_out_bytes + sizes.root_rs_out_bytes
+        state["grad_shards"] = sizes.sum_layers(num_layers, "rs_out_bytes") + sizes.root_rs_out_bytes
     elif micro in (UNSYNCED_LATER, SYNCED_LAST):
-        state["held_grads"] = num_layers * sizes.layer_held_bytes + sizes.root_held_bytes
+        state["held_grads"] = sizes.sum_layers(num_layers, "held_bytes") + sizes.root_held_bytes
     for name, repeats in segment_sequence(num_layers):
-        events = _boundary_events(name, num_layers, sizes, micro)
-        act, state = walk.repeat(name, segments[name], events, act, state, repeats)
+        if not sizes.layers:  # every layer alike: the repetitions extrapolate
+            events = _boundary_events(name, num_layers, sizes, micro)
+            act, state = walk.repeat(name, segments[name], events, act, state, repeats)
+            continue
+        for k in range(repeats):
+            events = _boundary_events(name, num_layers, sizes, micro, segment_layer(name, k, num_layers))
+            act, state = walk.segment(name, segments[name], events, act, state)
     for event in _root_post_backward(sizes, micro):
         if event(state):
             walk.consider(act, state, "suffix")

@@ -161,7 +161,7 @@ def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
     """FSDP2 ``fully_shard`` per decoder layer then root; mixed_*: fp32 sharded params, 16-bit compute,
     fp32 gradient reduction (MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)). The step's
     buffers are replayed event by event (``estimator.methods.fsdp_replay``)."""
-    from estimator.methods.fsdp_replay import FsdpSizes, replay_fsdp
+    from estimator.methods.fsdp_replay import FsdpSizes, LayerGroup, replay_fsdp
 
     training = spec.training
     world = spec.parallel.world_size
@@ -180,12 +180,22 @@ def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
     def held(params: list[ParamInfo]) -> float:  # unsharded, unpadded, in the reduce dtype
         return float(sum(p.numel * shard_elem(p) for p in _trainable(params)))
 
+    def group(params: list[ParamInfo]) -> LayerGroup:
+        unsharded, gather, rs_in = _fsdp_group_sizes(params, world, shard_elem)
+        return LayerGroup(unsharded, gather, rs_in, rs_in / world, held(params))
+
+    by_layer: dict[int, list[ParamInfo]] = {}
+    for p in table:
+        if p.layer is not None:
+            by_layer.setdefault(p.layer, []).append(p)
+    groups = tuple(group(by_layer[i]) for i in sorted(by_layer))
     sizes = FsdpSizes(root_bytes=root_bytes, root_gather_bytes=root_gather, layer_bytes=layer_bytes,
                       layer_gather_bytes=layer_gather, layer_rs_in_bytes=layer_rs,
                       layer_rs_out_bytes=layer_rs / world, root_rs_in_bytes=root_rs,
                       root_rs_out_bytes=root_rs / world, layer_held_bytes=held(layer), root_held_bytes=held(root),
                       held_is_copy=mixed,
-                      largest_grad_bytes=float(max((p.nbytes for p in _trainable(table)), default=0)))
+                      largest_grad_bytes=float(max((p.nbytes for p in _trainable(table)), default=0)),
+                      layers=groups if len(set(groups)) > 1 else ())
     resident = {"weights": float(sum(_shard_rows(p, world) * shard_elem(p) for p in table)),
                 "optimizer_states": optimizer_state_bytes(trainable_shard, training.optimizer, False)}
     return StepModel(resident=resident, grad_policy=_full, segment_extra=None,

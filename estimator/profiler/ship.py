@@ -2,7 +2,7 @@
 
     python -m estimator.profiler.ship [--models NAME ...] [--variants KEY ...] [--tp 1 2 4 ...] [--events]
                                       [--out DIR]
-    python -m estimator.profiler.ship --rows data/public/measurements.csv [--out DIR]
+    python -m estimator.profiler.ship --rows data/public/measurements.csv [--models NAME ...] [--out DIR]
 
 Variants are TrainingSpec field sets; a profile already present (current schema) is skipped, so the command resumes.
 ``--rows``: the profiles a measurement table's rows ask for with ``model_code`` equal to the transformers release
@@ -78,18 +78,28 @@ def carry_over_shipped(directory: Path, *, events: bool = False, models: list[st
     return 0
 
 
-def specs_of_release(rows_csv: Path, release: str) -> list[RunSpec]:
-    """The complete, in-scope rows' specs whose ``model_code`` is ``release`` (major.minor), one per profile."""
+def specs_of_release(rows_csv: Path, release: str, models: list[str] | None = None) -> list[RunSpec]:
+    """The rows' specs whose model code is ``release`` (major.minor), one per profile: a published table's
+    complete, in-scope rows by their ``model_code``; a harness table's (no ``complete`` column) by the
+    ``transformers_version`` that ran, which becomes the spec's ``model_code``. ``models``: only these."""
     with rows_csv.open(newline="") as fh:
-        rows = [r for r in csv.DictReader(fh) if r.get("complete") == "True" and r.get("in_scope") == "True"
-                and model_code_release(r.get("model_code") or "") == release]
+        rows = list(csv.DictReader(fh))
     specs: dict[str, RunSpec] = {}
     for row in rows:
+        published = "complete" in row
+        code = row.get("model_code") or "" if published else row.get("transformers_version") or ""
+        if model_code_release(code) != release or (published and not (
+                row.get("complete") == "True" and row.get("in_scope") == "True")):
+            continue
         try:
             spec = spec_from_columns(row)
         except ValueError:
             continue  # not a spec the estimator takes: the table's own check reports it
+        if not published:
+            spec = dataclasses.replace(spec, training=dataclasses.replace(spec.training, model_code=release))
         arch = resolve_arch(spec.model)
+        if models is not None and arch.name not in models:
+            continue
         specs.setdefault(_row_profile_key(spec, arch.config_sha), spec)
     return list(specs.values())
 
@@ -99,13 +109,13 @@ def _row_profile_key(spec: RunSpec, config_sha: str) -> str:
                        adapters_in_16bit(spec.training, spec.parallel.method))
 
 
-def ship_rows(rows_csv: Path, out: Path) -> int:
+def ship_rows(rows_csv: Path, out: Path, models: list[str] | None = None) -> int:
     """Trace the profiles of ``rows_csv``'s rows that run the installed transformers' model code."""
     from estimator.profiler.build import lora_adapters_16bit
     from estimator.profiler.profile import build_profile
 
     release = model_code_release(installed_version("transformers") or "")
-    for spec in specs_of_release(rows_csv, release):
+    for spec in specs_of_release(rows_csv, release, models):
         arch = resolve_arch(spec.model)
         key = _row_profile_key(spec, arch.config_sha)
         if (out / f"{key}.json").exists():
@@ -141,14 +151,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="bring every shipped profile to the current schema (re-trace those that cannot be; with "
                              "--events also those without event lists; with --models only theirs)")
     parser.add_argument("--rows", type=Path, default=None,
-                        help="a measurement table (data/public/measurements.csv): trace the profiles its rows ask "
-                             "for with model_code equal to the installed transformers release")
+                        help="a measurement table (data/public/measurements.csv, or a harness table such as "
+                             "data/measurements/h200-141gb/gpu_single.csv): trace the profiles its rows ask for "
+                             "with the model code of the installed transformers release (with --models: only theirs)")
     args = parser.parse_args(argv)
     from estimator.profiler.profile import build_profile
 
     out = args.out or Path(str(resources.files("estimator") / "profiles"))
     if args.rows is not None:
-        return ship_rows(args.rows, out)
+        return ship_rows(args.rows, out, [resolve_arch(m).name for m in args.models] if args.models else None)
     if args.carry_over:
         models = [resolve_arch(m).name for m in args.models] if args.models else None
         return carry_over_shipped(out, events=args.events, models=models)
