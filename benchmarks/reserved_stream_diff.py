@@ -1,0 +1,214 @@
+"""Where the estimator's generated allocation stream departs from a recorded one (a harness snapshot).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/reserved_stream_diff.py RUN_ID [--gpu h100-80gb] [--show 25]
+
+For the run's spec (its row of ``data/measurements/<gpu>/gpu_snapshots.csv``) the estimator's replay is intercepted
+(``estimator.reserved.rank.replay_rank``) to get its setup and step plan; the generated requests are the setup's
+allocations then ``timeline.step_requests`` for three steps (what ``replay_rank`` replays, test
+``test_reserved``). The recorded requests are the snapshot's ``alloc`` / ``free_requested`` events. Both are cut in
+phases (setup, step 1, 2, 3; the recorded steps end at the trace's ``zero_grad`` annotations, the recorded setup at
+the first batch-sized int64 tensor) and aligned per phase by size (``difflib``). Printed: per phase the allocation
+count, requested bytes and reserved level at the phase end (each stream through the model with the simulated
+driver), the size multiset difference, and the first aligned runs that differ; then the reserved peak of
+  - the recorded stream, recorded addresses (the measured peak, exact: ``estimator.allocator.replay``),
+  - the recorded stream with the simulated driver (isolates the driver's addresses from the stream),
+  - the generated stream with the simulated driver (the estimate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import difflib
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MEASUREMENTS = ROOT / "data" / "measurements"
+MIB = 1024 * 1024
+
+
+def _row(run_id: str, gpu: str) -> dict:
+    for name in ("gpu_snapshots.csv", "gpu_single.csv"):
+        path = MEASUREMENTS / gpu / name
+        if not path.exists():
+            continue
+        with open(path) as handle:
+            for row in csv.DictReader(handle):
+                if row["run_id"].startswith(run_id) and row["rank"] in ("0", ""):
+                    return row
+    raise SystemExit(f"{run_id}: no row in {MEASUREMENTS / gpu}")
+
+
+def generated(row: dict, steps: int = 3):
+    """(requests, phase starts, estimate): the estimator's own request stream for the row's spec."""
+    import pandas as pd
+
+    import estimator.reserved.rank as rank_mod
+    from calibrate.terms import rank_estimates
+    from estimator.hardware.residuals import load_coefficients
+    from estimator.reserved.timeline import step_requests
+
+    caught = {}
+    original = rank_mod.replay_rank
+
+    def spy(setup, plan, *args, **kwargs):
+        caught.setdefault("setup", setup)
+        caught.setdefault("plan", plan)
+        return original(setup, plan, *args, **kwargs)
+
+    rank_mod.replay_rank = spy
+    try:
+        result = rank_estimates(pd.DataFrame([row]), load_coefficients(row["gpu_key"]), allow_build=False)[0]
+    finally:
+        rank_mod.replay_rank = original
+    if "setup" not in caught:
+        raise SystemExit(f"no replay for this spec: {result if isinstance(result, str) else result[1].to_dict()}")
+    setup, plan = caught["setup"], caught["plan"]
+    requests = []
+    frees = dict(setup.frees_after)
+    for i, (_name, nbytes) in enumerate(setup.allocations):
+        requests.append(("alloc", ("setup", i), nbytes, 0))
+        requests.extend(("free", ("setup", j)) for j in frees.get(i, ()))
+    starts = [0, len(requests)]
+    base = 0
+    for step in range(steps):
+        for request in step_requests(plan, step, base):
+            if request[0] == "alloc":
+                requests.append(("alloc", ("s", request[1]), request[2], request[3]))
+            else:
+                requests.append((request[0], ("s", request[1])))
+        starts.append(len(requests))
+    return requests, starts, result
+
+
+def recorded(path: Path, batch_bytes: int, setup_bytes: int = 0):
+    """(requests, phase starts, snapshot) from a snapshot's device-0 trace. The setup ends at the first three
+    batch-sized allocations in a row once ``setup_bytes`` (the generated setup's) are live: a layer's weights can
+    have the batch's size."""
+    from estimator.allocator.snapshot import load_snapshot
+
+    snapshot = load_snapshot(str(path))
+    trace = snapshot["device_traces"][0]
+    ends = [a["time_us"] for a in snapshot.get("external_annotations", [])
+            if a["stage"] == "END" and "zero_grad" in a["name"]]
+    allocs, live_bytes, sizes = [], [], {}
+    for event in trace:  # live requested bytes before each allocation
+        if event["action"] == "alloc":
+            allocs.append(event)
+            live_bytes.append(sum(sizes.values()))
+            sizes[event["addr"]] = event["size"]
+        elif event["action"] == "free_requested":
+            sizes.pop(event["addr"], None)
+    first_batch = next(i for i in range(len(allocs) - 2) if live_bytes[i] >= setup_bytes - 4096
+                       and all(a["size"] == batch_bytes for a in allocs[i:i + 3]))
+    requests, live, generation = [], {}, 0
+    starts = [0]
+    for event in trace:
+        while len(starts) - 2 < len(ends) and len(starts) >= 2 and event.get("time_us", 0) > ends[len(starts) - 2]:
+            starts.append(len(requests))
+        action = event["action"]
+        if action == "alloc":
+            if generation == first_batch:
+                starts.append(len(requests))
+            generation += 1
+            live[event["addr"]] = generation
+            requests.append(("alloc", generation, event["size"], event["stream"]))
+        elif action == "free_requested":
+            requests.append(("free", live.pop(event["addr"])))
+    while len(starts) < 5:
+        starts.append(len(requests))
+    return requests, starts[:5], snapshot
+
+
+def _live(requests) -> int:
+    sizes = {}
+    for r in requests:
+        if r[0] == "alloc":
+            sizes[r[1]] = r[2]
+        elif r[0] == "free":
+            sizes.pop(r[1])
+    return sum(sizes.values())
+
+
+def trajectory(requests, conf=None):
+    """Per request: reserved bytes after it, through the model with the simulated driver; also the segment
+    allocations (index, size)."""
+    from estimator.allocator.model import CachingAllocator
+
+    allocator = CachingAllocator(conf)
+    addr, reserved, segments = {}, [], []
+    for index, request in enumerate(requests):
+        if request[0] == "alloc":
+            before = allocator.reserved_bytes
+            addr[request[1]] = allocator.malloc(request[2], request[3])
+            if allocator.reserved_bytes > before:
+                segments.append((index, allocator.reserved_bytes - before, request[2]))
+        elif request[0] == "free":
+            allocator.free(addr.pop(request[1]))
+        reserved.append(allocator.reserved_bytes)
+    return reserved, segments, allocator.peak_reserved_bytes
+
+
+def _sizes(requests, lo, hi):
+    return [r[2] for r in requests[lo:hi] if r[0] == "alloc"]
+
+
+def _fmt(n: int) -> str:
+    return f"{n / MIB:.3f}MiB" if n >= MIB else f"{n}B"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run_id")
+    parser.add_argument("--gpu", default="h100-80gb")
+    parser.add_argument("--show", type=int, default=20, help="differing aligned runs shown per phase")
+    args = parser.parse_args(argv)
+    row = _row(args.run_id, args.gpu)
+    b, s = int(row["micro_batch_size"]), int(row["seq_len"])
+    snap = MEASUREMENTS / args.gpu / "snapshots" / f"{row['run_id']}.rank{row['rank'] or 0}.snapshot.pickle.gz"
+    gen, gen_starts, result = generated(row)
+    rec, rec_starts, _snapshot = recorded(snap, b * s * 8, _live(gen[:gen_starts[1]]))
+    gen_res, gen_segs, gen_peak = trajectory(gen)
+    rec_res, rec_segs, rec_peak = trajectory(rec)
+    print(f"{row['run_id']} {row['model']} {row['precision']} b{b} s{s}: measured reserved "
+          f"{int(row['peak_reserved_bytes']):,}  estimate {result[1].peak_reserved_bytes:,}")
+    print(f"recorded stream, simulated driver: {rec_peak:,}  generated stream, simulated driver: {gen_peak:,}")
+    names = ["setup", "step1", "step2", "step3"]
+    for p, name in enumerate(names):
+        g_lo, g_hi = gen_starts[p], gen_starts[p + 1]
+        r_lo, r_hi = rec_starts[p], rec_starts[p + 1]
+        gs, rs = _sizes(gen, g_lo, g_hi), _sizes(rec, r_lo, r_hi)
+        g_peak = max(gen_res[g_lo:g_hi] or [0])
+        r_peak = max(rec_res[r_lo:r_hi] or [0])
+        print(f"\n== {name}: allocs gen {len(gs)} rec {len(rs)}; requested gen {_fmt(sum(gs))} rec {_fmt(sum(rs))}; "
+              f"reserved peak in phase gen {g_peak:,} rec {r_peak:,} (diff {g_peak - r_peak:+,})")
+        gseg = [x for x in gen_segs if g_lo <= x[0] < g_hi]
+        rseg = [x for x in rec_segs if r_lo <= x[0] < r_hi]
+        print(f"   new segments gen {len(gseg)} ({_fmt(sum(x[1] for x in gseg))}) rec {len(rseg)} "
+              f"({_fmt(sum(x[1] for x in rseg))})")
+        diff = Counter(gs)
+        diff.subtract(Counter(rs))
+        extra = sorted(((k, v) for k, v in diff.items() if v > 0), key=lambda kv: -kv[0] * kv[1])
+        missing = sorted(((k, -v) for k, v in diff.items() if v < 0), key=lambda kv: -kv[0] * kv[1])
+        print("   sizes only in generated (size x count):", ", ".join(f"{_fmt(k)}x{v}" for k, v in extra[:10]))
+        print("   sizes only in recorded  (size x count):", ", ".join(f"{_fmt(k)}x{v}" for k, v in missing[:10]))
+        matcher = difflib.SequenceMatcher(None, gs, rs, autojunk=False)
+        shown = 0
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+            if tag == "equal":
+                continue
+            big = [x for x in gs[i1:i2] + rs[j1:j2] if x > MIB]
+            if not big:
+                continue
+            print(f"   {tag:7s} gen[{i1}:{i2}] {[_fmt(x) for x in gs[i1:i2]][:6]} rec[{j1}:{j2}] "
+                  f"{[_fmt(x) for x in rs[j1:j2]][:6]}")
+            shown += 1
+            if shown >= args.show:
+                break
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
