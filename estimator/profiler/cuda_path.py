@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 # The SDPA backends chosen while a ``backends_seen()`` block is open (a profile records them).
@@ -165,8 +166,47 @@ def sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
             wants_lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
             return torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, key, value, bias, wants_lse, dropout_p, is_causal, scale=scale)[0]
-        return torch.ops.aten._scaled_dot_product_attention_math(
-            query, key, value, bias, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+        with _MathAsOnCuda():
+            return torch.ops.aten._scaled_dot_product_attention_math(
+                query, key, value, bias, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+
+
+class _MathAsOnCuda(TorchDispatchMode):
+    """The math composite (``_scaled_dot_product_attention_math``, aten/src/ATen/native/transformers/attention.cpp)
+    allocates differently on fake tensors than on CUDA ones, because it branches on tensor subclasses:
+
+    * the mask is added to the scores with ``attn.add_(mask)`` unless a tensor is subclass-like (a fake tensor
+      is), then out of place: the trace would hold a second (b, h, L, S) tensor the GPU never allocates;
+    * ``_safe_softmax`` is one op with a meta kernel on fake tensors; on CUDA its composite body runs, and next to
+      the softmax output it allocates ``self.eq(-inf)`` (bool, (b, h, L, S)), ``all(masked, dim, keepdim)``
+      (bool, (b, h, L, 1)) and a 0-dim zero, freed before the scores are.
+
+    The H100 snapshot of Qwen2.5-0.5B fp32 (grouped-query heads: the math kernel) shows exactly that per layer:
+    scores, softmax output, a 1-byte (b, h, L, S) tensor, a (b, h, L) one and 4 B, then the three freed and the
+    scores; in the fake trace the scores, a second scores-sized tensor and the output. The 56 MiB masks change which
+    cached blocks the step's later requests split: the generated stream's reserved peak was 7 % low."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.add.Tensor and not kwargs and _adds_in_place(*args):
+            scores, mask = args
+            scores.add_(mask)
+            return torch.ops.aten.alias.default(scores)  # the same storage: no allocation, as on CUDA
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten._safe_softmax.default:
+            scores, dim = args[0], args[1]
+            masked = scores.eq(-math.inf)
+            rows = masked.all(dim, keepdim=True)
+            zero = torch.zeros((), dtype=out.dtype, device=out.device)
+            del zero, rows, masked  # freed in this order before _safe_softmax returns
+        return out
+
+
+def _adds_in_place(scores, mask) -> bool:
+    """``attn.add_(mask)``: a floating mask that broadcasts to the scores' shape and dtype."""
+    return (isinstance(scores, torch.Tensor) and isinstance(mask, torch.Tensor) and scores.dim() == 4
+            and mask.is_floating_point() and mask.dtype == scores.dtype
+            and tuple(torch.broadcast_shapes(scores.shape, mask.shape)) == tuple(scores.shape))
 
 
 def _grouped_mm_shape(a, b) -> tuple[int, ...]:
