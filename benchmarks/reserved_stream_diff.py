@@ -91,8 +91,10 @@ def recorded(path: Path, batch_bytes: int, setup_bytes: int = 0):
 
     snapshot = load_snapshot(str(path))
     trace = snapshot["device_traces"][0]
-    ends = [a["time_us"] for a in snapshot.get("external_annotations", [])
-            if a["stage"] == "END" and "zero_grad" in a["name"]]
+    annotations = snapshot.get("external_annotations", [])
+    ends = [a["time_us"] for a in annotations if a["stage"] == "END" and "zero_grad" in a["name"]]
+    if not ends and annotations:  # no zero_grad annotation (a wrapping optimizer): the outermost step's end
+        ends = [a["time_us"] for a in annotations if a["stage"] == "END" and a["name"] == annotations[0]["name"]]
     allocs, live_bytes, sizes = [], [], {}
     for event in trace:  # live requested bytes before each allocation
         if event["action"] == "alloc":
