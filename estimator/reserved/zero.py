@@ -64,7 +64,9 @@ def why_not_zero(spec) -> str | None:
     parallel, training = spec.parallel, spec.training
     zcfg = parallel.zero
     if parallel.method not in ("zero1", "zero2"):
-        return (f"{parallel.method}: the parameter coordinator's gathers and prefetches are not in the replay yet"
+        return ("zero3: the parameter coordinator's gathers (allgather stream) and reductions (reduction stream) "
+                "are not in the replay yet; the snapshots show the streams decide the reserved peak "
+                "(benchmarks/zero3_trace_anatomy.py)"
                 if parallel.method == "zero3" else f"{parallel.method}: the offloaded step is not in the replay yet")
     if zcfg.offload_optimizer:
         return "ZeRO with optimizer offload: not in the replay yet"
