@@ -12,6 +12,8 @@ b1 s1024, 2 and 4 emulated ranks). Per snapshot:
 * the frees whose block waited for another stream (``record_stream``: a ``free_requested`` not followed at once by
   its ``free_completed``), on which stream they were allocated and how many allocations they waited;
 * the reserved peak per stream;
+* each stream's requests replayed alone: the pools never share blocks and nothing is released after the setup's
+  ``empty_cache``, so the rank's reserved peak is the sum of the streams' own peaks;
 * the trace's own requests replayed through the allocator model under four assumptions: (a) a delayed free
   returns its block where the trace completed it; (b) at once, where it was requested (the GPU keeping up: what
   the estimator's op lists can say without a record_stream op); (c) as (a) on one stream; (d) as (b) with each
@@ -73,6 +75,19 @@ def _requests(trace, streams, delayed_at: str, one_stream: bool = False):
     return out
 
 
+def stream_pools(trace, streams) -> dict[int, int]:
+    """Each stream's reserved peak from its own requests alone (the plain-free sequence kept to that stream)."""
+    from estimator.allocator.requests import simulate
+
+    requests = _requests(trace, streams, "requested")
+    stream_of = {r[1]: r[3] for r in requests if r[0] == "alloc"}
+    pools = {}
+    for stream in sorted(set(streams.values())):
+        mine = [r for r in requests if r[0] == "empty_cache" or stream_of.get(r[1]) == stream]
+        pools[stream] = simulate(mine)["peak_reserved_bytes"]
+    return pools
+
+
 def anatomy(path) -> dict:
     from estimator.allocator.requests import simulate
 
@@ -122,7 +137,7 @@ def anatomy(path) -> dict:
         "(d) as (b), one stream": simulate(_requests(trace, streams, "requested", True)),
     }
     return dict(path=path, streams=streams, allocs=allocs, delayed=delayed, waits=waits, peak=peak, peak_at=peak_at,
-                peak_streams=peak_streams, replays=replays)
+                peak_streams=peak_streams, replays=replays, pools=stream_pools(trace, streams))
 
 
 def _sizes(counter: Counter, top: int = 6) -> str:
@@ -146,6 +161,9 @@ def report(a: dict) -> None:
         print(f"  completed via s{stream}: allocations waited {dict(sorted(w.items()))} (5 = 5 or more)")
     print(f"  reserved peak {a['peak']} B ({a['peak'] / GIB:.3f} GiB) in {a['peak_at']}: "
           + ", ".join(f"s{s} {b / GIB:.3f} GiB" for s, b in sorted(a["peak_streams"].items())))
+    pools = a["pools"]
+    print("  each stream alone: " + ", ".join(f"s{s} {b} B" for s, b in pools.items())
+          + f"; sum {sum(pools.values())} B ({sum(pools.values()) - a['peak']:+d} B against the peak)")
     for name, r in a["replays"].items():
         err = (r["peak_reserved_bytes"] - a["peak"]) / a["peak"] * 100
         print(f"  replay {name:<38} reserved {r['peak_reserved_bytes']:>12} ({err:+.2f} %), "

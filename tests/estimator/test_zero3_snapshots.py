@@ -7,7 +7,7 @@ import pathlib
 import pandas as pd
 import pytest
 
-from benchmarks.zero3_trace_anatomy import DEFAULT, _requests, _trace
+from benchmarks.zero3_trace_anatomy import DEFAULT, _requests, _trace, stream_pools
 from estimator.allocator.requests import simulate
 
 MEASURED = pathlib.Path(__file__).resolve().parents[2] / "data/measurements/h100-80gb/gpu_snapshots.csv"
@@ -34,3 +34,15 @@ def test_three_streams_and_plain_frees_explain_the_reserved_peak(path):
     assert simulate(_requests(trace, streams, "completed"))["peak_reserved_bytes"] == measured
     one_stream = simulate(_requests(trace, streams, "requested", one_stream=True))["peak_reserved_bytes"]
     assert one_stream < 0.93 * measured
+
+
+@pytest.mark.parametrize("path", DEFAULT, ids=lambda p: p.name.split(".snapshot")[0])
+def test_the_reserved_peak_is_the_sum_of_each_streams_own_peak(path):
+    """Pools never share blocks and nothing is released after the setup's empty_cache, so each stream's sequence
+    can be replayed on its own: a ZeRO-3 timeline need not place the allgather and reduction streams' requests
+    among the default stream's. The two side streams' pools do not depend on the world size here (the gathered
+    buffers and the flattened reduction bucket are full-size tensors)."""
+    trace, streams, _, _ = _trace(path)
+    pools = stream_pools(trace, streams)
+    assert sum(pools.values()) == _measured(path)
+    assert (pools[1], pools[2]) == (2_197_815_296, 975_175_680)
