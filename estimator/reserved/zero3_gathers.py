@@ -237,3 +237,32 @@ def pool_requests(ops: GatherOps, stream: int = 1) -> list[tuple]:
         for sign, b, nbytes in step:
             out.append(("alloc", (k, b), nbytes, stream) if sign > 0 else ("free", (k, b)))
     return out
+
+
+def reduction_flushes(table: list[ParamInfo], bucket_numel: int) -> list[int]:
+    """Bytes of each IPG flush's concatenation on the reduction stream, in backward order (stage 3's
+    ``__reduce_and_partition_ipg_grads``: a gradient that would overflow ``reduce_bucket_size`` elements flushes the
+    bucket first; a flush of one tensor reduces it in place, 0 here). Backward order: the profile's
+    ``backward_index`` where it has one, else the reverse of ``model.parameters()`` with a tied embedding last."""
+    trainable = [p for p in model_order(table) if p.trainable]
+    if all(p.backward_index is not None for p in trainable):
+        order = sorted(trainable, key=lambda p: p.backward_index)
+    else:
+        tied = [p for p in trainable if p.tied_names]
+        order = [p for p in reversed(trainable) if not p.tied_names] + tied
+    flushes: list[int] = []
+    pending: list[ParamInfo] = []
+    elements = 0
+
+    def flush() -> None:
+        flushes.append(sum(p.numel * p.elem_bytes for p in pending) if len(pending) > 1 else 0)
+
+    for p in order:
+        if elements + p.numel > bucket_numel and elements:
+            flush()
+            pending, elements = [], 0
+        pending.append(p)
+        elements += p.numel
+    if pending:
+        flush()
+    return flushes
