@@ -2,18 +2,24 @@
 ``PartitionedParameterCoordinator`` (DeepSpeed 0.19, ``deepspeed/runtime/zero/partitioned_param_coordinator.py``)
 over the modules that hold parameters, in forward order and then in reverse for backward.
 
-* Each module's fetch gathers its parameters that are not available in one call (``__all_gather_params``), one
-  buffer per call on the allgather stream: ``partition numel x world`` elements of each parameter, one parameter
-  alone (``_all_gather_sequential``) or several in one flat tensor (``_all_gather_coalesced``), each parameter a
-  view of it, so the buffer is freed when its last parameter is released.
-* The first step records the module trace: every parameter released after its module (persistent ones too: under
-  ``stage3_param_persistence_threshold`` they are gathered and dropped like the rest, 4 KiB of Llama's norms).
+* Each module's fetch gathers its parameters that are not available in one call (``__all_gather_params``) on
+  the allgather stream: one parameter into its own padded storage (``_all_gather_sequential``: the parameter is a
+  view of it), several into one flat tensor of ``partition numel x world`` elements each
+  (``_all_gather_coalesced``). At the first wait for any of a flat tensor's parameters, every one of them is copied
+  out into storage of its own (``AllGatherCoalescedHandle.wait``: ``torch.cat`` of its partitions, under the
+  allgather stream); the flat tensor goes once the last of its parameters has been waited for.
+* The first step records the module trace (every module whose forward runs, parameter-less ones too, then the
+  backward's): nothing is prefetched and every parameter is released after its module, persistent ones
+  (``stage3_param_persistence_threshold``) included; from then on those stay gathered.
 * Later steps prefetch: after each fetch, parameters are popped off the trace's queue (those of the module just
   fetched, then up to ``stage3_prefetch_bucket_size`` elements, within ``stage3_max_live_parameters``) and
   gathered in one call; a release keeps what a module within ``stage3_max_reuse_distance`` elements of the trace
-  will use again, and what a prefetch fetched for a later use. Persistent parameters stay gathered (not on this
-  stream after the first step). Backward's end releases everything (``release_and_reset_all``).
+  uses, and what a prefetch fetched for a later use. Backward's end releases everything
+  (``release_and_reset_all``).
 
+Checked against the coordinator's own calls (a 1/64-scale Llama-3.2-1B with the knobs scaled alike, on CPU:
+every gather and release of three steps) and the H100 snapshots of Llama-3.2-1B at 2 and 4 ranks: every
+allocation and free of the allgather stream, in order (``tests/estimator/test_zero3_snapshots.py``).
 Only the allgather stream's own requests matter for its pool: no other stream reuses its blocks, and its
 ``record_stream`` frees complete at once (``benchmarks/zero3_trace_anatomy.py``).
 """
@@ -28,14 +34,12 @@ from estimator.models.params import ParamInfo
 from estimator.reserved.timeline import model_order
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Param:
     key: str
     numel: int
     elem_bytes: int
     persistent: bool
-    available: bool = False
-    buffer: int | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,8 @@ class GatherOps:
     """(+1, buffer id, bytes) allocations and (-1, buffer id, bytes) frees on the allgather stream, per step."""
 
     steps: list[list[tuple[int, int, int]]] = field(default_factory=list)
+    # per step: ("G", parameter names) for each gather call, ("R", name) for each release (checks against a run)
+    calls: list[list[tuple]] = field(default_factory=list)
 
 
 def modules_of(table: list[ParamInfo]) -> tuple[list[Module], list[Module]]:
@@ -138,59 +144,94 @@ def _layer_of(module: str) -> int | None:
 def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket: int = 50_000_000,
             max_live: int = 1_000_000_000, max_reuse: int = 1_000_000_000, persistence: int = 100_000
             ) -> GatherOps:
+    """The allgather stream's allocations and frees of ``steps`` training steps (module docstring)."""
+    index = {p.name: i for i, p in enumerate(table)}  # ds_id order: zero.Init partitions in creation order
     params = {p.name: _Param(p.name, p.numel, p.elem_bytes, p.numel < persistence) for p in table}
     forward, backward = modules_of(table)
     trace = forward + backward
     ops = GatherOps()
     next_buffer = [0]
-    buffers: dict[int, set[str]] = {}
-    buffer_bytes: dict[int, int] = {}
+    state: dict[str, str] = {n: "none" for n in params}  # none | inflight | available
+    storage: dict[str, tuple[int, int]] = {}  # parameter -> (buffer, bytes) it owns
+    registry: dict[str, dict] = {}            # parameter -> its gather's handle, until its module waits for it
 
-    def gather(out: list, names: list[str]) -> None:
-        todo = [n for n in names if not params[n].available]
-        if not todo:
-            return
+    def alloc(out: list, nbytes: int) -> tuple[int, int]:
         b = next_buffer[0]
         next_buffer[0] += 1
-        nbytes = sum(math.ceil(params[n].numel / world) * world * params[n].elem_bytes for n in todo)
-        buffers[b], buffer_bytes[b] = set(todo), nbytes
         out.append((1, b, nbytes))
-        for n in todo:
-            params[n].available, params[n].buffer = True, b
+        return b, nbytes
 
-    def release(out: list, name: str) -> None:
-        p = params[name]
-        if not p.available:
+    def aligned_bytes(n: str) -> int:
+        return math.ceil(params[n].numel / world) * world * params[n].elem_bytes
+
+    def gather(out: list, names: list[str]) -> None:
+        """``__all_gather_params``: one parameter gathers into its own (padded) storage
+        (``_all_gather_sequential``), several into one flat tensor (``_all_gather_coalesced``)."""
+        todo = sorted((n for n in dict.fromkeys(names) if state[n] == "none"), key=index.__getitem__)
+        if not todo:
             return
-        p.available = False
-        held = buffers[p.buffer]
-        held.discard(name)
-        if not held:
-            out.append((-1, p.buffer, buffer_bytes.pop(p.buffer)))
-            del buffers[p.buffer]
-        p.buffer = None
+        calls.append(("G", tuple(todo)))
+        if len(todo) == 1:
+            storage[todo[0]] = alloc(out, aligned_bytes(todo[0]))
+            handle = {"params": todo, "flat": None, "complete": False}
+        else:
+            handle = {"params": todo, "flat": alloc(out, sum(aligned_bytes(n) for n in todo)), "complete": False}
+        for n in todo:
+            state[n], registry[n] = "inflight", handle
+
+    def wait(out: list, names) -> None:
+        """``AllGatherCoalescedHandle.wait`` at the first of the handle's parameters a module needs: every
+        parameter of the handle copied out of the flat tensor (``torch.cat`` of its partitions, its own
+        storage); the flat tensor goes when the last of its parameters leaves the registry."""
+        for n in names:
+            handle = registry.pop(n, None)
+            if handle is None:
+                continue
+            if not handle["complete"]:
+                handle["complete"] = True
+                for m in handle["params"]:
+                    if handle["flat"] is not None:
+                        storage[m] = alloc(out, params[m].numel * params[m].elem_bytes)
+                    state[m] = "available"
+            if handle["flat"] is not None and not any(registry.get(m) is handle for m in handle["params"]):
+                out.append((-1, *handle["flat"]))
+                handle["flat"] = None
+
+    def release(out: list, name: str) -> bool:
+        if state[name] != "available":
+            return False
+        state[name] = "none"
+        calls.append(("R", name))
+        if name in storage:
+            out.append((-1, *storage.pop(name)))
+        return True
 
     # step 1: the trace is recorded, nothing prefetched, every parameter released after its module
     out: list = []
+    calls: list = []
     for m in trace:
         gather(out, list(m.params))
+        wait(out, m.params)
         for n in m.params:
             release(out, n)
     ops.steps.append(out)
+    ops.calls.append(calls)
     queue_order = [(n, step_id) for step_id, m in enumerate(trace) for n in m.params]
-    for p in params.values():  # persistent parameters: gathered once, kept (not on this stream's books)
+    for n, p in params.items():  # persistent parameters stay gathered from here on (not on this stream)
         if p.persistent:
-            p.available = True
+            state[n] = "kept"
     for _ in range(steps - 1):
         out = []
+        calls = []
         queue = deque(queue_order)
         fetched_for: dict[str, int] = {}
         n_available = 0
         for step_id, m in enumerate(trace):
             names = list(m.params)
-            before = {n for n in names if not params[n].available}
+            before = sum(params[n].numel for n in dict.fromkeys(names) if state[n] == "none")
             gather(out, names)
-            n_available += sum(params[n].numel for n in before)
+            n_available += before
+            wait(out, names)
             not_yet = {n for n in names if fetched_for.get(n, -10**10) < step_id}
             discarded: set[str] = set()
             while queue and len(discarded) < len(not_yet):
@@ -203,13 +244,14 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
             while queue and numel < limit:
                 n, used_at = queue.popleft()
                 fetched_for[n] = max(fetched_for.get(n, -10**10), used_at)
-                if not params[n].available and n not in prefetch:
+                if state[n] == "none" and n not in prefetch:
                     prefetch.append(n)
                     numel += params[n].numel
             if prefetch:
                 gather(out, prefetch)
                 n_available += numel
-            # release after the module (step_id already advanced past its fetch)
+            # the module's release (step_id has advanced past its fetch): what it or a module within
+            # max_reuse elements of the trace uses again stays
             now = step_id + 1
             keep = {n for n in names if fetched_for.get(n, -10**10) > now}
             traversed = 0
@@ -220,13 +262,13 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
                     keep.add(n)
                     traversed += params[n].numel
             for n in names:
-                if n not in keep and params[n].available and not params[n].persistent:
-                    release(out, n)
+                if n not in keep and release(out, n):
                     n_available -= params[n].numel
-        for n, p in params.items():  # backward's end: release_and_reset_all
-            if not p.persistent:
-                release(out, n)
+        for n in params:  # backward's end: release_and_reset_all
+            wait(out, [n])
+            release(out, n)
         ops.steps.append(out)
+        ops.calls.append(calls)
     return ops
 
 
