@@ -15,7 +15,7 @@ from estimator.reserved.fsdp1 import fsdp1_setup, fsdp1_step, why_not_fsdp1
 from estimator.reserved.replay import ReservedReplay, replay_rank, replay_sequence
 from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocations
 from estimator.reserved.zero import why_not_zero, zero_setup, zero_step
-from estimator.reserved.zero3 import zero3_setup, zero3_step
+from estimator.reserved.zero3 import why_not_zero3, zero3_setup, zero3_step
 from estimator.spec import FSDP_METHODS
 
 # Each with gradient accumulation (estimator.reserved.accumulate): DDP under no_sync accumulates as one GPU does,
@@ -34,11 +34,12 @@ _SETUPS: dict[tuple, tuple] = {}
 _CONFS: dict[str, object] = {}
 
 
-def why_not(spec, regime: dict, num_layers: int) -> str | None:
-    """Why this spec's reserved peak cannot be replayed (None: it can)."""
+def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None = None) -> str | None:
+    """Why this spec's reserved peak cannot be replayed (None: it can). ``table``: the parameter table, for what
+    depends on the model's tensors (ZeRO-3's module structure)."""
     training = spec.training
     if spec.parallel.method.startswith("zero"):
-        reason = why_not_zero(spec)
+        reason = why_not_zero3(spec, table) if spec.parallel.method == "zero3" else why_not_zero(spec)
         if reason is not None:
             return reason
     elif spec.parallel.method not in METHODS:
