@@ -16,7 +16,9 @@ requests sit among the default stream's does not change it.
   hook and freed (a flush first when it would overflow the bucket); after backward the norm's fp64 copy of each
   tensor's gradient partition, one at a time, in ``model.parameters()`` order; the partition's gradients
   flattened and cast to fp32, the flat copy freed; AdamW over the fp32 partition (its states on the first step,
-  one ``sqrt`` temporary); the fp32 gradient freed.
+  one ``sqrt`` temporary); the fp32 gradient freed; ``_post_step`` gathers the persistent tensors (under
+  ``stage3_param_persistence_threshold``: the norms) into blocks that live until the next backward's
+  ``release_and_reset_all``.
 * **Reduction stream**: a flush of several gradients concatenates them (``reduce_scatter_coalesced``'s flat
   input, each padded to the world size), freed once reduced.
 * **Allgather stream**: the parameter coordinator's gathers, prefetches, copy-outs and releases
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 
 from estimator.methods.state import zero_layout
 from estimator.models.params import ParamInfo
-from estimator.reserved.expand import Expansion, ExpansionError
+from estimator.reserved.expand import ALLOC, FREE_PREVIOUS, Expansion, ExpansionError
 from estimator.reserved.fsdp import _Builder, method_expansion
 from estimator.reserved.timeline import Setup, model_order
 from estimator.reserved.zero import FP32, FP64, REDUCTION, _backward_ops, _grad_params, _Step
@@ -171,7 +173,9 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
                       persistence=zcfg.stage3_param_persistence_threshold)
     build = _Builder(expansion.steady.keys, base_size_index)
     first_marks, steady_marks = expansion.marks
-    start, ends = build.next_key, []
+    persistent = [p for p in model_order(table) if p.numel < zcfg.stage3_param_persistence_threshold]
+    # the persistent tensors' gathered copies keep the same keys from step to step (the next step frees them)
+    kept_keys, start, ends = build.next_key, build.next_key + len(persistent), []
 
     def built(first: bool) -> tuple[list, dict[int, int], list, list]:
         events, marks = (expansion.first, first_marks) if first else (expansion.steady, steady_marks)
@@ -186,8 +190,14 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
             else:
                 step._free(head, tensors.pop(buffer))
         body, moved, loss = _backward_ops(expansion, events.ops, marks, table, step, polys)
+        if not first:  # backward's release_and_reset_all drops the persistent tensors' gathered copies
+            body += [(FREE_PREVIOUS, kept_keys + j, build.tensor(_aligned_bytes(p, world)).size_index)
+                     for j, p in enumerate(persistent)]
         tail: list = []
         step.optimizer_step(tail)
+        # _post_step gathers the persistent tensors again, on the default stream; they live into the next step
+        tail += [(ALLOC, kept_keys + j, build.tensor(_aligned_bytes(p, world)).size_index)
+                 for j, p in enumerate(persistent)]
         ends.append(build.next_key)
         shifted = {index: at + len(head) for index, at in moved.items()}
         return head + body, shifted, loss, tail
