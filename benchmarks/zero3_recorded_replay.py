@@ -8,7 +8,7 @@ Each world: rank 0 of a real DeepSpeed ZeRO-3 run on CPU (torch's fake process g
 ``zero.Init`` as the harness and the HF Trainer build it), every storage recorded in order
 (``tests/estimator/test_reserved_zero._real_zero_events``: scalars under 512 B and module buffers left out), then
 the recorded allocations and frees replayed on one stream through the allocator model. Printed beside it: the
-estimate (its reserved level is the prior for ZeRO-3) and the GPU row with the same spec in ``--measured``.
+estimate (its reserved level replayed on ZeRO-3's three streams: ``estimator.reserved.zero3``) and the GPU row with the same spec in ``--measured``.
 What the one-stream replay still misses is what the streams add: the CPU accelerator has one, CUDA's allgather
 and reduce-scatter streams keep pools of their own. Real compute of the full-size model: minutes per world and
 about 16 GB of host memory for Llama-3.2-1B at two ranks.

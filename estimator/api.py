@@ -343,7 +343,7 @@ def _replayed(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs
     from estimator.reserved.expand import ExpansionError
     from estimator.reserved.rank import replay_reserved, replay_reserved_sequence, why_not
 
-    if alloc_conf is None or why_not(spec, regime, arch.num_layers) is not None:
+    if alloc_conf is None or why_not(spec, regime, arch.num_layers, table) is not None:
         return None
     capacity = get_gpu(spec.gpu).capacity_bytes
     allowed = capacity - coeffs.cuda_context_bytes - communicators * coeffs.nccl_bytes_per_communicator
@@ -379,7 +379,8 @@ def _reserved_note(spec: RunSpec, profile: dict, worst: RankEstimate, alloc_conf
     from estimator.reserved.rank import why_not
 
     regime = _regime(profile, spec.training.micro_batch_size, spec.training.seq_len)
-    reason = why_not(spec, regime, num_layers) if alloc_conf is not None else "replay off"
+    reason = why_not(spec, regime, num_layers, _param_table(profile, num_layers)) if alloc_conf is not None \
+        else "replay off"
     return f"reserved: prior allocated x (1 + slack ratio) + slack bytes ({reason or 'the event list cannot be repeated for this depth'})"
 
 

@@ -15,6 +15,7 @@ from estimator.reserved.fsdp1 import fsdp1_setup, fsdp1_step, why_not_fsdp1
 from estimator.reserved.replay import ReservedReplay, replay_rank, replay_sequence
 from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocations
 from estimator.reserved.zero import why_not_zero, zero_setup, zero_step
+from estimator.reserved.zero3 import why_not_zero3, zero3_setup, zero3_step
 from estimator.spec import FSDP_METHODS
 
 # Each with gradient accumulation (estimator.reserved.accumulate): DDP under no_sync accumulates as one GPU does,
@@ -23,7 +24,8 @@ from estimator.spec import FSDP_METHODS
 # dp_tp: FSDP2 over the dp axis of the TP-local model (harness.fake.wrap), replayed as fsdp on dp ranks.
 # fsdp1: FULL_SHARD with the default prefetching and use_orig_params (estimator.reserved.fsdp1), no accumulation.
 # zero1 / zero2: DeepSpeed's flat buffers, IPG bucket and partition step (estimator.reserved.zero), default stream.
-METHODS = ("single", "ddp", "tp", "fsdp", "dp_tp", "fsdp1", "zero1", "zero2")
+# zero3: the same on three streams, with the parameter coordinator's gathers (estimator.reserved.zero3).
+METHODS = ("single", "ddp", "tp", "fsdp", "dp_tp", "fsdp1", "zero1", "zero2", "zero3")
 ZERO = ("zero1", "zero2")
 SHARDED = ("fsdp", "dp_tp")
 _EXPANSIONS: dict[tuple, tuple] = {}
@@ -32,11 +34,12 @@ _SETUPS: dict[tuple, tuple] = {}
 _CONFS: dict[str, object] = {}
 
 
-def why_not(spec, regime: dict, num_layers: int) -> str | None:
-    """Why this spec's reserved peak cannot be replayed (None: it can)."""
+def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None = None) -> str | None:
+    """Why this spec's reserved peak cannot be replayed (None: it can). ``table``: the parameter table, for what
+    depends on the model's tensors (ZeRO-3's module structure)."""
     training = spec.training
     if spec.parallel.method.startswith("zero"):
-        reason = why_not_zero(spec)
+        reason = why_not_zero3(spec, table) if spec.parallel.method == "zero3" else why_not_zero(spec)
         if reason is not None:
             return reason
     elif spec.parallel.method not in METHODS:
@@ -111,6 +114,8 @@ def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, 
            spec=None) -> Setup:
     """``spec``: needed for fsdp1 (its unit sizes)."""
     fsdp1_options = (spec.parallel.fsdp1, spec.training.precision) if method == "fsdp1" else None
+    if method == "zero3":
+        fsdp1_options = spec.parallel.zero
     key = (id(profile), id(table), num_layers, method, mixed, world, fsdp1_options)
     hit = _SETUPS.get(key)
     if hit is None or hit[0] is not table:
@@ -122,6 +127,10 @@ def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, 
             setup = fsdp_setup(table, buffer_bytes, num_layers, world, mixed)
         elif method in ZERO:
             setup = zero_setup(table, buffer_bytes, num_layers, world, _elem16(table))
+        elif method == "zero3":
+            zcfg = spec.parallel.zero
+            setup = zero3_setup(table, world, _elem16(table), zcfg.reduce_bucket_size,
+                                zcfg.stage3_param_persistence_threshold)
         elif method == "fsdp1":
             setup = fsdp1_setup(table, buffer_bytes, num_layers, fsdp1_sizes(spec, table))
         else:
@@ -139,6 +148,13 @@ def _method_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo
         return _fsdp1_step(spec, events, expansion, table, num_layers, base_size_index, rank)
     if spec.parallel.method in ZERO:
         return _zero_step(spec, events, expansion, table, base_size_index, rank)
+    if spec.parallel.method == "zero3":
+        training, parallel = spec.training, spec.parallel
+        key = ("zero3", id(expansion), id(table), parallel.world_size, parallel.zero, training.optimizer,
+               base_size_index)
+        return _memo_step(key, expansion, table, lambda: zero3_step(
+            expansion, table, parallel.world_size, _elem16(table), parallel.zero.reduce_bucket_size,
+            training.optimizer, base_size_index, events["polys"], parallel.zero))
     if spec.parallel.method not in SHARDED:
         return expansion, []
     training, world = spec.training, _shard_world(spec)

@@ -63,9 +63,12 @@ def why_not_zero(spec) -> str | None:
     """Why this ZeRO spec's reserved peak cannot be replayed (None: it can)."""
     parallel, training = spec.parallel, spec.training
     zcfg = parallel.zero
+    if parallel.method == "zero3":
+        from estimator.reserved.zero3 import why_not_zero3
+
+        return why_not_zero3(spec)
     if parallel.method not in ("zero1", "zero2"):
-        return (f"{parallel.method}: the parameter coordinator's gathers and prefetches are not in the replay yet"
-                if parallel.method == "zero3" else f"{parallel.method}: the offloaded step is not in the replay yet")
+        return f"{parallel.method}: the offloaded step is not in the replay yet"
     if zcfg.offload_optimizer:
         return "ZeRO with optimizer offload: not in the replay yet"
     if not zcfg.contiguous_gradients:

@@ -1,0 +1,209 @@
+"""A DeepSpeed ZeRO-3 rank's timeline as the caching allocator sees it (DeepSpeed 0.19, ``stage3.py``,
+``partitioned_param_coordinator.py``), read off the H100 snapshots of Llama-3.2-1B ranks
+(``benchmarks/zero3_trace_anatomy.py``). Three streams, each with its own pools; their ``record_stream`` frees
+complete at once (the GPU keeps up), so every free is a plain one, and since no pool lends blocks to another and
+nothing is released after the setup, the reserved peak is the sum of each stream's own: where the side streams'
+requests sit among the default stream's does not change it.
+
+* **Default stream, setup** (after transformers' ``zero.Init`` construction, whose partitions DeepSpeed moves to
+  the host before an ``empty_cache``, so none of it stays cached): the rank's 16-bit flat partition (every
+  trainable tensor's ``ceil(numel / world)`` elements), the fp32 master partition (made twice, the first freed),
+  ``initialize_optimizer_states``' fp32 gradient made and dropped, the IPG bucket (``reduce_bucket_size``
+  16-bit elements) and the 16-bit gradient partition; then ``create_reduce_and_remove_grad_hooks`` gathers every
+  non-persistent trainable tensor once, one at a time, each freed at once.
+* **Default stream, each step**: the single-GPU forward and backward at full depth (``estimator.reserved.expand``;
+  the parameters are the gathered ones, on the allgather stream); each gradient copied into the IPG bucket at its
+  hook and freed (a flush first when it would overflow the bucket); after backward the norm's fp64 copy of each
+  tensor's gradient partition, one at a time, in ``model.parameters()`` order; the partition's gradients
+  flattened and cast to fp32, the flat copy freed; AdamW over the fp32 partition (its states on the first step,
+  one ``sqrt`` temporary); the fp32 gradient freed; ``_post_step`` gathers the persistent tensors (under
+  ``stage3_param_persistence_threshold``: the norms) into blocks that live until the next backward's
+  ``release_and_reset_all``.
+* **Reduction stream**: a flush of several gradients concatenates them (``reduce_scatter_coalesced``'s flat
+  input, each padded to the world size), freed once reduced.
+* **Allgather stream**: the parameter coordinator's gathers, prefetches, copy-outs and releases
+  (``estimator.reserved.zero3_gathers``), placed at the start of each step's ops.
+
+Checked against the four H100 snapshots (2 and 4 ranks, b1 s1024): ``tests/estimator/test_zero3_snapshots.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from estimator.methods.state import zero_layout
+from estimator.models.params import ParamInfo
+from estimator.reserved.expand import ALLOC, FREE_PREVIOUS, Expansion, ExpansionError
+from estimator.reserved.fsdp import _Builder, method_expansion
+from estimator.reserved.timeline import Setup, model_order
+from estimator.reserved.zero import FP32, FP64, REDUCTION, _backward_ops, _grad_params, _Step
+from estimator.reserved.zero3_gathers import emulate
+
+ALLGATHER = 2  # allocator stream of the coordinator's gathers (REDUCTION = 1: the reduce-scatter's)
+LAYER_BLOCKS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
+    """Why this ZeRO-3 spec's reserved peak cannot be replayed (None: it can). ``table``: the parameter table, for
+    the module structure the coordinator's trace is modelled on."""
+    parallel, training = spec.parallel, spec.training
+    zcfg = parallel.zero
+    if zcfg.offload_optimizer or zcfg.offload_param:
+        return "zero3 with offload: not in the replay yet"
+    if not zcfg.overlap_comm_for(3) or not zcfg.contiguous_gradients or not zcfg.reduce_scatter:
+        return "zero3 without overlap_comm, contiguous_gradients or reduce_scatter: not in the replay yet"
+    if parallel.world_size < 2:
+        return "zero3 on one GPU: nothing is gathered"
+    if training.precision not in ("mixed_bf16", "mixed_fp16"):
+        return f"zero3 under {training.precision}: not in the replay yet"
+    if training.optimizer != "adamw":
+        return f"zero3 with {training.optimizer}: only AdamW's step over the partition is checked"
+    if training.lora or training.qlora:
+        return "zero3 with LoRA: frozen tensors' gathers are not in the replay yet"
+    if training.grad_accum_steps > 1:
+        return "zero3 with gradient accumulation: not in the replay yet"
+    if training.grad_ckpt:
+        return "zero3 with activation checkpointing: the recomputation's fetches are not in the replay yet"
+    if table is not None:
+        if not llama_like(table):
+            return ("zero3: the coordinator's module trace is modelled on Llama-style decoders (one tensor per "
+                    "module, a gated MLP, two norms per layer)")
+        if partition_numel(table, parallel.world_size) > zcfg.sub_group_size:
+            return "zero3 with more than one optimizer sub-group: not in the replay yet"
+    return None
+
+
+def llama_like(table: list[ParamInfo]) -> bool:
+    """Every decoder layer holds ``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj`` and two norms, every
+    module one tensor (no biases): the structure ``zero3_gathers.modules_of`` orders as Llama's forward runs."""
+    layers: dict[int, list[str]] = {}
+    for p in table:
+        if not p.name.endswith(".weight"):
+            return False
+        if p.layer is not None:
+            module = p.name.rsplit(".", 1)[0]
+            layers.setdefault(p.layer, []).append(module.split(f".{p.layer}.", 1)[1])
+    if not layers:
+        return False
+    expected = sorted([f"{block}.{leaf}" for block, leaves in LAYER_BLOCKS.items() for leaf in leaves]
+                      + ["input_layernorm", "post_attention_layernorm"])
+    return all(sorted(modules) == expected for modules in layers.values())
+
+
+def partition_numel(table: list[ParamInfo], world: int) -> int:
+    """Elements of the rank's flat partition: every trainable tensor's ``ceil(numel / world)``."""
+    return sum(math.ceil(p.numel / world) for p in table if p.trainable)
+
+
+def _aligned_bytes(p: ParamInfo, world: int) -> int:
+    return math.ceil(p.numel / world) * world * p.elem_bytes
+
+
+def zero3_setup(table: list[ParamInfo], world: int, elem16: int, bucket_numel: int, persistence: int) -> Setup:
+    """The default stream's allocations before the first step (module docstring)."""
+    partition = partition_numel(table, world)
+    allocations = [("zero3.fp16_partition", partition * elem16), ("zero3.fp32_partition_first", partition * FP32),
+                   ("zero3.fp32_partition", partition * FP32), ("zero3.initial_grad", partition * FP32),
+                   ("zero3.ipg_bucket", bucket_numel * elem16), ("zero3.grad_partition", partition * elem16)]
+    frees: list[tuple[int, tuple[int, ...]]] = [(2, (1,)), (3, (3,))]
+    for p in model_order(table):
+        if p.trainable and p.numel >= persistence:
+            allocations.append((f"zero3.hook_gather.{p.name}", _aligned_bytes(p, world)))
+            frees.append((len(allocations) - 1, (len(allocations) - 1,)))
+    return Setup(allocations, [], [], tuple(frees))
+
+
+class _Step3(_Step):
+    """One ZeRO-3 step's default- and reduction-stream tensors: ZeRO-2's hooks over a bucket made in the setup,
+    flushes that concatenate on the reduction stream, and stage 3's norm and optimizer step."""
+
+    def __init__(self, build: _Builder, table: list[ParamInfo], world: int, elem16: int, bucket: int,
+                 grad_of: dict, first: bool, optimizer: str) -> None:
+        super().__init__(build, zero_layout(table, world), 0, 2, elem16, bucket, grad_of, first, optimizer,
+                         overlap=True)
+        self.table, self.world = table, world
+        self.ipg = []  # the IPG bucket is the setup's
+
+    def setup_buckets(self, out: list) -> None:
+        return None
+
+    def flush(self, out: list) -> None:
+        """``__reduce_and_partition_ipg_grads``: several gradients concatenated on the reduction stream (one is
+        reduced in place); the partition copied into the setup's gradient partition; an oversized gradient (kept
+        out of the bucket) freed."""
+        if len(self.pending) > 1:
+            nbytes = sum(math.ceil(p.numel / self.world) * self.world for p in self.pending) * self.elem16
+            self._free(out, self._alloc(out, nbytes, REDUCTION))
+        if self.oversized is not None:
+            self._free_grad(out, self.oversized)
+        self.pending, self.elements, self.oversized = [], 0, None
+
+    def epilogue(self, out: list) -> None:
+        self.flush(out)
+
+    def optimizer_step(self, out: list) -> None:
+        """The norm's fp64 copy of each tensor's gradient partition, then the flat gradient cast to fp32 and
+        AdamW over the fp32 partition."""
+        for p in model_order(self.table):
+            if p.trainable:
+                self._free(out, self._alloc(out, math.ceil(p.numel / self.world) * FP64))
+        partition = partition_numel(self.table, self.world)
+        flat = self._alloc(out, partition * self.elem16)
+        grad32 = self._alloc(out, partition * FP32)
+        self._free(out, flat)
+        self.adamw(out, [partition * FP32], self.first, self.optimizer)
+        self._free(out, grad32)
+
+
+@dataclass(frozen=True)
+class Zero3Step:
+    expansion: Expansion
+    sizes: list[int]  # bytes of DeepSpeed's tensors, size indices ``base`` + j
+
+
+def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16: int, bucket_numel: int,
+               optimizer: str, base_size_index: int, polys: list, zcfg) -> Zero3Step:
+    """The expansion with ZeRO-3's events (module docstring); new tensors' sizes take indices from
+    ``base_size_index`` on. ExpansionError where the step cannot be built."""
+    if not llama_like(table):
+        raise ExpansionError("zero3: the coordinator's module trace is modelled on Llama-style decoders only")
+    gathers = emulate(table, world, steps=2, prefetch_bucket=zcfg.stage3_prefetch_bucket_size,
+                      max_live=zcfg.stage3_max_live_parameters, max_reuse=zcfg.stage3_max_reuse_distance,
+                      persistence=zcfg.stage3_param_persistence_threshold)
+    build = _Builder(expansion.steady.keys, base_size_index)
+    first_marks, steady_marks = expansion.marks
+    persistent = [p for p in model_order(table) if p.numel < zcfg.stage3_param_persistence_threshold]
+    # the persistent tensors' gathered copies keep the same keys from step to step (the next step frees them)
+    kept_keys, start, ends = build.next_key, build.next_key + len(persistent), []
+
+    def built(first: bool) -> tuple[list, dict[int, int], list, list]:
+        events, marks = (expansion.first, first_marks) if first else (expansion.steady, steady_marks)
+        build.next_key = start
+        step = _Step3(build, table, world, elem16, int(bucket_numel), _grad_params(expansion, events.ops, table),
+                      first, optimizer)
+        head: list = []
+        tensors: dict[int, object] = {}
+        for sign, buffer, nbytes in gathers.steps[0 if first else 1]:
+            if sign > 0:
+                tensors[buffer] = step._alloc(head, nbytes, ALLGATHER)
+            else:
+                step._free(head, tensors.pop(buffer))
+        body, moved, loss = _backward_ops(expansion, events.ops, marks, table, step, polys)
+        if not first:  # backward's release_and_reset_all drops the persistent tensors' gathered copies
+            body += [(FREE_PREVIOUS, kept_keys + j, build.tensor(_aligned_bytes(p, world)).size_index)
+                     for j, p in enumerate(persistent)]
+        tail: list = []
+        step.optimizer_step(tail)
+        # _post_step gathers the persistent tensors again, on the default stream; they live into the next step
+        tail += [(ALLOC, kept_keys + j, build.tensor(_aligned_bytes(p, world)).size_index)
+                 for j, p in enumerate(persistent)]
+        ends.append(build.next_key)
+        shifted = {index: at + len(head) for index, at in moved.items()}
+        return head + body, shifted, loss, tail
+
+    (first_body, first_moved, first_loss, first_tail), (body, _, loss, tail) = built(True), built(False)
+    first_ops, steady_ops = first_body + first_loss + first_tail, body + loss + tail
+    optimizer_at = (len(first_body) + len(first_loss), len(body) + len(loss))
+    return Zero3Step(expansion=method_expansion("zero3", expansion, first_ops, steady_ops, max(ends), first_moved,
+                                                optimizer_at), sizes=build.sizes)

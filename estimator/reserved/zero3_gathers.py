@@ -1,0 +1,310 @@
+"""DeepSpeed ZeRO-3's parameter gathers on its allgather stream, as the caching allocator sees them: an emulation of
+``PartitionedParameterCoordinator`` (DeepSpeed 0.19, ``deepspeed/runtime/zero/partitioned_param_coordinator.py``)
+over the modules that hold parameters, in forward order and then in reverse for backward.
+
+* Each module's fetch gathers its parameters that are not available in one call (``__all_gather_params``) on
+  the allgather stream: one parameter into its own padded storage (``_all_gather_sequential``: the parameter is a
+  view of it), several into one flat tensor of ``partition numel x world`` elements each
+  (``_all_gather_coalesced``). At the first wait for any of a flat tensor's parameters, every one of them is copied
+  out into storage of its own (``AllGatherCoalescedHandle.wait``: ``torch.cat`` of its partitions, under the
+  allgather stream); the flat tensor goes once the last of its parameters has been waited for.
+* The first step records the module trace (every module whose forward runs, parameter-less ones too, then the
+  backward's): nothing is prefetched and every parameter is released after its module, persistent ones
+  (``stage3_param_persistence_threshold``) included; from then on those stay gathered.
+* Later steps prefetch: after each fetch, parameters are popped off the trace's queue (those of the module just
+  fetched, then up to ``stage3_prefetch_bucket_size`` elements, within ``stage3_max_live_parameters``) and
+  gathered in one call; a release keeps what a module within ``stage3_max_reuse_distance`` elements of the trace
+  uses, and what a prefetch fetched for a later use. Backward's end releases everything
+  (``release_and_reset_all``).
+
+Checked against the coordinator's own calls (a 1/64-scale Llama-3.2-1B with the knobs scaled alike, on CPU:
+every gather and release of three steps) and the H100 snapshots of Llama-3.2-1B at 2 and 4 ranks: every
+allocation and free of the allgather stream, in order (``tests/estimator/test_zero3_snapshots.py``).
+Only the allgather stream's own requests matter for its pool: no other stream reuses its blocks, and its
+``record_stream`` frees complete at once (``benchmarks/zero3_trace_anatomy.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from estimator.models.params import ParamInfo
+from estimator.reserved.timeline import model_order
+
+
+@dataclass(frozen=True)
+class _Param:
+    key: str
+    numel: int
+    elem_bytes: int
+    persistent: bool
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    params: tuple[str, ...]
+
+
+@dataclass
+class GatherOps:
+    """(+1, buffer id, bytes) allocations and (-1, buffer id, bytes) frees on the allgather stream, per step."""
+
+    steps: list[list[tuple[int, int, int]]] = field(default_factory=list)
+    # per step: ("G", parameter names) for each gather call, ("R", name) for each release (checks against a run)
+    calls: list[list[tuple]] = field(default_factory=list)
+
+
+def modules_of(table: list[ParamInfo]) -> tuple[list[Module], list[Module]]:
+    """(forward, backward) module traces of a Hugging Face decoder, as DeepSpeed's hooks see them: every module
+    whose forward runs, parameter-less ones included (each fetch may prefetch). Forward, in pre-forward order: the
+    causal-LM wrapper, the base model, the modules before the layers (the embedding), the rotary embedding; per
+    decoder layer the layer, then its blocks each after its norm (``input_layernorm``, attention with its
+    projections, ``post_attention_layernorm``, MLP with its projections and the activation after the first), the
+    modules after the layers, a tied head. Backward (pre-backward hooks on the outputs that need grad): the
+    reverse of the post-forward order, the rotary embedding left out."""
+    order = model_order(table)
+    direct: dict[str, list[str]] = {}
+    seen: list[str] = []
+    for p in order:
+        owner = p.name.rsplit(".", 1)[0]
+        if owner not in direct:
+            direct[owner] = []
+            seen.append(owner)
+        direct[owner].append(p.name)
+    tied = [(other.rsplit(".", 1)[0], p.name) for p in order for other in p.tied_names]
+    before = [m for m in seen if not m.split(".")[-2:-1] or not _layer_of(m)]
+    layers: dict[int, list[str]] = {}
+    for m in seen:
+        layer = _layer_of(m)
+        if layer is not None:
+            layers.setdefault(layer, []).append(m)
+    first_layer_at = next((i for i, m in enumerate(seen) if _layer_of(m) is not None), len(seen))
+    head = [m for m in seen[:first_layer_at] if _layer_of(m) is None]
+    tail = [m for m in seen[first_layer_at:] if _layer_of(m) is None]
+    del before
+    base = head[0].split(".")[0] if head else "model"
+    forward: list[tuple[str, tuple[str, ...]]] = [("", ()), (base, ())]
+    post: list[str] = []
+    for m in head:
+        forward.append((m, tuple(direct[m])))
+        post.append(m)
+    forward.append((f"{base}.rotary_emb", ()))
+    post.append(f"{base}.rotary_emb")
+    for layer in sorted(layers):
+        prefix = layers[layer][0].split(f".{layer}.")[0] + f".{layer}"
+        forward.append((prefix, ()))
+        blocks: dict[str, list[str]] = {}
+        norms: list[str] = []
+        for m in layers[layer]:
+            rest = m[len(prefix) + 1:]
+            if "." in rest:
+                blocks.setdefault(f"{prefix}.{rest.split('.')[0]}", []).append(m)
+            else:
+                norms.append(m)
+        for k, (block, leaves) in enumerate(blocks.items()):
+            if k < len(norms):
+                forward.append((norms[k], tuple(direct[norms[k]])))
+                post.append(norms[k])
+            forward.append((block, ()))
+            for j, leaf in enumerate(leaves):
+                forward.append((leaf, tuple(direct[leaf])))
+                post.append(leaf)
+                if j == 0 and len(leaves) == 3:  # gated MLP: act_fn(gate(x)) * up(x)
+                    forward.append((f"{block}.act_fn", ()))
+                    post.append(f"{block}.act_fn")
+            post.append(block)
+        for norm in norms[len(blocks):]:
+            forward.append((norm, tuple(direct[norm])))
+            post.append(norm)
+        post.append(prefix)
+    for m in tail:
+        forward.append((m, tuple(direct[m])))
+        post.append(m)
+    post.append(base)
+    for owner, name in tied:
+        forward.append((owner, (name,)))
+        post.append(owner)
+    post.append("")
+    params_of = dict(forward)
+    backward = [(m, params_of.get(m, ())) for m in reversed(post) if not m.endswith("rotary_emb")]
+    return [Module(n, ps) for n, ps in forward], [Module(n, ps) for n, ps in backward]
+
+
+def _layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    for a, b in zip(parts, parts[1:]):
+        if a in ("layers", "h", "layer", "blocks") and b.isdigit():
+            return int(b)
+    return None
+
+
+def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket: int = 50_000_000,
+            max_live: int = 1_000_000_000, max_reuse: int = 1_000_000_000, persistence: int = 100_000
+            ) -> GatherOps:
+    """The allgather stream's allocations and frees of ``steps`` training steps (module docstring)."""
+    index = {p.name: i for i, p in enumerate(table)}  # ds_id order: zero.Init partitions in creation order
+    params = {p.name: _Param(p.name, p.numel, p.elem_bytes, p.numel < persistence) for p in table}
+    forward, backward = modules_of(table)
+    trace = forward + backward
+    ops = GatherOps()
+    next_buffer = [0]
+    state: dict[str, str] = {n: "none" for n in params}  # none | inflight | available
+    storage: dict[str, tuple[int, int]] = {}  # parameter -> (buffer, bytes) it owns
+    registry: dict[str, dict] = {}            # parameter -> its gather's handle, until its module waits for it
+
+    def alloc(out: list, nbytes: int) -> tuple[int, int]:
+        b = next_buffer[0]
+        next_buffer[0] += 1
+        out.append((1, b, nbytes))
+        return b, nbytes
+
+    def aligned_bytes(n: str) -> int:
+        return math.ceil(params[n].numel / world) * world * params[n].elem_bytes
+
+    def gather(out: list, names: list[str]) -> None:
+        """``__all_gather_params``: one parameter gathers into its own (padded) storage
+        (``_all_gather_sequential``), several into one flat tensor (``_all_gather_coalesced``)."""
+        todo = sorted((n for n in dict.fromkeys(names) if state[n] == "none"), key=index.__getitem__)
+        if not todo:
+            return
+        calls.append(("G", tuple(todo)))
+        if len(todo) == 1:
+            storage[todo[0]] = alloc(out, aligned_bytes(todo[0]))
+            handle = {"params": todo, "flat": None, "complete": False}
+        else:
+            handle = {"params": todo, "flat": alloc(out, sum(aligned_bytes(n) for n in todo)), "complete": False}
+        for n in todo:
+            state[n], registry[n] = "inflight", handle
+
+    def wait(out: list, names) -> None:
+        """``AllGatherCoalescedHandle.wait`` at the first of the handle's parameters a module needs: every
+        parameter of the handle copied out of the flat tensor (``torch.cat`` of its partitions, its own
+        storage); the flat tensor goes when the last of its parameters leaves the registry."""
+        for n in names:
+            handle = registry.pop(n, None)
+            if handle is None:
+                continue
+            if not handle["complete"]:
+                handle["complete"] = True
+                for m in handle["params"]:
+                    if handle["flat"] is not None:
+                        storage[m] = alloc(out, params[m].numel * params[m].elem_bytes)
+                    state[m] = "available"
+            if handle["flat"] is not None and not any(registry.get(m) is handle for m in handle["params"]):
+                out.append((-1, *handle["flat"]))
+                handle["flat"] = None
+
+    def release(out: list, name: str) -> bool:
+        if state[name] != "available":
+            return False
+        state[name] = "none"
+        calls.append(("R", name))
+        if name in storage:
+            out.append((-1, *storage.pop(name)))
+        return True
+
+    # step 1: the trace is recorded, nothing prefetched, every parameter released after its module
+    out: list = []
+    calls: list = []
+    for m in trace:
+        gather(out, list(m.params))
+        wait(out, m.params)
+        for n in m.params:
+            release(out, n)
+    ops.steps.append(out)
+    ops.calls.append(calls)
+    queue_order = [(n, step_id) for step_id, m in enumerate(trace) for n in m.params]
+    for n, p in params.items():  # persistent parameters stay gathered from here on (not on this stream)
+        if p.persistent:
+            state[n] = "kept"
+    for _ in range(steps - 1):
+        out = []
+        calls = []
+        queue = deque(queue_order)
+        fetched_for: dict[str, int] = {}
+        n_available = 0
+        for step_id, m in enumerate(trace):
+            names = list(m.params)
+            before = sum(params[n].numel for n in dict.fromkeys(names) if state[n] == "none")
+            gather(out, names)
+            n_available += before
+            wait(out, names)
+            not_yet = {n for n in names if fetched_for.get(n, -10**10) < step_id}
+            discarded: set[str] = set()
+            while queue and len(discarded) < len(not_yet):
+                n, used_at = queue.popleft()
+                fetched_for[n] = used_at
+                discarded.add(n)
+            limit = min(max_live - n_available, prefetch_bucket)
+            prefetch: list[str] = []
+            numel = 0
+            while queue and numel < limit:
+                n, used_at = queue.popleft()
+                fetched_for[n] = max(fetched_for.get(n, -10**10), used_at)
+                if state[n] == "none" and n not in prefetch:
+                    prefetch.append(n)
+                    numel += params[n].numel
+            if prefetch:
+                gather(out, prefetch)
+                n_available += numel
+            # the module's release (step_id has advanced past its fetch): what it or a module within
+            # max_reuse elements of the trace uses again stays
+            now = step_id + 1
+            keep = {n for n in names if fetched_for.get(n, -10**10) > now}
+            traversed = 0
+            for later in trace[now:]:
+                if traversed >= max_reuse:
+                    break
+                for n in later.params:
+                    keep.add(n)
+                    traversed += params[n].numel
+            for n in names:
+                if n not in keep and release(out, n):
+                    n_available -= params[n].numel
+        for n in params:  # backward's end: release_and_reset_all
+            wait(out, [n])
+            release(out, n)
+        ops.steps.append(out)
+        ops.calls.append(calls)
+    return ops
+
+
+def pool_requests(ops: GatherOps, stream: int = 1) -> list[tuple]:
+    """The gathers as ``estimator.allocator.requests`` tuples (one key per buffer and step)."""
+    out: list[tuple] = []
+    for k, step in enumerate(ops.steps):
+        for sign, b, nbytes in step:
+            out.append(("alloc", (k, b), nbytes, stream) if sign > 0 else ("free", (k, b)))
+    return out
+
+
+def reduction_flushes(table: list[ParamInfo], bucket_numel: int) -> list[int]:
+    """Bytes of each IPG flush's concatenation on the reduction stream, in backward order (stage 3's
+    ``__reduce_and_partition_ipg_grads``: a gradient that would overflow ``reduce_bucket_size`` elements flushes the
+    bucket first; a flush of one tensor reduces it in place, 0 here). Backward order: the profile's
+    ``backward_index`` where it has one, else the reverse of ``model.parameters()`` with a tied embedding last."""
+    trainable = [p for p in model_order(table) if p.trainable]
+    if all(p.backward_index is not None for p in trainable):
+        order = sorted(trainable, key=lambda p: p.backward_index)
+    else:
+        tied = [p for p in trainable if p.tied_names]
+        order = [p for p in reversed(trainable) if not p.tied_names] + tied
+    flushes: list[int] = []
+    pending: list[ParamInfo] = []
+    elements = 0
+
+    def flush() -> None:
+        flushes.append(sum(p.numel * p.elem_bytes for p in pending) if len(pending) > 1 else 0)
+
+    for p in order:
+        if elements + p.numel > bucket_numel and elements:
+            flush()
+            pending, elements = [], 0
+        pending.append(p)
+        elements += p.numel
+    if pending:
+        flush()
+    return flushes
