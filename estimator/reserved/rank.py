@@ -112,11 +112,10 @@ def _expansion(events: dict, num_layers: int, loop: str, fp32_copies: bool = Fal
 
 def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, mixed: bool, world: int = 1,
            spec=None) -> Setup:
-    """``spec``: needed for fsdp1 (its unit sizes)."""
-    fsdp1_options = (spec.parallel.fsdp1, spec.training.precision) if method == "fsdp1" else None
-    if method == "zero3":
-        fsdp1_options = spec.parallel.zero
-    key = (id(profile), id(table), num_layers, method, mixed, world, fsdp1_options)
+    """``spec``: needed for fsdp1 (its unit sizes) and zero3 (its bucket and persistence threshold)."""
+    method_options = ((spec.parallel.fsdp1, spec.training.precision) if method == "fsdp1"
+                      else spec.parallel.zero if method == "zero3" else None)
+    key = (id(profile), id(table), num_layers, method, mixed, world, method_options)
     hit = _SETUPS.get(key)
     if hit is None or hit[0] is not table:
         if len(_SETUPS) > 256:
