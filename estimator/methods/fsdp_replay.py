@@ -59,6 +59,7 @@ class FsdpSizes:
     layers: tuple[LayerGroup, ...] = ()
 
     def layer(self, index: int | None) -> LayerGroup:
+        """Layer ``index``'s group (None, or every layer alike: the one layer described above)."""
         if self.layers and index is not None:
             return self.layers[index]
         return LayerGroup(self.layer_bytes, self.layer_gather_bytes, self.layer_rs_in_bytes,
@@ -169,14 +170,14 @@ def _boundary_events(name: str, num_layers: int, sz: FsdpSizes, micro: str, inde
     if name == "mid_fw":
         return [set_part("layer_params", lambda st: 0.0)]
     if name == "mid_bw":  # root post-forward frees the last gather; backward's first prefetch re-gathers it
-        last = sz.layer(None if not sz.layers else num_layers - 1)
+        last = sz.layer(num_layers - 1)
         return [set_part("gather", lambda st: 0.0), set_part("gather", lambda st: last.gather_bytes)]
     if name in BACKWARD_LAYER:
         first = name == "bw_first" or num_layers == 1
         prefetched = near(-1) if name != "bw_last" else None
         return ([] if first else _post_backward(near(+1), micro)) + _pre_backward(here, prefetched)
     if name == "suffix":
-        return _post_backward(sz.layer(None if not sz.layers else 0), micro)
+        return _post_backward(sz.layer(0), micro)
     raise ValueError(f"fsdp: unknown profile segment {name!r}")
 
 
