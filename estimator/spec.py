@@ -105,6 +105,13 @@ class TrainingSpec:
     # profiles were traced with. A profile traced with it is used where one is shipped or cached, or can be traced
     # here (that release installed); otherwise the shipped one, and the estimate says so.
     model_code: str = ""
+    # The model's key/value cache stays on in training: its config's ``use_cache`` (true in most config.json
+    # files) is left as it is by the HF Trainer, TRL's SFTTrainer (through 0.13), accelerate and plain loops
+    # that pass no ``use_cache=False``. What that keeps is the model code's business, so the profile traces it:
+    # Llama-family code turns the cache off under checkpointing; GPTBigCode (<= 4.57) never does, and each
+    # layer's present key/value, a view of its fused QKV output, keeps that whole output alive to the loss.
+    # False: the loop or the model turns it off (``model.config.use_cache = False``, ms-swift, axolotl, ...).
+    use_cache: bool = False
 
     def __post_init__(self) -> None:
         _check_positive_int("micro_batch_size", self.micro_batch_size)
@@ -131,6 +138,8 @@ class TrainingSpec:
         _check_choice("grad_sync", self.grad_sync, GRAD_SYNCS)
         if not isinstance(self.outputs_fp32, bool):
             _fail("outputs_fp32", f"must be true or false, got {self.outputs_fp32!r}")
+        if not isinstance(self.use_cache, bool):
+            _fail("use_cache", f"must be true or false, got {self.use_cache!r}")
         if not isinstance(self.model_code, str) or (self.model_code and model_code_release(self.model_code) is None):
             _fail("model_code", f"must be a transformers release such as 4.45 or 4.45.2, got {self.model_code!r}")
         if self.attn == "flash" and self.precision == "fp32":
@@ -283,11 +292,11 @@ class RunSpec:
 
     def _canonical_dict(self) -> dict[str, Any]:
         """to_dict without the settings of a method not used, nor settings added later at their default (FSDP1's,
-        ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``): ids stay as they were."""
+        ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``, ``use_cache``): ids stay as they were."""
         data = self.to_dict()
         if self.parallel.method != "fsdp1":
             data["parallel"].pop("fsdp1")
-        for name in ("outputs_fp32", "lora_dropout", "model_code"):
+        for name in ("outputs_fp32", "lora_dropout", "model_code", "use_cache"):
             if not getattr(self.training, name):
                 data["training"].pop(name)
         if self.training.grad_sync == "every":

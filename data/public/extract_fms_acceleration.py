@@ -31,6 +31,9 @@ at the version the freeze names:
 * LoRA (``peft_method lora``): r 16, alpha 16, dropout 0.1 on the ``target_modules`` column. ``baseline-peft-bnb``:
   bitsandbytes NF4 with double quantization, compute dtype = torch_dtype, prepared by TRL's SFTTrainer (peft's
   ``prepare_model_for_kbit_training``, then ``peft_module_casting_to_bf16`` under ``--bf16``).
+* ``use_cache``: left at the model config's true by fms-hf-tuning, TRL's SFTTrainer and the Trainer; GPTBigCode's
+  forward (transformers 4.44-4.57) never turns it off under checkpointing, so its ``presents`` (per layer, a view
+  of the whole fused QKV output) live until the loss; Mistral's forward turns it off.
 * rows without ``train_loss`` did not train (out of memory: their nvidia-smi column sits at the board's 80 GB) and
   give no row; a row whose figures are all the same as in an earlier version (re-committed, not re-run) gives one.
 Standard library only.
@@ -131,7 +134,11 @@ def _row(entry: dict, versions: dict, steps: int, cells: dict, quantity: str, ea
     notes = [f"configs: scenarios.yaml, defaults.yaml, accelerate.yaml, requirements.txt at {entry['commit'][:12]}",
              f"seq_len {seq_len}: packed rows (TRL ConstantLengthDataset, no attention mask); the run's "
              f"train_tokens_per_second x train_runtime / ({steps} steps x batch {batch}) = {tokens:.1f} tokens",
-             "optimizer: HF Trainer default adamw_torch (foreach AdamW); checkpointing reentrant (Trainer default)"]
+             "optimizer: HF Trainer default adamw_torch (foreach AdamW); checkpointing reentrant (Trainer default)",
+             "use_cache: the model config's (true); nothing turns it off: fms-hf-tuning's sft_trainer.py (the "
+             "freeze's commit), TRL's SFTTrainer 0.10-0.13 and the Trainer pass no use_cache (Mistral's code then "
+             "turns it off under checkpointing; GPTBigCode's (4.44-4.48) does not: each layer's present key/value, "
+             "a view of its c_attn output, is kept until the forward returns)"]
     if quantity == "nvml_used":
         notes.append("value = mean over the job's GPUs of (peak - first) nvidia-smi memory.used, sampled every "
                      "second: a peak shorter than a second can be missed")
@@ -177,7 +184,7 @@ def _row(entry: dict, versions: dict, steps: int, cells: dict, quantity: str, ea
         micro_batch_size=batch, seq_len=seq_len, precision=precision or "bf16", optimizer="adamw", grad_ckpt=True,
         attn="flash", lora_rank=int(float(cells["r"])) if lora else 0, lora_targets=targets,
         lora_dropout=float(cells.get("lora_dropout") or 0) if lora else 0.0, qlora=qlora,
-        grad_accum_steps=1, loop="trainer", batch="full", outputs_fp32=bool(half), model_hub_id=hub,
+        grad_accum_steps=1, loop="trainer", batch="full", outputs_fp32=bool(half), use_cache=True, model_hub_id=hub,
         framework=f"fms-hf-tuning (HF Trainer / TRL SFTTrainer){', accelerate FSDP1' if world > 1 else ''}",
         adapter=adapter, padding="packed", max_length=seq_len, seq_len_basis="longest_sample",
         lengths=f"packed: every row {seq_len} tokens", rescore_lengths=False, **versions,

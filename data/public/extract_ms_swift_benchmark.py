@@ -123,7 +123,8 @@ def _row(entry: dict, heading: str, cells: dict) -> dict | None:
              "seq_len = max_length: truncation_strategy 'delete' drops longer samples; the dataset's lengths "
              "(3234 +- 2548, max 19548 Qwen tokens) put kept samples up to the cap",
              "bf16 weights + HF Trainer bf16 autocast; LoRA adapters as swift/peft create them (fp32)",
-             "attention: use_flash_attn -> flash_attention_2"]
+             "attention: use_flash_attn -> flash_attention_2",
+             "use_cache false: swift/llm/sft.py sets model.config.use_cache = False with gradient checkpointing"]
             + ([f"not expressible: {'; '.join(out)}"] if out else [])))
 
 

@@ -13,7 +13,8 @@ benchmark's code at the commit that added the file (``run.py``/``utils.py``, sam
   (transformers' default: sdpa), gradient checkpointing only when ``use_gc`` is true (the field is absent before
   2026-07, when the code had no checkpointing path), PEFT adapters in fp32 (``autocast_adapter_dtype``).
 * batches of ``batch_size`` samples from a length-bucketed iterator, each padded to its longest sample,
-  samples truncated at ``max_seq_length`` tokens; the train loop keeps ``outputs`` alive through backward.
+  samples truncated at ``max_seq_length`` tokens; the train loop keeps ``outputs`` alive through backward, and
+  with them the key/value cache (``model(**batch)`` passes no ``use_cache``: the config's true).
 Standard library only.
 """
 
@@ -88,6 +89,9 @@ def _row(entry: dict, data: dict) -> dict:
         "batch = padded: each batch is padded to its longest sample, so transformers builds the 4-D attention mask "
         "(SDPA keeps it per layer and repeats the grouped key/value heads)",
         "torch.optim.AdamW default foreach implementation; gradient clipping at 1.0 (foreach norm)",
+        "use_cache: the Llama config's (true): run.py calls model(**batch, num_items_in_batch=...) with no "
+        "use_cache and no checkpointing, so each layer's key/value cache stays in the output object, which the "
+        "loop keeps through backward and the optimizer step",
         "run.py empties the cache every 10 steps (ACCELERATOR_EMPTY_CACHE_SCHEDULE, huggingface/peft@026d1e01), so "
         "the reserved peak is what at most 10 consecutive steps of mixed lengths reserve"]
     return row(
@@ -99,7 +103,7 @@ def _row(entry: dict, data: dict) -> dict:
         attn=train.get("attn_implementation") or "sdpa", lora_rank=rank, lora_targets=targets,
         lora_dropout=float((peft or {}).get("lora_dropout") or 0) if rank else 0.0,
         model_hub_id=train["model_id"], framework="transformers+peft (custom loop)", adapter=adapter,
-        loop="manual", batch="padded", padding="longest", max_length=int(train["max_seq_length"]), seq_len_basis="max_length_cap",
+        loop="manual", batch="padded", use_cache=True, padding="longest", max_length=int(train["max_seq_length"]), seq_len_basis="max_length_cap",
         lengths="MetaMathQA filtered to <= 1300 characters (query + response), Llama-3 tokenizer, bucketed by "
                 "length (bucket_factor x batch), padded per batch to the longest sample" + _mean_tokens(tinfo),
         rescore_lengths=True, torch_version=packages.get("torch-version", ""),

@@ -119,7 +119,7 @@ def spec_from_settings(settings: dict[str, Setting], report: ConfigReport) -> Ru
         # it changes nothing without accumulation or sharded gradients: left at its default there (same spec id)
         grad_sync=value("grad_sync", "every") if value("grad_accum_steps", 1) > 1 and method in FSDP_METHODS
         else "every",
-        outputs_fp32=_outputs_fp32(settings, method, value))
+        outputs_fp32=_outputs_fp32(settings, method, value), use_cache=bool(value("use_cache", False)))
     gpu = str(value("gpu", "h100-80gb", "no config names the GPU type; pass --gpu")).lower()
     tp = value("tp", 1) if "tp" in settings else (world if method == "tp" else 1)
     model = str(settings["model"].value)

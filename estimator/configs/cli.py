@@ -17,7 +17,7 @@ _FLAG_SETTINGS = {"model": "model", "gpus": "world_size", "method": "method", "t
                   "optimizer": "optimizer", "grad_ckpt": "grad_ckpt", "attn": "attn", "lora_rank": "lora_rank",
                   "lora_targets": "lora_targets", "lora_dropout": "lora_dropout", "qlora": "qlora", "loop": "loop", "gpu": "gpu",
                   "grad_accum_steps": "grad_accum_steps", "grad_sync": "grad_sync", "outputs_fp32": "outputs_fp32",
-                  "deepspeed": "deepspeed"}
+                  "use_cache": "use_cache", "deepspeed": "deepspeed"}
 
 
 def explicit_flags(build_parser: Callable[[], argparse.ArgumentParser], argv: list[str]) -> dict[str, Any]:

@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "wraps it (accelerate scripts, the HF Trainer with bf16/fp16; not DeepSpeed): a manual "
                         "loop then holds fp32 logits; over 16-bit weights (bf16, mixed_*) the forward also runs "
                         "under autocast, LayerNorm, softmax and the loss in fp32")
+    p.add_argument("--use-cache", action="store_true", default=None,
+                   help="the model's key/value cache stays on in training (its config.json's use_cache, left as "
+                        "it is by the HF Trainer, TRL's SFTTrainer and loops that pass no use_cache=False); the "
+                        "model code decides what it keeps: Llama-family code turns it off under checkpointing, "
+                        "GPTBigCode keeps each layer's fused QKV output until the loss")
     p.add_argument("--batch", choices=BATCHES, help="'full' (default: every row full length, or packed: no "
                    "attention mask) or 'padded' (some rows padded: transformers builds the 4-D mask; with "
                    "--lengths it is set per batch)")
@@ -112,7 +117,8 @@ def _training(args, base: TrainingSpec) -> TrainingSpec:
                         batch=pick(args.batch, base.batch), outputs_fp32=pick(args.outputs_fp32, base.outputs_fp32),
                         grad_accum_steps=pick(args.grad_accum_steps, base.grad_accum_steps),
                         grad_sync=pick(args.grad_sync, base.grad_sync),
-                        model_code=pick(args.model_code, base.model_code))
+                        model_code=pick(args.model_code, base.model_code),
+                        use_cache=pick(args.use_cache, base.use_cache))
 
 
 # CPU runs and fake-tensor traces carry gpu "cpu": their allocated level is a GPU's minus the cuBLAS workspace,
@@ -198,7 +204,8 @@ def _lora_label(t) -> str:
 def _loop_label(t) -> str:
     sync = f", gradients reduced on the {t.grad_sync} micro-batch" if t.grad_accum_steps > 1 and \
         t.grad_sync == "last" else ""
-    return f", {t.loop} loop" + (", fp32 outputs" if t.outputs_fp32 else "") + sync
+    return (f", {t.loop} loop" + (", fp32 outputs" if t.outputs_fp32 else "")
+            + (", key/value cache on" if t.use_cache else "") + sync)
 
 
 def render_compare(results: list[tuple[str, object, str]], spec: RunSpec, gpus: int) -> str:

@@ -49,7 +49,10 @@ def variant_key(training: TrainingSpec, adapters_16bit: bool = False) -> str:
     # Traced under autocast with CUDA's op lists (``estimator.profiler.cuda_path.cuda_autocast_lists``); amp_*
     # profiles traced before with CPU autocast's lists keep their old key and are not found.
     autocast = "_autocast" if training.forward_autocast else ""
-    return f"{training.precision}_{attn}_{'ckpt' if training.grad_ckpt else 'nockpt'}_{lora}{padded}{autocast}"
+    # Traced with the model's key/value cache on (``TrainingSpec.use_cache``); profiles without it keep their key.
+    cache = "_kvcache" if training.use_cache else ""
+    return (f"{training.precision}_{attn}_{'ckpt' if training.grad_ckpt else 'nockpt'}_{lora}{padded}{autocast}"
+            f"{cache}")
 
 
 def profile_key(config_sha: str, training: TrainingSpec, tp: int = 1, adapters_16bit: bool = False) -> str:

@@ -62,7 +62,7 @@ def hf_config(config: dict[str, Any], training: TrainingSpec):
     config = {k: copy.deepcopy(v) for k, v in config.items() if k not in ("_name_or_path", "transformers_version")}
     model_type = config.pop("model_type")
     cfg = AutoConfig.for_model(model_type, **config)
-    cfg.use_cache = False
+    cfg.use_cache = training.use_cache  # as the run leaves it (TrainingSpec.use_cache); the model code decides the rest
     return cfg
 
 
@@ -93,7 +93,7 @@ def build_model(config: dict[str, Any], training: TrainingSpec, device: torch.de
     requested = attn_implementation(training.attn, device, training.precision)
     with target:
         model = _from_config(cfg, dtype, requested)
-    model.config.use_cache = False
+    model.config.use_cache = training.use_cache
     if training.grad_ckpt:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns

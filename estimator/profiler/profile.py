@@ -620,7 +620,7 @@ def _variant(training: TrainingSpec) -> dict:
     return {"precision": training.precision, "attn": training.attn, "grad_ckpt": training.grad_ckpt,
             "lora_rank": training.lora_rank, "lora_targets": training.lora_targets, "qlora": training.qlora,
             "batch": training.batch, "lora_dropout": training.lora_dropout,
-            "forward_autocast": training.forward_autocast}
+            "forward_autocast": training.forward_autocast, "use_cache": training.use_cache}
 
 
 def _check_depth(config: dict, training: TrainingSpec, regime: dict, fitted: dict, tp: int = 1) -> dict:

@@ -134,6 +134,16 @@ class _Layout:
                     self.layer[o] = labels.get(o)
 
 
+def _held_layers(layout: _Layout, o: int, num_layers: int) -> list[int | None]:
+    """The concrete layers whose copy of held output ``o`` the next step frees: none for a tensor made outside
+    the layers (the logits); every layer the forward segment that made it stands for when a decoder layer made
+    it (the key/value cache a model keeps with ``use_cache``: one per layer)."""
+    if layout.ident[o][0] != "fw":
+        return [None]
+    last = num_layers - 1
+    return {0: [0], 2: [last]}.get(layout.layer[o], list(range(1, last)))
+
+
 def _outer_runs(codes: list[int], layout: _Layout) -> list[tuple[int | None, list[int]]]:
     runs: list[tuple[int | None, list[int]]] = []
     for code in codes:
@@ -245,7 +255,8 @@ def _expand_segments(events: dict, segments: dict, num_layers: int, held: list[i
             out.extend((ALLOC, key, poly) for key, poly in copies)
             out.extend((FREE_PREVIOUS, key, poly) for key, poly in copies)
         elif name == "mid_bw" and manual:
-            out.extend((FREE_PREVIOUS, namer(layout.ident[o], None), layout.size[o]) for o in held)
+            out.extend((FREE_PREVIOUS, namer(layout.ident[o], layer), layout.size[o])
+                       for o in held for layer in _held_layers(layout, o, num_layers))
         if name in LAYER_SEGMENTS:
             if name not in resolved:
                 resolved[name] = _resolve(layout, namer, segments[name], LAYER_SEGMENTS[name][1], skip_free)
@@ -320,6 +331,9 @@ def expand(events: dict, num_layers: int, loop: str = "trainer", fp32_copies: bo
     manual = loop == "manual"
     fp32_copies = fp32_copies and manual
     held = [o for o, _saved in events["held"]]
+    if fp32_copies and any(_decode(code)[1] in held for name in LAYER_SEGMENTS
+                           for code in events["segments"].get(name, ()) if _decode(code)[0]):
+        raise ExpansionError("events: fp32 copies of per-layer outputs (a key/value cache) are not modelled")
     steady_segments = {**events["segments"], "optimizer_pre": []}
     grad_layers: dict[int, int | None] = {}
     steady_ops, steady_names, steady_starts, steady_marks = _expand_segments(
