@@ -320,12 +320,23 @@ DIAGNOSES = [
      "mechanism: reserved from the prior (allocated x (1 + slack ratio) + slack bytes) because the allocator "
      "replay cannot run for this profile; the estimator's peak allocated is within the threshold of the "
      "published reserved"),
+    (lambda r, s: r["source"] == "peft_metamathqa" and s.err_pct > 0,
+     "source ambiguity: seq_len is the 768-token cap, not the longest batch, which nothing publishes. run.py "
+     "trains on the first 20,000 samples of the character-filtered MetaMathQA in file order (BucketIterator, no "
+     "shuffle: 5,000 steps x 4, each batch padded to its longest); its metrics give 208.9 tokens per sample "
+     "(exact per 250-step window; the windows' spread puts the per-sample sd near 95). The runs that emptied the "
+     "cache after every step (transformers 4.52) log each step's own reserved peak: p99 16.5 GiB, max 20.7 GiB "
+     "(r32), and the runs that empty it every 10 steps publish the same max, so one batch sets it. With the "
+     "estimator, the attention-LoRA (r32, r64) and MLP-LoRA (r10) rows all agree with one longest batch of about "
+     "650 tokens (r32: 20.5-21.2 GiB at 640-672, published 20.76; r10 MLP: 22.7-23.5, published 23.00), and the "
+     "published character statistics (query 213.5 + response 498.2 characters on average, <= 1,300 kept) at the "
+     "run's 208.9 tokens per sample (at most 3.6 characters per token) put a 1,300-character sample near 400 "
+     "tokens; 768 would need 1.7 characters per token. The full fine-tuning rows' reserved level swings by 4 GiB "
+     "between neighbouring lengths (the optimizer step's blocks against the activations' cache) and matches at "
+     "768 and near 650 alike"),
     (lambda r, s: r["rescore_lengths"] == "True" and s.err_pct > 0,
      "source ambiguity: seq_len is the max-length cap; the longest padded batch may be shorter (re-score with "
-     "the batch lengths, --lengths). PEFT's cap is a character filter (<= 1300) that its data.py ties to 768 "
-     "tokens as a bound, its runs' own metrics give a mean of about 209 tokens per sample (the row's lengths "
-     "column), and run.py empties the cache every 10 steps, so the peak is the longest of a few hundred "
-     "10-step windows, not a 768-token batch"),
+     "the batch lengths, --lengths)"),
     (lambda r, s: "generation eval" in r["assumptions"] and s.err_pct < 0,
      "source ambiguity: the published peak covers the whole run, generation-based evaluation included"),
 ]

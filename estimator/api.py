@@ -11,7 +11,7 @@ from estimator.hardware import residuals
 from estimator.hardware.gpus import get_gpu
 from estimator.methods import state as methods
 from estimator.methods.fsdp1 import fsdp1
-from estimator.methods.timeline import Replay, poly, replay
+from estimator.methods.timeline import Replay, at_depth, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
 from estimator.models.memo import memo_by_owner
 from estimator.models.moe import moe_facts, moe_notes
@@ -155,9 +155,9 @@ def _regime(profile: dict, b: int, s: int) -> dict:
     raise ValueError(f"seq_len: no profiled regime covers micro-batch {b}, sequence {s}")
 
 
-def loop_segments(regime: dict, loop: str) -> dict:
-    """The regime's step as the training loop runs it (``TrainingSpec.loop``)."""
-    return regime["segments_manual"] if loop == "manual" else regime["segments"]
+def loop_segments(regime: dict, loop: str, num_layers: int) -> dict:
+    """The regime's step as the training loop runs it (``TrainingSpec.loop``), at the model's depth."""
+    return at_depth(regime["segments_manual"] if loop == "manual" else regime["segments"], num_layers)
 
 
 def held_outputs_bytes(regime: dict, loop: str, b: int, s: int) -> float:
@@ -268,7 +268,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     b, s = training.micro_batch_size, training.seq_len
     model = _step_model(spec, table, rank, path)
     regime = _regime(profile, b, s)
-    segments = loop_segments(regime, training.loop)
+    segments = loop_segments(regime, training.loop, arch.num_layers)
     fb = None
     for micro in _micro_batches(spec):  # a later micro-batch starts with gradients held
         candidate = _replay(model, segments, arch.num_layers, b, s, accumulating=micro)
@@ -282,7 +282,8 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     step_total = resident + max(fb.end_act_bytes, 0.0) + model.step_grads + model.step_temp + fp32_copies
     held = held_outputs_bytes(regime, training.loop, b, s)
     if fb_total >= step_total:
-        layer_act, other_act = _activation_split(regime["segments"], fb, arch.num_layers, b, s)
+        layer_act, other_act = _activation_split(at_depth(regime["segments"], arch.num_layers), fb,
+                                                 arch.num_layers, b, s)
         parts = {**model.resident, "gradients": model.resident.get("gradients", 0.0) + fb.peak_grad_bytes,
                  "activations": layer_act + other_act - held}
         for key, value in fb.peak_parts.items():

@@ -32,6 +32,29 @@ def segment_sequence(num_layers: int) -> list[tuple[str, int]]:
             ("bw_first", 1), ("bw", middle), ("bw_last", 1), ("suffix", 1)]
 
 
+# The depth a profile's segments were traced at (``estimator.profiler.profile.PROFILE_LAYERS``).
+PROFILED_LAYERS = 3
+
+
+def at_depth(segments: dict, num_layers: int) -> dict:
+    """The segments for a decoder of ``num_layers`` blocks. An outer segment that makes or frees one tensor per
+    decoder layer (a key/value cache the output object keeps, freed as the loop drops it) did so for one generic
+    layer in the traced step; its ``per_layer_act`` (and each candidate's share, ``candidates_per_layer``) is
+    added for every generic layer beyond that one. Segments without them are returned as they are."""
+    extra = max(num_layers - 2, 0) - (PROFILED_LAYERS - 2)
+    if not extra or not any("per_layer_act" in seg for seg in segments.values()):
+        return segments
+    out = {}
+    for name, seg in segments.items():
+        if "per_layer_act" not in seg:
+            out[name] = seg
+            continue
+        out[name] = {**seg, "net_act": [a + extra * p for a, p in zip(seg["net_act"], seg["per_layer_act"])],
+                     "candidates": [([a + extra * p for a, p in zip(act, per)], grad) for (act, grad), per
+                                    in zip(seg["candidates"], seg["candidates_per_layer"])]}
+    return out
+
+
 @dataclass(frozen=True)
 class Replay:
     peak_bytes: float          # activations + held gradients at the peak, above the step's starting state
@@ -102,4 +125,5 @@ def replay(segments: dict, num_layers: int, b: int, s: int, grad_policy: GradPol
 
 
 def replay_activation_peak(segments: dict, num_layers: int, b: int, s: int) -> int:
-    return round(replay(segments, num_layers, b, s).peak_bytes)
+    """The activation peak of a profile's (traced-depth) segments at ``num_layers``."""
+    return round(replay(at_depth(segments, num_layers), num_layers, b, s).peak_bytes)

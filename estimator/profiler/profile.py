@@ -321,11 +321,18 @@ def _segment_bounds(signature: list[tuple], num_layers: int) -> dict[str, tuple[
     }
 
 
-def _segment_summary(events: list[tuple], coeffs: list[list[Fraction]], grads: list[str | None]) -> dict:
-    """Net change and non-dominated local maxima of (activation poly, grad bytes) over one segment."""
+def _segment_summary(events: list[tuple], coeffs: list[list[Fraction]], grads: list[str | None],
+                     generic: frozenset[int] = frozenset()) -> dict:
+    """Net change and non-dominated local maxima of (activation poly, grad bytes) over one segment.
+
+    ``generic``: ordinals of tensors the generic decoder layer made, one per layer at full depth. An outer
+    segment that allocates or frees one of them (a key/value cache the output object keeps, freed as the loop
+    drops it) did so for one generic layer in the trace: ``per_layer_act`` and ``candidates_per_layer`` say how
+    much, so ``estimator.methods.timeline.at_depth`` adds it for every generic layer beyond."""
     act = [Fraction(0)] * 6
+    per_layer = [Fraction(0)] * 6
     grad = Fraction(0)
-    candidates: list[tuple[list[Fraction], Fraction]] = []
+    candidates: list[tuple[list[Fraction], Fraction, list[Fraction]]] = []
     for i, event in enumerate(events):
         kind = event[0]
         if kind == "m":
@@ -336,18 +343,25 @@ def _segment_summary(events: list[tuple], coeffs: list[list[Fraction]], grads: l
             grad += sign * c[0]
         else:
             act = [a + sign * x for a, x in zip(act, c)]
+            if event[1] in generic:
+                per_layer = [a + sign * x for a, x in zip(per_layer, c)]
         nxt = events[i + 1][0] if i + 1 < len(events) else "end"
         if kind == "a" and nxt != "a":
-            candidates.append((list(act), grad))
-    candidates.append((list(act), grad))
-    kept = []
-    for k, (a_k, g_k) in enumerate(candidates):
-        dominated = any(j != k and g_j >= g_k and all(x >= y for x, y in zip(a_j, a_k))
+            candidates.append((list(act), grad, list(per_layer)))
+    candidates.append((list(act), grad, list(per_layer)))
+    kept, kept_per_layer = [], []
+    for k, (a_k, g_k, p_k) in enumerate(candidates):
+        dominated = any(j != k and g_j >= g_k and all(x >= y for x, y in zip(a_j, a_k)) and p_j == p_k
                         and (a_j != a_k or g_j != g_k or j < k)
-                        for j, (a_j, g_j) in enumerate(candidates))
+                        for j, (a_j, g_j, p_j) in enumerate(candidates))
         if not dominated:
             kept.append(([float(x) for x in a_k], float(g_k)))
-    return {"net_act": [float(x) for x in act], "net_grad": float(grad), "candidates": kept}
+            kept_per_layer.append([float(x) for x in p_k])
+    summary = {"net_act": [float(x) for x in act], "net_grad": float(grad), "candidates": kept}
+    if any(per_layer) or any(any(p) for p in kept_per_layer):
+        summary["per_layer_act"] = [float(x) for x in per_layer]
+        summary["candidates_per_layer"] = kept_per_layer
+    return summary
 
 
 def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:
@@ -376,6 +390,7 @@ def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:
     signature = full[:full.index(("m", "optimizer"))]  # the summaries end where the optimizer step begins
     segments = _summarise(signature, coeffs, grads, model.num_layers)
     manual_signature, manual_coeffs, manual_grads = manual_loop_events(signature, coeffs, grads, held)
+    previous = {len(coeffs) + i: k for i, (k, _saved) in enumerate(held)}  # manual_loop_events' copies
     outputs = {kind: [float(x) for x in _sum_polys([coeffs[k] for k, saved in held if saved == want])]
                for kind, want in (("dropped", False), ("saved", True))}
     outputs_16bit = {kind: [float(x) for x in _sum_polys([coeffs[k] for k, saved in held
@@ -389,14 +404,25 @@ def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:
                             [timeline.layer_of.get(sid) for sid in sids], held, first)
     events["optimizer"] = model.training.optimizer
     return {**regime, "segments": segments,
-            "segments_manual": _summarise(manual_signature, manual_coeffs, manual_grads, model.num_layers),
+            "segments_manual": _summarise(manual_signature, manual_coeffs, manual_grads, model.num_layers,
+                                          previous),
             "outputs_held": outputs, "outputs_held_16bit": outputs_16bit, "check_max_rel_error": worst,
             "events": events}, signature, coeffs
 
 
-def _summarise(signature: list[tuple], coeffs: list, grads: list, num_layers: int) -> dict:
+OUTER_SEGMENTS = ("prefix", "mid_fw", "mid_bw", "suffix")
+
+
+def _summarise(signature: list[tuple], coeffs: list, grads: list, num_layers: int,
+               copies_of: dict[int, int] | None = None) -> dict:
+    """``copies_of``: ordinals standing for another's tensor of the previous step (a manual loop's outputs)."""
     bounds = _segment_bounds(signature, num_layers)
-    return {name: _segment_summary(signature[lo:hi], coeffs, grads) for name, (lo, hi) in bounds.items()}
+    lo, hi = bounds["fw"]
+    generic = {e[1] for e in signature[lo:hi] if e[0] == "a"}
+    generic |= {copy for copy, original in (copies_of or {}).items() if original in generic}
+    return {name: _segment_summary(signature[lo:hi], coeffs, grads,
+                                   frozenset(generic) if name in OUTER_SEGMENTS else frozenset())
+            for name, (lo, hi) in bounds.items()}
 
 
 def _sum_polys(polys: list[list[Fraction]]) -> list[Fraction]:
