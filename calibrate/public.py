@@ -267,7 +267,9 @@ DIAGNOSES = [
      "mechanism and source ambiguity: the predicted reserved level reaches the board's capacity (the estimator's "
      "replay has an allocation retry there); the real caching allocator then frees its cached blocks and retries, "
      "and nvidia-smi sampled once a second records less: the source's b8 figure (70-71 GiB) is below its own b4 "
-     "figure (74-75 GiB) with the same allocated peak (67.46 GiB, the optimizer step)"),
+     "figure (74-75 GiB) with the same allocated peak (67.46 GiB, the optimizer step). In the replay (9239802 b8) "
+     "the second step reaches 76.4 GiB reserved, retries once, and every later step holds 67.7 GiB: the published "
+     "level lies between the two, so how long the real allocator stayed near the capacity decides the row"),
     (lambda r, s: r["quantity"] == "nvml_used" and r["method"] in SHARDED and s.reserved_source == "prior"
      and s.err_pct < 0,
      "mechanism: reserved from the prior for a sharded method (no allocator replay for ZeRO, or for these FSDP "
@@ -279,17 +281,9 @@ DIAGNOSES = [
      and s.err_pct < 0 and _bf16_loss_in_model(r),
      "mechanism, and the allocated gap below it: FSDP1's reserved level is replayed with the frees FSDP1 makes "
      "with record_stream taken as complete at the next allocation (the GPU keeping up with the CPU; a lagging GPU "
-     "keeps more blocks cached), and the allocated peak it is replayed from is itself low on the same runs where "
-     "activations set it (x2 b4: -10 %, the next diagnosis); the source's Mistral-7B full FSDP1 rows are within "
-     "5.3 %"),
-    (lambda r, s: _bf16_loss_in_model(r) and _own_release(r, s) and s.err_pct < 0,
-     "not attributed: traced with the source's own release (4.45, 4.48: the cross-entropy of a shifted bf16 copy "
-     "of the bf16 logits, no fp32 upcast), the allocated peak matches where the optimizer step sets it (b4 single "
-     "+0.0 %, FSDP1 x2 b2 -0.9 %; with transformers 5's loss path these rows were +11 to +21 %), and where "
-     "activations set it the estimate is low by about one bf16 logits-sized tensor per sample (2,048 x 49,280 x "
-     "2 B = 0.19 GiB: -1.61 GiB at b8, -0.72 GiB at FSDP1 x2 b4). Not checked: FlashAttention-2's own path (the "
-     "trace runs 4.45's SDPA class for it) and reentrant checkpointing (the Trainer's default then; the trace is "
-     "non-reentrant)"),
+     "keeps more blocks cached); the allocated peak it is replayed from matches the same runs' max_allocated "
+     "rows (x2 b2 +0.3 %, x2 b4 +0.5 %, with GPTBigCode's key/value cache kept as the source's runs keep it: "
+     "use_cache); the source's Mistral-7B full FSDP1 rows are within 5.3 %"),
     (lambda r, s: r["source"] == "ms_swift_benchmark" and s.err_pct < 0,
      "mechanism and source ambiguity: batch-1 samples of every length up to max_length (truncation 'delete') "
      "pass through one caching allocator for a whole epoch, whose reserved level grows with the mix of block "
@@ -300,7 +294,12 @@ DIAGNOSES = [
      "page's own peaks do not grow as flash attention + checkpointing would (16.95 -> 28.25 -> 43.81 GiB for "
      "2048 -> 4096 -> 8192; on the same page qwen-1_8b-chat full fine-tuning falls from 35.11 GiB at 2048 to "
      "31.62 at 4096), and a re-measured value changed (16.28 -> 16.95 GiB at 2048); the longest kept sample is "
-     "not published"),
+     "not published. Read at the benchmark's commits (modelscope/ms-swift 97e4d198, 4312aeb2: "
+     "scripts/benchmark/test_memory_time/run_single.py, swift/llm/sft.py): above 2048 only 1,000 sampled rows "
+     "train (train_dataset_sample), sft.py sets use_cache False under checkpointing, the page's qwen tables kept "
+     "figures measured with truncation_left (97e4d198's settings) beside the Yi rows' 'delete', and its own "
+     "ablations do not behave as the configuration would: qwen-7b-chat at 2048 reserves 27.74 GiB with flash "
+     "attention and 27.71 without, and 43.11 at batch 2 (+15.4 GiB for 2,048 more tokens)"),
     (lambda r, s: r["precision"] in ("bf16", "mixed_bf16") and r["outputs_fp32"] == "True" and r["qlora"] != "True"
      and _layer_norm(r) and s.err_pct < 0,
      "mechanism: the Trainer's --bf16 over bf16 weights (or over FSDP1's bf16 MixedPrecision) runs the step under "
@@ -309,12 +308,6 @@ DIAGNOSES = [
      "without autocast (its autocast is amp_*'s, over fp32 weights). Traced with the source's release (4.44: the "
      "loss of bf16 logits), the rest of the step is that release's. Llama-style models, whose RMSNorm and loss "
      "already run in fp32, are unchanged by it (the source's Mistral rows match)"),
-    (lambda r, s: r["quantity"] == "nvml_used" and s.err_pct > 0 and r["outputs_fp32"] == "True" and _layer_norm(r)
-     and r["source"] == "fms_acceleration",
-     "not attributed: the reserved level is replayed from the trace of autocast over bf16 weights, whose allocated "
-     "peak is itself 7 % low at this shape (the same run's max_allocated row: 11.77 vs 12.70 GiB); the replay "
-     "keeps 4.7 GiB cached above its allocated peak where the run's nvidia-smi level is 2.3 GiB above its "
-     "max_allocated (b8: 3.3 vs 2.9 GiB), so the step's blocks are not the run's"),
     (lambda r, s: r["quantity"] == "max_reserved" and s.reserved_source == "prior" and s.allocated_bytes
      and abs(s.allocated_bytes - s.measured_bytes) <= OUTLIER_PCT / 100 * s.measured_bytes,
      "mechanism: reserved from the prior (allocated x (1 + slack ratio) + slack bytes) because the allocator "
@@ -328,12 +321,13 @@ DIAGNOSES = [
      "cache after every step (transformers 4.52) log each step's own reserved peak: p99 16.5 GiB, max 20.7 GiB "
      "(r32), and the runs that empty it every 10 steps publish the same max, so one batch sets it. With the "
      "estimator, the attention-LoRA (r32, r64) and MLP-LoRA (r10) rows all agree with one longest batch of about "
-     "650 tokens (r32: 20.5-21.2 GiB at 640-672, published 20.76; r10 MLP: 22.7-23.5, published 23.00), and the "
+     "650 tokens (r32: 20.5-21.1 GiB at 640-656, published 20.76; r10 MLP: 22.7-23.1, published 23.00), and the "
      "published character statistics (query 213.5 + response 498.2 characters on average, <= 1,300 kept) at the "
      "run's 208.9 tokens per sample (at most 3.6 characters per token) put a 1,300-character sample near 400 "
-     "tokens; 768 would need 1.7 characters per token. The full fine-tuning rows' reserved level swings by 4 GiB "
+     "tokens; 768 would need 1.7 characters per token. The full fine-tuning rows' reserved level swings by 3 GiB "
      "between neighbouring lengths (the optimizer step's blocks against the activations' cache) and matches at "
-     "768 and near 650 alike"),
+     "768 and near 640 alike. The runs leave the key/value cache on (use_cache), which the estimate includes "
+     "(+0.3 GiB allocated, +0.1 to +0.3 GiB reserved)"),
     (lambda r, s: r["rescore_lengths"] == "True" and s.err_pct > 0,
      "source ambiguity: seq_len is the max-length cap; the longest padded batch may be shorter (re-score with "
      "the batch lengths, --lengths)"),

@@ -322,13 +322,13 @@ def _segment_bounds(signature: list[tuple], num_layers: int) -> dict[str, tuple[
 
 
 def _segment_summary(events: list[tuple], coeffs: list[list[Fraction]], grads: list[str | None],
-                     generic: frozenset[int] = frozenset()) -> dict:
+                     per_layer_at: frozenset[int] = frozenset()) -> dict:
     """Net change and non-dominated local maxima of (activation poly, grad bytes) over one segment.
 
-    ``generic``: ordinals of tensors the generic decoder layer made, one per layer at full depth. An outer
-    segment that allocates or frees one of them (a key/value cache the output object keeps, freed as the loop
-    drops it) did so for one generic layer in the trace: ``per_layer_act`` and ``candidates_per_layer`` say how
-    much, so ``estimator.methods.timeline.at_depth`` adds it for every generic layer beyond."""
+    ``per_layer_at``: positions in ``events`` where an outer segment allocates or frees a tensor of the generic
+    decoder layer that every layer has (a key/value cache the output object keeps, freed as the loop drops it):
+    the trace did it for one generic layer; ``per_layer_act`` and ``candidates_per_layer`` say how much, so
+    ``estimator.methods.timeline.at_depth`` adds it for every generic layer beyond."""
     act = [Fraction(0)] * 6
     per_layer = [Fraction(0)] * 6
     grad = Fraction(0)
@@ -343,7 +343,7 @@ def _segment_summary(events: list[tuple], coeffs: list[list[Fraction]], grads: l
             grad += sign * c[0]
         else:
             act = [a + sign * x for a, x in zip(act, c)]
-            if event[1] in generic:
+            if i in per_layer_at:
                 per_layer = [a + sign * x for a, x in zip(per_layer, c)]
         nxt = events[i + 1][0] if i + 1 < len(events) else "end"
         if kind == "a" and nxt != "a":
@@ -417,12 +417,37 @@ def _summarise(signature: list[tuple], coeffs: list, grads: list, num_layers: in
                copies_of: dict[int, int] | None = None) -> dict:
     """``copies_of``: ordinals standing for another's tensor of the previous step (a manual loop's outputs)."""
     bounds = _segment_bounds(signature, num_layers)
-    lo, hi = bounds["fw"]
-    generic = {e[1] for e in signature[lo:hi] if e[0] == "a"}
-    generic |= {copy for copy, original in (copies_of or {}).items() if original in generic}
+    layer_of: dict[int, int] = {}
+    for name, layer in (("fw_first", 0), ("fw", 1), ("fw_last", 2)):
+        lo, hi = bounds[name]
+        layer_of.update((e[1], layer) for e in signature[lo:hi] if e[0] == "a")
+    layer_of.update((copy, layer_of[original]) for copy, original in (copies_of or {}).items()
+                    if original in layer_of)
     return {name: _segment_summary(signature[lo:hi], coeffs, grads,
-                                   frozenset(generic) if name in OUTER_SEGMENTS else frozenset())
+                                   _per_layer_events(signature[lo:hi], layer_of) if name in OUTER_SEGMENTS
+                                   else frozenset())
             for name, (lo, hi) in bounds.items()}
+
+
+def _per_layer_events(events: list[tuple], layer_of: dict[int, int]) -> frozenset[int]:
+    """Positions of an outer segment's events on the generic layer's tensors that every layer repeats: a run of
+    them flanked by the first and the last layer's (``estimator.reserved.expand._repeated``, the same rule the
+    event replay expands by); a generic tensor touched alone (the output of layer L - 2, kept as the last
+    layer's input) exists once."""
+    runs: list[tuple[int | None, list[int]]] = []
+    for i, event in enumerate(events):
+        if event[0] == "m":
+            continue
+        layer = layer_of.get(event[1])
+        if runs and runs[-1][0] == layer:
+            runs[-1][1].append(i)
+        else:
+            runs.append((layer, [i]))
+    out: set[int] = set()
+    for k, (layer, positions) in enumerate(runs):
+        if layer == 1 and 0 < k < len(runs) - 1 and {runs[k - 1][0], runs[k + 1][0]} == {0, 2}:
+            out.update(positions)
+    return frozenset(out)
 
 
 def _sum_polys(polys: list[list[Fraction]]) -> list[Fraction]:
