@@ -96,3 +96,15 @@ def test_at_depth_adds_the_outer_segments_per_layer_share_for_every_generic_laye
     from estimator.profiler.profile import PROFILE_LAYERS
 
     assert PROFILE_LAYERS == PROFILED_LAYERS
+
+
+def test_the_flag_reaches_the_spec_with_or_without_configs():
+    from estimator.configs import spec_from_readings
+    from estimator.io.cli import build_parser
+
+    spec, report = spec_from_readings([], {"model": "meta-llama/Llama-3.2-1B", "use_cache": True})
+    assert spec.training.use_cache is True
+    assert any(line.startswith("use_cache = True") for line in report.used)
+    args = build_parser().parse_args(["--model", "meta-llama/Llama-3.2-1B", "--use-cache"])
+    assert args.use_cache is True
+    assert build_parser().parse_args(["--model", "meta-llama/Llama-3.2-1B"]).use_cache is None
