@@ -1,6 +1,6 @@
 """Where the estimator's generated allocation stream departs from a recorded one (a harness snapshot).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/reserved_stream_diff.py RUN_ID [--gpu h100-80gb] [--show 25]
+    PYTHONPATH=. .venv/bin/python benchmarks/reserved_stream_diff.py RUN_ID [--rank R] [--gpu h100-80gb] [--show 25]
 
 For the run's spec (its row of ``data/measurements/<gpu>/gpu_snapshots.csv``) the estimator's replay is intercepted
 (``estimator.reserved.rank.replay_rank``) to get its setup and step plan; the generated requests are the setup's
@@ -29,14 +29,14 @@ MEASUREMENTS = ROOT / "data" / "measurements"
 MIB = 1024 * 1024
 
 
-def _row(run_id: str, gpu: str) -> dict:
+def _row(run_id: str, gpu: str, rank: int = 0) -> dict:
     for name in ("gpu_snapshots.csv", "gpu_single.csv"):
         path = MEASUREMENTS / gpu / name
         if not path.exists():
             continue
         with open(path) as handle:
             for row in csv.DictReader(handle):
-                if row["run_id"].startswith(run_id) and row["rank"] in ("0", ""):
+                if row["run_id"].startswith(run_id) and row["rank"] in (str(rank), "" if rank == 0 else str(rank)):
                     return row
     raise SystemExit(f"{run_id}: no row in {MEASUREMENTS / gpu}")
 
@@ -165,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run_id")
     parser.add_argument("--gpu", default="h100-80gb")
+    parser.add_argument("--rank", type=int, default=0, help="which rank's snapshot (emulated ranks)")
     parser.add_argument("--show", type=int, default=20, help="differing aligned runs shown per phase")
     args = parser.parse_args(argv)
-    row = _row(args.run_id, args.gpu)
+    row = _row(args.run_id, args.gpu, args.rank)
     b, s = int(row["micro_batch_size"]), int(row["seq_len"])
     snap = MEASUREMENTS / args.gpu / "snapshots" / f"{row['run_id']}.rank{row['rank'] or 0}.snapshot.pickle.gz"
     gen, gen_starts, result = generated(row)

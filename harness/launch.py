@@ -194,6 +194,11 @@ def _check_launch(spec: RunSpec, opts: HarnessOptions, device: DeviceInfo | None
     if opts.backend == "fake" and spec.parallel.zero_stage:
         raise ValueError(f"backend: the fake-tensor trace runs torch-native methods only, not "
                          f"{spec.parallel.method!r} (DeepSpeed needs real tensors: use a GPU)")
+    if spec.parallel.method == "fsdp1" and spec.training.lora and spec.training.precision.startswith("mixed_"):
+        # FSDP1's MixedPrecision casts the fp32 adapter units to 16 bits while the worker runs no autocast: the
+        # first adapter matmul fails (H100, 2026-11-26, docs/LOG.md session 20)
+        raise ValueError(f"training.precision: fsdp1 with LoRA under {spec.training.precision} fails in the worker "
+                         "(fp32 activations meet 16-bit adapters); use bf16, fp32, amp_* or method fsdp")
     offload = spec.parallel.method == "zero_offload" or spec.parallel.zero.offload_optimizer
     if offload and spec.training.precision == "bf16" and not opts.deepspeed_config:
         # DeepSpeed asserts on bf16 master weights + offload unless the optimizer is its JIT-compiled

@@ -15,8 +15,12 @@ process group, event for event (``tests/estimator/test_reserved_fsdp1.py``). Per
   flat parameter on the unshard stream, the copy freed (``record_stream`` on the unshard stream);
 * reshard (FULL_SHARD: after forward and after backward): the unsharded flat parameter freed (``record_stream``
   on the default stream);
-* post-backward: autograd concatenates the unit's gradients into the flat gradient (compute dtype, default
-  stream) and frees them; the hook reshards, then on the post-backward stream casts the flat gradient to the
+* post-backward: autograd concatenates the unit's gradients into the flat gradient (compute dtype) and frees
+  them. It does so on the unshard stream: ``use_orig_params`` makes the tensors views of the flat parameter
+  inside ``_unshard``, under the unshard stream, and autograd runs a backward node on its forward's stream; a
+  tensor used twice (a tied embedding) has its two gradients summed there too (the real H100 FSDP1 snapshots,
+  docs/LOG.md session 20: the 116 MiB flat gradients of Llama-3.2-1B's layers and the root's 501 MiB ones sit in
+  the unshard stream's pools). The hook reshards, then on the post-backward stream casts the flat gradient to the
   reduce dtype, allocates the new shard (``_saved_grad_shard``) and frees the cast and the flat gradient
   (``record_stream`` onto the post-backward stream);
 * ``use_orig_params``: the optimizer steps each tensor's piece of the shard (``foreach`` AdamW: its states on
@@ -40,6 +44,7 @@ from estimator.reserved.expand import (
     FREE_PREVIOUS,
     Expansion,
     ExpansionError,
+    alloc_on,
 )
 from estimator.reserved.fsdp import (
     OPTIMIZERS,
@@ -56,8 +61,10 @@ PRE_UNSHARD, UNSHARD, POST_BACKWARD = 3, 4, 5  # allocator streams (0 the defaul
 
 def why_not_fsdp1(options) -> str | None:
     """The FSDP1 settings this replay follows (None), or what it does not model yet."""
-    if options.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
-        return f"fsdp1 {options.sharding_strategy}: only FULL_SHARD's and SHARD_GRAD_OP's streams are modelled yet"
+    # HYBRID_SHARD is FULL_SHARD within the node (``Fsdp1Options.shard_size``) plus an all-reduce of each new
+    # shard across the nodes, in place on the post-backward stream: the same allocations.
+    if options.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"):
+        return f"fsdp1 {options.sharding_strategy}: not modelled yet"
     if options.cpu_offload:
         return "fsdp1 with CPU offload: not modelled yet"
     if not options.use_orig_params:
@@ -74,6 +81,7 @@ class _Unit:
     mixed: bool
     paddings: tuple[int, ...]  # padding segments' elements, flat order
     offsets: tuple[int, ...]   # each tensor's offset in the flat parameter
+    sharded: bool = True       # False: NO_SHARD (the flat parameter is whole on every rank)
 
     @property
     def mp_bytes(self) -> int:
@@ -91,7 +99,7 @@ def _units(table: list[ParamInfo], num_layers: int, sizes: Fsdp1Sizes) -> dict:
 
     def unit(params: list[ParamInfo], flat: FlatUnit) -> _Unit:
         offsets, paddings, _total = flat_layout(params, flat.world, flat.compute_elem, aligned)
-        return _Unit(params, flat, sizes.mixed, tuple(paddings), tuple(offsets))
+        return _Unit(params, flat, sizes.mixed, tuple(paddings), tuple(offsets), sizes.sharded)
     units = {"root": unit([p for p in model_order(table) if p.layer is None], sizes.root)}
     for layer in range(num_layers):
         units[layer] = unit([p for p in table if p.layer == layer], sizes.layer)
@@ -116,8 +124,12 @@ def fsdp1_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: in
             paddings.append(len(allocations) - 1)
         allocations.append((f"flat.{name}", unit.flat.numel * elem))
         frees.append((len(allocations) - 1, tuple(paddings)))  # the list that held them goes after the cat
+        moved = tuple(range(first, first + len(unit.params)))
+        if not unit.sharded:  # NO_SHARD keeps the flat parameter itself (``FlatParamHandle.shard``: no clone)
+            frees.append((len(allocations) - 1, moved))
+            continue
         allocations.append((f"shard.{name}", unit.flat.shard_numel * elem))
-        frees.append((len(allocations) - 1, (*range(first, first + len(unit.params)), len(allocations) - 2)))
+        frees.append((len(allocations) - 1, (*moved, len(allocations) - 2)))
     non_layer, per_layer = buffers
     if per_layer:
         allocations.extend((f"buffers.{layer}", per_layer) for layer in range(num_layers))
@@ -137,10 +149,15 @@ class _Step(BufferOps):
 
     def unshard(self, out: list, g) -> None:
         unit = self.units[g]
+        if not unit.sharded:  # NO_SHARD computes with the 16-bit copy itself (mixed precision), else in place
+            self.unsharded[g] = self._alloc(out, unit.mp_bytes, PRE_UNSHARD) if unit.mp_bytes else None
+            return
         self.unsharded[g] = self._staged(out, (unit.mp_bytes, PRE_UNSHARD), unit.unsharded_bytes, UNSHARD)
 
     def reshard(self, out: list, g) -> None:
-        self._free(out, self.unsharded.pop(g))
+        tensor = self.unsharded.pop(g)
+        if tensor is not None:
+            self._free(out, tensor)
 
     def post_backward(self, out: list, g) -> None:
         unit, flat = self.units[g], self.units[g].flat
@@ -148,8 +165,8 @@ class _Step(BufferOps):
             self.reshard(out, g)
             return
         # the split's backward fills the padding segments (no gradient) with zeros before it concatenates
-        zeros = [self._alloc(out, n * flat.compute_elem) for n in unit.paddings]
-        flat_grad = self._alloc(out, flat.numel * flat.compute_elem)
+        zeros = [self._alloc(out, n * flat.compute_elem, UNSHARD) for n in unit.paddings]
+        flat_grad = self._alloc(out, flat.numel * flat.compute_elem, UNSHARD)
         for key, size_index in self.grads.get(g, []):
             out.append((FREE, key, size_index))
         for tensor in zeros:
@@ -158,18 +175,36 @@ class _Step(BufferOps):
         # the use_orig_params layout already divides by the shard group: no F.pad before the reduce-scatter
         cast = (self._alloc(out, flat.numel * flat.reduce_elem, POST_BACKWARD)
                 if flat.reduce_elem != flat.compute_elem else None)
+        if not unit.sharded:
+            self._keep_whole_grad(out, g, flat_grad, cast)
+            return
         # the reduce dtype is the shards' (fp32 under mixed precision), so the new shard is kept as it is
         self.grad_shards[g] = self._alloc(out, flat.shard_numel * flat.reduce_elem, POST_BACKWARD)
         for tensor in (cast, flat_grad):
             if tensor is not None:
                 self._free(out, tensor)
 
+    def _keep_whole_grad(self, out: list, g, flat_grad, cast) -> None:
+        """NO_SHARD's ``_reduce_grad_no_shard``, on the post-backward stream: the all-reduce is in place on the
+        (cast) flat gradient, which is cast to the parameters' dtype if it differs and kept as the unit's
+        gradient until the next root pre-forward."""
+        flat = self.units[g].flat
+        kept = cast if cast is not None else flat_grad
+        if flat.param_elem != (flat.reduce_elem if cast is not None else flat.compute_elem):
+            kept = self._alloc(out, flat.numel * flat.param_elem, POST_BACKWARD)
+            if cast is not None:
+                self._free(out, cast)
+        if kept is not flat_grad:
+            self._free(out, flat_grad)
+        self.grad_shards[g] = kept
+
     def lazy_init(self, out: list, order: list) -> None:
-        """The first forward's ``init_flat_param_attributes``: buffers allocated and freed once per unit."""
+        """The first forward's ``init_flat_param_attributes``: buffers allocated and freed once per unit (NO_SHARD:
+        the 16-bit copy alone)."""
         for g in order:
             unit = self.units[g]
-            sizes = [unit.mp_bytes, unit.unsharded_bytes]
-            if unit.mixed:
+            sizes = [unit.mp_bytes, unit.unsharded_bytes if unit.sharded else 0]
+            if unit.mixed and unit.sharded:
                 sizes.append(unit.flat.shard_numel * unit.flat.world * unit.flat.param_elem)
             for nbytes in sizes:
                 if nbytes:
@@ -195,9 +230,12 @@ def _boundary(step: _Step, out: list, name: str, layer: int | None, num_layers: 
     elif name == "mid_fw":
         if reshard_after_forward:
             step.reshard(out, last)
-    elif name == "mid_bw":
-        pass
-    elif name == "engine_start":  # the root's pre-backward prefetches the last layer
+    elif name == "mid_bw":  # the root's post-forward, after the loss: NO_SHARD frees the root's 16-bit copy
+        if not step.units["root"].sharded:
+            step.reshard(out, "root")
+    elif name == "engine_start":  # the root's pre-backward (NO_SHARD: its copy again) prefetches the last layer
+        if not step.units["root"].sharded:
+            step.unshard(out, "root")
         if reshard_after_forward:
             step.unshard(out, last)
     elif name in ("bw_first", "bw", "bw_last"):
@@ -211,6 +249,18 @@ def _boundary(step: _Step, out: list, name: str, layer: int | None, num_layers: 
         raise ExpansionError(f"fsdp1: no boundary events for segment {name!r}")
 
 
+def _summed_grad_keys(grads: dict, table: list[ParamInfo]) -> set[int]:
+    """The gradient keys autograd makes as a sum, on the node that consumes them (the flat parameter's view, on
+    the unshard stream): those of tensors used twice in forward (tied embeddings). ``grads`` lists each unit's
+    keys in ``model.parameters()`` order, as ``_grads_by_group`` does."""
+    by_group: dict = {}
+    for p in table:
+        if p.trainable:
+            by_group.setdefault("root" if p.layer is None else p.layer, []).append(p)
+    return {key for g, keys in grads.items() for p, (key, _size) in zip(by_group.get(g, []), keys, strict=True)
+            if p.tied_names}
+
+
 def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, units: dict, table: list,
               optimizer: str, first: bool, num_layers: int, scalar: set[int], pieces: list[int],
               reshard_after_forward: bool) -> tuple[list, dict[int, int], tuple[int, int], list, int]:
@@ -218,6 +268,7 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
     loss is freed), the gradient shards (the next step's root pre-forward frees them) and where the root's
     pre-forward begins."""
     grads = {g: list(keys) for g, keys in _grads_by_group(expansion, ops, table).items()}
+    summed = _summed_grad_keys(grads, table)
     step = _Step(build, units, grads)
     grad_keys = expansion.grad_keys
     cut, at_mark, seed = boundary_marks(ops, marks, scalar)
@@ -234,7 +285,7 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
         if seed is not None and op[0] == FREE and op[1] == seed[1]:
             seed_free = op  # held until the root's post-backward, backward's last hook
             continue
-        out.append(op)
+        out.append((alloc_on(UNSHARD), *op[1:]) if op[0] == ALLOC and op[1] in summed else op)
     for name, layer in at_mark.get(cut, ()):
         _boundary(step, out, name, layer, num_layers, prefix_at, reshard_after_forward)
     step.post_backward(out, "root")
@@ -275,7 +326,9 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
         raise ExpansionError("fsdp1: a decoder layer or the root holds no parameters")
     piece_of: dict[str, int] = {}
     for unit in units.values():
-        for p, n in zip(unit.params, shard_pieces(unit.params, unit.offsets, unit.flat.shard_numel, rank)):
+        # the rank's place in its shard group (HYBRID_SHARD: within the node)
+        shard_rank = rank % unit.flat.world
+        for p, n in zip(unit.params, shard_pieces(unit.params, unit.offsets, unit.flat.shard_numel, shard_rank)):
             piece_of[p.name] = n * unit.flat.param_elem
     pieces = [piece_of[p.name] for p in model_order(table) if p.trainable and piece_of[p.name]]
     build = _Builder(expansion.steady.keys, base_size_index)
@@ -283,7 +336,7 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
     scalar = {i for i, poly in enumerate(polys) if 0 < poly[0] <= 8 and not any(poly[1:])}
     common = dict(build=build, units=units, table=table, optimizer=optimizer, num_layers=num_layers,
                   scalar=scalar, pieces=pieces,
-                  reshard_after_forward=sizes.options.sharding_strategy == "FULL_SHARD")
+                  reshard_after_forward=sizes.frees_after_forward)
     start = build.next_key
     steady_ops, _moved, steady_optimizer, steady_shards, steady_prefix = _step_ops(
         expansion, expansion.steady.ops, steady_marks, first=False, **common)

@@ -34,8 +34,11 @@ def llama_path(tmp_path_factory):
 
 
 def _spec(path: str, training: TrainingSpec, world: int, strategy: str = "FULL_SHARD") -> RunSpec:
+    """``strategy``: a sharding strategy; ``HYBRID_SHARD:N`` shards over N ranks per node."""
+    strategy, _, per_node = strategy.partition(":")
+    options = Fsdp1Spec(sharding_strategy=strategy, **({"gpus_per_node": int(per_node)} if per_node else {}))
     return RunSpec(model=path, training=training,
-                   parallel=ParallelSpec(method="fsdp1", world_size=world, fsdp1=Fsdp1Spec(sharding_strategy=strategy)))
+                   parallel=ParallelSpec(method="fsdp1", world_size=world, fsdp1=options))
 
 
 def _generated(path: str, training: TrainingSpec, world: int, rank: int, strategy: str) -> list[tuple]:
@@ -142,6 +145,9 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
     ("mixed_bf16", 2, 0, False, "FULL_SHARD"),
     ("bf16", 3, 2, False, "FULL_SHARD"),  # padded flat parameters (zeros in backward), the last rank's pieces
     ("mixed_bf16", 2, 0, False, "SHARD_GRAD_OP"),  # layers unsharded from forward to post-backward
+    ("mixed_bf16", 2, 1, False, "NO_SHARD"),  # the flat parameter kept whole, its 16-bit copy made per use
+    ("bf16", 4, 3, False, "HYBRID_SHARD:2"),  # sharded within a node of 2, the last rank of the second node
+    pytest.param("fp32", 3, 2, True, "NO_SHARD", marks=pytest.mark.slow),
     pytest.param("fp32", 4, 0, False, "FULL_SHARD", marks=pytest.mark.slow),
     pytest.param("mixed_bf16", 3, 0, False, "FULL_SHARD", marks=pytest.mark.slow),
     pytest.param("bf16", 4, 3, True, "FULL_SHARD", marks=pytest.mark.slow),
@@ -162,6 +168,9 @@ def test_generated_stream_equals_a_real_fsdp1_run(llama_path, precision, world, 
     (TrainingSpec(precision="mixed_bf16", loop="manual"), 2, "FULL_SHARD"),
     (TrainingSpec(precision="mixed_bf16"), 3, "SHARD_GRAD_OP"),
     (TrainingSpec(precision="bf16", grad_ckpt=True), 2, "SHARD_GRAD_OP"),
+    (TrainingSpec(precision="mixed_bf16"), 2, "NO_SHARD"),
+    (TrainingSpec(precision="bf16"), 3, "NO_SHARD"),
+    (TrainingSpec(precision="mixed_bf16"), 4, "HYBRID_SHARD:2"),
 ])
 def test_fsdp1_replayed_allocated_level_equals_the_estimate(llama_path, training, world, strategy):
     """The requested bytes alive at once in the replayed stream = the estimator's FSDP1 allocated peak + the
@@ -186,8 +195,7 @@ def test_fsdp1_replayed_allocated_level_equals_the_estimate(llama_path, training
 
 def test_other_fsdp1_settings_keep_the_prior(llama_path):
     training = TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S)
-    for options, reason in ((Fsdp1Spec(sharding_strategy="NO_SHARD"), "NO_SHARD"),
-                            (Fsdp1Spec(use_orig_params=False), "use_orig_params"),
+    for options, reason in ((Fsdp1Spec(use_orig_params=False), "use_orig_params"),
                             (Fsdp1Spec(backward_prefetch="BACKWARD_POST"), "prefetching")):
         spec = RunSpec(model=llama_path, training=training,
                        parallel=ParallelSpec(method="fsdp1", world_size=2, fsdp1=options))

@@ -125,6 +125,9 @@ def test_preflight_rejects_points_that_cannot_run(tmp_path):
         plan_point(*point_args(tmp_path, "backend=fake", "method=zero2", "parallel.world_size=2"), CPU_DEVICE)
     with pytest.raises(ValueError, match="^emulate.ranks:"):
         plan_point(*point_args(tmp_path, "method=ddp", "emulate.world_size=2", "emulate.ranks=[0,5]"), CPU_DEVICE)
+    with pytest.raises(ValueError, match="^training.precision: fsdp1 with LoRA under mixed_bf16"):
+        plan_point(*point_args(tmp_path, "method=fsdp1", "parallel.world_size=2", "training=lora",
+                               "training.precision=mixed_bf16", "training.seq_len=64"), CPU_DEVICE)
 
 
 def test_the_callers_git_state_wins_over_the_copys(monkeypatch):

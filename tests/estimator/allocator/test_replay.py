@@ -55,6 +55,25 @@ def test_own_h200_training_traces_replay_exactly_from_a_cold_start(name):
     assert report["reserved_peak_bytes"]["recorded"] == report["reserved_peak_bytes"]["simulated"]
 
 
+H100_TRACES = ROOT / "data" / "measurements" / "h100-80gb" / "snapshots"  # sessions 19 and 20 (README)
+H100 = sorted(path.name for path in H100_TRACES.glob("*.snapshot.pickle.gz"))
+
+
+@pytest.mark.parametrize("name", H100)
+def test_own_h100_traces_replay_exactly_from_a_cold_start(name):
+    """Every rank traced on the H100: one GPU, LoRA, MoE at full width, DeepSpeed ZeRO-1/2/3 (three streams, an
+    allocation retry) and FSDP1 in every sharding strategy (three side streams)."""
+    report = replay_device(check_snapshot(load_snapshot(str(H100_TRACES / name))), 0)
+    assert report["mismatches"] == []
+    assert report["addr_matches"] == report["allocs"] > 2000
+    assert report["segment_matches"] == report["segment_events"] > 90
+    assert report["reserved_peak_bytes"]["recorded"] == report["reserved_peak_bytes"]["simulated"]
+
+
+def test_own_h100_traces_are_carried():
+    assert len(H100) == 28
+
+
 @pytest.mark.parametrize("name, device", [("silmont2000_b61be409_cold.pickle", 0),
                                           ("charan6924_075dd064_training.pickle", 0),
                                           ("constructor_sun_b5ef67ce_expandable.pickle", 1),

@@ -1,9 +1,9 @@
-"""Reserved-level error of the estimator over the single-GPU rows measured on the H100 and the H200.
+"""Reserved-level error of the estimator over the rows of one method measured on the H100 and the H200.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/reserved_single_score.py [--out rows.csv]
+    PYTHONPATH=. .venv/bin/python benchmarks/reserved_score.py [--method single] [--out rows.csv]
 
-Rows: ``data/measurements/{h100-80gb,h200-141gb}/{gpu_single,gpu_snapshots}.csv`` with method ``single`` and
-status ok; estimate via ``calibrate.terms.rank_estimates`` with the GPU's shipped coefficients (no profile
+Rows: ``data/measurements/{h100-80gb,h200-141gb}/{gpu_single,gpu_snapshots,gpu_emulated}.csv`` with the method
+(``single`` by default; ``fsdp1``, ``zero3``...: every measured rank) and status ok; estimate via ``calibrate.terms.rank_estimates`` with the GPU's shipped coefficients (no profile
 builds). Prints median / p95 / max |error| of ``peak_reserved_bytes`` per GPU and the rows beyond 1 %."""
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _rows(gpu: str) -> pd.DataFrame:
+def _rows(gpu: str, method: str) -> pd.DataFrame:
     frames = []
-    for name in ("gpu_single.csv", "gpu_snapshots.csv"):
+    for name in ("gpu_single.csv", "gpu_snapshots.csv", "gpu_emulated.csv"):
         path = ROOT / "data" / "measurements" / gpu / name
         if path.exists():
             frame = pd.read_csv(path, dtype=str, keep_default_na=False, na_values=[""])
             frame["source"] = name
             frames.append(frame)
     rows = pd.concat(frames, ignore_index=True)
-    ok = (rows["method"] == "single") & (rows["run_status"] == "ok") & (rows["rank_status"] == "ok")
+    ok = (rows["method"] == method) & (rows["run_status"] == "ok") & (rows["rank_status"] == "ok")
     return rows[ok].reset_index(drop=True)
 
 
@@ -44,13 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="per-row CSV")
     parser.add_argument("--gpus", nargs="*", default=["h100-80gb", "h200-141gb"])
+    parser.add_argument("--method", default="single")
     args = parser.parse_args(argv)
     from calibrate.terms import rank_estimates
     from estimator.hardware.residuals import load_coefficients
 
     table = []
     for gpu in args.gpus:
-        rows = _rows(gpu)
+        rows = _rows(gpu, args.method)
         results = rank_estimates(rows, load_coefficients(gpu), allow_build=False)
         errors = []
         for (_, row), result in zip(rows.iterrows(), results):
@@ -61,14 +62,16 @@ def main(argv: list[str] | None = None) -> int:
             measured = int(row["peak_reserved_bytes"])
             err = 100.0 * (rank.peak_reserved_bytes - measured) / measured
             source = getattr(rank, "reserved_source", None)
-            table.append({"gpu": gpu, "run_id": row["run_id"], "model": row["model"], "precision": row["precision"],
+            table.append({"gpu": gpu, "run_id": row["run_id"], "rank": row["rank"], "model": row["model"],
+                          "precision": row["precision"], "extra": row["fsdp1_sharding_strategy"] if args.method == "fsdp1" else "",
                           "b": row["micro_batch_size"], "s": row["seq_len"], "source": source,
                           "measured": measured, "estimated": rank.peak_reserved_bytes, "err_pct": round(err, 4)})
             errors.append(err)
         print(f"{gpu}: {_stats(errors)}")
         for r in table:
             if r["gpu"] == gpu and "err_pct" in r and abs(r["err_pct"]) > 1:
-                print(f"  {r['err_pct']:+7.2f}% {r['run_id']} {r['model']} {r['precision']} b{r['b']} s{r['s']}")
+                print(f"  {r['err_pct']:+7.2f}% {r['run_id']} r{r['rank']} {r['model']} {r['precision']} {r['extra']} "
+                      f"b{r['b']} s{r['s']} ({r['source']})")
     if args.out:
         keys = sorted({k for r in table for k in r})
         with open(args.out, "w", newline="") as handle:
