@@ -15,6 +15,7 @@ from estimator.methods.timeline import Replay, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
 from estimator.models.memo import memo_by_owner
 from estimator.models.moe import moe_facts, moe_notes
+from estimator.models.moe_ep import EpLayout, ep_layout, ep_notes
 from estimator.models.params import buffer_bytes, expand_params, param_counts
 from estimator.models.profiles import adapters_in_16bit, traced_release, versions_note
 from estimator.models.tp_plans import check_tp
@@ -260,9 +261,31 @@ def _micro_batches(spec: RunSpec) -> tuple:
     return (False, True)
 
 
+def _ep_layout(spec: RunSpec, arch: ModelArch, profile: dict) -> EpLayout | None:
+    """The expert-parallel layout of ``spec`` (None without EP); ValueError("ep: ...") for one transformers
+    refuses (a dense model, experts that do not split evenly)."""
+    if spec.parallel.ep == 1:
+        return None
+    total, _ = param_counts(profile["params"], arch.num_layers)
+    facts = moe_facts(arch.config, profile["params"], arch.num_layers, total)
+    return ep_layout(arch.config, facts, spec.parallel.world_size, spec.parallel.ep, spec.parallel.moe_imbalance)
+
+
+def _ep_activation_bytes(spec: RunSpec, layout: EpLayout | None) -> float:
+    """What the all-to-all path keeps through backward beyond the one-device experts the profile traced (the sort
+    order and sentinel mask; under skewed routing the busiest rank's extra rows), in the experts' dtype:
+    ``grouped_mm`` runs in the weights' dtype, so fp32 and amp_* weights keep fp32 rows."""
+    if layout is None:
+        return 0.0
+    training = spec.training
+    act = 2 if training.precision in ("bf16", "mixed_bf16", "mixed_fp16") else 4
+    tokens = training.micro_batch_size * training.seq_len
+    return layout.dispatch_bytes(tokens) + layout.skew_bytes(tokens, act)
+
+
 def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, rank: int,
                    path: methods.Zero12Rank | None = None, alloc_conf: str | None = None,
-                   sequence: StepSequence | None = None, decide_fit: bool = False
+                   sequence: StepSequence | None = None, decide_fit: bool = False, ep_bytes: float = 0.0
                    ) -> tuple[RankEstimate, methods.StepModel]:
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
@@ -278,13 +301,14 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     resident = sum(model.resident.values()) + buffers
     workspace = residuals.cublas_workspace_bytes(coeffs)
     fp32_copies = fp32_outputs_extra_bytes(regime, training, b, s)  # held at every moment of a manual loop's step
-    fb_total = resident + fb.peak_bytes + fp32_copies
+    # EP: kept from each MoE layer's forward to its backward, so added where backward starts (the bound under skew)
+    fb_total = resident + fb.peak_bytes + fp32_copies + ep_bytes
     step_total = resident + max(fb.end_act_bytes, 0.0) + model.step_grads + model.step_temp + fp32_copies
     held = held_outputs_bytes(regime, training.loop, b, s)
     if fb_total >= step_total:
         layer_act, other_act = _activation_split(regime["segments"], fb, arch.num_layers, b, s)
         parts = {**model.resident, "gradients": model.resident.get("gradients", 0.0) + fb.peak_grad_bytes,
-                 "activations": layer_act + other_act - held}
+                 "activations": layer_act + other_act - held + ep_bytes}
         for key, value in fb.peak_parts.items():
             parts[key] = parts.get(key, 0.0) + value
         phase = fb.phase
@@ -493,12 +517,14 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
                                        adapters_16bit=adapters_in_16bit(spec.training, spec.parallel.method))
     last = spec.parallel.world_size - 1
     table = _param_table(profile, arch.num_layers)
+    layout = _ep_layout(spec, arch, profile)
+    ep_bytes = _ep_activation_bytes(spec, layout)
     # Rank 0 and the last rank are reported (FSDP/ZeRO padding and TP layouts put any asymmetry there), and under
     # ZeRO-1/2 a middle rank when it is worse than both. Only ZeRO-1/2's gradient partition buffer depends on the
     # rank (its size, and when backward or the reduction after it reaches the rank's partition), so one
     # computation serves every rank elsewhere.
     def rank_estimate(rank: int, path: methods.Zero12Rank | None = None, sequence: StepSequence | None = None):
-        return _rank_estimate(spec, arch, profile, table, coeffs, rank, path, conf, sequence, decide_fit)
+        return _rank_estimate(spec, arch, profile, table, coeffs, rank, path, conf, sequence, decide_fit, ep_bytes)
 
     if last and spec.parallel.zero_stage in (1, 2):
         paths = methods.zero12_ranks(table, spec.parallel.world_size, spec.parallel.zero.reduce_bucket_size)
@@ -536,6 +562,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     notes += _batch_note(spec.training, profile)
     notes += _layers_note(profile)
     notes += moe_notes(moe_facts(arch.config, profile["params"], arch.num_layers, total))
+    notes += ep_notes(layout, spec.training.micro_batch_size * spec.training.seq_len)
     if "math" in profile.get("sdpa_backends", ()):
         notes.append("attention: CUDA runs SDPA's math kernel here (no flash or memory-efficient kernel takes these "
                      "inputs, e.g. fp32 attention with grouped-query heads, as QLoRA's fp32 hidden states give): "

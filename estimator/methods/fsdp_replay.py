@@ -57,13 +57,15 @@ class FsdpSizes:
     # Each decoder layer's own group sizes where layers are not all alike (a dense first layer before expert
     # layers); empty: every layer is the one described above.
     layers: tuple[LayerGroup, ...] = ()
+    # Expert parallelism: the layer's unit without its experts, which are a unit of their own (see LayerGroup)
+    layer_prefetch_gather_bytes: float | None = None
 
     def layer(self, index: int | None) -> LayerGroup:
         """Layer ``index``'s group (None, or every layer alike: the one layer described above)."""
         if self.layers and index is not None:
             return self.layers[index]
         return LayerGroup(self.layer_bytes, self.layer_gather_bytes, self.layer_rs_in_bytes,
-                          self.layer_rs_out_bytes, self.layer_held_bytes)
+                          self.layer_rs_out_bytes, self.layer_held_bytes, self.layer_prefetch_gather_bytes)
 
     def sum_layers(self, num_layers: int, field: str) -> float:
         if self.layers:
@@ -79,6 +81,15 @@ class LayerGroup:
     rs_in_bytes: float
     rs_out_bytes: float
     held_bytes: float = 0.0
+    # What backward prefetches of this layer while the next one runs, where it is not the whole layer: under
+    # expert parallelism each experts module is an FSDP2 unit of its own (transformers'
+    # ``apply_fully_sharded_data_parallelism``), and backward prefetches one unit ahead in reverse post-forward
+    # order (layer L, experts L, layer L-1, experts L-1, ...): layer L-1's unit without its experts.
+    prefetch_gather_bytes: float | None = None
+
+    @property
+    def prefetched_bytes(self) -> float:
+        return self.gather_bytes if self.prefetch_gather_bytes is None else self.prefetch_gather_bytes
 
 
 Event = Callable[[dict], bool]  # mutates the state; True when the state can be a new peak (it grew)
@@ -137,7 +148,7 @@ def _post_backward(group: LayerGroup, micro: str) -> list[Event]:
 def _pre_backward(group: LayerGroup, prefetched: LayerGroup | None) -> list[Event]:
     events = [set_part("layer_params", lambda st: group.bytes), set_part("gather", lambda st: 0.0)]
     if prefetched is not None:
-        events.append(set_part("gather", lambda st: prefetched.gather_bytes))
+        events.append(set_part("gather", lambda st: prefetched.prefetched_bytes))
     return events
 
 
@@ -163,15 +174,16 @@ def _boundary_events(name: str, num_layers: int, sz: FsdpSizes, micro: str, inde
                 set_part("gather", lambda st: here.gather_bytes)]
     if name in FORWARD_LAYER:
         previous = near(-1)
+        # under EP the experts' unit gathers inside the layer, after the layer's own unit (prefetched_bytes)
         return [set_part("layer_params", lambda st: 0.0),
-                set_part("gather", lambda st: previous.gather_bytes + here.gather_bytes),
+                set_part("gather", lambda st: previous.prefetched_bytes + here.prefetched_bytes),
                 set_part("layer_params", lambda st: here.bytes),
-                set_part("gather", lambda st: here.gather_bytes)]
+                set_part("gather", lambda st: here.prefetched_bytes)]
     if name == "mid_fw":
         return [set_part("layer_params", lambda st: 0.0)]
     if name == "mid_bw":  # root post-forward frees the last gather; backward's first prefetch re-gathers it
         last = sz.layer(num_layers - 1)
-        return [set_part("gather", lambda st: 0.0), set_part("gather", lambda st: last.gather_bytes)]
+        return [set_part("gather", lambda st: 0.0), set_part("gather", lambda st: last.prefetched_bytes)]
     if name in BACKWARD_LAYER:
         first = name == "bw_first" or num_layers == 1
         prefetched = near(-1) if name != "bw_last" else None

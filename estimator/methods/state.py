@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from estimator.methods.timeline import ExtraBytes
 from estimator.models.memo import memo_by_owner
+from estimator.models.moe import is_routed_expert
 from estimator.models.params import ParamInfo, largest_layer
 from estimator.spec import RunSpec, ZeroSpec
 
@@ -146,15 +147,26 @@ def _shard_rows(p: ParamInfo, world: int) -> int:
     return math.ceil(rows / world) * (p.numel // rows if rows else 0)
 
 
-def _fsdp_group_sizes(params: list[ParamInfo], world: int, reduce_elem: Callable[[ParamInfo], int]
-                      ) -> tuple[float, float, float]:
+def _fsdp_group_sizes(params: list[ParamInfo], world: int, reduce_elem: Callable[[ParamInfo], int],
+                      world_of: Callable[[ParamInfo], int] | None = None) -> tuple[float, float, float]:
     """(unsharded bytes, all-gather buffer bytes, reduce-scatter input bytes) of one FSDP2 group. Each unsharded
     tensor is allocated padded, N x its padded shard (``FSDPParam.init_all_gather_outputs``), the parameter a
-    view of its first elements."""
-    gather = world * sum(_shard_rows(p, world) * p.elem_bytes for p in params)
+    view of its first elements. ``world_of``: the ranks a parameter is sharded over, where not all alike (expert
+    shards under expert parallelism)."""
+    def n(p: ParamInfo) -> int:
+        return world_of(p) if world_of else world
+
+    gather = sum(n(p) * _shard_rows(p, n(p)) * p.elem_bytes for p in params)
     unsharded = gather
-    rs_in = world * sum(_shard_rows(p, world) * reduce_elem(p) for p in _trainable(params))
+    rs_in = sum(n(p) * _shard_rows(p, n(p)) * reduce_elem(p) for p in _trainable(params))
     return float(unsharded), float(gather), float(rs_in)
+
+
+def _expert_shard(p: ParamInfo, ep: int) -> ParamInfo:
+    """A routed expert tensor as one expert-parallel rank holds it: num_experts / ep experts along dim 0
+    (transformers' ``MoEParamShard``)."""
+    rows = p.shape[0] // ep
+    return ParamInfo(p.name, (rows, *p.shape[1:]), p.numel // ep, p.elem_bytes, p.trainable, p.module_kind, p.layer)
 
 
 def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
@@ -165,24 +177,38 @@ def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
 
     training = spec.training
     world = spec.parallel.world_size
+    ep = spec.parallel.ep
     mixed = training.precision.startswith("mixed_")
+    if ep > 1:  # each rank holds num_experts / ep experts, FSDP-sharded over the world / ep ranks holding the same
+        table = [_expert_shard(p, ep) if is_routed_expert(p.name) else p for p in table]
+
+    def world_of(p: ParamInfo) -> int:
+        return world // ep if ep > 1 and is_routed_expert(p.name) else world
 
     def shard_elem(p: ParamInfo) -> int:
         return FP32 if mixed else p.elem_bytes
 
-    trainable_shard = [ParamInfo(p.name, p.shape, _shard_rows(p, world), shard_elem(p), True,
+    trainable_shard = [ParamInfo(p.name, p.shape, _shard_rows(p, world_of(p)), shard_elem(p), True,
                                  p.module_kind, p.layer) for p in _trainable(table)]
     root = [p for p in table if p.layer is None]
     unit_layer = largest_layer(table)
     layer = [p for p in table if p.layer is not None and p.layer == unit_layer]
     root_bytes, root_gather, root_rs = _fsdp_group_sizes(root, world, shard_elem)
-    layer_bytes, layer_gather, layer_rs = _fsdp_group_sizes(layer, world, shard_elem)
+    layer_bytes, layer_gather, layer_rs = _fsdp_group_sizes(layer, world, shard_elem, world_of)
+    layer_rs_out = float(sum(_shard_rows(p, world_of(p)) * shard_elem(p) for p in _trainable(layer)))
+
     def held(params: list[ParamInfo]) -> float:  # unsharded, unpadded, in the reduce dtype
         return float(sum(p.numel * shard_elem(p) for p in _trainable(params)))
 
+    def unit_gather(params: list[ParamInfo]) -> float | None:  # EP: the layer's unit without its experts' unit
+        if ep == 1:
+            return None
+        return _fsdp_group_sizes([p for p in params if not is_routed_expert(p.name)], world, shard_elem)[1]
+
     def group(params: list[ParamInfo]) -> LayerGroup:
-        unsharded, gather, rs_in = _fsdp_group_sizes(params, world, shard_elem)
-        return LayerGroup(unsharded, gather, rs_in, rs_in / world, held(params))
+        unsharded, gather, rs_in = _fsdp_group_sizes(params, world, shard_elem, world_of)
+        rs_out = float(sum(_shard_rows(p, world_of(p)) * shard_elem(p) for p in _trainable(params)))
+        return LayerGroup(unsharded, gather, rs_in, rs_out, held(params), unit_gather(params))
 
     by_layer: dict[int, list[ParamInfo]] = {}
     for p in table:
@@ -191,12 +217,12 @@ def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
     groups = tuple(group(by_layer[i]) for i in sorted(by_layer))
     sizes = FsdpSizes(root_bytes=root_bytes, root_gather_bytes=root_gather, layer_bytes=layer_bytes,
                       layer_gather_bytes=layer_gather, layer_rs_in_bytes=layer_rs,
-                      layer_rs_out_bytes=layer_rs / world, root_rs_in_bytes=root_rs,
+                      layer_rs_out_bytes=layer_rs_out, root_rs_in_bytes=root_rs,
                       root_rs_out_bytes=root_rs / world, layer_held_bytes=held(layer), root_held_bytes=held(root),
                       held_is_copy=mixed,
                       largest_grad_bytes=float(max((p.nbytes for p in _trainable(table)), default=0)),
-                      layers=groups if len(set(groups)) > 1 else ())
-    resident = {"weights": float(sum(_shard_rows(p, world) * shard_elem(p) for p in table)),
+                      layers=groups if len(set(groups)) > 1 else (), layer_prefetch_gather_bytes=unit_gather(layer))
+    resident = {"weights": float(sum(_shard_rows(p, world_of(p)) * shard_elem(p) for p in table)),
                 "optimizer_states": optimizer_state_bytes(trainable_shard, training.optimizer, False)}
     return StepModel(resident=resident, grad_policy=_full, segment_extra=None,
                      step_grads=float(sum(p.nbytes for p in trainable_shard)),

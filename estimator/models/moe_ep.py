@@ -1,0 +1,102 @@
+"""Expert parallelism (EP) of a mixture-of-experts model as transformers 5.24 runs it for training
+(``transformers.distributed``: ``DistributedConfig(fsdp_size=world, ep_size=ep)``). Pure standard library.
+
+What a rank holds, read from the framework's code:
+
+* Experts (``MoEParamShard``, ``grouped_gemm`` on each experts module's ``gate_up_proj`` / ``down_proj``): dim 0 of
+  every routed expert tensor split over the ep mesh, num_experts / ep whole experts per rank, a contiguous range.
+  ``apply_fully_sharded_data_parallelism`` then ``fully_shard``s each experts module on the ``efsdp`` mesh
+  (world / ep ranks holding the same experts), so a rank stores 1 / world of the expert parameters, gradients and
+  optimizer states, as plain FSDP would, but gathers only its num_experts / ep experts for compute.
+* Dispatch and combine (``AllToAllEP``, the ``auto`` choice whenever gradients flow): the T x top_k (token, expert)
+  pairs are sorted by expert (``argsort``: int64, kept for the combine), the T x top_k rows gathered (indices kept
+  for backward) and sent with ``all_to_all_single_autograd``; the experts run on the R rows this rank receives as
+  top-1 with unit weights (``_is_expert_parallel``: a bool sentinel mask per row, kept by ``masked_fill``); a
+  second all-to-all returns the T x top_k rows, which are put back in token order into a new tensor (kept by the
+  routing-weight product) and summed per token.
+* Balanced routing: R = T x top_k, the same rows as on one device, and what backward keeps differs from the
+  unsharded run only by the int64 sort order and the bool mask per row. Skewed routing: R follows the load of the
+  experts the rank owns. With the busiest expert at F times the balanced load, the rank owning it receives at most
+  min(F, ep) x T x top_k rows (every expert of the rank at that load, no more than every routed row of the group),
+  and keeps each extra row's activations in its experts (the routed row, the gate/up projection, its activation,
+  its routing weight, its sort indices and mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+INT64 = 8
+BOOL = 1
+
+
+@dataclass(frozen=True)
+class EpLayout:
+    ep: int
+    world: int
+    experts: int                # routed experts per MoE layer
+    top_k: int
+    moe_layers: int
+    hidden: int
+    expert_ffn: int             # one expert's intermediate size
+    imbalance: float = 1.0
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.experts // self.ep
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks that hold the same experts and FSDP-shard them between each other."""
+        return self.world // self.ep
+
+    def received_rows_factor(self) -> float:
+        """Rows the busiest rank's experts run on, relative to its own T x top_k."""
+        if self.ep == 1:
+            return 1.0  # one device runs every expert dropless: the same rows however the router spreads them
+        per_token = min(self.top_k, self.experts_per_rank)  # rows one token can send to one rank
+        return min(self.imbalance, self.ep * per_token / self.top_k)
+
+    def row_bytes(self, act_bytes: int) -> float:
+        """Bytes backward keeps per received row in one MoE layer's experts (``grouped_mm_experts_forward`` under
+        EP): the routed row, the gate/up projection (2 x ffn) and its activation (ffn), the row's unit weight, the
+        int64 gather and un-permute indices, the bool sentinel mask."""
+        return act_bytes * (self.hidden + 3 * self.expert_ffn + 1) + 2 * INT64 + BOOL
+
+    def skew_bytes(self, tokens: int, act_bytes: int) -> float:
+        """What the busiest rank keeps through backward above balanced routing, every MoE layer."""
+        extra_rows = (self.received_rows_factor() - 1.0) * tokens * self.top_k
+        return self.moe_layers * extra_rows * self.row_bytes(act_bytes)
+
+    def dispatch_bytes(self, tokens: int) -> float:
+        """What the all-to-all path keeps per rank above the one-device experts, every MoE layer, at balanced
+        routing: the int64 sort order of the (token, expert) pairs and the bool sentinel mask per row."""
+        return self.moe_layers * tokens * self.top_k * (INT64 + BOOL)
+
+
+_FFN_KEYS = ("moe_intermediate_size", "intermediate_size")
+
+
+def ep_layout(config: dict, facts, world: int, ep: int, imbalance: float) -> EpLayout:
+    """``facts``: ``estimator.models.moe.MoeFacts``. Raises ValueError (one line) for a layout transformers refuses."""
+    if facts is None:
+        raise ValueError("ep: expert parallelism needs a mixture-of-experts model; this one has no routed experts")
+    if facts.experts % ep:
+        raise ValueError(f"ep: {facts.experts} routed experts cannot be split evenly over ep={ep} ranks")
+    if world % ep:
+        raise ValueError(f"ep: world size {world} is not divisible by ep {ep}")
+    ffn = next((config[k] for k in _FFN_KEYS if isinstance(config.get(k), int)), 0)
+    return EpLayout(ep=ep, world=world, experts=facts.experts, top_k=facts.top_k or 1, moe_layers=facts.moe_layers,
+                    hidden=int(config["hidden_size"]), expert_ffn=int(ffn), imbalance=float(imbalance))
+
+
+def ep_notes(layout: EpLayout | None, tokens: int) -> list[str]:
+    if layout is None or layout.ep == 1:
+        return []
+    factor = layout.received_rows_factor()
+    return [f"ep: {layout.ep} expert-parallel ranks, {layout.experts_per_rank} of {layout.experts} experts each, "
+            f"FSDP2-sharded over {layout.efsdp} rank(s) holding the same experts; tokens dispatched and combined "
+            f"all-to-all (transformers' AllToAllEP)",
+            f"ep routing: busiest expert at {layout.imbalance:g}x the balanced load -> the busiest rank's experts run "
+            f"{factor:g}x its own {tokens * layout.top_k} (token, expert) rows per MoE layer"
+            + ("" if factor > 1 else " (balanced)")]
