@@ -14,8 +14,8 @@ from estimator.methods.fsdp1 import fsdp1
 from estimator.methods.timeline import Replay, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
 from estimator.models.memo import memo_by_owner
-from estimator.models.moe import moe_facts, moe_notes
-from estimator.models.moe_ep import EpLayout, ep_layout, ep_notes
+from estimator.models.moe import is_routed_expert, moe_facts, moe_notes
+from estimator.models.moe_ep import EpLayout, ep_layout, ep_notes, ep_segments
 from estimator.models.params import buffer_bytes, expand_params, param_counts
 from estimator.models.profiles import adapters_in_16bit, traced_release, versions_note
 from estimator.models.tp_plans import check_tp
@@ -271,6 +271,15 @@ def _ep_layout(spec: RunSpec, arch: ModelArch, profile: dict) -> EpLayout | None
     return ep_layout(arch.config, facts, spec.parallel.world_size, spec.parallel.ep, spec.parallel.moe_imbalance)
 
 
+def _expert_grad_bytes(table: list, num_layers: int) -> list[float]:
+    """Each decoder layer's routed-expert gradient bytes (unsharded, every expert)."""
+    out = [0.0] * num_layers
+    for p in table:
+        if p.trainable and p.layer is not None and is_routed_expert(p.name):
+            out[p.layer] += p.nbytes
+    return out
+
+
 def _ep_activation_bytes(spec: RunSpec, layout: EpLayout | None) -> float:
     """What the all-to-all path keeps through backward beyond the one-device experts the profile traced (the sort
     order and sentinel mask; under skewed routing the busiest rank's extra rows), in the experts' dtype:
@@ -292,6 +301,8 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     model = _step_model(spec, table, rank, path)
     regime = _regime(profile, b, s)
     segments = loop_segments(regime, training.loop)
+    if spec.parallel.ep > 1:  # the trace made every expert's gradient; an EP rank makes its own experts'
+        segments = ep_segments(segments, _expert_grad_bytes(table, arch.num_layers), spec.parallel.ep)
     fb = None
     for micro in _micro_batches(spec):  # a later micro-batch starts with gradients held
         candidate = _replay(model, segments, arch.num_layers, b, s, accumulating=micro)

@@ -100,3 +100,31 @@ def ep_notes(layout: EpLayout | None, tokens: int) -> list[str]:
             f"ep routing: busiest expert at {layout.imbalance:g}x the balanced load -> the busiest rank's experts run "
             f"{factor:g}x its own {tokens * layout.top_k} (token, expert) rows per MoE layer"
             + ("" if factor > 1 else " (balanced)")]
+
+
+_BACKWARD_LAYER_SEGMENTS = {"bw_first": lambda n: n - 1, "bw": lambda n: min(1, n - 1), "bw_last": lambda n: 0}
+
+
+def ep_segments(segments: dict, expert_grad_bytes: list[float], ep: int) -> dict:
+    """The profile's backward segments with each MoE layer's expert gradients as one EP rank makes them: the trace
+    ran every expert, a rank runs num_experts / ep. The experts are the layer's last module in forward, so their
+    gradients are the first the layer's backward makes: a gradient level g within the layer becomes g / ep up to
+    the experts' bytes, and g less the other ranks' experts beyond. ``expert_grad_bytes``: per decoder layer."""
+    if ep == 1:
+        return segments
+    out = dict(segments)
+    for name, layer_of in _BACKWARD_LAYER_SEGMENTS.items():
+        if name not in segments:
+            continue
+        experts = expert_grad_bytes[layer_of(len(expert_grad_bytes))]
+        if not experts:
+            continue
+
+        def local(g: float, experts: float = experts) -> float:
+            return g / ep if g <= experts else g - experts * (1 - 1 / ep)
+
+        seg = dict(segments[name])
+        seg["net_grad"] = local(seg["net_grad"])
+        seg["candidates"] = [(act, local(grad)) for act, grad in seg["candidates"]]
+        out[name] = seg
+    return out
