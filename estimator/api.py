@@ -15,7 +15,7 @@ from estimator.methods.timeline import Replay, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
 from estimator.models.memo import memo_by_owner
 from estimator.models.moe import is_routed_expert, moe_facts, moe_notes
-from estimator.models.moe_ep import EpLayout, ep_layout, ep_notes, ep_segments
+from estimator.models.moe_ep import EpLayout, ep_layout, ep_notes
 from estimator.models.params import buffer_bytes, expand_params, param_counts
 from estimator.models.profiles import adapters_in_16bit, traced_release, versions_note
 from estimator.models.tp_plans import check_tp
@@ -271,13 +271,22 @@ def _ep_layout(spec: RunSpec, arch: ModelArch, profile: dict) -> EpLayout | None
     return ep_layout(arch.config, facts, spec.parallel.world_size, spec.parallel.ep, spec.parallel.moe_imbalance)
 
 
-def _expert_grad_bytes(table: list, num_layers: int) -> list[float]:
-    """Each decoder layer's routed-expert gradient bytes (unsharded, every expert)."""
-    out = [0.0] * num_layers
+def _with_experts_done(segments: dict, regime: dict, table: list, num_layers: int, b: int, s: int) -> dict:
+    """EP: each backward layer segment with experts gets the activation level at which the experts' FSDP2
+    post-backward runs (``fsdp_replay.experts_done_levels``), where the profile has an event list."""
+    from estimator.methods.fsdp_replay import experts_done_levels
+
+    events = regime.get("events")
+    if events is None:
+        return segments
+    traced: dict[int, float] = {}
     for p in table:
         if p.trainable and p.layer is not None and is_routed_expert(p.name):
-            out[p.layer] += p.nbytes
-    return out
+            traced[p.layer] = traced.get(p.layer, 0.0) + p.nbytes
+    # the 3-layer trace's layers of bw_first, bw, bw_last; layer kinds follow the first layers (a dense first layer)
+    layer_of = {"bw_first": min(2, num_layers - 1), "bw": min(1, num_layers - 1), "bw_last": 0}
+    levels = experts_done_levels(events, {n: traced.get(i, 0.0) for n, i in layer_of.items()}, b, s)
+    return {**segments, **{n: {**segments[n], "experts_done_act": level} for n, level in levels.items()}}
 
 
 def _ep_activation_bytes(spec: RunSpec, layout: EpLayout | None) -> float:
@@ -301,8 +310,8 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     model = _step_model(spec, table, rank, path)
     regime = _regime(profile, b, s)
     segments = loop_segments(regime, training.loop)
-    if spec.parallel.ep > 1:  # the trace made every expert's gradient; an EP rank makes its own experts'
-        segments = ep_segments(segments, _expert_grad_bytes(table, arch.num_layers), spec.parallel.ep)
+    if spec.parallel.ep > 1:
+        segments = _with_experts_done(segments, regime, table, arch.num_layers, b, s)
     fb = None
     for micro in _micro_batches(spec):  # a later micro-batch starts with gradients held
         candidate = _replay(model, segments, arch.num_layers, b, s, accumulating=micro)

@@ -173,12 +173,13 @@ def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
     """FSDP2 ``fully_shard`` per decoder layer then root; mixed_*: fp32 sharded params, 16-bit compute,
     fp32 gradient reduction (MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)). The step's
     buffers are replayed event by event (``estimator.methods.fsdp_replay``)."""
-    from estimator.methods.fsdp_replay import FsdpSizes, LayerGroup, replay_fsdp
+    from estimator.methods.fsdp_replay import ExpertsUnit, FsdpSizes, LayerGroup, replay_fsdp
 
     training = spec.training
     world = spec.parallel.world_size
     ep = spec.parallel.ep
     mixed = training.precision.startswith("mixed_")
+    full = table
     if ep > 1:  # each rank holds num_experts / ep experts, FSDP-sharded over the world / ep ranks holding the same
         table = [_expert_shard(p, ep) if is_routed_expert(p.name) else p for p in table]
 
@@ -188,40 +189,50 @@ def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
     def shard_elem(p: ParamInfo) -> int:
         return FP32 if mixed else p.elem_bytes
 
+    def own_unit(params: list[ParamInfo]) -> list[ParamInfo]:  # EP: the experts are a unit of their own
+        return [p for p in params if not (ep > 1 and is_routed_expert(p.name))]
+
     trainable_shard = [ParamInfo(p.name, p.shape, _shard_rows(p, world_of(p)), shard_elem(p), True,
                                  p.module_kind, p.layer) for p in _trainable(table)]
     root = [p for p in table if p.layer is None]
     unit_layer = largest_layer(table)
-    layer = [p for p in table if p.layer is not None and p.layer == unit_layer]
     root_bytes, root_gather, root_rs = _fsdp_group_sizes(root, world, shard_elem)
-    layer_bytes, layer_gather, layer_rs = _fsdp_group_sizes(layer, world, shard_elem, world_of)
-    layer_rs_out = float(sum(_shard_rows(p, world_of(p)) * shard_elem(p) for p in _trainable(layer)))
 
     def held(params: list[ParamInfo]) -> float:  # unsharded, unpadded, in the reduce dtype
         return float(sum(p.numel * shard_elem(p) for p in _trainable(params)))
 
-    def unit_gather(params: list[ParamInfo]) -> float | None:  # EP: the layer's unit without its experts' unit
-        if ep == 1:
+    def experts_unit(index: int, params: list[ParamInfo]) -> ExpertsUnit | None:
+        experts = [p for p in params if is_routed_expert(p.name)]
+        if ep == 1 or not experts:
             return None
-        return _fsdp_group_sizes([p for p in params if not is_routed_expert(p.name)], world, shard_elem)[1]
+        unsharded, _, rs_in = _fsdp_group_sizes(experts, world, shard_elem, world_of)
+        traced = float(sum(p.nbytes for p in _trainable(full) if p.layer == index and is_routed_expert(p.name)))
+        return ExpertsUnit(bytes=unsharded, traced_grad_bytes=traced, grad_bytes=traced / ep, rs_in_bytes=rs_in,
+                           rs_out_bytes=float(sum(_shard_rows(p, world // ep) * shard_elem(p)
+                                                  for p in _trainable(experts))),
+                           divide_bytes=rs_in if world == ep else 0.0)
 
-    def group(params: list[ParamInfo]) -> LayerGroup:
-        unsharded, gather, rs_in = _fsdp_group_sizes(params, world, shard_elem, world_of)
-        rs_out = float(sum(_shard_rows(p, world_of(p)) * shard_elem(p) for p in _trainable(params)))
-        return LayerGroup(unsharded, gather, rs_in, rs_out, held(params), unit_gather(params))
+    def group(index: int, params: list[ParamInfo]) -> LayerGroup:
+        unit = own_unit(params)
+        experts = experts_unit(index, params)
+        _, gather, rs_in = _fsdp_group_sizes(unit, world, shard_elem)
+        unsharded = _fsdp_group_sizes(params, world, shard_elem, world_of)[0]  # the layer's backward: both units
+        rs_out = float(sum(_shard_rows(p, world) * shard_elem(p) for p in _trainable(unit)))
+        return LayerGroup(unsharded, gather, rs_in, rs_out, held(unit), experts=experts)
 
     by_layer: dict[int, list[ParamInfo]] = {}
     for p in table:
         if p.layer is not None:
             by_layer.setdefault(p.layer, []).append(p)
-    groups = tuple(group(by_layer[i]) for i in sorted(by_layer))
-    sizes = FsdpSizes(root_bytes=root_bytes, root_gather_bytes=root_gather, layer_bytes=layer_bytes,
-                      layer_gather_bytes=layer_gather, layer_rs_in_bytes=layer_rs,
-                      layer_rs_out_bytes=layer_rs_out, root_rs_in_bytes=root_rs,
-                      root_rs_out_bytes=root_rs / world, layer_held_bytes=held(layer), root_held_bytes=held(root),
-                      held_is_copy=mixed,
+    groups = tuple(group(i, by_layer[i]) for i in sorted(by_layer))
+    one = group(unit_layer, by_layer[unit_layer])
+    sizes = FsdpSizes(root_bytes=root_bytes, root_gather_bytes=root_gather, layer_bytes=one.bytes,
+                      layer_gather_bytes=one.gather_bytes, layer_rs_in_bytes=one.rs_in_bytes,
+                      layer_rs_out_bytes=one.rs_out_bytes, root_rs_in_bytes=root_rs,
+                      root_rs_out_bytes=root_rs / world, layer_held_bytes=one.held_bytes,
+                      root_held_bytes=held(root), held_is_copy=mixed,
                       largest_grad_bytes=float(max((p.nbytes for p in _trainable(table)), default=0)),
-                      layers=groups if len(set(groups)) > 1 else (), layer_prefetch_gather_bytes=unit_gather(layer))
+                      layers=groups if len(set(groups)) > 1 else (), layer_experts=one.experts)
     resident = {"weights": float(sum(_shard_rows(p, world_of(p)) * shard_elem(p) for p in table)),
                 "optimizer_states": optimizer_state_bytes(trainable_shard, training.optimizer, False)}
     return StepModel(resident=resident, grad_policy=_full, segment_extra=None,

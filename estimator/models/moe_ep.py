@@ -18,8 +18,8 @@ What a rank holds, read from the framework's code:
   unsharded run only by the int64 sort order and the bool mask per row. Skewed routing: R follows the load of the
   experts the rank owns. With the busiest expert at F times the balanced load, the rank owning it receives at most
   min(F, ep) x T x top_k rows (every expert of the rank at that load, no more than every routed row of the group),
-  and keeps each extra row's activations in its experts (the routed row, the gate/up projection, its activation,
-  its routing weight, its sort indices and mask).
+  and keeps each extra row's activations in its experts (the routed row, the gate/up projection, its activation
+  and their product, its routing weight, its sort indices and mask: ``EpLayout.row_bytes``).
 """
 
 from __future__ import annotations
@@ -59,9 +59,11 @@ class EpLayout:
 
     def row_bytes(self, act_bytes: int) -> float:
         """Bytes backward keeps per received row in one MoE layer's experts (``grouped_mm_experts_forward`` under
-        EP): the routed row, the gate/up projection (2 x ffn) and its activation (ffn), the row's unit weight, the
-        int64 gather and un-permute indices, the bool sentinel mask."""
-        return act_bytes * (self.hidden + 3 * self.expert_ffn + 1) + 2 * INT64 + BOOL
+        EP): the routed row (saved by the up grouped_mm), the gate/up projection (2 x ffn: its halves saved by the
+        activation and the product), the activation (ffn, saved by the product), the product (ffn, saved by the
+        down grouped_mm), the row's unit weight, the int64 gather and un-permute indices, the bool sentinel
+        mask."""
+        return act_bytes * (self.hidden + 4 * self.expert_ffn + 1) + 2 * INT64 + BOOL
 
     def skew_bytes(self, tokens: int, act_bytes: int) -> float:
         """What the busiest rank keeps through backward above balanced routing, every MoE layer."""
@@ -101,30 +103,3 @@ def ep_notes(layout: EpLayout | None, tokens: int) -> list[str]:
             f"{factor:g}x its own {tokens * layout.top_k} (token, expert) rows per MoE layer"
             + ("" if factor > 1 else " (balanced)")]
 
-
-_BACKWARD_LAYER_SEGMENTS = {"bw_first": lambda n: n - 1, "bw": lambda n: min(1, n - 1), "bw_last": lambda n: 0}
-
-
-def ep_segments(segments: dict, expert_grad_bytes: list[float], ep: int) -> dict:
-    """The profile's backward segments with each MoE layer's expert gradients as one EP rank makes them: the trace
-    ran every expert, a rank runs num_experts / ep. The experts are the layer's last module in forward, so their
-    gradients are the first the layer's backward makes: a gradient level g within the layer becomes g / ep up to
-    the experts' bytes, and g less the other ranks' experts beyond. ``expert_grad_bytes``: per decoder layer."""
-    if ep == 1:
-        return segments
-    out = dict(segments)
-    for name, layer_of in _BACKWARD_LAYER_SEGMENTS.items():
-        if name not in segments:
-            continue
-        experts = expert_grad_bytes[layer_of(len(expert_grad_bytes))]
-        if not experts:
-            continue
-
-        def local(g: float, experts: float = experts) -> float:
-            return g / ep if g <= experts else g - experts * (1 - 1 / ep)
-
-        seg = dict(segments[name])
-        seg["net_grad"] = local(seg["net_grad"])
-        seg["candidates"] = [(act, local(grad)) for act, grad in seg["candidates"]]
-        out[name] = seg
-    return out
