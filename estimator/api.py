@@ -289,26 +289,47 @@ def _with_experts_done(segments: dict, regime: dict, table: list, num_layers: in
     return {**segments, **{n: {**segments[n], "experts_done_act": level} for n, level in levels.items()}}
 
 
+def _ep_act_bytes(training: TrainingSpec) -> int:
+    """The experts' activation dtype: ``grouped_mm`` runs in the weights' dtype (not autocast), so fp32 and amp_*
+    weights keep fp32 rows."""
+    return 2 if training.precision in ("bf16", "mixed_bf16", "mixed_fp16") else 4
+
+
 def _ep_activation_bytes(spec: RunSpec, layout: EpLayout | None) -> float:
     """What the all-to-all path keeps through backward beyond the one-device experts the profile traced (the sort
-    order and sentinel mask; under skewed routing the busiest rank's extra rows), in the experts' dtype:
-    ``grouped_mm`` runs in the weights' dtype, so fp32 and amp_* weights keep fp32 rows."""
+    order and sentinel mask; under skewed routing the busiest rank's extra rows), every MoE layer."""
     if layout is None:
         return 0.0
-    training = spec.training
-    act = 2 if training.precision in ("bf16", "mixed_bf16", "mixed_fp16") else 4
-    tokens = training.micro_batch_size * training.seq_len
-    return layout.dispatch_bytes(tokens) + layout.skew_bytes(tokens, act)
+    tokens = spec.training.micro_batch_size * spec.training.seq_len
+    return layout.dispatch_bytes(tokens) + layout.skew_bytes(tokens, _ep_act_bytes(spec.training))
+
+
+def _ep_forward_peak(spec: RunSpec, arch: ModelArch, table: list, regime: dict, model: methods.StepModel,
+                     layout: EpLayout | None, b: int, s: int) -> tuple[float, float] | None:
+    """EP: (bytes above the resident states, activations among them) at the busiest rank's last MoE layer's
+    experts forward, where its received rows are most (``EpLayout.forward_transient_bytes``): every layer's
+    activations (the trace's, plus what the all-to-all path and the extra rows keep), the root and the last layer
+    gathered. None without EP, or when the last layer has no experts."""
+    if layout is None or not any(p.layer == arch.num_layers - 1 and is_routed_expert(p.name) for p in table):
+        return None
+    segments = regime["segments"]
+    layers = poly(segments["prefix"]["net_act"], b, s)
+    for name, reps in (("fw_first", 1), ("fw", max(arch.num_layers - 2, 0)), ("fw_last", 1)):
+        layers += reps * poly(segments[name]["net_act"], b, s)
+    acts = (layers + _ep_activation_bytes(spec, layout)
+            + layout.forward_transient_bytes(b * s, _ep_act_bytes(spec.training)))
+    return acts + model.forward_gathered_bytes, acts
 
 
 def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, rank: int,
                    path: methods.Zero12Rank | None = None, alloc_conf: str | None = None,
-                   sequence: StepSequence | None = None, decide_fit: bool = False, ep_bytes: float = 0.0
+                   sequence: StepSequence | None = None, decide_fit: bool = False, layout: EpLayout | None = None
                    ) -> tuple[RankEstimate, methods.StepModel]:
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
     model = _step_model(spec, table, rank, path)
     regime = _regime(profile, b, s)
+    ep_bytes = _ep_activation_bytes(spec, layout)
     segments = loop_segments(regime, training.loop)
     if spec.parallel.ep > 1:
         segments = _with_experts_done(segments, regime, table, arch.num_layers, b, s)
@@ -325,7 +346,12 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     fb_total = resident + fb.peak_bytes + fp32_copies + ep_bytes
     step_total = resident + max(fb.end_act_bytes, 0.0) + model.step_grads + model.step_temp + fp32_copies
     held = held_outputs_bytes(regime, training.loop, b, s)
-    if fb_total >= step_total:
+    ep_forward = _ep_forward_peak(spec, arch, table, regime, model, layout, b, s)
+    if ep_forward is not None and resident + ep_forward[0] > max(fb_total, step_total):
+        fb_total = resident + ep_forward[0] + fp32_copies
+        parts = {**model.resident, "activations": ep_forward[1], "gathered_params": model.forward_gathered_bytes}
+        phase = "forward"
+    elif fb_total >= step_total:
         layer_act, other_act = _activation_split(regime["segments"], fb, arch.num_layers, b, s)
         parts = {**model.resident, "gradients": model.resident.get("gradients", 0.0) + fb.peak_grad_bytes,
                  "activations": layer_act + other_act - held + ep_bytes}
@@ -538,13 +564,12 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     last = spec.parallel.world_size - 1
     table = _param_table(profile, arch.num_layers)
     layout = _ep_layout(spec, arch, profile)
-    ep_bytes = _ep_activation_bytes(spec, layout)
     # Rank 0 and the last rank are reported (FSDP/ZeRO padding and TP layouts put any asymmetry there), and under
     # ZeRO-1/2 a middle rank when it is worse than both. Only ZeRO-1/2's gradient partition buffer depends on the
     # rank (its size, and when backward or the reduction after it reaches the rank's partition), so one
     # computation serves every rank elsewhere.
     def rank_estimate(rank: int, path: methods.Zero12Rank | None = None, sequence: StepSequence | None = None):
-        return _rank_estimate(spec, arch, profile, table, coeffs, rank, path, conf, sequence, decide_fit, ep_bytes)
+        return _rank_estimate(spec, arch, profile, table, coeffs, rank, path, conf, sequence, decide_fit, layout)
 
     if last and spec.parallel.zero_stage in (1, 2):
         paths = methods.zero12_ranks(table, spec.parallel.world_size, spec.parallel.zero.reduce_bucket_size)

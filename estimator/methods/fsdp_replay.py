@@ -87,6 +87,11 @@ class ExpertsUnit:
     # efsdp == 1: FSDP2 does not reduce-scatter but copies ``input / gradient_divide_factor`` (transformers sets the
     # factor to the data-parallel size), a temporary the size of the input
     divide_bytes: float = 0.0
+    # its all-gather output, which forward keeps until the next unit's copy-out (FSDP2's implicit prefetch,
+    # ``FSDPParamGroup.wait_for_unshard``): the experts are the layer's last unit, so it is this buffer, not the
+    # layer unit's, that is held from the experts' forward to the next layer's; none on one rank (efsdp == 1: the
+    # shard is copied into the unsharded parameter directly)
+    deferred_gather_bytes: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +106,11 @@ class LayerGroup:
     # them (backward prefetches one unit ahead in reverse post-forward order: layer L, experts L, layer L-1, ...,
     # so while layer L's experts run, layer L-1's unit is the one prefetched); ``bytes`` holds both.
     experts: ExpertsUnit | None = None
+
+    @property
+    def deferred_gather_bytes(self) -> float:
+        """The all-gather output forward still holds after this layer (its last unit's)."""
+        return self.gather_bytes if self.experts is None else self.experts.deferred_gather_bytes
 
 
 Event = Callable[[dict], bool]  # mutates the state; True when the state can be a new peak (it grew)
@@ -186,11 +196,12 @@ def _boundary_events(name: str, num_layers: int, sz: FsdpSizes, micro: str, inde
     if name in FORWARD_LAYER:
         previous = near(-1)
         return [set_part("layer_params", lambda st: 0.0),
-                set_part("gather", lambda st: previous.gather_bytes + here.gather_bytes),
+                set_part("gather", lambda st: previous.deferred_gather_bytes + here.gather_bytes),
                 set_part("layer_params", lambda st: here.bytes),
                 set_part("gather", lambda st: here.gather_bytes)]
     if name == "mid_fw":
-        return [set_part("layer_params", lambda st: 0.0)]
+        return [set_part("layer_params", lambda st: 0.0),
+                set_part("gather", lambda st: sz.layer(num_layers - 1).deferred_gather_bytes)]
     if name == "mid_bw":  # root post-forward frees the last gather; backward's first prefetch re-gathers it
         last = sz.layer(num_layers - 1)
         return [set_part("gather", lambda st: 0.0), set_part("gather", lambda st: last.gather_bytes)]

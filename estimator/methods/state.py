@@ -31,6 +31,9 @@ class StepModel:
     step_temp: float                                  # optimizer-step temporaries at their peak
     host_bytes: float = 0.0                           # CPU RAM (offload)
     notes: list[str] = field(default_factory=list)
+    # FSDP2: the unsharded parameters held while the last decoder layer runs forward (root and that layer; under
+    # EP its experts too, and their all-gather output, which forward keeps until the next unit's copy-out)
+    forward_gathered_bytes: float = 0.0
     # A method that changes the step's event sequence replays it itself:
     # (segments, layers, b, s, accumulating) -> Replay.
     replay: Callable | None = None
@@ -210,7 +213,8 @@ def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
         return ExpertsUnit(bytes=unsharded, traced_grad_bytes=traced, grad_bytes=traced / ep, rs_in_bytes=rs_in,
                            rs_out_bytes=float(sum(_shard_rows(p, world // ep) * shard_elem(p)
                                                   for p in _trainable(experts))),
-                           divide_bytes=rs_in if world == ep else 0.0)
+                           divide_bytes=rs_in if world == ep else 0.0,
+                           deferred_gather_bytes=0.0 if world == ep else unsharded)
 
     def group(index: int, params: list[ParamInfo]) -> LayerGroup:
         unit = own_unit(params)
@@ -235,9 +239,12 @@ def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
                       layers=groups if len(set(groups)) > 1 else (), layer_experts=one.experts)
     resident = {"weights": float(sum(_shard_rows(p, world_of(p)) * shard_elem(p) for p in table)),
                 "optimizer_states": optimizer_state_bytes(trainable_shard, training.optimizer, False)}
+    last = groups[-1] if groups else one
     return StepModel(resident=resident, grad_policy=_full, segment_extra=None,
                      step_grads=float(sum(p.nbytes for p in trainable_shard)),
                      step_temp=step_temp_bytes(trainable_shard, training.optimizer, False),
+                     forward_gathered_bytes=root_bytes + last.bytes + (last.experts.deferred_gather_bytes
+                                                                       if last.experts else 0.0),
                      replay=lambda segments, num_layers, b, s, accumulating=False: replay_fsdp(
                          segments, num_layers, b, s, sizes, accumulating=accumulating))
 

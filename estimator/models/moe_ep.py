@@ -70,6 +70,26 @@ class EpLayout:
         extra_rows = (self.received_rows_factor() - 1.0) * tokens * self.top_k
         return self.moe_layers * extra_rows * self.row_bytes(act_bytes)
 
+    def forward_transient_bytes(self, tokens: int, act_bytes: int) -> float:
+        """The busiest rank's last MoE layer in forward, above that layer's end-of-forward level (its experts
+        resharded), at the larger of two moments (R received rows, S = T x top_k sent, hidden h, dtype a):
+
+        * the experts' un-permuted weighted rows (``grouped_mm_experts_forward``): the received rows (held by
+          ``AllToAllEP.__call__``), the masked down projection, the weighted rows and their un-permuted copy
+          (4 R h a); the sorted expert ids, the sort permutation, the received expert ids (int64), ``histc``'s
+          float ids and the unit weights per row; less the rows put back in token order and the block's output,
+          which come later (S h a + T h a);
+        * the combine's per-token sum: the received rows and the experts' output (2 R h a), the received expert ids
+          and unit weights, the returned rows twice (the collective's output and its autograd wrapper) and the
+          routing-weighted product (3 S h a).
+        """
+        rows = self.received_rows_factor() * tokens * self.top_k
+        sent = tokens * self.top_k
+        h, a = self.hidden, act_bytes
+        experts = 4 * rows * h * a + rows * (3 * INT64 + 4 + a) - (sent + tokens) * h * a
+        combine = 2 * rows * h * a + rows * (INT64 + a) + 3 * sent * h * a
+        return max(experts, combine)
+
     def dispatch_bytes(self, tokens: int) -> float:
         """What the all-to-all path keeps per rank above the one-device experts, every MoE layer, at balanced
         routing: the int64 sort order of the (token, expert) pairs and the bool sentinel mask per row."""
