@@ -271,22 +271,40 @@ def _ep_layout(spec: RunSpec, arch: ModelArch, profile: dict) -> EpLayout | None
     return ep_layout(arch.config, facts, spec.parallel.world_size, spec.parallel.ep, spec.parallel.moe_imbalance)
 
 
-def _with_experts_done(segments: dict, regime: dict, table: list, num_layers: int, b: int, s: int) -> dict:
-    """EP: each backward layer segment with experts gets the activation level at which the experts' FSDP2
-    post-backward runs (``fsdp_replay.experts_done_levels``), where the profile has an event list."""
+def _ep_segments(segments: dict, regime: dict, table: list, layout: EpLayout, training: TrainingSpec,
+                 num_layers: int, b: int, s: int) -> dict:
+    """The profile's layer segments as an EP rank runs them at (b, s): each MoE layer keeps what the all-to-all
+    path adds (``EpLayout.layer_saved_bytes``) from its forward to its experts' backward, and each backward MoE
+    segment gets the activation level at which the experts' FSDP2 post-backward runs
+    (``fsdp_replay.experts_done_levels``, where the profile has an event list)."""
     from estimator.methods.fsdp_replay import experts_done_levels
 
-    events = regime.get("events")
-    if events is None:
-        return segments
     traced: dict[int, float] = {}
     for p in table:
         if p.trainable and p.layer is not None and is_routed_expert(p.name):
             traced[p.layer] = traced.get(p.layer, 0.0) + p.nbytes
-    # the 3-layer trace's layers of bw_first, bw, bw_last; layer kinds follow the first layers (a dense first layer)
-    layer_of = {"bw_first": min(2, num_layers - 1), "bw": min(1, num_layers - 1), "bw_last": 0}
-    levels = experts_done_levels(events, {n: traced.get(i, 0.0) for n, i in layer_of.items()}, b, s)
-    return {**segments, **{n: {**segments[n], "experts_done_act": level} for n, level in levels.items()}}
+    extra = layout.layer_saved_bytes(b * s, _ep_act_bytes(training))
+    # the 3-layer trace's layers of each segment; layer kinds follow the first layers (a dense first layer)
+    layer_of = {"fw_first": 0, "fw": min(1, num_layers - 1), "fw_last": min(2, num_layers - 1),
+                "bw_first": min(2, num_layers - 1), "bw": min(1, num_layers - 1), "bw_last": 0}
+    out = dict(segments)
+    for name, index in layer_of.items():
+        if not traced.get(index):
+            continue
+        seg = dict(segments[name])
+        if name.startswith("fw"):
+            seg["net_act"] = [seg["net_act"][0] + extra, *seg["net_act"][1:]]
+        else:
+            seg["net_act"] = [seg["net_act"][0] - extra, *seg["net_act"][1:]]
+            seg["experts_saved_extra"] = extra
+        out[name] = seg
+    events = regime.get("events")
+    if events is not None:
+        levels = experts_done_levels(events, {n: traced.get(i, 0.0) for n, i in layer_of.items()
+                                              if n.startswith("bw")}, b, s)
+        for name, level in levels.items():
+            out[name] = {**out[name], "experts_done_act": level}
+    return out
 
 
 def _ep_act_bytes(training: TrainingSpec) -> int:
@@ -329,10 +347,9 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     b, s = training.micro_batch_size, training.seq_len
     model = _step_model(spec, table, rank, path)
     regime = _regime(profile, b, s)
-    ep_bytes = _ep_activation_bytes(spec, layout)
     segments = loop_segments(regime, training.loop)
-    if spec.parallel.ep > 1:
-        segments = _with_experts_done(segments, regime, table, arch.num_layers, b, s)
+    if layout is not None:
+        segments = _ep_segments(segments, regime, table, layout, training, arch.num_layers, b, s)
     fb = None
     for micro in _micro_batches(spec):  # a later micro-batch starts with gradients held
         candidate = _replay(model, segments, arch.num_layers, b, s, accumulating=micro)
@@ -342,8 +359,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     resident = sum(model.resident.values()) + buffers
     workspace = residuals.cublas_workspace_bytes(coeffs)
     fp32_copies = fp32_outputs_extra_bytes(regime, training, b, s)  # held at every moment of a manual loop's step
-    # EP: kept from each MoE layer's forward to its backward, so added where backward starts (the bound under skew)
-    fb_total = resident + fb.peak_bytes + fp32_copies + ep_bytes
+    fb_total = resident + fb.peak_bytes + fp32_copies
     step_total = resident + max(fb.end_act_bytes, 0.0) + model.step_grads + model.step_temp + fp32_copies
     held = held_outputs_bytes(regime, training.loop, b, s)
     ep_forward = _ep_forward_peak(spec, arch, table, regime, model, layout, b, s)
@@ -354,7 +370,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     elif fb_total >= step_total:
         layer_act, other_act = _activation_split(regime["segments"], fb, arch.num_layers, b, s)
         parts = {**model.resident, "gradients": model.resident.get("gradients", 0.0) + fb.peak_grad_bytes,
-                 "activations": layer_act + other_act - held + ep_bytes}
+                 "activations": layer_act + other_act - held}
         for key, value in fb.peak_parts.items():
             parts[key] = parts.get(key, 0.0) + value
         phase = fb.phase

@@ -260,22 +260,24 @@ class Walk:
                 return traced - (experts.traced_grad_bytes if experts else 0.0)
             return traced * experts.grad_bytes / experts.traced_grad_bytes if experts.traced_grad_bytes else 0.0
 
-        # the level at the experts' post-backward (``experts_done_levels``), else the next candidate's
+        # the level at the experts' post-backward (``experts_done_levels``), else the next candidate's; what the
+        # EP path saved for the experts' backward (``experts_saved_extra``) is gone from there on
         done_act = seg.get("experts_done_act")
+        extra = seg.get("experts_saved_extra", 0.0)
         for cand_act, cand_grad in seg["candidates"]:
             if not done and cand_grad > experts.traced_grad_bytes:
                 state[part] = held + experts.grad_bytes
                 level = poly(cand_act, self.b, self.s) if done_act is None else done_act
-                self._experts_post_backward(experts, part, state, act + level, name, micro)
+                self._experts_post_backward(experts, part, state, act + level - extra, name, micro)
                 held, done = state[part], True
             grad = own(cand_grad)
             state[part] = held + (grad if self.in_flight is None else min(grad, self.in_flight))
-            self.consider(act + poly(cand_act, self.b, self.s), state, name)
+            self.consider(act + poly(cand_act, self.b, self.s) - (extra if done else 0.0), state, name)
         end_act = act + poly(seg["net_act"], self.b, self.s)
         if not done:
             state[part] = held + experts.grad_bytes
-            self._experts_post_backward(experts, part, state, end_act if done_act is None else act + done_act,
-                                        name, micro)
+            self._experts_post_backward(experts, part, state,
+                                        end_act if done_act is None else act + done_act - extra, name, micro)
             held, done = state[part], True
         state[part] = held + (own(seg["net_grad"]) if self.in_flight is None else 0.0)
         return end_act, state

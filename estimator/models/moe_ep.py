@@ -67,8 +67,17 @@ class EpLayout:
 
     def skew_bytes(self, tokens: int, act_bytes: int) -> float:
         """What the busiest rank keeps through backward above balanced routing, every MoE layer."""
+        return self.moe_layers * self.layer_skew_bytes(tokens, act_bytes)
+
+    def layer_skew_bytes(self, tokens: int, act_bytes: int) -> float:
+        """The same for one MoE layer: its extra rows, from its experts' forward to their backward."""
         extra_rows = (self.received_rows_factor() - 1.0) * tokens * self.top_k
-        return self.moe_layers * extra_rows * self.row_bytes(act_bytes)
+        return extra_rows * self.row_bytes(act_bytes)
+
+    def layer_saved_bytes(self, tokens: int, act_bytes: int) -> float:
+        """What one MoE layer keeps for backward beyond the one-device experts the profile traced: the dispatch's
+        sort order and sentinel mask, and under skew the extra rows."""
+        return self.dispatch_bytes(tokens) / self.moe_layers + self.layer_skew_bytes(tokens, act_bytes)
 
     def forward_transient_bytes(self, tokens: int, act_bytes: int) -> float:
         """The busiest rank's last MoE layer in forward, above that layer's end-of-forward level (its experts
