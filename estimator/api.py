@@ -284,6 +284,7 @@ def _ep_segments(segments: dict, regime: dict, table: list, layout: EpLayout, tr
         if p.trainable and p.layer is not None and is_routed_expert(p.name):
             traced[p.layer] = traced.get(p.layer, 0.0) + p.nbytes
     extra = layout.layer_saved_bytes(b * s, _ep_act_bytes(training))
+    bumps = layout.backward_bumps(b * s, _ep_act_bytes(training))
     # the 3-layer trace's layers of each segment; layer kinds follow the first layers (a dense first layer)
     layer_of = {"fw_first": 0, "fw": min(1, num_layers - 1), "fw_last": min(2, num_layers - 1),
                 "bw_first": min(2, num_layers - 1), "bw": min(1, num_layers - 1), "bw_last": 0}
@@ -297,6 +298,7 @@ def _ep_segments(segments: dict, regime: dict, table: list, layout: EpLayout, tr
         else:
             seg["net_act"] = [seg["net_act"][0] - extra, *seg["net_act"][1:]]
             seg["experts_saved_extra"] = extra
+            seg["experts_bw_bumps"] = bumps
         out[name] = seg
     events = regime.get("events")
     if events is not None:

@@ -264,6 +264,8 @@ class Walk:
         # EP path saved for the experts' backward (``experts_saved_extra``) is gone from there on
         done_act = seg.get("experts_done_act")
         extra = seg.get("experts_saved_extra", 0.0)
+        # the busiest rank's extra rows in the experts' backward (``EpLayout.backward_bumps``)
+        first, during, last = seg.get("experts_bw_bumps", (0.0, 0.0, 0.0))
         for cand_act, cand_grad in seg["candidates"]:
             if not done and cand_grad > experts.traced_grad_bytes:
                 state[part] = held + experts.grad_bytes
@@ -272,7 +274,9 @@ class Walk:
                 held, done = state[part], True
             grad = own(cand_grad)
             state[part] = held + (grad if self.in_flight is None else min(grad, self.in_flight))
-            self.consider(act + poly(cand_act, self.b, self.s) - (extra if done else 0.0), state, name)
+            bump = -extra if done else (first if cand_grad == 0 else
+                                        during if cand_grad < experts.traced_grad_bytes else last)
+            self.consider(act + poly(cand_act, self.b, self.s) + bump, state, name)
         end_act = act + poly(seg["net_act"], self.b, self.s)
         if not done:
             state[part] = held + experts.grad_bytes

@@ -79,6 +79,27 @@ class EpLayout:
         sort order and sentinel mask, and under skew the extra rows."""
         return self.dispatch_bytes(tokens) / self.moe_layers + self.layer_skew_bytes(tokens, act_bytes)
 
+    def backward_bumps(self, tokens: int, act_bytes: int) -> tuple[float, float, float]:
+        """What the experts' backward holds above the trace's (S rows) for the busiest rank's extra rows, per MoE
+        layer, at three stages (``grouped_mm_experts_forward`` run backwards):
+
+        * before its first expert gradient: the un-permute's backward (the rows' gradient from the returning
+          all-to-all, the zeros it is scattered into, the scattered copy: 3 h a per row), less the S rows of
+          down-projection output the one-device experts still hold there (their routing-weight product saves
+          them; under EP the weights are applied in the combine, whose backward has already run);
+        * between the two: the down projection's backward (the gradient of its output and of its input,
+          (h + ffn) a) or the activation-product's (the gradients of the product and of both factors, the product
+          itself freed: 2 ffn a), the un-permute indices and unit weights released (int64 + a);
+        * with both: the up projection's backward, whose row gradients replace what the rows saved (the indices
+          and unit weights released: - (int64 + a)).
+        """
+        extra_rows = (self.received_rows_factor() - 1.0) * tokens * self.top_k
+        h, f, a = self.hidden, self.expert_ffn, act_bytes
+        released = INT64 + a
+        sent = tokens * self.top_k
+        return (extra_rows * 3 * h * a - sent * h * a, extra_rows * (max(h + f, 2 * f) * a - released),
+                -extra_rows * released)
+
     def forward_transient_bytes(self, tokens: int, act_bytes: int) -> float:
         """The busiest rank's last MoE layer in forward, above that layer's end-of-forward level (its experts
         resharded), at the larger of two moments (R received rows, S = T x top_k sent, hidden h, dtype a):
