@@ -17,16 +17,21 @@ from typing import Any
 DENSE_FSDP_PLAN = {"model.layers.*": "free_full_weight"}
 
 
-def distributed_config(world: int, ep: int) -> Any:
+def distributed_config(world: int, ep: int, precision: str = "bf16") -> Any:
+    """``mixed_bf16``: fp32 shards, bf16 compute, fp32 reduction (transformers' ``fsdp_mixed_precision``, the
+    policy the harness's fsdp method applies); its FSDP2 has no fp16 policy."""
     from transformers.distributed import DistributedConfig
 
-    return DistributedConfig(fsdp_size=world, ep_size=ep if ep > 1 else None)
+    if precision == "mixed_fp16":
+        raise ValueError("ep: transformers' FSDP2 mixed precision is bf16 only; use mixed_bf16, bf16 or fp32")
+    return DistributedConfig(fsdp_size=world, ep_size=ep if ep > 1 else None,
+                             fsdp_mixed_precision=precision == "mixed_bf16")
 
 
-def distribute(model: Any, world: int, ep: int) -> Any:
+def distribute(model: Any, world: int, ep: int, precision: str = "bf16") -> Any:
     """``model`` (meta device) sharded as ``DistributedConfig(fsdp_size=world, ep_size=ep)`` shards it, with the
     dense FSDP2 units of ``DENSE_FSDP_PLAN``."""
-    config = distributed_config(world, ep)
+    config = distributed_config(world, ep, precision)
     cls = type(model)
     config, _, mesh = cls.prepare_distribute_model(config)
     model._fsdp_plan = dict(DENSE_FSDP_PLAN)

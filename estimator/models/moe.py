@@ -46,6 +46,12 @@ def _first_int(config: dict, keys: tuple[str, ...]) -> int | None:
     return None
 
 
+def routed_experts(config: dict) -> int | None:
+    """Routed experts per MoE layer named by the config (None for a dense one)."""
+    experts = _first_int(config, _EXPERT_COUNT_KEYS)
+    return experts if experts and experts >= 2 else None
+
+
 def is_routed_expert(name: str) -> bool:
     """A routed expert's tensor (``mlp.experts.gate_up_proj``, ``block_sparse_moe.experts.3.w1.weight``), not a
     shared expert's (``mlp.shared_experts.*``, ``mlp.shared_expert.*``) nor the router's."""
