@@ -1,12 +1,13 @@
 """Expert parallelism against real CPU runs on gloo ranks, with the routing forced balanced and skewed (issue 17).
 
     PYTHONPATH=. .venv/bin/python benchmarks/moe_ep_table.py [--configs CONFIG.json ...] [--layouts 2x2 4x2 4x4]
-        [--points 1x64 2x128] [--precision bf16] [--csv docs/error_matrix/moe_ep.csv]
+        [--points 1x64 2x128] [--precision bf16|mixed_bf16] [--grad-ckpt] [--csv docs/error_matrix/moe_ep.csv]
 
 A layout ``WxE`` is W gloo ranks with ep_size E (``harness.ep.distribute``: transformers' own expert sharding and
 all-to-all dispatch, experts FSDP2-sharded on the efsdp mesh, dense FSDP2 per decoder layer + root). Each rank counts
-every live storage after every operator (``harness.fake.live_storage``, DTensors by their local shard) over two
-steady steps after a warm-up step; its peak is reported. The routers' choice is forced: ``balanced`` (every EP rank
+every live storage after every operator (``harness.fake.live_storage``, DTensors by their local shard, less the
+clone of the whole input gloo's reduce-scatter makes, which NCCL does not) over two steady steps after a warm-up
+step; its peak is reported. The routers' choice is forced: ``balanced`` (every EP rank
 receives its own T x top_k rows) or ``skewed`` (every token to experts 0..k-1: rank 0 receives its whole group's
 rows). The estimate is ``traced_allocated_bytes`` of ``--method fsdp --gpus W --ep E`` with ``--moe-imbalance``
 1 (balanced) or num_experts / top_k (skewed: the busiest expert's load), compared with the busiest rank.
@@ -31,7 +32,7 @@ CONFIGS = [HERE / "configs" / f"{name}_tiny.json" for name in ("qwen3_moe", "mix
 
 
 def _rank(rank: int, world: int, ep: int, config: dict, precision: str, b: int, s: int, routing: str, port: int,
-          out: str) -> None:
+          out: str, grad_ckpt: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     sys.path.insert(0, str(REPO))
@@ -44,15 +45,17 @@ def _rank(rank: int, world: int, ep: int, config: dict, precision: str, b: int, 
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from harness import ep as hep
-        from harness.fake.live_storage import LiveStorages
 
         fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
         hf = AutoConfig.for_model(config["model_type"], **fields)
         hf.use_cache = False
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+        # mixed_bf16: fp32 shards, bf16 compute (transformers' FSDP2 mixed precision, as the harness runs it)
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf, dtype=dtype, attn_implementation="eager")
-        model = hep.distribute(model, world, ep)
+        if grad_ckpt:  # non-reentrant, on every decoder layer, as HF enables it
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = hep.distribute(model, world, ep, precision)
         model.to_empty(device="cpu")
         torch.manual_seed(0)
         with torch.no_grad():
@@ -74,7 +77,7 @@ def _rank(rank: int, world: int, ep: int, config: dict, precision: str, b: int, 
         import gc
 
         gc.collect()
-        mode = LiveStorages()
+        mode = _nccl_live_storages_class()()
         for obj in gc.get_objects():  # parameters (their local shards), optimizer states
             if isinstance(obj, torch.Tensor) and not obj.is_meta:
                 mode.add(obj)
@@ -87,29 +90,66 @@ def _rank(rank: int, world: int, ep: int, config: dict, precision: str, b: int, 
         dist.destroy_process_group()
 
 
+def _nccl_live_storages_class():
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    from harness.fake.live_storage import LiveStorages
+
+    class NcclLiveStorages(LiveStorages):
+        """``LiveStorages`` less gloo's own reduce-scatter buffer: ``ProcessGroupGloo`` reduce-scatters a clone of
+        the whole input (all-reduced, then split into the output), which NCCL, the estimate's backend, does not
+        allocate; the clone first shows up as the argument of the split that follows the collective."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.clone_key: int | None = None  # the clone's storage while gloo splits it and copies out of it
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.c10d._reduce_scatter_base_.default:
+                self.clone_key = -1  # the next split's input is the clone
+            elif self.clone_key == -1 and func is torch.ops.aten.split.Tensor:
+                self.clone_key = args[0].untyped_storage()._cdata
+            elif self.clone_key is not None and func is not torch.ops.aten.copy_.default:
+                self.clone_key = None  # gloo's copy-out is over; the clone is gone
+            for item in tree_flatten((out, args, kwargs))[0]:
+                if isinstance(item, torch.Tensor) and item.untyped_storage()._cdata == self.clone_key:
+                    continue  # the clone: never added, hence never counted
+                if isinstance(item, torch.Tensor):
+                    self.add(item)
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes())
+            return out
+
+    return NcclLiveStorages
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def measured_bytes(config: dict, world: int, ep: int, precision: str, b: int, s: int, routing: str) -> list[int]:
+def measured_bytes(config: dict, world: int, ep: int, precision: str, b: int, s: int, routing: str,
+                   grad_ckpt: bool = False) -> list[int]:
     """Each rank's peak live bytes."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(world, ep, config, precision, b, s, routing, _free_port(), out),
+        mp.start_processes(_rank, args=(world, ep, config, precision, b, s, routing, _free_port(), out, grad_ckpt),
                            nprocs=world, start_method="spawn")
         return [json.loads(Path(out, f"rank{r}.json").read_text())["peak_bytes"] for r in range(world)]
 
 
-def estimated_bytes(path: Path, world: int, ep: int, precision: str, b: int, s: int, imbalance: float) -> int:
+def estimated_bytes(path: Path, world: int, ep: int, precision: str, b: int, s: int, imbalance: float,
+                    grad_ckpt: bool = False) -> int:
     from estimator.api import estimate
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
     spec = RunSpec(model=str(path), gpu="h100-80gb",
                    parallel=ParallelSpec(method="fsdp", world_size=world, ep=ep, moe_imbalance=imbalance),
-                   training=TrainingSpec(precision=precision, attn="eager", micro_batch_size=b, seq_len=s))
+                   training=TrainingSpec(precision=precision, attn="eager", micro_batch_size=b, seq_len=s,
+                                         grad_ckpt=grad_ckpt))
     return int(estimate(spec).traced_allocated_bytes)
 
 
@@ -120,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", nargs="*", type=Path, default=CONFIGS)
     parser.add_argument("--layouts", nargs="*", default=["2x2", "4x2", "4x4"])
     parser.add_argument("--points", nargs="*", default=["1x64", "2x128"])
-    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "mixed_bf16"))
+    parser.add_argument("--grad-ckpt", action="store_true", help="non-reentrant checkpointing of every layer")
     parser.add_argument("--csv", type=Path, default=None)
     args = parser.parse_args(argv)
     rows = []
@@ -135,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
                 b, s = (int(x) for x in point.split("x"))
                 for routing in ROUTINGS:
                     imbalance = 1.0 if routing == "balanced" else skew_imbalance(experts, top_k)
-                    predicted = estimated_bytes(path, world, ep, args.precision, b, s, imbalance)
-                    ranks = measured_bytes(config, world, ep, args.precision, b, s, routing)
+                    predicted = estimated_bytes(path, world, ep, args.precision, b, s, imbalance, args.grad_ckpt)
+                    ranks = measured_bytes(config, world, ep, args.precision, b, s, routing, args.grad_ckpt)
                     measured = max(ranks)
                     rows.append({"family": config["model_type"], "config": path.name, "precision": args.precision,
+                                 "grad_ckpt": args.grad_ckpt,
                                  "world_size": world, "ep": ep, "micro_batch_size": b, "seq_len": s,
                                  "routing": routing, "moe_imbalance": imbalance,
                                  "measured_ranks_bytes": " ".join(map(str, ranks)), "measured_bytes": measured,

@@ -127,3 +127,25 @@ def test_the_estimate_matches_transformers_ep_on_two_gloo_ranks(tmp_path):
     rows = out.read_text().splitlines()[1:]
     assert len(rows) == 2
     assert all(abs(float(row.rsplit(",", 1)[1])) <= 1.0 for row in rows)
+
+
+def test_the_plan_weighs_ep_layouts_for_moe_models_only():
+    from estimator.planning.plan import enumerate_candidates, ep_degrees
+
+    assert ep_degrees(8, 64) == [2, 4, 8] and ep_degrees(8, 6) == [2] and ep_degrees(8, None) == []
+    labels = {c.label for c in enumerate_candidates(8, (False,), experts=64)}
+    assert {"fsdp ep2", "fsdp ep4", "fsdp ep8", "fsdp"} <= labels
+    assert not any("ep" in c.label for c in enumerate_candidates(8, (False,)))
+    ep4 = next(c for c in enumerate_candidates(8, (False,), experts=64) if c.ep == 4)
+    assert ep4.parallel_spec() == ParallelSpec(method="fsdp", world_size=8, ep=4)
+
+
+def test_the_plan_says_which_ep_layout_it_picked():
+    from estimator.planning.plan import plan
+
+    result = plan("allenai/OLMoE-1B-7B-0924", gpus=8, gpu="h100-80gb", seq_len=4096, ckpt_options=(False,),
+                  methods=("fsdp",), advise=False)
+    assert {r.candidate.label for r in result.results} == {"fsdp", "fsdp ep2", "fsdp ep4", "fsdp ep8"}
+    note = next(n for n in result.notes if n.startswith("ep: weighed FSDP2 with expert parallelism"))
+    assert note.endswith(f"picked {result.best.candidate.label}" if result.best.candidate.ep > 1 else
+                         f"picked {result.best.candidate.label} (no expert parallelism)")
