@@ -293,7 +293,10 @@ def _ep_segments(segments: dict, regime: dict, table: list, layout: EpLayout, tr
         if not traced.get(index):
             continue
         seg = dict(segments[name])
-        if name.startswith("fw"):
+        if training.grad_ckpt:  # nothing saved in forward: the recompute in backward saves it, until the experts'
+            if name.startswith("bw"):  # backward is over
+                seg["experts_bw_bumps"] = tuple(extra + bump for bump in bumps)
+        elif name.startswith("fw"):
             seg["net_act"] = [seg["net_act"][0] + extra, *seg["net_act"][1:]]
         else:
             seg["net_act"] = [seg["net_act"][0] - extra, *seg["net_act"][1:]]
@@ -336,8 +339,8 @@ def _ep_forward_peak(spec: RunSpec, arch: ModelArch, table: list, regime: dict, 
     layers = poly(segments["prefix"]["net_act"], b, s)
     for name, reps in (("fw_first", 1), ("fw", max(arch.num_layers - 2, 0)), ("fw_last", 1)):
         layers += reps * poly(segments[name]["net_act"], b, s)
-    acts = (layers + _ep_activation_bytes(spec, layout)
-            + layout.forward_transient_bytes(b * s, _ep_act_bytes(spec.training)))
+    saved = 0.0 if spec.training.grad_ckpt else _ep_activation_bytes(spec, layout)  # checkpointed: none kept
+    acts = layers + saved + layout.forward_transient_bytes(b * s, _ep_act_bytes(spec.training))
     return acts + model.forward_gathered_bytes, acts
 
 
@@ -625,7 +628,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     notes += _batch_note(spec.training, profile)
     notes += _layers_note(profile)
     notes += moe_notes(moe_facts(arch.config, profile["params"], arch.num_layers, total))
-    notes += ep_notes(layout, spec.training.micro_batch_size * spec.training.seq_len)
+    notes += ep_notes(layout, spec.training.micro_batch_size * spec.training.seq_len, spec.training.grad_ckpt)
     if "math" in profile.get("sdpa_backends", ()):
         notes.append("attention: CUDA runs SDPA's math kernel here (no flash or memory-efficient kernel takes these "
                      "inputs, e.g. fp32 attention with grouped-query heads, as QLoRA's fp32 hidden states give): "
