@@ -235,7 +235,10 @@ def render_compare(results: list[tuple[str, object, str]], spec: RunSpec, gpus: 
 def render_detail(est) -> str:
     s, t = est.spec, est.spec.training
     lines = [f"{s.model}  {s.parallel.method}  world {s.parallel.world_size}"
-             + (f" tp {s.parallel.tp}" if s.parallel.tp > 1 else "") + f"  on {est.gpu_key}",
+             + (f" tp {s.parallel.tp}" if s.parallel.tp > 1 else "")
+             + (f" ep {s.parallel.ep}" + (f" (busiest expert {s.parallel.moe_imbalance:g}x balanced)"
+                                        if s.parallel.moe_imbalance != 1 else "") if s.parallel.ep > 1 else "")
+             + f"  on {est.gpu_key}",
              f"micro-batch {t.micro_batch_size}, seq {t.seq_len}, {t.precision}, {t.optimizer}, attn {t.attn}, "
              f"checkpointing {'on' if t.grad_ckpt else 'off'}" + _lora_label(t) + _loop_label(t)
              + f"  |  {est.params / 1e9:.3f} B params ({est.trainable_params / 1e9:.3f} B trainable)", ""]

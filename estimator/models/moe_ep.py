@@ -17,9 +17,18 @@ What a rank holds, read from the framework's code:
 * Balanced routing: R = T x top_k, the same rows as on one device, and what backward keeps differs from the
   unsharded run only by the int64 sort order and the bool mask per row. Skewed routing: R follows the load of the
   experts the rank owns. With the busiest expert at F times the balanced load, the rank owning it receives at most
-  min(F, ep) x T x top_k rows (every expert of the rank at that load, no more than every routed row of the group),
-  and keeps each extra row's activations in its experts (the routed row, the gate/up projection, its activation
-  and their product, its routing weight, its sort indices and mask: ``EpLayout.row_bytes``).
+  F x T x top_k rows (every expert of the rank at that load), and no more than its group's tokens can send it
+  (ep x T x min(top_k, experts per rank)): ``EpLayout.received_rows_factor``. It keeps each extra row's activations
+  in its experts (the routed row, the gate/up projection, its activation and their product, its routing weight, its
+  sort indices and mask: ``EpLayout.row_bytes``), and its experts' forward and backward run on those rows
+  (``forward_transient_bytes``, ``backward_bumps``).
+
+Where it enters the estimate: ``estimator.methods.state.fsdp`` (the expert shard, sharded over efsdp ranks; the
+experts' own FSDP2 unit, ``fsdp_replay.ExpertsUnit``: gathered with the layer, resharded and reduce-scattered when
+the experts' backward is over, its all-gather output held through forward), ``estimator.api._ep_segments`` (each MoE
+layer's extra from its forward to its experts' backward, the backward bumps) and ``estimator.api._ep_forward_peak``
+(the busiest rank's last MoE layer in forward). Checked against transformers' own EP on gloo ranks:
+``benchmarks/moe_ep_table.py``.
 """
 
 from __future__ import annotations
