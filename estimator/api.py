@@ -271,8 +271,24 @@ def _ep_layout(spec: RunSpec, arch: ModelArch, profile: dict) -> EpLayout | None
     return ep_layout(arch.config, facts, spec.parallel.world_size, spec.parallel.ep, spec.parallel.moe_imbalance)
 
 
+def _grads_before_experts(params: dict, table: list) -> dict[int, float]:
+    """Per traced layer, the gradient bytes its backward makes before the routed experts' (the profile's gradient
+    hook order: a shared expert or its gate that runs after the experts in forward)."""
+    nbytes = {(p.layer, p.name): p.nbytes for p in table if p.trainable}
+    out: dict[int, float] = {}
+    started: set[int] = set()
+    for layer, name in params.get("grad_order", ()):
+        if layer is None or layer in started:
+            continue
+        if is_routed_expert(name):
+            started.add(layer)
+        else:
+            out[layer] = out.get(layer, 0.0) + nbytes.get((layer, name), 0.0)
+    return {layer: out.get(layer, 0.0) for layer in started}
+
+
 def _ep_segments(segments: dict, regime: dict, table: list, layout: EpLayout, training: TrainingSpec,
-                 num_layers: int, b: int, s: int) -> dict:
+                 num_layers: int, b: int, s: int, profile_params: dict) -> dict:
     """The profile's layer segments as an EP rank runs them at (b, s): each MoE layer keeps what the all-to-all
     path adds (``EpLayout.layer_saved_bytes``) from its forward to its experts' backward, and each backward MoE
     segment gets the activation level at which the experts' FSDP2 post-backward runs
@@ -283,6 +299,7 @@ def _ep_segments(segments: dict, regime: dict, table: list, layout: EpLayout, tr
     for p in table:
         if p.trainable and p.layer is not None and is_routed_expert(p.name):
             traced[p.layer] = traced.get(p.layer, 0.0) + p.nbytes
+    before = _grads_before_experts(profile_params, table)
     extra = layout.layer_saved_bytes(b * s, _ep_act_bytes(training))
     bumps = layout.backward_bumps(b * s, _ep_act_bytes(training))
     # the 3-layer trace's layers of each segment; layer kinds follow the first layers (a dense first layer)
@@ -293,6 +310,8 @@ def _ep_segments(segments: dict, regime: dict, table: list, layout: EpLayout, tr
         if not traced.get(index):
             continue
         seg = dict(segments[name])
+        if name.startswith("bw"):
+            seg["experts_grad_offset"] = before.get(index, 0.0)
         if training.grad_ckpt:  # nothing saved in forward: the recompute in backward saves it, until the experts'
             if name.startswith("bw"):  # backward is over
                 seg["experts_bw_bumps"] = tuple(extra + bump for bump in bumps)
@@ -305,8 +324,9 @@ def _ep_segments(segments: dict, regime: dict, table: list, layout: EpLayout, tr
         out[name] = seg
     events = regime.get("events")
     if events is not None:
-        levels = experts_done_levels(events, {n: traced.get(i, 0.0) for n, i in layer_of.items()
-                                              if n.startswith("bw")}, b, s)
+        bw = {n: i for n, i in layer_of.items() if n.startswith("bw")}
+        levels = experts_done_levels(events, {n: traced.get(i, 0.0) for n, i in bw.items()}, b, s,
+                                     {n: before.get(i, 0.0) for n, i in bw.items()})
         for name, level in levels.items():
             out[name] = {**out[name], "experts_done_act": level}
     return out
@@ -354,7 +374,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     regime = _regime(profile, b, s)
     segments = loop_segments(regime, training.loop)
     if layout is not None:
-        segments = _ep_segments(segments, regime, table, layout, training, arch.num_layers, b, s)
+        segments = _ep_segments(segments, regime, table, layout, training, arch.num_layers, b, s, profile["params"])
     fb = None
     for micro in _micro_batches(spec):  # a later micro-batch starts with gradients held
         candidate = _replay(model, segments, arch.num_layers, b, s, accumulating=micro)

@@ -253,12 +253,26 @@ class Walk:
                 self.consider(act, state, name)
         part = self.grad_part(name)
         held = state[part]
-        done = experts is None  # the experts' post-backward has run
+        if experts is None:
+            for cand_act, cand_grad in seg["candidates"]:
+                state[part] = held + (cand_grad if self.in_flight is None else min(cand_grad, self.in_flight))
+                self.consider(act + poly(cand_act, self.b, self.s), state, name)
+            state[part] = held + (seg["net_grad"] if self.in_flight is None else 0.0)
+            return act + poly(seg["net_act"], self.b, self.s), state
+        # EP. The gradients of the modules after the experts in forward come first (``experts_grad_offset``: a
+        # shared expert's, its gate's), then the experts' (the trace made every expert's, this rank makes its own)
+        pre = seg.get("experts_grad_offset", 0.0)
+        traced, ratio = experts.traced_grad_bytes, (experts.grad_bytes / experts.traced_grad_bytes
+                                                    if experts.traced_grad_bytes else 0.0)
+        done = False  # the experts' post-backward has run
 
-        def own(traced: float) -> float:  # this rank's gradients of a traced level, until the experts are done
+        def own(g: float) -> float:  # this rank's gradients at a traced level g
             if done:
-                return traced - (experts.traced_grad_bytes if experts else 0.0)
-            return traced * experts.grad_bytes / experts.traced_grad_bytes if experts.traced_grad_bytes else 0.0
+                return g - traced
+            return min(g, pre) + max(g - pre, 0.0) * ratio
+
+        def hold(g: float) -> float:
+            return held + (own(g) if self.in_flight is None else min(own(g), self.in_flight))
 
         # the level at the experts' post-backward (``experts_done_levels``), else the next candidate's; what the
         # EP path saved for the experts' backward (``experts_saved_extra``) is gone from there on
@@ -267,22 +281,20 @@ class Walk:
         # the busiest rank's extra rows in the experts' backward (``EpLayout.backward_bumps``)
         first, during, last = seg.get("experts_bw_bumps", (0.0, 0.0, 0.0))
         for cand_act, cand_grad in seg["candidates"]:
-            if not done and cand_grad > experts.traced_grad_bytes:
-                state[part] = held + experts.grad_bytes
+            if not done and cand_grad > pre + traced:
+                state[part] = hold(pre + traced)
                 level = poly(cand_act, self.b, self.s) if done_act is None else done_act
                 self._experts_post_backward(experts, part, state, act + level - extra, name, micro)
-                held, done = state[part], True
-            grad = own(cand_grad)
-            state[part] = held + (grad if self.in_flight is None else min(grad, self.in_flight))
-            bump = -extra if done else (first if cand_grad == 0 else
-                                        during if cand_grad < experts.traced_grad_bytes else last)
+                done = True
+            state[part] = hold(cand_grad)
+            bump = -extra if done else (first if cand_grad <= pre else during if cand_grad < pre + traced else last)
             self.consider(act + poly(cand_act, self.b, self.s) + bump, state, name)
         end_act = act + poly(seg["net_act"], self.b, self.s)
         if not done:
-            state[part] = held + experts.grad_bytes
+            state[part] = hold(pre + traced)
             self._experts_post_backward(experts, part, state,
                                         end_act if done_act is None else act + done_act - extra, name, micro)
-            held, done = state[part], True
+            done = True
         state[part] = held + (own(seg["net_grad"]) if self.in_flight is None else 0.0)
         return end_act, state
 
@@ -360,12 +372,14 @@ def replay_fsdp(segments: dict, num_layers: int, b: int, s: int, sizes: FsdpSize
                               "comm_buffers": parts["reduce_scatter"]})
 
 
-def experts_done_levels(events: dict, traced_grad_bytes: dict[str, float], b: int, s: int) -> dict[str, float]:
+def experts_done_levels(events: dict, traced_grad_bytes: dict[str, float], b: int, s: int,
+                        offsets: dict[str, float] | None = None) -> dict[str, float]:
     """Per backward layer segment with experts: the activation level (above the segment's start) at which the
     experts module's backward is over, read off the profile's event list. The experts' gradients are the layer's
     first; the next gradient made is the router's, whose backward runs once the experts module has handed back
     its input gradients, the moment its FSDP2 post-backward fires: the level just before that gradient.
-    ``traced_grad_bytes``: the experts' traced gradient bytes of each segment's layer."""
+    ``traced_grad_bytes``: the experts' traced gradient bytes of each segment's layer; ``offsets``: the gradient
+    bytes the layer's backward makes before the experts' (modules after them in forward)."""
     grads = set(events["grads"])
     sizes = [round(poly(p, b, s)) for p in events["polys"]]
     out = {}
@@ -382,7 +396,7 @@ def experts_done_levels(events: dict, traced_grad_bytes: dict[str, float], b: in
                 if alloc and done:
                     break  # the router's gradient: the experts' backward is over
                 grad += size if alloc else 0.0
-                done = done or grad >= experts
+                done = done or grad >= experts + (offsets or {}).get(name, 0.0)
                 continue
             level += size if alloc else -size
         out[name] = level
