@@ -274,7 +274,8 @@ def _ep_layout(spec: RunSpec, arch: ModelArch, profile: dict) -> EpLayout | None
 def _grads_before_experts(params: dict, table: list) -> dict[int, float]:
     """Per traced layer, the gradient bytes its backward makes before the routed experts' (the profile's gradient
     hook order: a shared expert or its gate that runs after the experts in forward)."""
-    nbytes = {(p.layer, p.name): p.nbytes for p in table if p.trainable}
+    # the table names parameters in full ("model.layers.2.mlp.experts.gate_up_proj"), the order within the layer
+    nbytes = {(p.layer, p.name.split(f".{p.layer}.", 1)[-1]): p.nbytes for p in table if p.trainable}
     out: dict[int, float] = {}
     started: set[int] = set()
     for layer, name in params.get("grad_order", ()):
