@@ -287,7 +287,9 @@ class Walk:
                 self._experts_post_backward(experts, part, state, act + level - extra, name, micro)
                 done = True
             state[part] = hold(cand_grad)
-            bump = -extra if done else (first if cand_grad <= pre else during if cand_grad < pre + traced else last)
+            # during the backward of modules after the experts (a shared expert's), nothing of the experts' yet
+            bump = -extra if done else (0.0 if cand_grad < pre else first if cand_grad == pre else
+                                        during if cand_grad < pre + traced else last)
             self.consider(act + poly(cand_act, self.b, self.s) + bump, state, name)
         end_act = act + poly(seg["net_act"], self.b, self.s)
         if not done:

@@ -2,6 +2,7 @@
 unit), the skewed-routing bound, and the estimate against a real run of transformers' EP on gloo ranks."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -125,7 +126,7 @@ def test_the_estimate_matches_transformers_ep_on_two_gloo_ranks(tmp_path):
     result = subprocess.run([sys.executable, "benchmarks/moe_ep_table.py", "--configs",
                              "benchmarks/configs/qwen3_moe_tiny.json", "--layouts", "2x2", "--points", "1x64",
                              "--csv", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO,
-                            env={"PYTHONPATH": str(REPO), "PATH": ""})
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stderr[-2000:]
     rows = out.read_text().splitlines()[1:]
     assert len(rows) == 2
