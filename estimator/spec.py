@@ -237,6 +237,13 @@ class ParallelSpec:
     world_size: int = 1
     tp: int = 1
     zero: ZeroSpec = field(default_factory=ZeroSpec)
+    # Expert parallelism of a mixture-of-experts model (method fsdp): ``ep`` ranks own distinct experts
+    # (num_experts / ep each) and exchange the routed tokens all-to-all; each expert shard is FSDP-sharded over the
+    # world_size / ep ranks holding the same experts (transformers' DistributedConfig(ep_size=, fsdp_size=)).
+    ep: int = 1
+    # Load of the busiest expert relative to balanced routing (1.0: balanced). Under ep > 1 the rank that owns the
+    # busiest experts receives up to this many times its balanced share of routed tokens.
+    moe_imbalance: float = 1.0
     fsdp1: Fsdp1Spec = field(default_factory=Fsdp1Spec)
 
     def __post_init__(self) -> None:
@@ -257,6 +264,15 @@ class ParallelSpec:
                                          f"multiple of {self.fsdp1.gpus_per_node} GPUs per node")
         if self.method not in ("tp", "dp_tp") and self.tp != 1:
             _fail("tp", f"method {self.method!r} has no tensor parallelism: tp must be 1, got {self.tp}")
+        _check_positive_int("ep", self.ep)
+        if self.ep > 1 and self.method != "fsdp":
+            _fail("ep", f"expert parallelism runs with FSDP2 (transformers needs ep to divide fsdp_size): use method "
+                        f"fsdp, got {self.method!r}")
+        if self.world_size % self.ep:
+            _fail("ep", f"world size {self.world_size} is not divisible by ep {self.ep}")
+        if isinstance(self.moe_imbalance, bool) or not isinstance(self.moe_imbalance, (int, float)) \
+                or not self.moe_imbalance >= 1:
+            _fail("moe_imbalance", f"must be a number >= 1 (1 = balanced routing), got {self.moe_imbalance!r}")
 
     @property
     def dp(self) -> int:
@@ -292,10 +308,15 @@ class RunSpec:
 
     def _canonical_dict(self) -> dict[str, Any]:
         """to_dict without the settings of a method not used, nor settings added later at their default (FSDP1's,
-        ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``, ``use_cache``): ids stay as they were."""
+        ``ep``, ``moe_imbalance``, ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``, ``use_cache``):
+        ids stay as they were."""
         data = self.to_dict()
         if self.parallel.method != "fsdp1":
             data["parallel"].pop("fsdp1")
+        if self.parallel.ep == 1:
+            data["parallel"].pop("ep")
+        if self.parallel.moe_imbalance == 1:
+            data["parallel"].pop("moe_imbalance")
         for name in ("outputs_fp32", "lora_dropout", "model_code", "use_cache"):
             if not getattr(self.training, name):
                 data["training"].pop(name)

@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=(*METHODS, "all"), help="distributed method; 'all' (default) compares all")
     p.add_argument("--gpus", type=int, help="number of GPUs (world size)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (tp; dp_tp)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree of a mixture-of-experts model (method fsdp: transformers' "
+                        "DistributedConfig(ep_size=N, fsdp_size=gpus))")
+    p.add_argument("--moe-imbalance", type=float, default=1.0,
+                   help="load of the busiest expert relative to balanced routing (bound for skewed routing under --ep)")
     p.add_argument("--micro-batch-size", type=int, help="sequences per GPU per micro-step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--precision", choices=PRECISIONS)
@@ -155,7 +160,8 @@ def spec_from_args(args) -> tuple[RunSpec, bool]:
         parallel = ParallelSpec(world_size=1, fsdp1=fsdp1_from_args(args, "fsdp1"))
     else:
         tp = args.tp if args.tp is not None else (gpus if method == "tp" else 1)
-        parallel = ParallelSpec(method=method, world_size=gpus, tp=tp, fsdp1=fsdp1_from_args(args, method))
+        parallel = ParallelSpec(method=method, world_size=gpus, tp=tp, fsdp1=fsdp1_from_args(args, method),
+                                ep=args.ep, moe_imbalance=args.moe_imbalance)
     spec = RunSpec(model=args.model or DEFAULT["model"], parallel=parallel, training=training, gpu=gpu)
     if args.deepspeed:
         from estimator.configs.deepspeed_json import spec_from_deepspeed
@@ -236,7 +242,10 @@ def render_compare(results: list[tuple[str, object, str]], spec: RunSpec, gpus: 
 def render_detail(est) -> str:
     s, t = est.spec, est.spec.training
     lines = [f"{s.model}  {s.parallel.method}  world {s.parallel.world_size}"
-             + (f" tp {s.parallel.tp}" if s.parallel.tp > 1 else "") + f"  on {est.gpu_key}",
+             + (f" tp {s.parallel.tp}" if s.parallel.tp > 1 else "")
+             + (f" ep {s.parallel.ep}" + (f" (busiest expert {s.parallel.moe_imbalance:g}x balanced)"
+                                        if s.parallel.moe_imbalance != 1 else "") if s.parallel.ep > 1 else "")
+             + f"  on {est.gpu_key}",
              f"micro-batch {t.micro_batch_size}, seq {t.seq_len}, {t.precision}, {t.optimizer}, attn {t.attn}, "
              f"checkpointing {'on' if t.grad_ckpt else 'off'}" + _lora_label(t) + _loop_label(t)
              + f"  |  {est.params / 1e9:.3f} B params ({est.trainable_params / 1e9:.3f} B trainable)", ""]

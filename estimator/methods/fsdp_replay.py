@@ -57,18 +57,41 @@ class FsdpSizes:
     # Each decoder layer's own group sizes where layers are not all alike (a dense first layer before expert
     # layers); empty: every layer is the one described above.
     layers: tuple[LayerGroup, ...] = ()
+    layer_experts: ExpertsUnit | None = None
 
     def layer(self, index: int | None) -> LayerGroup:
         """Layer ``index``'s group (None, or every layer alike: the one layer described above)."""
         if self.layers and index is not None:
             return self.layers[index]
         return LayerGroup(self.layer_bytes, self.layer_gather_bytes, self.layer_rs_in_bytes,
-                          self.layer_rs_out_bytes, self.layer_held_bytes)
+                          self.layer_rs_out_bytes, self.layer_held_bytes, experts=self.layer_experts)
 
     def sum_layers(self, num_layers: int, field: str) -> float:
         if self.layers:
             return sum(getattr(group, field) for group in self.layers)
         return num_layers * getattr(self.layer(None), field)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsUnit:
+    """Under expert parallelism, a decoder layer's experts module is an FSDP2 unit of its own on the efsdp mesh
+    (transformers' ``apply_fully_sharded_data_parallelism``). The experts are the layer's last module in forward,
+    so in backward their gradients are the layer's first: the profile's gradient level within the layer's
+    backward segment tells when they are done. Then the unit's post-backward reshards them, frees the previous
+    reduce-scatter input and reduce-scatters theirs."""
+    bytes: float               # this rank's experts (num_experts / ep), unsharded
+    traced_grad_bytes: float   # the trace's expert gradients in this layer (every expert)
+    grad_bytes: float          # this rank's
+    rs_in_bytes: float
+    rs_out_bytes: float
+    # efsdp == 1: FSDP2 does not reduce-scatter but copies ``input / gradient_divide_factor`` (transformers sets the
+    # factor to the data-parallel size), a temporary the size of the input
+    divide_bytes: float = 0.0
+    # its all-gather output, which forward keeps until the next unit's copy-out (FSDP2's implicit prefetch,
+    # ``FSDPParamGroup.wait_for_unshard``): the experts are the layer's last unit, so it is this buffer, not the
+    # layer unit's, that is held from the experts' forward to the next layer's; none on one rank (efsdp == 1: the
+    # shard is copied into the unsharded parameter directly)
+    deferred_gather_bytes: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +102,15 @@ class LayerGroup:
     rs_in_bytes: float
     rs_out_bytes: float
     held_bytes: float = 0.0
+    # EP: the experts' own unit. The gather and reduce-scatter fields above are then the layer's unit without
+    # them (backward prefetches one unit ahead in reverse post-forward order: layer L, experts L, layer L-1, ...,
+    # so while layer L's experts run, layer L-1's unit is the one prefetched); ``bytes`` holds both.
+    experts: ExpertsUnit | None = None
+
+    @property
+    def deferred_gather_bytes(self) -> float:
+        """The all-gather output forward still holds after this layer (its last unit's)."""
+        return self.gather_bytes if self.experts is None else self.experts.deferred_gather_bytes
 
 
 Event = Callable[[dict], bool]  # mutates the state; True when the state can be a new peak (it grew)
@@ -164,11 +196,12 @@ def _boundary_events(name: str, num_layers: int, sz: FsdpSizes, micro: str, inde
     if name in FORWARD_LAYER:
         previous = near(-1)
         return [set_part("layer_params", lambda st: 0.0),
-                set_part("gather", lambda st: previous.gather_bytes + here.gather_bytes),
+                set_part("gather", lambda st: previous.deferred_gather_bytes + here.gather_bytes),
                 set_part("layer_params", lambda st: here.bytes),
                 set_part("gather", lambda st: here.gather_bytes)]
     if name == "mid_fw":
-        return [set_part("layer_params", lambda st: 0.0)]
+        return [set_part("layer_params", lambda st: 0.0),
+                set_part("gather", lambda st: sz.layer(num_layers - 1).deferred_gather_bytes)]
     if name == "mid_bw":  # root post-forward frees the last gather; backward's first prefetch re-gathers it
         last = sz.layer(num_layers - 1)
         return [set_part("gather", lambda st: 0.0), set_part("gather", lambda st: last.gather_bytes)]
@@ -210,36 +243,96 @@ class Walk:
         if total > self.best[0]:
             self.best = (total, act, dict(state), name)
 
-    def segment(self, name: str, seg: dict, events: list[Event], act: float, state: dict) -> tuple[float, dict]:
-        """Run one segment instance from (act, state); return the state at its end."""
+    def segment(self, name: str, seg: dict, events: list[Event], act: float, state: dict,
+                experts: ExpertsUnit | None = None, micro: str = FIRST) -> tuple[float, dict]:
+        """Run one segment instance from (act, state); return the state at its end. ``experts``: a backward layer
+        segment's experts unit under EP (``ExpertsUnit``)."""
         state = dict(state)
         for event in events:
             if event(state):
                 self.consider(act, state, name)
         part = self.grad_part(name)
         held = state[part]
-        for cand_act, cand_grad in seg["candidates"]:
-            state[part] = held + (cand_grad if self.in_flight is None else min(cand_grad, self.in_flight))
-            self.consider(act + poly(cand_act, self.b, self.s), state, name)
-        state[part] = held + (seg["net_grad"] if self.in_flight is None else 0.0)
-        return act + poly(seg["net_act"], self.b, self.s), state
+        if experts is None:
+            for cand_act, cand_grad in seg["candidates"]:
+                state[part] = held + (cand_grad if self.in_flight is None else min(cand_grad, self.in_flight))
+                self.consider(act + poly(cand_act, self.b, self.s), state, name)
+            state[part] = held + (seg["net_grad"] if self.in_flight is None else 0.0)
+            return act + poly(seg["net_act"], self.b, self.s), state
+        # EP. The gradients of the modules after the experts in forward come first (``experts_grad_offset``: a
+        # shared expert's, its gate's), then the experts' (the trace made every expert's, this rank makes its own)
+        pre = seg.get("experts_grad_offset", 0.0)
+        traced, ratio = experts.traced_grad_bytes, (experts.grad_bytes / experts.traced_grad_bytes
+                                                    if experts.traced_grad_bytes else 0.0)
+        done = False  # the experts' post-backward has run
 
-    def repeat(self, name: str, seg: dict, events: list[Event], act: float, state: dict, repeats: int
-               ) -> tuple[float, dict]:
+        def own(g: float) -> float:  # this rank's gradients at a traced level g
+            if done:
+                return g - traced
+            return min(g, pre) + max(g - pre, 0.0) * ratio
+
+        def hold(g: float) -> float:
+            return held + (own(g) if self.in_flight is None else min(own(g), self.in_flight))
+
+        # the level at the experts' post-backward (``experts_done_levels``), else the next candidate's; what the
+        # EP path saved for the experts' backward (``experts_saved_extra``) is gone from there on
+        done_act = seg.get("experts_done_act")
+        extra = seg.get("experts_saved_extra", 0.0)
+        # the busiest rank's extra rows in the experts' backward (``EpLayout.backward_bumps``)
+        first, during, last = seg.get("experts_bw_bumps", (0.0, 0.0, 0.0))
+        for cand_act, cand_grad in seg["candidates"]:
+            if not done and cand_grad > pre + traced:
+                state[part] = hold(pre + traced)
+                level = poly(cand_act, self.b, self.s) if done_act is None else done_act
+                self._experts_post_backward(experts, part, state, act + level - extra, name, micro)
+                done = True
+            state[part] = hold(cand_grad)
+            # during the backward of modules after the experts (a shared expert's), nothing of the experts' yet
+            bump = -extra if done else (0.0 if cand_grad < pre else first if cand_grad == pre else
+                                        during if cand_grad < pre + traced else last)
+            self.consider(act + poly(cand_act, self.b, self.s) + bump, state, name)
+        end_act = act + poly(seg["net_act"], self.b, self.s)
+        if not done:
+            state[part] = hold(pre + traced)
+            self._experts_post_backward(experts, part, state,
+                                        end_act if done_act is None else act + done_act - extra, name, micro)
+            done = True
+        state[part] = held + (own(seg["net_grad"]) if self.in_flight is None else 0.0)
+        return end_act, state
+
+    def _experts_post_backward(self, unit: ExpertsUnit, part: str, state: dict, act: float, name: str,
+                               micro: str) -> None:
+        """``FSDPParamGroup.post_backward`` of an experts unit (``foreach_reduce``): reshard, the previous
+        reduce-scatter input freed and this one allocated, the gradients copied in and freed, the output
+        allocated (the division's temporary beside it), which becomes the gradient shards."""
+        events = [set_part("layer_params", lambda st: st["layer_params"] - unit.bytes),
+                  set_part("reduce_scatter", lambda st: unit.rs_in_bytes),
+                  set_part(part, lambda st: st[part] - unit.grad_bytes),
+                  set_part("grad_shards", lambda st: st["grad_shards"] + unit.rs_out_bytes),
+                  set_part("reduce_scatter", lambda st: unit.rs_in_bytes + unit.divide_bytes),
+                  set_part("reduce_scatter", lambda st: unit.rs_in_bytes)]
+        if micro == LATER:  # added into the held shards in place
+            events.append(set_part("grad_shards", lambda st: st["grad_shards"] - unit.rs_out_bytes))
+        for event in events:
+            if event(state):
+                self.consider(act, state, name)
+
+    def repeat(self, name: str, seg: dict, events: list[Event], act: float, state: dict, repeats: int,
+               experts: ExpertsUnit | None = None, micro: str = FIRST) -> tuple[float, dict]:
         """``repeats`` instances of a segment. Repetitions differ only in what accumulates linearly (activations,
         gradient shards): run the second to get the per-repetition change, then the last one from its
         extrapolated start. None (a 2-layer model's middle layers): nothing happens."""
         if repeats < 1:
             return act, state
-        act0, state0 = self.segment(name, seg, events, act, state)
+        act0, state0 = self.segment(name, seg, events, act, state, experts, micro)
         if repeats < 2:
             return act0, state0
-        act, state = self.segment(name, seg, events, act0, state0)
+        act, state = self.segment(name, seg, events, act0, state0, experts, micro)
         if repeats > 2:
             k = repeats - 2
             start_act = act0 + k * (act - act0)
             start = {p: state0[p] + k * (state[p] - state0[p]) for p in state}
-            act, state = self.segment(name, seg, events, start_act, start)
+            act, state = self.segment(name, seg, events, start_act, start, experts, micro)
         return act, state
 
 
@@ -262,11 +355,14 @@ def replay_fsdp(segments: dict, num_layers: int, b: int, s: int, sizes: FsdpSize
     for name, repeats in segment_sequence(num_layers):
         if not sizes.layers:  # every layer alike: the repetitions extrapolate
             events = _boundary_events(name, num_layers, sizes, micro)
-            act, state = walk.repeat(name, segments[name], events, act, state, repeats)
+            experts = sizes.layer(None).experts if name in BACKWARD_LAYER else None
+            act, state = walk.repeat(name, segments[name], events, act, state, repeats, experts, micro)
             continue
         for k in range(repeats):
-            events = _boundary_events(name, num_layers, sizes, micro, segment_layer(name, k, num_layers))
-            act, state = walk.segment(name, segments[name], events, act, state)
+            index = segment_layer(name, k, num_layers)
+            events = _boundary_events(name, num_layers, sizes, micro, index)
+            experts = sizes.layer(index).experts if name in BACKWARD_LAYER else None
+            act, state = walk.segment(name, segments[name], events, act, state, experts, micro)
     for event in _root_post_backward(sizes, micro):
         if event(state):
             walk.consider(act, state, "suffix")
@@ -276,3 +372,34 @@ def replay_fsdp(segments: dict, num_layers: int, b: int, s: int, sizes: FsdpSize
                   end_act_bytes=act, end_grad_bytes=state["grad_shards"],
                   peak_parts={"gathered_params": parts["root_params"] + parts["gather"] + parts["layer_params"],
                               "comm_buffers": parts["reduce_scatter"]})
+
+
+def experts_done_levels(events: dict, traced_grad_bytes: dict[str, float], b: int, s: int,
+                        offsets: dict[str, float] | None = None) -> dict[str, float]:
+    """Per backward layer segment with experts: the activation level (above the segment's start) at which the
+    experts module's backward is over, read off the profile's event list. The experts' gradients are the layer's
+    first; the next gradient made is the router's, whose backward runs once the experts module has handed back
+    its input gradients, the moment its FSDP2 post-backward fires: the level just before that gradient.
+    ``traced_grad_bytes``: the experts' traced gradient bytes of each segment's layer; ``offsets``: the gradient
+    bytes the layer's backward makes before the experts' (modules after them in forward)."""
+    grads = set(events["grads"])
+    sizes = [round(poly(p, b, s)) for p in events["polys"]]
+    out = {}
+    for name, experts in traced_grad_bytes.items():
+        codes = events["segments"].get(name)
+        if not experts or codes is None:
+            continue
+        level = grad = 0.0
+        done = False
+        for code in codes:
+            alloc, o = (True, code) if code >= 0 else (False, ~code)
+            size = sizes[events["size"][o]]
+            if o in grads:
+                if alloc and done:
+                    break  # the router's gradient: the experts' backward is over
+                grad += size if alloc else 0.0
+                done = done or grad >= experts + (offsets or {}).get(name, 0.0)
+                continue
+            level += size if alloc else -size
+        out[name] = level
+    return out

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from estimator.methods.timeline import ExtraBytes
 from estimator.models.memo import memo_by_owner
+from estimator.models.moe import is_routed_expert
 from estimator.models.params import ParamInfo, largest_layer
 from estimator.spec import RunSpec, ZeroSpec
 
@@ -30,6 +31,9 @@ class StepModel:
     step_temp: float                                  # optimizer-step temporaries at their peak
     host_bytes: float = 0.0                           # CPU RAM (offload)
     notes: list[str] = field(default_factory=list)
+    # FSDP2: the unsharded parameters held while the last decoder layer runs forward (root and that layer; under
+    # EP its experts too, and their all-gather output, which forward keeps until the next unit's copy-out)
+    forward_gathered_bytes: float = 0.0
     # A method that changes the step's event sequence replays it itself:
     # (segments, layers, b, s, accumulating) -> Replay.
     replay: Callable | None = None
@@ -146,61 +150,101 @@ def _shard_rows(p: ParamInfo, world: int) -> int:
     return math.ceil(rows / world) * (p.numel // rows if rows else 0)
 
 
-def _fsdp_group_sizes(params: list[ParamInfo], world: int, reduce_elem: Callable[[ParamInfo], int]
-                      ) -> tuple[float, float, float]:
+def _fsdp_group_sizes(params: list[ParamInfo], world: int, reduce_elem: Callable[[ParamInfo], int],
+                      world_of: Callable[[ParamInfo], int] | None = None) -> tuple[float, float, float]:
     """(unsharded bytes, all-gather buffer bytes, reduce-scatter input bytes) of one FSDP2 group. Each unsharded
     tensor is allocated padded, N x its padded shard (``FSDPParam.init_all_gather_outputs``), the parameter a
-    view of its first elements."""
-    gather = world * sum(_shard_rows(p, world) * p.elem_bytes for p in params)
+    view of its first elements. ``world_of``: the ranks a parameter is sharded over, where not all alike (expert
+    shards under expert parallelism)."""
+    def n(p: ParamInfo) -> int:
+        return world_of(p) if world_of else world
+
+    gather = sum(n(p) * _shard_rows(p, n(p)) * p.elem_bytes for p in params)
     unsharded = gather
-    rs_in = world * sum(_shard_rows(p, world) * reduce_elem(p) for p in _trainable(params))
+    rs_in = sum(n(p) * _shard_rows(p, n(p)) * reduce_elem(p) for p in _trainable(params))
     return float(unsharded), float(gather), float(rs_in)
+
+
+def _expert_shard(p: ParamInfo, ep: int) -> ParamInfo:
+    """A routed expert tensor as one expert-parallel rank holds it: num_experts / ep experts along dim 0
+    (transformers' ``MoEParamShard``)."""
+    rows = p.shape[0] // ep
+    return ParamInfo(p.name, (rows, *p.shape[1:]), p.numel // ep, p.elem_bytes, p.trainable, p.module_kind, p.layer)
 
 
 def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
     """FSDP2 ``fully_shard`` per decoder layer then root; mixed_*: fp32 sharded params, 16-bit compute,
     fp32 gradient reduction (MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)). The step's
     buffers are replayed event by event (``estimator.methods.fsdp_replay``)."""
-    from estimator.methods.fsdp_replay import FsdpSizes, LayerGroup, replay_fsdp
+    from estimator.methods.fsdp_replay import ExpertsUnit, FsdpSizes, LayerGroup, replay_fsdp
 
     training = spec.training
     world = spec.parallel.world_size
+    ep = spec.parallel.ep
     mixed = training.precision.startswith("mixed_")
+    full = table
+    if ep > 1:  # each rank holds num_experts / ep experts, FSDP-sharded over the world / ep ranks holding the same
+        table = [_expert_shard(p, ep) if is_routed_expert(p.name) else p for p in table]
+
+    def world_of(p: ParamInfo) -> int:
+        return world // ep if ep > 1 and is_routed_expert(p.name) else world
 
     def shard_elem(p: ParamInfo) -> int:
         return FP32 if mixed else p.elem_bytes
 
-    trainable_shard = [ParamInfo(p.name, p.shape, _shard_rows(p, world), shard_elem(p), True,
+    def own_unit(params: list[ParamInfo]) -> list[ParamInfo]:  # EP: the experts are a unit of their own
+        return [p for p in params if not (ep > 1 and is_routed_expert(p.name))]
+
+    trainable_shard = [ParamInfo(p.name, p.shape, _shard_rows(p, world_of(p)), shard_elem(p), True,
                                  p.module_kind, p.layer) for p in _trainable(table)]
     root = [p for p in table if p.layer is None]
     unit_layer = largest_layer(table)
-    layer = [p for p in table if p.layer is not None and p.layer == unit_layer]
     root_bytes, root_gather, root_rs = _fsdp_group_sizes(root, world, shard_elem)
-    layer_bytes, layer_gather, layer_rs = _fsdp_group_sizes(layer, world, shard_elem)
+
     def held(params: list[ParamInfo]) -> float:  # unsharded, unpadded, in the reduce dtype
         return float(sum(p.numel * shard_elem(p) for p in _trainable(params)))
 
-    def group(params: list[ParamInfo]) -> LayerGroup:
-        unsharded, gather, rs_in = _fsdp_group_sizes(params, world, shard_elem)
-        return LayerGroup(unsharded, gather, rs_in, rs_in / world, held(params))
+    def experts_unit(index: int, params: list[ParamInfo]) -> ExpertsUnit | None:
+        experts = [p for p in params if is_routed_expert(p.name)]
+        if ep == 1 or not experts:
+            return None
+        unsharded, _, rs_in = _fsdp_group_sizes(experts, world, shard_elem, world_of)
+        traced = float(sum(p.nbytes for p in _trainable(full) if p.layer == index and is_routed_expert(p.name)))
+        return ExpertsUnit(bytes=unsharded, traced_grad_bytes=traced, grad_bytes=traced / ep, rs_in_bytes=rs_in,
+                           rs_out_bytes=float(sum(_shard_rows(p, world // ep) * shard_elem(p)
+                                                  for p in _trainable(experts))),
+                           divide_bytes=rs_in if world == ep else 0.0,
+                           deferred_gather_bytes=0.0 if world == ep else unsharded)
+
+    def group(index: int, params: list[ParamInfo]) -> LayerGroup:
+        unit = own_unit(params)
+        experts = experts_unit(index, params)
+        _, gather, rs_in = _fsdp_group_sizes(unit, world, shard_elem)
+        unsharded = _fsdp_group_sizes(params, world, shard_elem, world_of)[0]  # the layer's backward: both units
+        rs_out = float(sum(_shard_rows(p, world) * shard_elem(p) for p in _trainable(unit)))
+        return LayerGroup(unsharded, gather, rs_in, rs_out, held(unit), experts=experts)
 
     by_layer: dict[int, list[ParamInfo]] = {}
     for p in table:
         if p.layer is not None:
             by_layer.setdefault(p.layer, []).append(p)
-    groups = tuple(group(by_layer[i]) for i in sorted(by_layer))
-    sizes = FsdpSizes(root_bytes=root_bytes, root_gather_bytes=root_gather, layer_bytes=layer_bytes,
-                      layer_gather_bytes=layer_gather, layer_rs_in_bytes=layer_rs,
-                      layer_rs_out_bytes=layer_rs / world, root_rs_in_bytes=root_rs,
-                      root_rs_out_bytes=root_rs / world, layer_held_bytes=held(layer), root_held_bytes=held(root),
-                      held_is_copy=mixed,
+    groups = tuple(group(i, by_layer[i]) for i in sorted(by_layer))
+    one = group(unit_layer, by_layer[unit_layer])
+    sizes = FsdpSizes(root_bytes=root_bytes, root_gather_bytes=root_gather, layer_bytes=one.bytes,
+                      layer_gather_bytes=one.gather_bytes, layer_rs_in_bytes=one.rs_in_bytes,
+                      layer_rs_out_bytes=one.rs_out_bytes, root_rs_in_bytes=root_rs,
+                      root_rs_out_bytes=root_rs / world, layer_held_bytes=one.held_bytes,
+                      root_held_bytes=held(root), held_is_copy=mixed,
                       largest_grad_bytes=float(max((p.nbytes for p in _trainable(table)), default=0)),
-                      layers=groups if len(set(groups)) > 1 else ())
-    resident = {"weights": float(sum(_shard_rows(p, world) * shard_elem(p) for p in table)),
+                      layers=groups if len(set(groups)) > 1 else (), layer_experts=one.experts)
+    resident = {"weights": float(sum(_shard_rows(p, world_of(p)) * shard_elem(p) for p in table)),
                 "optimizer_states": optimizer_state_bytes(trainable_shard, training.optimizer, False)}
+    last = groups[-1] if groups else one
     return StepModel(resident=resident, grad_policy=_full, segment_extra=None,
                      step_grads=float(sum(p.nbytes for p in trainable_shard)),
                      step_temp=step_temp_bytes(trainable_shard, training.optimizer, False),
+                     forward_gathered_bytes=root_bytes + last.bytes + (last.experts.deferred_gather_bytes
+                                                                       if last.experts else 0.0),
                      replay=lambda segments, num_layers, b, s, accumulating=False: replay_fsdp(
                          segments, num_layers, b, s, sizes, accumulating=accumulating))
 

@@ -5,8 +5,8 @@ its expert tensors counts the same way). Pure standard library.
 Routing and memory: transformers runs the routed experts dropless (``integrations/moe.py``: grouped_mm over the
 tokens x top-k rows sorted by expert; the eager path loops over the experts hit, whose rows also sum to tokens x
 top-k). What the step saves for backward therefore has static shapes, whatever the router picks: on one device a
-skewed routing changes the per-expert split of those rows, not their bytes. Expert parallelism, where a rank's
-buffers follow the busiest expert, is not modelled.
+skewed routing changes the per-expert split of those rows, not their bytes. Under expert parallelism a rank's rows
+follow the load of the experts it owns: ``estimator.models.moe_ep``.
 """
 
 from __future__ import annotations
@@ -44,6 +44,12 @@ def _first_int(config: dict, keys: tuple[str, ...]) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     return None
+
+
+def routed_experts(config: dict) -> int | None:
+    """Routed experts per MoE layer named by the config (None for a dense one)."""
+    experts = _first_int(config, _EXPERT_COUNT_KEYS)
+    return experts if experts and experts >= 2 else None
 
 
 def is_routed_expert(name: str) -> bool:
@@ -88,5 +94,5 @@ def moe_notes(facts: MoeFacts | None) -> list[str]:
             f"for full fine-tuning){active}",
             "moe routing: dropless, as transformers runs the experts (every token's top-k rows, sorted by expert): "
             "what backward keeps has the same bytes however balanced the router is, so this estimate holds for "
-            "balanced and skewed routing on one device; expert parallelism (per-rank buffers that follow the "
-            "busiest expert) is not modelled"]
+            "balanced and skewed routing on one device; under expert parallelism (--ep) a rank's rows follow the "
+            "load of the experts it owns (--moe-imbalance)"]

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from estimator.models.moe import routed_experts
 from estimator.planning import throughput as tput
 from estimator.planning.shape import ModelShape, model_facts, model_shape
 from estimator.spec import FSDP_METHODS, Fsdp1Spec, ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
@@ -68,6 +69,7 @@ class Candidate:
     world_size: int
     tp: int = 1
     grad_ckpt: bool = False
+    ep: int = 1                  # expert parallelism of a MoE model (fsdp only)
 
     @property
     def dp(self) -> int:
@@ -82,27 +84,39 @@ class Candidate:
         if self.method in ("zero3_offload", "zero_infinity"):
             zero = ZeroSpec(offload_optimizer=True, offload_param=self.method == "zero_infinity")
             return ParallelSpec(method="zero3", world_size=self.world_size, zero=zero)
-        return ParallelSpec(method=self.method, world_size=self.world_size, tp=self.tp)
+        return ParallelSpec(method=self.method, world_size=self.world_size, tp=self.tp, ep=self.ep)
 
     @property
     def label(self) -> str:
         if self.method == "dp_tp":
             return f"dp_tp {self.dp}x{self.tp}"
+        if self.ep > 1:
+            return f"fsdp ep{self.ep}"
         return self.method
 
 
+def ep_degrees(world_size: int, experts: int | None) -> list[int]:
+    """The expert-parallel degrees transformers can run on ``world_size`` GPUs (ep dividing the FSDP size and
+    the routed experts, above 1); none for a dense model."""
+    if not experts:
+        return []
+    return [d for d in range(2, world_size + 1) if world_size % d == 0 and experts % d == 0]
+
+
 def enumerate_candidates(world_size: int, ckpt_options: Iterable[bool] = (False, True),
-                         methods: Iterable[str] | None = None) -> list[Candidate]:
-    """Every (method, tp, checkpointing) the estimator knows for ``world_size`` GPUs. ``methods`` limits them;
+                         methods: Iterable[str] | None = None, experts: int | None = None) -> list[Candidate]:
+    """Every (method, tp, ep, checkpointing) the estimator knows for ``world_size`` GPUs; ``experts``: the
+    routed experts of a MoE model (its FSDP2 layouts with expert parallelism join). ``methods`` limits them;
     raises ``ValueError("methods: ...")`` when none of the wanted methods has a layout on ``world_size``."""
     if world_size == 1:
-        layouts = [("single", 1)]
+        layouts = [("single", 1, 1)]
     else:
-        layouts = [(m, 1) for m in ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp1")] + [("tp", world_size)]
-        layouts += [("dp_tp", t) for t in range(2, world_size) if world_size % t == 0]
-    layouts += [(m, 1) for m in OFFLOAD_METHODS]
+        layouts = [(m, 1, 1) for m in ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp1")] + [("tp", world_size, 1)]
+        layouts += [("dp_tp", t, 1) for t in range(2, world_size) if world_size % t == 0]
+        layouts += [("fsdp", 1, e) for e in ep_degrees(world_size, experts)]
+    layouts += [(m, 1, 1) for m in OFFLOAD_METHODS]
     wanted = set(methods) if methods is not None else None
-    cands = [Candidate(m, world_size, t, ckpt) for m, t in layouts for ckpt in ckpt_options
+    cands = [Candidate(m, world_size, t, ckpt, e) for m, t, e in layouts for ckpt in ckpt_options
              if wanted is None or m in wanted]
     if not cands and wanted:
         why = {"single": "it is the 1-GPU layout", "dp_tp": "it needs a tp degree with 1 < tp < N dividing N"}
@@ -531,7 +545,7 @@ def _loss_reason(res: CandidateResult, best: CandidateResult) -> str:
 def _rank_key(r: CandidateResult) -> tuple:
     """Fastest first; on a tie the smaller bound, then the simpler method, no checkpointing, less TP."""
     return (-round(r.tokens_per_s, 6), r.bound_bytes or 0, METHOD_RANK[r.candidate.method], r.candidate.grad_ckpt,
-            r.candidate.tp)
+            r.candidate.tp, r.candidate.ep)
 
 
 def _rank(results: list[CandidateResult]) -> CandidateResult | None:
@@ -669,7 +683,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     if gpus % ctx.fsdp1.shard_size(gpus):
         raise ValueError(f"gpus_per_node: HYBRID_SHARD needs whole nodes: {gpus} GPUs is not a multiple of "
                          f"{ctx.fsdp1.gpus_per_node}")
-    cands = enumerate_candidates(gpus, ckpt_options, methods)
+    cands = enumerate_candidates(gpus, ckpt_options, methods, routed_experts(arch.config))
     if global_batch is not None and all(global_batch % c.dp for c in cands):
         dps = sorted({c.dp for c in cands}, reverse=True)
         raise ValueError(f"global_batch: {global_batch} is not divisible by the data-parallel degree of any "
@@ -769,10 +783,23 @@ def _notes(ctx: _Context, result: Plan) -> list[str]:
         notes.append("lengths: each micro-batch's memory is the estimate at its epoch's worst batch; step time at "
                      "the epoch's mean padded length, tokens/s in real (unpadded) tokens")
     notes += _grad_sync_notes(ctx, result)
+    notes += _ep_notes(result)
     if best and best.micro_batch:  # the model code it describes and, for MoE, the experts and routing, as estimated
         est = ctx.estimate(best.candidate, best.micro_batch)
-        notes += [n for n in getattr(est, "notes", ()) if n.startswith(("model code:", "moe"))]
+        notes += [n for n in getattr(est, "notes", ()) if n.startswith(("model code:", "moe", "ep"))]
     return notes
+
+
+def _ep_notes(result: Plan) -> list[str]:
+    """Which expert-parallel layouts were weighed, and what was picked."""
+    weighed = sorted({r.candidate.ep for r in result.results if r.candidate.ep > 1})
+    if not weighed:
+        return []
+    best = result.best
+    picked = (f"picked {best.candidate.label}" if best and best.candidate.ep > 1 else
+              f"picked {best.candidate.label} (no expert parallelism)" if best else "none fits")
+    return [f"ep: weighed FSDP2 with expert parallelism ep in {{{', '.join(map(str, weighed))}}} (balanced "
+            f"routing; the time model leaves the all-to-all out and counts each layout's FLOPs alike); {picked}"]
 
 
 def _grad_sync_notes(ctx: _Context, result: Plan) -> list[str]:

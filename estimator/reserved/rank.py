@@ -45,6 +45,9 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
     elif spec.parallel.method not in METHODS:
         return (f"{spec.parallel.method}: its communication buffers run on their own streams with delayed frees, "
                 "not modelled yet")
+    if getattr(spec.parallel, "ep", 1) > 1:
+        return ("expert parallelism: the all-to-all buffers and the expert units' own FSDP2 gathers are not in the "
+                "allocator replay yet")
     events = regime.get("events")
     if events is None:
         return "the profile has no event list (traced before event lists were kept)"

@@ -36,6 +36,10 @@ class LiveStorages(TorchDispatchMode):
         self.peak_bytes = 0
 
     def add(self, tensor: torch.Tensor) -> None:
+        # a DTensor (FSDP2's sharded parameters, expert shards) wraps its rank's local tensor: count that one, not
+        # the wrapper, whose storage reports the global size and holds nothing
+        while hasattr(tensor, "_local_tensor"):
+            tensor = tensor._local_tensor
         if tensor.device.type != "cpu":
             return
         storage = tensor.untyped_storage()

@@ -13,6 +13,9 @@ What the estimator needs to know, exactly:
   fp32 sharded grads. AdamW (torch, foreach) steps the fp32 shards directly: no MasterWeightOptimizer, no
   autocast, no GradScaler.
 * The optimizer is built after sharding, on the sharded DTensor parameters.
+* ``parallel.ep > 1`` (a mixture-of-experts model): transformers' own expert parallelism (``harness.ep``): each
+  rank owns num_experts / ep experts, tokens go to them all-to-all, each experts module is an FSDP2 unit on the
+  world / ep ranks holding the same experts; the rest is sharded as above.
 * Initialisation (``build_sharded``): parameters on the meta device, ``fully_shard``, then ``to_empty`` on the
   rank's device and the model's own init; buffers computed on the host and copied in. No rank holds the whole
   model (torchtitan's recipe); the step peaks are what a full-size build then sharding gives, byte for byte.
@@ -27,11 +30,26 @@ from harness.methods.base import TorchTrainer, WrapContext, build_sharded, unsyn
 
 def wrap(ctx: WrapContext) -> TorchTrainer:
     built = build_training(ctx.spec)  # fp32 weights for mixed_* (the shards are the masters)
-    mesh = make_mesh(ctx.spec, ctx.device.type)
-    model = build_sharded(ctx, built, lambda m: wrap_model(m, ctx.spec, mesh, ctx.config, fake=ctx.fake_pg,
-                                                           device=ctx.device))
+    if ctx.spec.parallel.ep > 1:  # transformers' own expert parallelism (harness.ep)
+        model = build_sharded(ctx, built, lambda m: _expert_parallel(ctx, m))
+    else:
+        mesh = make_mesh(ctx.spec, ctx.device.type)
+        model = build_sharded(ctx, built, lambda m: wrap_model(m, ctx.spec, mesh, ctx.config, fake=ctx.fake_pg,
+                                                               device=ctx.device))
     optimizer = build_optimizer(model.parameters(), built)
     # Forward uses the spec's precision: autocast for amp_* and under accelerate's wrapper (outputs_fp32); mixed_*
     # casts through the FSDP policy.
     no_sync = unsynced_micro_batch(model, ctx.spec.parallel.method, ctx.spec.training.grad_sync)
     return TorchTrainer(model, optimizer, ctx.spec.training, ctx.device, no_sync=no_sync)
+
+
+def _expert_parallel(ctx: WrapContext, model):
+    """``parallel.ep > 1``: the experts sharded and dispatched by transformers (``harness.ep.distribute``), each
+    experts module an FSDP2 unit on the efsdp mesh, the dense part FSDP2 per decoder layer and root as above. The
+    all-to-all exchanges real split sizes, so a fake process group cannot run it."""
+    from harness.ep import distribute
+
+    if ctx.fake_pg:
+        raise ValueError("ep: expert parallelism exchanges tokens all-to-all; it needs real process groups "
+                         "(gloo on CPU, NCCL on GPUs), not the emulated ranks")
+    return distribute(model, ctx.spec.parallel.world_size, ctx.spec.parallel.ep, ctx.spec.training.precision)

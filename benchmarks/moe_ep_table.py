@@ -1,0 +1,203 @@
+"""Expert parallelism against real CPU runs on gloo ranks, with the routing forced balanced and skewed (issue 17).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/moe_ep_table.py [--configs CONFIG.json ...] [--layouts 2x2 4x2 4x4]
+        [--points 1x64 2x128] [--precision bf16|mixed_bf16] [--grad-ckpt] [--csv docs/error_matrix/moe_ep.csv]
+
+A layout ``WxE`` is W gloo ranks with ep_size E (``harness.ep.distribute``: transformers' own expert sharding and
+all-to-all dispatch, experts FSDP2-sharded on the efsdp mesh, dense FSDP2 per decoder layer + root). Each rank counts
+every live storage after every operator (``harness.fake.live_storage``, DTensors by their local shard, less the
+clone of the whole input gloo's reduce-scatter makes, which NCCL does not) over two steady steps after a warm-up
+step; its peak is reported. The routers' choice is forced: ``balanced`` (every EP rank
+receives its own T x top_k rows) or ``skewed`` (every token to experts 0..k-1: rank 0 receives its whole group's
+rows). The estimate is ``traced_allocated_bytes`` of ``--method fsdp --gpus W --ep E`` with ``--moe-imbalance``
+1 (balanced) or num_experts / top_k (skewed: the busiest expert's load), compared with the busiest rank.
+Each point runs in freshly spawned interpreters (no torch in this process before the estimate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+CONFIGS = [HERE / "configs" / f"{name}_tiny.json" for name in ("qwen3_moe", "mixtral", "qwen2_moe")]
+
+
+def _rank(rank: int, world: int, ep: int, config: dict, precision: str, b: int, s: int, routing: str, port: int,
+          out: str, grad_ckpt: bool = False) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    sys.path.insert(0, str(REPO))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from harness import ep as hep
+
+        fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+        hf = AutoConfig.for_model(config["model_type"], **fields)
+        hf.use_cache = False
+        # mixed_bf16: fp32 shards, bf16 compute (transformers' FSDP2 mixed precision, as the harness runs it)
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf, dtype=dtype, attn_implementation="eager")
+        if grad_ckpt:  # non-reentrant, on every decoder layer, as HF enables it
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = hep.distribute(model, world, ep, precision)
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                getattr(p, "_local_tensor", p).normal_(0, 0.02)
+        model.train()
+        if not hep.force_routing(model, hep.ROUTINGS[routing]):
+            raise ValueError("no top-k router found in the model")
+        optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-5, foreach=True)
+        vocab = int(config["vocab_size"])
+
+        def step(bb: int, ss: int) -> None:
+            ids = torch.randint(0, min(vocab, 1000), (bb, ss))
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        step(1, 16)  # the optimizer states exist from here on, as in steady state
+        import gc
+
+        gc.collect()
+        mode = _nccl_live_storages_class()()
+        for obj in gc.get_objects():  # parameters (their local shards), optimizer states
+            if isinstance(obj, torch.Tensor) and not obj.is_meta:
+                mode.add(obj)
+        mode.peak_bytes = mode.live_bytes()
+        with mode:
+            step(b, s)
+            step(b, s)
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "peak_bytes": mode.peak_bytes}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _nccl_live_storages_class():
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    from harness.fake.live_storage import LiveStorages
+
+    class NcclLiveStorages(LiveStorages):
+        """``LiveStorages`` less gloo's own reduce-scatter buffer: ``ProcessGroupGloo`` reduce-scatters a clone of
+        the whole input (all-reduced, then split into the output), which NCCL, the estimate's backend, does not
+        allocate; the clone first shows up as the argument of the split that follows the collective."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.clone_key: int | None = None  # the clone's storage while gloo splits it and copies out of it
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.c10d._reduce_scatter_base_.default:
+                self.clone_key = -1  # the next split's input is the clone
+            elif self.clone_key == -1 and func is torch.ops.aten.split.Tensor:
+                self.clone_key = args[0].untyped_storage()._cdata
+            elif self.clone_key is not None and func is not torch.ops.aten.copy_.default:
+                self.clone_key = None  # gloo's copy-out is over; the clone is gone
+            for item in tree_flatten((out, args, kwargs))[0]:
+                if isinstance(item, torch.Tensor) and item.untyped_storage()._cdata == self.clone_key:
+                    continue  # the clone: never added, hence never counted
+                if isinstance(item, torch.Tensor):
+                    self.add(item)
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes())
+            return out
+
+    return NcclLiveStorages
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def measured_bytes(config: dict, world: int, ep: int, precision: str, b: int, s: int, routing: str,
+                   grad_ckpt: bool = False) -> list[int]:
+    """Each rank's peak live bytes."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_rank, args=(world, ep, config, precision, b, s, routing, _free_port(), out, grad_ckpt),
+                           nprocs=world, start_method="spawn")
+        return [json.loads(Path(out, f"rank{r}.json").read_text())["peak_bytes"] for r in range(world)]
+
+
+def estimated_bytes(path: Path, world: int, ep: int, precision: str, b: int, s: int, imbalance: float,
+                    grad_ckpt: bool = False) -> int:
+    from estimator.api import estimate
+    from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
+
+    spec = RunSpec(model=str(path), gpu="h100-80gb",
+                   parallel=ParallelSpec(method="fsdp", world_size=world, ep=ep, moe_imbalance=imbalance),
+                   training=TrainingSpec(precision=precision, attn="eager", micro_batch_size=b, seq_len=s,
+                                         grad_ckpt=grad_ckpt))
+    return int(estimate(spec).traced_allocated_bytes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from harness.ep import ROUTINGS, skew_imbalance
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="*", type=Path, default=CONFIGS)
+    parser.add_argument("--layouts", nargs="*", default=["2x2", "4x2", "4x4"])
+    parser.add_argument("--points", nargs="*", default=["1x64", "2x128"])
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "mixed_bf16"))
+    parser.add_argument("--grad-ckpt", action="store_true", help="non-reentrant checkpointing of every layer")
+    parser.add_argument("--csv", type=Path, default=None)
+    args = parser.parse_args(argv)
+    rows = []
+    started = time.perf_counter()
+    for path in args.configs:
+        config = json.loads(path.read_text())
+        experts = next(config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config)
+        top_k = config["num_experts_per_tok"]
+        for layout in args.layouts:
+            world, ep = (int(x) for x in layout.split("x"))
+            for point in args.points:
+                b, s = (int(x) for x in point.split("x"))
+                for routing in ROUTINGS:
+                    imbalance = 1.0 if routing == "balanced" else skew_imbalance(experts, top_k)
+                    predicted = estimated_bytes(path, world, ep, args.precision, b, s, imbalance, args.grad_ckpt)
+                    ranks = measured_bytes(config, world, ep, args.precision, b, s, routing, args.grad_ckpt)
+                    measured = max(ranks)
+                    rows.append({"family": config["model_type"], "config": path.name, "precision": args.precision,
+                                 "grad_ckpt": args.grad_ckpt,
+                                 "world_size": world, "ep": ep, "micro_batch_size": b, "seq_len": s,
+                                 "routing": routing, "moe_imbalance": imbalance,
+                                 "measured_ranks_bytes": " ".join(map(str, ranks)), "measured_bytes": measured,
+                                 "estimate_bytes": predicted,
+                                 "error_pct": round(100 * (predicted - measured) / measured, 4)})
+                    print(f"{config['model_type']:<11}w{world} ep{ep} b{b:<2}s{s:<5}{routing:<9}"
+                          f"{measured:>11}{predicted:>11}{rows[-1]['error_pct']:>+9.3f} %  ranks {ranks}", flush=True)
+    worst = max(abs(r["error_pct"]) for r in rows)
+    print(f"rows {len(rows)}  max |error| {worst:.3f} %  elapsed {time.perf_counter() - started:.0f} s")
+    if args.csv:
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
+        with args.csv.open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

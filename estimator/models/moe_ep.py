@@ -1,0 +1,166 @@
+"""Expert parallelism (EP) of a mixture-of-experts model as transformers 5.24 runs it for training
+(``transformers.distributed``: ``DistributedConfig(fsdp_size=world, ep_size=ep)``). Pure standard library.
+
+What a rank holds, read from the framework's code:
+
+* Experts (``MoEParamShard``, ``grouped_gemm`` on each experts module's ``gate_up_proj`` / ``down_proj``): dim 0 of
+  every routed expert tensor split over the ep mesh, num_experts / ep whole experts per rank, a contiguous range.
+  ``apply_fully_sharded_data_parallelism`` then ``fully_shard``s each experts module on the ``efsdp`` mesh
+  (world / ep ranks holding the same experts), so a rank stores 1 / world of the expert parameters, gradients and
+  optimizer states, as plain FSDP would, but gathers only its num_experts / ep experts for compute.
+* Dispatch and combine (``AllToAllEP``, the ``auto`` choice whenever gradients flow): the T x top_k (token, expert)
+  pairs are sorted by expert (``argsort``: int64, kept for the combine), the T x top_k rows gathered (indices kept
+  for backward) and sent with ``all_to_all_single_autograd``; the experts run on the R rows this rank receives as
+  top-1 with unit weights (``_is_expert_parallel``: a bool sentinel mask per row, kept by ``masked_fill``); a
+  second all-to-all returns the T x top_k rows, which are put back in token order into a new tensor (kept by the
+  routing-weight product) and summed per token.
+* Balanced routing: R = T x top_k, the same rows as on one device, and what backward keeps differs from the
+  unsharded run only by the int64 sort order and the bool mask per row. Skewed routing: R follows the load of the
+  experts the rank owns. With the busiest expert at F times the balanced load, the rank owning it receives at most
+  F x T x top_k rows (every expert of the rank at that load), and no more than its group's tokens can send it
+  (ep x T x min(top_k, experts per rank)): ``EpLayout.received_rows_factor``. It keeps each extra row's activations
+  in its experts (the routed row, the gate/up projection, its activation and their product, its routing weight, its
+  sort indices and mask: ``EpLayout.row_bytes``), and its experts' forward and backward run on those rows
+  (``forward_transient_bytes``, ``backward_bumps``).
+
+Where it enters the estimate: ``estimator.methods.state.fsdp`` (the expert shard, sharded over efsdp ranks; the
+experts' own FSDP2 unit, ``fsdp_replay.ExpertsUnit``: gathered with the layer, resharded and reduce-scattered when
+the experts' backward is over, its all-gather output held through forward), ``estimator.api._ep_segments`` (each MoE
+layer's extra from its forward to its experts' backward, the backward bumps) and ``estimator.api._ep_forward_peak``
+(the busiest rank's last MoE layer in forward). Checked against transformers' own EP on gloo ranks:
+``benchmarks/moe_ep_table.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+INT64 = 8
+BOOL = 1
+
+
+@dataclass(frozen=True)
+class EpLayout:
+    ep: int
+    world: int
+    experts: int                # routed experts per MoE layer
+    top_k: int
+    moe_layers: int
+    hidden: int
+    expert_ffn: int             # one expert's intermediate size
+    imbalance: float = 1.0
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.experts // self.ep
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks that hold the same experts and FSDP-shard them between each other."""
+        return self.world // self.ep
+
+    def received_rows_factor(self) -> float:
+        """Rows the busiest rank's experts run on, relative to its own T x top_k."""
+        if self.ep == 1:
+            return 1.0  # one device runs every expert dropless: the same rows however the router spreads them
+        per_token = min(self.top_k, self.experts_per_rank)  # rows one token can send to one rank
+        return min(self.imbalance, self.ep * per_token / self.top_k)
+
+    def row_bytes(self, act_bytes: int) -> float:
+        """Bytes backward keeps per received row in one MoE layer's experts (``grouped_mm_experts_forward`` under
+        EP): the routed row (saved by the up grouped_mm), the gate/up projection (2 x ffn: its halves saved by the
+        activation and the product), the activation (ffn, saved by the product), the product (ffn, saved by the
+        down grouped_mm), the row's unit weight, the int64 gather and un-permute indices, the bool sentinel
+        mask."""
+        return act_bytes * (self.hidden + 4 * self.expert_ffn + 1) + 2 * INT64 + BOOL
+
+    def skew_bytes(self, tokens: int, act_bytes: int) -> float:
+        """What the busiest rank keeps through backward above balanced routing, every MoE layer."""
+        return self.moe_layers * self.layer_skew_bytes(tokens, act_bytes)
+
+    def layer_skew_bytes(self, tokens: int, act_bytes: int) -> float:
+        """The same for one MoE layer: its extra rows, from its experts' forward to their backward."""
+        extra_rows = (self.received_rows_factor() - 1.0) * tokens * self.top_k
+        return extra_rows * self.row_bytes(act_bytes)
+
+    def layer_saved_bytes(self, tokens: int, act_bytes: int) -> float:
+        """What one MoE layer keeps for backward beyond the one-device experts the profile traced: the dispatch's
+        sort order and sentinel mask, and under skew the extra rows."""
+        return self.dispatch_bytes(tokens) / self.moe_layers + self.layer_skew_bytes(tokens, act_bytes)
+
+    def backward_bumps(self, tokens: int, act_bytes: int) -> tuple[float, float, float]:
+        """What the experts' backward holds above the trace's (S rows) for the busiest rank's extra rows, per MoE
+        layer, at three stages (``grouped_mm_experts_forward`` run backwards):
+
+        * before its first expert gradient: the un-permute's backward (the rows' gradient from the returning
+          all-to-all, the zeros it is scattered into, the scattered copy: 3 h a per row), less the S rows of
+          down-projection output the one-device experts still hold there (their routing-weight product saves
+          them; under EP the weights are applied in the combine, whose backward has already run);
+        * between the two: the down projection's backward (the gradient of its output and of its input,
+          (h + ffn) a) or the activation-product's (the gradients of the product and of both factors, the product
+          itself freed: 2 ffn a), the un-permute indices and unit weights released (int64 + a);
+        * with both: the up projection's backward, whose row gradients replace what the rows saved (the indices
+          and unit weights released: - (int64 + a)).
+        """
+        extra_rows = (self.received_rows_factor() - 1.0) * tokens * self.top_k
+        h, f, a = self.hidden, self.expert_ffn, act_bytes
+        released = INT64 + a
+        sent = tokens * self.top_k
+        return (extra_rows * 3 * h * a - sent * h * a, extra_rows * (max(h + f, 2 * f) * a - released),
+                -extra_rows * released)
+
+    def forward_transient_bytes(self, tokens: int, act_bytes: int) -> float:
+        """The busiest rank's last MoE layer in forward, above that layer's end-of-forward level (its experts
+        resharded), at the larger of two moments (R received rows, S = T x top_k sent, hidden h, dtype a):
+
+        * the experts' un-permuted weighted rows (``grouped_mm_experts_forward``): the received rows (held by
+          ``AllToAllEP.__call__``), the masked down projection, the weighted rows and their un-permuted copy
+          (4 R h a); the sorted expert ids, the sort permutation, the received expert ids (int64), ``histc``'s
+          float ids and the unit weights per row; less the rows put back in token order and the block's output,
+          which come later (S h a + T h a);
+        * the combine's per-token sum: the received rows and the experts' output (2 R h a), the received expert ids
+          and unit weights, the returned rows twice (the collective's output and its autograd wrapper) and the
+          routing-weighted product (3 S h a).
+        """
+        rows = self.received_rows_factor() * tokens * self.top_k
+        sent = tokens * self.top_k
+        h, a = self.hidden, act_bytes
+        experts = 4 * rows * h * a + rows * (3 * INT64 + 4 + a) - (sent + tokens) * h * a
+        combine = 2 * rows * h * a + rows * (INT64 + a) + 3 * sent * h * a
+        return max(experts, combine)
+
+    def dispatch_bytes(self, tokens: int) -> float:
+        """What the all-to-all path keeps per rank above the one-device experts, every MoE layer, at balanced
+        routing: the int64 sort order of the (token, expert) pairs and the bool sentinel mask per row."""
+        return self.moe_layers * tokens * self.top_k * (INT64 + BOOL)
+
+
+_FFN_KEYS = ("moe_intermediate_size", "intermediate_size")
+
+
+def ep_layout(config: dict, facts, world: int, ep: int, imbalance: float) -> EpLayout:
+    """``facts``: ``estimator.models.moe.MoeFacts``. Raises ValueError (one line) for a layout transformers refuses."""
+    if facts is None:
+        raise ValueError("ep: expert parallelism needs a mixture-of-experts model; this one has no routed experts")
+    if facts.experts % ep:
+        raise ValueError(f"ep: {facts.experts} routed experts cannot be split evenly over ep={ep} ranks")
+    if world % ep:
+        raise ValueError(f"ep: world size {world} is not divisible by ep {ep}")
+    ffn = next((config[k] for k in _FFN_KEYS if isinstance(config.get(k), int)), 0)
+    return EpLayout(ep=ep, world=world, experts=facts.experts, top_k=facts.top_k or 1, moe_layers=facts.moe_layers,
+                    hidden=int(config["hidden_size"]), expert_ffn=int(ffn), imbalance=float(imbalance))
+
+
+def ep_notes(layout: EpLayout | None, tokens: int, grad_ckpt: bool = False) -> list[str]:
+    if layout is None or layout.ep == 1:
+        return []
+    ckpt = (["ep: with checkpointing, the recomputed layer's dispatch and combine inside backward are not "
+             "modelled (3.1 % low on the one checked point: docs/error_matrix/README.md)"] if grad_ckpt else [])
+    factor = layout.received_rows_factor()
+    return [f"ep: {layout.ep} expert-parallel ranks, {layout.experts_per_rank} of {layout.experts} experts each, "
+            f"FSDP2-sharded over {layout.efsdp} rank(s) holding the same experts; tokens dispatched and combined "
+            f"all-to-all (transformers' AllToAllEP)",
+            f"ep routing: busiest expert at {layout.imbalance:g}x the balanced load -> the busiest rank's experts run "
+            f"{factor:g}x its own {tokens * layout.top_k} (token, expert) rows per MoE layer"
+            + ("" if factor > 1 else " (balanced)"), *ckpt]
+

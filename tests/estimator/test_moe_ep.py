@@ -1,0 +1,155 @@
+"""Expert parallelism (issue 17): the layout checks, what a rank holds (its experts' shard, the experts' own FSDP2
+unit), the skewed-routing bound, and the estimate against a real run of transformers' EP on gloo ranks."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from estimator.methods.fsdp_replay import experts_done_levels
+from estimator.models.moe_ep import INT64, EpLayout
+from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
+
+REPO = Path(__file__).resolve().parents[2]
+QWEN3 = "Qwen/Qwen3-30B-A3B"  # shipped profiles: no torch in these tests
+
+
+def _spec(ep: int = 1, imbalance: float = 1.0, model: str = QWEN3, gpus: int = 8, b: int = 2,
+          grad_ckpt: bool = True) -> RunSpec:
+    return RunSpec(model=model, gpu="h100-80gb",
+                   parallel=ParallelSpec(method="fsdp", world_size=gpus, ep=ep, moe_imbalance=imbalance),
+                   training=TrainingSpec(micro_batch_size=b, seq_len=2048, grad_ckpt=grad_ckpt))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"method": "ddp", "world_size": 4, "ep": 2}, "ep: expert parallelism runs with FSDP2"),
+    ({"method": "fsdp", "world_size": 6, "ep": 4}, "ep: world size 6 is not divisible by ep 4"),
+    ({"method": "fsdp", "world_size": 4, "ep": 0}, "ep: must be a positive integer"),
+    ({"method": "fsdp", "world_size": 4, "ep": 2, "moe_imbalance": 0.5}, "moe_imbalance: must be a number >= 1"),
+])
+def test_layouts_transformers_refuses_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelSpec(**kwargs)
+
+
+def test_specs_without_ep_keep_their_ids():
+    """ep and moe_imbalance at their defaults stay out of the canonical JSON: every recorded run keeps its id."""
+    spec = RunSpec(parallel=ParallelSpec(method="fsdp", world_size=4))
+    assert "ep" not in spec._canonical_dict()["parallel"]
+    assert "moe_imbalance" not in spec._canonical_dict()["parallel"]
+    assert spec.replace(**{"parallel.ep": 2}).spec_id != spec.spec_id
+
+
+def test_ep_needs_experts_that_split_evenly():
+    from estimator.api import estimate
+
+    with pytest.raises(ValueError, match="^ep: expert parallelism needs a mixture-of-experts model"):
+        estimate(RunSpec(model="meta-llama/Llama-3.2-1B", parallel=ParallelSpec(method="fsdp", world_size=4, ep=2)),
+                 allow_build=False)
+    with pytest.raises(ValueError, match="^ep: 128 routed experts cannot be split evenly over ep=3"):
+        estimate(_spec(ep=3, gpus=6), allow_build=False)
+
+
+def test_a_rank_stores_the_same_shard_and_gathers_only_its_experts():
+    """Each rank stores 1 / world of every expert tensor either way (num_experts / ep experts sharded over
+    world / ep ranks), but gathers only its own experts for compute."""
+    from estimator.api import estimate
+
+    plain, ep = (estimate(_spec(ep=e), allow_build=False) for e in (1, 8))
+    for part in ("weights", "optimizer_states"):
+        assert ep.breakdown[part] == plain.breakdown[part]
+    assert ep.peak_allocated_bytes < plain.peak_allocated_bytes
+    assert any(n.startswith("ep: 8 expert-parallel ranks, 16 of 128 experts each") for n in ep.notes)
+
+
+def test_skewed_routing_bounds_grow_until_one_rank_receives_every_row():
+    from estimator.api import estimate
+
+    peaks = [estimate(_spec(ep=8, imbalance=f, b=1, grad_ckpt=False), allow_build=False).peak_allocated_bytes
+             for f in (1, 2, 8, 16)]
+    assert peaks[0] < peaks[1] < peaks[2]
+    # 16 experts of 128 per rank, 8 per token: a rank receives at most ep x T x 8 rows, 8 x its own
+    assert peaks[3] == peaks[2]
+
+
+def test_received_rows_factor_is_capped_by_the_rows_a_rank_can_receive():
+    layout = EpLayout(ep=4, world=8, experts=16, top_k=4, moe_layers=3, hidden=128, expert_ffn=64, imbalance=8)
+    assert layout.experts_per_rank == 4 and layout.efsdp == 2
+    assert layout.received_rows_factor() == 4  # every token's top-4 on one rank: ep x T x k rows
+    few = EpLayout(ep=8, world=8, experts=16, top_k=4, moe_layers=3, hidden=128, expert_ffn=64, imbalance=8)
+    assert few.received_rows_factor() == 4  # 2 experts per rank: a token sends it at most 2 of its 4 rows
+    assert EpLayout(ep=1, world=8, experts=16, top_k=4, moe_layers=3, hidden=128, expert_ffn=64,
+                    imbalance=8).received_rows_factor() == 1  # one device runs every expert: dropless
+
+
+def test_a_received_row_keeps_what_the_ep_experts_save():
+    """bf16, hidden 128, expert ffn 64: the routed row (128), gate/up (128), activation (64), product (64), unit
+    weight (1) in bf16, two int64 indices and the bool mask: 787 bytes, as the real run's skewed peak shows
+    (tiny Qwen3-MoE, 2 ranks, ep 2, b2 s64: 1,208,832 bytes more than balanced over 3 MoE layers of 512 extra
+    rows)."""
+    layout = EpLayout(ep=2, world=2, experts=16, top_k=4, moe_layers=3, hidden=128, expert_ffn=64, imbalance=4)
+    assert layout.row_bytes(2) == 2 * (128 + 4 * 64 + 1) + 2 * INT64 + 1 == 787
+    assert layout.skew_bytes(128, 2) == 3 * 512 * 787 == 1_208_832
+
+
+def test_the_experts_post_backward_sits_before_the_router_s_gradient():
+    """A backward layer segment: the experts' two gradients, an activation saved in forward freed, a tensor of
+    the router's backward, then the router's gradient (and a tensor after it, which does not count)."""
+    events = {"polys": [[100, 0, 0, 0, 0, 0], [30, 0, 0, 0, 0, 0], [5, 0, 0, 0, 0, 0], [20, 0, 0, 0, 0, 0]],
+              "size": [0, 1, 1, 3, 2, 3], "grads": [1, 2, 4],
+              "segments": {"bw": [1, 2, ~0, 3, 4, 5]}}
+    assert experts_done_levels(events, {"bw": 60.0}, 1, 1) == {"bw": -100 + 20}
+    assert experts_done_levels(events, {"bw": 0.0}, 1, 1) == {}
+
+
+def test_ep_on_the_command_line():
+    base = [sys.executable, "-m", "estimator", "--model", QWEN3, "--method", "fsdp", "--gpus", "8"]
+    for extra, message in ((["--ep", "3"], "ep: world size 8 is not divisible by ep 3"),
+                           (["--ep", "8", "--moe-imbalance", "0.5"], "moe_imbalance: must be a number >= 1")):
+        result = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], result.stderr
+    result = subprocess.run([*base, "--ep", "8", "--json"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["peak_allocated_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_the_estimate_matches_transformers_ep_on_two_gloo_ranks(tmp_path):
+    """The oracle (benchmarks/moe_ep_table.py): the tiny Qwen3-MoE config on 2 gloo ranks with ep_size=2, routing
+    forced balanced and skewed, every live storage counted; each rank in a spawned interpreter."""
+    out = tmp_path / "ep.csv"
+    result = subprocess.run([sys.executable, "benchmarks/moe_ep_table.py", "--configs",
+                             "benchmarks/configs/qwen3_moe_tiny.json", "--layouts", "2x2", "--points", "1x64",
+                             "--csv", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = out.read_text().splitlines()[1:]
+    assert len(rows) == 2
+    assert all(abs(float(row.rsplit(",", 1)[1])) <= 1.0 for row in rows)
+
+
+def test_the_plan_weighs_ep_layouts_for_moe_models_only():
+    from estimator.planning.plan import enumerate_candidates, ep_degrees
+
+    assert ep_degrees(8, 64) == [2, 4, 8] and ep_degrees(8, 6) == [2] and ep_degrees(8, None) == []
+    labels = {c.label for c in enumerate_candidates(8, (False,), experts=64)}
+    assert {"fsdp ep2", "fsdp ep4", "fsdp ep8", "fsdp"} <= labels
+    assert not any("ep" in c.label for c in enumerate_candidates(8, (False,)))
+    ep4 = next(c for c in enumerate_candidates(8, (False,), experts=64) if c.ep == 4)
+    assert ep4.parallel_spec() == ParallelSpec(method="fsdp", world_size=8, ep=4)
+
+
+def test_the_plan_says_which_ep_layout_it_picked():
+    from estimator.planning.plan import plan
+
+    result = plan("allenai/OLMoE-1B-7B-0924", gpus=8, gpu="h100-80gb", seq_len=4096, ckpt_options=(False,),
+                  methods=("fsdp",), advise=False)
+    assert {r.candidate.label for r in result.results} == {"fsdp", "fsdp ep2", "fsdp ep4", "fsdp ep8"}
+    note = next(n for n in result.notes if n.startswith("ep: weighed FSDP2 with expert parallelism"))
+    assert note.endswith(f"picked {result.best.candidate.label}" if result.best.candidate.ep > 1 else
+                         f"picked {result.best.candidate.label} (no expert parallelism)")
