@@ -11,6 +11,14 @@ from estimator.hardware import residuals
 from estimator.hardware.gpus import get_gpu
 from estimator.methods import state as methods
 from estimator.methods.fsdp1 import fsdp1
+from estimator.methods.long_context import (
+    ACT_BYTES,
+    LIGER_MARK,
+    head_shape,
+    liger_transient_bytes,
+    mixed_layers,
+    with_transient,
+)
 from estimator.methods.timeline import Replay, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
 from estimator.models.memo import memo_by_owner
@@ -19,7 +27,7 @@ from estimator.models.params import buffer_bytes, expand_params, param_counts
 from estimator.models.profiles import adapters_in_16bit, traced_release, versions_note
 from estimator.models.tp_plans import check_tp
 from estimator.profiler.cache import load_model_profile
-from estimator.spec import FSDP_METHODS, ParallelSpec, RunSpec, TrainingSpec
+from estimator.spec import FSDP_METHODS, ParallelSpec, RunSpec, TrainingSpec, ckpt_every
 
 GIB = 1024**3
 COMPONENTS = ("weights", "buffers", "gradients", "optimizer_states", "master_weights", "activations", "outputs_held",
@@ -138,9 +146,20 @@ class StepSequence:
     empty_cache_every: int | None = None
 
 
+# Methods whose replay walks the profile's segments one by one (``methods.timeline.replay``) and so can take a
+# mixed layer sequence; FSDP's and ZeRO-3's replays place their gathers per layer of alike layers.
+MIXED_LAYER_METHODS = ("single", "ddp", "tp", "zero1", "zero2", "zero_offload")
+
+
 def check_spec(spec: RunSpec, arch: ModelArch) -> None:
     """Model-dependent validation (the spec validates itself on construction)."""
     training, parallel = spec.training, spec.parallel
+    if ckpt_every(training.ckpt_policy) is not None and parallel.method not in MIXED_LAYER_METHODS:
+        raise ValueError(f"ckpt_policy: every-k is replayed for {', '.join(MIXED_LAYER_METHODS)}; "
+                         f"{parallel.method} replays its gathers over alike layers (not modelled yet)")
+    if training.ce == "fused_linear" and training.precision not in ACT_BYTES:
+        raise ValueError(f"ce: Liger's fused loss under autocast ({training.precision}) is not modelled; use "
+                         f"{', '.join(ACT_BYTES)}")
     if arch.max_positions and training.seq_len > arch.max_positions:
         raise ValueError(f"seq_len: {training.seq_len} exceeds the model's {arch.max_positions} positions")
     if parallel.tp > 1:
@@ -219,6 +238,33 @@ def _activation_split(segments: dict, peak: Replay, num_layers: int, b: int, s: 
 _TABLES: dict[tuple, tuple[dict, list]] = {}
 
 
+def technique_segments(segments: dict, profile: dict, training: TrainingSpec) -> dict:
+    """The segments with what a traced profile leaves out of a technique: Liger's chunk loop (``fused_linear``),
+    sized for this micro-batch (``methods.long_context``)."""
+    if training.ce != "fused_linear":
+        return segments
+    vocab, hidden = head_shape(profile["params"])
+    tokens = training.micro_batch_size * training.seq_len
+    return with_transient(segments, LIGER_MARK, liger_transient_bytes(training.precision, tokens, vocab, hidden))
+
+
+def every_k_profile(model: str, training: TrainingSpec, tp: int, every: int, *, allow_build: bool = True
+                    ) -> tuple[ModelArch, dict]:
+    """The profile of every-k checkpointing: each regime's segments mixed layer by layer from the checkpointed
+    and the plain profile (``methods.long_context.mixed_layers``). Without an event list: the reserved level
+    keeps the prior (``why_not``)."""
+    full = dataclasses.replace(training, ckpt_policy="")
+    arch, ckpt = load_model_profile(model, full, tp, allow_build=allow_build)
+    _, plain = load_model_profile(model, dataclasses.replace(full, grad_ckpt=False), tp, allow_build=allow_build)
+    regimes = []
+    for mine, theirs in zip(plain["regimes"], ckpt["regimes"]):
+        mixed = {k: v for k, v in mine.items() if k != "events"}
+        for key in ("segments", "segments_manual"):
+            mixed[key] = mixed_layers(mine[key], theirs[key], arch.num_layers, every)
+        regimes.append(mixed)
+    return arch, {**plain, "regimes": regimes, "mixed_layers": f"every-k:{every}"}
+
+
 def _param_table(profile: dict, num_layers: int) -> list:
     """The expanded parameter table, memoized per loaded profile (a plan asks for it ~100 times)."""
     return memo_by_owner(_TABLES, (id(profile), num_layers), profile,
@@ -268,7 +314,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     b, s = training.micro_batch_size, training.seq_len
     model = _step_model(spec, table, rank, path)
     regime = _regime(profile, b, s)
-    segments = loop_segments(regime, training.loop)
+    segments = technique_segments(loop_segments(regime, training.loop), profile, training)
     fb = None
     for micro in _micro_batches(spec):  # a later micro-batch starts with gradients held
         candidate = _replay(model, segments, arch.num_layers, b, s, accumulating=micro)
@@ -282,7 +328,8 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     step_total = resident + max(fb.end_act_bytes, 0.0) + model.step_grads + model.step_temp + fp32_copies
     held = held_outputs_bytes(regime, training.loop, b, s)
     if fb_total >= step_total:
-        layer_act, other_act = _activation_split(regime["segments"], fb, arch.num_layers, b, s)
+        layer_act, other_act = _activation_split(regime["segments"], fb, arch.num_layers, b, s) \
+            if "sequence" not in segments else (0.0, fb.peak_act_bytes)
         parts = {**model.resident, "gradients": model.resident.get("gradients", 0.0) + fb.peak_grad_bytes,
                  "activations": layer_act + other_act - held}
         for key, value in fb.peak_parts.items():
@@ -489,8 +536,12 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     check_spec(spec, arch)
     coeffs = coefficients if isinstance(coefficients, residuals.Coefficients) else \
         residuals.load_coefficients(gpu.key, coefficients)
-    arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build,
-                                       adapters_16bit=adapters_in_16bit(spec.training, spec.parallel.method))
+    every = ckpt_every(spec.training.ckpt_policy)
+    if every is not None:
+        arch, profile = every_k_profile(spec.model, spec.training, spec.parallel.tp, every, allow_build=allow_build)
+    else:
+        arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build,
+                                           adapters_16bit=adapters_in_16bit(spec.training, spec.parallel.method))
     last = spec.parallel.world_size - 1
     table = _param_table(profile, arch.num_layers)
     # Rank 0 and the last rank are reported (FSDP/ZeRO padding and TP layouts put any asymmetry there), and under
