@@ -168,9 +168,8 @@ class TrainingSpec:
         if not isinstance(self.ckpt_policy, str):
             _fail("ckpt_policy", f"must be every-k:K or selective-ops, got {self.ckpt_policy!r}")
         if self.ckpt_policy:
-            if self.ckpt_policy != "selective-ops":
-                if ckpt_every(self.ckpt_policy) is None:
-                    _fail("ckpt_policy", f"{self.ckpt_policy!r} is not one of every-k:K, selective-ops")
+            if self.ckpt_policy != "selective-ops" and ckpt_every(self.ckpt_policy) is None:
+                _fail("ckpt_policy", f"{self.ckpt_policy!r} is not one of every-k:K, selective-ops")
             if not self.grad_ckpt:
                 _fail("ckpt_policy", "a checkpointing policy needs checkpointing on (--grad-ckpt)")
         if self.ce != "standard" and self.outputs_fp32:

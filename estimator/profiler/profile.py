@@ -19,9 +19,9 @@ from fractions import Fraction
 
 import torch
 
+from estimator.methods.long_context import LIGER_MARK
 from estimator.models.profiles import MONOMIALS, PROFILE_SCHEMA_VERSION
 from estimator.profiler import build
-from estimator.methods.long_context import LIGER_MARK
 from estimator.profiler.events import compact_events, first_optimizer_events
 from estimator.profiler.techniques import liger_loop_as_marker
 from estimator.profiler.trace import (
