@@ -14,7 +14,9 @@ from estimator.methods.fsdp1 import fsdp1
 from estimator.methods.long_context import (
     ACT_BYTES,
     LIGER_MARK,
+    checkpointed,
     head_shape,
+    liger_chunk_rows,
     liger_transient_bytes,
     mixed_layers,
     with_transient,
@@ -263,6 +265,39 @@ def every_k_profile(model: str, training: TrainingSpec, tp: int, every: int, *, 
             mixed[key] = mixed_layers(mine[key], theirs[key], arch.num_layers, every)
         regimes.append(mixed)
     return arch, {**plain, "regimes": regimes, "mixed_layers": f"every-k:{every}"}
+
+
+def _technique_notes(training: TrainingSpec, profile: dict, num_layers: int) -> list[str]:
+    """What each long-context technique was taken to be."""
+    notes = []
+    if training.ce == "chunked":
+        notes.append(f"ce: chunked — torchtune's LinearCrossEntropyLoss, {training.ce_chunks} sequence chunks, "
+                     "eager (torchtune leaves its compile off): the head and the fp32 cross-entropy one chunk at a "
+                     "time; each chunk's fp32 log-softmax stays saved for backward")
+    elif training.ce == "fused_linear":
+        vocab, hidden = head_shape(profile["params"])
+        tokens = training.micro_batch_size * training.seq_len
+        rows = liger_chunk_rows(tokens, vocab, hidden)
+        buffer = liger_transient_bytes(training.precision, tokens, vocab, hidden)
+        notes.append(f"ce: fused_linear — Liger's fused linear cross-entropy on its CUDA path (modelled from its "
+                     f"source; Triton does not run here): chunks of {rows} tokens, a {buffer / GIB:.2f} GiB "
+                     "transient; the hidden states' and the head's gradients made in the forward and held until "
+                     "backward")
+    if training.activation_offload:
+        notes.append("activation offload: save_on_cpu(pin_memory=True) around the forward — every tensor saved "
+                     "for backward (weights included) waits in pinned host memory (not counted here) and returns "
+                     "to the GPU when its node's backward unpacks it")
+    every = ckpt_every(training.ckpt_policy)
+    if every is not None:
+        layers = sum(checkpointed(num_layers, every))
+        notes.append(f"ckpt_policy: every-k:{every} — {layers} of {num_layers} decoder layers checkpointed "
+                     f"(layers {every - 1}, {2 * every - 1}, ...: torchtitan's and torchtune's count), the others "
+                     "keep their activations; each layer replayed from the checkpointed or the plain profile")
+    elif training.ckpt_policy == "selective-ops":
+        notes.append("ckpt_policy: selective-ops — torchtitan's op policy in every layer: matmul outputs saved "
+                     "but every second one (counted per checkpointed call), attention outputs saved, the rest "
+                     "recomputed")
+    return notes
 
 
 def _param_table(profile: dict, num_layers: int) -> list:
@@ -584,6 +619,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     notes.append(_loop_note(spec.training, profile))
     notes.append(versions_note(profile, model_code=spec.training.model_code))
     notes += _grad_sync_note(spec)
+    notes += _technique_notes(spec.training, profile, arch.num_layers)
     notes += _batch_note(spec.training, profile)
     notes += _layers_note(profile)
     notes += moe_notes(moe_facts(arch.config, profile["params"], arch.num_layers, total))

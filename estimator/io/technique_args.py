@@ -25,7 +25,7 @@ def add_technique_arguments(p: argparse.ArgumentParser) -> None:
 def technique_fields(args, base: TrainingSpec) -> dict:
     """TrainingSpec fields from the flags, ``base``'s where a flag is not given."""
     policy = args.ckpt_policy if args.ckpt_policy is not None else base.ckpt_policy
-    fields = {"ce": args.ce or base.ce, "ce_chunks": args.ce_chunks or base.ce_chunks,
+    fields = {"ce": args.ce or base.ce, "ce_chunks": base.ce_chunks if args.ce_chunks is None else args.ce_chunks,
               "activation_offload": bool(args.activation_offload or base.activation_offload),
               "ckpt_policy": policy}
     if policy:

@@ -154,6 +154,13 @@ class FusedLinearCE(torch.autograd.Function):
 
 def fused_linear_ce(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor) -> torch.Tensor:
     targets = shifted_labels(labels)
+    if hidden.device.type == "cuda":  # a GPU run measures Liger itself
+        try:
+            from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+        except ImportError:
+            raise ValueError("ce: fused_linear on a GPU runs Liger's kernel: pip install liger-kernel") from None
+        return LigerFusedLinearCrossEntropyFunction.apply(hidden.reshape(-1, hidden.shape[-1]), head.weight,
+                                                          targets.reshape(-1))[0]
     # Liger reads the trained-token count with .item(); on fake tensors it is every position but each row's last
     n_trained = labels.shape[0] * (labels.shape[1] - 1) if is_fake(targets) else int((targets != IGNORE_INDEX).sum())
     return FusedLinearCE.apply(hidden.reshape(-1, hidden.shape[-1]), head.weight, targets.reshape(-1), n_trained)
