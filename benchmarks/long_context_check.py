@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from estimator.api import estimate  # noqa: E402
 from estimator.spec import RunSpec, TrainingSpec  # noqa: E402
 
+PRECISIONS = ("bf16", "fp32")  # fp32 for Liger's fused loss only (its fp32 weight-gradient fallback)
 # (label, TrainingSpec fields): each technique alone, then two combinations a long-context run uses.
 TECHNIQUES = (
     ("chunked8", {"ce": "chunked", "ce_chunks": 8}),
@@ -46,13 +47,14 @@ TECHNIQUES = (
 )
 # MemTracker on fake tensors: catalogue models of two families (Llama: untied RMSNorm decoder with grouped heads in
 # SmolLM2's tied variant; OPT: learned positions, LayerNorm, biases, tied head), (b, s) where activations dominate.
-FAKE_MODELS = ("HuggingFaceTB/SmolLM2-135M", "facebook/opt-125m")
-FAKE_POINTS = ((1, 2048), (4, 512))
+# (model, points, precisions): SmolLM2's 30 layers and 49k vocabulary take minutes per MemTracker run on 2 cores,
+# so it gets one point.
+FAKE_RUNS = (("facebook/opt-125m", ((1, 2048), (4, 512)), PRECISIONS),
+             ("HuggingFaceTB/SmolLM2-135M", ((1, 2048),), PRECISIONS[:1]))
 # Real CPU runs (bf16; fp32 too for Liger's fp32 fallback): small configs of the same two families (harness/assets/models), eager attention (the CPU has no
 # flash or memory-efficient SDPA kernel; eager attention allocates alike on both).
 REAL_MODELS = ("small-llama", "small-opt")
 REAL_POINTS = ((2, 512), (4, 1024))
-PRECISIONS = ("bf16", "fp32")
 
 
 def _config(name: str) -> dict:
@@ -112,10 +114,10 @@ def main() -> int:
         print(" ".join(str(v) for v in row.values()), flush=True)
 
     if "memtracker" in args.oracles:
-        for model in FAKE_MODELS:
-            for b, s in FAKE_POINTS[:1] if args.quick else FAKE_POINTS:
+        for model, points, precisions in FAKE_RUNS:
+            for b, s in points[:1] if args.quick else points:
                 for label, fields in techniques:
-                    for precision in PRECISIONS[:1] if label != "fused_linear" else PRECISIONS:
+                    for precision in precisions[:1] if label != "fused_linear" else precisions:
                         training = TrainingSpec(micro_batch_size=b, seq_len=s, precision=precision, **fields)
                         predicted = estimate(RunSpec(model=model, training=training)).traced_allocated_bytes
                         started = time.perf_counter()

@@ -210,3 +210,18 @@ def test_plan_climbs_the_ladder_only_when_nothing_fits(monkeypatch):
     short = P.plan("m", gpus=8, gpu=gpu.key, gpu_info=gpu, seq_len=1024, estimate_fn=estimate,
                    methods=("fsdp",), ckpt_options=(True,), advise=False)
     assert short.technique == "" and set(seen) == {"standard"}     # it fits: no technique tried
+
+
+def test_torchtune_recipes_name_their_loss_and_offload(tmp_path):
+    from estimator.configs import spec_from_configs
+
+    recipe = {"model": {"_component_": "torchtune.models.llama3_2.llama3_2_1b"}, "dtype": "bf16",
+              "loss": {"_component_": "torchtune.modules.loss.LinearCrossEntropyLoss", "num_output_chunks": 16},
+              "enable_activation_offloading": True, "enable_activation_checkpointing": True}
+    path = tmp_path / "tt.yaml"
+    path.write_text(json.dumps(recipe))  # YAML is a superset of JSON
+    spec, report = spec_from_configs([str(path)], {})
+    assert (spec.training.ce, spec.training.ce_chunks, spec.training.activation_offload) == ("chunked", 16, True)
+    assert any("save_on_cpu" in note for note in report.notes)
+    flagged, _ = spec_from_configs([str(path)], {"ce": "fused_linear", "ckpt_policy": "every-k:2"})
+    assert (flagged.training.ce, flagged.training.ckpt_policy) == ("fused_linear", "every-k:2")
