@@ -76,23 +76,57 @@ def checkpointed(num_layers: int, every: int) -> list[bool]:
     return [(i + 1) % every == 0 for i in range(num_layers)]
 
 
+def _shifted(seg: dict, poly: list[float], sign: float) -> dict:
+    """A segment holding ``sign * poly`` more at every moment (its net and each candidate)."""
+    def add(coeffs: list[float]) -> list[float]:
+        return [a + sign * x for a, x in zip(coeffs, poly)]
+    return {**seg, "net_act": add(seg["net_act"]), "candidates": [(add(a), g) for a, g in seg["candidates"]]}
+
+
 def mixed_layers(plain: dict, ckpt: dict, num_layers: int, every: int) -> dict:
-    """One segment set replaying every-k: the plain profile's prefix, middle and suffix, each decoder layer's
-    forward and backward from the profile of its kind (``sequence``: (segment, repetitions) in step order, for
-    ``estimator.methods.timeline.replay``). Each layer's segments hand its input and its gradient over to the
-    next as both profiles do (the layer that consumes a tensor frees it), so they compose."""
-    kinds = checkpointed(num_layers, every)
-    out = dict(plain)
-    out.update({name + CKPT: ckpt[name] for name in LAYER_SEGMENTS})
+    """One segment set replaying every-k: each decoder layer's forward and backward from the profile of its kind
+    (``sequence``: (segment, repetitions) in step order, for ``estimator.methods.timeline.replay``). A generic
+    layer frees its own input in its segment when it is not checkpointed and keeps it when it is, so the layers
+    compose; what does not is read off the two profiles' differences:
+
+    * what the first and the last layer's forward segments keep that a generic one frees (``fw_first`` /
+      ``fw_last`` less ``fw``: the embedding output a model keeps bound, the last layer's input freed after its
+      hook) goes at the forward's end (``mid_fw``) as the profile of that layer's kind frees it there;
+    * the rest of the two middles' difference is what every layer's call shares (rotary tables, position ids,
+      the attention mask: keyword arguments a checkpoint keeps alive): kept from the forward's end to the backward
+      of the lowest checkpointed layer (K-1), where the checkpointed profile lets it go only at the first layer.
+
+    Checked against both oracles on two families (docs/error_matrix/README.md)."""
     if num_layers < 2:
         raise ValueError("ckpt_policy: every-k needs at least 2 decoder layers")
+    kinds = checkpointed(num_layers, every)
+    if not any(kinds):
+        return dict(plain)
+    if all(kinds):
+        return dict(ckpt)
 
-    def layer(name: str, i: int) -> tuple[str, int]:
-        return (name + CKPT if kinds[i] else name, 1)
+    def kept(profile: dict, end: str) -> list[float]:
+        return [a - b for a, b in zip(profile[end]["net_act"], profile["fw"]["net_act"])]
 
-    forward = [layer("fw_first", 0)] + [layer("fw", i) for i in range(1, num_layers - 1)] \
-        + [layer("fw_last", num_layers - 1)]
-    backward = [layer("bw_first", num_layers - 1)] + [layer("bw", i) for i in range(num_layers - 2, 0, -1)] \
-        + [layer("bw_last", 0)]
+    first = [n - c for n, c in zip(kept(plain, "fw_first"), kept(ckpt, "fw_first"))]  # layer 0 is plain (K > 1)
+    last = [n - c for n, c in zip(kept(plain, "fw_last"), kept(ckpt, "fw_last"))]
+    shared = [c - p - f - la for c, p, f, la in zip(ckpt["mid_fw"]["net_act"], plain["mid_fw"]["net_act"], first,
+                                                  last)]
+    out = dict(plain)
+    out.update({name + CKPT: ckpt[name] for name in LAYER_SEGMENTS})
+    # the checkpointed profile's middle, less what the plain first (and a plain last) layer leaves to it to free
+    out["mid_fw"] = _shifted(ckpt["mid_fw"], [f + (0.0 if kinds[-1] else la) for f, la in zip(first, last)], -1.0)
+    out["release"] = {"net_act": [-x for x in shared], "net_grad": 0.0, "candidates": []}
+
+    def layer(name: str, i: int) -> list[tuple[str, int]]:
+        step = [(name + CKPT if kinds[i] else name, 1)]
+        if name.startswith("bw") and i == kinds.index(True):  # the lowest checkpointed layer's backward ends
+            step.append(("release", 1))
+        return step
+
+    forward = layer("fw_first", 0) + [s for i in range(1, num_layers - 1) for s in layer("fw", i)] \
+        + layer("fw_last", num_layers - 1)
+    backward = layer("bw_first", num_layers - 1) \
+        + [s for i in range(num_layers - 2, 0, -1) for s in layer("bw", i)] + layer("bw_last", 0)
     out["sequence"] = [("prefix", 1)] + forward + [("mid_fw", 1), ("mid_bw", 1)] + backward + [("suffix", 1)]
     return out
