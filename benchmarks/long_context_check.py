@@ -1,6 +1,12 @@
 """The long-context techniques (issue 18) against the project's two CPU oracles; writes an error table.
 
-    .venv/bin/python benchmarks/long_context_check.py [--quick] [--csv docs/error_matrix/long_context.csv]
+    .venv/bin/python benchmarks/long_context_check.py [--quick] [--oracles memtracker fsdp2-memtracker counted-cpu]
+        [--techniques LABEL ...] [--csv FILE]
+
+The committed tables: ``--oracles memtracker --csv docs/error_matrix/long_context_memtracker.csv``,
+``--oracles fsdp2-memtracker --csv docs/error_matrix/long_context_fsdp2.csv``, ``--oracles counted-cpu --csv
+docs/error_matrix/long_context_counted_cpu.csv`` (``LLMEM_CACHE_DIR`` set to a fresh directory traces the
+variants' profiles first). Exit 1 when a point is off by more than 1 %.
 
 Techniques: torchtune's chunked cross-entropy (``--ce chunked --ce-chunks 8``), Liger's fused linear
 cross-entropy (``--ce fused_linear``: a pure-torch re-implementation of its CUDA path's allocations, since Liger
@@ -11,6 +17,8 @@ less the cuBLAS workspace and the allocator's rounding, which no CPU oracle has)
 * ``memtracker``: torch's ``MemTracker`` over a full-depth fake-tensor run of the real transformers model
   (``harness.fake.memtracker``: its own model build, loop and techniques, ``harness.fake.long_context``), two
   steady steps, CUDA's kernel choices;
+* ``fsdp2-memtracker``: FSDP2 over 2 ranks (``FSDPMemTracker``, fake process group), ranks 0 and 1, of the small
+  configs (every-k is refused under FSDP);
 * ``counted-cpu``: the same program on real CPU tensors in a spawned interpreter, every live storage summed after
   every operator (``harness.fake.live_storage``); tiny configs, since it computes for real.
 """
@@ -31,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from estimator.api import estimate  # noqa: E402
-from estimator.spec import RunSpec, TrainingSpec  # noqa: E402
+from estimator.spec import ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
 
 PRECISIONS = ("bf16", "fp32")  # fp32 for Liger's fused loss only (its fp32 weight-gradient fallback)
 # (label, TrainingSpec fields): each technique alone, then two combinations a long-context run uses.
@@ -55,6 +63,7 @@ FAKE_RUNS = (("facebook/opt-125m", ((1, 2048), (4, 512)), PRECISIONS),
 # flash or memory-efficient SDPA kernel; eager attention allocates alike on both).
 REAL_MODELS = ("small-llama", "small-opt")
 REAL_POINTS = ((2, 512), (4, 1024))
+FSDP_WORLD = 2  # FSDP2 on torch's fake process group (oracle "fsdp2-memtracker"): the small configs, mixed_bf16
 
 
 def _config(name: str) -> dict:
@@ -71,10 +80,13 @@ def _variant(training: TrainingSpec, kernels: str = "cuda"):
                    ckpt_policy=training.ckpt_policy)
 
 
-def _memtracker_peak(config: dict, training: TrainingSpec) -> int:
+def _memtracker_peak(config: dict, training: TrainingSpec, world: int = 1, rank: int = 0) -> int:
+    """``world`` > 1: FSDP2 (FSDPMemTracker on torch's fake process group), this rank."""
+    import dataclasses
+
     from harness.fake import memtracker as mt
 
-    built = mt.build(config, _variant(training))
+    built = mt.build(config, dataclasses.replace(_variant(training), fsdp_world=world, rank=rank))
     try:
         return mt.peak_bytes(built, training.micro_batch_size, training.seq_len)
     finally:
@@ -102,7 +114,7 @@ def _row(oracle: str, model: str, label: str, training: TrainingSpec, predicted:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one point per model and oracle")
-    parser.add_argument("--oracles", nargs="*", default=["memtracker", "counted-cpu"])
+    parser.add_argument("--oracles", nargs="*", default=["memtracker", "fsdp2-memtracker", "counted-cpu"])
     parser.add_argument("--techniques", nargs="*", help="labels of TECHNIQUES (default: all)")
     parser.add_argument("--csv")
     args = parser.parse_args()
@@ -124,6 +136,25 @@ def main() -> int:
                         measured = _memtracker_peak(_config(model), training)
                         report(_row("memtracker", model, label, training, predicted, measured,
                                     time.perf_counter() - started))
+    if "fsdp2-memtracker" in args.oracles:  # every-k is refused under FSDP (alike layers): the others
+        for model in REAL_MODELS:
+            config = _config(model)
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / f"{model}.json"
+                path.write_text(json.dumps(config))
+                for label, fields in techniques:
+                    if "every-k" in fields.get("ckpt_policy", ""):
+                        continue
+                    training = TrainingSpec(micro_batch_size=4, seq_len=512, precision="mixed_bf16", **fields)
+                    spec = RunSpec(model=str(path), training=training,
+                                   parallel=ParallelSpec(method="fsdp", world_size=FSDP_WORLD))
+                    ranks = {r.rank: r for r in estimate(spec).ranks}
+                    for rank in (0, FSDP_WORLD - 1):
+                        started = time.perf_counter()
+                        measured = _memtracker_peak(config, training, FSDP_WORLD, rank)
+                        row = _row("fsdp2-memtracker", model, label, training,
+                                   ranks[rank].traced_allocated_bytes, measured, time.perf_counter() - started)
+                        report({**row, "technique": f"{label} rank {rank}/{FSDP_WORLD}"})
     if "counted-cpu" in args.oracles:
         spawn = multiprocessing.get_context("spawn")
         with tempfile.TemporaryDirectory() as tmp, \
