@@ -602,6 +602,9 @@ def _with_techniques(ctx: _Context, cands: list[Candidate], global_batch: int | 
             continue
         if _on_gpu_fits(trial_results):
             return trial, trial_results, trial_replayed, label
+        if trial_results and all(r.status == "invalid" for r in trial_results):
+            reason = trial_results[0].reason  # e.g. no torch here to trace the technique's profiles
+            return ctx, results, replayed, f"(not tried: {reason})"
     return ctx, results, replayed, ""
 
 
@@ -741,9 +744,11 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     results, replayed = _evaluate_all(ctx, cands, global_batch)
     _raise_if_all_invalid(results, global_batch)
     technique = technique_name(training)
+    skipped = ""
     if try_techniques:
         ctx, results, replayed, rung = _with_techniques(ctx, cands, global_batch, results, replayed)
-        technique = rung or technique
+        skipped = rung if rung.startswith("(not tried") else ""
+        technique = "" if skipped else (rung or technique)
     best = _rank(results)
     dp_link, tp_link = ctx.links(Candidate("dp_tp" if gpus > 1 else "single", gpus, 1))
     result = Plan(model=model, gpu_key=gpu_perf.key, gpu_name=gpu_perf.name, world_size=gpus, seq_len=seq_len,
@@ -754,6 +759,9 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
         result.notes.append(f"long context: no GPU-resident layout fits micro-batch 1 with the model's own loss "
                             f"and activations on the GPU; {technique} made it fit: every layout below is planned "
                             "with it")
+    if skipped:
+        result.notes.append(f"long context: the techniques (chunked / fused cross-entropy, activation offload) "
+                            f"were not planned {skipped}")
     result.notes += _notes(ctx, result)
     if replayed is not None:
         result.notes.append(f"reserved: the allocator replay ran for the {replayed} layout(s) that could be the "

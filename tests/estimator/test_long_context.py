@@ -225,3 +225,26 @@ def test_torchtune_recipes_name_their_loss_and_offload(tmp_path):
     assert any("save_on_cpu" in note for note in report.notes)
     flagged, _ = spec_from_configs([str(path)], {"ce": "fused_linear", "ckpt_policy": "every-k:2"})
     assert (flagged.training.ce, flagged.training.ckpt_policy) == ("fused_linear", "every-k:2")
+
+
+def test_plan_says_when_the_techniques_could_not_be_planned(monkeypatch):
+    from estimator.planning import plan as P
+    from estimator.planning import throughput as T
+
+    gpu = T.gpu_perf("h100-80gb")
+    arch = SimpleNamespace(max_positions=None, num_heads=32, vocab_size=32000, hidden_size=4096, num_layers=32)
+    monkeypatch.setattr(P, "model_facts", lambda model: {"arch": arch})
+    monkeypatch.setattr(P, "model_shape", lambda *a, **k: T.ModelShape(
+        params=8_000_000_000, matmul_params=7_000_000_000, layers=32, hidden_size=4096))
+
+    def estimate(spec):
+        if spec.training.ce != "standard":
+            raise ValueError("model: no cached profile for this architecture and variant (x); profiling it needs "
+                             "torch and transformers (pip install '.[profile]')")
+        return SimpleNamespace(peak_device_bytes=200 * 2**30, upper_bound_bytes=200 * 2**30,
+                               capacity_bytes=gpu.capacity_bytes, host_ram_bytes=0, calibrated=False)
+
+    result = P.plan("m", gpus=8, gpu=gpu.key, gpu_info=gpu, seq_len=65536, estimate_fn=estimate,
+                    methods=("fsdp",), ckpt_options=(True,), advise=False)
+    assert result.best is None and result.technique == ""
+    assert any(n.startswith("long context:") and "not tried" in n and "torch" in n for n in result.notes)
