@@ -273,7 +273,8 @@ def _technique_notes(training: TrainingSpec, profile: dict, num_layers: int) -> 
     if training.ce == "chunked":
         notes.append(f"ce: chunked — torchtune's LinearCrossEntropyLoss, {training.ce_chunks} sequence chunks, "
                      "eager (torchtune leaves its compile off): the head and the fp32 cross-entropy one chunk at a "
-                     "time; each chunk's fp32 log-softmax stays saved for backward")
+                     "time; each chunk's fp32 log-softmax stays saved for backward; every position counted as "
+                     "trained (it projects the trained ones only: with prompt-masked rows this is an upper bound)")
     elif training.ce == "fused_linear":
         vocab, hidden = head_shape(profile["params"])
         tokens = training.micro_batch_size * training.seq_len
