@@ -11,6 +11,16 @@ from estimator.hardware import residuals
 from estimator.hardware.gpus import get_gpu
 from estimator.methods import state as methods
 from estimator.methods.fsdp1 import fsdp1
+from estimator.methods.long_context import (
+    ACT_BYTES,
+    LIGER_MARK,
+    checkpointed,
+    head_shape,
+    liger_chunk_rows,
+    liger_transient_bytes,
+    mixed_layers,
+    with_transient,
+)
 from estimator.methods.timeline import Replay, at_depth, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
 from estimator.models.memo import memo_by_owner
@@ -20,7 +30,7 @@ from estimator.models.params import buffer_bytes, expand_params, param_counts
 from estimator.models.profiles import adapters_in_16bit, traced_release, versions_note
 from estimator.models.tp_plans import check_tp
 from estimator.profiler.cache import load_model_profile
-from estimator.spec import FSDP_METHODS, ParallelSpec, RunSpec, TrainingSpec
+from estimator.spec import FSDP_METHODS, ParallelSpec, RunSpec, TrainingSpec, ckpt_every
 
 GIB = 1024**3
 COMPONENTS = ("weights", "buffers", "gradients", "optimizer_states", "master_weights", "activations", "outputs_held",
@@ -139,9 +149,20 @@ class StepSequence:
     empty_cache_every: int | None = None
 
 
+# Methods whose replay walks the profile's segments one by one (``methods.timeline.replay``) and so can take a
+# mixed layer sequence; FSDP's and ZeRO-3's replays place their gathers per layer of alike layers.
+MIXED_LAYER_METHODS = ("single", "ddp", "tp", "zero1", "zero2", "zero_offload")
+
+
 def check_spec(spec: RunSpec, arch: ModelArch) -> None:
     """Model-dependent validation (the spec validates itself on construction)."""
     training, parallel = spec.training, spec.parallel
+    if ckpt_every(training.ckpt_policy) is not None and parallel.method not in MIXED_LAYER_METHODS:
+        raise ValueError(f"ckpt_policy: every-k is replayed for {', '.join(MIXED_LAYER_METHODS)}; "
+                         f"{parallel.method} replays its gathers over alike layers (not modelled yet)")
+    if training.ce == "fused_linear" and training.precision not in ACT_BYTES:
+        raise ValueError(f"ce: Liger's fused loss under autocast ({training.precision}) is not modelled; use "
+                         f"{', '.join(ACT_BYTES)}")
     if arch.max_positions and training.seq_len > arch.max_positions:
         raise ValueError(f"seq_len: {training.seq_len} exceeds the model's {arch.max_positions} positions")
     if parallel.tp > 1:
@@ -218,6 +239,67 @@ def _activation_split(segments: dict, peak: Replay, num_layers: int, b: int, s: 
 
 
 _TABLES: dict[tuple, tuple[dict, list]] = {}
+
+
+def technique_segments(segments: dict, profile: dict, training: TrainingSpec) -> dict:
+    """The segments with what a traced profile leaves out of a technique: Liger's chunk loop (``fused_linear``),
+    sized for this micro-batch (``methods.long_context``)."""
+    if training.ce != "fused_linear":
+        return segments
+    vocab, hidden = head_shape(profile["params"])
+    tokens = training.micro_batch_size * training.seq_len
+    return with_transient(segments, LIGER_MARK, liger_transient_bytes(training.precision, tokens, vocab, hidden))
+
+
+def every_k_profile(model: str, training: TrainingSpec, tp: int, every: int, *, allow_build: bool = True
+                    ) -> tuple[ModelArch, dict]:
+    """The profile of every-k checkpointing: each regime's segments mixed layer by layer from the checkpointed
+    and the plain profile (``methods.long_context.mixed_layers``). Without an event list: the reserved level
+    keeps the prior (``why_not``)."""
+    full = dataclasses.replace(training, ckpt_policy="")
+    arch, ckpt = load_model_profile(model, full, tp, allow_build=allow_build)
+    _, plain = load_model_profile(model, dataclasses.replace(full, grad_ckpt=False), tp, allow_build=allow_build)
+    regimes = []
+    for mine, theirs in zip(plain["regimes"], ckpt["regimes"]):
+        mixed = {k: v for k, v in mine.items() if k != "events"}
+        for key in ("segments", "segments_manual"):
+            mixed[key] = mixed_layers(mine[key], theirs[key], arch.num_layers, every)
+        regimes.append(mixed)
+    return arch, {**plain, "regimes": regimes, "mixed_layers": f"every-k:{every}"}
+
+
+def _technique_notes(training: TrainingSpec, profile: dict, num_layers: int) -> list[str]:
+    """What each long-context technique was taken to be."""
+    notes = []
+    if training.ce == "chunked":
+        notes.append(f"ce: chunked — torchtune's LinearCrossEntropyLoss, {training.ce_chunks} sequence chunks, "
+                     "eager (torchtune leaves its compile off): the head and the fp32 cross-entropy one chunk at a "
+                     "time; each chunk's fp32 log-softmax stays saved for backward; every position counted as "
+                     "trained (it projects the trained ones only: with prompt-masked rows this is an upper bound)")
+    elif training.ce == "fused_linear":
+        vocab, hidden = head_shape(profile["params"])
+        tokens = training.micro_batch_size * training.seq_len
+        rows = liger_chunk_rows(tokens, vocab, hidden)
+        buffer = liger_transient_bytes(training.precision, tokens, vocab, hidden)
+        notes.append(f"ce: fused_linear — Liger's fused linear cross-entropy on its CUDA path (modelled from its "
+                     f"source; Triton does not run here): chunks of {rows} tokens, a {buffer / GIB:.2f} GiB "
+                     "transient; the hidden states' and the head's gradients made in the forward and held until "
+                     "backward")
+    if training.activation_offload:
+        notes.append("activation offload: save_on_cpu(pin_memory=True) around the forward — every tensor saved "
+                     "for backward (weights included) waits in pinned host memory (not counted here) and returns "
+                     "to the GPU when its node's backward unpacks it")
+    every = ckpt_every(training.ckpt_policy)
+    if every is not None:
+        layers = sum(checkpointed(num_layers, every))
+        notes.append(f"ckpt_policy: every-k:{every} — {layers} of {num_layers} decoder layers checkpointed "
+                     f"(layers {every - 1}, {2 * every - 1}, ...: torchtitan's and torchtune's count), the others "
+                     "keep their activations; each layer replayed from the checkpointed or the plain profile")
+    elif training.ckpt_policy == "selective-ops":
+        notes.append("ckpt_policy: selective-ops — torchtitan's op policy in every layer: matmul outputs saved "
+                     "but every second one (counted per checkpointed call), attention outputs saved, the rest "
+                     "recomputed")
+    return notes
 
 
 def _param_table(profile: dict, num_layers: int) -> list:
@@ -373,7 +455,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     b, s = training.micro_batch_size, training.seq_len
     model = _step_model(spec, table, rank, path)
     regime = _regime(profile, b, s)
-    segments = loop_segments(regime, training.loop, arch.num_layers)
+    segments = technique_segments(loop_segments(regime, training.loop, arch.num_layers), profile, training)
     if layout is not None:
         segments = _ep_segments(segments, regime, table, layout, training, arch.num_layers, b, s, profile["params"])
     fb = None
@@ -395,7 +477,8 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
         phase = "forward"
     elif fb_total >= step_total:
         layer_act, other_act = _activation_split(at_depth(regime["segments"], arch.num_layers), fb,
-                                                 arch.num_layers, b, s)
+                                                 arch.num_layers, b, s) \
+            if "sequence" not in segments else (0.0, fb.peak_act_bytes)
         parts = {**model.resident, "gradients": model.resident.get("gradients", 0.0) + fb.peak_grad_bytes,
                  "activations": layer_act + other_act - held}
         for key, value in fb.peak_parts.items():
@@ -602,8 +685,12 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     check_spec(spec, arch)
     coeffs = coefficients if isinstance(coefficients, residuals.Coefficients) else \
         residuals.load_coefficients(gpu.key, coefficients)
-    arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build,
-                                       adapters_16bit=adapters_in_16bit(spec.training, spec.parallel.method))
+    every = ckpt_every(spec.training.ckpt_policy)
+    if every is not None:
+        arch, profile = every_k_profile(spec.model, spec.training, spec.parallel.tp, every, allow_build=allow_build)
+    else:
+        arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build,
+                                           adapters_16bit=adapters_in_16bit(spec.training, spec.parallel.method))
     last = spec.parallel.world_size - 1
     table = _param_table(profile, arch.num_layers)
     layout = _ep_layout(spec, arch, profile)
@@ -647,6 +734,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     notes.append(_loop_note(spec.training, profile))
     notes.append(versions_note(profile, model_code=spec.training.model_code))
     notes += _grad_sync_note(spec)
+    notes += _technique_notes(spec.training, profile, arch.num_layers)
     notes += _batch_note(spec.training, profile)
     notes += _layers_note(profile)
     notes += moe_notes(moe_facts(arch.config, profile["params"], arch.num_layers, total))

@@ -41,6 +41,26 @@ BATCHES = ("full", "padded")
 # ``accumulate()``, Lightning's ``no_backward_sync``: ``no_sync()`` / ``set_requires_gradient_sync(False)`` on the
 # others, every rank holding the unsharded gradients in between). Other methods' memory does not depend on it.
 GRAD_SYNCS = ("every", "last")
+# How the loss is computed from the last hidden states: "standard" (the model's own head and loss: logits for the
+# whole sequence, upcast to fp32), "chunked" (torchtune's LinearCrossEntropyLoss: head and fp32 cross-entropy one
+# sequence chunk at a time, ``ce_chunks`` chunks) or "fused_linear" (Liger's LigerFusedLinearCrossEntropyFunction:
+# the gradients of the hidden states and the head's weight computed chunk by chunk inside the forward).
+CES = ("standard", "chunked", "fused_linear")
+# Which decoder layers are checkpointed when ``grad_ckpt`` is on: "" every layer (HF, full AC); "every-k:K" every
+# K-th layer (torchtitan/torchtune's selective layer AC: layers K-1, 2K-1, ...); "selective-ops" every layer with
+# torchtitan's op policy (torch's create_selective_checkpoint_contexts: matmul and attention outputs saved,
+# every second matmul and the rest recomputed).
+CKPT_POLICIES = ("every-k", "selective-ops")
+
+
+def ckpt_every(policy: str) -> int | None:
+    """K of "every-k:K" (None for another policy); raises ValueError for a malformed one."""
+    if not policy.startswith("every-k"):
+        return None
+    head, _, tail = policy.partition(":")
+    if head != "every-k" or not tail.isdigit() or int(tail) < 1:
+        _fail("ckpt_policy", f"every-k needs a layer count, e.g. every-k:2, got {policy!r}")
+    return int(tail)
 
 
 def _fail(field_name: str, message: str) -> None:
@@ -112,6 +132,12 @@ class TrainingSpec:
     # layer's present key/value, a view of its fused QKV output, keeps that whole output alive to the loss.
     # False: the loop or the model turns it off (``model.config.use_cache = False``, ms-swift, axolotl, ...).
     use_cache: bool = False
+    ce: str = "standard"
+    ce_chunks: int = 8  # torchtune's num_output_chunks (chunked only; Liger picks its own chunk size)
+    # Saved activations moved to host memory during the forward (torch.autograd.graph.save_on_cpu(pin_memory=True)
+    # around the forward), copied back when backward unpacks them.
+    activation_offload: bool = False
+    ckpt_policy: str = ""
 
     def __post_init__(self) -> None:
         _check_positive_int("micro_batch_size", self.micro_batch_size)
@@ -144,6 +170,23 @@ class TrainingSpec:
             _fail("model_code", f"must be a transformers release such as 4.45 or 4.45.2, got {self.model_code!r}")
         if self.attn == "flash" and self.precision == "fp32":
             _fail("attn", "flash attention needs 16-bit activations; use sdpa or eager with fp32")
+        _check_choice("ce", self.ce, CES)
+        _check_positive_int("ce_chunks", self.ce_chunks)
+        if not isinstance(self.activation_offload, bool):
+            _fail("activation_offload", f"must be true or false, got {self.activation_offload!r}")
+        if not isinstance(self.ckpt_policy, str):
+            _fail("ckpt_policy", f"must be every-k:K or selective-ops, got {self.ckpt_policy!r}")
+        if self.ckpt_policy:
+            if self.ckpt_policy != "selective-ops" and ckpt_every(self.ckpt_policy) is None:
+                _fail("ckpt_policy", f"{self.ckpt_policy!r} is not one of every-k:K, selective-ops")
+            if not self.grad_ckpt:
+                _fail("ckpt_policy", "a checkpointing policy needs checkpointing on (--grad-ckpt)")
+        if self.ce != "standard" and self.outputs_fp32:
+            _fail("ce", "a loss outside the model under accelerate's fp32 output wrapper (outputs_fp32) is not "
+                        "modelled")
+        if (self.ce != "standard" or self.activation_offload or self.ckpt_policy) and (self.lora or self.qlora):
+            _fail("ce" if self.ce != "standard" else "activation_offload" if self.activation_offload
+                  else "ckpt_policy", "the long-context techniques are modelled for full fine-tuning only")
 
     @property
     def lora(self) -> bool:
@@ -299,6 +342,8 @@ class RunSpec:
             _fail("model", "must name a catalogue model, a config.json path or a hub id")
         if not isinstance(self.gpu, str) or not self.gpu.strip():
             _fail("gpu", "must be a GPU key such as h100-80gb")
+        if self.training.ce != "standard" and self.parallel.tp > 1:
+            _fail("ce", "a chunked or fused loss over a tensor-parallel head is not modelled (use tp 1)")
         if self.training.qlora and self.parallel.method in QLORA_UNSUPPORTED_METHODS:
             _fail("qlora", f"bitsandbytes 4-bit weights cannot be sharded by {self.parallel.method} here (FSDP2 and "
                            "DTensor cannot wrap Params4bit); use single, ddp or a ZeRO method")
@@ -308,8 +353,8 @@ class RunSpec:
 
     def _canonical_dict(self) -> dict[str, Any]:
         """to_dict without the settings of a method not used, nor settings added later at their default (FSDP1's,
-        ``ep``, ``moe_imbalance``, ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``, ``use_cache``):
-        ids stay as they were."""
+        ``ep``, ``moe_imbalance``, ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``, ``use_cache``,
+        the long-context techniques): ids stay as they were."""
         data = self.to_dict()
         if self.parallel.method != "fsdp1":
             data["parallel"].pop("fsdp1")
@@ -317,9 +362,13 @@ class RunSpec:
             data["parallel"].pop("ep")
         if self.parallel.moe_imbalance == 1:
             data["parallel"].pop("moe_imbalance")
-        for name in ("outputs_fp32", "lora_dropout", "model_code", "use_cache"):
+        for name in ("outputs_fp32", "lora_dropout", "model_code", "use_cache", "activation_offload", "ckpt_policy"):
             if not getattr(self.training, name):
                 data["training"].pop(name)
+        if self.training.ce == "standard":
+            data["training"].pop("ce")
+        if self.training.ce != "chunked":
+            data["training"].pop("ce_chunks")
         if self.training.grad_sync == "every":
             data["training"].pop("grad_sync")
         return data

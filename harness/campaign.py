@@ -204,6 +204,12 @@ class Planned:
         extras = [t.precision, t.attn, "ckpt" if t.grad_ckpt else "nockpt"]
         if t.lora_rank:
             extras.append(f"lora{t.lora_rank}" + (f"-dropout{t.lora_dropout:g}" if t.lora_dropout else ""))
+        if t.ce != "standard":
+            extras.append(f"ce-{t.ce}" + (str(t.ce_chunks) if t.ce == "chunked" else ""))
+        if t.activation_offload:
+            extras.append("offload")
+        if t.ckpt_policy:
+            extras.append(t.ckpt_policy)
         if self.opts.memory.cap_gib:
             extras.append(f"cap{self.opts.memory.cap_gib:g}G")
         return (f"{short_model(s.model)} {s.parallel.method} {ws} mb{t.micro_batch_size} seq{t.seq_len} "

@@ -19,7 +19,9 @@ SOURCES = HERE / "sources"
 # Mirrors estimator.columns.SPEC_INPUT_COLUMNS (tests/calibrate/test_public.py checks they agree).
 SPEC = ["model", "gpu", "method", "world_size", "tp", "micro_batch_size", "seq_len", "precision", "optimizer",
         "grad_ckpt", "attn", "lora_rank", "lora_targets", "lora_dropout", "qlora", "grad_accum_steps", "loop",
-        "batch", "outputs_fp32", "grad_sync", "model_code", "use_cache", "zero_reduce_bucket_size", "zero_allgather_bucket_size", "zero_overlap_comm", "zero_contiguous_gradients",
+        "batch", "outputs_fp32", "grad_sync", "model_code", "use_cache", "ce", "ce_chunks", "activation_offload",
+        "ckpt_policy", "zero_reduce_bucket_size", "zero_allgather_bucket_size", "zero_overlap_comm",
+        "zero_contiguous_gradients",
         "zero_reduce_scatter", "zero_stage3_prefetch_bucket_size", "zero_stage3_param_persistence_threshold",
         "zero_stage3_max_live_parameters", "zero_stage3_max_reuse_distance", "zero_sub_group_size",
         "zero_offload_optimizer", "zero_offload_param", "zero_pin_memory", "fsdp1_sharding_strategy",

@@ -111,7 +111,8 @@ def spec_from_settings(settings: dict[str, Setting], report: ConfigReport) -> Ru
     training = TrainingSpec(
         micro_batch_size=value("micro_batch_size", 1, "no micro-batch size given"),
         seq_len=value("seq_len", _DEFAULTS.seq_len, "no sequence length given; pass --seq-len"),
-        precision=precision, optimizer=value("optimizer", "adamw"), grad_ckpt=bool(value("grad_ckpt", False)),
+        precision=precision, optimizer=value("optimizer", "adamw"),
+        grad_ckpt=bool(value("grad_ckpt", False) or value("ckpt_policy", "")),
         attn=value("attn", "sdpa"), lora_rank=value("lora_rank", 0),
         lora_targets=value("lora_targets", "auto"),
         lora_dropout=value("lora_dropout", 0.0) if value("lora_rank", 0) else 0.0, qlora=bool(value("qlora", False)),
@@ -119,7 +120,9 @@ def spec_from_settings(settings: dict[str, Setting], report: ConfigReport) -> Ru
         # it changes nothing without accumulation or sharded gradients: left at its default there (same spec id)
         grad_sync=value("grad_sync", "every") if value("grad_accum_steps", 1) > 1 and method in FSDP_METHODS
         else "every",
-        outputs_fp32=_outputs_fp32(settings, method, value), use_cache=bool(value("use_cache", False)))
+        outputs_fp32=_outputs_fp32(settings, method, value), use_cache=bool(value("use_cache", False)),
+        ce=value("ce", "standard"), ce_chunks=value("ce_chunks", 8),
+        activation_offload=bool(value("activation_offload", False)), ckpt_policy=value("ckpt_policy", ""))
     gpu = str(value("gpu", "h100-80gb", "no config names the GPU type; pass --gpu")).lower()
     tp = value("tp", 1) if "tp" in settings else (world if method == "tp" else 1)
     model = str(settings["model"].value)

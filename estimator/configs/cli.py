@@ -17,7 +17,8 @@ _FLAG_SETTINGS = {"model": "model", "gpus": "world_size", "method": "method", "t
                   "optimizer": "optimizer", "grad_ckpt": "grad_ckpt", "attn": "attn", "lora_rank": "lora_rank",
                   "lora_targets": "lora_targets", "lora_dropout": "lora_dropout", "qlora": "qlora", "loop": "loop", "gpu": "gpu",
                   "grad_accum_steps": "grad_accum_steps", "grad_sync": "grad_sync", "outputs_fp32": "outputs_fp32",
-                  "use_cache": "use_cache", "deepspeed": "deepspeed"}
+                  "use_cache": "use_cache", "deepspeed": "deepspeed", "ce": "ce", "ce_chunks": "ce_chunks",
+                  "activation_offload": "activation_offload", "ckpt_policy": "ckpt_policy"}
 
 
 def explicit_flags(build_parser: Callable[[], argparse.ArgumentParser], argv: list[str]) -> dict[str, Any]:
@@ -68,6 +69,9 @@ def plan_args_from_configs(args: argparse.Namespace, argv: list[str], build_pars
     args.loop = keep("loop", t.loop)
     args.grad_sync = keep("grad_sync", t.grad_sync)
     args.outputs_fp32 = keep("outputs_fp32", t.outputs_fp32)
+    args.ce = keep("ce", None if t.ce == "standard" else t.ce)
+    args.ce_chunks = keep("ce_chunks", t.ce_chunks if t.ce == "chunked" else None)
+    args.activation_offload = keep("activation_offload", t.activation_offload or None)
     if args.precision is None:
         args.precision = _plan_precision(spec)
     if args.global_batch is None:

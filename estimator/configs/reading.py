@@ -10,7 +10,8 @@ DeepSpeed config dict or path), ``fsdp1`` (a dict of ``Fsdp1Spec`` fields the co
 mixed-precision switch), ``weights_dtype`` (``fp32``/``bf16``/``fp16``: what the model is loaded in),
 ``precision`` (an exact ``TrainingSpec.precision``), ``optimizer``, ``grad_ckpt``, ``attn``, ``lora_rank``,
 ``lora_targets``, ``lora_dropout``, ``qlora``, ``grad_accum_steps``, ``grad_sync``, ``loop``, ``outputs_fp32`` (accelerate's mixed precision wraps
-the forward: fp32 outputs), ``packing``, ``gpu``.
+the forward: fp32 outputs), ``packing``, ``gpu``, ``ce``, ``ce_chunks``, ``activation_offload``, ``ckpt_policy`` (the long-context
+techniques: ``TrainingSpec``'s fields).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 
 SETTINGS = ("model", "world_size", "method", "deepspeed", "fsdp1", "micro_batch_size", "seq_len", "half", "weights_dtype",
             "precision", "optimizer", "grad_ckpt", "attn", "lora_rank", "lora_targets", "lora_dropout",
-            "qlora", "grad_accum_steps", "grad_sync", "loop", "outputs_fp32", "use_cache", "packing", "gpu")
+            "qlora", "grad_accum_steps", "grad_sync", "loop", "outputs_fp32", "use_cache", "packing", "gpu", "ce",
+            "ce_chunks", "activation_offload", "ckpt_policy")
 _TRUE = {"true", "yes", "on", "1", "y", "t"}
 _FALSE = {"false", "no", "off", "0", "n", "f", "none", "null", ""}
 

@@ -157,14 +157,30 @@ def _read_distributed(reading: Reading, data: dict[str, Any]) -> None:
 
 
 def _read_unmodelled(reading: Reading, data: dict[str, Any]) -> None:
-    if reading.flag("enable_activation_offloading", data.get("enable_activation_offloading", False)):
-        reading.not_modelled("enable_activation_offloading", "offloaded activations are estimated on the GPU")
+    if "lora_rank" in reading.settings and reading.flag("enable_activation_offloading",
+                                                        data.get("enable_activation_offloading", False)):
+        reading.not_modelled("enable_activation_offloading", "offloaded activations of a LoRA run are estimated "
+                             "on the GPU")
+    elif reading.flag("enable_activation_offloading", data.get("enable_activation_offloading", False)):
+        # torchtune's OffloadActivations keeps parameters and tensors under 1 KiB on the GPU and, with streams,
+        # each tensor until its copy is done: estimated as save_on_cpu, which moves everything at once
+        reading.set("activation_offload", True, "enable_activation_offloading")
+        reading.notes.append("enable_activation_offloading: estimated as torch's save_on_cpu (torchtune's "
+                             "OffloadActivations keeps parameters, tiny tensors and in-flight copies on the GPU)")
     if reading.flag("compile", data.get("compile", False)):
         reading.not_modelled("compile", "torch.compile is not modelled; estimated eager")
     if reading.flag("optimizer_in_bwd", data.get("optimizer_in_bwd", False)):
         reading.not_modelled("optimizer_in_bwd", "stepping each parameter in backward frees its gradient at "
                              "once; estimated with all gradients held (an over-estimate)")
     loss = _component(data.get("loss") or {})
-    if loss and ("Chunked" in loss or "Linear" in loss or not loss.endswith("CrossEntropyLoss")):
+    section = data.get("loss") or {}
+    lora = "lora_rank" in reading.settings  # the techniques are modelled for full fine-tuning only
+    if loss.endswith(".LinearCrossEntropyLoss") and not lora:
+        reading.set("ce", "chunked", "loss._component_")
+        chunks = section.get("num_output_chunks", 8) if isinstance(section, dict) else 8
+        reading.set("ce_chunks", reading.count("loss.num_output_chunks", chunks), "loss.num_output_chunks")
+    elif loss.endswith(".LigerFusedCrossEntropyLoss") and not lora:
+        reading.set("ce", "fused_linear", "loss._component_")
+    elif loss and ("Chunked" in loss or "Linear" in loss or not loss.endswith("CrossEntropyLoss")):
         reading.not_modelled(f"loss._component_={loss}", "chunked/fused losses hold less than the full fp32 "
                              "logits the estimate assumes")

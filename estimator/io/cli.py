@@ -14,6 +14,7 @@ from pathlib import Path
 
 from estimator.batching.cli_args import add_batching_arguments, batching_from_args
 from estimator.io.fsdp1_args import add_fsdp1_arguments, fsdp1_from_args
+from estimator.io.technique_args import add_technique_arguments, technique_fields, technique_label
 from estimator.spec import (
     ATTENTIONS,
     BATCHES,
@@ -106,15 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list-gpus", action="store_true", help="list GPU keys")
     add_fsdp1_arguments(p)
     add_batching_arguments(p)
+    add_technique_arguments(p)
     return p
 
 
 def _training(args, base: TrainingSpec) -> TrainingSpec:
     pick = lambda value, default: default if value is None else value  # noqa: E731
+    techniques = technique_fields(args, base)
     return TrainingSpec(micro_batch_size=pick(args.micro_batch_size, base.micro_batch_size),
                         seq_len=pick(args.seq_len, base.seq_len), precision=pick(args.precision, base.precision),
                         optimizer=args.optimizer if args.optimizer != "adamw" else base.optimizer,
-                        grad_ckpt=pick(args.grad_ckpt, base.grad_ckpt), attn=pick(args.attn, base.attn),
+                        grad_ckpt=techniques.pop("grad_ckpt", pick(args.grad_ckpt, base.grad_ckpt)),
+                        attn=pick(args.attn, base.attn), **techniques,
                         lora_rank=args.lora_rank or base.lora_rank,
                         lora_targets=args.lora_targets if args.lora_targets != "auto" else base.lora_targets,
                         lora_dropout=pick(args.lora_dropout, base.lora_dropout), qlora=args.qlora or base.qlora,
@@ -211,7 +215,7 @@ def _loop_label(t) -> str:
     sync = f", gradients reduced on the {t.grad_sync} micro-batch" if t.grad_accum_steps > 1 and \
         t.grad_sync == "last" else ""
     return (f", {t.loop} loop" + (", fp32 outputs" if t.outputs_fp32 else "")
-            + (", key/value cache on" if t.use_cache else "") + sync)
+            + (", key/value cache on" if t.use_cache else "") + sync + technique_label(t))
 
 
 def render_compare(results: list[tuple[str, object, str]], spec: RunSpec, gpus: int) -> str:

@@ -67,7 +67,7 @@ class Replay:
 
     @property
     def phase(self) -> str:
-        return "forward" if self.peak_segment in FORWARD_SEGMENTS else "backward"
+        return "forward" if self.peak_segment.split("+")[0] in FORWARD_SEGMENTS else "backward"
 
 
 def _full(prev: float, within: float) -> float:
@@ -99,7 +99,8 @@ def replay(segments: dict, num_layers: int, b: int, s: int, grad_policy: GradPol
     grad = 0.0
     best = (float("-inf"), 0.0, 0.0, "prefix", 0.0)
     breakpoints = tuple(getattr(grad_policy, "breakpoints", ()))
-    for name, repeats in segment_sequence(num_layers):
+    # a mixed set (estimator.methods.long_context.mixed_layers: every-k checkpointing) names its own order
+    for name, repeats in segments.get("sequence") or segment_sequence(num_layers):
         if repeats == 0:
             continue
         seg = segments[name]

@@ -51,8 +51,24 @@ def variant_key(training: TrainingSpec, adapters_16bit: bool = False) -> str:
     autocast = "_autocast" if training.forward_autocast else ""
     # Traced with the model's key/value cache on (``TrainingSpec.use_cache``); profiles without it keep their key.
     cache = "_kvcache" if training.use_cache else ""
-    return (f"{training.precision}_{attn}_{'ckpt' if training.grad_ckpt else 'nockpt'}_{lora}{padded}{autocast}"
-            f"{cache}")
+    return (f"{training.precision}_{attn}_{_ckpt_token(training)}_{lora}{padded}{autocast}"
+            f"{cache}{long_context_suffix(training)}")
+
+
+def _ckpt_token(training: TrainingSpec) -> str:
+    if not training.grad_ckpt:
+        return "nockpt"
+    if training.ckpt_policy == "selective-ops":
+        return "sacops"
+    if training.ckpt_policy:  # every-k is replayed from the ckpt and nockpt profiles (estimator.methods.layer_mix)
+        raise ValueError(f"ckpt_policy: {training.ckpt_policy} has no profile of its own")
+    return "ckpt"
+
+
+def long_context_suffix(training: TrainingSpec) -> str:
+    """The key suffix of a profile traced with a long-context technique: the loss (``ce``), activation offload."""
+    ce = {"standard": "", "chunked": f"_ce-chunked{training.ce_chunks}", "fused_linear": "_ce-fused"}[training.ce]
+    return ce + ("_offload" if training.activation_offload else "")
 
 
 def profile_key(config_sha: str, training: TrainingSpec, tp: int = 1, adapters_16bit: bool = False) -> str:

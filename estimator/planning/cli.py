@@ -12,6 +12,7 @@ import sys
 
 from estimator.batching.cli_args import add_batching_arguments, batching_from_args
 from estimator.io.fsdp1_args import add_fsdp1_arguments, fsdp1_from_args
+from estimator.io.technique_args import add_technique_arguments
 from estimator.planning import plan as planner
 from estimator.planning.plan import Plan
 from estimator.spec import ATTENTIONS, BATCHES, GRAD_SYNCS, LOOPS, OPTIMIZERS, PRECISIONS
@@ -80,7 +81,17 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_fsdp1_arguments(parser)
     add_batching_arguments(parser)
+    add_technique_arguments(parser)
+    parser.add_argument("--no-techniques", action="store_true",
+                        help="never try the long-context techniques when nothing fits (default: chunked, then "
+                             "fused cross-entropy, then activation offload, until a GPU-resident layout fits)")
     return parser
+
+
+def _techniques(args: argparse.Namespace) -> dict:
+    fields = {"ce": args.ce, "ce_chunks": args.ce_chunks, "activation_offload": args.activation_offload,
+              "ckpt_policy": args.ckpt_policy}
+    return {k: v for k, v in fields.items() if v}
 
 
 def _methods(text: str | None) -> list[str] | None:
@@ -113,7 +124,8 @@ def run_plan(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                               epoch=epoch, alloc_conf=args.alloc_conf, batch=args.batch,
                               fsdp1=fsdp1_from_args(args, "fsdp1", getattr(args, "fsdp1_base", None)),
                               outputs_fp32=args.outputs_fp32, grad_sync=args.grad_sync,
-                              model_code=args.model_code)
+                              model_code=args.model_code, techniques=_techniques(args),
+                              try_techniques=not args.no_techniques)
         baseline = None
         if args.llmem:
             from estimator.baselines import llmem_select
@@ -198,8 +210,9 @@ def recommendation_line(p: Plan) -> str:
     c = b.candidate
     layout = f"{c.label}" + (f" (tp={c.tp})" if c.method == "tp" else "")
     host = f", host RAM ~{_gib(b.host_ram_node_bytes)} GiB/node" if b.host_ram_node_bytes else ""
+    technique = f", {p.technique}," if p.technique else ""
     return (f"Recommendation: {layout} [{planner.RUN_AS[c.method]}]{' with' if c.grad_ckpt else ' without'} "
-            f"gradient checkpointing, micro-batch {b.micro_batch} x {b.grad_accum} accumulation x dp {c.dp}: "
+            f"gradient checkpointing{technique} micro-batch {b.micro_batch} x {b.grad_accum} accumulation x dp {c.dp}: "
             f"~{b.tokens_per_s:,.0f} tokens/s, peak {_gib(b.peak_bytes)} GiB/rank "
             f"(bound {_gib(b.bound_bytes)} of {_gib(b.capacity_bytes)} GiB){host}")
 

@@ -283,12 +283,15 @@ class Plan:
     elapsed_s: float = 0.0
     epoch: dict[str, Any] | None = None    # with sample lengths: the recommendation's epoch summary
     grad_sync: str = "every"
+    # The long-context technique the results were planned with ("" none): the user's, or the first of
+    # TECHNIQUE_LADDER that made a GPU-resident layout fit when none did without one.
+    technique: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "gpu": self.gpu_key, "gpu_name": self.gpu_name,
                 "world_size": self.world_size, "seq_len": self.seq_len, "precision": self.precision,
                 "optimizer": self.optimizer, "global_batch": self.global_batch, "lora_rank": self.lora_rank,
-                "loop": self.loop, "grad_sync": self.grad_sync,
+                "loop": self.loop, "grad_sync": self.grad_sync, "technique": self.technique,
                 "recommendation": self.best.to_dict() if self.best else None,
                 "candidates": [r.to_dict() for r in self.results], "advice": self.advice, "notes": self.notes,
                 "throughput_model": self.assumptions, "memory_calibrated": self.memory_calibrated,
@@ -561,6 +564,64 @@ def _rank(results: list[CandidateResult]) -> CandidateResult | None:
     return ok[0]
 
 
+# The long-context techniques the plan tries, in order, when no GPU-resident layout fits micro-batch 1 without
+# one: each removes more memory than the one before for little or no compute (the loss's logits first: at long
+# sequences they are the largest tensors; then the checkpointed layer inputs to the host).
+TECHNIQUE_LADDER = (
+    ("chunked cross-entropy (torchtune's LinearCrossEntropyLoss, 8 chunks: --ce chunked)",
+     {"ce": "chunked", "ce_chunks": 8}),
+    ("Liger's fused linear cross-entropy (--ce fused_linear)", {"ce": "fused_linear"}),
+    ("Liger's fused linear cross-entropy + activation offload to the host (--ce fused_linear "
+     "--activation-offload)", {"ce": "fused_linear", "activation_offload": True}),
+)
+
+
+def technique_name(training: TrainingSpec) -> str:
+    """The label of the techniques a training spec runs ("" none)."""
+    parts = []
+    if training.ce == "chunked":
+        parts.append(f"chunked cross-entropy ({training.ce_chunks} chunks)")
+    elif training.ce == "fused_linear":
+        parts.append("Liger's fused linear cross-entropy")
+    if training.activation_offload:
+        parts.append("activation offload")
+    if training.ckpt_policy:
+        parts.append(f"checkpointing policy {training.ckpt_policy}")
+    return " + ".join(parts)
+
+
+def _uses_technique(training: TrainingSpec) -> bool:
+    return training.ce != "standard" or training.activation_offload or bool(training.ckpt_policy)
+
+
+def _on_gpu_fits(results: list[CandidateResult]) -> bool:
+    return any(r.fits and not r.candidate.offload for r in results)
+
+
+def _with_techniques(ctx: _Context, cands: list[Candidate], global_batch: int | None, results: list,
+                     replayed: int | None) -> tuple[_Context, list, int | None, str]:
+    """When no GPU-resident layout fits, the first rung of TECHNIQUE_LADDER under which one does: (context,
+    results, replayed, the rung's label); the inputs unchanged when none does, or the spec already runs one.
+    A rung's profiles are traced on first use (torch): without torch the rung is skipped."""
+    if _on_gpu_fits(results) or _uses_technique(ctx.training) or ctx.training.lora or ctx.training.outputs_fp32:
+        return ctx, results, replayed, ""
+    for label, fields in TECHNIQUE_LADDER:
+        if fields.get("ce") == "fused_linear" and ctx.training.precision.startswith("amp_"):
+            continue
+        trial = dataclasses.replace(ctx, training=dataclasses.replace(ctx.training, **fields), cache={})
+        cands_gpu = [c for c in cands if not c.offload and c.tp == 1]  # no fused loss over a TP head
+        try:
+            trial_results, trial_replayed = _evaluate_all(trial, cands_gpu, global_batch)
+        except ValueError:
+            continue
+        if _on_gpu_fits(trial_results):
+            return trial, trial_results, trial_replayed, label
+        if trial_results and all(r.status == "invalid" for r in trial_results):
+            reason = trial_results[0].reason  # e.g. no torch here to trace the technique's profiles
+            return ctx, results, replayed, f"(not tried: {reason})"
+    return ctx, results, replayed, ""
+
+
 def _default_precision(gpu: tput.GpuPerf) -> str:
     return "mixed_bf16" if gpu.supports_bf16() else "mixed_fp16"
 
@@ -637,7 +698,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
          estimate_fn: EstimateFn | None = None, gpu_info: tput.GpuPerf | None = None, loop: str = "trainer",
          epoch: Any = None, alloc_conf: str | None = None, batch: str = "full",
          fsdp1: Fsdp1Spec | None = None, outputs_fp32: bool = False, grad_sync: str = "every",
-         model_code: str = "") -> Plan:
+         model_code: str = "", techniques: dict[str, Any] | None = None, try_techniques: bool = True) -> Plan:
     """Search, rank and advise. Raises ``ValueError("field: ...")`` for bad input (unknown GPU or model,
     impossible N, a global batch no candidate can split, a method with no layout on N GPUs).
 
@@ -650,7 +711,11 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     ``fsdp1``: the settings of the fsdp1 layout (default: FULL_SHARD, use_orig_params, BACKWARD_PRE).
     ``outputs_fp32``: the forward returns fp32 copies of its 16-bit outputs (``TrainingSpec.outputs_fp32``).
     ``grad_sync``: when FSDP reduces under gradient accumulation (``TrainingSpec.grad_sync``).
-    ``model_code``: the transformers release whose model code runs (``TrainingSpec.model_code``)."""
+    ``model_code``: the transformers release whose model code runs (``TrainingSpec.model_code``).
+    ``techniques``: TrainingSpec fields of long-context techniques every layout runs (``ce``, ``ce_chunks``,
+    ``activation_offload``, ``ckpt_policy``: a policy plans the checkpointed layouts only). Without them and
+    with ``try_techniques``, when no GPU-resident layout fits, the layouts are planned again under each rung of
+    ``TECHNIQUE_LADDER`` until one fits; the plan names the rung (``Plan.technique``)."""
     started = time.perf_counter()
     from estimator.api import resolve_alloc_conf
 
@@ -666,7 +731,9 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     training = TrainingSpec(micro_batch_size=1, seq_len=seq_len, precision=precision, optimizer=optimizer,
                             attn=attn, lora_rank=lora_rank, lora_targets=lora_targets, lora_dropout=lora_dropout,
                             loop=loop, batch=batch, outputs_fp32=outputs_fp32, grad_sync=grad_sync,
-                            model_code=model_code)
+                            model_code=model_code, **(techniques or {}))
+    if training.ckpt_policy:
+        ckpt_options = (True,)  # the policy says how the checkpointed layouts checkpoint
     if not any(gpu_perf.peak_flops.values()) or not gpu_perf.capacity_bytes:
         raise ValueError(f"gpu: {gpu_perf.key!r} has no capacity or peak FLOP/s in the catalogue; "
                          "the planner needs a known GPU type")
@@ -690,12 +757,25 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
                          f"layout on {gpus} GPUs (dp in {', '.join(map(str, dps))})")
     results, replayed = _evaluate_all(ctx, cands, global_batch)
     _raise_if_all_invalid(results, global_batch)
+    technique = technique_name(training)
+    skipped = ""
+    if try_techniques:
+        ctx, results, replayed, rung = _with_techniques(ctx, cands, global_batch, results, replayed)
+        skipped = rung if rung.startswith("(not tried") else ""
+        technique = "" if skipped else (rung or technique)
     best = _rank(results)
     dp_link, tp_link = ctx.links(Candidate("dp_tp" if gpus > 1 else "single", gpus, 1))
     result = Plan(model=model, gpu_key=gpu_perf.key, gpu_name=gpu_perf.name, world_size=gpus, seq_len=seq_len,
                   precision=precision, optimizer=optimizer, global_batch=global_batch, lora_rank=lora_rank,
                   loop=loop, grad_sync=grad_sync, results=results, best=best,
-                  assumptions=tput.assumptions(gpu_perf, ctx.eff, dp_link, tp_link))
+                  assumptions=tput.assumptions(gpu_perf, ctx.eff, dp_link, tp_link), technique=technique)
+    if technique and ctx.training is not training:
+        result.notes.append(f"long context: no GPU-resident layout fits micro-batch 1 with the model's own loss "
+                            f"and activations on the GPU; {technique} made it fit: every layout below is planned "
+                            "with it")
+    if skipped:
+        result.notes.append(f"long context: the techniques (chunked / fused cross-entropy, activation offload) "
+                            f"were not planned {skipped}")
     result.notes += _notes(ctx, result)
     if replayed is not None:
         result.notes.append(f"reserved: the allocator replay ran for the {replayed} layout(s) that could be the "

@@ -95,11 +95,20 @@ def build_model(config: dict[str, Any], training: TrainingSpec, device: torch.de
         model = _from_config(cfg, dtype, requested)
     model.config.use_cache = training.use_cache
     if training.grad_ckpt:
-        kwargs = {"use_reentrant": False}
+        from estimator.profiler.techniques import apply_layer_policy, checkpoint_kwargs
+        from estimator.profiler.trace import decoder_layers
+
+        kwargs = checkpoint_kwargs(training)  # non-reentrant; selective-ops adds torchtitan's op policy
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if training.ckpt_policy:
+            apply_layer_policy(decoder_layers(model, cfg.num_hidden_layers), training)
+    if training.ce != "standard":  # torchtune's / Liger's loss in place of the head's: wrappers still see a call
+        from estimator.profiler.techniques import install_loss
+
+        install_loss(model, training)
     if training.qlora:
         model = prepare_qlora_base(model, param_dtype(training.precision))
         if not meta:
@@ -330,13 +339,20 @@ class HeldOutputs:
         self.outputs_fp32 = outputs_fp32
         self.outputs: Any = None
 
-    def forward(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        outputs = model(**batch)
+    def forward(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], training: TrainingSpec | None = None,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+        """``training``: the forward with its autocast and long-context techniques (``step_forward``); without
+        it, a plain call (e.g. DeepSpeed's engine, which autocasts inside)."""
+        if training is None:
+            outputs = model(**batch)
+            loss = outputs.loss
+        else:
+            outputs, loss = step_forward(model, batch, training, device)
         if self.outputs_fp32:
             outputs = outputs_to_fp32(outputs)
         if self.loop == "manual":
             self.outputs = outputs  # rebinding frees the previous micro-batch's outputs only now
-        return outputs.loss
+        return loss
 
     def clear(self) -> None:
         self.outputs = None
@@ -361,10 +377,27 @@ def forward_backward(model: torch.nn.Module, batch: dict[str, torch.Tensor], tra
     """Forward and backward of one micro-batch; returns the detached loss. The output object is dropped before
     backward unless ``held`` keeps it (``training.loop`` "manual": pass one ``HeldOutputs`` for every step)."""
     held = held if held is not None else HeldOutputs("trainer", training.outputs_fp32)
-    with autocast_context(training, device):
-        loss = held.forward(model, batch)
+    loss = held.forward(model, batch, training, device)
     (loss * scale if scale != 1.0 else loss).backward()
     return loss.detach()
+
+
+def step_forward(model: torch.nn.Module, batch: dict[str, torch.Tensor], training: TrainingSpec,
+                 device: torch.device | str = "cpu") -> tuple[Any, torch.Tensor]:
+    """(output object, loss) of one forward as the spec runs it: under its autocast, with its activation offload
+    (the loss of ``training.ce`` is the model's forward itself, ``build_model``)."""
+    with autocast_context(training, device), offload_context(training, device):
+        outputs = model(**batch)
+        return outputs, outputs.loss
+
+
+def offload_context(training: TrainingSpec, device: torch.device | str) -> contextlib.AbstractContextManager:
+    """``activation_offload``: the forward's saved tensors moved to the host (``techniques``)."""
+    if not training.activation_offload:
+        return contextlib.nullcontext()
+    from estimator.profiler.techniques import offload_saved_tensors
+
+    return offload_saved_tensors(device)
 
 
 def train_step(model, optimizer, batch, training: TrainingSpec, device: torch.device | str = "cpu",

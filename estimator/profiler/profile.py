@@ -19,9 +19,11 @@ from fractions import Fraction
 
 import torch
 
+from estimator.methods.long_context import LIGER_MARK
 from estimator.models.profiles import MONOMIALS, PROFILE_SCHEMA_VERSION
 from estimator.profiler import build
 from estimator.profiler.events import compact_events, first_optimizer_events
+from estimator.profiler.techniques import liger_loop_as_marker
 from estimator.profiler.trace import (
     StorageRecorder,
     decoder_layers,
@@ -33,6 +35,8 @@ from estimator.spec import TrainingSpec
 
 PROFILE_LAYERS = 3
 CHECK_LAYERS = 4
+# Markers a technique leaves where the profile stops tracing it (``estimator.methods.long_context``).
+TECHNIQUE_MARKS = (LIGER_MARK,)
 SEGMENTS = ("prefix", "fw_first", "fw", "fw_last", "mid_fw", "mid_bw", "bw_first", "bw", "bw_last", "suffix")
 
 
@@ -139,9 +143,7 @@ class _Model:
         rec = self.recorder
         with self._dtensor_patches(), self.mode, rec, build.as_on_gpu(self.training.batch, self.training):
             batch = build.synthetic_batch(b, s, min(self.vocab, 1000))
-            with build.autocast_context(self.training, "cpu"):
-                outputs = self.model(**batch)
-            loss = outputs.loss
+            outputs, loss = build.step_forward(self.model, batch, self.training)
             held = output_storages(outputs, loss)
             facts = [(storage.nbytes(), sixteen) for storage, sixteen in held]
             refs = [weakref.ref(storage) for storage, _ in held]
@@ -165,9 +167,7 @@ class _Model:
                 self.warm = True
             rec.mark("window_start")
             with self.tracker, build.as_on_gpu(self.training.batch, self.training):
-                with build.autocast_context(self.training, "cpu"):
-                    outputs = self.model(**batch)
-                loss = outputs.loss
+                outputs, loss = build.step_forward(self.model, batch, self.training)
                 held = output_storages(outputs, loss)
                 sids = [rec.sid(storage) for storage, _ in held]
                 refs = [weakref.ref(storage) for storage, _ in held]
@@ -333,9 +333,12 @@ def _segment_summary(events: list[tuple], coeffs: list[list[Fraction]], grads: l
     per_layer = [Fraction(0)] * 6
     grad = Fraction(0)
     candidates: list[tuple[list[Fraction], Fraction, list[Fraction]]] = []
+    marks: dict[str, tuple[list[float], float]] = {}
     for i, event in enumerate(events):
         kind = event[0]
         if kind == "m":
+            if event[1] in TECHNIQUE_MARKS:  # the state where a technique's untraced part starts
+                marks[event[1]] = ([float(x) for x in act], float(grad))
             continue
         c = coeffs[event[1]]
         sign = 1 if kind == "a" else -1
@@ -361,7 +364,7 @@ def _segment_summary(events: list[tuple], coeffs: list[list[Fraction]], grads: l
     if any(per_layer) or any(any(p) for p in kept_per_layer):
         summary["per_layer_act"] = [float(x) for x in per_layer]
         summary["candidates_per_layer"] = kept_per_layer
-    return summary
+    return {**summary, "marks": marks} if marks else summary
 
 
 def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:
@@ -620,7 +623,7 @@ def build_profile(config: dict, training: TrainingSpec, *, check: bool = True, t
     from estimator.profiler.cuda_path import backends_seen
 
     started = time.perf_counter()
-    with _process_group(tp), backends_seen() as sdpa_backends:
+    with _process_group(tp), backends_seen() as sdpa_backends, liger_loop_as_marker():
         model = _Model(config, training, PROFILE_LAYERS, tp)
         regimes = []
         for regime in regimes_for(config):

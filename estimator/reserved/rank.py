@@ -16,7 +16,7 @@ from estimator.reserved.replay import ReservedReplay, replay_rank, replay_sequen
 from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocations
 from estimator.reserved.zero import why_not_zero, zero_setup, zero_step
 from estimator.reserved.zero3 import why_not_zero3, zero3_setup, zero3_step
-from estimator.spec import FSDP_METHODS
+from estimator.spec import FSDP_METHODS, ckpt_every
 
 # Each with gradient accumulation (estimator.reserved.accumulate): DDP under no_sync accumulates as one GPU does,
 # the buckets copied into only at the synchronising micro-step (no allocation); FSDP2 reduce-scatters every
@@ -48,6 +48,10 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
     if getattr(spec.parallel, "ep", 1) > 1:
         return ("expert parallelism: the all-to-all buffers and the expert units' own FSDP2 gathers are not in the "
                 "allocator replay yet")
+    if ckpt_every(training.ckpt_policy) is not None:
+        return "every-k checkpointing mixes two profiles' layers; their event lists are not merged yet"
+    if training.ce == "fused_linear":
+        return "Liger's chunk buffer is added to the allocated peak, not to the event list"
     events = regime.get("events")
     if events is None:
         return "the profile has no event list (traced before event lists were kept)"

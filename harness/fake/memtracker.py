@@ -78,6 +78,12 @@ class Variant:
     lora_rank: int = 0
     lora_targets: str = "auto"
     lora_dropout: float = 0.0
+    # The long-context techniques (``harness.fake.long_context``): torchtune's chunked / Liger's fused loss, saved
+    # activations offloaded to the host, and which layers checkpoint (every-k:K, selective-ops; needs grad_ckpt).
+    ce: str = "standard"
+    ce_chunks: int = 8
+    activation_offload: bool = False
+    ckpt_policy: str = ""
 
 
 @dataclass
@@ -184,8 +190,17 @@ def build(config: dict[str, Any], variant: Variant, lr: float = 1e-5, *, fake: b
                 raise
             model = AutoModelForCausalLM.from_config(hf_config, dtype=weights, attn_implementation="eager")
     model.config.use_cache = False
-    if variant.grad_ckpt:
+    if variant.grad_ckpt and variant.ckpt_policy:
+        from harness.fake.long_context import enable_checkpointing
+
+        layers = next(getattr(hf_config, k) for k in _LAYER_KEYS if hasattr(hf_config, k))
+        enable_checkpointing(model, _decoder_layers(model, layers), variant.ckpt_policy)
+    elif variant.grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if variant.ce != "standard":
+        from harness.fake.long_context import replace_loss
+
+        replace_loss(model, variant.ce, variant.ce_chunks)
     if variant.lora_rank:
         model = _with_lora(model, variant)
     model.train()
@@ -366,7 +381,7 @@ def _train_steps(built: Built, b: int, s: int, loop: str, batch: str, steps: int
     outputs = None
     for _ in range(steps):
         for micro in range(accum):
-            amp = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+            amp = _forward_contexts(built.variant, autocast)
             with _unsynced(built, grad_sync, micro == accum - 1):
                 if loop == "manual":
                     with amp:
@@ -383,6 +398,21 @@ def _train_steps(built: Built, b: int, s: int, loop: str, batch: str, steps: int
         if after_step is not None:
             after_step()
     del outputs
+
+
+@contextlib.contextmanager
+def _forward_contexts(variant: Variant, autocast) -> Iterator[None]:
+    """The forward's autocast, and the host offload of what it saves for backward."""
+    import torch
+
+    with contextlib.ExitStack() as stack:
+        if autocast:
+            stack.enter_context(torch.autocast("cpu", dtype=autocast))
+        if variant.activation_offload:
+            from harness.fake.long_context import offloaded
+
+            stack.enter_context(offloaded())
+        yield
 
 
 def _step_scalars(optimizer) -> list:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from estimator.profiler.build import HeldOutputs, autocast_context, build_model
+from estimator.profiler.build import HeldOutputs, build_model
 from estimator.spec import RunSpec, TrainingSpec
 from harness.distributed import DistContext
 from harness.options import HarnessOptions
@@ -51,8 +51,8 @@ class TorchTrainer:
         self.held = HeldOutputs(training.loop, training.outputs_fp32)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with autocast_context(self.training, self.device):
-            return self.held.forward(self.model, batch)
+        # the spec's autocast and activation offload around the forward (build.step_forward)
+        return self.held.forward(self.model, batch, self.training, self.device)
 
     def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
         (loss * scale if scale != 1.0 else loss).backward()

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from estimator.profiler.build import HeldOutputs
+from estimator.profiler.build import HeldOutputs, offload_context
 from estimator.spec import RunSpec
 from harness.methods.base import WrapContext, build_on_device
 
@@ -176,7 +176,9 @@ class DeepSpeedTrainer:
         self.held = HeldOutputs(spec.training.loop, spec.training.outputs_fp32)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.held.forward(self.engine, batch)  # amp_*: autocast is inside the model's forward (autocast_inside)
+        # amp_*: autocast is inside the model's forward (autocast_inside); activation offload around the engine's
+        with offload_context(self.training, self.device):
+            return self.held.forward(self.engine, batch)
 
     def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
         self.engine.backward(loss)  # DeepSpeed scales by 1/gradient_accumulation_steps itself
