@@ -185,7 +185,8 @@ def test_plan_climbs_the_ladder_only_when_nothing_fits(monkeypatch):
     from estimator.planning import throughput as T
 
     gpu = T.gpu_perf("h100-80gb")
-    arch = SimpleNamespace(max_positions=None, num_heads=32, vocab_size=32000, hidden_size=4096, num_layers=32)
+    arch = SimpleNamespace(max_positions=None, num_heads=32, vocab_size=32000, hidden_size=4096, num_layers=32,
+                           config={})
     monkeypatch.setattr(P, "model_facts", lambda model: {"arch": arch})
     monkeypatch.setattr(P, "model_shape", lambda *a, **k: T.ModelShape(
         params=8_000_000_000, matmul_params=7_000_000_000, layers=32, hidden_size=4096, head_params=131_000_000,
@@ -232,7 +233,8 @@ def test_plan_says_when_the_techniques_could_not_be_planned(monkeypatch):
     from estimator.planning import throughput as T
 
     gpu = T.gpu_perf("h100-80gb")
-    arch = SimpleNamespace(max_positions=None, num_heads=32, vocab_size=32000, hidden_size=4096, num_layers=32)
+    arch = SimpleNamespace(max_positions=None, num_heads=32, vocab_size=32000, hidden_size=4096, num_layers=32,
+                           config={})
     monkeypatch.setattr(P, "model_facts", lambda model: {"arch": arch})
     monkeypatch.setattr(P, "model_shape", lambda *a, **k: T.ModelShape(
         params=8_000_000_000, matmul_params=7_000_000_000, layers=32, hidden_size=4096))
