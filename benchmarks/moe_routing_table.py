@@ -24,35 +24,10 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from harness.ep import ROUTINGS, force_routing  # the EP oracle forces the routers the same way
+
 HERE = Path(__file__).resolve().parent
 CONFIGS = [HERE / "configs" / f"{name}_tiny.json" for name in ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v2")]
-
-
-def balanced(tokens: int, k: int, experts: int):
-    import torch
-
-    return (torch.arange(tokens)[:, None] * k + torch.arange(k)[None, :]) % experts
-
-
-def skewed(tokens: int, k: int, experts: int):
-    import torch
-
-    return torch.arange(k)[None, :].expand(tokens, k).contiguous()
-
-
-ROUTINGS = {"balanced": balanced, "skewed": skewed}
-
-
-def force_routing(model, pick) -> int:
-    """Every top-k router returns ``pick(tokens, top_k, experts)`` as its experts; the number of routers."""
-    def hook(_module, _inputs, output):
-        logits, weights, _ = output
-        return logits, weights, pick(logits.shape[0], weights.shape[-1], logits.shape[-1]).to(logits.device)
-
-    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
-    for router in routers:
-        router.register_forward_hook(hook)
-    return len(routers)
 
 
 def measured_bytes(config: dict, precision: str, b: int, s: int, routing: str) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from estimator.methods.long_context import technique_name
 from estimator.spec import CES, TrainingSpec
 
 
@@ -34,14 +35,6 @@ def technique_fields(args, base: TrainingSpec) -> dict:
 
 
 def technique_label(t: TrainingSpec) -> str:
-    """", chunked CE (8), offload, every-k:2" for a header line; "" without techniques."""
-    parts = []
-    if t.ce == "chunked":
-        parts.append(f"chunked CE ({t.ce_chunks})")
-    elif t.ce == "fused_linear":
-        parts.append("fused linear CE")
-    if t.activation_offload:
-        parts.append("activation offload")
-    if t.ckpt_policy:
-        parts.append(f"ckpt {t.ckpt_policy}")
-    return "".join(f", {p}" for p in parts)
+    """", chunked cross-entropy (8 chunks) + ckpt every-k:2" for a header line; "" without techniques."""
+    name = technique_name(t)
+    return f", {name}" if name else ""

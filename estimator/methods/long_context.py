@@ -130,3 +130,18 @@ def mixed_layers(plain: dict, ckpt: dict, num_layers: int, every: int) -> dict:
         + [s for i in range(num_layers - 2, 0, -1) for s in layer("bw", i)] + layer("bw_last", 0)
     out["sequence"] = [("prefix", 1)] + forward + [("mid_fw", 1), ("mid_bw", 1)] + backward + [("suffix", 1)]
     return out
+
+
+def technique_name(training) -> str:
+    """The label of the long-context techniques a training spec runs, "" for none ("chunked cross-entropy (8 chunks)
+    + activation offload + ckpt every-k:2"): the estimate's header and the plan say it the same way."""
+    parts = []
+    if training.ce == "chunked":
+        parts.append(f"chunked cross-entropy ({training.ce_chunks} chunks)")
+    elif training.ce == "fused_linear":
+        parts.append("Liger's fused linear cross-entropy")
+    if training.activation_offload:
+        parts.append("activation offload")
+    if training.ckpt_policy:
+        parts.append(f"ckpt {training.ckpt_policy}")
+    return " + ".join(parts)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from estimator.methods.long_context import technique_name
 from estimator.models.moe import routed_experts
 from estimator.planning import throughput as tput
 from estimator.planning.shape import ModelShape, model_facts, model_shape
@@ -574,20 +575,6 @@ TECHNIQUE_LADDER = (
     ("Liger's fused linear cross-entropy + activation offload to the host (--ce fused_linear "
      "--activation-offload)", {"ce": "fused_linear", "activation_offload": True}),
 )
-
-
-def technique_name(training: TrainingSpec) -> str:
-    """The label of the techniques a training spec runs ("" none)."""
-    parts = []
-    if training.ce == "chunked":
-        parts.append(f"chunked cross-entropy ({training.ce_chunks} chunks)")
-    elif training.ce == "fused_linear":
-        parts.append("Liger's fused linear cross-entropy")
-    if training.activation_offload:
-        parts.append("activation offload")
-    if training.ckpt_policy:
-        parts.append(f"checkpointing policy {training.ckpt_policy}")
-    return " + ".join(parts)
 
 
 def _uses_technique(training: TrainingSpec) -> bool:
