@@ -9,6 +9,7 @@ from typing import Any
 
 from estimator.hardware import residuals
 from estimator.hardware.gpus import get_gpu
+from estimator.methods import expert_parallel
 from estimator.methods import state as methods
 from estimator.methods.fsdp1 import fsdp1
 from estimator.methods.long_context import (
@@ -24,8 +25,8 @@ from estimator.methods.long_context import (
 from estimator.methods.timeline import Replay, at_depth, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
 from estimator.models.memo import memo_by_owner
-from estimator.models.moe import is_routed_expert, moe_facts, moe_notes
-from estimator.models.moe_ep import EpLayout, ep_layout, ep_notes
+from estimator.models.moe import moe_facts, moe_notes
+from estimator.models.moe_ep import EpLayout, ep_notes
 from estimator.models.params import buffer_bytes, expand_params, param_counts
 from estimator.models.profiles import adapters_in_16bit, traced_release, versions_note
 from estimator.models.tp_plans import check_tp
@@ -343,110 +344,6 @@ def _micro_batches(spec: RunSpec) -> tuple:
     return (False, True)
 
 
-def _ep_layout(spec: RunSpec, arch: ModelArch, profile: dict) -> EpLayout | None:
-    """The expert-parallel layout of ``spec`` (None without EP); ValueError("ep: ...") for one transformers
-    refuses (a dense model, experts that do not split evenly)."""
-    if spec.parallel.ep == 1:
-        return None
-    total, _ = param_counts(profile["params"], arch.num_layers)
-    facts = moe_facts(arch.config, profile["params"], arch.num_layers, total)
-    return ep_layout(arch.config, facts, spec.parallel.world_size, spec.parallel.ep, spec.parallel.moe_imbalance)
-
-
-def _grads_before_experts(params: dict, table: list) -> dict[int, float]:
-    """Per traced layer, the gradient bytes its backward makes before the routed experts' (the profile's gradient
-    hook order: a shared expert or its gate that runs after the experts in forward)."""
-    # the table names parameters in full ("model.layers.2.mlp.experts.gate_up_proj"), the order within the layer
-    nbytes = {(p.layer, p.name.split(f".{p.layer}.", 1)[-1]): p.nbytes for p in table if p.trainable}
-    out: dict[int, float] = {}
-    started: set[int] = set()
-    for layer, name in params.get("grad_order", ()):
-        if layer is None or layer in started:
-            continue
-        if is_routed_expert(name):
-            started.add(layer)
-        else:
-            out[layer] = out.get(layer, 0.0) + nbytes.get((layer, name), 0.0)
-    return {layer: out.get(layer, 0.0) for layer in started}
-
-
-def _ep_segments(segments: dict, regime: dict, table: list, layout: EpLayout, training: TrainingSpec,
-                 num_layers: int, b: int, s: int, profile_params: dict) -> dict:
-    """The profile's layer segments as an EP rank runs them at (b, s): each MoE layer keeps what the all-to-all
-    path adds (``EpLayout.layer_saved_bytes``) from its forward to its experts' backward, and each backward MoE
-    segment gets the activation level at which the experts' FSDP2 post-backward runs
-    (``fsdp_replay.experts_done_levels``, where the profile has an event list)."""
-    from estimator.methods.fsdp_replay import experts_done_levels
-
-    traced: dict[int, float] = {}
-    for p in table:
-        if p.trainable and p.layer is not None and is_routed_expert(p.name):
-            traced[p.layer] = traced.get(p.layer, 0.0) + p.nbytes
-    before = _grads_before_experts(profile_params, table)
-    extra = layout.layer_saved_bytes(b * s, _ep_act_bytes(training))
-    bumps = layout.backward_bumps(b * s, _ep_act_bytes(training))
-    # the 3-layer trace's layers of each segment; layer kinds follow the first layers (a dense first layer)
-    layer_of = {"fw_first": 0, "fw": min(1, num_layers - 1), "fw_last": min(2, num_layers - 1),
-                "bw_first": min(2, num_layers - 1), "bw": min(1, num_layers - 1), "bw_last": 0}
-    out = dict(segments)
-    for name, index in layer_of.items():
-        if not traced.get(index):
-            continue
-        seg = dict(segments[name])
-        if name.startswith("bw"):
-            seg["experts_grad_offset"] = before.get(index, 0.0)
-        if training.grad_ckpt:  # nothing saved in forward: the recompute in backward saves it, until the experts'
-            if name.startswith("bw"):  # backward is over
-                seg["experts_bw_bumps"] = tuple(extra + bump for bump in bumps)
-        elif name.startswith("fw"):
-            seg["net_act"] = [seg["net_act"][0] + extra, *seg["net_act"][1:]]
-        else:
-            seg["net_act"] = [seg["net_act"][0] - extra, *seg["net_act"][1:]]
-            seg["experts_saved_extra"] = extra
-            seg["experts_bw_bumps"] = bumps
-        out[name] = seg
-    events = regime.get("events")
-    if events is not None:
-        bw = {n: i for n, i in layer_of.items() if n.startswith("bw")}
-        levels = experts_done_levels(events, {n: traced.get(i, 0.0) for n, i in bw.items()}, b, s,
-                                     {n: before.get(i, 0.0) for n, i in bw.items()})
-        for name, level in levels.items():
-            out[name] = {**out[name], "experts_done_act": level}
-    return out
-
-
-def _ep_act_bytes(training: TrainingSpec) -> int:
-    """The experts' activation dtype: ``grouped_mm`` runs in the weights' dtype (not autocast), so fp32 and amp_*
-    weights keep fp32 rows."""
-    return 2 if training.precision in ("bf16", "mixed_bf16", "mixed_fp16") else 4
-
-
-def _ep_activation_bytes(spec: RunSpec, layout: EpLayout | None) -> float:
-    """What the all-to-all path keeps through backward beyond the one-device experts the profile traced (the sort
-    order and sentinel mask; under skewed routing the busiest rank's extra rows), every MoE layer."""
-    if layout is None:
-        return 0.0
-    tokens = spec.training.micro_batch_size * spec.training.seq_len
-    return layout.dispatch_bytes(tokens) + layout.skew_bytes(tokens, _ep_act_bytes(spec.training))
-
-
-def _ep_forward_peak(spec: RunSpec, arch: ModelArch, table: list, regime: dict, model: methods.StepModel,
-                     layout: EpLayout | None, b: int, s: int) -> tuple[float, float] | None:
-    """EP: (bytes above the resident states, activations among them) at the busiest rank's last MoE layer's
-    experts forward, where its received rows are most (``EpLayout.forward_transient_bytes``): every layer's
-    activations (the trace's, plus what the all-to-all path and the extra rows keep), the root and the last layer
-    gathered. None without EP, or when the last layer has no experts."""
-    if layout is None or not any(p.layer == arch.num_layers - 1 and is_routed_expert(p.name) for p in table):
-        return None
-    segments = regime["segments"]
-    layers = poly(segments["prefix"]["net_act"], b, s)
-    for name, reps in (("fw_first", 1), ("fw", max(arch.num_layers - 2, 0)), ("fw_last", 1)):
-        layers += reps * poly(segments[name]["net_act"], b, s)
-    saved = 0.0 if spec.training.grad_ckpt else _ep_activation_bytes(spec, layout)  # checkpointed: none kept
-    acts = layers + saved + layout.forward_transient_bytes(b * s, _ep_act_bytes(spec.training))
-    return acts + model.forward_gathered_bytes, acts
-
-
 def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, rank: int,
                    path: methods.Zero12Rank | None = None, alloc_conf: str | None = None,
                    sequence: StepSequence | None = None, decide_fit: bool = False, layout: EpLayout | None = None
@@ -457,7 +354,8 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     regime = _regime(profile, b, s)
     segments = technique_segments(loop_segments(regime, training.loop, arch.num_layers), profile, training)
     if layout is not None:
-        segments = _ep_segments(segments, regime, table, layout, training, arch.num_layers, b, s, profile["params"])
+        segments = expert_parallel.ep_segments(segments, regime, table, layout, training, arch.num_layers, b, s,
+                                               profile["params"])
     fb = None
     for micro in _micro_batches(spec):  # a later micro-batch starts with gradients held
         candidate = _replay(model, segments, arch.num_layers, b, s, accumulating=micro)
@@ -470,7 +368,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     fb_total = resident + fb.peak_bytes + fp32_copies
     step_total = resident + max(fb.end_act_bytes, 0.0) + model.step_grads + model.step_temp + fp32_copies
     held = held_outputs_bytes(regime, training.loop, b, s)
-    ep_forward = _ep_forward_peak(spec, arch, table, regime, model, layout, b, s)
+    ep_forward = expert_parallel.forward_peak(spec, arch, table, regime, model, layout, b, s)
     if ep_forward is not None and resident + ep_forward[0] > max(fb_total, step_total):
         fb_total = resident + ep_forward[0] + fp32_copies
         parts = {**model.resident, "activations": ep_forward[1], "gathered_params": model.forward_gathered_bytes}
@@ -693,7 +591,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
                                            adapters_16bit=adapters_in_16bit(spec.training, spec.parallel.method))
     last = spec.parallel.world_size - 1
     table = _param_table(profile, arch.num_layers)
-    layout = _ep_layout(spec, arch, profile)
+    layout = expert_parallel.layout_of(spec, arch, profile)
     # Rank 0 and the last rank are reported (FSDP/ZeRO padding and TP layouts put any asymmetry there), and under
     # ZeRO-1/2 a middle rank when it is worse than both. Only ZeRO-1/2's gradient partition buffer depends on the
     # rank (its size, and when backward or the reduction after it reaches the rank's partition), so one

@@ -25,9 +25,9 @@ What a rank holds, read from the framework's code:
 
 Where it enters the estimate: ``estimator.methods.state.fsdp`` (the expert shard, sharded over efsdp ranks; the
 experts' own FSDP2 unit, ``fsdp_replay.ExpertsUnit``: gathered with the layer, resharded and reduce-scattered when
-the experts' backward is over, its all-gather output held through forward), ``estimator.api._ep_segments`` (each MoE
-layer's extra from its forward to its experts' backward, the backward bumps) and ``estimator.api._ep_forward_peak``
-(the busiest rank's last MoE layer in forward). Checked against transformers' own EP on gloo ranks:
+the experts' backward is over, its all-gather output held through forward) and ``estimator.methods.expert_parallel``
+(``ep_segments``: each MoE layer's extra from its forward to its experts' backward, the backward bumps;
+``forward_peak``: the busiest rank's last MoE layer in forward). Checked against transformers' own EP on gloo ranks:
 ``benchmarks/moe_ep_table.py``.
 """
 

@@ -51,6 +51,7 @@ from estimator.reserved.fsdp import (
     BufferOps,
     _Builder,
     _grads_by_group,
+    _group_of,
     boundary_marks,
     method_expansion,
 )
@@ -256,7 +257,7 @@ def _summed_grad_keys(grads: dict, table: list[ParamInfo]) -> set[int]:
     by_group: dict = {}
     for p in table:
         if p.trainable:
-            by_group.setdefault("root" if p.layer is None else p.layer, []).append(p)
+            by_group.setdefault(_group_of(p), []).append(p)
     return {key for g, keys in grads.items() for p, (key, _size) in zip(by_group.get(g, []), keys, strict=True)
             if p.tied_names}
 

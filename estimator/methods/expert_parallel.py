@@ -1,0 +1,116 @@
+"""Expert parallelism's terms in the step model: the layout of a spec, what each MoE layer's segments carry under
+the all-to-all path (saved rows, backward bumps, the experts' post-backward level) and the busiest rank's forward
+peak. The layout's arithmetic is ``estimator.models.moe_ep``; this module places it on the profile's segments."""
+
+from __future__ import annotations
+
+from estimator.methods.fsdp_replay import experts_done_levels
+from estimator.methods.state import StepModel
+from estimator.methods.timeline import poly
+from estimator.models.arch import ModelArch
+from estimator.models.moe import is_routed_expert, moe_facts
+from estimator.models.moe_ep import EpLayout, ep_layout
+from estimator.models.params import param_counts
+from estimator.spec import RunSpec, TrainingSpec
+
+
+def layout_of(spec: RunSpec, arch: ModelArch, profile: dict) -> EpLayout | None:
+    """The expert-parallel layout of ``spec`` (None without EP); ValueError("ep: ...") for one transformers
+    refuses (a dense model, experts that do not split evenly)."""
+    if spec.parallel.ep == 1:
+        return None
+    total, _ = param_counts(profile["params"], arch.num_layers)
+    facts = moe_facts(arch.config, profile["params"], arch.num_layers, total)
+    return ep_layout(arch.config, facts, spec.parallel.world_size, spec.parallel.ep, spec.parallel.moe_imbalance)
+
+
+def grads_before_experts(params: dict, table: list) -> dict[int, float]:
+    """Per traced layer, the gradient bytes its backward makes before the routed experts' (the profile's gradient
+    hook order: a shared expert or its gate that runs after the experts in forward)."""
+    # the table names parameters in full ("model.layers.2.mlp.experts.gate_up_proj"), the order within the layer
+    nbytes = {(p.layer, p.name.split(f".{p.layer}.", 1)[-1]): p.nbytes for p in table if p.trainable}
+    out: dict[int, float] = {}
+    started: set[int] = set()
+    for layer, name in params.get("grad_order", ()):
+        if layer is None or layer in started:
+            continue
+        if is_routed_expert(name):
+            started.add(layer)
+        else:
+            out[layer] = out.get(layer, 0.0) + nbytes.get((layer, name), 0.0)
+    return {layer: out.get(layer, 0.0) for layer in started}
+
+
+def ep_segments(segments: dict, regime: dict, table: list, layout: EpLayout, training: TrainingSpec,
+                 num_layers: int, b: int, s: int, profile_params: dict) -> dict:
+    """The profile's layer segments as an EP rank runs them at (b, s): each MoE layer keeps what the all-to-all
+    path adds (``EpLayout.layer_saved_bytes``) from its forward to its experts' backward, and each backward MoE
+    segment gets the activation level at which the experts' FSDP2 post-backward runs
+    (``fsdp_replay.experts_done_levels``, where the profile has an event list)."""
+    traced: dict[int, float] = {}
+    for p in table:
+        if p.trainable and p.layer is not None and is_routed_expert(p.name):
+            traced[p.layer] = traced.get(p.layer, 0.0) + p.nbytes
+    before = grads_before_experts(profile_params, table)
+    extra = layout.layer_saved_bytes(b * s, expert_act_bytes(training))
+    bumps = layout.backward_bumps(b * s, expert_act_bytes(training))
+    # the 3-layer trace's layers of each segment; layer kinds follow the first layers (a dense first layer)
+    layer_of = {"fw_first": 0, "fw": min(1, num_layers - 1), "fw_last": min(2, num_layers - 1),
+                "bw_first": min(2, num_layers - 1), "bw": min(1, num_layers - 1), "bw_last": 0}
+    out = dict(segments)
+    for name, index in layer_of.items():
+        if not traced.get(index):
+            continue
+        seg = dict(segments[name])
+        if name.startswith("bw"):
+            seg["experts_grad_offset"] = before.get(index, 0.0)
+        if training.grad_ckpt:  # nothing saved in forward: the recompute in backward saves it, until the experts'
+            if name.startswith("bw"):  # backward is over
+                seg["experts_bw_bumps"] = tuple(extra + bump for bump in bumps)
+        elif name.startswith("fw"):
+            seg["net_act"] = [seg["net_act"][0] + extra, *seg["net_act"][1:]]
+        else:
+            seg["net_act"] = [seg["net_act"][0] - extra, *seg["net_act"][1:]]
+            seg["experts_saved_extra"] = extra
+            seg["experts_bw_bumps"] = bumps
+        out[name] = seg
+    events = regime.get("events")
+    if events is not None:
+        bw = {n: i for n, i in layer_of.items() if n.startswith("bw")}
+        levels = experts_done_levels(events, {n: traced.get(i, 0.0) for n, i in bw.items()}, b, s,
+                                     {n: before.get(i, 0.0) for n, i in bw.items()})
+        for name, level in levels.items():
+            out[name] = {**out[name], "experts_done_act": level}
+    return out
+
+
+def expert_act_bytes(training: TrainingSpec) -> int:
+    """The experts' activation dtype: ``grouped_mm`` runs in the weights' dtype (not autocast), so fp32 and amp_*
+    weights keep fp32 rows."""
+    return 2 if training.precision in ("bf16", "mixed_bf16", "mixed_fp16") else 4
+
+
+def saved_activation_bytes(spec: RunSpec, layout: EpLayout | None) -> float:
+    """What the all-to-all path keeps through backward beyond the one-device experts the profile traced (the sort
+    order and sentinel mask; under skewed routing the busiest rank's extra rows), every MoE layer."""
+    if layout is None:
+        return 0.0
+    tokens = spec.training.micro_batch_size * spec.training.seq_len
+    return layout.dispatch_bytes(tokens) + layout.skew_bytes(tokens, expert_act_bytes(spec.training))
+
+
+def forward_peak(spec: RunSpec, arch: ModelArch, table: list, regime: dict, model: StepModel,
+                     layout: EpLayout | None, b: int, s: int) -> tuple[float, float] | None:
+    """EP: (bytes above the resident states, activations among them) at the busiest rank's last MoE layer's
+    experts forward, where its received rows are most (``EpLayout.forward_transient_bytes``): every layer's
+    activations (the trace's, plus what the all-to-all path and the extra rows keep), the root and the last layer
+    gathered. None without EP, or when the last layer has no experts."""
+    if layout is None or not any(p.layer == arch.num_layers - 1 and is_routed_expert(p.name) for p in table):
+        return None
+    segments = regime["segments"]
+    layers = poly(segments["prefix"]["net_act"], b, s)
+    for name, reps in (("fw_first", 1), ("fw", max(arch.num_layers - 2, 0)), ("fw_last", 1)):
+        layers += reps * poly(segments[name]["net_act"], b, s)
+    saved = 0.0 if spec.training.grad_ckpt else saved_activation_bytes(spec, layout)  # checkpointed: none kept
+    acts = layers + saved + layout.forward_transient_bytes(b * s, expert_act_bytes(spec.training))
+    return acts + model.forward_gathered_bytes, acts
