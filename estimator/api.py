@@ -22,6 +22,7 @@ from estimator.methods.long_context import (
     mixed_layers,
     with_transient,
 )
+from estimator.methods.router_unit import router_segments
 from estimator.methods.timeline import Replay, at_depth, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
 from estimator.models.memo import memo_by_owner
@@ -356,6 +357,9 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     if layout is not None:
         segments = expert_parallel.ep_segments(segments, regime, table, layout, training, arch.num_layers, b, s,
                                                profile["params"])
+    if spec.parallel.method == "fsdp":  # a module kept in fp32 is an FSDP2 unit of its own (DeepSeek's router)
+        segments = router_segments(segments, regime, table, profile["params"], training.precision,
+                                   arch.num_layers, b, s)
     fb = None
     for micro in _micro_batches(spec):  # a later micro-batch starts with gradients held
         candidate = _replay(model, segments, arch.num_layers, b, s, accumulating=micro)

@@ -4,7 +4,8 @@ peak. The layout's arithmetic is ``estimator.models.moe_ep``; this module places
 
 from __future__ import annotations
 
-from estimator.methods.fsdp_replay import experts_done_levels
+from estimator.methods.fsdp_replay import experts_levels
+from estimator.methods.layer_trace import grads_before, traced_layer_of
 from estimator.methods.state import StepModel
 from estimator.methods.timeline import poly
 from estimator.models.arch import ModelArch
@@ -25,28 +26,18 @@ def layout_of(spec: RunSpec, arch: ModelArch, profile: dict) -> EpLayout | None:
 
 
 def grads_before_experts(params: dict, table: list) -> dict[int, float]:
-    """Per traced layer, the gradient bytes its backward makes before the routed experts' (the profile's gradient
-    hook order: a shared expert or its gate that runs after the experts in forward)."""
-    # the table names parameters in full ("model.layers.2.mlp.experts.gate_up_proj"), the order within the layer
-    nbytes = {(p.layer, p.name.split(f".{p.layer}.", 1)[-1]): p.nbytes for p in table if p.trainable}
-    out: dict[int, float] = {}
-    started: set[int] = set()
-    for layer, name in params.get("grad_order", ()):
-        if layer is None or layer in started:
-            continue
-        if is_routed_expert(name):
-            started.add(layer)
-        else:
-            out[layer] = out.get(layer, 0.0) + nbytes.get((layer, name), 0.0)
-    return {layer: out.get(layer, 0.0) for layer in started}
+    """Per traced layer, the gradient bytes its backward makes before the routed experts' (a shared expert or its
+    gate that runs after the experts in forward)."""
+    return grads_before(params, table, lambda _layer, name: is_routed_expert(name))
 
 
 def ep_segments(segments: dict, regime: dict, table: list, layout: EpLayout, training: TrainingSpec,
                  num_layers: int, b: int, s: int, profile_params: dict) -> dict:
     """The profile's layer segments as an EP rank runs them at (b, s): each MoE layer keeps what the all-to-all
     path adds (``EpLayout.layer_saved_bytes``) from its forward to its experts' backward, and each backward MoE
-    segment gets the activation level at which the experts' FSDP2 post-backward runs
-    (``fsdp_replay.experts_done_levels``, where the profile has an event list)."""
+    segment gets, where the profile has an event list (``fsdp_replay.experts_levels``), the activation level at
+    which the experts' FSDP2 post-backward runs and the level of the un-permute's backward, just before the
+    experts' first gradient (``EpLayout.unpermute_bump``)."""
     traced: dict[int, float] = {}
     for p in table:
         if p.trainable and p.layer is not None and is_routed_expert(p.name):
@@ -54,9 +45,7 @@ def ep_segments(segments: dict, regime: dict, table: list, layout: EpLayout, tra
     before = grads_before_experts(profile_params, table)
     extra = layout.layer_saved_bytes(b * s, expert_act_bytes(training))
     bumps = layout.backward_bumps(b * s, expert_act_bytes(training))
-    # the 3-layer trace's layers of each segment; layer kinds follow the first layers (a dense first layer)
-    layer_of = {"fw_first": 0, "fw": min(1, num_layers - 1), "fw_last": min(2, num_layers - 1),
-                "bw_first": min(2, num_layers - 1), "bw": min(1, num_layers - 1), "bw_last": 0}
+    layer_of = traced_layer_of(num_layers)
     out = dict(segments)
     for name, index in layer_of.items():
         if not traced.get(index):
@@ -77,10 +66,12 @@ def ep_segments(segments: dict, regime: dict, table: list, layout: EpLayout, tra
     events = regime.get("events")
     if events is not None:
         bw = {n: i for n, i in layer_of.items() if n.startswith("bw")}
-        levels = experts_done_levels(events, {n: traced.get(i, 0.0) for n, i in bw.items()}, b, s,
-                                     {n: before.get(i, 0.0) for n, i in bw.items()})
-        for name, level in levels.items():
-            out[name] = {**out[name], "experts_done_act": level}
+        levels = experts_levels(events, {n: traced.get(i, 0.0) for n, i in bw.items()}, b, s,
+                                {n: before.get(i, 0.0) for n, i in bw.items()})
+        unpermute = layout.unpermute_bump(b * s, expert_act_bytes(training)) + (extra if training.grad_ckpt else 0.0)
+        for name, (first_grad_level, done_level) in levels.items():
+            out[name] = {**out[name], "experts_done_act": done_level,
+                         "experts_unpermute_act": first_grad_level + unpermute}
     return out
 
 

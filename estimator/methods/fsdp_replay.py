@@ -106,6 +106,13 @@ class LayerGroup:
     # them (backward prefetches one unit ahead in reverse post-forward order: layer L, experts L, layer L-1, ...,
     # so while layer L's experts run, layer L-1's unit is the one prefetched); ``bytes`` holds both.
     experts: ExpertsUnit | None = None
+    # A module of the layer that a 16-bit model keeps in fp32 (DeepSeek's router, ``_keep_in_fp32_modules_strict``)
+    # is an FSDP2 unit of its own (transformers' plan and the harness: one group per dtype). The router runs before
+    # the experts in forward, so in backward its unit comes between the layer's (and its experts') and the
+    # previous layer's: its all-gather (these bytes) is the one prefetched from the layer's pre-backward, and the
+    # previous layer's is issued only at the router's pre-backward (the segment's ``router``: the trace's gradient
+    # bytes made before it, and the level there). None: no such unit.
+    router_gather_bytes: float | None = None
 
     @property
     def deferred_gather_bytes(self) -> float:
@@ -168,9 +175,19 @@ def _post_backward(group: LayerGroup, micro: str) -> list[Event]:
 
 def _pre_backward(group: LayerGroup, prefetched: LayerGroup | None) -> list[Event]:
     events = [set_part("layer_params", lambda st: group.bytes), set_part("gather", lambda st: 0.0)]
-    if prefetched is not None:
+    router = group.router_gather_bytes
+    if router is not None:  # the previous layer waits for the router's pre-backward (``LayerGroup``)
+        events.append(set_part("gather", lambda st: router))
+    elif prefetched is not None:
         events.append(set_part("gather", lambda st: prefetched.gather_bytes))
     return events
+
+
+def _prefetched_in_backward(name: str, sz: FsdpSizes, index: int | None) -> LayerGroup | None:
+    """The layer a backward layer segment prefetches (None for the first layer, whose backward is the last)."""
+    if name == "bw_last":
+        return None
+    return sz.layer(None if index is None else index - 1)
 
 
 def segment_layer(name: str, k: int, num_layers: int) -> int | None:
@@ -207,8 +224,8 @@ def _boundary_events(name: str, num_layers: int, sz: FsdpSizes, micro: str, inde
         return [set_part("gather", lambda st: 0.0), set_part("gather", lambda st: last.gather_bytes)]
     if name in BACKWARD_LAYER:
         first = name == "bw_first" or num_layers == 1
-        prefetched = near(-1) if name != "bw_last" else None
-        return ([] if first else _post_backward(near(+1), micro)) + _pre_backward(here, prefetched)
+        return ([] if first else _post_backward(near(+1), micro)) + _pre_backward(
+            here, _prefetched_in_backward(name, sz, index))
     if name == "suffix":
         return _post_backward(sz.layer(0), micro)
     raise ValueError(f"fsdp: unknown profile segment {name!r}")
@@ -244,20 +261,36 @@ class Walk:
             self.best = (total, act, dict(state), name)
 
     def segment(self, name: str, seg: dict, events: list[Event], act: float, state: dict,
-                experts: ExpertsUnit | None = None, micro: str = FIRST) -> tuple[float, dict]:
+                experts: ExpertsUnit | None = None, micro: str = FIRST, prefetched_gather_bytes: float = 0.0
+                ) -> tuple[float, dict]:
         """Run one segment instance from (act, state); return the state at its end. ``experts``: a backward layer
-        segment's experts unit under EP (``ExpertsUnit``)."""
+        segment's experts unit under EP (``ExpertsUnit``); ``prefetched_gather_bytes``: the previous layer's
+        all-gather, which a router unit defers to the router's pre-backward (``LayerGroup.router_gather_bytes``,
+        the segment's ``router``)."""
         state = dict(state)
         for event in events:
             if event(state):
                 self.consider(act, state, name)
         part = self.grad_part(name)
         held = state[part]
+        router = seg.get("router")  # (gradient bytes made before the router's pre-backward, the level there)
+
+        def router_pre_backward(level: float) -> None:  # the previous layer's all-gather, deferred to here
+            nonlocal router
+            state["gather"] = prefetched_gather_bytes
+            self.consider(act + level, state, name)
+            router = None
+
         if experts is None:
             for cand_act, cand_grad in seg["candidates"]:
+                if router is not None and cand_grad > router[0]:
+                    state[part] = held + (router[0] if self.in_flight is None else min(router[0], self.in_flight))
+                    router_pre_backward(router[1])
                 state[part] = held + (cand_grad if self.in_flight is None else min(cand_grad, self.in_flight))
                 self.consider(act + poly(cand_act, self.b, self.s), state, name)
             state[part] = held + (seg["net_grad"] if self.in_flight is None else 0.0)
+            if router is not None:
+                router_pre_backward(poly(seg["net_act"], self.b, self.s))
             return act + poly(seg["net_act"], self.b, self.s), state
         # EP. The gradients of the modules after the experts in forward come first (``experts_grad_offset``: a
         # shared expert's, its gate's), then the experts' (the trace made every expert's, this rank makes its own)
@@ -280,12 +313,18 @@ class Walk:
         extra = seg.get("experts_saved_extra", 0.0)
         # the busiest rank's extra rows in the experts' backward (``EpLayout.backward_bumps``)
         first, during, last = seg.get("experts_bw_bumps", (0.0, 0.0, 0.0))
+        unpermute_act = seg.get("experts_unpermute_act")
+        if unpermute_act is not None:  # the un-permute's backward, just before the experts' first gradient
+            state[part] = hold(pre)
+            self.consider(act + unpermute_act, state, name)
         for cand_act, cand_grad in seg["candidates"]:
             if not done and cand_grad > pre + traced:
                 state[part] = hold(pre + traced)
                 level = poly(cand_act, self.b, self.s) if done_act is None else done_act
                 self._experts_post_backward(experts, part, state, act + level - extra, name, micro)
                 done = True
+            if router is not None and cand_grad > router[0]:
+                router_pre_backward(router[1] - extra)
             state[part] = hold(cand_grad)
             # during the backward of modules after the experts (a shared expert's), nothing of the experts' yet
             bump = -extra if done else (0.0 if cand_grad < pre else first if cand_grad == pre else
@@ -297,6 +336,8 @@ class Walk:
             self._experts_post_backward(experts, part, state,
                                         end_act if done_act is None else act + done_act - extra, name, micro)
             done = True
+        if router is not None:
+            router_pre_backward(router[1] - extra)
         state[part] = held + (own(seg["net_grad"]) if self.in_flight is None else 0.0)
         return end_act, state
 
@@ -318,22 +359,29 @@ class Walk:
                 self.consider(act, state, name)
 
     def repeat(self, name: str, seg: dict, events: list[Event], act: float, state: dict, repeats: int,
-               experts: ExpertsUnit | None = None, micro: str = FIRST) -> tuple[float, dict]:
+               experts: ExpertsUnit | None = None, micro: str = FIRST, prefetched_gather_bytes: float = 0.0
+               ) -> tuple[float, dict]:
         """``repeats`` instances of a segment. Repetitions differ only in what accumulates linearly (activations,
         gradient shards): run the second to get the per-repetition change, then the last one from its
         extrapolated start. None (a 2-layer model's middle layers): nothing happens."""
         if repeats < 1:
             return act, state
-        act0, state0 = self.segment(name, seg, events, act, state, experts, micro)
+        act0, state0 = self.segment(name, seg, events, act, state, experts, micro, prefetched_gather_bytes)
         if repeats < 2:
             return act0, state0
-        act, state = self.segment(name, seg, events, act0, state0, experts, micro)
+        act, state = self.segment(name, seg, events, act0, state0, experts, micro, prefetched_gather_bytes)
         if repeats > 2:
             k = repeats - 2
             start_act = act0 + k * (act - act0)
             start = {p: state0[p] + k * (state[p] - state0[p]) for p in state}
-            act, state = self.segment(name, seg, events, start_act, start, experts, micro)
+            act, state = self.segment(name, seg, events, start_act, start, experts, micro,
+                                      prefetched_gather_bytes)
         return act, state
+
+
+def _prefetched_gather_bytes(name: str, sz: FsdpSizes, index: int | None) -> float:
+    prefetched = _prefetched_in_backward(name, sz, index) if name in BACKWARD_LAYER else None
+    return prefetched.gather_bytes if prefetched is not None else 0.0
 
 
 def replay_fsdp(segments: dict, num_layers: int, b: int, s: int, sizes: FsdpSizes, accumulating: bool | str = False
@@ -356,13 +404,15 @@ def replay_fsdp(segments: dict, num_layers: int, b: int, s: int, sizes: FsdpSize
         if not sizes.layers:  # every layer alike: the repetitions extrapolate
             events = _boundary_events(name, num_layers, sizes, micro)
             experts = sizes.layer(None).experts if name in BACKWARD_LAYER else None
-            act, state = walk.repeat(name, segments[name], events, act, state, repeats, experts, micro)
+            act, state = walk.repeat(name, segments[name], events, act, state, repeats, experts, micro,
+                                     _prefetched_gather_bytes(name, sizes, None))
             continue
         for k in range(repeats):
             index = segment_layer(name, k, num_layers)
             events = _boundary_events(name, num_layers, sizes, micro, index)
             experts = sizes.layer(index).experts if name in BACKWARD_LAYER else None
-            act, state = walk.segment(name, segments[name], events, act, state, experts, micro)
+            act, state = walk.segment(name, segments[name], events, act, state, experts, micro,
+                                      _prefetched_gather_bytes(name, sizes, index))
     for event in _root_post_backward(sizes, micro):
         if event(state):
             walk.consider(act, state, "suffix")
@@ -374,14 +424,14 @@ def replay_fsdp(segments: dict, num_layers: int, b: int, s: int, sizes: FsdpSize
                               "comm_buffers": parts["reduce_scatter"]})
 
 
-def experts_done_levels(events: dict, traced_grad_bytes: dict[str, float], b: int, s: int,
-                        offsets: dict[str, float] | None = None) -> dict[str, float]:
-    """Per backward layer segment with experts: the activation level (above the segment's start) at which the
-    experts module's backward is over, read off the profile's event list. The experts' gradients are the layer's
-    first; the next gradient made is the router's, whose backward runs once the experts module has handed back
+def experts_levels(events: dict, traced_grad_bytes: dict[str, float], b: int, s: int,
+                   offsets: dict[str, float] | None = None) -> dict[str, tuple[float, float]]:
+    """Per backward layer segment with experts: two activation levels (above the segment's start) read off the
+    profile's event list, (just before the experts' first gradient, when the experts' backward is over). The
+    experts' gradients are the layer's first after those of the modules after them in forward (``offsets``: their
+    bytes); the next gradient made is the router's, whose backward runs once the experts module has handed back
     its input gradients, the moment its FSDP2 post-backward fires: the level just before that gradient.
-    ``traced_grad_bytes``: the experts' traced gradient bytes of each segment's layer; ``offsets``: the gradient
-    bytes the layer's backward makes before the experts' (modules after them in forward)."""
+    ``traced_grad_bytes``: the experts' traced gradient bytes of each segment's layer."""
     grads = set(events["grads"])
     sizes = [round(poly(p, b, s)) for p in events["polys"]]
     out = {}
@@ -389,7 +439,9 @@ def experts_done_levels(events: dict, traced_grad_bytes: dict[str, float], b: in
         codes = events["segments"].get(name)
         if not experts or codes is None:
             continue
+        offset = (offsets or {}).get(name, 0.0)
         level = grad = 0.0
+        before_first = None
         done = False
         for code in codes:
             alloc, o = (True, code) if code >= 0 else (False, ~code)
@@ -397,9 +449,36 @@ def experts_done_levels(events: dict, traced_grad_bytes: dict[str, float], b: in
             if o in grads:
                 if alloc and done:
                     break  # the router's gradient: the experts' backward is over
+                if alloc and before_first is None and grad >= offset:
+                    before_first = level
                 grad += size if alloc else 0.0
-                done = done or grad >= experts + (offsets or {}).get(name, 0.0)
+                done = done or grad >= experts + offset
                 continue
             level += size if alloc else -size
-        out[name] = level
+        out[name] = (level if before_first is None else before_first, level)
+    return out
+
+
+def levels_before_grad(events: dict, offsets: dict[str, float], b: int, s: int) -> dict[str, float]:
+    """Per backward layer segment: the activation level (above the segment's start) just before the gradient
+    allocated once ``offsets[name]`` gradient bytes have been made (a router unit's pre-backward: its first
+    gradient)."""
+    grads = set(events["grads"])
+    sizes = [round(poly(p, b, s)) for p in events["polys"]]
+    out = {}
+    for name, offset in offsets.items():
+        codes = events["segments"].get(name)
+        if codes is None:
+            continue
+        level = grad = 0.0
+        for code in codes:
+            alloc, o = (True, code) if code >= 0 else (False, ~code)
+            size = sizes[events["size"][o]]
+            if o in grads:
+                if alloc and grad >= offset:
+                    out[name] = level
+                    break
+                grad += size if alloc else 0.0
+                continue
+            level += size if alloc else -size
     return out

@@ -172,6 +172,18 @@ def _expert_shard(p: ParamInfo, ep: int) -> ParamInfo:
     return ParamInfo(p.name, (rows, *p.shape[1:]), p.numel // ep, p.elem_bytes, p.trainable, p.module_kind, p.layer)
 
 
+def fp32_kept_params(params: list[ParamInfo], precision: str) -> list[ParamInfo]:
+    """The parameters of a layer's modules that a 16-bit model keeps in fp32 (``_keep_in_fp32_modules_strict``:
+    DeepSeek's router): under transformers' FSDP2 plan and the harness's each such module is a unit of its own
+    (FSDP2: one dtype among a group's trainable parameters). None in an fp32 or mixed-precision model (fp32
+    weights), nor where the 16-bit parameters are frozen (LoRA's fp32 adapters)."""
+    if precision not in ("bf16", "fp16") or not any(p.trainable and p.elem_bytes < FP32 for p in params):
+        return []
+    modules = {p.name.rpartition(".")[0] for p in params
+               if p.trainable and p.elem_bytes == FP32 and not is_routed_expert(p.name)}
+    return [p for p in params if p.name.rpartition(".")[0] in modules]
+
+
 def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
     """FSDP2 ``fully_shard`` per decoder layer then root; mixed_*: fp32 sharded params, 16-bit compute,
     fp32 gradient reduction (MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)). The step's
@@ -222,7 +234,9 @@ def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
         _, gather, rs_in = _fsdp_group_sizes(unit, world, shard_elem)
         unsharded = _fsdp_group_sizes(params, world, shard_elem, world_of)[0]  # the layer's backward: both units
         rs_out = float(sum(_shard_rows(p, world) * shard_elem(p) for p in _trainable(unit)))
-        return LayerGroup(unsharded, gather, rs_in, rs_out, held(unit), experts=experts)
+        router = fp32_kept_params(params, training.precision)
+        return LayerGroup(unsharded, gather, rs_in, rs_out, held(unit), experts=experts,
+                          router_gather_bytes=_fsdp_group_sizes(router, world, shard_elem)[1] if router else None)
 
     by_layer: dict[int, list[ParamInfo]] = {}
     for p in table:

@@ -92,10 +92,10 @@ class EpLayout:
         """What the experts' backward holds above the trace's (S rows) for the busiest rank's extra rows, per MoE
         layer, at three stages (``grouped_mm_experts_forward`` run backwards):
 
-        * before its first expert gradient: the un-permute's backward (the rows' gradient from the returning
-          all-to-all, the zeros it is scattered into, the scattered copy: 3 h a per row), less the S rows of
-          down-projection output the one-device experts still hold there (their routing-weight product saves
-          them; under EP the weights are applied in the combine, whose backward has already run);
+        * before its first expert gradient, at the trace's highest moment there (the combine's backward, on the S
+          rows this rank sent, whatever the skew): less the S rows of down-projection output the one-device
+          experts still hold there (their routing-weight product saves them; under EP the weights are applied in
+          the combine). The un-permute's backward comes later, on the rows received: ``unpermute_bump``;
         * between the two: the down projection's backward (the gradient of its output and of its input,
           (h + ffn) a) or the activation-product's (the gradients of the product and of both factors, the product
           itself freed: 2 ffn a), the un-permute indices and unit weights released (int64 + a);
@@ -106,8 +106,18 @@ class EpLayout:
         h, f, a = self.hidden, self.expert_ffn, act_bytes
         released = INT64 + a
         sent = tokens * self.top_k
-        return (extra_rows * 3 * h * a - sent * h * a, extra_rows * (max(h + f, 2 * f) * a - released),
-                -extra_rows * released)
+        return (-sent * h * a, extra_rows * (max(h + f, 2 * f) * a - released), -extra_rows * released)
+
+    def unpermute_bump(self, tokens: int, act_bytes: int) -> float:
+        """The un-permute's backward in the experts (R rows received, S sent), above the trace's level just before
+        the experts' first gradient: the rows' gradient from the returning all-to-all, the zeros it is scattered
+        into and the scattered copy (3 R h a), less the S rows of gradient the one-device trace holds there; the
+        indices and unit weights of the S rows not yet released (they are at the trace's moment: S (int64 + a)).
+        Checked against the CPU oracle's per-operator storage counts (docs/LOG.md, session 21)."""
+        rows = self.received_rows_factor() * tokens * self.top_k
+        sent = tokens * self.top_k
+        h, a = self.hidden, act_bytes
+        return 3 * rows * h * a - sent * h * a + sent * (INT64 + a)
 
     def forward_transient_bytes(self, tokens: int, act_bytes: int) -> float:
         """The busiest rank's last MoE layer in forward, above that layer's end-of-forward level (its experts

@@ -251,6 +251,8 @@ def _shard(model, hf_config, variant: Variant) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from harness.fake.units import fp32_kept_modules
+
     model.tie_weights()
     mesh = init_device_mesh("cpu", (variant.fsdp_world,))
     kwargs: dict[str, Any] = {"mesh": mesh}
@@ -258,6 +260,8 @@ def _shard(model, hf_config, variant: Variant) -> None:
         half = torch.float16 if variant.precision.endswith("fp16") else torch.bfloat16
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
     layers = next(getattr(hf_config, k) for k in _LAYER_KEYS if hasattr(hf_config, k))
+    for module in fp32_kept_modules(model):  # one group per dtype (a bf16 model's fp32 router)
+        fully_shard(module, **kwargs)
     for layer in _decoder_layers(model, layers):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)

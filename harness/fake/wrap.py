@@ -126,11 +126,14 @@ def apply_fsdp(model: nn.Module, mesh, training: TrainingSpec, model_type: str) 
     from torch.distributed.fsdp import fully_shard
 
     from estimator.profiler.tp import decoder_layers
+    from harness.fake.units import fp32_kept_modules
 
     kwargs: dict[str, Any] = {"mesh": mesh}
     policy = fsdp_mp_policy(training)
     if policy is not None:
         kwargs["mp_policy"] = policy
+    for module in fp32_kept_modules(model):  # one group per dtype, as transformers' FSDP plan shards them
+        fully_shard(module, **kwargs)
     for layer in decoder_layers(model, model_type):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
