@@ -137,23 +137,15 @@ class _Ring:
         self.bind(var, buf)
         self.drop(buf)
 
-    def end(self) -> None:
-        for var in list(self.vars):
-            self.bind(var, None)
-
-
-def _exchange(m: _Ring, held_until_wait: bool, buf: str) -> str:
-    """A functional collective's input: on the GPU its work keeps it until ``wait_tensor`` (eager, NCCL's
-    stashed tensors); traced on fake tensors the collective waits at once and lets it go."""
-    if held_until_wait:
-        m.hold(buf)
-    return buf
 
 
 def ring_forward_extra(shape: AttentionShape, rank: int, cp: int, held_until_wait: bool = True
                        ) -> tuple[float, float]:
     """(peak bytes the ring's forward holds above its inputs, bytes of the outputs it returns), statement by
-    statement of ``_templated_ring_attention`` with the all-gather rotater and load balancing."""
+    statement of ``_templated_ring_attention`` with the all-gather rotater and load balancing.
+    ``held_until_wait``: a functional collective's input stays alive until its ``wait_tensor`` (eager on the
+    GPU: the work stashes its tensors until waited, one ring step later); False: it goes at once (a trace on
+    fake tensors waits immediately)."""
     e, q, kv, lse = shape.act_bytes, shape.q, shape.kv, shape.lse
     m = _Ring()
     if shape.kv_strided:
@@ -170,11 +162,13 @@ def ring_forward_extra(shape: AttentionShape, rank: int, cp: int, held_until_wai
         if i < cp - 1:
             m.assign("next_kv", m.temp(2 * kv * e))
             if gathered is None:
-                held = _exchange(m, held_until_wait, m.vars["next_kv"]) if held_until_wait else None
+                if held_until_wait:
+                    held = m.vars["next_kv"]
+                    m.hold(held)
                 gathered = m.temp(cp * 2 * kv * e)
                 m.assign("rotater", gathered)
             m.bind("next_kv", None)  # exchange_buffers returns None
-        partial = 0 < i and i > rank
+        partial = i > rank  # (i > rank implies i > 0)
         out_n, lse_n = (q // 2, lse // 2) if partial else (q, lse)
         out_i, lse_i = m.temp(out_n * e), m.temp(lse_n * FP32)
         m.assign("out", out_i)
@@ -246,7 +240,7 @@ def ring_backward_extra(shape: AttentionShape, rank: int, cp: int, held_until_wa
                     m.hold(held_kv)
                 gathered = m.temp(cp * 2 * kv * e)
                 m.assign("kv_rotater", gathered)
-        partial_q = 0 < i and i > rank
+        partial_q = i > rank  # (i > rank implies i > 0)
         half_kv = 0 < i <= rank
         if partial_q:
             lse_c = m.temp(lse // 2 * FP32)  # logsumexp.chunk(2)[1].contiguous()
@@ -299,31 +293,18 @@ LAYER_SEGMENTS = ("fw_first", "fw", "fw_last", "bw_first", "bw", "bw_last")
 
 
 def _attention_moments(codes: list[int], events: dict, shape: AttentionShape, b: int, s: int
-                       ) -> list[tuple[str, list[float], float]]:
-    """Where a traced generic layer segment calls flash attention: ("forward" | "backward", the activation
-    polynomial and gradient bytes just before the call). A flash forward allocates its output (b, s, h d) in the
+                       ) -> list[tuple[int, str]]:
+    """Where a traced generic layer segment calls flash attention: (index of the call's first allocation in
+    ``codes``, "forward" | "backward"). A flash forward allocates its output (b, s, h d) in the
     activation dtype, then its fp32 logsumexp (b, h, s); a flash backward allocates dq (b, s, h d), then dk and dv
     (b, s, h_kv d). Sizes are compared at this (b, s): the profile's polynomials are exact there."""
     from estimator.methods.timeline import poly
 
-    polys, size, grads = events["polys"], events["size"], set(events["grads"])
+    polys, size = events["polys"], events["size"]
     e = shape.act_bytes
     out_b, lse_b, kv_b = shape.q * e, shape.lse * FP32, shape.kv * e
-    act = [0.0] * 6
-    grad = 0.0
-    before: list[tuple[list[float], float]] = []  # the state before each event
-    made: list[float | None] = []  # bytes of each allocation at (b, s); None for a free
-    for code in codes:
-        before.append((list(act), grad))
-        alloc = code >= 0
-        tid = code if alloc else ~code
-        coeffs = polys[size[tid]]
-        sign = 1 if alloc else -1
-        if tid in grads:
-            grad += sign * coeffs[0]
-        else:
-            act = [a + sign * x for a, x in zip(act, coeffs)]
-        made.append(poly(coeffs, b, s) if alloc else None)
+    made = [poly(polys[size[code]], b, s) if code >= 0 else None for code in codes]  # allocation bytes
+
     def _frees_lse(j: int) -> bool:
         """The node then releases what it saved, the fp32 logsumexp among it (the q/k/v projections of a forward
         allocate alike but free no logsumexp)."""
@@ -339,35 +320,89 @@ def _attention_moments(codes: list[int], events: dict, shape: AttentionShape, b:
     moments = []
     for i in range(len(codes) - 2):
         if made[i] == out_b and made[i + 1] == lse_b:
-            moments.append(("forward", *before[i]))
+            moments.append((i, "forward"))
         elif made[i] == out_b and made[i + 1] == kv_b and made[i + 2] == kv_b and _frees_lse(i + 3):
-            moments.append(("backward", *before[i]))
+            moments.append((i, "backward"))
     return moments
+
+
+def output_copied(rank: int, cp: int) -> bool:
+    """Whether this cp rank's merged output comes back (b, h, s, d)-contiguous: its last ring step is a half step
+    (``i = cp - 1 > rank``), whose ``_partial_update`` ``cat`` lays the state out in that order, while flash (and
+    an unmerged state, which keeps flash's strides) leaves it (b, s, h, d) in memory. The model's
+    ``attn_output.transpose(1, 2).contiguous()`` (transformers' ``sdpa_attention_forward``, torchtitan alike) then
+    copies it, and the output projection saves the copy for backward: one more attention output per layer."""
+    return rank < cp - 1
+
+
+def _layer_segment(codes: list[int], events: dict, at: dict[int, str], extra: dict[str, float], copy_bytes: float,
+                   *, copy_live: bool, copy_in_net: bool) -> dict:
+    """A generic layer segment re-walked from its events (``_segment_summary``'s rule: a candidate after every
+    run of allocations), with the ring's transient at each flash call (the state before the call plus the ring's
+    peak above its inputs) and the output copy (``copy_bytes``, ``output_copied``) from the forward call's end
+    until the backward call (the output projection's backward, just before it, releases it). ``copy_live``: the
+    segment starts with its layer's copy saved (a backward segment without checkpointing); ``copy_in_net``: a
+    copy made here stays in the segment's net change (a forward segment without checkpointing)."""
+    polys, size, grads = events["polys"], events["size"], set(events["grads"])
+    act = [0.0] * 6
+    grad = 0.0
+    shift = 0.0  # the copy, relative to the segment's start
+
+    def state(plus: float = 0.0) -> list[float]:
+        return [act[0] + shift + plus] + act[1:]
+
+    candidates: list[tuple[list[float], float]] = []
+    for i, code in enumerate(codes):
+        kind = at.get(i)
+        if kind == "backward" and copy_live:
+            shift -= copy_bytes
+            copy_live = False
+        if kind:
+            candidates.append((state(extra[kind]), grad))
+        alloc = code >= 0
+        tid = code if alloc else ~code
+        coeffs = polys[size[tid]]
+        sign = 1 if alloc else -1
+        if tid in grads:
+            grad += sign * coeffs[0]
+        else:
+            act = [a + sign * x for a, x in zip(act, coeffs)]
+        if at.get(i - 1) == "forward":  # this was the call's logsumexp: the output exists and is copied
+            shift += copy_bytes
+            copy_live = True
+        nxt = codes[i + 1] if i + 1 < len(codes) else None
+        if alloc and (nxt is None or nxt < 0):
+            candidates.append((state(), grad))
+    candidates.append((state(), grad))
+    net = state(-copy_bytes if copy_live and not copy_in_net else 0.0)
+    return {"net_act": net, "net_grad": grad, "candidates": candidates}
 
 
 def cp_segments(segments: dict, regime: dict, rank: int, cp: int, b: int, s_local: int, heads: int,
                 kv_heads: int, head_dim: int, act_bytes: int) -> dict:
-    """The segments of one cp rank (traced at ``s_local`` tokens) with the ring attention's transients: one more
-    candidate at every flash call of every decoder-layer segment (forward, and backward with its checkpointed
-    recomputation), the state before the call plus what the ring holds at its peak. ValueError("cp: ...") when the
-    trace shows no flash call (another kernel ran)."""
+    """The segments of one cp rank (traced at ``s_local`` tokens): every decoder-layer segment re-walked from its
+    events with the ring attention's transients at each flash call (forward, and backward with its checkpointed
+    recomputation: the state before the call plus what the ring holds at its peak) and the output copy of
+    ``output_copied``. ValueError("cp: ...") when the trace shows no flash call (another kernel ran)."""
     events = regime.get("events")
     if not events:
         raise ValueError("cp: the profile has no event list to place the ring attention in (re-trace it)")
     shape = attention_shape(b, s_local, heads, kv_heads, head_dim, act_bytes)
     extra = {"forward": ring_forward_extra(shape, rank, cp)[0], "backward": ring_backward_extra(shape, rank, cp)[0]}
-    out = dict(segments)
-    found = False
-    for name in LAYER_SEGMENTS:
-        if name not in segments or name not in events["segments"]:
-            continue
-        moments = _attention_moments(events["segments"][name], events, shape, b, s_local)
-        found = found or bool(moments)
-        added = [([act[0] + extra[kind]] + act[1:], grad) for kind, act, grad in moments]
-        out[name] = {**segments[name], "candidates": list(segments[name]["candidates"]) + added}
-    if not found:
+    copy_bytes = float(shape.q * shape.act_bytes) if output_copied(rank, cp) else 0.0
+    found = {name: _attention_moments(events["segments"][name], events, shape, b, s_local)
+             for name in LAYER_SEGMENTS if name in segments and name in events["segments"]}
+    if not any(found.values()):
         raise ValueError("cp: no flash attention call in the traced layers (ring attention runs over flash, "
                          "memory-efficient or cuDNN SDPA; use 16-bit sdpa attention)")
+    recomputed = any(kind == "forward" for name in ("bw_first", "bw", "bw_last") for _, kind in found.get(name, ()))
+    out = dict(segments)
+    for name, moments in found.items():
+        backward = name.startswith("bw")
+        # checkpointed: the forward's copy is not saved (only the recomputation's is, until the backward call);
+        # otherwise the forward keeps it until this layer's backward
+        out[name] = _layer_segment(events["segments"][name], events, dict(moments), extra, copy_bytes,
+                                   copy_live=backward and not recomputed, copy_in_net=not recomputed)
     return out
 
 
@@ -400,11 +435,9 @@ class Ring:
                            self.head_dim, self.act_bytes)
 
     def reported_ranks(self, world_size: int) -> list[int]:
-        """Global ranks of cp rank 0, a middle one and the last (they differ in the ring's half steps)."""
-        ranks = [0, self.cp // 2, self.cp - 1] if self.cp > 2 else [0, self.cp - 1]
-        if world_size > self.cp:
-            ranks[-1] = world_size - 1  # the last global rank is also the last cp rank of its group
-        return sorted(set(ranks))
+        """Global ranks of cp rank 0, a middle one and the last of the first cp group (they differ in the ring's
+        half steps), and the last global rank."""
+        return sorted({0, self.cp // 2, self.cp - 1, world_size - 1})
 
 
 def ring_of(cp: int, heads: int, kv_heads: int, head_dim: int) -> Ring | None:

@@ -1,0 +1,99 @@
+"""Context parallelism (issue 18): the estimate of each cp rank against torch's ring attention on fake tensors.
+
+    LLMEM_CACHE_DIR=$(mktemp -d) PYTHONPATH=. .venv/bin/python benchmarks/context_parallel_table.py \\
+        [--quick] [--csv docs/error_matrix/context_parallel.csv]
+
+Oracle (``harness.fake.context_parallel``): FSDP2 over the dp x cp ranks of torch's fake process group,
+``FSDPMemTracker`` over two steady steps, each rank training on its seq_len / cp tokens with every attention call
+run by torch's ``_templated_ring_attention`` / ``_templated_ring_attention_backward`` over its cp group (flash,
+all-gather rotation, head-tail load balancing). Estimate: ``python -m estimator ... --method fsdp --cp N``'s
+``traced_allocated_bytes`` of the same global rank (less the cuBLAS workspace and the allocator's rounding, which
+no CPU oracle has). Causal, mixed_bf16 (FSDP2's bf16 compute), ranks first, middle and last of the cp group.
+
+Models: the harness's small Llama config (4 heads, MHA) and the same with 2 key/value heads (GQA), both with
+8192 positions so that 4096-token sequences are legal (the config's own is 2048). Exit 1 when a point is off by
+more than 1 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from estimator.api import estimate  # noqa: E402
+from estimator.spec import ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
+
+PRECISION = "mixed_bf16"
+# (world, cp, [(b, s)], grad_ckpt): cp 2 and 4 over cp ranks alone, cp 2 with two data-parallel groups, and
+# checkpointing (the ring's forward recomputed in backward).
+LAYOUTS = (
+    (2, 2, ((1, 1024), (2, 2048), (1, 4096)), False),
+    (4, 4, ((1, 1024), (2, 2048), (1, 4096)), False),
+    (4, 2, ((1, 2048),), False),
+    (4, 4, ((1, 4096),), True),
+    (2, 2, ((2, 2048),), True),
+)
+
+
+def _models() -> dict[str, dict]:
+    from harness.fake.memtracker import load_model_config
+
+    mha = {**load_model_config("small-llama"), "max_position_embeddings": 8192}
+    return {"small-llama": mha, "small-llama-gqa2": {**mha, "num_key_value_heads": 2}}
+
+
+def _ranks(world: int, cp: int) -> list[int]:
+    """cp rank 0, a middle one and the last, of the first cp group, and the last global rank (the ranks the
+    estimate reports)."""
+    return sorted({0, cp // 2, cp - 1, world - 1})
+
+
+def main() -> int:
+    from harness.fake.context_parallel import peak_bytes
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="the first layout's first point only")
+    parser.add_argument("--csv")
+    args = parser.parse_args()
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, config in _models().items():
+            path = Path(tmp) / f"{name}.json"
+            path.write_text(json.dumps(config))
+            for world, cp, points, ckpt in LAYOUTS[:1] if args.quick else LAYOUTS:
+                for b, s in points[:1] if args.quick else points:
+                    training = TrainingSpec(micro_batch_size=b, seq_len=s, precision=PRECISION, grad_ckpt=ckpt)
+                    spec = RunSpec(model=str(path), training=training,
+                                   parallel=ParallelSpec(method="fsdp", world_size=world, cp=cp))
+                    predicted = {r.rank: r for r in estimate(spec, replay_reserved=False).ranks}
+                    for rank in _ranks(world, cp):
+                        started = time.perf_counter()
+                        measured = peak_bytes(config, PRECISION, world, cp, rank, b, s, grad_ckpt=ckpt)
+                        got = predicted[rank].traced_allocated_bytes
+                        row = {"model": name, "world": world, "cp": cp, "rank": rank, "cp_rank": rank % cp,
+                               "grad_ckpt": ckpt, "micro_batch_size": b, "seq_len": s, "predicted_bytes": got,
+                               "measured_bytes": measured,
+                               "error_pct": round(100 * (got - measured) / measured, 4),
+                               "oracle_s": round(time.perf_counter() - started, 1)}
+                        rows.append(row)
+                        print(" ".join(str(v) for v in row.values()), flush=True)
+    errors = sorted(abs(r["error_pct"]) for r in rows)
+    if args.csv and rows:
+        with open(args.csv, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    print(f"points {len(rows)}  median |error| {errors[len(errors) // 2]:.4f} %  max |error| {errors[-1]:.4f} %")
+    return 0 if errors[-1] <= 1.0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
