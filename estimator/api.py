@@ -10,6 +10,7 @@ from typing import Any
 from estimator.hardware import residuals
 from estimator.hardware.gpus import get_gpu
 from estimator.methods import state as methods
+from estimator.methods.context_parallel import Ring, cp_notes, local_seq_len, ring_of
 from estimator.methods.fsdp1 import fsdp1
 from estimator.methods.long_context import (
     ACT_BYTES,
@@ -25,7 +26,6 @@ from estimator.methods.timeline import Replay, at_depth, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
 from estimator.models.memo import memo_by_owner
 from estimator.models.moe import is_routed_expert, moe_facts, moe_notes
-from estimator.methods.context_parallel import Ring, cp_notes, local_seq_len, ring_of
 from estimator.models.moe_ep import EpLayout, ep_layout, ep_notes
 from estimator.models.params import buffer_bytes, expand_params, param_counts
 from estimator.models.profiles import adapters_in_16bit, traced_release, versions_note
