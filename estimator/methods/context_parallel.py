@@ -169,6 +169,8 @@ def ring_forward_extra(shape: AttentionShape, rank: int, cp: int, held_until_wai
                 m.assign("rotater", gathered)
             m.bind("next_kv", None)  # exchange_buffers returns None
         partial = i > rank  # (i > rank implies i > 0)
+        m.bind("k", m.vars.get("key"))  # ``q, k, v, partial = ...``: the previous step's k, v go only now
+        m.bind("v", m.vars.get("value"))
         out_n, lse_n = (q // 2, lse // 2) if partial else (q, lse)
         out_i, lse_i = m.temp(out_n * e), m.temp(lse_n * FP32)
         m.assign("out", out_i)
@@ -250,9 +252,9 @@ def ring_backward_extra(shape: AttentionShape, rank: int, cp: int, held_until_wa
         m.bind("k", m.vars.get("key"))
         m.bind("v", m.vars.get("value"))
         dq, dkv = (q // 2 if partial_q else q), (kv // 2 if half_kv else kv)
-        m.assign("grad_query_", m.temp(dq * e))
-        m.assign("grad_key_", m.temp(dkv * e))
-        m.assign("grad_value_", m.temp(dkv * e))
+        grads = m.temp(dq * e), m.temp(dkv * e), m.temp(dkv * e)  # the op returns all three, then they rebind
+        for var, buf in zip(("grad_query_", "grad_key_", "grad_value_"), grads):
+            m.assign(var, buf)
         if i > 0:
             if held_dkv:
                 m.drop(held_dkv)
