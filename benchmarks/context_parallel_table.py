@@ -10,9 +10,13 @@ all-gather rotation, head-tail load balancing). Estimate: ``python -m estimator 
 ``traced_allocated_bytes`` of the same global rank (less the cuBLAS workspace and the allocator's rounding, which
 no CPU oracle has). Causal, mixed_bf16 (FSDP2's bf16 compute), ranks first, middle and last of the cp group.
 
-Models: the harness's small Llama config (4 heads, MHA) and the same with 2 key/value heads (GQA), both with
-8192 positions so that 4096-token sequences are legal (the config's own is 2048). Exit 1 when a point is off by
-more than 1 %.
+Models: the harness's small Llama config (4 heads, MHA; its fp32 logits set the peak) and two configs derived from
+it whose attention sets the peak (8 heads of 64, MHA and GQA with 2 key/value heads, a 256-wide MLP, a 128-token
+vocabulary, 2 layers), all with 16384 positions (the config's own is 2048). Column ``ring_at_peak_bytes``: how
+much the ring attention's own transients (``estimator.methods.context_parallel.ring_*_extra``) add to the
+estimate (0: the peak is elsewhere). ``--models HuggingFaceTB/SmolLM2-135M``: a catalogue model whose profiles
+ship (its 30 layers, 49k vocabulary: minutes per oracle run; ``SHIPPED_LAYOUTS``), the rows the tests check the
+estimator against without torch. Exit 1 when a point is off by more than 1 %.
 """
 
 from __future__ import annotations
@@ -35,19 +39,48 @@ PRECISION = "mixed_bf16"
 # (world, cp, [(b, s)], grad_ckpt): cp 2 and 4 over cp ranks alone, cp 2 with two data-parallel groups, and
 # checkpointing (the ring's forward recomputed in backward).
 LAYOUTS = (
-    (2, 2, ((1, 1024), (2, 2048), (1, 4096)), False),
-    (4, 4, ((1, 1024), (2, 2048), (1, 4096)), False),
-    (4, 2, ((1, 2048),), False),
-    (4, 4, ((1, 4096),), True),
-    (2, 2, ((2, 2048),), True),
+    (2, 2, ((1, 1024), (2, 2048), (1, 8192)), False),
+    (4, 4, ((1, 1024), (2, 4096), (1, 8192)), False),
+    (4, 2, ((1, 4096),), False),
+    (4, 4, ((2, 8192),), True),
+    (2, 2, ((2, 4096),), True),
 )
+
+
+# A catalogue model with shipped profiles (the tests' rows): cp 2, rank first and last, with and without
+# checkpointing.
+SHIPPED = "HuggingFaceTB/SmolLM2-135M"
+SHIPPED_LAYOUTS = ((2, 2, ((1, 4096),), False), (2, 2, ((1, 4096),), True))
 
 
 def _models() -> dict[str, dict]:
     from harness.fake.memtracker import load_model_config
 
-    mha = {**load_model_config("small-llama"), "max_position_embeddings": 8192}
-    return {"small-llama": mha, "small-llama-gqa2": {**mha, "num_key_value_heads": 2}}
+    base = {**load_model_config("small-llama"), "max_position_embeddings": 16384}
+    attention = {**base, "hidden_size": 512, "num_attention_heads": 8, "intermediate_size": 256, "vocab_size": 128,
+                 "num_hidden_layers": 2}
+    return {"small-llama": base, "attn-mha": {**attention, "num_key_value_heads": 8},
+            "attn-gqa2": {**attention, "num_key_value_heads": 2}}
+
+
+def _without_ring_transients():
+    """The estimate with the ring's own transients left out (to report what they add)."""
+    import contextlib
+
+    import estimator.api as api
+    from estimator.methods import context_parallel as cpm
+
+    @contextlib.contextmanager
+    def patched():
+        saved = cpm.ring_forward_extra, cpm.ring_backward_extra
+        cpm.ring_forward_extra = cpm.ring_backward_extra = lambda *args, **kwargs: (0.0, 0.0)
+        api._STEP_MODELS.clear()
+        try:
+            yield
+        finally:
+            cpm.ring_forward_extra, cpm.ring_backward_extra = saved
+            api._STEP_MODELS.clear()
+    return patched()
 
 
 def _ranks(world: int, cp: int) -> list[int]:
@@ -62,18 +95,30 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="the first layout's first point only")
     parser.add_argument("--csv")
+    parser.add_argument("--models", nargs="*", help=f"names of the derived configs, or {SHIPPED} (default: the "
+                                                     "derived configs)")
     args = parser.parse_args()
     rows: list[dict] = []
+    models = _models()
+    wanted = args.models or list(models)
     with tempfile.TemporaryDirectory() as tmp:
-        for name, config in _models().items():
-            path = Path(tmp) / f"{name}.json"
-            path.write_text(json.dumps(config))
-            for world, cp, points, ckpt in LAYOUTS[:1] if args.quick else LAYOUTS:
+        for name in wanted:
+            if name == SHIPPED:
+                from harness.fake.memtracker import load_model_config
+
+                config, model, layouts = load_model_config(name), name, SHIPPED_LAYOUTS
+            else:
+                config, layouts = models[name], LAYOUTS
+                model = str(Path(tmp) / f"{name}.json")
+                Path(model).write_text(json.dumps(config))
+            for world, cp, points, ckpt in layouts[:1] if args.quick else layouts:
                 for b, s in points[:1] if args.quick else points:
                     training = TrainingSpec(micro_batch_size=b, seq_len=s, precision=PRECISION, grad_ckpt=ckpt)
-                    spec = RunSpec(model=str(path), training=training,
+                    spec = RunSpec(model=model, training=training,
                                    parallel=ParallelSpec(method="fsdp", world_size=world, cp=cp))
                     predicted = {r.rank: r for r in estimate(spec, replay_reserved=False).ranks}
+                    with _without_ring_transients():
+                        bare = {r.rank: r for r in estimate(spec, replay_reserved=False).ranks}
                     for rank in _ranks(world, cp):
                         started = time.perf_counter()
                         measured = peak_bytes(config, PRECISION, world, cp, rank, b, s, grad_ckpt=ckpt)
@@ -81,6 +126,7 @@ def main() -> int:
                         row = {"model": name, "world": world, "cp": cp, "rank": rank, "cp_rank": rank % cp,
                                "grad_ckpt": ckpt, "micro_batch_size": b, "seq_len": s, "predicted_bytes": got,
                                "measured_bytes": measured,
+                               "ring_at_peak_bytes": got - bare[rank].traced_allocated_bytes,
                                "error_pct": round(100 * (got - measured) / measured, 4),
                                "oracle_s": round(time.perf_counter() - started, 1)}
                         rows.append(row)
