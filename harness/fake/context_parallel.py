@@ -108,13 +108,15 @@ def cp_group(world: int, cp: int, rank: int):
 
 
 def peak_bytes(config: dict, precision: str, world: int, cp: int, rank: int, b: int, s: int,
-               grad_ckpt: bool = False) -> int:
-    """FSDPMemTracker's peak of one cp rank over two steady steps (``harness.fake.memtracker.peak_bytes``)."""
+               grad_ckpt: bool = False, **techniques) -> int:
+    """FSDPMemTracker's peak of one cp rank over two steady steps (``harness.fake.memtracker.peak_bytes``);
+    ``techniques``: the long-context ``Variant`` fields (``ce``, ``ce_chunks``, ``activation_offload``)."""
     from harness.fake import memtracker as mt
 
     if s % (2 * cp) or world % cp:
         raise ValueError(f"cp: seq_len {s} must be a multiple of 2 x cp and world {world} of cp {cp}")
-    variant = dataclasses.replace(mt.Variant(precision, "sdpa", grad_ckpt, "cuda"), fsdp_world=world, rank=rank)
+    variant = dataclasses.replace(mt.Variant(precision, "sdpa", grad_ckpt, "cuda", **techniques), fsdp_world=world,
+                                  rank=rank)
     built = mt.build(config, variant)
     try:
         group = cp_group(world, cp, rank)
