@@ -53,6 +53,13 @@ RUN_AS = {
 EstimateFn = Callable[[RunSpec], Any]
 
 
+def run_as(cand: Candidate) -> str:
+    """What the layout is, in the terms of the framework that runs it (``RUN_AS``, plus context parallelism)."""
+    text = RUN_AS[cand.method]
+    return text + (f" + torch context_parallel (ring attention) over groups of {cand.cp} ranks" if cand.cp > 1
+                   else "")
+
+
 def _check_tp(arch, tp: int) -> None:
     try:
         from estimator.models.tp_plans import check_tp
@@ -281,7 +288,7 @@ class CandidateResult:
                 "max_micro_batch": self.max_micro_batch, "micro_batch": self.micro_batch,
                 "grad_accum": self.grad_accum, "peak_bytes": self.peak_bytes, "bound_bytes": self.bound_bytes,
                 "peak_lower_bound": self.peak_lower_bound, "capacity_bytes": self.capacity_bytes, "host_ram_bytes": self.host_ram_bytes,
-                "host_ram_node_bytes": self.host_ram_node_bytes, "run_as": RUN_AS[c.method],
+                "host_ram_node_bytes": self.host_ram_node_bytes, "run_as": run_as(c),
                 "tokens_per_s": round(self.tokens_per_s, 1) if self.time else None,
                 "step_time": self.time.to_dict() if self.time else None, "rank": self.rank}
 
