@@ -16,7 +16,8 @@ vocabulary, 2 layers), all with 16384 positions (the config's own is 2048). Colu
 much the ring attention's own transients (``estimator.methods.context_parallel.ring_*_extra``) add to the
 estimate (0: the peak is elsewhere). ``--models HuggingFaceTB/SmolLM2-135M``: a catalogue model whose profiles
 ship (its 30 layers, 49k vocabulary: minutes per oracle run; ``SHIPPED_LAYOUTS``), the rows the tests check the
-estimator against without torch. Exit 1 when a point is off by more than 1 %.
+estimator against without torch. ``--techniques``: cp combined with the long-context techniques (torchtune's
+chunked cross-entropy, 8 chunks; activation offload), ``TECHNIQUE_LAYOUTS`` of small-llama and attn-mha. Exit 1 when a point is off by more than 1 %.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ LAYOUTS = (
 # checkpointing.
 SHIPPED = "HuggingFaceTB/SmolLM2-135M"
 SHIPPED_LAYOUTS = ((2, 2, ((1, 4096),), False), (2, 2, ((1, 4096),), True))
+
+
+# cp with the long-context techniques (issue 18's other part): the plan combines them when cp alone does not fit.
+TECHNIQUES = (("chunked8", {"ce": "chunked", "ce_chunks": 8}), ("offload", {"activation_offload": True}))
+TECHNIQUE_LAYOUTS = ((2, 2, ((1, 4096),), False), (4, 4, ((2, 8192),), True))
+TECHNIQUE_MODELS = ("small-llama", "attn-mha")
 
 
 def _models() -> dict[str, dict]:
@@ -95,25 +102,28 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="the first layout's first point only")
     parser.add_argument("--csv")
+    parser.add_argument("--techniques", action="store_true", help="cp with chunked CE / activation offload")
     parser.add_argument("--models", nargs="*", help=f"names of the derived configs, or {SHIPPED} (default: the "
                                                      "derived configs)")
     args = parser.parse_args()
     rows: list[dict] = []
     models = _models()
-    wanted = args.models or list(models)
+    wanted = args.models or list(TECHNIQUE_MODELS if args.techniques else models)
+    techniques = TECHNIQUES if args.techniques else (("", {}),)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in wanted:
+        for name, (label, fields) in ((n, t) for n in wanted for t in techniques):
             if name == SHIPPED:
                 from harness.fake.memtracker import load_model_config
 
                 config, model, layouts = load_model_config(name), name, SHIPPED_LAYOUTS
             else:
-                config, layouts = models[name], LAYOUTS
+                config, layouts = models[name], TECHNIQUE_LAYOUTS if args.techniques else LAYOUTS
                 model = str(Path(tmp) / f"{name}.json")
                 Path(model).write_text(json.dumps(config))
             for world, cp, points, ckpt in layouts[:1] if args.quick else layouts:
                 for b, s in points[:1] if args.quick else points:
-                    training = TrainingSpec(micro_batch_size=b, seq_len=s, precision=PRECISION, grad_ckpt=ckpt)
+                    training = TrainingSpec(micro_batch_size=b, seq_len=s, precision=PRECISION, grad_ckpt=ckpt,
+                                            **fields)
                     spec = RunSpec(model=model, training=training,
                                    parallel=ParallelSpec(method="fsdp", world_size=world, cp=cp))
                     predicted = {r.rank: r for r in estimate(spec, replay_reserved=False).ranks}
@@ -121,9 +131,9 @@ def main() -> int:
                         bare = {r.rank: r for r in estimate(spec, replay_reserved=False).ranks}
                     for rank in _ranks(world, cp):
                         started = time.perf_counter()
-                        measured = peak_bytes(config, PRECISION, world, cp, rank, b, s, grad_ckpt=ckpt)
+                        measured = peak_bytes(config, PRECISION, world, cp, rank, b, s, grad_ckpt=ckpt, **fields)
                         got = predicted[rank].traced_allocated_bytes
-                        row = {"model": name, "world": world, "cp": cp, "rank": rank, "cp_rank": rank % cp,
+                        row = {"model": name, **({"technique": label} if label else {}), "world": world, "cp": cp, "rank": rank, "cp_rank": rank % cp,
                                "grad_ckpt": ckpt, "micro_batch_size": b, "seq_len": s, "predicted_bytes": got,
                                "measured_bytes": measured,
                                "ring_at_peak_bytes": got - bare[rank].traced_allocated_bytes,

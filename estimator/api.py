@@ -687,6 +687,9 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     arch = cached_arch(spec.model)
     check_spec(spec, arch)
     asked, ring = spec, ring_of(spec.parallel.cp, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    if ring is not None and sequence is not None:
+        raise ValueError("cp: an epoch of mixed batch shapes under context parallelism is not modelled (estimate "
+                         "its longest batch)")
     if ring is not None:  # a cp rank: FSDP2 over every rank at its local sequence, plus the ring's transients
         spec = spec.replace(**{"parallel.cp": 1, "training.seq_len": local_seq_len(spec.training.seq_len, ring.cp)})
         conf = None  # the allocator replay has no ring events: the reserved prior

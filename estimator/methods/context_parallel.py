@@ -35,7 +35,7 @@ CP_ATTN = ("sdpa", "flash")
 
 
 def check_cp(cp: int, method: str, world_size: int, seq_len: int, precision: str, attn: str, *, tp: int = 1,
-             ep: int = 1, lora: bool = False) -> None:
+             ep: int = 1, lora: bool = False, padded: bool = False) -> None:
     """ValueError("cp: ...") for a layout torch's ring attention or this model does not cover."""
     if cp == 1:
         return
@@ -57,6 +57,8 @@ def check_cp(cp: int, method: str, world_size: int, seq_len: int, precision: str
                          f"attention runs the memory-efficient kernel (use {', '.join(CP_PRECISIONS)})")
     if lora:
         raise ValueError("cp: LoRA under context parallelism is not modelled")
+    if padded:
+        raise ValueError("cp: ring attention takes no attention mask: full rows or packed sequences only (batch full)")
 
 
 def local_seq_len(seq_len: int, cp: int) -> int:

@@ -41,6 +41,7 @@ def _spec(cp: int = 2, gpus: int = 2, s: int = 4096, **training) -> RunSpec:
     ({"method": "fsdp", "world_size": 4, "cp": 2}, {"precision": "fp32"}, "cp: ring attention is modelled for the "
                                                                            "flash kernel"),
     ({"method": "fsdp", "world_size": 4, "cp": 2}, {"lora_rank": 8}, "cp: LoRA under context parallelism"),
+    ({"method": "fsdp", "world_size": 4, "cp": 2}, {"batch": "padded"}, "cp: ring attention takes no attention mask"),
 ])
 def test_layouts_ring_attention_cannot_run_are_refused(parallel, training, message):
     with pytest.raises(ValueError, match=message):
