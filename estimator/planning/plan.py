@@ -782,8 +782,9 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     if gpus % ctx.fsdp1.shard_size(gpus):
         raise ValueError(f"gpus_per_node: HYBRID_SHARD needs whole nodes: {gpus} GPUs is not a multiple of "
                          f"{ctx.fsdp1.gpus_per_node}")
+    # cp layouts for fixed-shape steps only: an epoch of mixed batch shapes under cp is not modelled
     cands = enumerate_candidates(gpus, ckpt_options, methods, routed_experts(arch.config),
-                                 cp_degrees(gpus, training))
+                                 cp_degrees(gpus, training) if epoch is None else ())
     if global_batch is not None and all(global_batch % c.dp for c in cands):
         dps = sorted({c.dp for c in cands}, reverse=True)
         raise ValueError(f"global_batch: {global_batch} is not divisible by the data-parallel degree of any "
