@@ -11,6 +11,7 @@ from estimator.hardware import residuals
 from estimator.hardware.gpus import get_gpu
 from estimator.methods import expert_parallel
 from estimator.methods import state as methods
+from estimator.methods.context_parallel import Ring, cp_notes, local_seq_len, ring_of
 from estimator.methods.fsdp1 import fsdp1
 from estimator.methods.long_context import (
     ACT_BYTES,
@@ -347,13 +348,15 @@ def _micro_batches(spec: RunSpec) -> tuple:
 
 def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, rank: int,
                    path: methods.Zero12Rank | None = None, alloc_conf: str | None = None,
-                   sequence: StepSequence | None = None, decide_fit: bool = False, layout: EpLayout | None = None
-                   ) -> tuple[RankEstimate, methods.StepModel]:
+                   sequence: StepSequence | None = None, decide_fit: bool = False, layout: EpLayout | None = None,
+                   ring: Ring | None = None) -> tuple[RankEstimate, methods.StepModel]:
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
     model = _step_model(spec, table, rank, path)
     regime = _regime(profile, b, s)
     segments = technique_segments(loop_segments(regime, training.loop, arch.num_layers), profile, training)
+    if ring is not None:  # the ring attention's transients at each flash call (spec: this rank's local sequence)
+        segments = ring.segments(segments, regime, rank, b, s)
     if layout is not None:
         segments = expert_parallel.ep_segments(segments, regime, table, layout, training, arch.num_layers, b, s,
                                                profile["params"])
@@ -585,6 +588,13 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         raise ValueError(f"gpu: {gpu.key!r} has no known capacity; name the GPU type (see --list-gpus)")
     arch = cached_arch(spec.model)
     check_spec(spec, arch)
+    asked, ring = spec, ring_of(spec.parallel.cp, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    if ring is not None and sequence is not None:
+        raise ValueError("cp: an epoch of mixed batch shapes under context parallelism is not modelled (estimate "
+                         "its longest batch)")
+    if ring is not None:  # a cp rank: FSDP2 over every rank at its local sequence, plus the ring's transients
+        spec = spec.replace(**{"parallel.cp": 1, "training.seq_len": local_seq_len(spec.training.seq_len, ring.cp)})
+        conf = None  # the allocator replay has no ring events: the reserved prior
     coeffs = coefficients if isinstance(coefficients, residuals.Coefficients) else \
         residuals.load_coefficients(gpu.key, coefficients)
     every = ckpt_every(spec.training.ckpt_policy)
@@ -601,7 +611,8 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     # rank (its size, and when backward or the reduction after it reaches the rank's partition), so one
     # computation serves every rank elsewhere.
     def rank_estimate(rank: int, path: methods.Zero12Rank | None = None, sequence: StepSequence | None = None):
-        return _rank_estimate(spec, arch, profile, table, coeffs, rank, path, conf, sequence, decide_fit, layout)
+        return _rank_estimate(spec, arch, profile, table, coeffs, rank, path, conf, sequence, decide_fit, layout,
+                              ring)
 
     if last and spec.parallel.zero_stage in (1, 2):
         paths = methods.zero12_ranks(table, spec.parallel.world_size, spec.parallel.zero.reduce_bucket_size)
@@ -613,6 +624,9 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         worst_middle = max(middle, key=lambda r: r.peak_device_bytes, default=None)
         if worst_middle is not None and worst_middle.peak_device_bytes > max(r.peak_device_bytes for r in ranks):
             ranks.insert(1, worst_middle)
+    elif ring is not None:  # the cp ranks differ in the ring's half steps
+        first, model = rank_estimate(0)
+        ranks = [first] + [rank_estimate(r)[0] for r in ring.reported_ranks(spec.parallel.world_size)[1:]]
     else:
         first, model = rank_estimate(0, sequence=sequence)
         if first.reserved_lower_bound:  # decide_fit: rank 0 alone proves the spec does not fit
@@ -640,6 +654,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     notes += _batch_note(spec.training, profile)
     notes += _layers_note(profile)
     notes += moe_notes(moe_facts(arch.config, profile["params"], arch.num_layers, total))
+    notes += cp_notes(asked.parallel.cp, spec.parallel.world_size, asked.training.seq_len)
     notes += ep_notes(layout, spec.training.micro_batch_size * spec.training.seq_len, spec.training.grad_ckpt)
     if "math" in profile.get("sdpa_backends", ()):
         notes.append("attention: CUDA runs SDPA's math kernel here (no flash or memory-efficient kernel takes these "
@@ -654,7 +669,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
                      "prepare_model_for_kbit_training: other weights and the adapters in fp32)")
     notes += residuals.range_notes(coeffs, spec, gpu_key=gpu.key, params=total, model_family=arch.model_type)
     upper = residuals.upper_bound_bytes(worst.peak_device_bytes, coeffs)
-    return Estimate(spec=spec, ranks=ranks, worst_rank=worst.rank, capacity_bytes=gpu.capacity_bytes,
+    return Estimate(spec=asked, ranks=ranks, worst_rank=worst.rank, capacity_bytes=gpu.capacity_bytes,
                     upper_bound_bytes=upper, host_ram_bytes=int(model.host_bytes) if model else 0,
                     calibrated=coeffs.calibrated, gpu_key=gpu.key, params=total, trainable_params=trainable,
                     notes=notes, alloc_conf=conf or "", model_code=traced_release(profile) or "")

@@ -287,6 +287,9 @@ class ParallelSpec:
     # Load of the busiest expert relative to balanced routing (1.0: balanced). Under ep > 1 the rank that owns the
     # busiest experts receives up to this many times its balanced share of routed tokens.
     moe_imbalance: float = 1.0
+    # Context parallelism: ``cp`` ranks each hold seq_len / cp tokens of every sequence and run torch's ring
+    # attention (``context_parallel``); FSDP2 shards over all world_size (dp x cp) ranks, as torchtitan does.
+    cp: int = 1
     fsdp1: Fsdp1Spec = field(default_factory=Fsdp1Spec)
 
     def __post_init__(self) -> None:
@@ -316,6 +319,14 @@ class ParallelSpec:
         if isinstance(self.moe_imbalance, bool) or not isinstance(self.moe_imbalance, (int, float)) \
                 or not self.moe_imbalance >= 1:
             _fail("moe_imbalance", f"must be a number >= 1 (1 = balanced routing), got {self.moe_imbalance!r}")
+        _check_positive_int("cp", self.cp)
+        if self.cp > 1:
+            from estimator.methods.context_parallel import check_cp
+
+            try:
+                check_cp(self.cp, self.method, self.world_size, 2 * self.cp, "bf16", "sdpa", tp=self.tp, ep=self.ep)
+            except ValueError as err:
+                _fail("cp", str(err).removeprefix("cp: "))
 
     @property
     def dp(self) -> int:
@@ -344,6 +355,16 @@ class RunSpec:
             _fail("gpu", "must be a GPU key such as h100-80gb")
         if self.training.ce != "standard" and self.parallel.tp > 1:
             _fail("ce", "a chunked or fused loss over a tensor-parallel head is not modelled (use tp 1)")
+        if self.parallel.cp > 1:
+            from estimator.methods.context_parallel import check_cp
+
+            try:
+                check_cp(self.parallel.cp, self.parallel.method, self.parallel.world_size, self.training.seq_len,
+                         self.training.precision, self.training.attn, tp=self.parallel.tp, ep=self.parallel.ep,
+                         lora=bool(self.training.lora_rank) or self.training.qlora,
+                         padded=self.training.batch == "padded")
+            except ValueError as err:
+                _fail("cp", str(err).removeprefix("cp: "))
         if self.training.qlora and self.parallel.method in QLORA_UNSUPPORTED_METHODS:
             _fail("qlora", f"bitsandbytes 4-bit weights cannot be sharded by {self.parallel.method} here (FSDP2 and "
                            "DTensor cannot wrap Params4bit); use single, ddp or a ZeRO method")
@@ -353,7 +374,7 @@ class RunSpec:
 
     def _canonical_dict(self) -> dict[str, Any]:
         """to_dict without the settings of a method not used, nor settings added later at their default (FSDP1's,
-        ``ep``, ``moe_imbalance``, ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``, ``use_cache``,
+        ``ep``, ``moe_imbalance``, ``cp``, ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``, ``use_cache``,
         the long-context techniques): ids stay as they were."""
         data = self.to_dict()
         if self.parallel.method != "fsdp1":
@@ -362,6 +383,8 @@ class RunSpec:
             data["parallel"].pop("ep")
         if self.parallel.moe_imbalance == 1:
             data["parallel"].pop("moe_imbalance")
+        if self.parallel.cp == 1:
+            data["parallel"].pop("cp")
         for name in ("outputs_fp32", "lora_dropout", "model_code", "use_cache", "activation_offload", "ckpt_policy"):
             if not getattr(self.training, name):
                 data["training"].pop(name)

@@ -199,6 +199,12 @@ def _check_launch(spec: RunSpec, opts: HarnessOptions, device: DeviceInfo | None
         # first adapter matmul fails (H100, 2026-11-26, docs/LOG.md session 20)
         raise ValueError(f"training.precision: fsdp1 with LoRA under {spec.training.precision} fails in the worker "
                          "(fp32 activations meet 16-bit adapters); use bf16, fp32, amp_* or method fsdp")
+    if spec.parallel.cp > 1 and (opts.backend != "cuda" or opts.emulated):
+        # torch's ring attention dispatches the CUDA SDPA kernels only (harness.cp); the CPU oracle is
+        # harness.fake.context_parallel
+        raise ValueError("parallel.cp: torch's context parallelism runs on GPUs only (on CPU, SDPA's "
+                         "_scaled_dot_product_flash_attention_for_cpu has no ring-attention handler nor sharding "
+                         "rule); use backend cuda with real ranks")
     offload = spec.parallel.method == "zero_offload" or spec.parallel.zero.offload_optimizer
     if offload and spec.training.precision == "bf16" and not opts.deepspeed_config:
         # DeepSpeed asserts on bf16 master weights + offload unless the optimizer is its JIT-compiled

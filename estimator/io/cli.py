@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel degree of a mixture-of-experts model (method fsdp: transformers' "
                         "DistributedConfig(ep_size=N, fsdp_size=gpus))")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel degree (method fsdp): torch's ring attention over N ranks, each holding "
+                        "seq_len / N tokens; FSDP2 over all gpus (dp x cp), as torchtitan")
     p.add_argument("--moe-imbalance", type=float, default=1.0,
                    help="load of the busiest expert relative to balanced routing (bound for skewed routing under --ep)")
     p.add_argument("--micro-batch-size", type=int, help="sequences per GPU per micro-step")
@@ -160,12 +163,14 @@ def spec_from_args(args) -> tuple[RunSpec, bool]:
     gpus = args.gpus if args.gpus is not None else (DEFAULT["gpus"] if use_default else 1)
     method = args.method or ("single" if gpus == 1 and args.model else "all")
     gpu = (args.gpu or (DEFAULT["gpu"] if use_default else "h100-80gb")).lower()
+    if method == "all" and args.cp != 1:
+        raise ValueError("cp: context parallelism runs with FSDP2: name --method fsdp with --cp")
     if method == "all":  # the comparison enumerates methods itself (compare_specs); fsdp1 flags go to its row
         parallel = ParallelSpec(world_size=1, fsdp1=fsdp1_from_args(args, "fsdp1"))
     else:
         tp = args.tp if args.tp is not None else (gpus if method == "tp" else 1)
         parallel = ParallelSpec(method=method, world_size=gpus, tp=tp, fsdp1=fsdp1_from_args(args, method),
-                                ep=args.ep, moe_imbalance=args.moe_imbalance)
+                                ep=args.ep, moe_imbalance=args.moe_imbalance, cp=args.cp)
     spec = RunSpec(model=args.model or DEFAULT["model"], parallel=parallel, training=training, gpu=gpu)
     if args.deepspeed:
         from estimator.configs.deepspeed_json import spec_from_deepspeed
@@ -247,6 +252,7 @@ def render_detail(est) -> str:
     s, t = est.spec, est.spec.training
     lines = [f"{s.model}  {s.parallel.method}  world {s.parallel.world_size}"
              + (f" tp {s.parallel.tp}" if s.parallel.tp > 1 else "")
+             + (f" cp {s.parallel.cp}" if s.parallel.cp > 1 else "")
              + (f" ep {s.parallel.ep}" + (f" (busiest expert {s.parallel.moe_imbalance:g}x balanced)"
                                         if s.parallel.moe_imbalance != 1 else "") if s.parallel.ep > 1 else "")
              + f"  on {est.gpu_key}",

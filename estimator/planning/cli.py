@@ -211,7 +211,7 @@ def recommendation_line(p: Plan) -> str:
     layout = f"{c.label}" + (f" (tp={c.tp})" if c.method == "tp" else "")
     host = f", host RAM ~{_gib(b.host_ram_node_bytes)} GiB/node" if b.host_ram_node_bytes else ""
     technique = f", {p.technique}," if p.technique else ""
-    return (f"Recommendation: {layout} [{planner.RUN_AS[c.method]}]{' with' if c.grad_ckpt else ' without'} "
+    return (f"Recommendation: {layout} [{planner.run_as(c)}]{' with' if c.grad_ckpt else ' without'} "
             f"gradient checkpointing{technique} micro-batch {b.micro_batch} x {b.grad_accum} accumulation x dp {c.dp}: "
             f"~{b.tokens_per_s:,.0f} tokens/s, peak {_gib(b.peak_bytes)} GiB/rank "
             f"(bound {_gib(b.bound_bytes)} of {_gib(b.capacity_bytes)} GiB){host}")

@@ -53,6 +53,13 @@ RUN_AS = {
 EstimateFn = Callable[[RunSpec], Any]
 
 
+def run_as(cand: Candidate) -> str:
+    """What the layout is, in the terms of the framework that runs it (``RUN_AS``, plus context parallelism)."""
+    text = RUN_AS[cand.method]
+    return text + (f" + torch context_parallel (ring attention) over groups of {cand.cp} ranks" if cand.cp > 1
+                   else "")
+
+
 def _check_tp(arch, tp: int) -> None:
     try:
         from estimator.models.tp_plans import check_tp
@@ -71,10 +78,12 @@ class Candidate:
     tp: int = 1
     grad_ckpt: bool = False
     ep: int = 1                  # expert parallelism of a MoE model (fsdp only)
+    cp: int = 1                  # context parallelism (fsdp only): ring attention over cp ranks
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.tp
+        """Data-parallel degree: the sequences a step runs side by side (cp ranks share one)."""
+        return self.world_size // self.tp // self.cp
 
     @property
     def offload(self) -> bool:
@@ -85,12 +94,14 @@ class Candidate:
         if self.method in ("zero3_offload", "zero_infinity"):
             zero = ZeroSpec(offload_optimizer=True, offload_param=self.method == "zero_infinity")
             return ParallelSpec(method="zero3", world_size=self.world_size, zero=zero)
-        return ParallelSpec(method=self.method, world_size=self.world_size, tp=self.tp, ep=self.ep)
+        return ParallelSpec(method=self.method, world_size=self.world_size, tp=self.tp, ep=self.ep, cp=self.cp)
 
     @property
     def label(self) -> str:
         if self.method == "dp_tp":
             return f"dp_tp {self.dp}x{self.tp}"
+        if self.cp > 1:
+            return f"fsdp cp{self.cp}"
         if self.ep > 1:
             return f"fsdp ep{self.ep}"
         return self.method
@@ -104,20 +115,40 @@ def ep_degrees(world_size: int, experts: int | None) -> list[int]:
     return [d for d in range(2, world_size + 1) if world_size % d == 0 and experts % d == 0]
 
 
+def cp_degrees(world_size: int, training: TrainingSpec) -> list[int]:
+    """The context-parallel degrees torch's ring attention can run for ``training`` on ``world_size`` GPUs (cp
+    dividing the GPUs, the sequence in 2 cp load-balanced chunks; ``estimator.methods.context_parallel``)."""
+    from estimator.methods.context_parallel import check_cp
+
+    degrees = []
+    for cp in range(2, world_size + 1):
+        try:
+            check_cp(cp, "fsdp", world_size, training.seq_len, training.precision, training.attn,
+                     lora=bool(training.lora_rank) or training.qlora, padded=training.batch == "padded")
+        except ValueError:
+            continue
+        degrees.append(cp)
+    return degrees
+
+
 def enumerate_candidates(world_size: int, ckpt_options: Iterable[bool] = (False, True),
-                         methods: Iterable[str] | None = None, experts: int | None = None) -> list[Candidate]:
-    """Every (method, tp, ep, checkpointing) the estimator knows for ``world_size`` GPUs; ``experts``: the
-    routed experts of a MoE model (its FSDP2 layouts with expert parallelism join). ``methods`` limits them;
-    raises ``ValueError("methods: ...")`` when none of the wanted methods has a layout on ``world_size``."""
+                         methods: Iterable[str] | None = None, experts: int | None = None,
+                         cps: Iterable[int] = ()) -> list[Candidate]:
+    """Every (method, tp, ep, cp, checkpointing) the estimator knows for ``world_size`` GPUs; ``experts``: the
+    routed experts of a MoE model (its FSDP2 layouts with expert parallelism join); ``cps``: context-parallel
+    degrees (``cp_degrees``) for FSDP2 layouts. ``methods`` limits them; raises ``ValueError("methods: ...")``
+    when none of the wanted methods has a layout on ``world_size``."""
     if world_size == 1:
-        layouts = [("single", 1, 1)]
+        layouts = [("single", 1, 1, 1)]
     else:
-        layouts = [(m, 1, 1) for m in ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp1")] + [("tp", world_size, 1)]
-        layouts += [("dp_tp", t, 1) for t in range(2, world_size) if world_size % t == 0]
-        layouts += [("fsdp", 1, e) for e in ep_degrees(world_size, experts)]
-    layouts += [(m, 1, 1) for m in OFFLOAD_METHODS]
+        layouts = [(m, 1, 1, 1) for m in ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp1")] \
+            + [("tp", world_size, 1, 1)]
+        layouts += [("dp_tp", t, 1, 1) for t in range(2, world_size) if world_size % t == 0]
+        layouts += [("fsdp", 1, e, 1) for e in ep_degrees(world_size, experts)]
+        layouts += [("fsdp", 1, 1, c) for c in cps if c > 1 and world_size % c == 0]
+    layouts += [(m, 1, 1, 1) for m in OFFLOAD_METHODS]
     wanted = set(methods) if methods is not None else None
-    cands = [Candidate(m, world_size, t, ckpt, e) for m, t, e in layouts for ckpt in ckpt_options
+    cands = [Candidate(m, world_size, t, ckpt, e, c) for m, t, e, c in layouts for ckpt in ckpt_options
              if wanted is None or m in wanted]
     if not cands and wanted:
         why = {"single": "it is the 1-GPU layout", "dp_tp": "it needs a tp degree with 1 < tp < N dividing N"}
@@ -252,12 +283,12 @@ class CandidateResult:
 
     def to_dict(self) -> dict[str, Any]:
         c = self.candidate
-        return {"method": c.method, "label": c.label, "world_size": c.world_size, "dp": c.dp, "tp": c.tp,
+        return {"method": c.method, "label": c.label, "world_size": c.world_size, "dp": c.dp, "tp": c.tp, "cp": c.cp,
                 "grad_ckpt": c.grad_ckpt, "status": self.status, "fits": self.fits, "reason": self.reason,
                 "max_micro_batch": self.max_micro_batch, "micro_batch": self.micro_batch,
                 "grad_accum": self.grad_accum, "peak_bytes": self.peak_bytes, "bound_bytes": self.bound_bytes,
                 "peak_lower_bound": self.peak_lower_bound, "capacity_bytes": self.capacity_bytes, "host_ram_bytes": self.host_ram_bytes,
-                "host_ram_node_bytes": self.host_ram_node_bytes, "run_as": RUN_AS[c.method],
+                "host_ram_node_bytes": self.host_ram_node_bytes, "run_as": run_as(c),
                 "tokens_per_s": round(self.tokens_per_s, 1) if self.time else None,
                 "step_time": self.time.to_dict() if self.time else None, "rank": self.rank}
 
@@ -388,7 +419,7 @@ class _Context:
         dp_link, tp_link = self.links(cand)
         train = {**self.training.__dict__, **training}
         shapes = self.epoch.shapes(mb, cand.dp, train["seq_len"]) if self.epoch is not None else None
-        setup = tput.Setup(method=cand.method, world_size=cand.world_size, tp=cand.tp, micro_batch=mb,
+        setup = tput.Setup(method=cand.method, world_size=cand.world_size, tp=cand.tp, cp=cand.cp, micro_batch=mb,
                            seq_len=shapes.mean_padded_len if shapes else train["seq_len"], grad_accum=accum, grad_ckpt=cand.grad_ckpt,
                            precision=train["precision"], optimizer=train["optimizer"],
                            lora=train["lora_rank"] > 0)
@@ -549,7 +580,7 @@ def _loss_reason(res: CandidateResult, best: CandidateResult) -> str:
 def _rank_key(r: CandidateResult) -> tuple:
     """Fastest first; on a tie the smaller bound, then the simpler method, no checkpointing, less TP."""
     return (-round(r.tokens_per_s, 6), r.bound_bytes or 0, METHOD_RANK[r.candidate.method], r.candidate.grad_ckpt,
-            r.candidate.tp, r.candidate.ep)
+            r.candidate.tp, r.candidate.ep, r.candidate.cp)
 
 
 def _rank(results: list[CandidateResult]) -> CandidateResult | None:
@@ -607,6 +638,20 @@ def _with_techniques(ctx: _Context, cands: list[Candidate], global_batch: int | 
             reason = trial_results[0].reason  # e.g. no torch here to trace the technique's profiles
             return ctx, results, replayed, f"(not tried: {reason})"
     return ctx, results, replayed, ""
+
+
+def _cp_note(results: list, best: CandidateResult | None, seq_len: int) -> list[str]:
+    """Say so when context parallelism is what made the recommendation fit (no GPU-resident layout without it
+    fits micro-batch 1), or that it was weighed."""
+    if best is None or best.candidate.cp == 1:
+        return []
+    c = best.candidate
+    others = [r for r in results if r.fits and r.candidate.cp == 1 and not r.candidate.offload]
+    why = "made it fit: no GPU-resident layout without it fits micro-batch 1" if not others else \
+        "is the fastest layout that fits"
+    return [f"long context: context parallelism ({c.label}: torch's ring attention, context_parallel, over "
+            f"{c.cp} ranks, each holding {seq_len // c.cp} of the {seq_len} tokens; FSDP2 over all "
+            f"{c.world_size} GPUs) {why}"]
 
 
 def _default_precision(gpu: tput.GpuPerf) -> str:
@@ -737,7 +782,9 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     if gpus % ctx.fsdp1.shard_size(gpus):
         raise ValueError(f"gpus_per_node: HYBRID_SHARD needs whole nodes: {gpus} GPUs is not a multiple of "
                          f"{ctx.fsdp1.gpus_per_node}")
-    cands = enumerate_candidates(gpus, ckpt_options, methods, routed_experts(arch.config))
+    # cp layouts for fixed-shape steps only: an epoch of mixed batch shapes under cp is not modelled
+    cands = enumerate_candidates(gpus, ckpt_options, methods, routed_experts(arch.config),
+                                 cp_degrees(gpus, training) if epoch is None else ())
     if global_batch is not None and all(global_batch % c.dp for c in cands):
         dps = sorted({c.dp for c in cands}, reverse=True)
         raise ValueError(f"global_batch: {global_batch} is not divisible by the data-parallel degree of any "
@@ -760,6 +807,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
         result.notes.append(f"long context: no GPU-resident layout fits micro-batch 1 with the model's own loss "
                             f"and activations on the GPU; {technique} made it fit: every layout below is planned "
                             "with it")
+    result.notes += _cp_note(results, best, seq_len)
     if skipped:
         result.notes.append(f"long context: the techniques (chunked / fused cross-entropy, activation offload) "
                             f"were not planned {skipped}")

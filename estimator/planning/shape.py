@@ -26,6 +26,7 @@ class ModelShape:
     head_params: int = 0     # the LM head's matmul parameters (V x h, tied or not): replicated under TP
     replicated_params: int = 0   # parameters every TP rank holds whole (embeddings, LM head, final norm)
     trainable_params: int | None = None   # None = all (full fine-tuning)
+    kv_dim: int = 0          # key/value heads x head dim (what ring attention moves per token and tensor)
 
     @property
     def trainable(self) -> int:
@@ -82,7 +83,8 @@ def model_shape(model: str, lora_rank: int = 0, lora_targets: str = "auto", *, p
         trainable = trainable or _lora_params(arch, lora_rank, lora_targets)
     return ModelShape(params=params, matmul_params=matmul, layers=arch.num_layers,
                            hidden_size=arch.hidden_size, head_params=vh, replicated_params=replicated,
-                           trainable_params=trainable if lora_rank else None)
+                           trainable_params=trainable if lora_rank else None,
+                           kv_dim=arch.num_kv_heads * arch.head_dim)
 
 
 def model_summary(model: str) -> dict:

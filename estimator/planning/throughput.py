@@ -342,9 +342,15 @@ class Setup:
     lora: bool = False
     overlap_comm: bool | None = None   # DeepSpeed's ZeroSpec.overlap_comm (None = its default)
     pin_memory: bool = False
+    cp: int = 1                        # context parallelism: each rank runs seq_len / cp tokens of a sequence
 
     @property
     def dp(self) -> int:
+        return self.world_size // self.tp // self.cp
+
+    @property
+    def shards(self) -> int:
+        """Ranks the sharded states are split over (FSDP2 shards over dp x cp)."""
         return self.world_size // self.tp
 
 
@@ -375,7 +381,8 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
               dp_link: Link, tp_link: Link) -> StepTime:
     """Predicted time of one optimizer step (see the module docstring for every term)."""
     m, tp, dp, accum = setup.method, setup.tp, setup.dp, setup.grad_accum
-    tokens = setup.micro_batch * setup.seq_len
+    shards = setup.shards
+    tokens = setup.micro_batch * setup.seq_len // setup.cp  # this rank's (its share of causal attention too)
     peak = gpu.flops_for(setup.precision)
     if peak <= 0:
         raise ValueError(f"precision: {gpu.key} has no {setup.precision} tensor throughput "
@@ -404,7 +411,7 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
         parts["dp_reduce_scatter"], parts["dp_all_gather"] = micro_comm * accum, step_comm
         hidden_micro = zero_overlap * bwd_micro
     elif m in ("zero3", "fsdp", "fsdp1", "dp_tp") + ZERO3_OFFLOAD:   # dp_tp: FSDP2 over the dp axis of the mesh
-        micro_comm = 3 * dp_link.time("all_gather", psi, dp, shape.layers + 1)
+        micro_comm = 3 * dp_link.time("all_gather", psi, shards, shape.layers + 1)
         parts["dp_gather_scatter"] = micro_comm * accum
         overlap = OVERLAP["fsdp" if m in FSDP_METHODS else "zero3"] \
             if setup.overlap_comm is not False else 0.0
@@ -419,6 +426,12 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
         count = 2 * passes * shape.layers
         tp_micro = tp_link.time("all_reduce", count * tokens * shape.hidden_size * act_elem, tp, count)
         parts["tp_allreduce"] = tp_micro * accum      # on the critical path: nothing hides it
+    if setup.cp > 1:  # ring attention: k|v all-gathered per layer and pass; backward rotates fp32 dk|dv cp - 1 times
+        passes = 3 if setup.grad_ckpt else 2
+        kv_bytes = 2 * tokens * shape.kv_dim * act_elem   # this rank's k|v
+        ring = shape.layers * (passes * setup.cp * kv_bytes + (setup.cp - 1) * 2 * kv_bytes)
+        tp_micro += dp_link.time("all_gather", ring, setup.cp, shape.layers * (passes + setup.cp - 1))
+        parts["cp_ring"] = tp_micro * accum           # waited on inside attention: on the critical path
     exposed_micro = max(0.0, micro_comm - hidden_micro) + tp_micro + sharding
     exposed_step = max(0.0, step_comm - hidden_step)
     micro_comm += tp_micro
@@ -440,7 +453,7 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
             + params_h2d * (1 - OVERLAP["offload_params"]) + cpu_adam
         optimizer = 0.0
     else:
-        local = shape.trainable_per_rank(tp) / (dp if m in ("zero1", "zero2", "zero3", "fsdp", "fsdp1", "dp_tp")
+        local = shape.trainable_per_rank(tp) / (shards if m in ("zero1", "zero2", "zero3", "fsdp", "fsdp1", "dp_tp")
                                                 else 1)
         per_param = OPTIMIZER_BYTES_PER_PARAM.get(setup.optimizer, 32.0)
         optimizer = local * per_param / (gpu.memory_bandwidth * HBM_EFFICIENCY)

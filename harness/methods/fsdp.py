@@ -16,6 +16,9 @@ What the estimator needs to know, exactly:
 * ``parallel.ep > 1`` (a mixture-of-experts model): transformers' own expert parallelism (``harness.ep``): each
   rank owns num_experts / ep experts, tokens go to them all-to-all, each experts module is an FSDP2 unit on the
   world / ep ranks holding the same experts; the rest is sharded as above.
+* ``parallel.cp > 1``: torch's context parallelism (``harness.cp``): FSDP2 as above over every rank (dp x cp),
+  each micro-batch's forward and backward inside ``context_parallel`` over the (dp, cp) mesh's cp axis (GPUs
+  only).
 * Initialisation (``build_sharded``): parameters on the meta device, ``fully_shard``, then ``to_empty`` on the
   rank's device and the model's own init; buffers computed on the host and copied in. No rank holds the whole
   model (torchtitan's recipe); the step peaks are what a full-size build then sharding gives, byte for byte.
@@ -29,6 +32,10 @@ from harness.methods.base import TorchTrainer, WrapContext, build_sharded, unsyn
 
 
 def wrap(ctx: WrapContext) -> TorchTrainer:
+    if ctx.spec.parallel.cp > 1:
+        from harness.cp import check_device
+
+        check_device(ctx.device, ctx.fake_pg)  # before building anything: CP has no CPU path
     built = build_training(ctx.spec)  # fp32 weights for mixed_* (the shards are the masters)
     if ctx.spec.parallel.ep > 1:  # transformers' own expert parallelism (harness.ep)
         model = build_sharded(ctx, built, lambda m: _expert_parallel(ctx, m))
@@ -40,6 +47,11 @@ def wrap(ctx: WrapContext) -> TorchTrainer:
     # Forward uses the spec's precision: autocast for amp_* and under accelerate's wrapper (outputs_fp32); mixed_*
     # casts through the FSDP policy.
     no_sync = unsynced_micro_batch(model, ctx.spec.parallel.method, ctx.spec.training.grad_sync)
+    if ctx.spec.parallel.cp > 1:
+        from harness.cp import ContextParallelTrainer, cp_mesh
+
+        mesh = cp_mesh(ctx.device.type, ctx.spec.parallel.world_size, ctx.spec.parallel.cp)
+        return ContextParallelTrainer(model, optimizer, ctx.spec.training, ctx.device, no_sync=no_sync, mesh=mesh)
     return TorchTrainer(model, optimizer, ctx.spec.training, ctx.device, no_sync=no_sync)
 
 

@@ -1,0 +1,32 @@
+"""The context-parallel oracle (``harness.fake.context_parallel``): torch's ring attention on fake tensors under
+FSDP2, in a spawned interpreter. It shows the finding the estimator models: a rank whose last ring step is a half
+step keeps one more attention output per layer (the copy the model's ``transpose(1, 2).contiguous()`` makes of the
+(b, h, s, d)-contiguous merge), the last rank of the group does not."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+_RUN = """
+import json
+from harness.fake.context_parallel import peak_bytes
+from harness.fake.memtracker import load_model_config
+config = load_model_config("tiny-llama")
+print(json.dumps([peak_bytes(config, "mixed_bf16", 2, 2, rank, 1, 512) for rank in (0, 1)]))
+"""
+
+
+@pytest.mark.slow
+def test_half_step_ranks_keep_one_more_attention_output_per_layer():
+    result = subprocess.run([sys.executable, "-c", _RUN], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    first, last = json.loads(result.stdout.strip().splitlines()[-1])
+    config = json.loads((REPO / "harness" / "assets" / "models" / "tiny-llama.json").read_text())
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    # the logits set the peak here, with every layer's saved tensors alive: 256 local tokens x hidden x 2 B each
+    assert first - last == layers * 256 * hidden * 2
