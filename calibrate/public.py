@@ -313,21 +313,6 @@ DIAGNOSES = [
      "mechanism: reserved from the prior (allocated x (1 + slack ratio) + slack bytes) because the allocator "
      "replay cannot run for this profile; the estimator's peak allocated is within the threshold of the "
      "published reserved"),
-    (lambda r, s: r["source"] == "peft_metamathqa" and s.err_pct > 0,
-     "source ambiguity: seq_len is the 768-token cap, not the longest batch, which nothing publishes. run.py "
-     "trains on the first 20,000 samples of the character-filtered MetaMathQA in file order (BucketIterator, no "
-     "shuffle: 5,000 steps x 4, each batch padded to its longest); its metrics give 208.9 tokens per sample "
-     "(exact per 250-step window; the windows' spread puts the per-sample sd near 95). The runs that emptied the "
-     "cache after every step (transformers 4.52) log each step's own reserved peak: p99 16.5 GiB, max 20.7 GiB "
-     "(r32), and the runs that empty it every 10 steps publish the same max, so one batch sets it. With the "
-     "estimator, the attention-LoRA (r32, r64) and MLP-LoRA (r10) rows all agree with one longest batch of about "
-     "650 tokens (r32: 20.5-21.1 GiB at 640-656, published 20.76; r10 MLP: 22.7-23.1, published 23.00), and the "
-     "published character statistics (query 213.5 + response 498.2 characters on average, <= 1,300 kept) at the "
-     "run's 208.9 tokens per sample (at most 3.6 characters per token) put a 1,300-character sample near 400 "
-     "tokens; 768 would need 1.7 characters per token. The full fine-tuning rows' reserved level swings by 3 GiB "
-     "between neighbouring lengths (the optimizer step's blocks against the activations' cache) and matches at "
-     "768 and near 640 alike. The runs leave the key/value cache on (use_cache), which the estimate includes "
-     "(+0.3 GiB allocated, +0.1 to +0.3 GiB reserved)"),
     (lambda r, s: r["rescore_lengths"] == "True" and s.err_pct > 0,
      "source ambiguity: seq_len is the max-length cap; the longest padded batch may be shorter (re-score with "
      "the batch lengths, --lengths)"),
