@@ -243,14 +243,20 @@ DIAGNOSES = [
      "1.5 GiB); and its LoRA (dropout 0.05, no checkpointing) keeps each dropped input in bf16, once per fused "
      "QKV, where peft's fp32 adapters keep an fp32 dropped input per adapted projection (q, k and v apart)"),
     (lambda r, s: r["method"] == "fsdp1" and r["lora_rank"] not in ("", "0") and r["source"] == "fms_acceleration",
-     "not attributed, and a mechanism: FSDP1 with peft's wrap policy is modelled (its allocated peak equals the "
-     "FSDP2 estimate these rows had before, to 0.01 GiB), so FSDP's units are not the gap. The allocated gap grows "
-     "with the micro-batch, about 0.65 GiB per sample of 4,096 tokens (-1.3 GiB at b2, -2.6 at b4). Checked and "
-     "ruled out: the source's transformers. Traced with its releases' model code (4.44, 4.45, 4.48: the logits "
-     "upcast to fp32 and a shifted fp32 copy for the loss), the same commits' single-GPU LoRA rows match to 0.1 % "
-     "(were -0.5 to -6.1 %), while these rows move by at most 0.7 GiB: their estimated peak is in backward, after "
-     "the loss path's tensors are freed. The nvidia-smi rows also take the reserved prior: the adapters' own units "
-     "are not in the FSDP1 replay yet"),
+     "not attributed: a per-sample term of the source's two-GPU stack. FSDP1 with peft's wrap policy is "
+     "modelled (its allocated peak equals the FSDP2 estimate these rows had before, to 0.01 GiB). Per commit, the "
+     "published rank-0 peak grows 3.09-3.22 GiB per 4,096-token sample on two GPUs (b2 -> b4) against 2.56 "
+     "(2.80 with 4.48) on one GPU (b4 -> b8, which the estimate matches to 0.1 %), while the batch-independent "
+     "part (the two-GPU line at b0: 7.76 GiB) equals the estimate's within 0.02 GiB (0.4 GiB for 4.48): the "
+     "gap is +0.37 to +0.66 GiB per sample, not FSDP1's flat parameters, frozen units or fp32 adapters. Checked "
+     "and ruled out on a real CPU FSDP1 x 2 run (torch 2.13, every storage counted; "
+     "benchmarks/fsdp1_lora_per_sample.py: tiny Mistral, LoRA on q, k, v, o with dropout, peft's wrap "
+     "policy): the per-sample growth equals one GPU's to the byte with reentrant (the rows' Trainer default) and "
+     "non-reentrant checkpointing and with use_orig_params on and off; the source's releases' model code "
+     "(4.44, 4.45, 4.48: the same commits' single-GPU rows match); an output object kept through backward "
+     "(+0.24 GiB per sample with 4.48's bf16 logits, +0.49 with 4.45's fp32: short of the gap, -3 to -5 % left). "
+     "What is left is in torch 2.2-2.4's FSDP1 or accelerate's launch path, which this machine cannot run. The "
+     "nvidia-smi rows also take the reserved prior: the adapters' own units are not in the FSDP1 replay yet"),
     (lambda r, s: _bf16_loss_in_model(r) and s.err_pct > 0 and not _own_release(r, s),
      "version: the source's transformers (4.45, 4.48) GPTBigCode forward takes the cross-entropy of its bf16 "
      "logits (a shifted bf16 copy, bf16 log-softmax, no fp32 upcast); transformers 5, which the estimator traces, "
@@ -313,21 +319,6 @@ DIAGNOSES = [
      "mechanism: reserved from the prior (allocated x (1 + slack ratio) + slack bytes) because the allocator "
      "replay cannot run for this profile; the estimator's peak allocated is within the threshold of the "
      "published reserved"),
-    (lambda r, s: r["source"] == "peft_metamathqa" and s.err_pct > 0,
-     "source ambiguity: seq_len is the 768-token cap, not the longest batch, which nothing publishes. run.py "
-     "trains on the first 20,000 samples of the character-filtered MetaMathQA in file order (BucketIterator, no "
-     "shuffle: 5,000 steps x 4, each batch padded to its longest); its metrics give 208.9 tokens per sample "
-     "(exact per 250-step window; the windows' spread puts the per-sample sd near 95). The runs that emptied the "
-     "cache after every step (transformers 4.52) log each step's own reserved peak: p99 16.5 GiB, max 20.7 GiB "
-     "(r32), and the runs that empty it every 10 steps publish the same max, so one batch sets it. With the "
-     "estimator, the attention-LoRA (r32, r64) and MLP-LoRA (r10) rows all agree with one longest batch of about "
-     "650 tokens (r32: 20.5-21.1 GiB at 640-656, published 20.76; r10 MLP: 22.7-23.1, published 23.00), and the "
-     "published character statistics (query 213.5 + response 498.2 characters on average, <= 1,300 kept) at the "
-     "run's 208.9 tokens per sample (at most 3.6 characters per token) put a 1,300-character sample near 400 "
-     "tokens; 768 would need 1.7 characters per token. The full fine-tuning rows' reserved level swings by 3 GiB "
-     "between neighbouring lengths (the optimizer step's blocks against the activations' cache) and matches at "
-     "768 and near 640 alike. The runs leave the key/value cache on (use_cache), which the estimate includes "
-     "(+0.3 GiB allocated, +0.1 to +0.3 GiB reserved)"),
     (lambda r, s: r["rescore_lengths"] == "True" and s.err_pct > 0,
      "source ambiguity: seq_len is the max-length cap; the longest padded batch may be shorter (re-score with "
      "the batch lengths, --lengths)"),

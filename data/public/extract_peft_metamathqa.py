@@ -21,6 +21,7 @@ Standard library only.
 from __future__ import annotations
 
 import json
+import statistics
 
 from common import SOURCES, manifest, ref, row
 
@@ -58,6 +59,80 @@ def _scope(peft: dict | None, train: dict) -> tuple[str, int, str, list[str]]:
     return ("dora" if peft.get("use_dora") else "lora"), int(peft["r"]), targets, out
 
 
+# A run whose per-window mean reserved follows its windows' mean sample length this closely emptied the cache
+# after every step (run.py before huggingface/peft@90d3fc05, 2025-11-13), so each step's reserved is that step's own.
+LINEAR_R = 0.98
+# The line is in the windows' mean sample length; a batch is padded to its longest sample, which exceeds the
+# batch's mean by about one sample sd (~95 tokens here) for 4 samples drawn at random and by far less in the
+# BucketIterator's sorted buckets of 80. A batch at the cap is credited this much padding before the comparison.
+PAD_MARGIN_TOKENS = 96
+
+
+def _pipeline(data: dict) -> tuple:
+    """What fixes the sequence of training batches: every run with the same key trains on the same batches
+    (data.py filters MetaMathQA in file order, run.py's BucketIterator has no shuffle)."""
+    train, meta = data["run_info"]["train_config"], data["meta_info"]
+    return (meta["dataset_info"]["metamath"]["sha"], meta["model_info"]["sha"], train["model_id"],
+            train["query_template"], train["max_seq_length"], train["batch_size"], train["max_steps"])
+
+
+def cap_line(data: dict) -> dict | None:
+    """The run's own length-to-reserved line, and where its published max lies on it.
+
+    Each 250-step window logs its tokens (tokens / sec x train time) and its mean reserved after a step; when the
+    cache is emptied after every step the mean reserved is linear in the window's mean sample length (weights +
+    activations per padded token). Every term that grows faster than linearly with the length (the attention
+    mask) only adds, so the line's value at the cap, less the padding margin, is a lower bound for a batch that
+    reaches the cap. None when
+    the run's windows are not that linear (the cache emptied every 10 steps keeps blocks of earlier steps)."""
+    tinfo = data["train_info"]
+    windows = [m for m in tinfo.get("metrics") or [] if m.get("tokens / sec") and m.get("mem reserved avg")]
+    if len(windows) < 10 or tinfo.get("status") != "success":
+        return None
+    samples = [m["train samples"] for m in windows]  # cumulative
+    samples = [b - a for a, b in zip([0] + samples[:-1], samples)]
+    if min(samples) <= 0:
+        return None
+    per_sample = [m["tokens / sec"] * m["train time"] / n for m, n in zip(windows, samples)]
+    reserved_gib = [m["mem reserved avg"] / 2**30 for m in windows]
+    if len(set(per_sample)) < 2 or statistics.correlation(per_sample, reserved_gib) < LINEAR_R:
+        return None
+    slope, intercept = statistics.linear_regression(per_sample, reserved_gib)
+    key = "accelerator_memory_max" if "accelerator_memory_max" in tinfo else "cuda_memory_max"
+    cap = data["run_info"]["train_config"]["max_seq_length"]
+    max_gib = tinfo[key] / 2**30
+    return {"name": data["run_info"]["experiment_name"], "slope_gib": slope, "intercept_gib": intercept,
+            "at_cap_gib": intercept + slope * (cap - PAD_MARGIN_TOKENS), "max_gib": max_gib,
+            "tokens_at_max": (max_gib - intercept) / slope if slope > 0 else float("inf")}
+
+
+def _cap_evidence(runs: list[dict]) -> dict[tuple, str]:
+    """{pipeline: why the cap is not the longest batch} for pipelines where a run's max lies below its own line
+    at the cap (the batches are the pipeline's, so the finding holds for every run on it)."""
+    refuting: dict[tuple, list[dict]] = {}
+    for data in runs:
+        line = cap_line(data)
+        if line and line["max_gib"] < line["at_cap_gib"]:
+            refuting.setdefault(_pipeline(data), []).append(line)
+    out = {}
+    for key, lines in refuting.items():
+        cap, samples = key[4], key[5] * key[6]
+        tokens = sorted(x["tokens_at_max"] for x in lines)
+        typical = min(lines, key=lambda x: abs(x["slope_gib"] - statistics.median(y["slope_gib"] for y in lines)))
+        out[key] = (
+            f"the longest training batch: {len(lines)} runs on the same batches (dataset, tokenizer, template, "
+            f"cap, batch size, steps, no shuffle) emptied the cache after every step, and each one's 20 windows "
+            f"put its mean reserved on a line in the window's mean sample length (r >= {LINEAR_R}; e.g. "
+            f"{typical['name']}: {typical['intercept_gib']:.2f} GiB + {typical['slope_gib']:.4f} GiB per token, the "
+            f"intercept near the bf16 weights); a batch at the {cap}-token cap, credited {PAD_MARGIN_TOKENS} tokens of "
+            f"padding, would reserve at least the line's {typical['at_cap_gib']:.1f} GiB, the run's max is "
+            f"{typical['max_gib']:.2f} GiB: on the runs' own lines the max sits at a mean sample length of "
+            f"{tokens[0]:.0f}-{tokens[-1]:.0f} tokens, so the cap was not reached; the longest batch needs the "
+            f"token lengths of the first {samples:,} filtered samples (the dataset is not reachable here), and "
+            "inferring it from the max would fit the row to itself")
+    return out
+
+
 def _mean_tokens(tinfo: dict) -> str:
     """The run's own mean sample length: run.py's ``train total tokens`` counts each sample's tokens + 1 (EOS)."""
     final = [m for m in tinfo.get("metrics") or [] if "train total tokens" in m]
@@ -67,7 +142,7 @@ def _mean_tokens(tinfo: dict) -> str:
     return f"; mean {mean:.1f} tokens per sample over the run (metrics: train total tokens / train samples, less EOS)"
 
 
-def _row(entry: dict, data: dict) -> dict:
+def _row(entry: dict, data: dict, cap_refuted: str = "") -> dict:
     info, train, peft = data["run_info"], data["run_info"]["train_config"], data["run_info"]["peft_config"]
     tinfo, meta = data["train_info"], data["meta_info"]
     packages = meta["package_info"]
@@ -82,9 +157,9 @@ def _row(entry: dict, data: dict) -> dict:
         "value = max_memory_reserved() over the whole run (training, then generation eval at batch 50 every "
         "250 steps and at the end); the training step is assumed to set it",
         "the 2 MiB segment of the 1x1 Linear the benchmark subtracts is added back (value_offset_bytes)",
-        f"seq_len = max_seq_length {train['max_seq_length']}: the cap; the longest batch over {train['max_steps']} "
-        f"steps of {train['batch_size']} samples is assumed to reach it (samples <= 1300 characters, which the "
-        "benchmark's data.py ties to the 768-token limit); re-score with the batch lengths when --lengths lands",
+        f"seq_len = max_seq_length {train['max_seq_length']}: the cap, an upper bound of the longest batch over "
+        f"{train['max_steps']} steps of {train['batch_size']} samples (samples <= 1300 characters, which the "
+        "benchmark's data.py ties to the 768-token limit); re-score with the batch lengths (--lengths)",
         "attention: attn_implementation null -> transformers' default sdpa",
         "batch = padded: each batch is padded to its longest sample, so transformers builds the 4-D attention mask "
         "(SDPA keeps it per layer and repeats the grouped key/value heads)",
@@ -92,8 +167,11 @@ def _row(entry: dict, data: dict) -> dict:
         "use_cache: the Llama config's (true): run.py calls model(**batch, num_items_in_batch=...) with no "
         "use_cache and no checkpointing, so each layer's key/value cache stays in the output object, which the "
         "loop keeps through backward and the optimizer step",
-        "run.py empties the cache every 10 steps (ACCELERATOR_EMPTY_CACHE_SCHEDULE, huggingface/peft@026d1e01), so "
-        "the reserved peak is what at most 10 consecutive steps of mixed lengths reserve"]
+        ("run.py empties the cache every 10 steps (ACCELERATOR_EMPTY_CACHE_SCHEDULE, huggingface/peft@90d3fc05), so "
+         "the reserved peak is what at most 10 consecutive steps of mixed lengths reserve"
+         if info["created_at"] >= "2025-11-13" else
+         "run.py (before huggingface/peft@90d3fc05) empties the cache after every step, so the reserved peak is "
+         "one step's")]
     return row(
         row_id=f"{SOURCE}:{entry['commit'][:12]}:{info['experiment_name']}", source=SOURCE, source_ref=ref(entry),
         source_table=f"train_info.{key}", source_key=info["experiment_name"],
@@ -112,20 +190,21 @@ def _row(entry: dict, data: dict) -> dict:
         other_versions=f"datasets {packages.get('datasets-version', '')}",
         quantity="max_reserved", scope="per_gpu", value=int(tinfo[key]), unit="B",
         value_offset_bytes=2 * 1024**2,
-        complete=ok, in_scope=ok and not out_of_scope,
-        missing="" if ok else f"run status {tinfo['status']}: {info.get('error_msg', '')[:80]}",
+        complete=ok and not cap_refuted, in_scope=ok and not out_of_scope,
+        missing=(f"run status {tinfo['status']}: {info.get('error_msg', '')[:80]}" if not ok else cap_refuted),
         assumptions="; ".join(assumptions + ([f"not expressible: {', '.join(out_of_scope)}"] if out_of_scope
                                              else [])))
 
 
 def extract() -> list[dict]:
     entries = manifest(SOURCE)
-    rows, seen = [], set()
+    runs, seen = [], set()
     for local, entry in sorted(entries.items()):
         data = json.loads((SOURCES / SOURCE / local).read_text())
         run = (data["run_info"]["experiment_name"], data["run_info"]["created_at"])
         if run in seen:  # the same run re-committed (2025-07 renamed cuda_memory_max): one measurement, one row
             continue
         seen.add(run)
-        rows.append(_row(entry, data))
-    return rows
+        runs.append((entry, data))
+    evidence = _cap_evidence([data for _, data in runs])
+    return [_row(entry, data, evidence.get(_pipeline(data), "")) for entry, data in runs]

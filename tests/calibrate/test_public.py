@@ -291,6 +291,42 @@ def test_peft_accelerate_docs_rows_take_the_guides_figures_as_gib_and_keep_qlora
     assert len(qlora) == 3 and not any(r["in_scope"] or r["complete"] for r in qlora)
 
 
+
+def _metamath_run(name, max_gib, cap=768, slope_gib=0.0236, intercept_gib=6.1, jitter=None):
+    """A MetaMathQA result file whose 20 windows' mean reserved is ``intercept + slope x tokens per sample``."""
+    means = [200 + 0.7 * i for i in range(20)]
+    windows = [{"step": 250 * (i + 1), "train samples": 1000 * (i + 1), "train time": 30.0,
+                "tokens / sec": m * 1000 / 30.0,
+                "mem reserved avg": (intercept_gib + slope_gib * m + (jitter or [0] * 20)[i]) * 2**30}
+               for i, m in enumerate(means)]
+    train = {"max_seq_length": cap, "batch_size": 4, "max_steps": 5000, "query_template": "Q: {query}",
+             "model_id": "meta-llama/Llama-3.2-3B"}
+    return {"run_info": {"experiment_name": name, "train_config": train},
+            "meta_info": {"dataset_info": {"metamath": {"sha": "d"}}, "model_info": {"sha": "m"}},
+            "train_info": {"status": "success", "metrics": windows, "cuda_memory_max": int(max_gib * 2**30)}}
+
+
+def test_metamathqa_runs_own_windows_refute_the_length_cap():
+    mod = _load("public_peft_metamathqa", "extract_peft_metamathqa.py")
+    short = mod.cap_line(_metamath_run("short", 20.74))
+    assert short["tokens_at_max"] == pytest.approx((20.74 - 6.1) / 0.0236, rel=1e-6)
+    assert short["max_gib"] < short["at_cap_gib"]  # the max lies below any batch at the cap: cap refuted
+    reached = mod.cap_line(_metamath_run("reached", 6.1 + 0.0236 * 768))
+    assert reached["max_gib"] > reached["at_cap_gib"]  # a max at the cap's line is consistent with the cap
+    noisy = mod.cap_line(_metamath_run("noisy", 20.74, jitter=[0.3 * (-1) ** i for i in range(20)]))
+    assert noisy is None  # windows not linear in the length (cache emptied every 10 steps): no evidence
+    evidence = mod._cap_evidence([_metamath_run("short", 20.74), _metamath_run("reached", 24.2)])
+    (why,) = evidence.values()
+    assert "1 runs on the same batches" in why and "cap was not reached" in why
+    assert not mod._cap_evidence([_metamath_run("reached", 24.2)])
+
+
+def test_metamathqa_rows_without_their_longest_batch_are_incomplete():
+    rows = _load("public_peft_metamathqa", "extract_peft_metamathqa.py").extract()
+    capped = [r for r in rows if r["max_length"] == 768]
+    assert capped and not any(r["complete"] for r in capped)
+    assert all(r["missing"].startswith(("the longest training batch", "run status")) for r in capped)
+
 def _context_points(source, device_gib, context_bytes):
     """nvml_used rows whose device level is the estimate's base (less its context) + ``context_bytes``."""
     from calibrate.public_fit import Point
