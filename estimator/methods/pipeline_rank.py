@@ -26,6 +26,7 @@ from estimator.models.params import ParamInfo
 from estimator.spec import RunSpec
 
 INT64 = 8
+_DEBUG = False
 LAYER_SEGMENTS = ("fw_first", "fw", "fw_last", "bw_first", "bw", "bw_last")
 
 
@@ -56,9 +57,12 @@ def stage_params(table: list[ParamInfo], stage: int, num_stages: int, layers: ra
 
 
 def _forward_segments(first: bool, last: bool, layers: range, num_layers: int) -> list[tuple[str, int]]:
+    # The unsplit model's first-layer segment holds a hidden-sized tensor more than a generic layer's; the first
+    # stage's forward, counted, is the prefix (embedding, rotary) and generic layers (benchmarks/pipeline_table.py
+    # --trace), so layer 0 takes the generic segment here.
     seq = [("prefix", 1)] if first else []
-    for i in layers:
-        seq.append(("fw_first" if i == 0 else "fw_last" if i == num_layers - 1 else "fw", 1))
+    # the last layer's segment holds the same tensor more (``received_extra`` below): generic here too
+    seq.extend(("fw", 1) for _ in layers)
     if last:
         seq.append(("mid_fw", 1))
     return _merge(seq)
@@ -97,7 +101,13 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     dp = par.dp
     boundary = b * s * hidden * act_bytes  # one micro-batch's hidden states at a stage boundary
     logits = b * s * vocab * act_bytes
+    norm_upcast = b * s * hidden * 4 if act_bytes < 4 else 0
+    gpipe = par.pp_schedule == "gpipe"
     rotary = poly(segments["prefix"]["net_act"], b, s) - boundary
+    # Counted (benchmarks/pipeline_table.py --trace): a stage fed by received activations holds one hidden-sized
+    # tensor per micro-batch more than its layers' generic segments, the one the unsplit profile's first-layer
+    # segment holds above a generic layer's (a first stage, fed by its embedding, does not).
+    received_extra = poly(segments["fw_first"]["net_act"], b, s) - poly(segments["fw"]["net_act"], b, s)
     # resident: weights and optimizer states (FSDP2: this rank's shards), the receive buffers, the step's batch
     shard = 1.0 / dp if par.method == "fsdp" else 1.0
     model = methods.single(spec.replace(**{"parallel.method": "single", "parallel.world_size": 1,
@@ -137,12 +147,10 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
         if action.kind == "F":
             live += 1
             seq = _forward_segments(first, last, splits[st], num_layers)
-            if not first:  # every stage computes its own rotary cos/sin and positions (the prefix less the embedding)
-                act += rotary
+            if not first:  # every stage computes its own rotary cos/sin and positions (the prefix less the embedding),
+                act += rotary + received_extra  # and holds one hidden-sized tensor more than its generic layers
         else:
             seq = _backward_segments(first, last, splits[st], num_layers)
-            if last and held != (st, action.microbatch):  # fwd_cache's logits go as the backward pops them
-                act -= logits
         accumulating = action.kind == "B" and st in started
         for name, reps in seq:
             seg = segments[name]
@@ -162,21 +170,29 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
             if not accumulating:
                 grads += reps * seg["net_grad"]
         if action.kind == "F":
-            if last:  # the stage output (logits) stays in fwd_cache until this backward
-                act += logits
-            if held is not None and held in popped:  # the loop variable lets the previous output go
+            if last:  # the stage output (logits) stays in fwd_cache until this backward; the final RMSNorm keeps
+                act += logits + norm_upcast  # its fp32 upcast of the last hidden states for backward
+            if held is not None and held in popped and not (gpipe and held[0] != num_stages - 1):
+                # the loop variable lets the previous output go (GPipe's send works keep theirs to the end)
                 act -= logits if held[0] == num_stages - 1 else boundary
             held = (st, action.microbatch)
+            if _DEBUG: print("F", st, action.microbatch, act, grads)
         else:
             popped.add((st, action.microbatch))
+            if last and held != (st, action.microbatch):  # the logits popped from fwd_cache stay bound in
+                act -= logits  # backward_one_chunk (its stage_output local) until it returns
             if not first:  # the rotary cos/sin go with the graph; the received input's gradient stays in
-                act += boundary - rotary  # buffer.grad until the next step
-            if held == (st, action.microbatch) and not last:  # still bound: the backward could not free it
+                act += boundary - rotary - received_extra  # buffer.grad until the next step
+            if (held == (st, action.microbatch) or gpipe) and not last:
+                # still bound (GPipe: fwd_sends_to_wait holds every sent output until the schedule returns)
                 act += out_bytes
             live -= 1
+            if _DEBUG: print("B", st, action.microbatch, act, grads)
             started.add(st)
     if held is not None and held in popped:  # the schedule returns: its loop variable goes
         act -= logits if held[0] == num_stages - 1 else boundary
+    if gpipe:  # and GPipe's send works with every sent output
+        act -= boundary * sum(m for st in mine if st != num_stages - 1) - (boundary if held and held[0] != num_stages - 1 else 0)
     # the optimizer step: gradients (FSDP2: reduce-scattered to shards, parameters resharded), leftovers
     step_grads = (model.step_grads * shard) if fsdp else model.step_grads
     step_total = base + act + step_grads + model.step_temp * shard
