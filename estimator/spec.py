@@ -343,11 +343,11 @@ class ParallelSpec:
             if self.pp_schedule != "1f1b" or self.pp_microbatches or self.pp_virtual:
                 _fail("pp", "pipeline settings (pp_schedule, pp_microbatches, pp_virtual) need pp > 1")
             return
+        if self.tp > 1:
+            _fail("pp", "pp x tp is not modelled yet; use pp alone or pp x fsdp")
         if self.method not in ("single", "fsdp"):
             _fail("pp", f"pipeline parallelism is modelled alone (method single, world size = pp) or with FSDP2 "
                         f"over the remaining ranks (method fsdp), got {self.method!r}")
-        if self.tp > 1:
-            _fail("pp", "pp x tp is not modelled yet; use pp alone or pp x fsdp")
         if self.ep > 1:
             _fail("pp", "pp with expert parallelism is not modelled")
         if self.world_size % self.pp:
