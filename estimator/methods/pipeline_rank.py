@@ -20,13 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from estimator.methods import state as methods
-from estimator.methods.pipeline import Action, rank_actions, stage_layers, stages_of_rank
+from estimator.methods.pipeline import rank_actions, stage_layers, stages_of_rank
 from estimator.methods.timeline import poly
 from estimator.models.params import ParamInfo
 from estimator.spec import RunSpec
 
 INT64 = 8
-_DEBUG = False
 LAYER_SEGMENTS = ("fw_first", "fw", "fw_last", "bw_first", "bw", "bw_last")
 
 
@@ -119,7 +118,6 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     resident["comm_buffers"] = recv
     resident["activations"] = float(batch)
     base = sum(resident.values())
-    grads_of = {st: float(sum(p.nbytes for p in params[st] if p.trainable)) for st in mine}
     weights_of = {st: float(sum(p.nbytes for p in params[st])) for st in mine}
     largest_layer = {st: float(max((p.nbytes for p in params[st] if p.trainable and p.layer is not None),
                                    default=0)) for st in mine}
@@ -156,10 +154,10 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
             seg = segments[name]
             net = poly(seg["net_act"], b, s)
             # under accumulation one gradient at a time is in flight before autograd adds it in place
-            in_flight = largest_layer[st] if name in LAYER_SEGMENTS else largest_other[st]
+            transient = largest_layer[st] if name in LAYER_SEGMENTS else largest_other[st]
             for k in {0, reps - 1}:
                 for cand_act, cand_grad in seg["candidates"]:
-                    g = grads + (min(cand_grad, in_flight) if accumulating else k * seg["net_grad"] + cand_grad)
+                    g = grads + (min(cand_grad, transient) if accumulating else k * seg["net_grad"] + cand_grad)
                     total = base + gathered + act + k * net + poly(cand_act, b, s) + g
                     if total > best[0]:
                         best = (total, f"{'forward' if action.kind == 'F' else 'backward'} of stage {st}, "
@@ -176,7 +174,6 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
                 # the loop variable lets the previous output go (GPipe's send works keep theirs to the end)
                 act -= logits if held[0] == num_stages - 1 else boundary
             held = (st, action.microbatch)
-            if _DEBUG: print("F", st, action.microbatch, act, grads)
         else:
             popped.add((st, action.microbatch))
             if last and held != (st, action.microbatch):  # the logits popped from fwd_cache stay bound in
@@ -187,12 +184,13 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
                 # still bound (GPipe: fwd_sends_to_wait holds every sent output until the schedule returns)
                 act += out_bytes
             live -= 1
-            if _DEBUG: print("B", st, action.microbatch, act, grads)
             started.add(st)
-    if held is not None and held in popped:  # the schedule returns: its loop variable goes
+    # the schedule returns: its loop variable goes, and GPipe's send works with every output they kept
+    if gpipe:
+        act -= boundary * m * sum(st != num_stages - 1 for st in mine) + (logits if held and held[0] == num_stages - 1
+                                                                          else 0.0)
+    elif held is not None:
         act -= logits if held[0] == num_stages - 1 else boundary
-    if gpipe:  # and GPipe's send works with every sent output
-        act -= boundary * sum(m for st in mine if st != num_stages - 1) - (boundary if held and held[0] != num_stages - 1 else 0)
     # the optimizer step: gradients (FSDP2: reduce-scattered to shards, parameters resharded), leftovers
     step_grads = (model.step_grads * shard) if fsdp else model.step_grads
     step_total = base + act + step_grads + model.step_temp * shard
