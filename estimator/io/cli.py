@@ -169,6 +169,9 @@ def spec_from_args(args) -> tuple[RunSpec, bool]:
     gpus = args.gpus if args.gpus is not None else (DEFAULT["gpus"] if use_default else 1)
     method = args.method or ("single" if gpus == 1 and args.model else "all")
     gpu = (args.gpu or (DEFAULT["gpu"] if use_default else "h100-80gb")).lower()
+    if method == "all" and args.pp > 1:
+        raise ValueError("pp: name the method the pipeline runs with (--method single: --gpus = pp; --method fsdp: "
+                         "FSDP2 over gpus / pp ranks per stage)")
     if method == "all":  # the comparison enumerates methods itself (compare_specs); fsdp1 flags go to its row
         parallel = ParallelSpec(world_size=1, fsdp1=fsdp1_from_args(args, "fsdp1"))
     else:

@@ -150,7 +150,8 @@ def test_cli_pipeline_and_its_errors():
                            (["--method", "single", "--gpus", "4", "--pp", "4", "--grad-ckpt"],
                             "pp: grad_ckpt is not modelled under pipelining"),
                            (["--method", "fsdp", "--gpus", "8", "--pp", "4", "--precision", "mixed_bf16"],
-                            "pp: precision mixed_bf16 is not modelled")):
+                            "pp: precision mixed_bf16 is not modelled"),
+                           (["--gpus", "4", "--pp", "4"], "pp: name the method the pipeline runs with")):
         result = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=120, cwd=REPO)
         assert result.returncode == 2, result.stderr
         lines = result.stderr.strip().splitlines()
