@@ -3,6 +3,7 @@
     PYTHONPATH=. .venv/bin/python benchmarks/pipeline_table.py [--config CONFIG.json] [--schedules gpipe 1f1b
         interleaved_1f1b] [--pp 2 4] [--microbatches 4 8] [--points 1x64 2x32] [--dp 1 2] [--precision bf16]
         [--csv docs/error_matrix/pipeline.csv] [--trace]
+    PYTHONPATH=. .venv/bin/python benchmarks/pipeline_table.py --rescore docs/error_matrix/pipeline.csv [CSV ...]
 
 Each point runs ``pp x dp`` gloo ranks in freshly spawned interpreters (``harness.pipeline``: the transformers
 model split into stages, torch's PipelineStage and schedule, AdamW over each rank's stages, FSDP2 over the dp ranks
@@ -10,7 +11,9 @@ of a stage). Every live storage is counted after every operator (``harness.fake.
 local shard; gloo's reduce-scatter clone left out, as in ``benchmarks/moe_ep_table.py``) over two steady steps
 after a warm-up step (which also runs torch's shape inference); each rank's peak is compared with the estimate's
 ``traced_allocated_bytes`` for that rank (first, middle and last pipeline rank). ``--trace`` prints each rank's
-live bytes around every forward and backward action (to find what a model leaves out).
+live bytes around every forward and backward action (to find what a model leaves out). ``--rescore``: the
+estimate of every row of committed tables again (the measurements as they are; no run), written back in place and
+merged into the ``--csv`` file when one is given.
 """
 
 from __future__ import annotations
@@ -161,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--csv", type=Path, default=None)
     parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--rescore", nargs="*", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.rescore:
+        return rescore(args.rescore, args.csv)
     config = json.loads(args.config.read_text())
     rows = []
     started = time.perf_counter()
@@ -190,12 +196,40 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rows {len(rows)}  median |error| {errors[len(errors) // 2]:.3f} %  max {errors[-1]:.3f} %  "
           f"elapsed {time.perf_counter() - started:.0f} s")
     if args.csv:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with args.csv.open("w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        _write(args.csv, rows)
     return 0
+
+
+def rescore(paths: list[Path], out: Path | None) -> int:
+    """Re-estimate committed rows (their measurements kept); each file written back, all merged into ``out``."""
+    merged: list[dict] = []
+    for path in paths:
+        with path.open() as fh:
+            rows = list(csv.DictReader(fh))
+        cache: dict[tuple, dict[int, int]] = {}
+        for row in rows:
+            key = (row["config"], row["precision"], row["schedule"], int(row["pp"]), int(row["dp"]),
+                   int(row["virtual"]), int(row["microbatches"]), int(row["micro_batch_size"]), int(row["seq_len"]))
+            if key not in cache:
+                config, precision, schedule, pp, dp, virtual, m, b, s = key
+                cache[key] = estimated(HERE / "configs" / config, pp, dp, schedule, m, virtual, precision, b, s)
+            est, got = cache[key][int(row["rank"])], int(row["measured_bytes"])
+            row["estimate_bytes"], row["error_pct"] = est, round(100 * (est - got) / got, 4)
+        _write(path, rows)
+        merged += rows
+    if out is not None:
+        _write(out, merged)
+    errors = sorted(abs(float(r["error_pct"])) for r in merged)
+    print(f"rows {len(merged)}  median |error| {errors[len(errors) // 2]:.3f} %  max {errors[-1]:.3f} %")
+    return 0
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 if __name__ == "__main__":

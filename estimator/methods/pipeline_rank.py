@@ -176,8 +176,10 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
             held = (st, action.microbatch)
         else:
             popped.add((st, action.microbatch))
-            if last and held != (st, action.microbatch):  # the logits popped from fwd_cache stay bound in
-                act -= logits  # backward_one_chunk (its stage_output local) until it returns
+            if last:  # the norm's upcast goes with the graph (the backward's segments, traced without it, keep it
+                # to their end); the logits popped from fwd_cache stay bound in backward_one_chunk (its
+                # stage_output local) until it returns
+                act -= norm_upcast + (logits if held != (st, action.microbatch) else 0.0)
             if not first:  # the rotary cos/sin go with the graph; the received input's gradient stays in
                 act += boundary - rotary - received_extra  # buffer.grad until the next step
             if (held == (st, action.microbatch) or gpipe) and not last:
