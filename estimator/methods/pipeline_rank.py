@@ -101,7 +101,10 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     boundary = b * s * hidden * act_bytes  # one micro-batch's hidden states at a stage boundary
     logits = b * s * vocab * act_bytes
     norm_upcast = b * s * hidden * 4 if act_bytes < 4 else 0
-    gpipe = par.pp_schedule == "gpipe"
+    # GPipe (fwd_sends_to_wait, bwd_sends_to_wait) and the interleaved runtime (send_ops) wait for their sends only
+    # when the schedule returns, so every sent output and input gradient lives until then; 1F1B waits each one
+    # before its next forward
+    sends_held = par.pp_schedule != "1f1b"
     rotary = poly(segments["prefix"]["net_act"], b, s) - boundary
     # Counted (benchmarks/pipeline_table.py --trace): a stage fed by received activations holds one hidden-sized
     # tensor per micro-batch more than its layers' generic segments, the one the unsplit profile's first-layer
@@ -135,6 +138,7 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     # the next forward returns: an output whose backward has run lives on while it is that one.
     held: tuple[int, int] | None = None   # (stage, micro-batch) of the output the loop variable holds
     popped: set[tuple[int, int]] = set()
+    grad_sent = False  # 1F1B: an input gradient's send work is pending
     for action in rank_actions(par.pp_schedule, pp_rank, pp, m, virtual):
         st = action.stage
         first, last = st == 0, st == num_stages - 1
@@ -169,30 +173,36 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
                 grads += reps * seg["net_grad"]
         if action.kind == "F":
             if last:  # the stage output (logits) stays in fwd_cache until this backward; the final RMSNorm keeps
-                act += logits + norm_upcast  # its fp32 upcast of the last hidden states for backward
-            if held is not None and held in popped and not (gpipe and held[0] != num_stages - 1):
-                # the loop variable lets the previous output go (GPipe's send works keep theirs to the end)
+                # its fp32 upcast of the last hidden states for backward (the unsplit profile's final segments
+                # free it in backward but place its allocation before the head: counted here)
+                act += logits + norm_upcast
+            if held is not None and held in popped and not (sends_held and held[0] != num_stages - 1):
+                # the loop variable lets the previous output go (unless a send work still holds it)
                 act -= logits if held[0] == num_stages - 1 else boundary
             held = (st, action.microbatch)
         else:
             popped.add((st, action.microbatch))
-            if last:  # the norm's upcast goes with the graph (the backward's segments, traced without it, keep it
-                # to their end); the logits popped from fwd_cache stay bound in backward_one_chunk (its
-                # stage_output local) until it returns
-                act -= norm_upcast + (logits if held != (st, action.microbatch) else 0.0)
-            if not first:  # the rotary cos/sin go with the graph; the received input's gradient stays in
-                act += boundary - rotary - received_extra  # buffer.grad until the next step
-            if (held == (st, action.microbatch) or gpipe) and not last:
-                # still bound (GPipe: fwd_sends_to_wait holds every sent output until the schedule returns)
+            if last and held != (st, action.microbatch):  # the logits popped from fwd_cache stay bound in
+                act -= logits  # backward_one_chunk (its stage_output local) until it returns
+            if not first:  # the rotary cos/sin go with the graph; the gradient of the received input is sent back,
+                # held by its send work: to the schedule's end, or (1F1B) until the next backward's send replaces it
+                act += boundary - rotary - received_extra
+                if not sends_held and grad_sent:
+                    act -= boundary
+                grad_sent = True
+            if (held == (st, action.microbatch) or sends_held) and not last:
+                # still bound: by the loop variable, or by its send work
                 act += out_bytes
             live -= 1
             started.add(st)
-    # the schedule returns: its loop variable goes, and GPipe's send works with every output they kept
-    if gpipe:
-        act -= boundary * m * sum(st != num_stages - 1 for st in mine) + (logits if held and held[0] == num_stages - 1
-                                                                          else 0.0)
-    elif held is not None:
-        act -= logits if held[0] == num_stages - 1 else boundary
+    # the schedule returns: its loop variable goes, and the send works with every output and gradient they kept
+    if sends_held:
+        act -= boundary * m * sum((st != num_stages - 1) + (st != 0) for st in mine)
+        act -= logits if held and held[0] == num_stages - 1 else 0.0
+    else:
+        if held is not None:
+            act -= logits if held[0] == num_stages - 1 else boundary
+        act -= boundary if grad_sent else 0.0
     # the optimizer step: gradients (FSDP2: reduce-scattered to shards, parameters resharded), leftovers
     step_grads = (model.step_grads * shard) if fsdp else model.step_grads
     step_total = base + act + step_grads + model.step_temp * shard
