@@ -4,10 +4,11 @@ optimizer states, and its schedule's actions replayed over the profile's segment
 What torch's ``PipelineStage`` holds besides the model's own tensors (torch 2.13 ``stage.py``), each counted here:
 - a receive buffer per micro-batch for the stage's input activations (every stage but the first) and one for the
   gradient of its output (every stage but the last), allocated once and kept across steps;
-- the gradient of each received input (``buffer.grad``, what it sends back): kept until the next step's
-  ``clear_runtime_states``;
+- the gradient of each received input, which it sends back: held by its send work, which GPipe and the
+  interleaved runtime wait for only when the schedule returns (1F1B: before its next forward);
 - the stage output in ``fwd_cache`` until the micro-batch's backward (the last stage's: its logits, which the loss
-  reads and the unsplit model's trainer loop would drop);
+  reads and the unsplit model's trainer loop would drop), then as long as the schedule's loop variable or a send
+  work holds it;
 - the step's whole batch of input ids on the first stage and of labels on the last.
 FSDP2 over the dp ranks of a stage (method ``fsdp``): torch's stage turns off resharding and gradient reduction until
 the last micro-batch's backward (``backward_maybe_with_nosync``, ``perform_reduce_grad``), and torchtitan shards
