@@ -156,3 +156,20 @@ def test_cli_pipeline_and_its_errors():
         assert result.returncode == 2, result.stderr
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+@pytest.mark.slow
+def test_the_estimate_matches_torchs_pipelining_on_two_gloo_ranks(tmp_path):
+    """The oracle (benchmarks/pipeline_table.py): the tiny Llama config on 2 gloo ranks under torch's 1F1B, every
+    live storage counted; each rank in a spawned interpreter."""
+    import os
+
+    out = tmp_path / "pp.csv"
+    result = subprocess.run([sys.executable, "benchmarks/pipeline_table.py", "--schedules", "1f1b", "--pp", "2",
+                             "--microbatches", "2", "--points", "1x64", "--csv", str(out)], capture_output=True,
+                            text=True, timeout=600, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    with out.open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["rank"] for r in rows] == ["0", "1"]
+    assert all(abs(float(r["error_pct"])) <= 1.0 for r in rows)
