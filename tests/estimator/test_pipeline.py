@@ -173,3 +173,41 @@ def test_the_estimate_matches_torchs_pipelining_on_two_gloo_ranks(tmp_path):
         rows = list(csv.DictReader(fh))
     assert [r["rank"] for r in rows] == ["0", "1"]
     assert all(abs(float(r["error_pct"])) <= 1.0 for r in rows)
+
+
+def test_pipeline_layouts_and_their_step_time():
+    from estimator.planning import throughput as tput
+    from estimator.planning.plan import pp_layouts
+
+    assert [(c.method, c.pp, c.dp, c.label) for c in pp_layouts(8, 32)] == [
+        ("fsdp", 2, 4, "pp2 x fsdp4"), ("fsdp", 4, 2, "pp4 x fsdp2"), ("single", 8, 1, "pp8 1f1b")]
+    assert [c.pp for c in pp_layouts(8, 3)] == [2]  # no more stages than decoder layers
+    shape = SimpleNamespace(hidden_size=4096, trainable=8e9, layers=32, matmul_params=7e9, head_params=5e8)
+    gpu = tput.gpu_perf("h100-80gb")
+    eff = tput.load_efficiency(gpu)
+    link = tput.resolve_link(gpu, 8, None, None)
+
+    def step(pp: int, m: int):
+        setup = tput.Setup(method="single", world_size=pp, tp=1, pp=pp, micro_batch=1, seq_len=4096, grad_accum=m,
+                           precision="bf16")
+        return tput._pipeline_step_time(shape, setup, gpu, eff, dp_link=link)
+
+    # the bubble: (M + pp - 1) stage slots of 1 / pp of a micro-batch's compute each
+    a, b = step(4, 4), step(4, 16)
+    assert a.parts["compute"] / a.parts["pipeline_bubble"] == pytest.approx(7 / 3)
+    assert b.parts["compute"] / b.parts["pipeline_bubble"] == pytest.approx(19 / 3)
+    assert b.tokens_per_s > a.tokens_per_s
+
+
+@pytest.mark.slow
+def test_plan_weighs_pipeline_layouts():
+    from estimator.planning.plan import plan
+
+    result = plan(str(CONFIG), gpus=2, gpu="h100-80gb", seq_len=64, precision="bf16", methods=["fsdp", "single"],
+                  ckpt_options=(False,), advise=False)
+    piped = [r for r in result.results if r.candidate.pp == 2]
+    assert piped and piped[0].candidate.label == "pp2 1f1b" and piped[0].fits and piped[0].time is not None
+    assert "pipeline_bubble" in piped[0].time.parts
+    mixed = plan(str(CONFIG), gpus=2, gpu="h100-80gb", seq_len=64, methods=["fsdp"], ckpt_options=(False,),
+                 advise=False)
+    assert any(n.startswith("pipeline layouts not weighed: pp: precision mixed_bf16") for n in mixed.notes)
