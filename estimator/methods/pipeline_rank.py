@@ -235,15 +235,15 @@ def check_pipeline(spec: RunSpec, model_type: str, tied: bool) -> None:
     training = spec.training
     if spec.parallel.pp == 1:
         return
+    if training.precision not in PIPELINE_PRECISIONS:
+        raise ValueError(f"pp: precision {training.precision} is not modelled under pipelining; use "
+                         f"{' or '.join(PIPELINE_PRECISIONS)}")
     if model_type not in PIPELINE_MODEL_TYPES:
         raise ValueError(f"pp: the stage split is modelled for {', '.join(PIPELINE_MODEL_TYPES)} decoders "
                          f"(model.layers, embed_tokens, norm, lm_head), not {model_type}")
     if tied:
         raise ValueError("pp: tied input and output embeddings (tie_word_embeddings) would sit on the first and the "
                          "last stage; torch's pipelining does not tie them across stages")
-    if training.precision not in PIPELINE_PRECISIONS:
-        raise ValueError(f"pp: precision {training.precision} is not modelled under pipelining; use "
-                         f"{' or '.join(PIPELINE_PRECISIONS)}")
     for name, on in (("grad_ckpt", training.grad_ckpt), ("lora_rank", training.lora),
                      ("grad_accum_steps", training.grad_accum_steps > 1), ("loop", training.loop != "trainer"),
                      ("ce", training.ce != "standard"), ("activation_offload", training.activation_offload),

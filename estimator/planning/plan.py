@@ -761,7 +761,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
         try:  # what the pipeline estimate covers (bf16 / fp32, Llama-style decoders, untied embeddings, ...)
             check_pipeline(RunSpec(model=model, training=training,
                                    parallel=ParallelSpec(method="single", world_size=2, pp=2)),
-                           arch.model_type, arch.tie_word_embeddings)
+                           getattr(arch, "model_type", ""), bool(getattr(arch, "tie_word_embeddings", False)))
             cands += pp_layouts(gpus, arch.num_layers)
         except ValueError as err:
             pipeline_note = f"pipeline layouts not weighed: {err}"
