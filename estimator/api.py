@@ -23,6 +23,7 @@ from estimator.methods.long_context import (
     mixed_layers,
     with_transient,
 )
+from estimator.methods.pipeline_rank import check_pipeline, pipeline_notes, pipeline_rank, reported_pp_ranks
 from estimator.methods.router_unit import router_segments
 from estimator.methods.timeline import Replay, at_depth, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
@@ -588,6 +589,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         raise ValueError(f"gpu: {gpu.key!r} has no known capacity; name the GPU type (see --list-gpus)")
     arch = cached_arch(spec.model)
     check_spec(spec, arch)
+    check_pipeline(spec, arch.model_type, arch.tie_word_embeddings)
     asked, ring = spec, ring_of(spec.parallel.cp, arch.num_heads, arch.num_kv_heads, arch.head_dim)
     if ring is not None and sequence is not None:
         raise ValueError("cp: an epoch of mixed batch shapes under context parallelism is not modelled (estimate "
@@ -605,6 +607,8 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
                                            adapters_16bit=adapters_in_16bit(spec.training, spec.parallel.method))
     last = spec.parallel.world_size - 1
     table = _param_table(profile, arch.num_layers)
+    if spec.parallel.pp > 1:
+        return _pipeline_estimate(spec, arch, profile, table, coeffs, gpu)
     layout = expert_parallel.layout_of(spec, arch, profile)
     # Rank 0 and the last rank are reported (FSDP/ZeRO padding and TP layouts put any asymmetry there), and under
     # ZeRO-1/2 a middle rank when it is worse than both. Only ZeRO-1/2's gradient partition buffer depends on the
@@ -673,3 +677,37 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
                     upper_bound_bytes=upper, host_ram_bytes=int(model.host_bytes) if model else 0,
                     calibrated=coeffs.calibrated, gpu_key=gpu.key, params=total, trainable_params=trainable,
                     notes=notes, alloc_conf=conf or "", model_code=traced_release(profile) or "")
+
+
+def _pipeline_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, gpu) -> Estimate:
+    """Pipeline parallelism (``methods.pipeline_rank``): the first, middle and last pipeline rank, each the lowest
+    global rank of its stage's dp group (mesh (pp, dp), row-major). The reserved level is the prior."""
+    training = spec.training
+    regime = _regime(profile, training.micro_batch_size, training.seq_len)
+    segments = loop_segments(regime, training.loop, arch.num_layers)
+    act_bytes = 4 if training.precision == "fp32" else 2
+    workspace = residuals.cublas_workspace_bytes(coeffs)
+    buffers = buffer_bytes(profile["params"], 0)  # the rotary embedding's, on every stage (llama-style: no per-layer ones)
+    communicators = 0 if spec.parallel.world_size == 1 else 1 + (spec.parallel.dp > 1)
+    ranks = []
+    for pp_rank in reported_pp_ranks(spec.parallel.pp):
+        pr = pipeline_rank(spec, segments, table, arch.num_layers, arch.hidden_size, act_bytes, pp_rank,
+                           arch.vocab_size)
+        parts = {**pr.parts, "cublas_workspace": workspace, "buffers": buffers}
+        allocated = int(round(pr.peak_bytes + workspace + buffers))
+        reserved = residuals.reserved_from_allocated(allocated, coeffs)
+        ranks.append(RankEstimate(rank=pp_rank * spec.parallel.dp, peak_allocated_bytes=allocated,
+                                  peak_reserved_bytes=reserved,
+                                  peak_device_bytes=residuals.device_from_reserved(reserved, coeffs, communicators),
+                                  breakdown={k: int(round(v)) for k, v in parts.items() if v},
+                                  phase=f"{pr.phase} ({pr.in_flight} micro-batches in flight)"))
+    worst = max(ranks, key=lambda r: r.peak_device_bytes)
+    total, trainable = param_counts(profile["params"], arch.num_layers)
+    notes = pipeline_notes(spec, arch.num_layers) + [versions_note(profile, model_code=training.model_code),
+                                                     "reserved: prior allocated x (1 + slack ratio) + slack bytes "
+                                                     "(the allocator replay does not cover pipeline schedules)"]
+    notes += residuals.provenance_notes(coeffs)
+    return Estimate(spec=spec, ranks=ranks, worst_rank=worst.rank, capacity_bytes=gpu.capacity_bytes,
+                    upper_bound_bytes=residuals.upper_bound_bytes(worst.peak_device_bytes, coeffs),
+                    host_ram_bytes=0, calibrated=coeffs.calibrated, gpu_key=gpu.key, params=total,
+                    trainable_params=trainable, notes=notes, model_code=traced_release(profile) or "")

@@ -18,7 +18,8 @@ from estimator.spec import Fsdp1Spec, ParallelSpec, RunSpec, TrainingSpec, ZeroS
 
 ID_COLUMNS = ["run_id", "spec_id", "campaign", "gpu_key", "rank", "world_size", "run_status", "rank_status",
               "emulated", "measured_by", "memory_source"]
-SPEC_COLUMNS = (["model", "gpu", "spec_schema_version", "method", "tp", "dp", "zero_stage"]
+PP_COLUMNS = ["pp", "pp_schedule", "pp_microbatches", "pp_virtual"]  # ParallelSpec's pipeline fields
+SPEC_COLUMNS = (["model", "gpu", "spec_schema_version", "method", "tp", "dp", "zero_stage", *PP_COLUMNS]
                 + [f.name for f in dataclasses.fields(TrainingSpec)]
                 + [f"zero_{f.name}" for f in dataclasses.fields(ZeroSpec)]
                 + [f"fsdp1_{f.name}" for f in dataclasses.fields(Fsdp1Spec)])
@@ -34,18 +35,20 @@ ENV_COLUMNS = ["gpu_name", "compute_capability", "driver_version", "cuda_version
                "transformers_version", "deepspeed_version", "alloc_conf", "git_sha", "git_dirty", "hostname"]
 # Spec fields added after tables were first written; a table without the column means the field's default.
 ADDED_SPEC_FIELDS = ("loop", "batch", "outputs_fp32", "lora_dropout", "grad_sync", "model_code", "use_cache", "ce",
-                     "ce_chunks", "activation_offload", "ckpt_policy",
+                     "ce_chunks", "activation_offload", "ckpt_policy", *PP_COLUMNS,
                      *(f"fsdp1_{f.name}" for f in dataclasses.fields(Fsdp1Spec)))
 COLUMNS = ID_COLUMNS + SPEC_COLUMNS + MEASURE_COLUMNS + RUN_COLUMNS + ENV_COLUMNS
 # Columns spec_from_columns reads (``world_size`` is an identity column; ``dp``/``zero_stage`` are derived).
 SPEC_INPUT_COLUMNS = ["model", "gpu", "method", "world_size", "tp"] + [
-    c for c in SPEC_COLUMNS if c not in ("model", "gpu", "spec_schema_version", "method", "tp", "dp", "zero_stage")]
+    c for c in SPEC_COLUMNS if c not in ("model", "gpu", "spec_schema_version", "method", "tp", "dp", "zero_stage",
+                                         *PP_COLUMNS)] + PP_COLUMNS
 
 
 def spec_columns(spec: RunSpec) -> dict[str, Any]:
     row: dict[str, Any] = {"model": spec.model, "gpu": spec.gpu, "spec_schema_version": spec.schema_version,
                            "method": spec.parallel.method, "tp": spec.parallel.tp, "dp": spec.parallel.dp,
-                           "zero_stage": spec.parallel.zero_stage}
+                           "zero_stage": spec.parallel.zero_stage,
+                           **{name: getattr(spec.parallel, name) for name in PP_COLUMNS}}
     row.update(dataclasses.asdict(spec.training))
     row.update({f"zero_{k}": v for k, v in dataclasses.asdict(spec.parallel.zero).items()})
     row.update({f"fsdp1_{k}": v for k, v in dataclasses.asdict(spec.parallel.fsdp1).items()})
@@ -65,8 +68,11 @@ def spec_from_columns(row: dict[str, Any]) -> RunSpec:
             out[f.name] = value
         return out
     zero = ZeroSpec(**typed(ZeroSpec, "zero_"))
+    defaults = ParallelSpec()
+    pipeline = {name: value for name in PP_COLUMNS  # empty in tables written before pipelining: no pipeline
+                if (value := parse_cell(row.get(name), getattr(defaults, name))) is not None}
     parallel = ParallelSpec(method=str(row["method"]), world_size=_int(row["world_size"]), tp=_int(row["tp"]),
-                            zero=zero, fsdp1=Fsdp1Spec(**typed(Fsdp1Spec, "fsdp1_")))
+                            zero=zero, fsdp1=Fsdp1Spec(**typed(Fsdp1Spec, "fsdp1_")), **pipeline)
     return RunSpec(model=str(row["model"]), gpu=str(row["gpu"]), parallel=parallel,
                    training=TrainingSpec(**typed(TrainingSpec, "")))
 

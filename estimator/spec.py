@@ -51,6 +51,8 @@ CES = ("standard", "chunked", "fused_linear")
 # torchtitan's op policy (torch's create_selective_checkpoint_contexts: matmul and attention outputs saved,
 # every second matmul and the rest recomputed).
 CKPT_POLICIES = ("every-k", "selective-ops")
+# torch.distributed.pipelining's schedules (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B).
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 def ckpt_every(policy: str) -> int | None:
@@ -291,13 +293,25 @@ class ParallelSpec:
     # attention (``context_parallel``); FSDP2 shards over all world_size (dp x cp) ranks, as torchtitan does.
     cp: int = 1
     fsdp1: Fsdp1Spec = field(default_factory=Fsdp1Spec)
+    # Pipeline parallelism (torch.distributed.pipelining, torchtitan's stage split): ``pp`` pipeline ranks each hold
+    # a slice of the decoder layers (the embedding on the first, final norm + head + loss on the last) and run
+    # ``pp_microbatches`` micro-batches of ``micro_batch_size`` rows per optimizer step in ``pp_schedule``'s order
+    # (0 = pp micro-batches); ``pp_virtual`` stages per rank under interleaved 1F1B (0 = 2 there, 1 otherwise).
+    # The remaining world_size / pp ranks are data parallel: method ``single`` (none: world_size == pp) or
+    # ``fsdp`` (FSDP2 over the dp ranks of each stage).
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0
+    pp_virtual: int = 0
 
     def __post_init__(self) -> None:
         _check_choice("method", self.method, METHODS)
         _check_positive_int("world_size", self.world_size)
         _check_positive_int("tp", self.tp)
-        if self.method == "single" and self.world_size != 1:
-            _fail("world_size", f"method 'single' runs on 1 GPU, got {self.world_size}")
+        _check_positive_int("pp", self.pp)
+        if self.method == "single" and self.world_size != self.pp:
+            _fail("world_size", f"method 'single' runs on 1 GPU (one per pipeline stage rank under pp), got "
+                                f"{self.world_size}" + (f" with pp {self.pp}" if self.pp > 1 else ""))
         if self.world_size % self.tp:
             _fail("tp", f"world size {self.world_size} is not divisible by tp {self.tp}")
         if self.method == "tp" and self.tp != self.world_size:
@@ -328,9 +342,52 @@ class ParallelSpec:
             except ValueError as err:
                 _fail("cp", str(err).removeprefix("cp: "))
 
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        for name in ("pp_microbatches", "pp_virtual"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                _fail(name, f"must be a positive integer (0: the default), got {value!r}")
+        if self.pp == 1:
+            if self.pp_schedule != "1f1b" or self.pp_microbatches or self.pp_virtual:
+                _fail("pp", "pipeline settings (pp_schedule, pp_microbatches, pp_virtual) need pp > 1")
+            return
+        if self.tp > 1:
+            _fail("pp", "pp x tp is not modelled yet; use pp alone or pp x fsdp")
+        if self.method not in ("single", "fsdp"):
+            _fail("pp", f"pipeline parallelism is modelled alone (method single, world size = pp) or with FSDP2 "
+                        f"over the remaining ranks (method fsdp), got {self.method!r}")
+        if self.ep > 1:
+            _fail("pp", "pp with expert parallelism is not modelled")
+        if self.cp > 1:
+            _fail("pp", "pp with context parallelism is not modelled")
+        if self.world_size % self.pp:
+            _fail("pp", f"world size {self.world_size} is not divisible by pp {self.pp}")
+        if self.pp_schedule != "interleaved_1f1b" and self.pp_virtual > 1:
+            _fail("pp_virtual", f"virtual stages need pp_schedule interleaved_1f1b, got {self.pp_schedule!r}")
+        m = self.microbatches
+        if self.pp_schedule == "1f1b" and m < self.pp:
+            _fail("pp_microbatches", f"torch's 1F1B needs at least as many micro-batches as stages ({self.pp}), "
+                                     f"got {m}")
+        if self.pp_schedule == "interleaved_1f1b" and m % max(1, m // self.pp):
+            _fail("pp_microbatches", f"interleaved 1F1B needs the micro-batches to be a multiple of its rounds "
+                                     f"(max(1, {m} // pp {self.pp}) = {max(1, m // self.pp)}), got {m}")
+
+    @property
+    def microbatches(self) -> int:
+        """Pipeline micro-batches per optimizer step (pp_microbatches, default pp); 1 without pp."""
+        return self.pp_microbatches or self.pp
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per pipeline rank (pp_virtual, default 2 under interleaved 1F1B, else 1)."""
+        return self.pp_virtual or (2 if self.pp_schedule == "interleaved_1f1b" else 1)
+
     @property
     def dp(self) -> int:
-        return self.world_size // self.tp
+        return self.world_size // (self.tp * self.pp)
 
     @property
     def zero_stage(self) -> int:
@@ -385,6 +442,9 @@ class RunSpec:
             data["parallel"].pop("moe_imbalance")
         if self.parallel.cp == 1:
             data["parallel"].pop("cp")
+        for name, default in (("pp", 1), ("pp_schedule", "1f1b"), ("pp_microbatches", 0), ("pp_virtual", 0)):
+            if data["parallel"][name] == default:
+                data["parallel"].pop(name)
         for name in ("outputs_fp32", "lora_dropout", "model_code", "use_cache", "activation_offload", "ckpt_policy"):
             if not getattr(self.training, name):
                 data["training"].pop(name)

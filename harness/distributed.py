@@ -55,10 +55,10 @@ def free_port() -> int:
 
 def init(*, method: str, rank: int, world_size: int, local_rank: int, device: torch.device, emulated: bool,
          timeout_s: float = 1800.0) -> DistContext:
-    """Initialise the process group this rank needs (none for ``single``)."""
+    """Initialise the process group this rank needs (none for ``single`` on one GPU)."""
     ctx = DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device, emulated=emulated,
                       backend=None)
-    if method == "single":
+    if method == "single" and world_size == 1:
         return ctx
     timeout = timedelta(seconds=timeout_s)
     if emulated:

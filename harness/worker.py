@@ -212,7 +212,7 @@ def _setup(spec, opts, dist_ctx, probe, record):
     built = data.build_batches(opts.data, model_name=opts.model.name, tokenizer_name=opts.model.tokenizer,
                                model_vocab=int(config["vocab_size"]), micro_batch_size=spec.training.micro_batch_size,
                                seq_len=spec.training.seq_len, num_batches=num_batches,
-                               dp_rank=dist_ctx.rank // spec.parallel.tp, dp_size=spec.parallel.dp,
+                               dp_rank=(dist_ctx.rank // spec.parallel.tp) % spec.parallel.dp, dp_size=spec.parallel.dp,
                                cache_dir=opts.paths.cache_dir, online=str(opts.data.online).lower() == "true")
     record.data = built.info
     padded = any(0 in row for batch in built.batches for row in batch["attention_mask"])

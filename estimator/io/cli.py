@@ -22,6 +22,7 @@ from estimator.spec import (
     LOOPS,
     METHODS,
     OPTIMIZERS,
+    PP_SCHEDULES,
     PRECISIONS,
     ParallelSpec,
     RunSpec,
@@ -56,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "seq_len / N tokens; FSDP2 over all gpus (dp x cp), as torchtitan")
     p.add_argument("--moe-imbalance", type=float, default=1.0,
                    help="load of the busiest expert relative to balanced routing (bound for skewed routing under --ep)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline-parallel degree (torch.distributed.pipelining; method single: --gpus = pp, "
+                        "method fsdp: FSDP2 over gpus / pp ranks per stage)")
+    p.add_argument("--pp-schedule", choices=PP_SCHEDULES, default="1f1b", help="pipeline schedule (with --pp)")
+    p.add_argument("--pp-microbatches", type=int, default=0,
+                   help="pipeline micro-batches of --micro-batch-size rows per optimizer step (default: pp)")
+    p.add_argument("--pp-virtual", type=int, default=0,
+                   help="stages per pipeline rank under interleaved_1f1b (default 2)")
     p.add_argument("--micro-batch-size", type=int, help="sequences per GPU per micro-step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--precision", choices=PRECISIONS)
@@ -165,12 +174,17 @@ def spec_from_args(args) -> tuple[RunSpec, bool]:
     gpu = (args.gpu or (DEFAULT["gpu"] if use_default else "h100-80gb")).lower()
     if method == "all" and args.cp != 1:
         raise ValueError("cp: context parallelism runs with FSDP2: name --method fsdp with --cp")
+    if method == "all" and args.pp > 1:
+        raise ValueError("pp: name the method the pipeline runs with (--method single: --gpus = pp; --method fsdp: "
+                         "FSDP2 over gpus / pp ranks per stage)")
     if method == "all":  # the comparison enumerates methods itself (compare_specs); fsdp1 flags go to its row
         parallel = ParallelSpec(world_size=1, fsdp1=fsdp1_from_args(args, "fsdp1"))
     else:
         tp = args.tp if args.tp is not None else (gpus if method == "tp" else 1)
         parallel = ParallelSpec(method=method, world_size=gpus, tp=tp, fsdp1=fsdp1_from_args(args, method),
-                                ep=args.ep, moe_imbalance=args.moe_imbalance, cp=args.cp)
+                                ep=args.ep, moe_imbalance=args.moe_imbalance, cp=args.cp, pp=args.pp,
+                                pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
+                                pp_virtual=args.pp_virtual)
     spec = RunSpec(model=args.model or DEFAULT["model"], parallel=parallel, training=training, gpu=gpu)
     if args.deepspeed:
         from estimator.configs.deepspeed_json import spec_from_deepspeed
@@ -255,6 +269,8 @@ def render_detail(est) -> str:
              + (f" cp {s.parallel.cp}" if s.parallel.cp > 1 else "")
              + (f" ep {s.parallel.ep}" + (f" (busiest expert {s.parallel.moe_imbalance:g}x balanced)"
                                         if s.parallel.moe_imbalance != 1 else "") if s.parallel.ep > 1 else "")
+             + (f" pp {s.parallel.pp} {s.parallel.pp_schedule} x{s.parallel.microbatches} micro-batches"
+                if s.parallel.pp > 1 else "")
              + f"  on {est.gpu_key}",
              f"micro-batch {t.micro_batch_size}, seq {t.seq_len}, {t.precision}, {t.optimizer}, attn {t.attn}, "
              f"checkpointing {'on' if t.grad_ckpt else 'off'}" + _lora_label(t) + _loop_label(t)

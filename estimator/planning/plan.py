@@ -79,11 +79,13 @@ class Candidate:
     grad_ckpt: bool = False
     ep: int = 1                  # expert parallelism of a MoE model (fsdp only)
     cp: int = 1                  # context parallelism (fsdp only): ring attention over cp ranks
+    pp: int = 1                  # pipeline stages (single: pp = world size; fsdp: FSDP2 over world / pp)
 
     @property
     def dp(self) -> int:
-        """Data-parallel degree: the sequences a step runs side by side (cp ranks share one)."""
-        return self.world_size // self.tp // self.cp
+        """Data-parallel degree: the sequences a step runs side by side (cp ranks share one; pp stages split
+        the layers)."""
+        return self.world_size // (self.tp * self.cp * self.pp)
 
     @property
     def offload(self) -> bool:
@@ -94,7 +96,8 @@ class Candidate:
         if self.method in ("zero3_offload", "zero_infinity"):
             zero = ZeroSpec(offload_optimizer=True, offload_param=self.method == "zero_infinity")
             return ParallelSpec(method="zero3", world_size=self.world_size, zero=zero)
-        return ParallelSpec(method=self.method, world_size=self.world_size, tp=self.tp, ep=self.ep, cp=self.cp)
+        return ParallelSpec(method=self.method, world_size=self.world_size, tp=self.tp, ep=self.ep, cp=self.cp,
+                            pp=self.pp)
 
     @property
     def label(self) -> str:
@@ -104,7 +107,19 @@ class Candidate:
             return f"fsdp cp{self.cp}"
         if self.ep > 1:
             return f"fsdp ep{self.ep}"
+        if self.pp > 1:
+            return f"pp{self.pp} 1f1b" if self.method == "single" else f"pp{self.pp} x fsdp{self.dp}"
         return self.method
+
+
+def pp_layouts(world_size: int, num_layers: int) -> list[Candidate]:
+    """Pipeline layouts on ``world_size`` GPUs (torch's 1F1B, pp micro-batches, no checkpointing): pp alone
+    (single, pp = world size) and pp x FSDP2, each pp >= 2 dividing the GPUs and at most the decoder layers."""
+    out = []
+    for pp in range(2, min(world_size, num_layers) + 1):
+        if world_size % pp == 0:
+            out.append(Candidate("single" if pp == world_size else "fsdp", world_size, pp=pp))
+    return out
 
 
 def ep_degrees(world_size: int, experts: int | None) -> list[int]:
@@ -373,7 +388,8 @@ class _Context:
     def held_accumulation(self, cand: Candidate, mb: int) -> int:
         """The micro-batches per step ``cand`` runs at ``mb`` when that changes its memory: FSDP holding its
         unsharded gradients between micro-batches (``grad_sync="last"``); else 1 (the plan sizes one)."""
-        if self.global_batch is None or self.training.grad_sync != "last" or cand.method not in FSDP_METHODS:
+        if self.global_batch is None or self.training.grad_sync != "last" or cand.method not in FSDP_METHODS \
+                or cand.pp > 1:
             return 1
         return max(1, -(-self.global_batch // (cand.dp * mb)))
 
@@ -419,7 +435,10 @@ class _Context:
         dp_link, tp_link = self.links(cand)
         train = {**self.training.__dict__, **training}
         shapes = self.epoch.shapes(mb, cand.dp, train["seq_len"]) if self.epoch is not None else None
-        setup = tput.Setup(method=cand.method, world_size=cand.world_size, tp=cand.tp, cp=cand.cp, micro_batch=mb,
+        if cand.pp > 1:  # the pipeline's micro-batches: pp of them, or the global batch's split when larger
+            accum = max(accum, cand.pp)
+        setup = tput.Setup(method=cand.method, world_size=cand.world_size, tp=cand.tp, cp=cand.cp, pp=cand.pp,
+                           micro_batch=mb,
                            seq_len=shapes.mean_padded_len if shapes else train["seq_len"], grad_accum=accum, grad_ckpt=cand.grad_ckpt,
                            precision=train["precision"], optimizer=train["optimizer"],
                            lora=train["lora_rank"] > 0)
@@ -580,7 +599,7 @@ def _loss_reason(res: CandidateResult, best: CandidateResult) -> str:
 def _rank_key(r: CandidateResult) -> tuple:
     """Fastest first; on a tie the smaller bound, then the simpler method, no checkpointing, less TP."""
     return (-round(r.tokens_per_s, 6), r.bound_bytes or 0, METHOD_RANK[r.candidate.method], r.candidate.grad_ckpt,
-            r.candidate.tp, r.candidate.ep, r.candidate.cp)
+            r.candidate.tp, r.candidate.ep, r.candidate.cp, r.candidate.pp)
 
 
 def _rank(results: list[CandidateResult]) -> CandidateResult | None:
@@ -785,6 +804,17 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     # cp layouts for fixed-shape steps only: an epoch of mixed batch shapes under cp is not modelled
     cands = enumerate_candidates(gpus, ckpt_options, methods, routed_experts(arch.config),
                                  cp_degrees(gpus, training) if epoch is None else ())
+    pipeline_note = ""
+    if gpus > 1 and (methods is None or {"single", "fsdp"} & set(methods)):
+        from estimator.methods.pipeline_rank import check_pipeline
+
+        try:  # what the pipeline estimate covers (bf16 / fp32, Llama-style decoders, untied embeddings, ...)
+            check_pipeline(RunSpec(model=model, training=training,
+                                   parallel=ParallelSpec(method="single", world_size=2, pp=2)),
+                           getattr(arch, "model_type", ""), bool(getattr(arch, "tie_word_embeddings", False)))
+            cands += pp_layouts(gpus, arch.num_layers)
+        except ValueError as err:
+            pipeline_note = f"pipeline layouts not weighed: {err}"
     if global_batch is not None and all(global_batch % c.dp for c in cands):
         dps = sorted({c.dp for c in cands}, reverse=True)
         raise ValueError(f"global_batch: {global_batch} is not divisible by the data-parallel degree of any "
@@ -812,6 +842,14 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
         result.notes.append(f"long context: the techniques (chunked / fused cross-entropy, activation offload) "
                             f"were not planned {skipped}")
     result.notes += _notes(ctx, result)
+    if pipeline_note:
+        result.notes.append(pipeline_note)
+    elif best is not None and best.candidate.pp > 1:
+        others = any(r.fits for r in results if r.candidate.pp == 1)
+        result.notes.append(f"pp: {best.candidate.label} (torch's 1F1B, {best.candidate.pp} micro-batches per step "
+                            "or the global batch's split) " + ("is the fastest that fits" if others else
+                            "made the run fit: no layout without pipeline parallelism fits")
+                            + "; its step time is a prior (the 1F1B bubble, point-to-point sends not counted)")
     if replayed is not None:
         result.notes.append(f"reserved: the allocator replay ran for the {replayed} layout(s) that could be the "
                             "fastest; the others, slower even at the micro-batch their allocated level allows, "

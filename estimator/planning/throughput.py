@@ -343,15 +343,16 @@ class Setup:
     overlap_comm: bool | None = None   # DeepSpeed's ZeroSpec.overlap_comm (None = its default)
     pin_memory: bool = False
     cp: int = 1                        # context parallelism: each rank runs seq_len / cp tokens of a sequence
+    pp: int = 1                        # pipeline stages (grad_accum: the pipeline's micro-batches per step)
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.tp // self.cp
+        return self.world_size // (self.tp * self.cp * self.pp)
 
     @property
     def shards(self) -> int:
-        """Ranks the sharded states are split over (FSDP2 shards over dp x cp)."""
-        return self.world_size // self.tp
+        """Ranks the sharded states are split over (FSDP2 shards over dp x cp; a pipeline stage's over its dp)."""
+        return self.world_size // (self.tp * self.pp)
 
 
 @dataclass
@@ -380,6 +381,8 @@ def _ring(kind: str, n: int) -> float:
 def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
               dp_link: Link, tp_link: Link) -> StepTime:
     """Predicted time of one optimizer step (see the module docstring for every term)."""
+    if setup.pp > 1:
+        return _pipeline_step_time(shape, setup, gpu, eff, dp_link=dp_link)
     m, tp, dp, accum = setup.method, setup.tp, setup.dp, setup.grad_accum
     shards = setup.shards
     tokens = setup.micro_batch * setup.seq_len // setup.cp  # this rank's (its share of causal attention too)
@@ -466,6 +469,37 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
     return StepTime(step_s=step, compute_s=compute_micro * accum, comm_s=comm, exposed_comm_s=exposed,
                     offload_s=offload, optimizer_s=optimizer, efficiency=efficiency,
                     flops_per_step=flops * accum, tokens_per_s=tokens_per_s, parts=parts)
+
+
+def _pipeline_step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *, dp_link: Link
+                        ) -> StepTime:
+    """A prior for a pipeline step (``Setup.pp`` stages, ``grad_accum`` micro-batches M): each stage does 1 / pp
+    of a micro-batch's FLOPs, and a 1F1B / GPipe step takes (M + pp - 1) stage slots (the bubble); the
+    point-to-point activation sends are not counted. Under fsdp the stage's gradients are reduce-scattered and its
+    parameters gathered once per step (torch's stage defers both to the last micro-batch)."""
+    pp, dp, accum = setup.pp, setup.dp, setup.grad_accum
+    tokens = setup.micro_batch * setup.seq_len
+    peak = gpu.flops_for(setup.precision)
+    if peak <= 0:
+        raise ValueError(f"precision: {gpu.key} has no {setup.precision} tensor throughput")
+    efficiency = eff.at(tokens, shape.hidden_size)
+    flops = micro_batch_flops(shape, tokens, setup.seq_len, grad_ckpt=setup.grad_ckpt, lora=setup.lora)
+    stage_micro = flops / pp / (peak * efficiency)
+    compute = (accum + pp - 1) * stage_micro
+    grad_elem = 2.0 if setup.precision in _SIXTEEN_BIT else 4.0
+    psi = shape.trainable / pp * grad_elem
+    comm = 0.0
+    if setup.method == "fsdp" and dp > 1:
+        layers = max(1, shape.layers // pp) + 1
+        comm = dp_link.time("reduce_scatter", psi, dp, layers) + dp_link.time("all_gather", psi, dp, layers)
+    local = shape.trainable / pp / (dp if setup.method == "fsdp" else 1)
+    optimizer = local * OPTIMIZER_BYTES_PER_PARAM.get(setup.optimizer, 32.0) / (gpu.memory_bandwidth * HBM_EFFICIENCY)
+    step = compute + comm + optimizer
+    parts = {"compute": compute, "pipeline_bubble": (pp - 1) * stage_micro, "dp_gather_scatter": comm,
+             "optimizer": optimizer}
+    return StepTime(step_s=step, compute_s=compute, comm_s=comm, exposed_comm_s=comm, offload_s=0.0,
+                    optimizer_s=optimizer, efficiency=efficiency, flops_per_step=flops * accum,
+                    tokens_per_s=dp * setup.micro_batch * accum * setup.seq_len / step, parts=parts)
 
 
 def assumptions(gpu: GpuPerf, eff: Efficiency, dp_link: Link, tp_link: Link) -> dict[str, Any]:

@@ -36,7 +36,10 @@ WRAPPERS: dict[str, Callable[[WrapContext], Any]] = {
 
 
 def wrap(ctx: WrapContext) -> Any:
-    """The Trainer (forward / backward / step / micro_batch / close) for the spec's method."""
+    """The Trainer (forward / backward / step / micro_batch / close) for the spec's method; pipeline parallelism
+    (``parallel.pp > 1``, methods single and fsdp) runs torch's pipelining (``harness.methods.pipeline``)."""
+    if ctx.spec.parallel.pp > 1:
+        return _lazy("pipeline")(ctx)
     return WRAPPERS[ctx.spec.parallel.method](ctx)
 
 

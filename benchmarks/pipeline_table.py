@@ -1,0 +1,236 @@
+"""Pipeline parallelism against real CPU runs of torch.distributed.pipelining on gloo ranks (issue 18).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/pipeline_table.py [--config CONFIG.json] [--schedules gpipe 1f1b
+        interleaved_1f1b] [--pp 2 4] [--microbatches 4 8] [--points 1x64 2x32] [--dp 1 2] [--precision bf16]
+        [--csv docs/error_matrix/pipeline.csv] [--trace]
+    PYTHONPATH=. .venv/bin/python benchmarks/pipeline_table.py --rescore docs/error_matrix/pipeline.csv [CSV ...]
+
+Each point runs ``pp x dp`` gloo ranks in freshly spawned interpreters (``harness.pipeline``: the transformers
+model split into stages, torch's PipelineStage and schedule, AdamW over each rank's stages, FSDP2 over the dp ranks
+of a stage). Every live storage is counted after every operator (``harness.fake.live_storage``, DTensors by their
+local shard; gloo's reduce-scatter clone left out, as in ``benchmarks/moe_ep_table.py``) over two steady steps
+after a warm-up step (which also runs torch's shape inference); each rank's peak is compared with the estimate's
+``traced_allocated_bytes`` for that rank (first, middle and last pipeline rank). ``--trace`` prints each rank's
+live bytes around every forward and backward action (to find what a model leaves out). ``--rescore``: the
+estimate of every row of committed tables again (the measurements as they are; no run), written back in place and
+merged into the ``--csv`` file when one is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+CONFIG = HERE / "configs" / "llama_pp_tiny.json"
+
+
+def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virtual: int, config: dict,
+          precision: str, b: int, s: int, port: int, out: str, trace: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    sys.path.insert(0, str(REPO))
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from benchmarks.moe_ep_table import _nccl_live_storages_class
+        from harness import pipeline as hp
+
+        dp = world // pp
+        if dp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+            pp_group, dp_mesh = mesh.get_group("pp"), mesh["dp"]
+            pp_rank = mesh.get_local_rank("pp")
+        else:
+            pp_group, dp_mesh, pp_rank = None, None, rank
+        fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+        hf = AutoConfig.for_model(config["model_type"], **fields)
+        hf.use_cache = False
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(hf, dtype=dtype, attn_implementation="sdpa")
+        model.train()
+        modules, runner = hp.build(model, pp, virtual, pp_rank, pp_group, torch.device("cpu"), microbatches,
+                                   schedule, dp_mesh=dp_mesh)
+        del model
+        gc.collect()
+        params = [p for m in modules for p in m.parameters()]
+        optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=True)
+        num_stages = pp * virtual
+        mine = hp.stages_of_rank(pp_rank, pp, virtual)
+        first, last = 0 in mine, num_stages - 1 in mine
+        vocab = int(config["vocab_size"])
+        generator = torch.Generator().manual_seed(1)  # the same batch on every rank of a pipeline
+
+        def step() -> None:
+            ids = torch.randint(0, vocab, (microbatches * b, s), generator=generator)
+            hp.train_step(runner, first, last, ids, optimizer)
+
+        step()  # warm-up: torch's shape inference and the recv buffers; optimizer states from here on
+        gc.collect()
+        mode = _nccl_live_storages_class()()
+        for obj in gc.get_objects():  # parameters (local shards), optimizer states, recv buffers
+            if isinstance(obj, torch.Tensor) and not obj.is_meta:
+                mode.add(obj)
+        mode.peak_bytes = mode.live_bytes()
+        events: list = []
+        if trace:
+            _trace(runner, mode, events)
+        with mode:
+            step()
+            step()
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "peak_bytes": mode.peak_bytes,
+                                                             "events": events}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _trace(runner, mode, events: list) -> None:
+    """Record live bytes before and after, and the peak within, each stage's forward and backward."""
+    stages = getattr(runner, "_stages", None) or [runner._stage]
+    for stage in stages:
+        for name in ("forward_one_chunk", "backward_one_chunk"):
+            original = getattr(stage, name)
+
+            def wrapped(chunk, *args, _original=original, _name=name, _stage=stage.stage_index, **kwargs):
+                before = mode.live_bytes()
+                mode.peak_bytes, outer = before, mode.peak_bytes
+                result = _original(chunk, *args, **kwargs)
+                events.append([_name[0].upper(), _stage, chunk, before, mode.peak_bytes, mode.live_bytes()])
+                mode.peak_bytes = max(outer, mode.peak_bytes)
+                return result
+
+            setattr(stage, name, wrapped)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def measured(config: dict, pp: int, dp: int, schedule: str, microbatches: int, virtual: int, precision: str,
+             b: int, s: int, trace: bool = False) -> list[dict]:
+    """Each rank's peak live bytes (and, with ``trace``, its per-action events)."""
+    import torch.multiprocessing as mp
+
+    world = pp * dp
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_rank, args=(world, pp, schedule, microbatches, virtual, config, precision, b, s,
+                                        _free_port(), out, trace), nprocs=world, start_method="spawn")
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def estimated(path: Path, pp: int, dp: int, schedule: str, microbatches: int, virtual: int, precision: str,
+              b: int, s: int) -> dict[int, int]:
+    """The estimate's traced allocated bytes per reported rank."""
+    from estimator.api import estimate
+    from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
+
+    spec = RunSpec(model=str(path), gpu="h100-80gb",
+                   parallel=ParallelSpec(method="fsdp" if dp > 1 else "single", world_size=pp * dp, pp=pp,
+                                         pp_schedule=schedule, pp_microbatches=microbatches, pp_virtual=virtual),
+                   training=TrainingSpec(precision=precision, attn="sdpa", micro_batch_size=b, seq_len=s))
+    est = estimate(spec, replay_reserved=False)
+    return {r.rank: r.traced_allocated_bytes for r in est.ranks}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=CONFIG)
+    parser.add_argument("--schedules", nargs="*", default=["gpipe", "1f1b", "interleaved_1f1b"])
+    parser.add_argument("--pp", nargs="*", type=int, default=[2, 4])
+    parser.add_argument("--microbatches", nargs="*", type=int, default=[4, 8])
+    parser.add_argument("--points", nargs="*", default=["1x64", "2x32"])
+    parser.add_argument("--dp", nargs="*", type=int, default=[1])
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--csv", type=Path, default=None)
+    parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--rescore", nargs="*", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.rescore:
+        return rescore(args.rescore, args.csv)
+    config = json.loads(args.config.read_text())
+    rows = []
+    started = time.perf_counter()
+    for schedule in args.schedules:
+        virtual = 2 if schedule == "interleaved_1f1b" else 1
+        for pp in args.pp:
+            for dp in args.dp:
+                for m in args.microbatches:
+                    for point in args.points:
+                        b, s = (int(x) for x in point.split("x"))
+                        predicted = estimated(args.config, pp, dp, schedule, m, virtual, args.precision, b, s)
+                        ranks = measured(config, pp, dp, schedule, m, virtual, args.precision, b, s, args.trace)
+                        for rank, est in sorted(predicted.items()):
+                            got = ranks[rank]["peak_bytes"]
+                            rows.append({"config": args.config.name, "precision": args.precision,
+                                         "schedule": schedule, "pp": pp, "dp": dp, "virtual": virtual,
+                                         "microbatches": m, "micro_batch_size": b, "seq_len": s, "rank": rank,
+                                         "measured_bytes": got, "estimate_bytes": est,
+                                         "error_pct": round(100 * (est - got) / got, 4)})
+                            print(f"{schedule:<17}pp{pp} dp{dp} M{m:<3}b{b} s{s:<5}rank {rank}: measured {got:>11} "
+                                  f"estimate {est:>11} {rows[-1]['error_pct']:+8.3f} %", flush=True)
+                            if args.trace:
+                                for event in ranks[rank]["events"]:
+                                    print("    ", event)
+    errors = sorted(abs(r["error_pct"]) for r in rows)
+    print(f"rows {len(rows)}  median |error| {errors[len(errors) // 2]:.3f} %  max {errors[-1]:.3f} %  "
+          f"elapsed {time.perf_counter() - started:.0f} s")
+    if args.csv:
+        _write(args.csv, rows)
+    return 0
+
+
+def rescore(paths: list[Path], out: Path | None) -> int:
+    """Re-estimate committed rows (their measurements kept); each file written back, all merged into ``out``."""
+    merged: list[dict] = []
+    for path in paths:
+        with path.open() as fh:
+            rows = list(csv.DictReader(fh))
+        cache: dict[tuple, dict[int, int]] = {}
+        for row in rows:
+            key = (row["config"], row["precision"], row["schedule"], int(row["pp"]), int(row["dp"]),
+                   int(row["virtual"]), int(row["microbatches"]), int(row["micro_batch_size"]), int(row["seq_len"]))
+            if key not in cache:
+                config, precision, schedule, pp, dp, virtual, m, b, s = key
+                cache[key] = estimated(HERE / "configs" / config, pp, dp, schedule, m, virtual, precision, b, s)
+            est, got = cache[key][int(row["rank"])], int(row["measured_bytes"])
+            row["estimate_bytes"], row["error_pct"] = est, round(100 * (est - got) / got, 4)
+        _write(path, rows)
+        merged += rows
+    if out is not None:
+        _write(out, merged)
+    errors = sorted(abs(float(r["error_pct"])) for r in merged)
+    print(f"rows {len(merged)}  median |error| {errors[len(errors) // 2]:.3f} %  max {errors[-1]:.3f} %")
+    return 0
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

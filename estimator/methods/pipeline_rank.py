@@ -1,0 +1,268 @@
+"""The memory of one pipeline rank (``estimator.methods.pipeline``): its stages' parameters, gradients and
+optimizer states, and its schedule's actions replayed over the profile's segments.
+
+What torch's ``PipelineStage`` holds besides the model's own tensors (torch 2.13 ``stage.py``), each counted here:
+- a receive buffer per micro-batch for the stage's input activations (every stage but the first) and one for the
+  gradient of its output (every stage but the last), allocated once and kept across steps;
+- the gradient of each received input, which it sends back: held by its send work, which GPipe and the
+  interleaved runtime wait for only when the schedule returns (1F1B: before its next forward);
+- the stage output in ``fwd_cache`` until the micro-batch's backward (the last stage's: its logits, which the loss
+  reads and the unsplit model's trainer loop would drop), then as long as the schedule's loop variable or a send
+  work holds it;
+- the step's whole batch of input ids on the first stage and of labels on the last.
+FSDP2 over the dp ranks of a stage (method ``fsdp``): torch's stage turns off resharding and gradient reduction until
+the last micro-batch's backward (``backward_maybe_with_nosync``, ``perform_reduce_grad``), and torchtitan shards
+with ``reshard_after_forward=False`` under pp: from its first forward on, a stage's parameters stay unsharded, and
+from its first backward on its gradients too, until the reduce-scatter at the end of the schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from estimator.methods import state as methods
+from estimator.methods.pipeline import rank_actions, stage_layers, stages_of_rank
+from estimator.methods.timeline import poly
+from estimator.models.params import ParamInfo
+from estimator.spec import RunSpec
+
+INT64 = 8
+LAYER_SEGMENTS = ("fw_first", "fw", "fw_last", "bw_first", "bw", "bw_last")
+
+
+@dataclass(frozen=True)
+class PipelineRank:
+    pp_rank: int
+    stages: tuple[int, ...]
+    parts: dict[str, float]      # components at the peak
+    peak_bytes: float
+    phase: str
+    in_flight: int               # micro-batches whose backward had not run at the peak
+
+
+def stage_params(table: list[ParamInfo], stage: int, num_stages: int, layers: range) -> list[ParamInfo]:
+    """The parameters a stage holds: its decoder layers; the embedding on the first stage, every other non-layer
+    tensor (final norm, LM head) on the last."""
+    out = []
+    for p in table:
+        if p.layer is not None:
+            if p.layer in layers:
+                out.append(p)
+        elif p.module_kind == "embedding":
+            if stage == 0:
+                out.append(p)
+        elif stage == num_stages - 1:
+            out.append(p)
+    return out
+
+
+def _forward_segments(first: bool, last: bool, layers: range, num_layers: int) -> list[tuple[str, int]]:
+    # The unsplit model's first-layer segment holds a hidden-sized tensor more than a generic layer's; the first
+    # stage's forward, counted, is the prefix (embedding, rotary) and generic layers (benchmarks/pipeline_table.py
+    # --trace), so layer 0 takes the generic segment here.
+    seq = [("prefix", 1)] if first else []
+    # the last layer's segment holds the same tensor more (``received_extra`` below): generic here too
+    seq.extend(("fw", 1) for _ in layers)
+    if last:
+        seq.append(("mid_fw", 1))
+    return _merge(seq)
+
+
+def _backward_segments(first: bool, last: bool, layers: range, num_layers: int) -> list[tuple[str, int]]:
+    seq = [("mid_bw", 1)] if last else []
+    for i in reversed(layers):
+        seq.append(("bw_first" if i == num_layers - 1 else "bw_last" if i == 0 else "bw", 1))
+    if first:
+        seq.append(("suffix", 1))
+    return _merge(seq)
+
+
+def _merge(seq: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    out: list[tuple[str, int]] = []
+    for name, n in seq:
+        if out and out[-1][0] == name:
+            out[-1] = (name, out[-1][1] + n)
+        else:
+            out.append((name, n))
+    return out
+
+
+def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_layers: int, hidden: int,
+                  act_bytes: int, pp_rank: int, vocab: int) -> PipelineRank:
+    """The peak of ``pp_rank`` over its schedule's actions and the optimizer step."""
+    par, training = spec.parallel, spec.training
+    b, s = training.micro_batch_size, training.seq_len
+    pp, virtual, m = par.pp, par.virtual_stages, par.microbatches
+    num_stages = pp * virtual
+    splits = stage_layers(num_layers, num_stages)
+    mine = stages_of_rank(pp_rank, pp, virtual)
+    params = {st: stage_params(table, st, num_stages, splits[st]) for st in mine}
+    rank_table = [p for st in mine for p in params[st]]
+    dp = par.dp
+    boundary = b * s * hidden * act_bytes  # one micro-batch's hidden states at a stage boundary
+    logits = b * s * vocab * act_bytes
+    norm_upcast = b * s * hidden * 4 if act_bytes < 4 else 0
+    # GPipe (fwd_sends_to_wait, bwd_sends_to_wait) and the interleaved runtime (send_ops) wait for their sends only
+    # when the schedule returns, so every sent output and input gradient lives until then; 1F1B waits each one
+    # before its next forward
+    sends_held = par.pp_schedule != "1f1b"
+    rotary = poly(segments["prefix"]["net_act"], b, s) - boundary
+    # Counted (benchmarks/pipeline_table.py --trace): a stage fed by received activations holds one hidden-sized
+    # tensor per micro-batch more than its layers' generic segments, the one the unsplit profile's first-layer
+    # segment holds above a generic layer's (a first stage, fed by its embedding, does not).
+    received_extra = poly(segments["fw_first"]["net_act"], b, s) - poly(segments["fw"]["net_act"], b, s)
+    # resident: weights and optimizer states (FSDP2: this rank's shards), the receive buffers, the step's batch
+    shard = 1.0 / dp if par.method == "fsdp" else 1.0
+    model = methods.single(spec.replace(**{"parallel.method": "single", "parallel.world_size": 1,
+                                           "parallel.pp": 1, "parallel.pp_schedule": "1f1b",
+                                           "parallel.pp_microbatches": 0, "parallel.pp_virtual": 0}), rank_table)
+    resident = {k: v * shard for k, v in model.resident.items()}
+    recv = sum(m * boundary * ((st != 0) + (st != num_stages - 1)) for st in mine)
+    batch = m * b * s * INT64 * ((0 in mine) + (num_stages - 1 in mine))
+    resident["comm_buffers"] = recv
+    resident["activations"] = float(batch)
+    base = sum(resident.values())
+    weights_of = {st: float(sum(p.nbytes for p in params[st])) for st in mine}
+    largest_layer = {st: float(max((p.nbytes for p in params[st] if p.trainable and p.layer is not None),
+                                   default=0)) for st in mine}
+    largest_other = {st: float(max((p.nbytes for p in params[st] if p.trainable and p.layer is None), default=0))
+                     for st in mine}
+    fsdp = par.method == "fsdp" and dp > 1
+    act = 0.0           # activations above the resident ones
+    grads = 0.0         # gradients held (unsharded under FSDP2 until the end)
+    gathered = 0.0      # FSDP2: unsharded parameters held
+    started: set[int] = set()     # stages whose first backward has run
+    unsharded: set[int] = set()   # FSDP2: stages whose parameters were gathered
+    live = 0
+    best = (base, "setup", 0, {})
+    # The schedule's loop keeps the latest forward's output bound (``output = stage.forward_one_chunk(...)``) until
+    # the next forward returns: an output whose backward has run lives on while it is that one.
+    held: tuple[int, int] | None = None   # (stage, micro-batch) of the output the loop variable holds
+    popped: set[tuple[int, int]] = set()
+    grad_sent = False  # 1F1B: an input gradient's send work is pending
+    for action in rank_actions(par.pp_schedule, pp_rank, pp, m, virtual):
+        st = action.stage
+        first, last = st == 0, st == num_stages - 1
+        out_bytes = logits if last else boundary
+        if fsdp and st not in unsharded:
+            unsharded.add(st)
+            gathered += weights_of[st]
+        if action.kind == "F":
+            live += 1
+            seq = _forward_segments(first, last, splits[st], num_layers)
+            if not first:  # every stage computes its own rotary cos/sin and positions (the prefix less the embedding),
+                act += rotary + received_extra  # and holds one hidden-sized tensor more than its generic layers
+        else:
+            seq = _backward_segments(first, last, splits[st], num_layers)
+        accumulating = action.kind == "B" and st in started
+        for name, reps in seq:
+            seg = segments[name]
+            net = poly(seg["net_act"], b, s)
+            # under accumulation one gradient at a time is in flight before autograd adds it in place
+            transient = largest_layer[st] if name in LAYER_SEGMENTS else largest_other[st]
+            for k in {0, reps - 1}:
+                for cand_act, cand_grad in seg["candidates"]:
+                    g = grads + (min(cand_grad, transient) if accumulating else k * seg["net_grad"] + cand_grad)
+                    total = base + gathered + act + k * net + poly(cand_act, b, s) + g
+                    if total > best[0]:
+                        best = (total, f"{'forward' if action.kind == 'F' else 'backward'} of stage {st}, "
+                                       f"micro-batch {action.microbatch}", live,
+                                {"activations": act + k * net + poly(cand_act, b, s), "gradients": g,
+                                 "gathered_params": gathered})
+            act += reps * net
+            if not accumulating:
+                grads += reps * seg["net_grad"]
+        if action.kind == "F":
+            if last:  # the stage output (logits) stays in fwd_cache until this backward; the final RMSNorm keeps
+                # its fp32 upcast of the last hidden states for backward (the unsplit profile's final segments
+                # free it in backward but place its allocation before the head: counted here)
+                act += logits + norm_upcast
+            if held is not None and held in popped and not (sends_held and held[0] != num_stages - 1):
+                # the loop variable lets the previous output go (unless a send work still holds it)
+                act -= logits if held[0] == num_stages - 1 else boundary
+            held = (st, action.microbatch)
+        else:
+            popped.add((st, action.microbatch))
+            if last and held != (st, action.microbatch):  # the logits popped from fwd_cache stay bound in
+                act -= logits  # backward_one_chunk (its stage_output local) until it returns
+            if not first:  # the rotary cos/sin go with the graph; the gradient of the received input is sent back,
+                # held by its send work: to the schedule's end, or (1F1B) until the next backward's send replaces it
+                act += boundary - rotary - received_extra
+                if not sends_held and grad_sent:
+                    act -= boundary
+                grad_sent = True
+            if (held == (st, action.microbatch) or sends_held) and not last:
+                # still bound: by the loop variable, or by its send work
+                act += out_bytes
+            live -= 1
+            started.add(st)
+    # the schedule returns: its loop variable goes, and the send works with every output and gradient they kept
+    if sends_held:
+        act -= boundary * m * sum((st != num_stages - 1) + (st != 0) for st in mine)
+        act -= logits if held and held[0] == num_stages - 1 else 0.0
+    else:
+        if held is not None:
+            act -= logits if held[0] == num_stages - 1 else boundary
+        act -= boundary if grad_sent else 0.0
+    # the optimizer step: gradients (FSDP2: reduce-scattered to shards, parameters resharded), leftovers
+    step_grads = (model.step_grads * shard) if fsdp else model.step_grads
+    step_total = base + act + step_grads + model.step_temp * shard
+    if step_total > best[0]:
+        best = (step_total, "optimizer_step", 0, {"activations": act, "gradients": step_grads,
+                                                   "temporaries": model.step_temp * shard})
+    total, phase, in_flight, parts = best
+    out = dict(resident)
+    out["activations"] = resident["activations"] + parts.get("activations", 0.0)
+    for key in ("gradients", "gathered_params", "temporaries"):
+        if parts.get(key):
+            out[key] = out.get(key, 0.0) + parts[key]
+    return PipelineRank(pp_rank=pp_rank, stages=tuple(mine), parts=out, peak_bytes=total, phase=phase,
+                        in_flight=in_flight)
+
+
+def reported_pp_ranks(pp: int) -> list[int]:
+    """First, middle and last pipeline rank."""
+    return sorted({0, pp // 2, pp - 1})
+
+
+# Settings the pipeline estimate covers; the others are refused with their reason (``check_pipeline``).
+PIPELINE_PRECISIONS = ("bf16", "fp32")
+PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_pipeline(spec: RunSpec, model_type: str, tied: bool) -> None:
+    """ValueError("pp: ...") for what the pipeline estimate does not model (one line each)."""
+    training = spec.training
+    if spec.parallel.pp == 1:
+        return
+    if training.precision not in PIPELINE_PRECISIONS:
+        raise ValueError(f"pp: precision {training.precision} is not modelled under pipelining; use "
+                         f"{' or '.join(PIPELINE_PRECISIONS)}")
+    if model_type not in PIPELINE_MODEL_TYPES:
+        raise ValueError(f"pp: the stage split is modelled for {', '.join(PIPELINE_MODEL_TYPES)} decoders "
+                         f"(model.layers, embed_tokens, norm, lm_head), not {model_type}")
+    if tied:
+        raise ValueError("pp: tied input and output embeddings (tie_word_embeddings) would sit on the first and the "
+                         "last stage; torch's pipelining does not tie them across stages")
+    for name, on in (("grad_ckpt", training.grad_ckpt), ("lora_rank", training.lora),
+                     ("grad_accum_steps", training.grad_accum_steps > 1), ("loop", training.loop != "trainer"),
+                     ("ce", training.ce != "standard"), ("activation_offload", training.activation_offload),
+                     ("outputs_fp32", training.outputs_fp32), ("use_cache", training.use_cache),
+                     ("batch", training.batch != "full")):
+        if on:
+            raise ValueError(f"pp: {name} is not modelled under pipelining (micro-batches are the pipeline's: "
+                             "pp_microbatches)" if name == "grad_accum_steps" else
+                             f"pp: {name} is not modelled under pipelining yet")
+
+
+def pipeline_notes(spec: RunSpec, num_layers: int) -> list[str]:
+    par = spec.parallel
+    stages = par.pp * par.virtual_stages
+    sizes = sorted({len(r) for r in stage_layers(num_layers, stages)})
+    dp = f"; FSDP2 over {par.dp} ranks per stage (reshard_after_forward off, gradients reduced after the last " \
+         "micro-batch)" if par.method == "fsdp" and par.dp > 1 else ""
+    return [f"pp: {par.pp} pipeline ranks, {stages} stages of {'/'.join(map(str, sizes))} decoder layers "
+            f"(embedding on the first, norm + head + loss on the last), schedule {par.pp_schedule}, "
+            f"{par.microbatches} micro-batches of {spec.training.micro_batch_size} rows per step{dp}; "
+            "torch's receive buffers, the received inputs' gradients and each stage's cached output counted; "
+            "step(return_outputs=False) as torchtitan"]

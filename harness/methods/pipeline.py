@@ -1,0 +1,82 @@
+"""``parallel.pp > 1`` (methods ``single`` and ``fsdp``): torch.distributed.pipelining on real process groups
+(``harness.pipeline``: the stage split, torch's PipelineStage and schedule, FSDP2 over the dp ranks of a stage).
+
+The worker's step is forward / backward / optimizer per micro-batch; a pipeline step runs forward and backward
+of all its micro-batches inside ``schedule.step``. So ``forward`` runs the whole schedule on the micro-batch the
+worker hands it, repeated ``pp_microbatches`` times along the batch (the pipeline's micro-batches, each of
+``micro_batch_size`` rows: full-length rows make every one the same shape), ``backward`` has nothing left to do,
+and ``step`` is the optimizer's. The rank's peak is therefore recorded in its "forward" phase. Gradient
+accumulation outside the pipeline is refused by the spec.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from estimator.profiler.build import build_model, build_optimizer
+from harness import pipeline as hp
+from harness.methods.base import WrapContext
+
+
+class PipelineTrainer:
+    def __init__(self, modules, runner, optimizer, first: bool, last: bool, microbatches: int, config) -> None:
+        self.modules, self.runner, self.optimizer = modules, runner, optimizer
+        # the worker reads the model's attention implementation off ``trainer.model.config``
+        self.model = SimpleNamespace(config=config)
+        self.first, self.last, self.microbatches = first, last, microbatches
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        ids = batch["input_ids"].repeat(self.microbatches, 1)
+        losses: list[torch.Tensor] = []
+        if self.first:
+            self.runner.step(ids, target=ids if self.last else None, losses=losses, return_outputs=False)
+        elif self.last:
+            self.runner.step(target=ids, losses=losses, return_outputs=False)
+        else:
+            self.runner.step(return_outputs=False)
+        return torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros(())
+
+    def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
+        pass  # schedule.step ran every backward
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def micro_batch(self, is_last: bool):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        self.modules = self.runner = self.optimizer = None
+
+
+def wrap(ctx: WrapContext) -> PipelineTrainer:
+    spec, par = ctx.spec, ctx.spec.parallel
+    if ctx.fake_pg:
+        raise ValueError("pp: pipeline stages send activations point to point; they need real process groups "
+                         "(gloo on CPU, NCCL on GPUs), not the emulated ranks")
+    dp = par.dp
+    if dp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(ctx.device.type, (par.pp, dp), mesh_dim_names=("pp", "dp"))
+        pp_group, dp_mesh, pp_rank = mesh.get_group("pp"), mesh["dp"], mesh.get_local_rank("pp")
+    else:
+        pp_group, dp_mesh, pp_rank = None, None, ctx.dist.rank
+    torch.manual_seed(ctx.options.seed)
+    model = build_model(ctx.config, spec.training, ctx.device)
+    model.train()
+    modules, runner = hp.build(model, par.pp, par.virtual_stages, pp_rank, pp_group, ctx.device, par.microbatches,
+                               par.pp_schedule, dp_mesh=dp_mesh)
+    config = model.config
+    del model
+    optimizer = build_optimizer([p for m in modules for p in m.parameters()], spec.training)
+    mine = hp.stages_of_rank(pp_rank, par.pp, par.virtual_stages)
+    num_stages = par.pp * par.virtual_stages
+    ctx.notes.append(f"pp: rank {ctx.dist.rank} runs stages {mine} of {num_stages} ({par.pp_schedule}, "
+                     f"{par.microbatches} micro-batches per step, all inside the forward phase)")
+    return PipelineTrainer(modules, runner, optimizer, 0 in mine, num_stages - 1 in mine, par.microbatches, config)
