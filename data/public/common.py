@@ -26,7 +26,9 @@ SPEC = ["model", "gpu", "method", "world_size", "tp", "micro_batch_size", "seq_l
         "zero_stage3_max_live_parameters", "zero_stage3_max_reuse_distance", "zero_sub_group_size",
         "zero_offload_optimizer", "zero_offload_param", "zero_pin_memory", "fsdp1_sharding_strategy",
         "fsdp1_use_orig_params", "fsdp1_cpu_offload", "fsdp1_backward_prefetch", "fsdp1_forward_prefetch",
-        "fsdp1_limit_all_gathers", "fsdp1_gpus_per_node"]
+        "fsdp1_limit_all_gathers", "fsdp1_gpus_per_node", "pp", "pp_schedule", "pp_microbatches", "pp_virtual"]
+# no published row pipelines: torch's defaults with pp 1
+PP_DEFAULTS = {"pp": 1, "pp_schedule": "1f1b", "pp_microbatches": 0, "pp_virtual": 0}
 ZERO_DEFAULTS = {"zero_reduce_bucket_size": 500_000_000, "zero_allgather_bucket_size": 500_000_000,
                  "zero_overlap_comm": "", "zero_contiguous_gradients": True, "zero_reduce_scatter": True,
                  "zero_stage3_prefetch_bucket_size": 50_000_000, "zero_stage3_param_persistence_threshold": 100_000,
@@ -59,7 +61,8 @@ def row(**fields) -> dict:
     out = {c: "" for c in COLUMNS}
     out.update({"tp": 1, "grad_accum_steps": 1, "qlora": False, "lora_rank": 0, "lora_targets": "auto",
                 "lora_dropout": 0.0, "outputs_fp32": False, "grad_sync": "every", "use_cache": False,
-                "value_offset_bytes": 0, "complete": True, "in_scope": True, **ZERO_DEFAULTS, **FSDP1_DEFAULTS})
+                "value_offset_bytes": 0, "complete": True, "in_scope": True, **ZERO_DEFAULTS, **FSDP1_DEFAULTS,
+                **PP_DEFAULTS})
     unknown = set(fields) - set(COLUMNS)
     if unknown:
         raise KeyError(f"unknown columns {sorted(unknown)}")
