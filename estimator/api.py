@@ -350,7 +350,8 @@ def _micro_batches(spec: RunSpec) -> tuple:
 def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, rank: int,
                    path: methods.Zero12Rank | None = None, alloc_conf: str | None = None,
                    sequence: StepSequence | None = None, decide_fit: bool = False, layout: EpLayout | None = None,
-                   ring: Ring | None = None) -> tuple[RankEstimate, methods.StepModel]:
+                   ring: Ring | None = None, ep_recompute: dict[str, float] | None = None
+                   ) -> tuple[RankEstimate, methods.StepModel]:
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
     model = _step_model(spec, table, rank, path)
@@ -360,7 +361,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
         segments = ring.segments(segments, regime, rank, b, s)
     if layout is not None:
         segments = expert_parallel.ep_segments(segments, regime, table, layout, training, arch.num_layers, b, s,
-                                               profile["params"])
+                                               profile["params"], ep_recompute)
     if spec.parallel.method == "fsdp":  # a module kept in fp32 is an FSDP2 unit of its own (DeepSeek's router)
         segments = router_segments(segments, regime, table, profile["params"], training.precision,
                                    arch.num_layers, b, s)
@@ -610,13 +611,20 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     if spec.parallel.pp > 1:
         return _pipeline_estimate(spec, arch, profile, table, coeffs, gpu)
     layout = expert_parallel.layout_of(spec, arch, profile)
+    ep_recompute = None
+    if layout is not None and spec.training.grad_ckpt:  # the recomputed layer's transient: the plain profile's layers
+        _, plain = load_model_profile(spec.model, dataclasses.replace(spec.training, grad_ckpt=False),
+                                      spec.parallel.tp, allow_build=allow_build)
+        ep_recompute = expert_parallel.recompute_levels(
+            _regime(plain, spec.training.micro_batch_size, spec.training.seq_len)["segments"], layout,
+            spec.training, arch.num_layers, spec.training.micro_batch_size, spec.training.seq_len)
     # Rank 0 and the last rank are reported (FSDP/ZeRO padding and TP layouts put any asymmetry there), and under
     # ZeRO-1/2 a middle rank when it is worse than both. Only ZeRO-1/2's gradient partition buffer depends on the
     # rank (its size, and when backward or the reduction after it reaches the rank's partition), so one
     # computation serves every rank elsewhere.
     def rank_estimate(rank: int, path: methods.Zero12Rank | None = None, sequence: StepSequence | None = None):
         return _rank_estimate(spec, arch, profile, table, coeffs, rank, path, conf, sequence, decide_fit, layout,
-                              ring)
+                              ring, ep_recompute)
 
     if last and spec.parallel.zero_stage in (1, 2):
         paths = methods.zero12_ranks(table, spec.parallel.world_size, spec.parallel.zero.reduce_bucket_size)

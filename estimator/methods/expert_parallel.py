@@ -31,8 +31,23 @@ def grads_before_experts(params: dict, table: list) -> dict[int, float]:
     return grads_before(params, table, lambda _layer, name: is_routed_expert(name))
 
 
+def recompute_levels(plain_segments: dict, layout: EpLayout, training: TrainingSpec, num_layers: int, b: int,
+                     s: int) -> dict[str, float]:
+    """Checkpointing: per backward layer segment, the level (above its start) at which the recomputed layer's
+    combine runs. The recomputation regenerates what the layer saves in forward (its segment's net activation in
+    the profile without checkpointing, ``plain_segments``, and what the all-to-all path adds), and its dispatch and
+    combine make the forward's transient again (``EpLayout.forward_transient_bytes``) on top of backward's state.
+    The layer's output and what follows the combine are counted though not yet made: an upper bound by them."""
+    a = expert_act_bytes(training)
+    transient = layout.forward_transient_bytes(b * s, a) + layout.layer_saved_bytes(b * s, a)
+    forward_of = {index: name for name, index in traced_layer_of(num_layers).items() if name.startswith("fw")}
+    return {name: poly(plain_segments[forward_of[index]]["net_act"], b, s) + transient
+            for name, index in traced_layer_of(num_layers).items() if name.startswith("bw")}
+
+
 def ep_segments(segments: dict, regime: dict, table: list, layout: EpLayout, training: TrainingSpec,
-                 num_layers: int, b: int, s: int, profile_params: dict) -> dict:
+                num_layers: int, b: int, s: int, profile_params: dict,
+                recompute: dict[str, float] | None = None) -> dict:
     """The profile's layer segments as an EP rank runs them at (b, s): each MoE layer keeps what the all-to-all
     path adds (``EpLayout.layer_saved_bytes``) from its forward to its experts' backward, and each backward MoE
     segment gets, where the profile has an event list (``fsdp_replay.experts_levels``), the activation level at
@@ -56,6 +71,8 @@ def ep_segments(segments: dict, regime: dict, table: list, layout: EpLayout, tra
         if training.grad_ckpt:  # nothing saved in forward: the recompute in backward saves it, until the experts'
             if name.startswith("bw"):  # backward is over
                 seg["experts_bw_bumps"] = tuple(extra + bump for bump in bumps)
+                if recompute is not None:
+                    seg["experts_recompute_act"] = recompute[name]
         elif name.startswith("fw"):
             seg["net_act"] = [seg["net_act"][0] + extra, *seg["net_act"][1:]]
         else:

@@ -187,7 +187,7 @@ def test_the_plan_says_which_ep_layout_it_picked():
                          f"picked {result.best.candidate.label} (no expert parallelism)")
 
 
-def test_the_committed_ep_table_stays_within_one_percent():
+def test_the_committed_ep_tables_stay_within_their_bounds():
     """Every row of docs/error_matrix/moe_ep.csv (transformers' EP on gloo ranks, every live storage counted:
     benchmarks/moe_ep_table.py) estimated again: the estimate of the busiest rank within 1 % of its measure. The
     tiny configs' profiles are traced on fake tensors here once."""
@@ -195,13 +195,20 @@ def test_the_committed_ep_table_stays_within_one_percent():
 
     from benchmarks.moe_ep_table import estimated_bytes
 
-    rows = list(csv.DictReader((REPO / "docs/error_matrix/moe_ep.csv").open()))
-    assert {r["family"] for r in rows} >= {"qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v2"}
-    errors = {}
-    for r in rows:
-        predicted = estimated_bytes(REPO / "benchmarks/configs" / r["config"], int(r["world_size"]), int(r["ep"]),
-                                    r["precision"], int(r["micro_batch_size"]), int(r["seq_len"]),
-                                    float(r["moe_imbalance"]), r["grad_ckpt"] == "True")
-        errors[(r["config"], r["world_size"], r["ep"], r["micro_batch_size"], r["routing"])] = \
-            100 * (predicted - int(r["measured_bytes"])) / int(r["measured_bytes"])
-    assert max(abs(e) for e in errors.values()) <= 1.0, {k: round(e, 3) for k, e in errors.items() if abs(e) > 1}
+    def errors(table: str) -> dict:
+        rows = list(csv.DictReader((REPO / "docs/error_matrix" / table).open()))
+        assert {r["family"] for r in rows} >= {"qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v2"}
+        out = {}
+        for r in rows:
+            predicted = estimated_bytes(REPO / "benchmarks/configs" / r["config"], int(r["world_size"]),
+                                        int(r["ep"]), r["precision"], int(r["micro_batch_size"]), int(r["seq_len"]),
+                                        float(r["moe_imbalance"]), r["grad_ckpt"] == "True")
+            out[(r["config"], r["world_size"], r["ep"], r["micro_batch_size"], r["routing"])] = \
+                100 * (predicted - int(r["measured_bytes"])) / int(r["measured_bytes"])
+        return out
+
+    plain = errors("moe_ep.csv")
+    assert max(abs(e) for e in plain.values()) <= 1.0, {k: round(e, 3) for k, e in plain.items() if abs(e) > 1}
+    # with checkpointing the recomputed layer's combine is bounded, not replayed (docs/error_matrix/README.md)
+    ckpt = sorted(abs(e) for e in errors("moe_ep_ckpt.csv").values())
+    assert ckpt[len(ckpt) // 2] <= 0.5 and ckpt[-1] <= 3.5
