@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
-import socket
 import sys
 import tempfile
 import time
@@ -33,14 +31,12 @@ CONFIGS = [HERE / "configs" / f"{name}_tiny.json" for name in ("qwen3_moe", "mix
 
 def _rank(rank: int, world: int, ep: int, config: dict, precision: str, b: int, s: int, routing: str, port: int,
           out: str, grad_ckpt: bool = False) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
     sys.path.insert(0, str(REPO))
-    import torch
-    import torch.distributed as dist
+    from benchmarks.gloo_ranks import join, nccl_live_storages_class
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist = join(rank, world, port)
+    import torch
+
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -77,7 +73,7 @@ def _rank(rank: int, world: int, ep: int, config: dict, precision: str, b: int, 
         import gc
 
         gc.collect()
-        mode = _nccl_live_storages_class()()
+        mode = nccl_live_storages_class()()
         for obj in gc.get_objects():  # parameters (their local shards), optimizer states
             if isinstance(obj, torch.Tensor) and not obj.is_meta:
                 mode.add(obj)
@@ -90,53 +86,15 @@ def _rank(rank: int, world: int, ep: int, config: dict, precision: str, b: int, 
         dist.destroy_process_group()
 
 
-def _nccl_live_storages_class():
-    import torch
-    from torch.utils._pytree import tree_flatten
-
-    from harness.fake.live_storage import LiveStorages
-
-    class NcclLiveStorages(LiveStorages):
-        """``LiveStorages`` less gloo's own reduce-scatter buffer: ``ProcessGroupGloo`` reduce-scatters a clone of
-        the whole input (all-reduced, then split into the output), which NCCL, the estimate's backend, does not
-        allocate; the clone first shows up as the argument of the split that follows the collective."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.clone_key: int | None = None  # the clone's storage while gloo splits it and copies out of it
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func is torch.ops.c10d._reduce_scatter_base_.default:
-                self.clone_key = -1  # the next split's input is the clone
-            elif self.clone_key == -1 and func is torch.ops.aten.split.Tensor:
-                self.clone_key = args[0].untyped_storage()._cdata
-            elif self.clone_key is not None and func is not torch.ops.aten.copy_.default:
-                self.clone_key = None  # gloo's copy-out is over; the clone is gone
-            for item in tree_flatten((out, args, kwargs))[0]:
-                if isinstance(item, torch.Tensor) and item.untyped_storage()._cdata == self.clone_key:
-                    continue  # the clone: never added, hence never counted
-                if isinstance(item, torch.Tensor):
-                    self.add(item)
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes())
-            return out
-
-    return NcclLiveStorages
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def measured_bytes(config: dict, world: int, ep: int, precision: str, b: int, s: int, routing: str,
                    grad_ckpt: bool = False) -> list[int]:
     """Each rank's peak live bytes."""
     import torch.multiprocessing as mp
 
+    from benchmarks.gloo_ranks import free_port
+
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(world, ep, config, precision, b, s, routing, _free_port(), out, grad_ckpt),
+        mp.start_processes(_rank, args=(world, ep, config, precision, b, s, routing, free_port(), out, grad_ckpt),
                            nprocs=world, start_method="spawn")
         return [json.loads(Path(out, f"rank{r}.json").read_text())["peak_bytes"] for r in range(world)]
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import sys
 import tempfile
 import time
@@ -34,20 +33,17 @@ CONFIG = HERE / "configs" / "llama_pp_tiny.json"
 
 def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virtual: int, config: dict,
           precision: str, b: int, s: int, port: int, out: str, trace: bool) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
     sys.path.insert(0, str(REPO))
     import gc
 
-    import torch
-    import torch.distributed as dist
+    from benchmarks.gloo_ranks import join, nccl_live_storages_class
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist = join(rank, world, port)
+    import torch
+
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from benchmarks.moe_ep_table import _nccl_live_storages_class
         from harness import pipeline as hp
 
         dp = world // pp
@@ -84,7 +80,7 @@ def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virt
 
         step()  # warm-up: torch's shape inference and the recv buffers; optimizer states from here on
         gc.collect()
-        mode = _nccl_live_storages_class()()
+        mode = nccl_live_storages_class()()
         for obj in gc.get_objects():  # parameters (local shards), optimizer states, recv buffers
             if isinstance(obj, torch.Tensor) and not obj.is_meta:
                 mode.add(obj)
@@ -119,23 +115,17 @@ def _trace(runner, mode, events: list) -> None:
             setattr(stage, name, wrapped)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def measured(config: dict, pp: int, dp: int, schedule: str, microbatches: int, virtual: int, precision: str,
              b: int, s: int, trace: bool = False) -> list[dict]:
     """Each rank's peak live bytes (and, with ``trace``, its per-action events)."""
     import torch.multiprocessing as mp
 
+    from benchmarks.gloo_ranks import free_port
+
     world = pp * dp
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_rank, args=(world, pp, schedule, microbatches, virtual, config, precision, b, s,
-                                        _free_port(), out, trace), nprocs=world, start_method="spawn")
+                                        free_port(), out, trace), nprocs=world, start_method="spawn")
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 
