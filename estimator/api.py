@@ -612,12 +612,15 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         return _pipeline_estimate(spec, arch, profile, table, coeffs, gpu)
     layout = expert_parallel.layout_of(spec, arch, profile)
     ep_recompute = None
-    if layout is not None and spec.training.grad_ckpt:  # the recomputed layer's transient: the plain profile's layers
-        _, plain = load_model_profile(spec.model, dataclasses.replace(spec.training, grad_ckpt=False),
-                                      spec.parallel.tp, allow_build=allow_build)
-        ep_recompute = expert_parallel.recompute_levels(
-            _regime(plain, spec.training.micro_batch_size, spec.training.seq_len)["segments"], layout,
-            spec.training, arch.num_layers, spec.training.micro_batch_size, spec.training.seq_len)
+    if layout is not None and spec.training.grad_ckpt:  # the recomputed MoE layer's all-to-all path
+        b, s = spec.training.micro_batch_size, spec.training.seq_len
+        segments, plain = _regime(profile, b, s)["segments"], None
+        if expert_parallel.needs_plain_profile(segments, arch.num_layers):  # traced before the experts marks
+            _, plain_profile = load_model_profile(spec.model, dataclasses.replace(spec.training, grad_ckpt=False),
+                                                  spec.parallel.tp, allow_build=allow_build)
+            plain = _regime(plain_profile, b, s)["segments"]
+        ep_recompute = expert_parallel.recompute_levels(segments, plain, layout, spec.training, arch.num_layers,
+                                                        b, s)
     # Rank 0 and the last rank are reported (FSDP/ZeRO padding and TP layouts put any asymmetry there), and under
     # ZeRO-1/2 a middle rank when it is worse than both. Only ZeRO-1/2's gradient partition buffer depends on the
     # rank (its size, and when backward or the reduction after it reaches the rank's partition), so one

@@ -9,7 +9,7 @@ from estimator.methods.layer_trace import grads_before, traced_layer_of
 from estimator.methods.state import StepModel
 from estimator.methods.timeline import poly
 from estimator.models.arch import ModelArch
-from estimator.models.moe import is_routed_expert, moe_facts
+from estimator.models.moe import EXPERTS_DONE_MARK, experts_entry, is_routed_expert, moe_facts
 from estimator.models.moe_ep import EpLayout, ep_layout
 from estimator.models.params import param_counts
 from estimator.spec import RunSpec, TrainingSpec
@@ -31,18 +31,39 @@ def grads_before_experts(params: dict, table: list) -> dict[int, float]:
     return grads_before(params, table, lambda _layer, name: is_routed_expert(name))
 
 
-def recompute_levels(plain_segments: dict, layout: EpLayout, training: TrainingSpec, num_layers: int, b: int,
-                     s: int) -> dict[str, float]:
-    """Checkpointing: per backward layer segment, the level (above its start) at which the recomputed layer's
-    combine runs. The recomputation regenerates what the layer saves in forward (its segment's net activation in
-    the profile without checkpointing, ``plain_segments``, and what the all-to-all path adds), and its dispatch and
-    combine make the forward's transient again (``EpLayout.forward_transient_bytes``) on top of backward's state.
-    The layer's output and what follows the combine are counted though not yet made: an upper bound by them."""
+def recompute_levels(segments: dict, plain_segments: dict, layout: EpLayout, training: TrainingSpec,
+                     num_layers: int, b: int, s: int) -> dict[str, tuple[float, bool]]:
+    """Checkpointing: per backward layer segment, (the activation level above its start at the recomputed MoE
+    layer's highest moment, whether the previous layer's all-gather comes only after it). Where the profile marked
+    the experts' entry in the recomputation (``segments``' marks, ``estimator.models.moe.EXPERTS_MARK``), that
+    level plus what the all-to-all path holds from there (``EpLayout.recompute_bytes``). When the layer saves
+    something after its experts (the recomputation got past them: ``EXPERTS_DONE_MARK``), backward starts on that
+    branch and recomputes before it reaches the experts, whose FSDP2 pre-backward prefetches the previous layer:
+    no all-gather is in flight at the recomputation. Profiles traced before the marks: the layer's saved activations
+    (its segment in the profile without checkpointing, ``plain_segments``; None: not loaded) plus the forward's
+    transient, an approximation that counts the layer's output though it is not made yet."""
     a = expert_act_bytes(training)
-    transient = layout.forward_transient_bytes(b * s, a) + layout.layer_saved_bytes(b * s, a)
     forward_of = {index: name for name, index in traced_layer_of(num_layers).items() if name.startswith("fw")}
-    return {name: poly(plain_segments[forward_of[index]]["net_act"], b, s) + transient
-            for name, index in traced_layer_of(num_layers).items() if name.startswith("bw")}
+    levels = {}
+    for name, index in traced_layer_of(num_layers).items():
+        if not name.startswith("bw"):
+            continue
+        entry = experts_entry(segments[name].get("marks", {}))
+        if entry is not None:
+            weights_bytes, (entry_act, _grad) = entry
+            continues = EXPERTS_DONE_MARK in segments[name]["marks"]
+            levels[name] = (poly(entry_act, b, s) + layout.recompute_bytes(b * s, a, weights_bytes, continues),
+                            continues)
+        elif plain_segments is not None:
+            transient = layout.forward_transient_bytes(b * s, a) + layout.layer_saved_bytes(b * s, a)
+            levels[name] = (poly(plain_segments[forward_of[index]]["net_act"], b, s) + transient, False)
+    return levels
+
+
+def needs_plain_profile(segments: dict, num_layers: int) -> bool:
+    """Whether ``recompute_levels`` falls back to the profile without checkpointing (no experts marks)."""
+    return any(experts_entry(segments[name].get("marks", {})) is None
+               for name in traced_layer_of(num_layers) if name.startswith("bw"))
 
 
 def ep_segments(segments: dict, regime: dict, table: list, layout: EpLayout, training: TrainingSpec,
@@ -71,7 +92,7 @@ def ep_segments(segments: dict, regime: dict, table: list, layout: EpLayout, tra
         if training.grad_ckpt:  # nothing saved in forward: the recompute in backward saves it, until the experts'
             if name.startswith("bw"):  # backward is over
                 seg["experts_bw_bumps"] = tuple(extra + bump for bump in bumps)
-                if recompute is not None:
+                if recompute is not None and name in recompute:
                     seg["experts_recompute_act"] = recompute[name]
         elif name.startswith("fw"):
             seg["net_act"] = [seg["net_act"][0] + extra, *seg["net_act"][1:]]

@@ -313,9 +313,10 @@ class Walk:
         extra = seg.get("experts_saved_extra", 0.0)
         # the busiest rank's extra rows in the experts' backward (``EpLayout.backward_bumps``)
         first, during, last = seg.get("experts_bw_bumps", (0.0, 0.0, 0.0))
-        recompute_act = seg.get("experts_recompute_act")
-        if recompute_act is not None:  # checkpointing: the recomputed layer's combine, before any of its gradients
-            self.consider(act + recompute_act, state, name)
+        recompute = seg.get("experts_recompute_act")
+        if recompute is not None:  # checkpointing: the recomputed layer's combine, before any of its gradients
+            recompute_act, prefetch_after = recompute
+            self.consider(act + recompute_act, {**state, "gather": 0.0} if prefetch_after else state, name)
         unpermute_act = seg.get("experts_unpermute_act")
         if unpermute_act is not None:  # the un-permute's backward, just before the experts' first gradient
             state[part] = hold(pre)

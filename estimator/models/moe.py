@@ -52,6 +52,29 @@ def routed_experts(config: dict) -> int | None:
     return experts if experts and experts >= 2 else None
 
 
+# Marks the profiler leaves at the routed experts module's forward (checkpoint recomputation included): its entry,
+# labelled with the routing weights' element size (``experts_entry_mark``), and its exit. Read by
+# ``estimator.methods.expert_parallel.recompute_levels``.
+EXPERTS_MARK = "moe_experts"
+EXPERTS_DONE_MARK = "moe_experts_done"
+
+
+def experts_entry_mark(weights_bytes: int) -> str:
+    return f"{EXPERTS_MARK}:w{weights_bytes}"
+
+
+def is_experts_mark(label: str) -> bool:
+    return label == EXPERTS_DONE_MARK or label.startswith(f"{EXPERTS_MARK}:w")
+
+
+def experts_entry(marks: dict) -> tuple[int, object] | None:
+    """(routing weights' element size, the mark's state) of the experts' entry among a segment's marks."""
+    for label, state in marks.items():
+        if label.startswith(f"{EXPERTS_MARK}:w"):
+            return int(label.removeprefix(f"{EXPERTS_MARK}:w")), state
+    return None
+
+
 def is_routed_expert(name: str) -> bool:
     """A routed expert's tensor (``mlp.experts.gate_up_proj``, ``block_sparse_moe.experts.3.w1.weight``), not a
     shared expert's (``mlp.shared_experts.*``, ``mlp.shared_expert.*``) nor the router's."""

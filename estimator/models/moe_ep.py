@@ -119,6 +119,43 @@ class EpLayout:
         h, a = self.hidden, act_bytes
         return 3 * rows * h * a - sent * h * a + sent * (INT64 + a)
 
+    def recompute_bytes(self, tokens: int, act_bytes: int, weights_bytes: int, continues: bool) -> float:
+        """Checkpointing: what a MoE layer's recomputation in backward holds above the one-device profile's level at
+        its experts' entry, at the larger of two moments (R rows received, S = T x top_k sent, hidden h, expert ffn
+        f, dtype a, routing weights w, their product's dtype p = max(a, w)).
+
+        When nothing after the experts saves a tensor (not ``continues``), the experts' own tail starts the layer's
+        backward before the recomputation: on one device the per-token sum's gradient is expanded and copied to S
+        rows (``view``'s backward, S h p; the cast of the layer's gradient to p, T h p when p is not a, is freed
+        by then), which the profile's level holds; EP's combine sums a product whose backward needs no copy, and
+        holds the cast until it runs: that level is S h p - T h p (p != a) lower here.
+        Before either, the dispatch: the sort order and the gather indices (S int64 each), the received rows, their
+        local expert ids and unit weights. Kept by the experts' forward until the layer's backward: the gather
+        indices, the permuted rows and weights, the sentinel mask, the gate/up projection (2 f), the activation and
+        the product (f each), the un-permute indices, the experts' output (R h a), the int32 group offsets.
+
+        * the experts' un-permute (``grouped_mm_experts_forward``): the sort's values and permutation, ``histc``'s
+          float ids, the down projection, the weighted rows and their un-permuted copy, the output not yet made;
+        * the combine (``_combine_tokens``): the returned rows twice (the collective's output and its autograd
+          wrapper) and the rows put back in token order (3 S h a). Non-reentrant checkpointing stops recomputing
+          once the last tensor backward needs is saved: the routing-weight product saves its inputs before it
+          runs, so the product (S h) and the per-token sum (T h), in the weights' dtype promoted, exist only when
+          the layer saves something after its experts (``continues``: a shared expert, a gate).
+
+        Checked against the CPU oracle's per-operator storages (docs/LOG.md, session 22)."""
+        rows = self.received_rows_factor() * tokens * self.top_k
+        sent = tokens * self.top_k
+        h, f, a = self.hidden, self.expert_ffn, act_bytes
+        groups = self.experts_per_rank * 4  # int32 group offsets; histc's float32 counts
+        dispatch = 2 * sent * INT64 + rows * (h * a + INT64 + a)
+        kept = rows * (2 * h * a + 4 * f * a + a + 2 * INT64 + BOOL) + groups
+        unpermute = rows * (2 * h * a + 2 * INT64 + 4) + groups
+        product = max(a, weights_bytes)
+        combine = 3 * sent * h * a + (sent * h * product + tokens * h * product if continues else 0.0)
+        cast = tokens * h * product if product != a else 0.0
+        one_device_copy = 0.0 if continues else sent * h * product - cast
+        return dispatch + kept + max(unpermute, combine) - one_device_copy
+
     def forward_transient_bytes(self, tokens: int, act_bytes: int) -> float:
         """The busiest rank's last MoE layer in forward, above that layer's end-of-forward level (its experts
         resharded), at the larger of two moments (R received rows, S = T x top_k sent, hidden h, dtype a):
@@ -164,9 +201,9 @@ def ep_layout(config: dict, facts, world: int, ep: int, imbalance: float) -> EpL
 def ep_notes(layout: EpLayout | None, tokens: int, grad_ckpt: bool = False) -> list[str]:
     if layout is None or layout.ep == 1:
         return []
-    ckpt = (["ep: with checkpointing, the recomputed layer's combine in backward is taken as the layer's saved "
-             "activations plus the forward's transient: 32 checked points within -3.4 .. +1.9 % "
-             "(docs/error_matrix/moe_ep_ckpt.csv), the largest misses under on DeepSeek-V2 at b2 s128"]
+    ckpt = (["ep: with checkpointing, each MoE layer's recomputation in backward runs its dispatch, experts and "
+             "combine again from the level the profile marks at its experts' entry (EpLayout.recompute_bytes; "
+             "docs/error_matrix/moe_ep_ckpt.csv)"]
             if grad_ckpt else [])
     factor = layout.received_rows_factor()
     return [f"ep: {layout.ep} expert-parallel ranks, {layout.experts_per_rank} of {layout.experts} experts each, "

@@ -426,24 +426,24 @@ class _Context:
                      for rows, length, batch in shapes.worst]
         return max(estimates, key=lambda e: e.upper_bound_bytes)
 
-    def links(self, cand: Candidate) -> tuple[tput.Link, tput.Link]:
-        dp_link = tput.resolve_link(self.gpu, cand.world_size, self.interconnect, self.bandwidth_gbs)
-        tp_link = tput.resolve_link(self.gpu, cand.tp, self.interconnect, self.bandwidth_gbs)
-        return dp_link, tp_link
+    def links(self, cand: Candidate) -> tuple[tput.Link, tput.Link, tput.Link]:
+        """The links of the data-parallel, tensor-parallel and expert-parallel groups."""
+        return tuple(tput.resolve_link(self.gpu, span, self.interconnect, self.bandwidth_gbs)
+                     for span in (cand.world_size, cand.tp, cand.ep))
 
     def step_time(self, cand: Candidate, mb: int, accum: int, **training: Any) -> tput.StepTime:
-        dp_link, tp_link = self.links(cand)
+        dp_link, tp_link, ep_link = self.links(cand)
         train = {**self.training.__dict__, **training}
         shapes = self.epoch.shapes(mb, cand.dp, train["seq_len"]) if self.epoch is not None else None
         if cand.pp > 1:  # the pipeline's micro-batches: pp of them, or the global batch's split when larger
             accum = max(accum, cand.pp)
         setup = tput.Setup(method=cand.method, world_size=cand.world_size, tp=cand.tp, cp=cand.cp, pp=cand.pp,
-                           micro_batch=mb,
+                           ep=cand.ep, micro_batch=mb,
                            seq_len=shapes.mean_padded_len if shapes else train["seq_len"], grad_accum=accum, grad_ckpt=cand.grad_ckpt,
                            precision=train["precision"], optimizer=train["optimizer"],
                            lora=train["lora_rank"] > 0)
         shape = self.shape(train["lora_rank"], train["lora_targets"])
-        time = tput.step_time(shape, setup, self.gpu, self.eff, dp_link=dp_link, tp_link=tp_link)
+        time = tput.step_time(shape, setup, self.gpu, self.eff, dp_link=dp_link, tp_link=tp_link, ep_link=ep_link)
         if shapes is None:
             return time
         return dataclasses.replace(time, tokens_per_s=time.tokens_per_s * shapes.real_per_padded)
@@ -828,7 +828,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
         skipped = rung if rung.startswith("(not tried") else ""
         technique = "" if skipped else (rung or technique)
     best = _rank(results)
-    dp_link, tp_link = ctx.links(Candidate("dp_tp" if gpus > 1 else "single", gpus, 1))
+    dp_link, tp_link, _ = ctx.links(Candidate("dp_tp" if gpus > 1 else "single", gpus, 1))
     result = Plan(model=model, gpu_key=gpu_perf.key, gpu_name=gpu_perf.name, world_size=gpus, seq_len=seq_len,
                   precision=precision, optimizer=optimizer, global_batch=global_batch, lora_rank=lora_rank,
                   loop=loop, grad_sync=grad_sync, results=results, best=best,
@@ -952,7 +952,8 @@ def _ep_notes(result: Plan) -> list[str]:
     picked = (f"picked {best.candidate.label}" if best and best.candidate.ep > 1 else
               f"picked {best.candidate.label} (no expert parallelism)" if best else "none fits")
     return [f"ep: weighed FSDP2 with expert parallelism ep in {{{', '.join(map(str, weighed))}}} (balanced "
-            f"routing; the time model leaves the all-to-all out and counts each layout's FLOPs alike); {picked}"]
+            f"routing; the time model adds each layout's all-to-all exchanges and gathers only its experts "
+            f"over world / ep ranks; the busiest rank's extra rows under skewed routing are not timed); {picked}"]
 
 
 def _grad_sync_notes(ctx: _Context, result: Plan) -> list[str]:

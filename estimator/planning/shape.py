@@ -27,6 +27,10 @@ class ModelShape:
     replicated_params: int = 0   # parameters every TP rank holds whole (embeddings, LM head, final norm)
     trainable_params: int | None = None   # None = all (full fine-tuning)
     kv_dim: int = 0          # key/value heads x head dim (what ring attention moves per token and tensor)
+    moe_layers: int = 0      # mixture-of-experts layers (0: a dense model)
+    experts: int = 0         # routed experts per MoE layer
+    top_k: int = 0           # experts each token is routed to
+    expert_params: int = 0   # the routed experts' parameters, every layer
 
     @property
     def trainable(self) -> int:
@@ -82,9 +86,11 @@ def model_shape(model: str, lora_rank: int = 0, lora_targets: str = "auto", *, p
     if lora_rank:
         trainable = trainable or _lora_params(arch, lora_rank, lora_targets)
     return ModelShape(params=params, matmul_params=matmul, layers=arch.num_layers,
-                           hidden_size=arch.hidden_size, head_params=vh, replicated_params=replicated,
-                           trainable_params=trainable if lora_rank else None,
-                           kv_dim=arch.num_kv_heads * arch.head_dim)
+                      hidden_size=arch.hidden_size, head_params=vh, replicated_params=replicated,
+                      trainable_params=trainable if lora_rank else None,
+                      kv_dim=arch.num_kv_heads * arch.head_dim, moe_layers=summary["moe_layers"],
+                      experts=summary["experts"], top_k=summary["top_k"],
+                      expert_params=summary["expert_params"])
 
 
 def model_summary(model: str) -> dict:
@@ -94,7 +100,10 @@ def model_summary(model: str) -> dict:
     moe = moe_facts(arch.config, profile["params"], arch.num_layers, total)
     # MoE: compute follows the experts a token is routed to (top-k of each layer's experts), not all of them
     unrouted = total - moe.active_params if moe and moe.active_params is not None else 0
+    routed = moe is not None and bool(moe.top_k)
     return {"name": arch.name, "model_type": arch.model_type, "params": total, "unrouted_expert_params": unrouted,
+            "moe_layers": moe.moe_layers if routed else 0, "experts": moe.experts if routed else 0,
+            "top_k": moe.top_k if routed else 0, "expert_params": moe.expert_params if routed else 0,
             "layers": arch.num_layers,
             "hidden_size": arch.hidden_size, "vocab_size": arch.vocab_size, "num_heads": arch.num_heads,
             "num_kv_heads": arch.num_kv_heads, "ffn_size": arch.ffn_size, "max_positions": arch.max_positions,

@@ -29,6 +29,12 @@ Pure standard library. One optimizer step on one rank takes
     column/row pairing), 2 more when checkpointing recomputes the forward; never overlapped.
   - dp_tp (TP inside, FSDP2 over the dp axis, as the harness runs it): the TP traffic plus FSDP's 3 Psi
     over the dp group for the rank's TP shard.
+  - FSDP with expert parallelism (``ep``, transformers' ``AllToAllEP``): each MoE layer's T x top_k rows go to
+    the experts' ranks and come back (dispatch and combine) in forward, backward and a checkpointed layer's
+    recomputation, ``(ep-1)/ep`` of them leaving the rank, on the EP group's link and never overlapped (each
+    exchange is waited on); the routed experts are gathered and reduce-scattered only for the rank's
+    ``experts / ep``, over the ``world / ep`` ranks that hold them. Balanced routing: every rank runs the same
+    expert FLOPs.
   - zero_offload (ZeRO-2 + optimizer on the CPU): ZeRO-2's collectives, plus over PCIe the rank's gradient
     shard to the host each micro-batch and its 16-bit weight shard back each step, plus CPU Adam over the
     rank's shard (the CPU is shared by the ranks on a node). Host copies run at pageable speed unless
@@ -344,6 +350,7 @@ class Setup:
     pin_memory: bool = False
     cp: int = 1                        # context parallelism: each rank runs seq_len / cp tokens of a sequence
     pp: int = 1                        # pipeline stages (grad_accum: the pipeline's micro-batches per step)
+    ep: int = 1                        # expert parallelism (FSDP2): each rank holds experts / ep of every layer
 
     @property
     def dp(self) -> int:
@@ -378,9 +385,33 @@ def _ring(kind: str, n: int) -> float:
     return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n
 
 
+def _sharded_gather_s(shape: ModelShape, setup: Setup, psi: float, grad_elem: float, dp_link: Link,
+                      ep_link: Link) -> float:
+    """One pass of FSDP's per-layer all-gathers (the reduce-scatter moves as much). Under EP the routed experts
+    are a unit of their own, sharded over the world / ep ranks that hold the same experts: a rank gathers only its
+    experts / ep of them, over those ranks (``estimator.models.moe_ep``)."""
+    if setup.ep == 1 or not shape.moe_layers or shape.trainable_params is not None:
+        return dp_link.time("all_gather", psi, setup.shards, shape.layers + 1)
+    experts = shape.expert_params * grad_elem
+    efsdp = setup.shards // setup.ep
+    return dp_link.time("all_gather", psi - experts, setup.shards, shape.layers + 1) + \
+        ep_link.time("all_gather", experts / setup.ep, efsdp, shape.moe_layers)
+
+
+def _all_to_all_s(shape: ModelShape, setup: Setup, tokens: int, act_elem: float, link: Link) -> float:
+    """EP's exchanges of one micro-batch: each MoE layer sends its T x top_k rows to the experts' ranks and gets
+    them back (dispatch and combine), in forward, in backward (their gradients) and again in a checkpointed
+    layer's recomputation; (ep - 1) / ep of them leave the rank (balanced routing)."""
+    passes = 3 if setup.grad_ckpt else 2
+    count = 2 * passes * shape.moe_layers
+    return link.time("all_gather", count * tokens * shape.top_k * shape.hidden_size * act_elem, setup.ep, count)
+
+
 def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
-              dp_link: Link, tp_link: Link) -> StepTime:
-    """Predicted time of one optimizer step (see the module docstring for every term)."""
+              dp_link: Link, tp_link: Link, ep_link: Link | None = None) -> StepTime:
+    """Predicted time of one optimizer step (see the module docstring for every term). ``ep_link``: the link of
+    the expert-parallel group (default: ``dp_link``)."""
+    ep_link = ep_link or dp_link
     if setup.pp > 1:
         return _pipeline_step_time(shape, setup, gpu, eff, dp_link=dp_link)
     m, tp, dp, accum = setup.method, setup.tp, setup.dp, setup.grad_accum
@@ -414,7 +445,7 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
         parts["dp_reduce_scatter"], parts["dp_all_gather"] = micro_comm * accum, step_comm
         hidden_micro = zero_overlap * bwd_micro
     elif m in ("zero3", "fsdp", "fsdp1", "dp_tp") + ZERO3_OFFLOAD:   # dp_tp: FSDP2 over the dp axis of the mesh
-        micro_comm = 3 * dp_link.time("all_gather", psi, shards, shape.layers + 1)
+        micro_comm = 3 * _sharded_gather_s(shape, setup, psi, grad_elem, dp_link, ep_link)
         parts["dp_gather_scatter"] = micro_comm * accum
         overlap = OVERLAP["fsdp" if m in FSDP_METHODS else "zero3"] \
             if setup.overlap_comm is not False else 0.0
@@ -435,6 +466,10 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
         ring = shape.layers * (passes * setup.cp * kv_bytes + (setup.cp - 1) * 2 * kv_bytes)
         tp_micro += dp_link.time("all_gather", ring, setup.cp, shape.layers * (passes + setup.cp - 1))
         parts["cp_ring"] = tp_micro * accum           # waited on inside attention: on the critical path
+    if setup.ep > 1 and shape.moe_layers:  # transformers' AllToAllEP waits on each exchange: the critical path
+        a2a = _all_to_all_s(shape, setup, tokens, act_elem, ep_link)
+        parts["ep_all_to_all"] = a2a * accum
+        tp_micro += a2a
     exposed_micro = max(0.0, micro_comm - hidden_micro) + tp_micro + sharding
     exposed_step = max(0.0, step_comm - hidden_step)
     micro_comm += tp_micro

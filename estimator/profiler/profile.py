@@ -20,6 +20,7 @@ from fractions import Fraction
 import torch
 
 from estimator.methods.long_context import LIGER_MARK
+from estimator.models.moe import is_experts_mark
 from estimator.models.profiles import MONOMIALS, PROFILE_SCHEMA_VERSION
 from estimator.profiler import build
 from estimator.profiler.events import compact_events, first_optimizer_events
@@ -337,7 +338,8 @@ def _segment_summary(events: list[tuple], coeffs: list[list[Fraction]], grads: l
     for i, event in enumerate(events):
         kind = event[0]
         if kind == "m":
-            if event[1] in TECHNIQUE_MARKS:  # the state where a technique's untraced part starts
+            # the state where a technique's untraced part starts, or where expert parallelism's path differs
+            if event[1] in TECHNIQUE_MARKS or is_experts_mark(event[1]):
                 marks[event[1]] = ([float(x) for x in act], float(grad))
             continue
         c = coeffs[event[1]]

@@ -22,6 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from estimator.models.moe import EXPERTS_DONE_MARK, experts_entry_mark
+
 
 @dataclass
 class Timeline:
@@ -177,20 +179,37 @@ def decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleLi
 
 
 def install_layer_markers(recorder: StorageRecorder, layers: torch.nn.ModuleList) -> ModTracker:
+    """Decoder-layer boundaries, and the routed experts module's entry and exit (``estimator.models.moe``'s
+    marks: where expert parallelism swaps in its own dispatch, experts and combine)."""
     index = {id(layer): i for i, layer in enumerate(layers)}
+    experts = {id(module) for layer in layers for name, module in layer.named_modules()
+               if name.rsplit(".", 1)[-1] == "experts"}
     tracker = ModTracker()
 
     def on(kind: str):
-        def hook(module, *_):
+        def hook(module, args, *rest):
             i = index.get(id(module))
             if i is not None:
                 recompute = kind == "fw_pre" and tracker.is_bw
                 recorder.mark(f"{'rc_pre' if recompute else kind}:{i}")
+            elif id(module) in experts:
+                _mark_experts(recorder, kind, args, rest)
         return hook
 
     tracker.register_user_hooks(pre_fw_hook=on("fw_pre"), post_fw_hook=on("fw_post"),
                                 pre_bw_hook=on("bw_pre"), post_bw_hook=on("bw_post"))
     return tracker
+
+
+def _mark_experts(recorder: StorageRecorder, kind: str, args, rest: tuple) -> None:
+    # experts(hidden_states, top_k_index, top_k_weights), positional in every transformers MoE block
+    weights = args[2] if isinstance(args, tuple) and len(args) > 2 else None
+    if kind == "fw_pre" and isinstance(weights, torch.Tensor):
+        recorder.mark(experts_entry_mark(weights.element_size()))
+    elif kind == "fw_post" and rest and rest[0] is not None:
+        # ModTracker's post-forward hook is always called: with no output when the forward raised, as a
+        # checkpoint's recomputation does once it has every tensor backward needs (early stop)
+        recorder.mark(EXPERTS_DONE_MARK)
 
 
 def label_grads(recorder: StorageRecorder, model: torch.nn.Module) -> None:

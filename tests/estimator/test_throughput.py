@@ -327,3 +327,28 @@ def test_a_broken_fit_file_is_a_one_line_error(tmp_path):
 def test_links_reject_non_finite_bandwidth():
     with pytest.raises(ValueError, match="^bandwidth:"):
         T.resolve_link(GPU, 4, bandwidth_gbs=float("inf"))
+
+
+MOE = T.ModelShape(params=1_000_000_000, matmul_params=400_000_000, layers=20, hidden_size=2048,
+                   head_params=100_000_000, replicated_params=200_000_000, moe_layers=20, experts=8, top_k=2,
+                   expert_params=600_000_000)
+
+
+def test_expert_parallelism_adds_its_exchanges_and_gathers_only_its_experts(no_latency):
+    """Per micro-batch: dispatch and combine of the T x top_k rows in every MoE layer, forward and backward (and
+    the recomputation), (ep-1)/ep of them leaving the rank; the experts gathered for experts / ep over world / ep
+    ranks, the rest over every rank."""
+    tokens, n, ep = 4 * 512, 8, 4
+    rows_bytes = tokens * MOE.top_k * MOE.hidden_size * 2
+    for ckpt, passes in ((False, 2), (True, 3)):
+        a2a = step("fsdp", world=n, shape=MOE, ep=ep, ckpt=ckpt).parts["ep_all_to_all"]
+        assert a2a == pytest.approx(2 * passes * MOE.moe_layers * rows_bytes * (ep - 1) / ep / 100e9)
+    dense, experts = (MOE.params - MOE.expert_params) * 2, MOE.expert_params * 2
+    gathered = step("fsdp", world=n, shape=MOE, ep=ep).parts["dp_gather_scatter"]
+    assert gathered == pytest.approx(3 * (dense * (n - 1) / n + experts / ep * (n // ep - 1) / (n // ep)) / 100e9)
+    plain = step("fsdp", world=n, shape=MOE)
+    assert "ep_all_to_all" not in plain.parts
+    assert plain.parts["dp_gather_scatter"] == pytest.approx(3 * (dense + experts) * (n - 1) / n / 100e9)
+    assert step("fsdp", world=n, shape=MOE, ep=n).parts["dp_gather_scatter"] == pytest.approx(
+        3 * dense * (n - 1) / n / 100e9)                                   # ep = world: no expert is gathered
+    assert step("fsdp", world=n, ep=ep).parts.get("ep_all_to_all") is None  # a dense model has no exchanges
