@@ -196,6 +196,17 @@ def test_answerai_rows_read_the_page_and_keep_sharded_qlora_out():
     assert "o_proj" not in off["lora_targets"]
 
 
+
+def test_deepspeed_chat_row_reads_the_log_and_its_command():
+    rows = _load("public_ds_chat", "extract_deepspeed_chat.py").extract()
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r["method"], r["world_size"], r["micro_batch_size"], r["seq_len"]) == ("zero2", 16, 8, 512)
+    assert (r["precision"], r["optimizer"], r["grad_ckpt"], r["gpu"]) == ("mixed_fp16", "adamw_fused", False,
+                                                                          "v100-32gb")
+    assert r["quantity"] == "max_allocated" and r["unit"] == "GiB" and r["value"] == 22.95 and r["in_scope"]
+
+
 # --- calibrate public --fit ---------------------------------------------------------------------------------
 def _points(source, allocated_gib, ratio, offset_bytes):
     from calibrate.public_fit import Point
