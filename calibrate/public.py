@@ -304,17 +304,19 @@ DIAGNOSES = [
      "board (89 % of it at batch 6), which the prior does not replay; not attributed further (the runs' torch and "
      "allocator settings are unpinned)"),
     (lambda r, s: r["source"] == "deepspeed_chat" and s.err_pct < 0,
-     "not attributed, with a version gap: one published run (DeepSpeed-Chat step 1, April 2023: transformers "
-     "4.29.0.dev0 from git main, DeepSpeed >= 0.9.0 unpinned, 16 x V100-32GB) whose figure is the process's "
-     "max_memory_allocated since start, steady over all 736 readings of 16 epochs. The estimate is at its "
-     "backward peak of the training step (activations of OPT's eager attention without checkpointing, 16 GiB "
-     "of the 20) and follows DeepSpeed 0.19's ZeRO-2 allocations and the shipped transformers release's OPT "
-     "code: 4.29's model code cannot be traced here (the oldest traceable release, 4.44, draws OPT's LayerDrop "
-     "probability unguarded, a data-dependent branch on fake tensors), and DeepSpeed 0.9's stage-2 buffers "
-     "(gradient bucket, partitioned fp32 gradients) are not checked against that release. Between steps the run "
-     "holds 3.96 GiB (its MemAllocated readings) where the estimate's model states are 3.37 GiB (fp16 weights "
-     "2.45, fp32 master 0.31, Adam states 0.61): 0.6 GiB of the 3.0 GiB gap is persistent memory of that stack "
-     "the estimate lacks; the rest is in the step"),
+     "mechanism, partly attributed (one published run: DeepSpeed-Chat step 1, April 2023, transformers "
+     "4.29.0.dev0 from git main, DeepSpeed >= 0.9.0 unpinned, 16 x V100-32GB; the figure is the process's "
+     "max_memory_allocated since start, the same in all 736 readings). (1) DeepSpeed's ZeRO-1/2 "
+     "optimizer.backward allocates its contiguous-gradient bucket (reduce_bucket_size 16-bit elements: 0.93 GiB "
+     "here) before loss.backward, which raises the peak when activations dominate (DeepSpeedExamples issue #336, "
+     "a maintainer's diagnosis on this same step-1 script); the estimate adds the bucket with the first gradient "
+     "produced, and its peak is the start of backward, where OPT's tied LM head / embedding has produced none "
+     "yet: the bucket is missing there. (2) Between steps the run holds 3.96 GiB (its MemAllocated readings) "
+     "where the estimate's model states are 3.37 GiB (fp16 weights 2.45, fp32 master 0.31, Adam states 0.61): "
+     "0.6 GiB of persistent memory of that stack the estimate lacks. Together about 1.5 of the 3.0 GiB gap; the "
+     "rest is not attributed: 4.29's OPT code cannot be traced here (4.44, the oldest traceable release, draws "
+     "OPT's LayerDrop probability unguarded, a data-dependent branch on fake tensors), so the step is the shipped "
+     "release's"),
     (lambda r, s: r["source"] == "ms_swift_benchmark" and s.err_pct < 0,
      "mechanism and source ambiguity: batch-1 samples of every length up to max_length (truncation 'delete') "
      "pass through one caching allocator for a whole epoch, whose reserved level grows with the mix of block "
