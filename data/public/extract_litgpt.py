@@ -21,7 +21,14 @@ Two tables, each read with the code of the LitGPT commit that produced it:
 
 LitGPT runs its own model code (not transformers): SDPA attention, the LM head evaluated in chunks of 128 tokens
 and a chunked cross-entropy; the loop keeps the logits alive through backward (``loop=manual``). OOM and N/A
-entries are not measurements and give no row. Standard library only.
+entries are not measurements and give no row. The estimator's ``ce=chunked`` (torchtune's loss) is not this loss
+and the rows do not use it: at both commits (8641822 ``lit_gpt/utils.py``, 00af8b0d ``litgpt/utils.py``
+``chunked_cross_entropy``) LitGPT's LoRA scripts keep the list of bf16 head outputs (``model(input_ids,
+lm_head_chunk_size=128)``) bound through backward and take ``F.cross_entropy`` of each bf16 chunk (a bf16
+log-softmax saved per chunk), and ``finetune/full.py`` computes the whole head, slices off the last position (a
+copy) and cross-entropies 128-row pieces of it; torchtune's loss applies the head inside the loss, upcasts each
+chunk to fp32 (an fp32 log-softmax saved per chunk) and binds no logits in the output, and the estimator models
+it for full fine-tuning only. Standard library only.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ _DEVICE_PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"\ba10g?\b", ("a10-24gb",)),                       # "NVIDIA A10", "NVIDIA A10G"; not A100
     (r"\bl4\b", ("l4-24gb",)),                           # "NVIDIA L4"; not L40/L40S
     (r"\brtx\s*4090\b", ("rtx4090-24gb",)),              # "NVIDIA GeForce RTX 4090", "... RTX 4090 D"
+    (r"\brtx\s*3090\b(?!\s*ti\b)", ("rtx3090-24gb",)),   # "NVIDIA GeForce RTX 3090"; not the 3090 Ti
     (r"\bt4\b", ("t4-16gb",)),                           # "Tesla T4"; not T400
 )
 _AMBIGUOUS = {"a100": ("a100-40gb", "a100-80gb"), "v100": ("v100-16gb", "v100-32gb")}

@@ -179,6 +179,34 @@ def test_universal_trainer_bf16_loss_path_is_out_of_scope_and_qlora_is_not():
     assert rows["universal_llm_trainer:H100:llm_llama3.1_qlora"]["in_scope"]
 
 
+
+def test_answerai_rows_read_the_page_and_keep_sharded_qlora_out():
+    rows = {r["row_id"]: r for r in _load("public_answerai", "extract_answerai_fsdp_qlora.py").extract()}
+    lora = {k: r for k, r in rows.items() if ":lora:" in k}
+    assert len(lora) == 10 and all(r["in_scope"] and r["complete"] for r in lora.values())
+    assert not any(r["in_scope"] for k, r in rows.items() if ":qlora:" in k)
+    b1 = rows["answerai_fsdp_qlora:3090:Llama-2-7b-hf:lora:b1:s512:allocated"]
+    assert b1["quantity"] == "max_allocated" and b1["value"] == 8.28 and b1["value_bytes"] == round(8.28 * 2**30)
+    assert rows["answerai_fsdp_qlora:3090:Llama-2-7b-hf:lora:b1:s2048:allocated"]["value"] == 9.16
+    ddp = rows["answerai_fsdp_qlora:4090:Llama-2-7b-hf:lora:b4:s2048:ddp:reserved"]
+    assert (ddp["method"], ddp["fsdp1_sharding_strategy"], ddp["fsdp1_use_orig_params"]) == ("fsdp1", "NO_SHARD", False)
+    off = rows["answerai_fsdp_qlora:4090:Llama-2-7b-hf:lora:b10:s2048:offload:reserved"]
+    assert off["fsdp1_cpu_offload"] and off["gpu"] == "rtx4090-24gb" and off["quantity"] == "max_reserved"
+    assert (off["lora_rank"], off["lora_dropout"], off["loop"], off["model_code"]) == (64, 0.1, "manual", "4.44")
+    assert "o_proj" not in off["lora_targets"]
+
+
+
+def test_deepspeed_chat_row_reads_the_log_and_its_command():
+    rows = _load("public_ds_chat", "extract_deepspeed_chat.py").extract()
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r["method"], r["world_size"], r["micro_batch_size"], r["seq_len"]) == ("zero2", 16, 8, 512)
+    assert (r["precision"], r["optimizer"], r["grad_ckpt"], r["gpu"]) == ("mixed_fp16", "adamw_fused", False,
+                                                                          "v100-32gb")
+    assert r["quantity"] == "max_allocated" and r["unit"] == "GiB" and r["value"] == 22.95 and r["in_scope"]
+
+
 # --- calibrate public --fit ---------------------------------------------------------------------------------
 def _points(source, allocated_gib, ratio, offset_bytes):
     from calibrate.public_fit import Point

@@ -13,7 +13,7 @@ from estimator.hardware.gpus import GENERIC, get_gpu, list_gpus, normalize_gpu_n
 MIB = 1 << 20
 GIB = 1 << 30
 KEYS = ["h100-80gb", "h200-141gb", "a100-40gb", "a100-80gb", "v100-16gb", "v100-32gb", "l40s-48gb", "a10-24gb",
-        "l4-24gb", "rtx4090-24gb", "t4-16gb"]
+        "l4-24gb", "rtx4090-24gb", "rtx3090-24gb", "t4-16gb"]
 
 
 def test_catalogue_keys_and_capacities():
@@ -21,7 +21,8 @@ def test_catalogue_keys_and_capacities():
     assert GENERIC in [g.key for g in list_gpus(include_generic=True)]
     expected_mib = {"h100-80gb": 81_559, "h200-141gb": 143_771, "a100-40gb": 40_960, "a100-80gb": 81_920,
                     "v100-16gb": 16_384, "v100-32gb": 32_768, "l40s-48gb": 46_068, "a10-24gb": 23_028,
-                    "l4-24gb": 23_034, "rtx4090-24gb": 24_564, "t4-16gb": 15_360}
+                    "l4-24gb": 23_034, "rtx4090-24gb": 24_564, "rtx3090-24gb": 24_576,
+                    "t4-16gb": 15_360}
     for key, mib in expected_mib.items():
         spec = get_gpu(key)
         assert spec.capacity_bytes == mib * MIB and spec.capacity_mib == mib
@@ -52,6 +53,7 @@ def test_catalogue_entries_are_complete():
     ("a100-sxm4-80gb", "a100-80gb"), ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("Tesla V100-SXM2-16GB", "v100-16gb"),
     ("v100s", "v100-32gb"), ("L40S", "l40s-48gb"), ("A10G", "a10-24gb"), ("l4", "l4-24gb"),
     ("RTX 4090", "rtx4090-24gb"), ("NVIDIA GeForce RTX 4090", "rtx4090-24gb"), ("T4", "t4-16gb"),
+    ("RTX 3090", "rtx3090-24gb"), ("rtx3090", "rtx3090-24gb"),
     ("generic", "generic"),
 ])
 def test_get_gpu_aliases(name, key):
@@ -94,7 +96,8 @@ def test_get_gpu_errors():
     ("NVIDIA L4", 22.0, "l4-24gb"),
     ("NVIDIA GeForce RTX 4090", 23.99, "rtx4090-24gb"),
     ("NVIDIA GeForce RTX 4090 D", 23.99, "rtx4090-24gb"),
-    ("NVIDIA GeForce RTX 3090", 23.7, GENERIC),
+    ("NVIDIA GeForce RTX 3090", 23.7, "rtx3090-24gb"),
+    ("NVIDIA GeForce RTX 3090 Ti", 23.7, GENERIC),     # another board
     ("Tesla T4", 14.58, "t4-16gb"),
     ("NVIDIA T400", 1.8, GENERIC),
     ("AMD Instinct MI300X", 191.5, GENERIC),
