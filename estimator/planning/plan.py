@@ -112,13 +112,15 @@ class Candidate:
         return self.method
 
 
-def pp_layouts(world_size: int, num_layers: int) -> list[Candidate]:
-    """Pipeline layouts on ``world_size`` GPUs (torch's 1F1B, pp micro-batches, no checkpointing): pp alone
-    (single, pp = world size) and pp x FSDP2, each pp >= 2 dividing the GPUs and at most the decoder layers."""
+def pp_layouts(world_size: int, num_layers: int, ckpt_options: Iterable[bool] = (False,)) -> list[Candidate]:
+    """Pipeline layouts on ``world_size`` GPUs (torch's 1F1B, pp micro-batches): pp alone (single, pp = world
+    size) and pp x FSDP2, each pp >= 2 dividing the GPUs and at most the decoder layers, with and without
+    checkpointing each stage's decoder layers as ``ckpt_options`` says (as torchtitan checkpoints under pp)."""
     out = []
     for pp in range(2, min(world_size, num_layers) + 1):
         if world_size % pp == 0:
-            out.append(Candidate("single" if pp == world_size else "fsdp", world_size, pp=pp))
+            out += [Candidate("single" if pp == world_size else "fsdp", world_size, grad_ckpt=ckpt, pp=pp)
+                    for ckpt in ckpt_options]
     return out
 
 
@@ -808,11 +810,12 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     if gpus > 1 and (methods is None or {"single", "fsdp"} & set(methods)):
         from estimator.methods.pipeline_rank import check_pipeline
 
-        try:  # what the pipeline estimate covers (bf16 / fp32, Llama-style decoders, untied embeddings, ...)
+        try:  # what the pipeline estimate covers (bf16 / fp32, Llama-style decoders, untied embeddings, ...);
+            # checkpointing is each candidate's own (ckpt_options)
             check_pipeline(RunSpec(model=model, training=training,
                                    parallel=ParallelSpec(method="single", world_size=2, pp=2)),
                            getattr(arch, "model_type", ""), bool(getattr(arch, "tie_word_embeddings", False)))
-            cands += pp_layouts(gpus, arch.num_layers)
+            cands += pp_layouts(gpus, arch.num_layers, ckpt_options)
         except ValueError as err:
             pipeline_note = f"pipeline layouts not weighed: {err}"
     if global_batch is not None and all(global_batch % c.dp for c in cands):
