@@ -109,13 +109,15 @@ def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virt
 
 
 def _trace(runner, mode, events: list) -> None:
-    """Record live bytes before and after, and the peak within, each stage's forward and backward."""
+    """Record live bytes before and after, and the peak within, each stage's forward, backward and gradient
+    reduction (F, B, P)."""
     stages = getattr(runner, "_stages", None) or [runner._stage]
     for stage in stages:
-        for name in ("forward_one_chunk", "backward_one_chunk"):
+        for name in ("forward_one_chunk", "backward_one_chunk", "perform_reduce_grad"):
             original = getattr(stage, name)
 
             def wrapped(chunk, *args, _original=original, _name=name, _stage=stage.stage_index, **kwargs):
+                # chunk: the micro-batch (perform_reduce_grad: its gradient scale factor)
                 before = mode.live_bytes()
                 mode.peak_bytes, outer = before, mode.peak_bytes
                 result = _original(chunk, *args, **kwargs)

@@ -13,7 +13,10 @@ What torch's ``PipelineStage`` holds besides the model's own tensors (torch 2.13
 FSDP2 over the dp ranks of a stage (method ``fsdp``): torch's stage turns off resharding and gradient reduction until
 the last micro-batch's backward (``backward_maybe_with_nosync``, ``perform_reduce_grad``), and torchtitan shards
 with ``reshard_after_forward=False`` under pp: from its first forward on, a stage's parameters stay unsharded, and
-from its first backward on its gradients too, until the reduce-scatter at the end of the schedule.
+from its first backward on its gradients too, until the stage's reduce-scatter. The interleaved schedule runs torch's
+multi-stage runtime, which adds FSDP actions of its own (``_add_unshard_reshard``, ``_add_reduce_grad``): before each
+compute action the next ``MAX_ACTIVE_STAGES`` stages the rank computes are unsharded (the others resharded), and a
+stage's gradients are reduce-scattered right after its last backward, not when the schedule ends.
 FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (precision ``mixed_bf16``): fp32 shards are
 the master weights (Adam steps them: no separate masters), the unsharded parameters are their 16-bit all-gathers, and
 without gradient sync each parameter group's post-backward hook upcasts its fresh 16-bit gradients to fp32
@@ -28,13 +31,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from estimator.methods import state as methods
-from estimator.methods.pipeline import rank_actions, stage_layers, stages_of_rank
+from estimator.methods.pipeline import Action, rank_actions, stage_layers, stages_of_rank
 from estimator.methods.timeline import poly
 from estimator.models.params import ParamInfo
 from estimator.spec import RunSpec
 
 INT64 = 8
 FP32 = 4
+MAX_ACTIVE_STAGES = 3  # torch's _add_unshard_reshard: the stages the multi-stage runtime keeps unsharded
 LAYER_SEGMENTS = ("fw_first", "fw", "fw_last", "bw_first", "bw", "bw_last")
 
 
@@ -148,6 +152,11 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     gathered = 0.0      # FSDP2: unsharded parameters held
     started: set[int] = set()     # stages whose first backward has run
     unsharded: set[int] = set()   # FSDP2: stages whose parameters were gathered
+    grads_of = dict.fromkeys(mine, 0.0)   # the unsharded gradients each stage holds
+    backwards = dict.fromkeys(mine, 0)
+    reduce_bytes = FP32 if mixed else None  # the reduce dtype (None: the parameter's own)
+    actions = rank_actions(par.pp_schedule, pp_rank, pp, m, virtual)
+    multi_stage = par.pp_schedule == "interleaved_1f1b"  # torch's _PipelineScheduleRuntime
     live = 0
     best = (base, "setup", 0, {})
 
@@ -161,13 +170,14 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     held: tuple[int, int] | None = None   # (stage, micro-batch) of the output the loop variable holds
     popped: set[tuple[int, int]] = set()
     grad_sent = False  # 1F1B: an input gradient's send work is pending
-    for action in rank_actions(par.pp_schedule, pp_rank, pp, m, virtual):
+    for index, action in enumerate(actions):
         st = action.stage
         first, last = st == 0, st == num_stages - 1
         out_bytes = logits if last else boundary
-        if fsdp and st not in unsharded:
-            unsharded.add(st)
-            gathered += weights_of[st]
+        if fsdp:
+            unsharded = set(_next_stages(actions[index:], MAX_ACTIVE_STAGES)) if multi_stage else unsharded | {st}
+            gathered = sum(weights_of[x] for x in unsharded)
+        grads_before = grads
         if action.kind == "F":
             live += 1
             seq = _forward_segments(first, last, splits[st], num_layers)
@@ -234,6 +244,23 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
                 act += out_bytes
             live -= 1
             started.add(st)
+        grads_of[st] += grads - grads_before
+        if action.kind == "B":
+            backwards[st] += 1
+            if fsdp and backwards[st] == m:  # the stage's reduce-scatter (perform_reduce_grad), group by group in
+                # FSDP2's state order (the stage module's own group, then each layer's): a reduce-scatter input of the
+                # group's unsharded gradients beside everything the backward left (counted: the first group's input
+                # on top of the level after the last backward), then the group's gradients become shards and its
+                # parameters reshard
+                for group in _fsdp_groups(params[st]):
+                    unsharded_grad = float(sum(p.numel * (reduce_bytes or p.elem_bytes) for p in group
+                                               if p.trainable))
+                    consider(base + gathered + act + grads + unsharded_grad, f"gradient reduce-scatter of stage {st}",
+                             {"activations": act, "gradients": grads, "gathered_params": gathered,
+                              "comm_buffers": unsharded_grad})
+                    grads += unsharded_grad * shard - unsharded_grad
+                    gathered -= float(sum(p.nbytes for p in group))
+                grads_of[st] = 0.0
     # the schedule returns: its loop variable goes, and the send works with every output and gradient they kept
     if sends_held:
         act -= boundary * m * sum((st != num_stages - 1) + (st != 0) for st in mine)
@@ -251,11 +278,33 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     total, phase, in_flight, parts = best
     out = dict(resident)
     out["activations"] = resident["activations"] + parts.get("activations", 0.0)
-    for key in ("gradients", "gathered_params", "temporaries"):
+    for key in ("gradients", "gathered_params", "temporaries", "comm_buffers"):
         if parts.get(key):
             out[key] = out.get(key, 0.0) + parts[key]
     return PipelineRank(pp_rank=pp_rank, stages=tuple(mine), parts=out, peak_bytes=total, phase=phase,
                         in_flight=in_flight)
+
+
+def _fsdp_groups(stage: list[ParamInfo]) -> list[list[ParamInfo]]:
+    """A stage's FSDP2 parameter groups in the order its state context lists them: the stage module's own
+    (embedding, or final norm and head; none on a middle stage), then each decoder layer's."""
+    layers: dict[int, list[ParamInfo]] = {}
+    for p in stage:
+        if p.layer is not None:
+            layers.setdefault(p.layer, []).append(p)
+    own = [p for p in stage if p.layer is None]
+    return ([own] if own else []) + [layers[i] for i in sorted(layers)]
+
+
+def _next_stages(actions: list[Action], count: int) -> list[int]:
+    """The first ``count`` distinct stages the actions compute (torch's ``next_stage_indices``)."""
+    out: list[int] = []
+    for action in actions:
+        if action.stage not in out:
+            out.append(action.stage)
+            if len(out) == count:
+                break
+    return out
 
 
 def _state_model(spec: RunSpec, rank_table: list[ParamInfo], mixed: bool) -> methods.StepModel:
@@ -315,6 +364,9 @@ def pipeline_notes(spec: RunSpec, num_layers: int) -> list[str]:
     sizes = sorted({len(r) for r in stage_layers(num_layers, stages)})
     dp = f"; FSDP2 over {par.dp} ranks per stage (reshard_after_forward off, gradients reduced after the last " \
          "micro-batch)" if par.method == "fsdp" and par.dp > 1 else ""
+    if dp and spec.training.precision == PIPELINE_MIXED:
+        dp += " with MixedPrecisionPolicy(param bf16, reduce fp32): fp32 shards stepped by Adam, bf16 all-gathers, " \
+              "each layer's gradients accumulated in fp32 across the micro-batches"
     ckpt = "; every decoder layer of each stage checkpointed (a micro-batch's forward keeps each layer's input, " \
            "its backward recomputes the layer)" if spec.training.grad_ckpt else ""
     return [f"pp: {par.pp} pipeline ranks, {stages} stages of {'/'.join(map(str, sizes))} decoder layers "

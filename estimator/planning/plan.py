@@ -124,6 +124,24 @@ def pp_layouts(world_size: int, num_layers: int, ckpt_options: Iterable[bool] = 
     return out
 
 
+def _pipeline_candidates(model: str, arch: Any, training: TrainingSpec, gpus: int,
+                         ckpt_options: tuple[bool, ...]) -> tuple[list[Candidate], str]:
+    """The pipeline layouts the pipeline estimate covers for ``training`` (bf16 / fp32, or mixed_bf16 under FSDP2;
+    Llama-style decoders, untied embeddings, ...; checkpointing is each candidate's own), and a note naming the
+    first refusal when none is covered."""
+    from estimator.methods.pipeline_rank import check_pipeline
+
+    covered, refusals = [], []
+    for cand in pp_layouts(gpus, arch.num_layers, ckpt_options):
+        try:
+            check_pipeline(RunSpec(model=model, training=training, parallel=cand.parallel_spec()),
+                           getattr(arch, "model_type", ""), bool(getattr(arch, "tie_word_embeddings", False)))
+            covered.append(cand)
+        except ValueError as err:
+            refusals.append(str(err))
+    return covered, "" if covered or not refusals else f"pipeline layouts not weighed: {refusals[0]}"
+
+
 def ep_degrees(world_size: int, experts: int | None) -> list[int]:
     """The expert-parallel degrees transformers can run on ``world_size`` GPUs (ep dividing the FSDP size and
     the routed experts, above 1); none for a dense model."""
@@ -808,16 +826,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
                                  cp_degrees(gpus, training) if epoch is None else ())
     pipeline_note = ""
     if gpus > 1 and (methods is None or {"single", "fsdp"} & set(methods)):
-        from estimator.methods.pipeline_rank import check_pipeline
-
-        try:  # what the pipeline estimate covers (bf16 / fp32, Llama-style decoders, untied embeddings, ...);
-            # checkpointing is each candidate's own (ckpt_options)
-            check_pipeline(RunSpec(model=model, training=training,
-                                   parallel=ParallelSpec(method="single", world_size=2, pp=2)),
-                           getattr(arch, "model_type", ""), bool(getattr(arch, "tie_word_embeddings", False)))
-            cands += pp_layouts(gpus, arch.num_layers, ckpt_options)
-        except ValueError as err:
-            pipeline_note = f"pipeline layouts not weighed: {err}"
+        piped, pipeline_note = _pipeline_candidates(model, arch, training, gpus, ckpt_options)
+        cands += piped
     if global_batch is not None and all(global_batch % c.dp for c in cands):
         dps = sorted({c.dp for c in cands}, reverse=True)
         raise ValueError(f"global_batch: {global_batch} is not divisible by the data-parallel degree of any "

@@ -17,7 +17,7 @@ from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "benchmarks" / "configs" / "llama_pp_tiny.json"
 TABLE = REPO / "docs" / "error_matrix" / "pipeline.csv"
-CKPT_TABLE = REPO / "docs" / "error_matrix" / "pipeline_ckpt.csv"
+ERROR_MATRIX = REPO / "docs" / "error_matrix"
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -148,29 +148,37 @@ def test_the_estimate_reproduces_committed_oracle_rows(schedule):
             assert abs(ranks[int(r["rank"])] - int(r["measured_bytes"])) <= 0.01 * int(r["measured_bytes"])
 
 
-def test_the_checkpointed_table_covers_every_schedule_and_is_within_its_bar():
-    rows = _rows(CKPT_TABLE)
-    assert all(r["grad_ckpt"] == "True" for r in rows)
+# pp combined with what torchtitan combines it with: each table's rows and what they all share
+COMBINATIONS = {"pipeline_ckpt.csv": {"grad_ckpt": "True"},
+                "pipeline_mixed.csv": {"precision": "mixed_bf16", "dp": "2"}}
+
+
+@pytest.mark.parametrize("table", sorted(COMBINATIONS))
+def test_each_combination_table_covers_every_schedule_and_is_within_its_bar(table):
+    rows = _rows(ERROR_MATRIX / table)
+    for key, value in COMBINATIONS[table].items():
+        assert {r[key] for r in rows} == {value}
     assert {r["schedule"] for r in rows} == {"gpipe", "1f1b", "interleaved_1f1b"}
     assert {int(r["pp"]) for r in rows} >= {2, 4}
     assert {(r["micro_batch_size"], r["seq_len"]) for r in rows} >= {("1", "64"), ("2", "32")}
-    assert {int(r["rank"]) for r in rows if r["pp"] == "4"} == {0, 2, 3}  # first, middle and last rank
+    # first, middle and last pipeline rank (each the lowest global rank of its stage's dp group)
+    assert {int(r["rank"]) // int(r["dp"]) for r in rows if r["pp"] == "4"} == {0, 2, 3}
     assert max(abs(float(r["error_pct"])) for r in rows) <= 1.0
 
 
-def test_the_estimate_reproduces_every_committed_checkpointed_row():
-    """pp with per-layer checkpointing of each stage (the shipped checkpointed profile, no torch) against the counted
-    runs in docs/error_matrix/pipeline_ckpt.csv: every row's estimate as committed and within 1 % of its
-    measurement."""
+@pytest.mark.parametrize("table", sorted(COMBINATIONS))
+def test_the_estimate_reproduces_every_committed_combination_row(table):
+    """pp with checkpointing, pp x FSDP2 with mixed precision (the shipped profiles, no torch) against the counted
+    runs committed in docs/error_matrix: every row's estimate as committed and within 1 % of its measurement."""
     from estimator.api import estimate
 
     estimates: dict[str, dict[int, int]] = {}
-    for row in _rows(CKPT_TABLE):
+    for row in _rows(ERROR_MATRIX / table):
         spec = _row_spec(row)
         if spec.spec_id not in estimates:
             est = estimate(spec, replay_reserved=False, allow_build=False)
             estimates[spec.spec_id] = {r.rank: r.traced_allocated_bytes for r in est.ranks}
-        got = estimates[spec.spec_id][int(row["rank"]) * int(row["dp"])]
+        got = estimates[spec.spec_id][int(row["rank"])]
         assert got == int(row["estimate_bytes"]), row
         assert abs(got - int(row["measured_bytes"])) <= 0.01 * int(row["measured_bytes"]), row
 
@@ -203,6 +211,10 @@ def test_cli_pipeline_and_its_errors():
                            "--grad-ckpt"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert ckpt.returncode == 0, ckpt.stderr
     assert "every decoder layer of each stage checkpointed" in ckpt.stdout
+    mixed = subprocess.run([*base[:5], "--precision", "mixed_bf16", "--seq-len", "4096", "--method", "fsdp", "--gpus",
+                            "8", "--pp", "4", "--grad-ckpt"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert mixed.returncode == 0, mixed.stderr
+    assert "MixedPrecisionPolicy(param bf16, reduce fp32)" in mixed.stdout
     for extra, message in ((["--method", "single", "--gpus", "4", "--pp", "4", "--pp-microbatches", "2"],
                             "pp_microbatches: torch's 1F1B needs"),
                            (["--method", "single", "--gpus", "4", "--pp", "4", "--ckpt-policy", "every-k:2"],
@@ -242,6 +254,8 @@ def test_pipeline_layouts_and_their_step_time():
     assert [(c.method, c.pp, c.dp, c.label) for c in pp_layouts(8, 32)] == [
         ("fsdp", 2, 4, "pp2 x fsdp4"), ("fsdp", 4, 2, "pp4 x fsdp2"), ("single", 8, 1, "pp8 1f1b")]
     assert [c.pp for c in pp_layouts(8, 3)] == [2]  # no more stages than decoder layers
+    assert [(c.pp, c.grad_ckpt) for c in pp_layouts(4, 32, (False, True))] == [
+        (2, False), (2, True), (4, False), (4, True)]
     shape = SimpleNamespace(hidden_size=4096, trainable=8e9, layers=32, matmul_params=7e9, head_params=5e8)
     gpu = tput.gpu_perf("h100-80gb")
     eff = tput.load_efficiency(gpu)
@@ -257,6 +271,21 @@ def test_pipeline_layouts_and_their_step_time():
     assert a.parts["compute"] / a.parts["pipeline_bubble"] == pytest.approx(7 / 3)
     assert b.parts["compute"] / b.parts["pipeline_bubble"] == pytest.approx(19 / 3)
     assert b.tokens_per_s > a.tokens_per_s
+
+
+def test_the_plan_weighs_mixed_precision_pipelines_under_fsdp2_only():
+    """mixed_bf16 is FSDP2's policy: the plan keeps pp x fsdp layouts and drops pp alone, saying why when none is
+    left."""
+    from estimator.models.arch import cached_arch
+    from estimator.planning.plan import _pipeline_candidates
+
+    arch = cached_arch(str(CONFIG))
+    mixed = TrainingSpec(precision="mixed_bf16", seq_len=64)
+    covered, note = _pipeline_candidates(str(CONFIG), arch, mixed, 4, (False, True))
+    assert [(c.label, c.grad_ckpt) for c in covered] == [("pp2 x fsdp2", False), ("pp2 x fsdp2", True)]
+    assert note == ""
+    covered, note = _pipeline_candidates(str(CONFIG), arch, mixed, 2, (False,))
+    assert covered == [] and note.startswith("pipeline layouts not weighed: pp: precision mixed_bf16 is modelled as")
 
 
 @pytest.mark.slow
