@@ -152,8 +152,7 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     gathered = 0.0      # FSDP2: unsharded parameters held
     started: set[int] = set()     # stages whose first backward has run
     unsharded: set[int] = set()   # FSDP2: stages whose parameters were gathered
-    grads_of = dict.fromkeys(mine, 0.0)   # the unsharded gradients each stage holds
-    backwards = dict.fromkeys(mine, 0)
+    backwards = dict.fromkeys(mine, 0)   # each stage's backwards so far (its reduce follows the last)
     reduce_bytes = FP32 if mixed else None  # the reduce dtype (None: the parameter's own)
     actions = rank_actions(par.pp_schedule, pp_rank, pp, m, virtual)
     multi_stage = par.pp_schedule == "interleaved_1f1b"  # torch's _PipelineScheduleRuntime
@@ -177,7 +176,6 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
         if fsdp:
             unsharded = set(_next_stages(actions[index:], MAX_ACTIVE_STAGES)) if multi_stage else unsharded | {st}
             gathered = sum(weights_of[x] for x in unsharded)
-        grads_before = grads
         if action.kind == "F":
             live += 1
             seq = _forward_segments(first, last, splits[st], num_layers)
@@ -244,23 +242,24 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
                 act += out_bytes
             live -= 1
             started.add(st)
-        grads_of[st] += grads - grads_before
         if action.kind == "B":
             backwards[st] += 1
             if fsdp and backwards[st] == m:  # the stage's reduce-scatter (perform_reduce_grad), group by group in
                 # FSDP2's state order (the stage module's own group, then each layer's): a reduce-scatter input of the
-                # group's unsharded gradients beside everything the backward left (counted: the first group's input
-                # on top of the level after the last backward), then the group's gradients become shards and its
-                # parameters reshard
-                for group in _fsdp_groups(params[st]):
+                # group's unsharded gradients, then its gradients become shards. Counted (--trace's P events): the
+                # stage module's own group puts its input on top of the whole level after the last backward, its
+                # parameters still gathered; a layer group's parameters are resharded first (post_backward)
+                for own, group in _fsdp_groups(params[st]):
                     unsharded_grad = float(sum(p.numel * (reduce_bytes or p.elem_bytes) for p in group
                                                if p.trainable))
+                    if not own:
+                        gathered -= float(sum(p.nbytes for p in group))
                     consider(base + gathered + act + grads + unsharded_grad, f"gradient reduce-scatter of stage {st}",
                              {"activations": act, "gradients": grads, "gathered_params": gathered,
                               "comm_buffers": unsharded_grad})
                     grads += unsharded_grad * shard - unsharded_grad
-                    gathered -= float(sum(p.nbytes for p in group))
-                grads_of[st] = 0.0
+                    if own:
+                        gathered -= float(sum(p.nbytes for p in group))
     # the schedule returns: its loop variable goes, and the send works with every output and gradient they kept
     if sends_held:
         act -= boundary * m * sum((st != num_stages - 1) + (st != 0) for st in mine)
@@ -285,15 +284,15 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
                         in_flight=in_flight)
 
 
-def _fsdp_groups(stage: list[ParamInfo]) -> list[list[ParamInfo]]:
-    """A stage's FSDP2 parameter groups in the order its state context lists them: the stage module's own
-    (embedding, or final norm and head; none on a middle stage), then each decoder layer's."""
+def _fsdp_groups(stage: list[ParamInfo]) -> list[tuple[bool, list[ParamInfo]]]:
+    """A stage's FSDP2 parameter groups in the order its state context lists them, each with whether it is the
+    stage module's own (embedding, or final norm and head; none on a middle stage), then each decoder layer's."""
     layers: dict[int, list[ParamInfo]] = {}
     for p in stage:
         if p.layer is not None:
             layers.setdefault(p.layer, []).append(p)
     own = [p for p in stage if p.layer is None]
-    return ([own] if own else []) + [layers[i] for i in sorted(layers)]
+    return ([(True, own)] if own else []) + [(False, layers[i]) for i in sorted(layers)]
 
 
 def _next_stages(actions: list[Action], count: int) -> list[int]:
