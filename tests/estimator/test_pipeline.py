@@ -273,19 +273,19 @@ def test_pipeline_layouts_and_their_step_time():
     assert b.tokens_per_s > a.tokens_per_s
 
 
-def test_the_plan_weighs_mixed_precision_pipelines_under_fsdp2_only():
-    """mixed_bf16 is FSDP2's policy: the plan keeps pp x fsdp layouts and drops pp alone, saying why when none is
-    left."""
+def test_the_plan_weighs_checkpointed_pipelines_and_names_why_mixed_ones_are_not():
     from estimator.models.arch import cached_arch
     from estimator.planning.plan import _pipeline_candidates
 
     arch = cached_arch(str(CONFIG))
-    mixed = TrainingSpec(precision="mixed_bf16", seq_len=64)
-    covered, note = _pipeline_candidates(str(CONFIG), arch, mixed, 4, (False, True))
-    assert [(c.label, c.grad_ckpt) for c in covered] == [("pp2 x fsdp2", False), ("pp2 x fsdp2", True)]
+    covered, note = _pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision="bf16", seq_len=64), 4,
+                                         (False, True))
+    assert [(c.label, c.grad_ckpt) for c in covered] == [("pp2 x fsdp2", False), ("pp2 x fsdp2", True),
+                                                         ("pp4 1f1b", False), ("pp4 1f1b", True)]
     assert note == ""
-    covered, note = _pipeline_candidates(str(CONFIG), arch, mixed, 2, (False,))
-    assert covered == [] and note.startswith("pipeline layouts not weighed: pp: precision mixed_bf16 is modelled as")
+    covered, note = _pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision="mixed_bf16", seq_len=64), 4,
+                                         (False,))
+    assert covered == [] and note.startswith("pipeline layouts not weighed: pp: precision mixed_bf16 is estimated")
 
 
 @pytest.mark.slow
