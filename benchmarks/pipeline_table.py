@@ -1,13 +1,14 @@
 """Pipeline parallelism against real CPU runs of torch.distributed.pipelining on gloo ranks (issue 18).
 
     PYTHONPATH=. .venv/bin/python benchmarks/pipeline_table.py [--config CONFIG.json] [--schedules gpipe 1f1b
-        interleaved_1f1b] [--pp 2 4] [--microbatches 4 8] [--points 1x64 2x32] [--dp 1 2] [--precision bf16]
-        [--csv docs/error_matrix/pipeline.csv] [--trace]
+        interleaved_1f1b] [--pp 2 4] [--microbatches 4 8] [--points 1x64 2x32] [--dp 1 2]
+        [--precision bf16|fp32|mixed_bf16] [--grad-ckpt] [--csv docs/error_matrix/pipeline.csv] [--trace]
     PYTHONPATH=. .venv/bin/python benchmarks/pipeline_table.py --rescore docs/error_matrix/pipeline.csv [CSV ...]
 
 Each point runs ``pp x dp`` gloo ranks in freshly spawned interpreters (``harness.pipeline``: the transformers
 model split into stages, torch's PipelineStage and schedule, AdamW over each rank's stages, FSDP2 over the dp ranks
-of a stage). Every live storage is counted after every operator (``harness.fake.live_storage``, DTensors by their
+of a stage; ``--grad-ckpt``: transformers' non-reentrant checkpointing of every decoder layer, as the harness
+applies it). Every live storage is counted after every operator (``harness.fake.live_storage``, DTensors by their
 local shard; gloo's reduce-scatter clone left out, as in ``benchmarks/moe_ep_table.py``) over two steady steps
 after a warm-up step (which also runs torch's shape inference); each rank's peak is compared with the estimate's
 ``traced_allocated_bytes`` for that rank (first, middle and last pipeline rank). ``--trace`` prints each rank's
@@ -32,7 +33,7 @@ CONFIG = HERE / "configs" / "llama_pp_tiny.json"
 
 
 def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virtual: int, config: dict,
-          precision: str, b: int, s: int, port: int, out: str, trace: bool) -> None:
+          precision: str, b: int, s: int, port: int, out: str, trace: bool, grad_ckpt: bool) -> None:
     sys.path.insert(0, str(REPO))
     import gc
 
@@ -58,12 +59,22 @@ def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virt
         fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
         hf = AutoConfig.for_model(config["model_type"], **fields)
         hf.use_cache = False
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # mixed_bf16: fp32 shards, bf16 compute
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(hf, dtype=dtype, attn_implementation="sdpa")
         model.train()
+        if grad_ckpt:
+            from estimator.profiler.build import enable_grad_ckpt
+            from estimator.spec import TrainingSpec
+
+            enable_grad_ckpt(model, TrainingSpec(precision=precision, grad_ckpt=True))
+        mp_policy = None
+        if precision == "mixed_bf16":  # as the harness's FSDP2 paths: param bf16, reduce fp32
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         modules, runner = hp.build(model, pp, virtual, pp_rank, pp_group, torch.device("cpu"), microbatches,
-                                   schedule, dp_mesh=dp_mesh)
+                                   schedule, dp_mesh=dp_mesh, mp_policy=mp_policy)
         del model
         gc.collect()
         params = [p for m in modules for p in m.parameters()]
@@ -98,13 +109,15 @@ def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virt
 
 
 def _trace(runner, mode, events: list) -> None:
-    """Record live bytes before and after, and the peak within, each stage's forward and backward."""
+    """Record live bytes before and after, and the peak within, each stage's forward, backward and gradient
+    reduction (F, B, P)."""
     stages = getattr(runner, "_stages", None) or [runner._stage]
     for stage in stages:
-        for name in ("forward_one_chunk", "backward_one_chunk"):
+        for name in ("forward_one_chunk", "backward_one_chunk", "perform_reduce_grad"):
             original = getattr(stage, name)
 
             def wrapped(chunk, *args, _original=original, _name=name, _stage=stage.stage_index, **kwargs):
+                # chunk: the micro-batch (perform_reduce_grad: its gradient scale factor)
                 before = mode.live_bytes()
                 mode.peak_bytes, outer = before, mode.peak_bytes
                 result = _original(chunk, *args, **kwargs)
@@ -116,7 +129,7 @@ def _trace(runner, mode, events: list) -> None:
 
 
 def measured(config: dict, pp: int, dp: int, schedule: str, microbatches: int, virtual: int, precision: str,
-             b: int, s: int, trace: bool = False) -> list[dict]:
+             b: int, s: int, trace: bool = False, grad_ckpt: bool = False) -> list[dict]:
     """Each rank's peak live bytes (and, with ``trace``, its per-action events)."""
     import torch.multiprocessing as mp
 
@@ -125,12 +138,12 @@ def measured(config: dict, pp: int, dp: int, schedule: str, microbatches: int, v
     world = pp * dp
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_rank, args=(world, pp, schedule, microbatches, virtual, config, precision, b, s,
-                                        free_port(), out, trace), nprocs=world, start_method="spawn")
+                                        free_port(), out, trace, grad_ckpt), nprocs=world, start_method="spawn")
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def estimated(path: Path, pp: int, dp: int, schedule: str, microbatches: int, virtual: int, precision: str,
-              b: int, s: int) -> dict[int, int]:
+              b: int, s: int, grad_ckpt: bool = False) -> dict[int, int]:
     """The estimate's traced allocated bytes per reported rank."""
     from estimator.api import estimate
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
@@ -138,7 +151,8 @@ def estimated(path: Path, pp: int, dp: int, schedule: str, microbatches: int, vi
     spec = RunSpec(model=str(path), gpu="h100-80gb",
                    parallel=ParallelSpec(method="fsdp" if dp > 1 else "single", world_size=pp * dp, pp=pp,
                                          pp_schedule=schedule, pp_microbatches=microbatches, pp_virtual=virtual),
-                   training=TrainingSpec(precision=precision, attn="sdpa", micro_batch_size=b, seq_len=s))
+                   training=TrainingSpec(precision=precision, attn="sdpa", micro_batch_size=b, seq_len=s,
+                                         grad_ckpt=grad_ckpt))
     est = estimate(spec, replay_reserved=False)
     return {r.rank: r.traced_allocated_bytes for r in est.ranks}
 
@@ -151,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", nargs="*", type=int, default=[4, 8])
     parser.add_argument("--points", nargs="*", default=["1x64", "2x32"])
     parser.add_argument("--dp", nargs="*", type=int, default=[1])
-    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32", "mixed_bf16"),
+                        help="mixed_bf16: fp32 model, FSDP2 MixedPrecisionPolicy(bf16, fp32) (with --dp 2)")
+    parser.add_argument("--grad-ckpt", action="store_true", help="checkpoint every decoder layer")
     parser.add_argument("--csv", type=Path, default=None)
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--rescore", nargs="*", type=Path, default=None)
@@ -168,12 +184,15 @@ def main(argv: list[str] | None = None) -> int:
                 for m in args.microbatches:
                     for point in args.points:
                         b, s = (int(x) for x in point.split("x"))
-                        predicted = estimated(args.config, pp, dp, schedule, m, virtual, args.precision, b, s)
-                        ranks = measured(config, pp, dp, schedule, m, virtual, args.precision, b, s, args.trace)
+                        predicted = estimated(args.config, pp, dp, schedule, m, virtual, args.precision, b, s,
+                                              args.grad_ckpt)
+                        ranks = measured(config, pp, dp, schedule, m, virtual, args.precision, b, s, args.trace,
+                                         args.grad_ckpt)
                         for rank, est in sorted(predicted.items()):
                             got = ranks[rank]["peak_bytes"]
                             rows.append({"config": args.config.name, "precision": args.precision,
-                                         "schedule": schedule, "pp": pp, "dp": dp, "virtual": virtual,
+                                         **({"grad_ckpt": True} if args.grad_ckpt else {}), "schedule": schedule,
+                                         "pp": pp, "dp": dp, "virtual": virtual,
                                          "microbatches": m, "micro_batch_size": b, "seq_len": s, "rank": rank,
                                          "measured_bytes": got, "estimate_bytes": est,
                                          "error_pct": round(100 * (est - got) / got, 4)})
@@ -199,10 +218,12 @@ def rescore(paths: list[Path], out: Path | None) -> int:
         cache: dict[tuple, dict[int, int]] = {}
         for row in rows:
             key = (row["config"], row["precision"], row["schedule"], int(row["pp"]), int(row["dp"]),
-                   int(row["virtual"]), int(row["microbatches"]), int(row["micro_batch_size"]), int(row["seq_len"]))
+                   int(row["virtual"]), int(row["microbatches"]), int(row["micro_batch_size"]), int(row["seq_len"]),
+                   row.get("grad_ckpt") == "True")
             if key not in cache:
-                config, precision, schedule, pp, dp, virtual, m, b, s = key
-                cache[key] = estimated(HERE / "configs" / config, pp, dp, schedule, m, virtual, precision, b, s)
+                config, precision, schedule, pp, dp, virtual, m, b, s, ckpt = key
+                cache[key] = estimated(HERE / "configs" / config, pp, dp, schedule, m, virtual, precision, b, s,
+                                       ckpt)
             est, got = cache[key][int(row["rank"])], int(row["measured_bytes"])
             row["estimate_bytes"], row["error_pct"] = est, round(100 * (est - got) / got, 4)
         _write(path, rows)

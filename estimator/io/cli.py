@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load of the busiest expert relative to balanced routing (bound for skewed routing under --ep)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline-parallel degree (torch.distributed.pipelining; method single: --gpus = pp, "
-                        "method fsdp: FSDP2 over gpus / pp ranks per stage)")
+                        "method fsdp: FSDP2 over gpus / pp ranks per stage, --precision mixed_bf16 as its "
+                        "MixedPrecisionPolicy; with --grad-ckpt every stage's decoder layers are checkpointed, as "
+                        "torchtitan does)")
     p.add_argument("--pp-schedule", choices=PP_SCHEDULES, default="1f1b", help="pipeline schedule (with --pp)")
     p.add_argument("--pp-microbatches", type=int, default=0,
                    help="pipeline micro-batches of --micro-batch-size rows per optimizer step (default: pp)")

@@ -13,20 +13,32 @@ What torch's ``PipelineStage`` holds besides the model's own tensors (torch 2.13
 FSDP2 over the dp ranks of a stage (method ``fsdp``): torch's stage turns off resharding and gradient reduction until
 the last micro-batch's backward (``backward_maybe_with_nosync``, ``perform_reduce_grad``), and torchtitan shards
 with ``reshard_after_forward=False`` under pp: from its first forward on, a stage's parameters stay unsharded, and
-from its first backward on its gradients too, until the reduce-scatter at the end of the schedule.
+from its first backward on its gradients too, until the stage's reduce-scatter. The interleaved schedule runs torch's
+multi-stage runtime, which adds FSDP actions of its own (``_add_unshard_reshard``, ``_add_reduce_grad``): before each
+compute action the next ``MAX_ACTIVE_STAGES`` stages the rank computes are unsharded (the others resharded), and a
+stage's gradients are reduce-scattered right after its last backward, not when the schedule ends.
+FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (precision ``mixed_bf16``): fp32 shards are
+the master weights (Adam steps them: no separate masters), the unsharded parameters are their 16-bit all-gathers, and
+without gradient sync each parameter group's post-backward hook upcasts its fresh 16-bit gradients to fp32
+accumulators (``FSDPParam.to_accumulated_grad_if_needed``), into which every later micro-batch's 16-bit gradients of
+the group are added and dropped (``accumulate_unsharded_grad_if_needed``). The stage module's own group (embedding,
+or final norm and head) runs its hook when the stage's backward ends (FSDP2's final callback).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from estimator.methods import state as methods
-from estimator.methods.pipeline import rank_actions, stage_layers, stages_of_rank
+from estimator.methods.pipeline import Action, rank_actions, stage_layers, stages_of_rank
 from estimator.methods.timeline import poly
 from estimator.models.params import ParamInfo
 from estimator.spec import RunSpec
 
 INT64 = 8
+FP32 = 4
+MAX_ACTIVE_STAGES = 3  # torch's _add_unshard_reshard: the stages the multi-stage runtime keeps unsharded
 LAYER_SEGMENTS = ("fw_first", "fw", "fw_last", "bw_first", "bw", "bw_last")
 
 
@@ -101,7 +113,11 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     dp = par.dp
     boundary = b * s * hidden * act_bytes  # one micro-batch's hidden states at a stage boundary
     logits = b * s * vocab * act_bytes
-    norm_upcast = b * s * hidden * 4 if act_bytes < 4 else 0
+    # What the unsplit backward's final segment frees beyond what its forward's final segment allocated: tensors
+    # the unsplit trace allocated inside its first and last layers' segments (a 16-bit model's final RMSNorm keeps
+    # its fp32 upcast of the last hidden states), which a stage's generic layer segments leave out. Under
+    # checkpointing the final segments balance: the recomputed layers keep nothing of the final norm's.
+    final_unmatched = -(poly(segments["mid_fw"]["net_act"], b, s) + poly(segments["mid_bw"]["net_act"], b, s))
     # GPipe (fwd_sends_to_wait, bwd_sends_to_wait) and the interleaved runtime (send_ops) wait for their sends only
     # when the schedule returns, so every sent output and input gradient lives until then; 1F1B waits each one
     # before its next forward
@@ -113,9 +129,8 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     received_extra = poly(segments["fw_first"]["net_act"], b, s) - poly(segments["fw"]["net_act"], b, s)
     # resident: weights and optimizer states (FSDP2: this rank's shards), the receive buffers, the step's batch
     shard = 1.0 / dp if par.method == "fsdp" else 1.0
-    model = methods.single(spec.replace(**{"parallel.method": "single", "parallel.world_size": 1,
-                                           "parallel.pp": 1, "parallel.pp_schedule": "1f1b",
-                                           "parallel.pp_microbatches": 0, "parallel.pp_virtual": 0}), rank_table)
+    mixed = training.precision.startswith("mixed_")  # FSDP2's MixedPrecisionPolicy (check_pipeline)
+    model = _state_model(spec, rank_table, mixed)
     resident = {k: v * shard for k, v in model.resident.items()}
     recv = sum(m * boundary * ((st != 0) + (st != num_stages - 1)) for st in mine)
     batch = m * b * s * INT64 * ((0 in mine) + (num_stages - 1 in mine))
@@ -127,26 +142,40 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
                                    default=0)) for st in mine}
     largest_other = {st: float(max((p.nbytes for p in params[st] if p.trainable and p.layer is None), default=0))
                      for st in mine}
+    # mixed: the 16-bit gradient a group's upcast holds last, beside every fp32 accumulator of the group
+    last_layer_param = {st: float(next((p.nbytes for p in reversed(params[st]) if p.trainable
+                                        and p.layer is not None), 0)) for st in mine}
     fsdp = par.method == "fsdp" and dp > 1
     act = 0.0           # activations above the resident ones
-    grads = 0.0         # gradients held (unsharded under FSDP2 until the end)
+    grads = 0.0         # gradients held (unsharded under FSDP2 until the end; mixed: the fp32 accumulators)
+    pending = 0.0       # mixed: the stage module's own 16-bit gradients, upcast when the stage's backward ends
     gathered = 0.0      # FSDP2: unsharded parameters held
     started: set[int] = set()     # stages whose first backward has run
     unsharded: set[int] = set()   # FSDP2: stages whose parameters were gathered
+    backwards = dict.fromkeys(mine, 0)   # each stage's backwards so far (its reduce follows the last)
+    reduce_bytes = FP32 if mixed else None  # the reduce dtype (None: the parameter's own)
+    actions = rank_actions(par.pp_schedule, pp_rank, pp, m, virtual)
+    multi_stage = par.pp_schedule == "interleaved_1f1b"  # torch's _PipelineScheduleRuntime
     live = 0
     best = (base, "setup", 0, {})
+
+    def consider(total: float, phase: str, parts: dict) -> None:
+        nonlocal best
+        if total > best[0]:
+            best = (total, phase, live, parts)
+
     # The schedule's loop keeps the latest forward's output bound (``output = stage.forward_one_chunk(...)``) until
     # the next forward returns: an output whose backward has run lives on while it is that one.
     held: tuple[int, int] | None = None   # (stage, micro-batch) of the output the loop variable holds
     popped: set[tuple[int, int]] = set()
     grad_sent = False  # 1F1B: an input gradient's send work is pending
-    for action in rank_actions(par.pp_schedule, pp_rank, pp, m, virtual):
+    for index, action in enumerate(actions):
         st = action.stage
         first, last = st == 0, st == num_stages - 1
         out_bytes = logits if last else boundary
-        if fsdp and st not in unsharded:
-            unsharded.add(st)
-            gathered += weights_of[st]
+        if fsdp:
+            unsharded = set(_next_stages(actions[index:], MAX_ACTIVE_STAGES)) if multi_stage else unsharded | {st}
+            gathered = sum(weights_of[x] for x in unsharded)
         if action.kind == "F":
             live += 1
             seq = _forward_segments(first, last, splits[st], num_layers)
@@ -155,28 +184,45 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
         else:
             seq = _backward_segments(first, last, splits[st], num_layers)
         accumulating = action.kind == "B" and st in started
+        phase = f"{'forward' if action.kind == 'F' else 'backward'} of stage {st}, micro-batch {action.microbatch}"
         for name, reps in seq:
             seg = segments[name]
             net = poly(seg["net_act"], b, s)
+            layer_seg = name in LAYER_SEGMENTS
             # under accumulation one gradient at a time is in flight before autograd adds it in place
-            transient = largest_layer[st] if name in LAYER_SEGMENTS else largest_other[st]
+            transient = largest_layer[st] if layer_seg else largest_other[st]
+            # mixed: a layer's gradients done in an earlier repetition are its fp32 accumulators (first backward)
+            done_grad = seg["net_grad"] * (FP32 / act_bytes if mixed and layer_seg else 1)
             for k in {0, reps - 1}:
                 for cand_act, cand_grad in seg["candidates"]:
-                    g = grads + (min(cand_grad, transient) if accumulating else k * seg["net_grad"] + cand_grad)
-                    total = base + gathered + act + k * net + poly(cand_act, b, s) + g
-                    if total > best[0]:
-                        best = (total, f"{'forward' if action.kind == 'F' else 'backward'} of stage {st}, "
-                                       f"micro-batch {action.microbatch}", live,
-                                {"activations": act + k * net + poly(cand_act, b, s), "gradients": g,
-                                 "gathered_params": gathered})
+                    if mixed:  # every 16-bit gradient of the group stays until its hook: none added in place
+                        g = grads + pending + (0 if accumulating else k * done_grad) + cand_grad
+                    else:
+                        g = grads + (min(cand_grad, transient) if accumulating else k * done_grad + cand_grad)
+                    consider(base + gathered + act + k * net + poly(cand_act, b, s) + g, phase,
+                             {"activations": act + k * net + poly(cand_act, b, s), "gradients": g,
+                              "gathered_params": gathered})
             act += reps * net
+            if mixed and not layer_seg:
+                pending += reps * seg["net_grad"]
+            elif not accumulating:
+                if mixed:  # the layer's hook upcasts: its fp32 accumulators beside its last 16-bit gradient
+                    consider(base + gathered + act + grads + pending + reps * done_grad + last_layer_param[st],
+                             phase, {"activations": act, "gradients": grads + pending + reps * done_grad
+                                     + last_layer_param[st], "gathered_params": gathered})
+                grads += reps * done_grad
+        if mixed and action.kind == "B" and pending:  # the stage module's hook, when the stage's backward ends
             if not accumulating:
-                grads += reps * seg["net_grad"]
+                upcast = pending * FP32 / act_bytes
+                consider(base + gathered + act + grads + upcast + largest_other[st], phase,
+                         {"activations": act, "gradients": grads + upcast + largest_other[st],
+                          "gathered_params": gathered})
+                grads += upcast
+            pending = 0.0
         if action.kind == "F":
-            if last:  # the stage output (logits) stays in fwd_cache until this backward; the final RMSNorm keeps
-                # its fp32 upcast of the last hidden states for backward (the unsplit profile's final segments
-                # free it in backward but place its allocation before the head: counted here)
-                act += logits + norm_upcast
+            if last:  # the stage output (logits) stays in fwd_cache until this backward, and what the final
+                # segment's backward frees beyond its forward's allocation is held until then
+                act += logits + final_unmatched
             if held is not None and held in popped and not (sends_held and held[0] != num_stages - 1):
                 # the loop variable lets the previous output go (unless a send work still holds it)
                 act -= logits if held[0] == num_stages - 1 else boundary
@@ -196,6 +242,24 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
                 act += out_bytes
             live -= 1
             started.add(st)
+        if action.kind == "B":
+            backwards[st] += 1
+            if fsdp and backwards[st] == m:  # the stage's reduce-scatter (perform_reduce_grad), group by group in
+                # FSDP2's state order (the stage module's own group, then each layer's): a reduce-scatter input of the
+                # group's unsharded gradients, then its gradients become shards. Counted (--trace's P events): the
+                # stage module's own group puts its input on top of the whole level after the last backward, its
+                # parameters still gathered; a layer group's parameters are resharded first (post_backward)
+                for own, group in _fsdp_groups(params[st]):
+                    unsharded_grad = float(sum(p.numel * (reduce_bytes or p.elem_bytes) for p in group
+                                               if p.trainable))
+                    if not own:
+                        gathered -= float(sum(p.nbytes for p in group))
+                    consider(base + gathered + act + grads + unsharded_grad, f"gradient reduce-scatter of stage {st}",
+                             {"activations": act, "gradients": grads, "gathered_params": gathered,
+                              "comm_buffers": unsharded_grad})
+                    grads += unsharded_grad * shard - unsharded_grad
+                    if own:
+                        gathered -= float(sum(p.nbytes for p in group))
     # the schedule returns: its loop variable goes, and the send works with every output and gradient they kept
     if sends_held:
         act -= boundary * m * sum((st != num_stages - 1) + (st != 0) for st in mine)
@@ -213,11 +277,44 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     total, phase, in_flight, parts = best
     out = dict(resident)
     out["activations"] = resident["activations"] + parts.get("activations", 0.0)
-    for key in ("gradients", "gathered_params", "temporaries"):
+    for key in ("gradients", "gathered_params", "temporaries", "comm_buffers"):
         if parts.get(key):
             out[key] = out.get(key, 0.0) + parts[key]
     return PipelineRank(pp_rank=pp_rank, stages=tuple(mine), parts=out, peak_bytes=total, phase=phase,
                         in_flight=in_flight)
+
+
+def _fsdp_groups(stage: list[ParamInfo]) -> list[tuple[bool, list[ParamInfo]]]:
+    """A stage's FSDP2 parameter groups in the order its state context lists them, each with whether it is the
+    stage module's own (embedding, or final norm and head; none on a middle stage), then each decoder layer's."""
+    layers: dict[int, list[ParamInfo]] = {}
+    for p in stage:
+        if p.layer is not None:
+            layers.setdefault(p.layer, []).append(p)
+    own = [p for p in stage if p.layer is None]
+    return ([(True, own)] if own else []) + [(False, layers[i]) for i in sorted(layers)]
+
+
+def _next_stages(actions: list[Action], count: int) -> list[int]:
+    """The first ``count`` distinct stages the actions compute (torch's ``next_stage_indices``)."""
+    out: list[int] = []
+    for action in actions:
+        if action.stage not in out:
+            out.append(action.stage)
+            if len(out) == count:
+                break
+    return out
+
+
+def _state_model(spec: RunSpec, rank_table: list[ParamInfo], mixed: bool) -> methods.StepModel:
+    """The weights, optimizer states and step of the rank's parameters on one device (the caller shards them under
+    FSDP2). Mixed precision under FSDP2: the fp32 shards are the weights Adam steps, so the fp32 model's state."""
+    if mixed:
+        rank_table = [dataclasses.replace(p, elem_bytes=FP32) for p in rank_table]
+        spec = spec.replace(**{"training.precision": "fp32"})
+    return methods.single(spec.replace(**{"parallel.method": "single", "parallel.world_size": 1, "parallel.pp": 1,
+                                          "parallel.pp_schedule": "1f1b", "parallel.pp_microbatches": 0,
+                                          "parallel.pp_virtual": 0}), rank_table)
 
 
 def reported_pp_ranks(pp: int) -> list[int]:
@@ -227,6 +324,7 @@ def reported_pp_ranks(pp: int) -> list[int]:
 
 # Settings the pipeline estimate covers; the others are refused with their reason (``check_pipeline``).
 PIPELINE_PRECISIONS = ("bf16", "fp32")
+PIPELINE_MIXED = "mixed_bf16"  # FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) only
 PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -235,16 +333,20 @@ def check_pipeline(spec: RunSpec, model_type: str, tied: bool) -> None:
     training = spec.training
     if spec.parallel.pp == 1:
         return
-    if training.precision not in PIPELINE_PRECISIONS:
+    fsdp2 = spec.parallel.method == "fsdp" and spec.parallel.dp > 1
+    if training.precision == PIPELINE_MIXED and not fsdp2:
+        raise ValueError(f"pp: precision {PIPELINE_MIXED} is modelled as FSDP2's MixedPrecisionPolicy over the dp "
+                         "ranks of each stage (method fsdp, more GPUs than pp); use bf16 or fp32 without FSDP2")
+    if training.precision not in PIPELINE_PRECISIONS + (PIPELINE_MIXED,):
         raise ValueError(f"pp: precision {training.precision} is not modelled under pipelining; use "
-                         f"{' or '.join(PIPELINE_PRECISIONS)}")
+                         f"{', '.join(PIPELINE_PRECISIONS)} or {PIPELINE_MIXED} (with FSDP2)")
     if model_type not in PIPELINE_MODEL_TYPES:
         raise ValueError(f"pp: the stage split is modelled for {', '.join(PIPELINE_MODEL_TYPES)} decoders "
                          f"(model.layers, embed_tokens, norm, lm_head), not {model_type}")
     if tied:
         raise ValueError("pp: tied input and output embeddings (tie_word_embeddings) would sit on the first and the "
                          "last stage; torch's pipelining does not tie them across stages")
-    for name, on in (("grad_ckpt", training.grad_ckpt), ("lora_rank", training.lora),
+    for name, on in (("ckpt_policy", bool(training.ckpt_policy)), ("lora_rank", training.lora),
                      ("grad_accum_steps", training.grad_accum_steps > 1), ("loop", training.loop != "trainer"),
                      ("ce", training.ce != "standard"), ("activation_offload", training.activation_offload),
                      ("outputs_fp32", training.outputs_fp32), ("use_cache", training.use_cache),
@@ -261,8 +363,13 @@ def pipeline_notes(spec: RunSpec, num_layers: int) -> list[str]:
     sizes = sorted({len(r) for r in stage_layers(num_layers, stages)})
     dp = f"; FSDP2 over {par.dp} ranks per stage (reshard_after_forward off, gradients reduced after the last " \
          "micro-batch)" if par.method == "fsdp" and par.dp > 1 else ""
+    if dp and spec.training.precision == PIPELINE_MIXED:
+        dp += " with MixedPrecisionPolicy(param bf16, reduce fp32): fp32 shards stepped by Adam, bf16 all-gathers, " \
+              "each layer's gradients accumulated in fp32 across the micro-batches"
+    ckpt = "; every decoder layer of each stage checkpointed (a micro-batch's forward keeps each layer's input, " \
+           "its backward recomputes the layer)" if spec.training.grad_ckpt else ""
     return [f"pp: {par.pp} pipeline ranks, {stages} stages of {'/'.join(map(str, sizes))} decoder layers "
             f"(embedding on the first, norm + head + loss on the last), schedule {par.pp_schedule}, "
-            f"{par.microbatches} micro-batches of {spec.training.micro_batch_size} rows per step{dp}; "
+            f"{par.microbatches} micro-batches of {spec.training.micro_batch_size} rows per step{dp}{ckpt}; "
             "torch's receive buffers, the received inputs' gradients and each stage's cached output counted; "
             "step(return_outputs=False) as torchtitan"]

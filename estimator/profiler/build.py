@@ -95,16 +95,7 @@ def build_model(config: dict[str, Any], training: TrainingSpec, device: torch.de
         model = _from_config(cfg, dtype, requested)
     model.config.use_cache = training.use_cache
     if training.grad_ckpt:
-        from estimator.profiler.techniques import apply_layer_policy, checkpoint_kwargs
-        from estimator.profiler.trace import decoder_layers
-
-        kwargs = checkpoint_kwargs(training)  # non-reentrant; selective-ops adds torchtitan's op policy
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        if training.ckpt_policy:
-            apply_layer_policy(decoder_layers(model, cfg.num_hidden_layers), training)
+        enable_grad_ckpt(model, training)
     if training.ce != "standard":  # torchtune's / Liger's loss in place of the head's: wrappers still see a call
         from estimator.profiler.techniques import install_loss
 
@@ -117,6 +108,21 @@ def build_model(config: dict[str, Any], training: TrainingSpec, device: torch.de
         model = apply_lora(model, training)
     model.train()
     return model
+
+
+def enable_grad_ckpt(model: torch.nn.Module, training: TrainingSpec) -> None:
+    """transformers' per-decoder-layer checkpointing (non-reentrant; the spec's ``ckpt_policy``): each layer's
+    ``forward`` runs under ``torch.utils.checkpoint``, its module hooks (FSDP2's) outside it."""
+    from estimator.profiler.techniques import apply_layer_policy, checkpoint_kwargs
+    from estimator.profiler.trace import decoder_layers
+
+    kwargs = checkpoint_kwargs(training)  # non-reentrant; selective-ops adds torchtitan's op policy
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if training.ckpt_policy:
+        apply_layer_policy(decoder_layers(model, model.config.num_hidden_layers), training)
 
 
 _ATTN_FALLBACK = {"flash_attention_2": "sdpa", "sdpa": "eager"}

@@ -1,5 +1,8 @@
 """``parallel.pp > 1`` (methods ``single`` and ``fsdp``): torch.distributed.pipelining on real process groups
-(``harness.pipeline``: the stage split, torch's PipelineStage and schedule, FSDP2 over the dp ranks of a stage).
+(``harness.pipeline``: the stage split, torch's PipelineStage and schedule, FSDP2 over the dp ranks of a stage, with
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` over fp32 weights under ``mixed_bf16``; ``grad_ckpt``:
+transformers' per-layer checkpointing of every decoder layer, which the stages keep, as torchtitan checkpoints each
+stage's blocks).
 
 The worker's step is forward / backward / optimizer per micro-batch; a pipeline step runs forward and backward
 of all its micro-batches inside ``schedule.step``. So ``forward`` runs the whole schedule on the micro-batch the
@@ -17,6 +20,7 @@ import torch
 
 from estimator.profiler.build import build_model, build_optimizer
 from harness import pipeline as hp
+from harness.fake.wrap import build_training, fsdp_mp_policy
 from harness.methods.base import WrapContext
 
 
@@ -68,13 +72,17 @@ def wrap(ctx: WrapContext) -> PipelineTrainer:
     else:
         pp_group, dp_mesh, pp_rank = None, None, ctx.dist.rank
     torch.manual_seed(ctx.options.seed)
-    model = build_model(ctx.config, spec.training, ctx.device)
+    # mixed_*: fp32 weights (FSDP2's shards are the masters), 16-bit compute through the FSDP2 policy; checkpointing
+    # (grad_ckpt): transformers' per-layer checkpointing, kept by the decoder layers the stages take over
+    training = build_training(spec)
+    model = build_model(ctx.config, training, ctx.device)
     model.train()
     modules, runner = hp.build(model, par.pp, par.virtual_stages, pp_rank, pp_group, ctx.device, par.microbatches,
-                               par.pp_schedule, dp_mesh=dp_mesh)
+                               par.pp_schedule, dp_mesh=dp_mesh,
+                               mp_policy=fsdp_mp_policy(spec.training) if dp_mesh is not None else None)
     config = model.config
     del model
-    optimizer = build_optimizer([p for m in modules for p in m.parameters()], spec.training)
+    optimizer = build_optimizer([p for m in modules for p in m.parameters()], training)
     mine = hp.stages_of_rank(pp_rank, par.pp, par.virtual_stages)
     num_stages = par.pp * par.virtual_stages
     ctx.notes.append(f"pp: rank {ctx.dist.rank} runs stages {mine} of {num_stages} ({par.pp_schedule}, "
