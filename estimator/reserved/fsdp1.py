@@ -27,8 +27,13 @@ process group, event for event (``tests/estimator/test_reserved_fsdp1.py``). Per
   the first step, one ``sqrt`` temporary per piece, freed last to first); ``zero_grad`` frees nothing (the
   tensors' gradients view the flat gradient), the next forward's root pre-forward drops the flat gradients.
 
+LoRA (peft's ``fsdp_auto_wrap_policy``, what the HF Trainer gives a PEFT model): each lora_A / lora_B weight is a
+unit of its own inside its decoder layer's, which holds the frozen weights alone (``_adapter_events``): set up
+before their layer, lazily initialised after it, gathered around their forward output (and the recompute's),
+reduce-scattered as each gradient is made; the optimizer steps their pieces.
+
 BACKWARD_PRE prefetching: the root's pre-backward unshards the last layer; each layer's pre-backward the one
-before it. Frees made with ``record_stream`` are taken as complete at the next allocation (the GPU keeping up
+before it (with LoRA: its last adapter; the first adapter's the layer before). Frees made with ``record_stream`` are taken as complete at the next allocation (the GPU keeping up
 with the CPU); ``limit_all_gathers`` bounds how far ahead it can run (docs/allocator.md).
 """
 
@@ -93,27 +98,46 @@ class _Unit:
         return self.flat.shard_numel * self.flat.world * self.flat.compute_elem
 
 
+def _adapter(layer: int, index: int) -> tuple:
+    """The unit key of a decoder layer's ``index``-th adapter weight (peft's ``fsdp_auto_wrap_policy``)."""
+    return ("adapter", layer, index)
+
+
+def _adapters_of(units: dict, layer: int) -> list[tuple]:
+    """The layer's adapter units in registration (= forward) order."""
+    return [g for g in units if isinstance(g, tuple) and g[1] == layer]
+
+
 def _units(table: list[ParamInfo], num_layers: int, sizes: Fsdp1Sizes) -> dict:
     """Unit -> _Unit: every decoder layer (its tensors in table order) and the root (the rest, registration
-    order)."""
+    order); with LoRA each adapter weight its own unit (``_adapter``) and the layer its frozen tensors alone."""
     aligned = sizes.options.use_orig_params
+    lora = bool(sizes.adapters)
 
     def unit(params: list[ParamInfo], flat: FlatUnit) -> _Unit:
         offsets, paddings, _total = flat_layout(params, flat.world, flat.compute_elem, aligned)
         return _Unit(params, flat, sizes.mixed, tuple(paddings), tuple(offsets), sizes.sharded)
     units = {"root": unit([p for p in model_order(table) if p.layer is None], sizes.root)}
     for layer in range(num_layers):
-        units[layer] = unit([p for p in table if p.layer == layer], sizes.layer)
+        params = [p for p in table if p.layer == layer]
+        units[layer] = unit([p for p in params if not (lora and p.trainable)], sizes.layer)
+        adapters = [p for p in params if lora and p.trainable]
+        if len(adapters) != len(sizes.adapters):
+            raise ExpansionError(f"fsdp1: layer {layer}'s adapters differ from the sized layer's")
+        for index, (p, flat) in enumerate(zip(adapters, sizes.adapters)):
+            units[_adapter(layer, index)] = adapter = unit([p], flat)
+            if adapter.offsets[-1] + p.numel + sum(adapter.paddings) != flat.numel:
+                raise ExpansionError(f"fsdp1: {p.name} differs from the sized layer's adapter")
     return units
 
 
 def fsdp1_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: int, sizes: Fsdp1Sizes) -> Setup:
-    """Per unit in wrap order (layers, then the root): its tensors moved, the flat parameter, the shard; the moved
+    """Per unit in wrap order (``_wrap_order``): its tensors moved, the flat parameter, the shard; the moved
     tensors and the full flat parameter freed. Then the module buffers."""
     allocations: list[tuple[str, int]] = []
     frees: list[tuple[int, tuple[int, ...]]] = []
     units = _units(table, num_layers, sizes)
-    for name in [*range(num_layers), "root"]:
+    for name in _wrap_order(units, num_layers):
         unit = units[name]
         elem = unit.flat.param_elem
         first = len(allocations)
@@ -139,6 +163,17 @@ def fsdp1_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: in
     return Setup(allocations, [], [], frees_after=tuple(frees))
 
 
+def _wrap_order(units: dict, num_layers: int) -> list:
+    """The order the auto-wrap policy makes the units (a post-order walk: a layer's adapters before the layer,
+    the root last)."""
+    return [*(g for layer in range(num_layers) for g in (*_adapters_of(units, layer), layer)), "root"]
+
+
+def _lazy_init_order(units: dict, num_layers: int) -> list:
+    """``_all_fsdp_states``' order (a pre-order walk): the root, then each layer before its adapters."""
+    return ["root", *(g for layer in range(num_layers) for g in (layer, *_adapters_of(units, layer)))]
+
+
 class _Step(BufferOps):
     """One step's FSDP1 tensors and the ops that make and free them."""
 
@@ -154,6 +189,11 @@ class _Step(BufferOps):
             self.unsharded[g] = self._alloc(out, unit.mp_bytes, PRE_UNSHARD) if unit.mp_bytes else None
             return
         self.unsharded[g] = self._staged(out, (unit.mp_bytes, PRE_UNSHARD), unit.unsharded_bytes, UNSHARD)
+
+    def unshard_once(self, out: list, g) -> None:
+        """``_unshard`` where the unit is not unsharded yet (an adapter prefetched, or resharded since)."""
+        if g not in self.unsharded:
+            self.unshard(out, g)
 
     def reshard(self, out: list, g) -> None:
         tensor = self.unsharded.pop(g)
@@ -214,11 +254,16 @@ class _Step(BufferOps):
 
 
 def _boundary(step: _Step, out: list, name: str, layer: int | None, num_layers: int, prefix_at: list,
-              reshard_after_forward: bool) -> None:
+              reshard_after_forward: bool, layer0_at_suffix: bool = True) -> None:
     """FSDP1's events at the start of a segment instance (``methods.fsdp1._schedule``, tensor by tensor).
     SHARD_GRAD_OP (``reshard_after_forward`` off) keeps each layer unsharded from its forward to its
-    post-backward, so backward has nothing to unshard."""
+    post-backward, so backward has nothing to unshard. With LoRA adapter units (``_adapter_events``) a layer's
+    pre-backward prefetches its last adapter, not the layer before it: BACKWARD_PRE gathers the unit that
+    finished its forward just before this one (``get_handle_to_backward_prefetch``), and the layer's adapters
+    finish theirs inside the layer's. ``layer0_at_suffix``: layer 0's post-backward runs as its backward ends
+    (trainable, or its inputs require grad); else in backward's final callback, after the root's."""
     last = num_layers - 1
+    adapters = _adapters_of(step.units, layer) if layer is not None else []
     if name == "prefix":
         prefix_at.append(len(out))  # the root's pre-forward: lazy init (first step), previous shards freed
         step.unshard(out, "root")
@@ -239,13 +284,19 @@ def _boundary(step: _Step, out: list, name: str, layer: int | None, num_layers: 
             step.unshard(out, "root")
         if reshard_after_forward:
             step.unshard(out, last)
+    elif name in ("bw_first", "bw", "bw_last") and adapters:
+        # the layer's pre-backward, then the frozen layer after it resharded by its inputs' gradient hook
+        step.unshard_once(out, adapters[-1])
+        if layer != last:
+            step.post_backward(out, layer + 1)
     elif name in ("bw_first", "bw", "bw_last"):
         if layer != last:
             step.post_backward(out, layer + 1)
         if layer > 0 and reshard_after_forward:
             step.unshard(out, layer - 1)
     elif name == "suffix":
-        step.post_backward(out, 0)
+        if layer0_at_suffix:
+            step.post_backward(out, 0)
     else:
         raise ExpansionError(f"fsdp1: no boundary events for segment {name!r}")
 
@@ -262,34 +313,199 @@ def _summed_grad_keys(grads: dict, table: list[ParamInfo]) -> set[int]:
             if p.tied_names}
 
 
+def _per_token_bytes(polys: list, size_index: int) -> float | None:
+    """Bytes per (row, position) of a size that is ``b * s * c`` alone (an activation of one token-wide row),
+    else None."""
+    if size_index >= len(polys):
+        return None
+    c0, c1, c2, c3, c4, c5 = polys[size_index]
+    return c4 if not any(abs(c) > 1e-6 for c in (c0, c1, c2, c3, c5)) else None
+
+
+def _adapter_pairs(units: dict, layer: int) -> list[tuple[tuple, tuple]]:
+    """The layer's (lora_A, lora_B) units, forward order. ExpansionError for other trainable layer tensors (DoRA's
+    magnitudes, biases), whose forward the replay cannot place."""
+    adapters = _adapters_of(units, layer)
+    names = [units[g].params[0].name for g in adapters]
+    pairs = list(zip(adapters[::2], adapters[1::2]))
+    if len(adapters) % 2 or any(".lora_A." not in units[a].params[0].name or ".lora_B." not in units[b].params[0].name
+                                for a, b in pairs):
+        raise ExpansionError(f"fsdp1: layer {layer}'s trainable tensors are not lora_A/lora_B pairs: {names}")
+    return pairs
+
+
+def _adapter_forwards(ops: list, start: int, end: int, pairs: list, units: dict, polys: list
+                      ) -> list[tuple[int, int]]:
+    """Each adapter pair's forward outputs in ``ops[start:end]``: (lora_A's, lora_B's) op index. lora_A's output
+    is the first allocation of ``b * s * r`` elements (its weight's rows) in the adapter's dtype after the previous
+    pair's, and lora_B's the allocation right after it, ``b * s * out`` elements; ExpansionError where a pair is
+    not found."""
+    def width(g) -> int:
+        p = units[g].params[0]
+        return p.shape[0] * p.elem_bytes
+
+    def allocs_from(i: int):
+        return (j for j in range(i, end) if ops[j][0] == ALLOC)
+    found: list[tuple[int, int]] = []
+    at = start
+    for a, b in pairs:
+        for i in allocs_from(at):
+            nxt = next(allocs_from(i + 1), None)
+            if (nxt is not None and _per_token_bytes(polys, ops[i][2]) == width(a)
+                    and _per_token_bytes(polys, ops[nxt][2]) == width(b)):
+                found.append((i, nxt))
+                at = nxt + 1
+                break
+        else:
+            raise ExpansionError(f"fsdp1: the forward of {units[a].params[0].name} is not in the event list")
+    return found
+
+
+def _node_done_at(ops: list, grad_at: int, stops: set[int], cut: int) -> tuple[str, int]:
+    """Where the autograd node that made the gradient at ``grad_at`` has finished and the gradient's
+    ``AccumulateGrad`` runs: after the node's other outputs, the release of its saved tensors and the sums of
+    its outputs into gradients already waiting for them (the engine's input buffers: an allocation of an output's
+    size that frees the output and the waiting gradient), i.e. before the next allocation; or after the op before
+    the next segment boundary (``stops``) or the optimizer part."""
+    outputs: dict[int, int] = {}  # key -> size index
+    freed = False
+    i = grad_at + 1
+    while i < cut:
+        if i in stops:
+            return "after", i - 1
+        kind, key, size = ops[i]
+        if kind == ALLOC and not freed:
+            outputs[key] = size
+        elif kind == ALLOC:
+            frees = _frees_after(ops, i, cut)
+            summed = [k for k in frees if outputs.get(k) == size]
+            if not summed or len(frees) < 2:
+                return "before", i
+            del outputs[summed[0]]
+            outputs[key] = size  # the sum is the output now
+        else:
+            freed = True
+        i += 1
+    return "after", cut - 1
+
+
+def _frees_after(ops: list, at: int, cut: int) -> set[int]:
+    """The keys freed right after the op at ``at``, up to the next allocation."""
+    keys: set[int] = set()
+    for kind, key, _size in ops[at + 1:cut]:
+        if kind == ALLOC:
+            break
+        keys.add(key)
+    return keys
+
+
+def _adapter_events(ops: list, cut: int, at_mark: dict, units: dict, grads: dict, polys: list, recompute: bool
+                    ) -> tuple[dict, dict]:
+    """(op index -> adapter events before it, op index -> those after it), an event being (``_Step`` method,
+    unit). peft's adapters are FSDP units inside the layer's (``fsdp_auto_wrap_policy``), FULL_SHARD:
+
+    * forward (and the checkpointed recompute in backward): each adapter weight unsharded just before its
+      output is made, resharded right after (already unsharded: a prefetch, which the recompute's reshard
+      frees all the same);
+    * backward, per adapter as its gradient is made: its pre-backward (unshard it if it is not, prefetch the unit
+      that finished its forward before it: the previous adapter, or for the first adapter the previous layer),
+      and once the gradient's node is done its post-backward (``_Step.post_backward``)."""
+    events = ({}, {})
+    stops = set(at_mark) | {cut}
+    bounds = sorted(stops)
+    alloc_at = {op[1]: i for i, op in enumerate(ops[:cut]) if op[0] == ALLOC}
+    for start, entries in sorted(at_mark.items()):
+        end = next(b for b in bounds if b > start)
+        for name, layer in entries:
+            if layer is None or not _adapters_of(units, layer):
+                continue
+            if name not in ("bw_first", "bw", "bw_last"):
+                _adapter_gathers(events, ops, start, end, units, layer, polys)
+                continue
+            made = {alloc_at[key]: g for g, (key, _size) in zip(_adapters_of(units, layer), grads.get(layer, []),
+                                                                 strict=True)}
+            if recompute:  # the recompute runs before the layer's first gradient
+                _adapter_gathers(events, ops, start, min([end, *made]), units, layer, polys)
+            _adapter_backwards(events, ops, made, units, layer, stops, cut)
+    return events
+
+
+def _adapter_gathers(events: tuple[dict, dict], ops: list, start: int, end: int, units: dict, layer: int,
+                     polys: list) -> None:
+    """Each adapter's unshard before its forward output, its reshard after it (``_adapter_events``)."""
+    before, after = events
+    pairs = _adapter_pairs(units, layer)
+    for (a, b), (i, j) in zip(pairs, _adapter_forwards(ops, start, end, pairs, units, polys)):
+        for unit, at in ((a, i), (b, j)):
+            before.setdefault(at, []).append(("unshard_once", unit))
+            after.setdefault(at, []).append(("reshard", unit))
+
+
+def _adapter_backwards(events: tuple[dict, dict], ops: list, made: dict, units: dict, layer: int, stops: set[int],
+                       cut: int) -> None:
+    """Each adapter's pre-backward before its gradient (``made``: op index -> unit), its post-backward once the
+    gradient's node is done (``_adapter_events``)."""
+    before, after = events
+    adapters = _adapters_of(units, layer)
+    previous = dict(zip(adapters, [layer - 1 if layer > 0 else None, *adapters]))
+    for at, g in sorted(made.items()):
+        before.setdefault(at, []).append(("unshard_once", g))
+        if previous[g] is not None:
+            before.setdefault(at, []).append(("unshard_once", previous[g]))
+        where, done = _node_done_at(ops, at, stops, cut)
+        (before if where == "before" else after).setdefault(done, []).append(("post_backward", g))
+
+
+def _adapter_grads(grads: dict, units: dict) -> dict:
+    """``grads`` with each layer's adapter gradients under their own units (a layer's keys are its trainable
+    tensors', model order: the adapters')."""
+    out = dict(grads)
+    for layer in [g for g in grads if isinstance(g, int)]:
+        adapters = _adapters_of(units, layer)
+        if adapters:
+            keys = out.pop(layer)
+            out.update({g: [key] for g, key in zip(adapters, keys, strict=True)})
+    return out
+
+
 def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, units: dict, table: list,
               optimizer: str, first: bool, num_layers: int, scalar: set[int], pieces: list[int],
-              reshard_after_forward: bool) -> tuple[list, dict[int, int], tuple[int, int], list, int]:
+              reshard_after_forward: bool, polys: list, recompute: bool, layer0_at_suffix: bool
+              ) -> tuple[list, dict[int, int], tuple[int, int], list, int]:
     """The FSDP1 step's ops, where each old op index went, where its optimizer part begins (before and after the
     loss is freed), the gradient shards (the next step's root pre-forward frees them) and where the root's
-    pre-forward begins."""
-    grads = {g: list(keys) for g, keys in _grads_by_group(expansion, ops, table).items()}
-    summed = _summed_grad_keys(grads, table)
-    step = _Step(build, units, grads)
+    pre-forward begins. ``recompute``: checkpointing re-runs each layer's forward (its adapters') in backward."""
+    layer_grads = {g: list(keys) for g, keys in _grads_by_group(expansion, ops, table).items()}
+    summed = _summed_grad_keys(layer_grads, table)
+    step = _Step(build, units, _adapter_grads(layer_grads, units))
     grad_keys = expansion.grad_keys
     cut, at_mark, seed = boundary_marks(ops, marks, scalar)
+    before, after = _adapter_events(ops, cut, at_mark, units, layer_grads, polys, recompute)
     out: list = []
     moved: dict[int, int] = {}
     prefix_at: list = []
     seed_free = None
-    for index, op in enumerate(ops[:cut]):
+
+    def boundaries(index: int) -> None:
         for name, layer in at_mark.get(index, ()):
-            _boundary(step, out, name, layer, num_layers, prefix_at, reshard_after_forward)
+            _boundary(step, out, name, layer, num_layers, prefix_at, reshard_after_forward, layer0_at_suffix)
+    for index, op in enumerate(ops[:cut]):
+        boundaries(index)
+        for method, g in before.get(index, ()):
+            getattr(step, method)(out, g)
         moved[index] = len(out)
         if op[0] == FREE and op[1] in grad_keys:  # gradients go at their unit's post-backward
-            continue
-        if seed is not None and op[0] == FREE and op[1] == seed[1]:
+            pass
+        elif seed is not None and op[0] == FREE and op[1] == seed[1]:
             seed_free = op  # held until the root's post-backward, backward's last hook
-            continue
-        out.append((alloc_on(UNSHARD), *op[1:]) if op[0] == ALLOC and op[1] in summed else op)
-    for name, layer in at_mark.get(cut, ()):
-        _boundary(step, out, name, layer, num_layers, prefix_at, reshard_after_forward)
+        else:
+            out.append((alloc_on(UNSHARD), *op[1:]) if op[0] == ALLOC and op[1] in summed else op)
+        for method, g in after.get(index, ()):
+            getattr(step, method)(out, g)
+    boundaries(cut)
     step.post_backward(out, "root")
+    if not layer0_at_suffix:  # backward's final callback reshards what is left, in pre-order: the root, layer 0
+        step.post_backward(out, 0)
     if seed_free is not None:
         out.append(seed_free)
     optimizer_at = moved[cut] = len(out)
@@ -299,8 +515,16 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
     step.adamw(out, pieces, first, optimizer)  # the tensors' pieces of the shards, parameter order
     if step.unsharded:
         raise ExpansionError("fsdp1: unsharded flat parameters left at the end of the step")
-    shards = [step.grad_shards[g] for g in ["root", *range(num_layers)] if g in step.grad_shards]
+    shards = [step.grad_shards[g] for g in _lazy_init_order(units, num_layers) if g in step.grad_shards]
     return out, moved, (optimizer_at, loss_freed_at), shards, prefix_at[0]
+
+
+def _layer0_hooked(units: dict, table: list[ParamInfo], grad_ckpt: bool) -> bool:
+    """Whether layer 0's post-backward runs as its backward ends: its flat parameter's gradient hook (trainable),
+    or the reshard-only hook on its inputs, which require grad under checkpointing (transformers'
+    ``enable_input_require_grads``) or after a trainable embedding; else backward's final callback does it."""
+    return (units[0].flat.trainable or grad_ckpt
+            or any(p.trainable and p.layer is None and p.before_layers is not False for p in table))
 
 
 @dataclass(frozen=True)
@@ -314,7 +538,7 @@ def _shifted(moved: dict[int, int], at: int, by: int) -> dict[int, int]:
 
 
 def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, optimizer: str, rank: int,
-               base_size_index: int, num_layers: int, polys: list) -> Fsdp1Step:
+               base_size_index: int, num_layers: int, polys: list, grad_ckpt: bool = False) -> Fsdp1Step:
     """The expansion with FSDP1's events; the new tensors' sizes take indices from ``base_size_index`` on.
     ExpansionError where the step cannot be built."""
     if optimizer not in OPTIMIZERS:
@@ -336,8 +560,8 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
     first_marks, steady_marks = expansion.marks
     scalar = {i for i, poly in enumerate(polys) if 0 < poly[0] <= 8 and not any(poly[1:])}
     common = dict(build=build, units=units, table=table, optimizer=optimizer, num_layers=num_layers,
-                  scalar=scalar, pieces=pieces,
-                  reshard_after_forward=sizes.frees_after_forward)
+                  scalar=scalar, pieces=pieces, reshard_after_forward=sizes.frees_after_forward, polys=polys,
+                  recompute=grad_ckpt, layer0_at_suffix=_layer0_hooked(units, table, grad_ckpt))
     start = build.next_key
     steady_ops, _moved, steady_optimizer, steady_shards, steady_prefix = _step_ops(
         expansion, expansion.steady.ops, steady_marks, first=False, **common)
@@ -348,7 +572,7 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
     if [t.key for t in first_shards] != [t.key for t in steady_shards]:
         raise ExpansionError("fsdp1: the gradient shards of the first and the steady step differ")
     lazy: list = []  # keys after every other tensor of the step, so both steps keep theirs
-    _Step(build, units, {}).lazy_init(lazy, ["root", *range(num_layers)])
+    _Step(build, units, {}).lazy_init(lazy, _lazy_init_order(units, num_layers))
     first_ops[first_prefix:first_prefix] = lazy
     first_moved = _shifted(first_moved, first_prefix, len(lazy))
     # the previous step's gradient shards go at the root's pre-forward (``_clear_grads_if_needed``)

@@ -63,7 +63,7 @@ def _generated(path: str, training: TrainingSpec, world: int, rank: int, strateg
     return out
 
 
-def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: str
+def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: str, keep_marks: bool = False
                        ) -> list[tuple[bool, object, int]]:
     """``rank`` of a real CPU run on the fake process group: the model built on the host, wrapped as
     ``harness.fake.wrap.wrap_model`` wraps it, then ``STEPS`` steps. Resized flat parameters are recorded as
@@ -108,8 +108,9 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
                 model = wrap_model(model, spec, mesh, LLAMA, fake=True, device="cpu")
                 optimizer = build_method_optimizer(model, spec)
                 for _ in range(STEPS):
-                    batch = build.synthetic_batch(B, S, 1000)
-                    build.forward_backward(model, batch, training, held=held)
+                    for _micro in range(training.grad_accum_steps):
+                        batch = build.synthetic_batch(B, S, 1000)
+                        build.forward_backward(model, batch, training, held=held)
                     rec.mark("optimizer")
                     optimizer.step()
                     rec.mark("zero_grad")
@@ -130,6 +131,8 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
             phase = event[1]
             if phase == "end":
                 break
+            if keep_marks:
+                out.append(("m", phase, 0))
             continue
         if event[0] == "a":
             if phase is None or event[2] == 0 or (phase == "optimizer" and event[2] == 4) or event[1] in host:
@@ -161,8 +164,29 @@ def test_generated_stream_equals_a_real_fsdp1_run(llama_path, precision, world, 
     _assert_same_runs(generated, real)
 
 
+@pytest.mark.parametrize("precision, world, rank, ckpt, strategy", [
+    ("bf16", 2, 0, False, "FULL_SHARD"),  # a frozen embedding: layer 0 resharded after the root, at backward's end
+    ("bf16", 2, 1, True, "FULL_SHARD"),  # the recompute gathers each adapter again, resharding a prefetched one
+    pytest.param("fp32", 3, 2, False, "FULL_SHARD", marks=pytest.mark.slow),  # padded adapters; input-buffer sums
+    pytest.param("fp32", 3, 2, True, "FULL_SHARD", marks=pytest.mark.slow),
+    pytest.param("bf16", 4, 3, False, "HYBRID_SHARD:2", marks=pytest.mark.slow),
+], ids=lambda v: str(v))
+def test_lora_stream_equals_a_real_fsdp1_run(llama_path, precision, world, rank, ckpt, strategy):
+    """LoRA as the HF Trainer wraps a PEFT model (peft's ``fsdp_auto_wrap_policy``: each lora_A / lora_B Linear
+    its own unit inside its frozen decoder layer's): the adapters' gathers around their forward (and the
+    recompute), their pre-backward prefetches, each adapter's post-backward as its gradient is made, the
+    optimizer over the adapters' pieces. Setup and three steps, as above."""
+    training = TrainingSpec(precision=precision, attn="eager", micro_batch_size=B, seq_len=S, grad_ckpt=ckpt,
+                            lora_rank=8)
+    generated = _runs(_generated(llama_path, training, world, rank, strategy), True)
+    real = _runs(_in_fresh_process(_real_fsdp1_events, training, world, rank, strategy), False)
+    _assert_same_runs(generated, real)
+
+
 @pytest.mark.parametrize("training, world, strategy", [
     (TrainingSpec(precision="mixed_bf16"), 2, "FULL_SHARD"),
+    (TrainingSpec(precision="bf16", lora_rank=8), 2, "FULL_SHARD"),
+    (TrainingSpec(precision="fp32", lora_rank=8, grad_ckpt=True), 3, "FULL_SHARD"),
     (TrainingSpec(precision="bf16"), 3, "FULL_SHARD"),
     (TrainingSpec(precision="fp32", grad_ckpt=True), 4, "FULL_SHARD"),
     (TrainingSpec(precision="mixed_bf16", loop="manual"), 2, "FULL_SHARD"),
@@ -205,3 +229,7 @@ def test_other_fsdp1_settings_keep_the_prior(llama_path):
     accumulating = api.estimate(_spec(llama_path, dataclasses.replace(training, grad_accum_steps=2), 2),
                                 alloc_conf="")
     assert accumulating.reserved_source == "prior"
+    lora = dataclasses.replace(training, precision="bf16", lora_rank=8)
+    kept = api.estimate(_spec(llama_path, lora, 2, "SHARD_GRAD_OP"), alloc_conf="")
+    assert kept.reserved_source == "prior"
+    assert any(n.startswith("reserved: prior") and "LoRA" in n for n in kept.notes)
