@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from estimator.reserved.expand import FREE, Expansion, ExpansionError, stream_of
 
 FREE_CYCLE = 3  # free a gradient the cycle's first micro-step allocated
+# free a tensor the previous cycle's first micro-step allocated: FSDP1's sharded gradients, which the next cycle's
+# first forward drops (``_clear_grads_if_needed``; ``estimator.reserved.fsdp1``)
+FREE_PREVIOUS_CYCLE = 4
 
 
 @dataclass(frozen=True)

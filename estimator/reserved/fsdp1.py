@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from estimator.methods.fsdp1 import FlatUnit, Fsdp1Sizes, flat_layout, shard_pieces
 from estimator.models.params import ParamInfo
+from estimator.reserved.accumulate import FREE_PREVIOUS_CYCLE, MicroSteps
 from estimator.reserved.expand import (
     ALLOC,
     FREE,
@@ -177,9 +178,10 @@ def _lazy_init_order(units: dict, num_layers: int) -> list:
 class _Step(BufferOps):
     """One step's FSDP1 tensors and the ops that make and free them."""
 
-    def __init__(self, build: _Builder, units: dict, grads: dict) -> None:
+    def __init__(self, build: _Builder, units: dict, grads: dict, accumulating: bool = False) -> None:
         super().__init__(build)
         self.units, self.grads = units, grads
+        self.accumulating = accumulating  # a micro-batch after the cycle's first: the new shards are added
         self.unsharded: dict = {}      # unit -> padded unsharded flat parameter
         self.grad_shards: dict = {}    # unit -> new shard (the sharded gradient)
 
@@ -189,6 +191,11 @@ class _Step(BufferOps):
             self.unsharded[g] = self._alloc(out, unit.mp_bytes, PRE_UNSHARD) if unit.mp_bytes else None
             return
         self.unsharded[g] = self._staged(out, (unit.mp_bytes, PRE_UNSHARD), unit.unsharded_bytes, UNSHARD)
+
+    @staticmethod
+    def emit(out: list, op: tuple) -> None:
+        """An op of the event list, moved here."""
+        out.append(op)
 
     def unshard_once(self, out: list, g) -> None:
         """``_unshard`` where the unit is not unsharded yet (an adapter prefetched, or resharded since)."""
@@ -219,9 +226,11 @@ class _Step(BufferOps):
         if not unit.sharded:
             self._keep_whole_grad(out, g, flat_grad, cast)
             return
-        # the reduce dtype is the shards' (fp32 under mixed precision), so the new shard is kept as it is
-        self.grad_shards[g] = self._alloc(out, flat.shard_numel * flat.reduce_elem, POST_BACKWARD)
-        for tensor in (cast, flat_grad):
+        # the reduce dtype is the shards' (fp32 under mixed precision), so the new shard is kept as it is; a later
+        # micro-batch's is added into the saved one in place and goes as ``_reduce_grad`` returns
+        new_shard = self._alloc(out, flat.shard_numel * flat.reduce_elem, POST_BACKWARD)
+        self.grad_shards[g] = new_shard
+        for tensor in (cast, flat_grad, new_shard if self.accumulating else None):
             if tensor is not None:
                 self._free(out, tensor)
 
@@ -334,27 +343,65 @@ def _adapter_pairs(units: dict, layer: int) -> list[tuple[tuple, tuple]]:
     return pairs
 
 
-def _adapter_forwards(ops: list, start: int, end: int, pairs: list, units: dict, polys: list
-                      ) -> list[tuple[int, int]]:
-    """Each adapter pair's forward outputs in ``ops[start:end]``: (lora_A's, lora_B's) op index. lora_A's output
-    is the first allocation of ``b * s * r`` elements (its weight's rows) in the adapter's dtype after the previous
-    pair's, and lora_B's the allocation right after it, ``b * s * out`` elements; ExpansionError where a pair is
-    not found."""
-    def width(g) -> int:
-        p = units[g].params[0]
-        return p.shape[0] * p.elem_bytes
+def _constant_bytes(polys: list, size_index: int) -> float | None:
+    """The bytes of a size that depends on neither ``b`` nor ``s``, else None."""
+    if size_index >= len(polys):
+        return None
+    c0, *rest = polys[size_index]
+    return c0 if not any(abs(c) > 1e-6 for c in rest) else None
 
-    def allocs_from(i: int):
-        return (j for j in range(i, end) if ops[j][0] == ALLOC)
-    found: list[tuple[int, int]] = []
+
+def _adapter_forwards(ops: list, start: int, end: int, pairs: list, units: dict, polys: list,
+                      out_elem: int | None) -> list[tuple[tuple, tuple]]:
+    """Each adapter pair's forward in ``ops[start:end]``: ((first op, last op, weight copies) of lora_A's, of
+    lora_B's). An
+    adapter's forward is its Linear: under autocast (``out_elem``: its dtype's bytes) the 16-bit copies of its
+    weight and of a full-precision input, then the output, ``b * s`` times its weight's rows (in the adapter's
+    dtype without autocast), then what the Linear frees. lora_A's output is the first of its size after the
+    previous pair; lora_B's follows with nothing but its weight's copy between. ExpansionError where a pair is
+    not found."""
+    def per_token(g, dim: int) -> int:
+        p = units[g].params[0]
+        return p.shape[dim] * (out_elem or p.elem_bytes)
+
+    def own_copy(g, i: int) -> bool:  # the 16-bit weight, or (lora_A) input, autocast makes for the Linear
+        weight = units[g].params[0].numel * (out_elem or 0)
+        return bool(out_elem) and (_constant_bytes(polys, ops[i][2]) == weight
+                                   or _per_token_bytes(polys, ops[i][2]) == per_token(g, 1))
+
+    def span(g, out_at: int, first: int) -> tuple[int, int, tuple[int, ...]]:
+        """(first op, last op, its weight copies' op indices) of the Linear whose output is at ``out_at``; its
+        copies start no earlier than ``first``."""
+        lo = out_at
+        while lo > first and ops[lo - 1][0] == ALLOC and own_copy(g, lo - 1):
+            lo -= 1
+        hi = out_at
+        while hi + 1 < end and ops[hi + 1][0] != ALLOC:
+            hi += 1
+        weight = units[g].params[0].numel * (out_elem or 0)
+        return lo, hi, tuple(i for i in range(lo, out_at) if _constant_bytes(polys, ops[i][2]) == weight)
+
+    def lora_b_output(b, after: int) -> int | None:
+        for j in range(after, end):
+            if ops[j][0] != ALLOC:
+                continue
+            if _per_token_bytes(polys, ops[j][2]) == per_token(b, 0):
+                return j
+            if not own_copy(b, j):
+                return None
+        return None
+    found: list = []
     at = start
     for a, b in pairs:
-        for i in allocs_from(at):
-            nxt = next(allocs_from(i + 1), None)
-            if (nxt is not None and _per_token_bytes(polys, ops[i][2]) == width(a)
-                    and _per_token_bytes(polys, ops[nxt][2]) == width(b)):
-                found.append((i, nxt))
-                at = nxt + 1
+        for i in range(at, end):
+            if ops[i][0] != ALLOC or _per_token_bytes(polys, ops[i][2]) != per_token(a, 0):
+                continue
+            a_span = span(a, i, at)
+            j = lora_b_output(b, a_span[1] + 1)
+            if j is not None:
+                b_span = span(b, j, a_span[1] + 1)
+                found.append((a_span, b_span))
+                at = b_span[1] + 1
                 break
         else:
             raise ExpansionError(f"fsdp1: the forward of {units[a].params[0].name} is not in the event list")
@@ -399,10 +446,10 @@ def _frees_after(ops: list, at: int, cut: int) -> set[int]:
     return keys
 
 
-def _adapter_events(ops: list, cut: int, at_mark: dict, units: dict, grads: dict, polys: list, recompute: bool
-                    ) -> tuple[dict, dict]:
-    """(op index -> adapter events before it, op index -> those after it), an event being (``_Step`` method,
-    unit). peft's adapters are FSDP units inside the layer's (``fsdp_auto_wrap_policy``), FULL_SHARD:
+def _adapter_events(ops: list, cut: int, at_mark: dict, units: dict, grads: dict, polys: list, recompute: bool,
+                    out_elem: int | None) -> tuple[dict, dict, set[int]]:
+    """(op index -> adapter events before it, op index -> those after it, the keys whose frees those events
+    move), an event being (``_Step`` method, its argument: a unit or an op). peft's adapters are FSDP units inside the layer's (``fsdp_auto_wrap_policy``), FULL_SHARD:
 
     * forward (and the checkpointed recompute in backward): each adapter weight unsharded just before its
       output is made, resharded right after (already unsharded: a prefetch, which the recompute's reshard
@@ -410,7 +457,7 @@ def _adapter_events(ops: list, cut: int, at_mark: dict, units: dict, grads: dict
     * backward, per adapter as its gradient is made: its pre-backward (unshard it if it is not, prefetch the unit
       that finished its forward before it: the previous adapter, or for the first adapter the previous layer),
       and once the gradient's node is done its post-backward (``_Step.post_backward``)."""
-    events = ({}, {})
+    events: tuple[dict, dict, set[int]] = ({}, {}, set())
     stops = set(at_mark) | {cut}
     bounds = sorted(stops)
     alloc_at = {op[1]: i for i, op in enumerate(ops[:cut]) if op[0] == ALLOC}
@@ -420,32 +467,37 @@ def _adapter_events(ops: list, cut: int, at_mark: dict, units: dict, grads: dict
             if layer is None or not _adapters_of(units, layer):
                 continue
             if name not in ("bw_first", "bw", "bw_last"):
-                _adapter_gathers(events, ops, start, end, units, layer, polys)
+                _adapter_gathers(events, ops, start, end, units, layer, polys, out_elem)
                 continue
             made = {alloc_at[key]: g for g, (key, _size) in zip(_adapters_of(units, layer), grads.get(layer, []),
                                                                  strict=True)}
             if recompute:  # the recompute runs before the layer's first gradient
-                _adapter_gathers(events, ops, start, min([end, *made]), units, layer, polys)
+                _adapter_gathers(events, ops, start, min([end, *made]), units, layer, polys, out_elem)
             _adapter_backwards(events, ops, made, units, layer, stops, cut)
     return events
 
 
-def _adapter_gathers(events: tuple[dict, dict], ops: list, start: int, end: int, units: dict, layer: int,
-                     polys: list) -> None:
-    """Each adapter's unshard before its forward output, its reshard after it (``_adapter_events``)."""
-    before, after = events
+def _adapter_gathers(events: tuple[dict, dict, set[int]], ops: list, start: int, end: int, units: dict, layer: int,
+                     polys: list, out_elem: int | None) -> None:
+    """Each adapter's unshard before its forward, its reshard after it (``_adapter_events``). Autocast's 16-bit
+    copy of the weight goes with the Linear's other temporaries: under FSDP the weight is a view of the flat
+    parameter, not a leaf, so autocast does not cache the copy to the end of the forward as it does on one GPU
+    (``cached_cast``), where the event list was traced."""
+    before, after, moved = events
     pairs = _adapter_pairs(units, layer)
-    for (a, b), (i, j) in zip(pairs, _adapter_forwards(ops, start, end, pairs, units, polys)):
-        for unit, at in ((a, i), (b, j)):
-            before.setdefault(at, []).append(("unshard_once", unit))
-            after.setdefault(at, []).append(("reshard", unit))
+    for (a, b), spans in zip(pairs, _adapter_forwards(ops, start, end, pairs, units, polys, out_elem)):
+        for unit, (first, last, copies) in zip((a, b), spans):
+            before.setdefault(first, []).append(("unshard_once", unit))
+            after.setdefault(last, []).extend(("emit", (FREE, *ops[i][1:])) for i in copies)
+            after[last].append(("reshard", unit))
+            moved.update(ops[i][1] for i in copies)
 
 
-def _adapter_backwards(events: tuple[dict, dict], ops: list, made: dict, units: dict, layer: int, stops: set[int],
-                       cut: int) -> None:
+def _adapter_backwards(events: tuple[dict, dict, set[int]], ops: list, made: dict, units: dict, layer: int,
+                       stops: set[int], cut: int) -> None:
     """Each adapter's pre-backward before its gradient (``made``: op index -> unit), its post-backward once the
     gradient's node is done (``_adapter_events``)."""
-    before, after = events
+    before, after, _moved = events
     adapters = _adapters_of(units, layer)
     previous = dict(zip(adapters, [layer - 1 if layer > 0 else None, *adapters]))
     for at, g in sorted(made.items()):
@@ -470,17 +522,20 @@ def _adapter_grads(grads: dict, units: dict) -> dict:
 
 def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, units: dict, table: list,
               optimizer: str, first: bool, num_layers: int, scalar: set[int], pieces: list[int],
-              reshard_after_forward: bool, polys: list, recompute: bool, layer0_at_suffix: bool
+              reshard_after_forward: bool, polys: list, recompute: bool, layer0_at_suffix: bool,
+              adapter_out_elem: int | None, accumulating: bool = False
               ) -> tuple[list, dict[int, int], tuple[int, int], list, int]:
     """The FSDP1 step's ops, where each old op index went, where its optimizer part begins (before and after the
     loss is freed), the gradient shards (the next step's root pre-forward frees them) and where the root's
-    pre-forward begins. ``recompute``: checkpointing re-runs each layer's forward (its adapters') in backward."""
+    pre-forward begins. ``recompute``: checkpointing re-runs each layer's forward (its adapters') in backward.
+    ``accumulating``: a micro-batch after its cycle's first (``_Step.accumulating``)."""
     layer_grads = {g: list(keys) for g, keys in _grads_by_group(expansion, ops, table).items()}
     summed = _summed_grad_keys(layer_grads, table)
-    step = _Step(build, units, _adapter_grads(layer_grads, units))
+    step = _Step(build, units, _adapter_grads(layer_grads, units), accumulating)
     grad_keys = expansion.grad_keys
     cut, at_mark, seed = boundary_marks(ops, marks, scalar)
-    before, after = _adapter_events(ops, cut, at_mark, units, layer_grads, polys, recompute)
+    before, after, moved_frees = _adapter_events(ops, cut, at_mark, units, layer_grads, polys, recompute,
+                                                 adapter_out_elem)
     out: list = []
     moved: dict[int, int] = {}
     prefix_at: list = []
@@ -494,7 +549,7 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
         for method, g in before.get(index, ()):
             getattr(step, method)(out, g)
         moved[index] = len(out)
-        if op[0] == FREE and op[1] in grad_keys:  # gradients go at their unit's post-backward
+        if op[0] == FREE and (op[1] in grad_keys or op[1] in moved_frees):  # gradients: at their post-backward
             pass
         elif seed is not None and op[0] == FREE and op[1] == seed[1]:
             seed_free = op  # held until the root's post-backward, backward's last hook
@@ -538,9 +593,11 @@ def _shifted(moved: dict[int, int], at: int, by: int) -> dict[int, int]:
 
 
 def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, optimizer: str, rank: int,
-               base_size_index: int, num_layers: int, polys: list, grad_ckpt: bool = False) -> Fsdp1Step:
-    """The expansion with FSDP1's events; the new tensors' sizes take indices from ``base_size_index`` on.
-    ExpansionError where the step cannot be built."""
+               base_size_index: int, num_layers: int, polys: list, grad_ckpt: bool = False,
+               accumulating: bool = False, autocast_elem: int | None = None) -> Fsdp1Step:
+    """The expansion with FSDP1's events; the new tensors' sizes take indices from ``base_size_index`` on;
+    ``accumulating``: with the micro-steps of gradient accumulation (``_micro_steps``); ``autocast_elem``: the
+    forward's autocast dtype's bytes, None without. ExpansionError where the step cannot be built."""
     if optimizer not in OPTIMIZERS:
         raise ExpansionError(f"fsdp1: the {optimizer} optimizer's step over shards is not modelled")
     reason = why_not_fsdp1(sizes.options)
@@ -561,7 +618,8 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
     scalar = {i for i, poly in enumerate(polys) if 0 < poly[0] <= 8 and not any(poly[1:])}
     common = dict(build=build, units=units, table=table, optimizer=optimizer, num_layers=num_layers,
                   scalar=scalar, pieces=pieces, reshard_after_forward=sizes.frees_after_forward, polys=polys,
-                  recompute=grad_ckpt, layer0_at_suffix=_layer0_hooked(units, table, grad_ckpt))
+                  recompute=grad_ckpt, layer0_at_suffix=_layer0_hooked(units, table, grad_ckpt),
+                  adapter_out_elem=autocast_elem)
     start = build.next_key
     steady_ops, _moved, steady_optimizer, steady_shards, steady_prefix = _step_ops(
         expansion, expansion.steady.ops, steady_marks, first=False, **common)
@@ -579,8 +637,35 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
     previous = [(FREE_PREVIOUS, t.key, t.size_index) for t in steady_shards]
     steady_ops[steady_prefix:steady_prefix] = previous
     step_keys = max(steady_keys, build.next_key)
+    first_at, steady_at = (first_optimizer[1] + len(lazy), steady_optimizer[0] + len(previous))
+    micro = None
+    if accumulating:
+        build.next_key = start  # a later micro-batch's tensors take the steady step's keys
+        middle, _moved, middle_optimizer, _shards, _prefix = _step_ops(
+            expansion, expansion.steady.ops, steady_marks, first=False, accumulating=True, **common)
+        step_keys = max(step_keys, build.next_key)
+        loss = steady_ops[steady_at:steady_optimizer[1] + len(previous)]
+        micro = _micro_steps(first_ops, first_at - len(loss), steady_ops, steady_at, middle[:middle_optimizer[0]],
+                             loss, {t.key for t in steady_shards})
     # kept to the next step: the shards, a manual loop's outputs
     return Fsdp1Step(expansion=method_expansion(
-        "fsdp1", expansion, first_ops, steady_ops, step_keys, first_moved,
-        (first_optimizer[1] + len(lazy), steady_optimizer[0] + len(previous)), grad_keys=frozenset()),
-        sizes=build.sizes)
+        "fsdp1", expansion, first_ops, steady_ops, step_keys, first_moved, (first_at, steady_at),
+        grad_keys=frozenset(), micro=micro), sizes=build.sizes)
+
+
+def _micro_steps(first_ops: list, first_end: int, steady_ops: list, steady_end: int, middle: list, loss: list,
+                 shards: set[int]) -> MicroSteps:
+    """Gradient accumulation with a reduce-scatter every micro-batch (``grad_sync`` every: no ``no_sync``), as
+    ``estimator.reserved.accumulate`` builds micro-steps, FSDP1's way: the cycle's first micro-batch keeps its new
+    shards as ``_saved_grad_shard`` (then ``.grad``: ``prepare_gradient_for_optim`` moves the tensor, the next
+    pre-backward moves it back), a later one adds its own into them (``_accumulate_sharded_grad``) and frees
+    them (``middle``: the steady step's forward and backward so built); the optimizer's ``zero_grad`` frees
+    nothing (the tensors' gradients view the shards), the next cycle's first root pre-forward drops them
+    (``FREE_PREVIOUS_CYCLE``). ``first_end`` / ``steady_end``: where each step's loss is freed, its optimizer
+    part begins."""
+    if sorted(first_ops[first_end:first_end + len(loss)]) != sorted(loss):
+        raise ExpansionError("fsdp1: the first step does not free the loss right before its optimizer step")
+    head = [(FREE_PREVIOUS_CYCLE, key, size) if kind == FREE_PREVIOUS and key in shards else (kind, key, size)
+            for kind, key, size in steady_ops[:steady_end]]
+    return MicroSteps(first_head=first_ops[:first_end], head=head, middle=middle, before_optimizer=loss,
+                      first_tail=first_ops[first_end:], tail=steady_ops[steady_end:])

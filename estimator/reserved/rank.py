@@ -22,7 +22,8 @@ from estimator.spec import FSDP_METHODS, ckpt_every
 # the buckets copied into only at the synchronising micro-step (no allocation); FSDP2 reduce-scatters every
 # micro-step, a later micro-step's output added into the sharded gradients and freed.
 # dp_tp: FSDP2 over the dp axis of the TP-local model (harness.fake.wrap), replayed as fsdp on dp ranks.
-# fsdp1: the default prefetching and use_orig_params, LoRA's adapter units (estimator.reserved.fsdp1), no accumulation.
+# fsdp1: the default prefetching and use_orig_params, LoRA's adapter units, accumulation reducing every micro-batch
+# (estimator.reserved.fsdp1).
 # zero1 / zero2: DeepSpeed's flat buffers, IPG bucket and partition step (estimator.reserved.zero), default stream.
 # zero3: the same on three streams, with the parameter coordinator's gathers (estimator.reserved.zero3).
 METHODS = ("single", "ddp", "tp", "fsdp", "dp_tp", "fsdp1", "zero1", "zero2", "zero3")
@@ -64,8 +65,9 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
         return f"{spec.parallel.method} on one GPU: no collectives"
     if spec.parallel.method == "fsdp1":
         reason = why_not_fsdp1(spec.parallel.fsdp1)
-        if reason is None and training.grad_accum_steps > 1:
-            reason = "fsdp1 with gradient accumulation: not modelled yet"
+        if (reason is None and training.grad_accum_steps > 1
+                and spec.parallel.fsdp1.sharding_strategy == "NO_SHARD"):
+            reason = "fsdp1 NO_SHARD with gradient accumulation: its kept whole gradients are not in the replay yet"
         if reason is None and training.qlora:
             reason = "fsdp1 with QLoRA: the packed weights' units are not in the replay yet"
         if reason is None and training.lora and spec.parallel.fsdp1.sharding_strategy not in ("FULL_SHARD",
@@ -179,10 +181,12 @@ def _fsdp1_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo]
                 base_size_index: int, rank: int) -> tuple[Expansion, list[int]]:
     training = spec.training
     key = ("fsdp1", id(expansion), id(table), spec.parallel.world_size, spec.parallel.fsdp1, training.precision,
-           training.optimizer, training.grad_ckpt, base_size_index, rank)
+           training.optimizer, training.grad_ckpt, training.grad_accum_steps > 1, training.forward_autocast,
+           base_size_index, rank)
+    autocast_elem = 2 if training.forward_autocast else None  # bf16 / fp16
     return _memo_step(key, expansion, table, lambda: fsdp1_step(
         expansion, table, fsdp1_sizes(spec, table, rank), training.optimizer, rank, base_size_index, num_layers,
-        events["polys"], training.grad_ckpt))
+        events["polys"], training.grad_ckpt, training.grad_accum_steps > 1, autocast_elem))
 
 
 def _elem16(table: list[ParamInfo]) -> int:

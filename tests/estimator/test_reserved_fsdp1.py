@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 from estimator import api  # noqa: E402
 from estimator.hardware.residuals import load_coefficients  # noqa: E402
 from estimator.reserved import rank as reserved_rank  # noqa: E402
-from estimator.reserved.timeline import INT64, step_requests  # noqa: E402
+from estimator.reserved.timeline import INT64, run_requests  # noqa: E402
 from estimator.spec import Fsdp1Spec, ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
 from tests.estimator.test_reserved_fsdp import (  # noqa: E402
     LLAMA,
@@ -42,7 +42,8 @@ def _spec(path: str, training: TrainingSpec, world: int, strategy: str = "FULL_S
 
 
 def _generated(path: str, training: TrainingSpec, world: int, rank: int, strategy: str) -> list[tuple]:
-    """Setup (without the host-to-device moves, which a CPU run does not make) and ``STEPS`` steps."""
+    """Setup (without the host-to-device moves, which a CPU run does not make) and ``STEPS`` optimizer steps of
+    ``training.grad_accum_steps`` micro-batches."""
     spec = _spec(path, training, world, strategy)
     arch, profile = api.load_model_profile(path, training)
     table, regime = api._param_table(profile, arch.num_layers), api._regime(profile, B, S)
@@ -58,9 +59,7 @@ def _generated(path: str, training: TrainingSpec, world: int, rank: int, strateg
         if not name.startswith(("buffers", "moved.")):
             out.append(("alloc", ("setup", i), nbytes, 0))
         out.extend(("free", ("setup", j)) for j in frees.get(i, ()) if not names[j].startswith("moved."))
-    for step in range(STEPS):
-        out += step_requests(plan, step, 0)
-    return out
+    return out + run_requests(plan, STEPS, training.grad_accum_steps)
 
 
 def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: str, keep_marks: bool = False
@@ -183,9 +182,30 @@ def test_lora_stream_equals_a_real_fsdp1_run(llama_path, precision, world, rank,
     _assert_same_runs(generated, real)
 
 
+@pytest.mark.parametrize("training, world, rank, strategy", [
+    (TrainingSpec(precision="mixed_bf16", grad_accum_steps=3), 2, 0, "FULL_SHARD"),
+    (TrainingSpec(precision="bf16", lora_rank=8, grad_ckpt=True, grad_accum_steps=2), 3, 2, "FULL_SHARD"),
+    pytest.param(TrainingSpec(precision="bf16", grad_accum_steps=2), 3, 2, "SHARD_GRAD_OP", marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="mixed_bf16", grad_ckpt=True, grad_accum_steps=2), 4, 3, "HYBRID_SHARD:2",
+                 marks=pytest.mark.slow),
+], ids=lambda v: str(v) if not isinstance(v, TrainingSpec) else
+   f"{v.precision}-lora{v.lora_rank}-ckpt{int(v.grad_ckpt)}-k{v.grad_accum_steps}")
+def test_gradient_accumulation_stream_equals_a_real_fsdp1_run(llama_path, training, world, rank, strategy):
+    """Three optimizer steps of k micro-batches, each reduce-scattering (``grad_sync`` every): the cycle's first
+    new shards are kept, a later micro-batch's are added into them and freed in its post-backward, the next cycle's
+    first root pre-forward drops them."""
+    training = dataclasses.replace(training, attn="eager", micro_batch_size=B, seq_len=S)
+    generated = _runs(_generated(llama_path, training, world, rank, strategy), True)
+    real = _runs(_in_fresh_process(_real_fsdp1_events, training, world, rank, strategy), False)
+    _assert_same_runs(generated, real)
+
+
 @pytest.mark.parametrize("training, world, strategy", [
     (TrainingSpec(precision="mixed_bf16"), 2, "FULL_SHARD"),
     (TrainingSpec(precision="bf16", lora_rank=8), 2, "FULL_SHARD"),
+    (TrainingSpec(precision="mixed_bf16", grad_accum_steps=2), 2, "FULL_SHARD"),
+    (TrainingSpec(precision="bf16", lora_rank=8, grad_ckpt=True, grad_accum_steps=3), 3, "FULL_SHARD"),
+    (TrainingSpec(precision="fp32", grad_accum_steps=4, loop="manual"), 4, "HYBRID_SHARD:2"),
     (TrainingSpec(precision="fp32", lora_rank=8, grad_ckpt=True), 3, "FULL_SHARD"),
     (TrainingSpec(precision="bf16"), 3, "FULL_SHARD"),
     (TrainingSpec(precision="fp32", grad_ckpt=True), 4, "FULL_SHARD"),
@@ -226,9 +246,10 @@ def test_other_fsdp1_settings_keep_the_prior(llama_path):
         est = api.estimate(spec, alloc_conf="")
         assert est.reserved_source == "prior"
         assert any(n.startswith("reserved: prior") and reason in n for n in est.notes)
-    accumulating = api.estimate(_spec(llama_path, dataclasses.replace(training, grad_accum_steps=2), 2),
+    accumulating = api.estimate(_spec(llama_path, dataclasses.replace(training, grad_accum_steps=2), 2, "NO_SHARD"),
                                 alloc_conf="")
     assert accumulating.reserved_source == "prior"
+    assert any(n.startswith("reserved: prior") and "accumulation" in n for n in accumulating.notes)
     lora = dataclasses.replace(training, precision="bf16", lora_rank=8)
     kept = api.estimate(_spec(llama_path, lora, 2, "SHARD_GRAD_OP"), alloc_conf="")
     assert kept.reserved_source == "prior"
