@@ -32,6 +32,9 @@ unit of its own inside its decoder layer's, which holds the frozen weights alone
 before their layer, lazily initialised after it, gathered around their forward output (and the recompute's),
 reduce-scattered as each gradient is made; the optimizer steps their pieces.
 
+Gradient accumulation reducing every micro-batch (``_micro_steps``): a later micro-batch's new shards are added
+into the kept ones and freed; the next cycle's first root pre-forward drops them.
+
 BACKWARD_PRE prefetching: the root's pre-backward unshards the last layer; each layer's pre-backward the one
 before it (with LoRA: its last adapter; the first adapter's the layer before). Frees made with ``record_stream`` are taken as complete at the next allocation (the GPU keeping up
 with the CPU); ``limit_all_gathers`` bounds how far ahead it can run (docs/allocator.md).
@@ -43,7 +46,7 @@ from dataclasses import dataclass
 
 from estimator.methods.fsdp1 import FlatUnit, Fsdp1Sizes, flat_layout, shard_pieces
 from estimator.models.params import ParamInfo
-from estimator.reserved.accumulate import FREE_PREVIOUS_CYCLE, MicroSteps
+from estimator.reserved.accumulate import FREE_CYCLE, FREE_PREVIOUS_CYCLE, MicroSteps
 from estimator.reserved.expand import (
     ALLOC,
     FREE,
@@ -64,6 +67,11 @@ from estimator.reserved.fsdp import (
 from estimator.reserved.timeline import Setup, model_order
 
 PRE_UNSHARD, UNSHARD, POST_BACKWARD = 3, 4, 5  # allocator streams (0 the default; FSDP2's are 1 and 2)
+# Which micro-batch a post-backward belongs to: no accumulation (or a cycle's first, reducing every micro-batch);
+# a later one reducing every micro-batch (its new shards added into the kept ones); under no_sync the cycle's
+# first (its flat gradients held), a middle one (added into them), the last (the held ones reduced)
+SYNC, ADD_SHARD, HOLD, HOLD_ADD, REDUCE_HELD = "sync", "add_shard", "hold", "hold_add", "reduce_held"
+MICRO_BATCHES = (SYNC, ADD_SHARD, HOLD, HOLD_ADD, REDUCE_HELD)
 
 
 def why_not_fsdp1(options) -> str | None:
@@ -178,10 +186,13 @@ def _lazy_init_order(units: dict, num_layers: int) -> list:
 class _Step(BufferOps):
     """One step's FSDP1 tensors and the ops that make and free them."""
 
-    def __init__(self, build: _Builder, units: dict, grads: dict, accumulating: bool = False) -> None:
+    def __init__(self, build: _Builder, units: dict, grads: dict, micro: str = SYNC, held: dict | None = None,
+                 unit_pieces: dict | None = None) -> None:
         super().__init__(build)
         self.units, self.grads = units, grads
-        self.accumulating = accumulating  # a micro-batch after the cycle's first: the new shards are added
+        self.unit_pieces = unit_pieces or {}  # unit -> bytes of each tensor's piece of this rank's shard
+        self.micro = micro  # MICRO_BATCHES
+        self.held: dict = dict(held or {})  # unit -> its unsharded flat gradient held under no_sync
         self.unsharded: dict = {}      # unit -> padded unsharded flat parameter
         self.grad_shards: dict = {}    # unit -> new shard (the sharded gradient)
 
@@ -220,6 +231,17 @@ class _Step(BufferOps):
         for tensor in zeros:
             self._free(out, tensor)
         self.reshard(out, g)
+        if self.micro == HOLD:  # no_sync: the flat gradient stays the flat parameter's .grad
+            self.held[g] = flat_grad
+            # ``_use_unsharded_grad_views``: a tensor without a gradient gets ``empty_like`` of its (sharded) self
+            # before its ``.grad.data`` is pointed at its view of the flat gradient
+            for nbytes in self.unit_pieces.get(g, ()):
+                if nbytes:
+                    self._free(out, self._alloc(out, nbytes))
+            return
+        if self.micro == HOLD_ADD:  # added into the held one; autograd drops it once the hooks are done
+            self._free(out, flat_grad)
+            return
         # the use_orig_params layout already divides by the shard group: no F.pad before the reduce-scatter
         cast = (self._alloc(out, flat.numel * flat.reduce_elem, POST_BACKWARD)
                 if flat.reduce_elem != flat.compute_elem else None)
@@ -227,12 +249,17 @@ class _Step(BufferOps):
             self._keep_whole_grad(out, g, flat_grad, cast)
             return
         # the reduce dtype is the shards' (fp32 under mixed precision), so the new shard is kept as it is; a later
-        # micro-batch's is added into the saved one in place and goes as ``_reduce_grad`` returns
+        # micro-batch's is added into the saved one in place and goes as ``_reduce_grad`` returns. After no_sync the
+        # held gradient (this micro-batch's added into it) is reduced; this micro-batch's stays referenced by
+        # autograd until the hook returns
         new_shard = self._alloc(out, flat.shard_numel * flat.reduce_elem, POST_BACKWARD)
         self.grad_shards[g] = new_shard
-        for tensor in (cast, flat_grad, new_shard if self.accumulating else None):
+        for tensor in (cast, flat_grad, new_shard if self.micro == ADD_SHARD else None):
             if tensor is not None:
                 self._free(out, tensor)
+        if self.micro == REDUCE_HELD:
+            held = self.held.pop(g)
+            out.append((FREE_CYCLE, held.key, held.size_index))
 
     def _keep_whole_grad(self, out: list, g, flat_grad, cast) -> None:
         """NO_SHARD's ``_reduce_grad_no_shard``, on the post-backward stream: the all-reduce is in place on the
@@ -523,15 +550,16 @@ def _adapter_grads(grads: dict, units: dict) -> dict:
 def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, units: dict, table: list,
               optimizer: str, first: bool, num_layers: int, scalar: set[int], pieces: list[int],
               reshard_after_forward: bool, polys: list, recompute: bool, layer0_at_suffix: bool,
-              adapter_out_elem: int | None, accumulating: bool = False
-              ) -> tuple[list, dict[int, int], tuple[int, int], list, int]:
+              adapter_out_elem: int | None, unit_pieces: dict, micro: str = SYNC, held: dict | None = None
+              ) -> tuple[list, dict[int, int], tuple[int, int], list, int, dict]:
     """The FSDP1 step's ops, where each old op index went, where its optimizer part begins (before and after the
     loss is freed), the gradient shards (the next step's root pre-forward frees them) and where the root's
     pre-forward begins. ``recompute``: checkpointing re-runs each layer's forward (its adapters') in backward.
-    ``accumulating``: a micro-batch after its cycle's first (``_Step.accumulating``)."""
+    ``micro``: which micro-batch of an accumulation cycle (``MICRO_BATCHES``), ``held``: the flat gradients the
+    cycle's first kept under no_sync; the flat gradients this one holds are returned last."""
     layer_grads = {g: list(keys) for g, keys in _grads_by_group(expansion, ops, table).items()}
     summed = _summed_grad_keys(layer_grads, table)
-    step = _Step(build, units, _adapter_grads(layer_grads, units), accumulating)
+    step = _Step(build, units, _adapter_grads(layer_grads, units), micro, held, unit_pieces)
     grad_keys = expansion.grad_keys
     cut, at_mark, seed = boundary_marks(ops, marks, scalar)
     before, after, moved_frees = _adapter_events(ops, cut, at_mark, units, layer_grads, polys, recompute,
@@ -571,7 +599,7 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
     if step.unsharded:
         raise ExpansionError("fsdp1: unsharded flat parameters left at the end of the step")
     shards = [step.grad_shards[g] for g in _lazy_init_order(units, num_layers) if g in step.grad_shards]
-    return out, moved, (optimizer_at, loss_freed_at), shards, prefix_at[0]
+    return out, moved, (optimizer_at, loss_freed_at), shards, prefix_at[0], step.held
 
 
 def _layer0_hooked(units: dict, table: list[ParamInfo], grad_ckpt: bool) -> bool:
@@ -594,9 +622,11 @@ def _shifted(moved: dict[int, int], at: int, by: int) -> dict[int, int]:
 
 def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, optimizer: str, rank: int,
                base_size_index: int, num_layers: int, polys: list, grad_ckpt: bool = False,
-               accumulating: bool = False, autocast_elem: int | None = None) -> Fsdp1Step:
+               accumulating: bool = False, autocast_elem: int | None = None, grad_sync: str = "every"
+               ) -> Fsdp1Step:
     """The expansion with FSDP1's events; the new tensors' sizes take indices from ``base_size_index`` on;
-    ``accumulating``: with the micro-steps of gradient accumulation (``_micro_steps``); ``autocast_elem``: the
+    ``accumulating``: with the micro-steps of gradient accumulation (``_micro_steps``, ``grad_sync`` last:
+    ``_no_sync_micro_steps``); ``autocast_elem``: the
     forward's autocast dtype's bytes, None without. ExpansionError where the step cannot be built."""
     if optimizer not in OPTIMIZERS:
         raise ExpansionError(f"fsdp1: the {optimizer} optimizer's step over shards is not modelled")
@@ -607,11 +637,14 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
     if any(not units[layer].params for layer in range(num_layers)) or not units["root"].params:
         raise ExpansionError("fsdp1: a decoder layer or the root holds no parameters")
     piece_of: dict[str, int] = {}
-    for unit in units.values():
+    unit_pieces: dict = {}
+    for g, unit in units.items():
         # the rank's place in its shard group (HYBRID_SHARD: within the node)
         shard_rank = rank % unit.flat.world
-        for p, n in zip(unit.params, shard_pieces(unit.params, unit.offsets, unit.flat.shard_numel, shard_rank)):
-            piece_of[p.name] = n * unit.flat.param_elem
+        pieces = shard_pieces(unit.params, unit.offsets, unit.flat.shard_numel, shard_rank)
+        piece_of.update((p.name, n * unit.flat.param_elem) for p, n in zip(unit.params, pieces))
+        unit_pieces[g] = [0 if _grad_view_fits(p, n, unit.flat) else n * unit.flat.param_elem
+                          for p, n in zip(unit.params, pieces)]
     pieces = [piece_of[p.name] for p in model_order(table) if p.trainable and piece_of[p.name]]
     build = _Builder(expansion.steady.keys, base_size_index)
     first_marks, steady_marks = expansion.marks
@@ -619,13 +652,13 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
     common = dict(build=build, units=units, table=table, optimizer=optimizer, num_layers=num_layers,
                   scalar=scalar, pieces=pieces, reshard_after_forward=sizes.frees_after_forward, polys=polys,
                   recompute=grad_ckpt, layer0_at_suffix=_layer0_hooked(units, table, grad_ckpt),
-                  adapter_out_elem=autocast_elem)
+                  adapter_out_elem=autocast_elem, unit_pieces=unit_pieces)
     start = build.next_key
-    steady_ops, _moved, steady_optimizer, steady_shards, steady_prefix = _step_ops(
+    steady_ops, _moved, steady_optimizer, steady_shards, steady_prefix, _held = _step_ops(
         expansion, expansion.steady.ops, steady_marks, first=False, **common)
     steady_keys = build.next_key
     build.next_key = start  # the first step's tensors take the same keys in the same order
-    first_ops, first_moved, first_optimizer, first_shards, first_prefix = _step_ops(
+    first_ops, first_moved, first_optimizer, first_shards, first_prefix, _held = _step_ops(
         expansion, expansion.first.ops, first_marks, first=True, **common)
     if [t.key for t in first_shards] != [t.key for t in steady_shards]:
         raise ExpansionError("fsdp1: the gradient shards of the first and the steady step differ")
@@ -639,10 +672,13 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
     step_keys = max(steady_keys, build.next_key)
     first_at, steady_at = (first_optimizer[1] + len(lazy), steady_optimizer[0] + len(previous))
     micro = None
-    if accumulating:
+    if accumulating and grad_sync == "last":
+        micro, keys = _no_sync_micro_steps(expansion, build, start, common, lazy)
+        step_keys = max(step_keys, keys)
+    elif accumulating:
         build.next_key = start  # a later micro-batch's tensors take the steady step's keys
-        middle, _moved, middle_optimizer, _shards, _prefix = _step_ops(
-            expansion, expansion.steady.ops, steady_marks, first=False, accumulating=True, **common)
+        middle, _moved, middle_optimizer, _shards, _prefix, _held = _step_ops(
+            expansion, expansion.steady.ops, steady_marks, first=False, micro=ADD_SHARD, **common)
         step_keys = max(step_keys, build.next_key)
         loss = steady_ops[steady_at:steady_optimizer[1] + len(previous)]
         micro = _micro_steps(first_ops, first_at - len(loss), steady_ops, steady_at, middle[:middle_optimizer[0]],
@@ -651,6 +687,49 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
     return Fsdp1Step(expansion=method_expansion(
         "fsdp1", expansion, first_ops, steady_ops, step_keys, first_moved, (first_at, steady_at),
         grad_keys=frozenset(), micro=micro), sizes=build.sizes)
+
+
+def _grad_view_fits(p: ParamInfo, piece_numel: int, flat: FlatUnit) -> bool:
+    """Whether ``_use_unsharded_grad_views`` can make the tensor's view of the flat gradient its ``.grad`` as it
+    is: its sharded self (a 1-D slice of the shard) has the view's shape (a 1-D tensor wholly in this rank's
+    shard) and dtype (no mixed precision); else it is given ``empty_like`` itself first."""
+    return len(p.shape) == 1 and piece_numel == p.numel and flat.param_elem == flat.compute_elem
+
+
+def _no_sync_micro_steps(expansion: Expansion, build: _Builder, start: int, common: dict, lazy: list
+                         ) -> tuple[MicroSteps, int]:
+    """Gradient accumulation under ``no_sync()`` on every micro-batch but the last (``grad_sync`` last: what the HF
+    Trainer and accelerate run), and the keys a micro-step uses. The post-backward hook reshards and returns
+    (``_post_backward_hook``: ``not state._sync_gradients``): the cycle's first micro-batch keeps each flat
+    gradient as the flat parameter's ``.grad`` (on the unshard stream, where autograd made it), a middle one's is
+    added into it (``AccumulateGrad``) and dropped once the hooks are done, the last reduces the held one (this
+    micro-batch's added into it, kept referenced by autograd until the hook returns) into new shards, which
+    the next cycle's first root pre-forward drops."""
+    first_marks, steady_marks = expansion.marks
+    keys: list[int] = []
+
+    def built(ops: list, marks: tuple, first: bool, micro: str, held: dict | None = None) -> tuple:
+        build.next_key = start  # every micro-step's tensors take keys in the same range
+        result = _step_ops(expansion, ops, marks, first=first, micro=micro, held=held, **common)
+        keys.append(build.next_key)
+        return result
+    first_head, _moved, first_optimizer, _shards, first_prefix, first_held = built(
+        expansion.first.ops, first_marks, True, HOLD)
+    first_head[first_prefix:first_prefix] = lazy
+    head, _moved, head_optimizer, _shards, head_prefix, held = built(expansion.steady.ops, steady_marks, False, HOLD)
+    if [t.key for t in first_held.values()] != [t.key for t in held.values()]:
+        raise ExpansionError("fsdp1: the held flat gradients of the first and the steady step differ")
+    middle, _moved, middle_optimizer, *_rest = built(expansion.steady.ops, steady_marks, False, HOLD_ADD)
+    last, _moved, last_optimizer, shards, *_rest = built(expansion.steady.ops, steady_marks, False, REDUCE_HELD, held)
+    first_last, _moved, first_last_optimizer, *_rest = built(expansion.steady.ops, steady_marks, True, REDUCE_HELD,
+                                                            held)
+    # the previous cycle's shards go at the root's pre-forward (``_clear_grads_if_needed``)
+    head[head_prefix:head_prefix] = [(FREE_PREVIOUS, t.key, t.size_index) for t in shards]
+    loss_at, loss_freed_at = last_optimizer
+    return MicroSteps(first_head=first_head[:first_optimizer[0] + len(lazy)],
+                      head=head[:head_optimizer[0] + len(shards)], middle=middle[:middle_optimizer[0]],
+                      before_optimizer=last[loss_at:loss_freed_at], first_tail=first_last[first_last_optimizer[0]:],
+                      tail=last[loss_at:], last=last[:loss_at]), max(keys)
 
 
 def _micro_steps(first_ops: list, first_end: int, steady_ops: list, steady_end: int, middle: list, loss: list,

@@ -58,7 +58,7 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
         return "the profile has no event list (traced before event lists were kept)"
     if events.get("optimizer") != training.optimizer:
         return f"the profile's optimizer step was traced with {events.get('optimizer')}, not {training.optimizer}"
-    if (spec.parallel.method in FSDP_METHODS and training.grad_accum_steps > 1
+    if (spec.parallel.method in FSDP_METHODS and spec.parallel.method != "fsdp1" and training.grad_accum_steps > 1
             and training.grad_sync == "last"):
         return "FSDP holding unsharded gradients between micro-batches (grad_sync last): not in the replay yet"
     if spec.parallel.method in ("fsdp", "fsdp1") and spec.parallel.world_size < 2:
@@ -68,6 +68,10 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
         if (reason is None and training.grad_accum_steps > 1
                 and spec.parallel.fsdp1.sharding_strategy == "NO_SHARD"):
             reason = "fsdp1 NO_SHARD with gradient accumulation: its kept whole gradients are not in the replay yet"
+        if (reason is None and training.grad_accum_steps > 1 and training.grad_sync == "last"
+                and spec.parallel.fsdp1.sharding_strategy == "SHARD_GRAD_OP"):
+            reason = ("fsdp1 SHARD_GRAD_OP under no_sync (grad_sync last): the layers kept unsharded between "
+                      "micro-batches are not in the replay yet")
         if reason is None and training.qlora:
             reason = "fsdp1 with QLoRA: the packed weights' units are not in the replay yet"
         if reason is None and training.lora and spec.parallel.fsdp1.sharding_strategy not in ("FULL_SHARD",
@@ -181,12 +185,12 @@ def _fsdp1_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo]
                 base_size_index: int, rank: int) -> tuple[Expansion, list[int]]:
     training = spec.training
     key = ("fsdp1", id(expansion), id(table), spec.parallel.world_size, spec.parallel.fsdp1, training.precision,
-           training.optimizer, training.grad_ckpt, training.grad_accum_steps > 1, training.forward_autocast,
-           base_size_index, rank)
+           training.optimizer, training.grad_ckpt, training.grad_accum_steps > 1, training.grad_sync,
+           training.forward_autocast, base_size_index, rank)
     autocast_elem = 2 if training.forward_autocast else None  # bf16 / fp16
     return _memo_step(key, expansion, table, lambda: fsdp1_step(
         expansion, table, fsdp1_sizes(spec, table, rank), training.optimizer, rank, base_size_index, num_layers,
-        events["polys"], training.grad_ckpt, training.grad_accum_steps > 1, autocast_elem))
+        events["polys"], training.grad_ckpt, training.grad_accum_steps > 1, autocast_elem, training.grad_sync))
 
 
 def _elem16(table: list[ParamInfo]) -> int:

@@ -2,6 +2,7 @@
 process group (built as the harness builds it: the model on the host, ``FullyShardedDataParallel`` per decoder
 layer then the root), event for event; its allocated level against the estimator's."""
 
+import contextlib
 import dataclasses
 import json
 
@@ -107,9 +108,12 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
                 model = wrap_model(model, spec, mesh, LLAMA, fake=True, device="cpu")
                 optimizer = build_method_optimizer(model, spec)
                 for _ in range(STEPS):
-                    for _micro in range(training.grad_accum_steps):
+                    for micro in range(training.grad_accum_steps):
                         batch = build.synthetic_batch(B, S, 1000)
-                        build.forward_backward(model, batch, training, held=held)
+                        # grad_sync last: no_sync() on every micro-batch but the last, as accelerate runs it
+                        unsynced = training.grad_sync == "last" and micro < training.grad_accum_steps - 1
+                        with model.no_sync() if unsynced else contextlib.nullcontext():
+                            build.forward_backward(model, batch, training, held=held)
                     rec.mark("optimizer")
                     optimizer.step()
                     rec.mark("zero_grad")
@@ -188,12 +192,22 @@ def test_lora_stream_equals_a_real_fsdp1_run(llama_path, precision, world, rank,
     pytest.param(TrainingSpec(precision="bf16", grad_accum_steps=2), 3, 2, "SHARD_GRAD_OP", marks=pytest.mark.slow),
     pytest.param(TrainingSpec(precision="mixed_bf16", grad_ckpt=True, grad_accum_steps=2), 4, 3, "HYBRID_SHARD:2",
                  marks=pytest.mark.slow),
+    # no_sync on all but the last micro-batch (accelerate's and the HF Trainer's way)
+    (TrainingSpec(precision="mixed_bf16", grad_accum_steps=3, grad_sync="last"), 2, 0, "FULL_SHARD"),
+    pytest.param(TrainingSpec(precision="bf16", grad_accum_steps=2, grad_sync="last"), 2, 0, "FULL_SHARD",
+                 marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="fp32", grad_ckpt=True, grad_accum_steps=2, grad_sync="last"), 3, 2,
+                 "FULL_SHARD", marks=pytest.mark.slow),  # 1-D tensors wholly in the shard: their views as they are
+    pytest.param(TrainingSpec(precision="mixed_bf16", grad_ckpt=True, grad_accum_steps=2, grad_sync="last"), 4, 3,
+                 "HYBRID_SHARD:2", marks=pytest.mark.slow),
 ], ids=lambda v: str(v) if not isinstance(v, TrainingSpec) else
-   f"{v.precision}-lora{v.lora_rank}-ckpt{int(v.grad_ckpt)}-k{v.grad_accum_steps}")
+   f"{v.precision}-lora{v.lora_rank}-ckpt{int(v.grad_ckpt)}-k{v.grad_accum_steps}-{v.grad_sync}")
 def test_gradient_accumulation_stream_equals_a_real_fsdp1_run(llama_path, training, world, rank, strategy):
-    """Three optimizer steps of k micro-batches, each reduce-scattering (``grad_sync`` every): the cycle's first
-    new shards are kept, a later micro-batch's are added into them and freed in its post-backward, the next cycle's
-    first root pre-forward drops them."""
+    """Three optimizer steps of k micro-batches. ``grad_sync`` every (each micro-batch reduce-scatters): the
+    cycle's first new shards are kept, a later micro-batch's are added into them and freed in its post-backward,
+    the next cycle's first root pre-forward drops them. ``grad_sync`` last (``no_sync()`` but on the last): the
+    flat gradients are held from the cycle's first micro-batch (each tensor without a gradient given
+    ``empty_like`` itself before its view), a middle one's added and dropped, the last reduces them."""
     training = dataclasses.replace(training, attn="eager", micro_batch_size=B, seq_len=S)
     generated = _runs(_generated(llama_path, training, world, rank, strategy), True)
     real = _runs(_in_fresh_process(_real_fsdp1_events, training, world, rank, strategy), False)
@@ -206,6 +220,8 @@ def test_gradient_accumulation_stream_equals_a_real_fsdp1_run(llama_path, traini
     (TrainingSpec(precision="mixed_bf16", grad_accum_steps=2), 2, "FULL_SHARD"),
     (TrainingSpec(precision="bf16", lora_rank=8, grad_ckpt=True, grad_accum_steps=3), 3, "FULL_SHARD"),
     (TrainingSpec(precision="fp32", grad_accum_steps=4, loop="manual"), 4, "HYBRID_SHARD:2"),
+    (TrainingSpec(precision="mixed_bf16", grad_accum_steps=3, grad_sync="last"), 2, "FULL_SHARD"),
+    (TrainingSpec(precision="bf16", grad_accum_steps=2, grad_sync="last", loop="manual"), 4, "HYBRID_SHARD:2"),
     (TrainingSpec(precision="fp32", lora_rank=8, grad_ckpt=True), 3, "FULL_SHARD"),
     (TrainingSpec(precision="bf16"), 3, "FULL_SHARD"),
     (TrainingSpec(precision="fp32", grad_ckpt=True), 4, "FULL_SHARD"),
@@ -250,6 +266,10 @@ def test_other_fsdp1_settings_keep_the_prior(llama_path):
                                 alloc_conf="")
     assert accumulating.reserved_source == "prior"
     assert any(n.startswith("reserved: prior") and "accumulation" in n for n in accumulating.notes)
+    unsynced = api.estimate(_spec(llama_path, dataclasses.replace(training, grad_accum_steps=2, grad_sync="last"), 2,
+                                  "SHARD_GRAD_OP"), alloc_conf="")
+    assert unsynced.reserved_source == "prior"
+    assert any(n.startswith("reserved: prior") and "no_sync" in n for n in unsynced.notes)
     lora = dataclasses.replace(training, precision="bf16", lora_rank=8)
     kept = api.estimate(_spec(llama_path, lora, 2, "SHARD_GRAD_OP"), alloc_conf="")
     assert kept.reserved_source == "prior"
