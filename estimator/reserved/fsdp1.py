@@ -33,7 +33,8 @@ before their layer, lazily initialised after it, gathered around their forward o
 reduce-scattered as each gradient is made; the optimizer steps their pieces.
 
 Gradient accumulation reducing every micro-batch (``_micro_steps``): a later micro-batch's new shards are added
-into the kept ones and freed; the next cycle's first root pre-forward drops them.
+into the kept ones and freed; the next cycle's first root pre-forward drops them. Under ``no_sync()``
+(``_no_sync_micro_steps``) the flat gradients are held from the cycle's first micro-batch and reduced by the last.
 
 BACKWARD_PRE prefetching: the root's pre-backward unshards the last layer; each layer's pre-backward the one
 before it (with LoRA: its last adapter; the first adapter's the layer before). Frees made with ``record_stream`` are taken as complete at the next allocation (the GPU keeping up

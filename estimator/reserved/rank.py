@@ -22,8 +22,8 @@ from estimator.spec import FSDP_METHODS, ckpt_every
 # the buckets copied into only at the synchronising micro-step (no allocation); FSDP2 reduce-scatters every
 # micro-step, a later micro-step's output added into the sharded gradients and freed.
 # dp_tp: FSDP2 over the dp axis of the TP-local model (harness.fake.wrap), replayed as fsdp on dp ranks.
-# fsdp1: the default prefetching and use_orig_params, LoRA's adapter units, accumulation reducing every micro-batch
-# (estimator.reserved.fsdp1).
+# fsdp1: the default prefetching and use_orig_params, LoRA's adapter units, accumulation (reducing every micro-batch
+# or under no_sync) (estimator.reserved.fsdp1).
 # zero1 / zero2: DeepSpeed's flat buffers, IPG bucket and partition step (estimator.reserved.zero), default stream.
 # zero3: the same on three streams, with the parameter coordinator's gathers (estimator.reserved.zero3).
 METHODS = ("single", "ddp", "tp", "fsdp", "dp_tp", "fsdp1", "zero1", "zero2", "zero3")
