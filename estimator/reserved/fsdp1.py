@@ -594,7 +594,8 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
         out.append(seed_free)
     optimizer_at = moved[cut] = len(out)
     made = {op[1] for op in ops[:cut] if op[0] == ALLOC}
-    out.extend(op for op in ops[cut:] if op[0] == FREE and op[1] in made and op[1] not in grad_keys)
+    out.extend(op for op in ops[cut:]
+               if op[0] == FREE and op[1] in made and op[1] not in grad_keys and op[1] not in moved_frees)
     loss_freed_at = len(out)
     step.adamw(out, pieces, first, optimizer)  # the tensors' pieces of the shards, parameter order
     if step.unsharded:
