@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from estimator.reserved.expand import FREE, Expansion, ExpansionError, stream_of
 
 FREE_CYCLE = 3  # free a gradient the cycle's first micro-step allocated
+# free a tensor the previous cycle's first micro-step allocated: FSDP1's sharded gradients, which the next cycle's
+# first forward drops (``_clear_grads_if_needed``; ``estimator.reserved.fsdp1``)
+FREE_PREVIOUS_CYCLE = 4
 
 
 @dataclass(frozen=True)
@@ -39,10 +42,13 @@ class MicroSteps:
     first_tail: list    # the loss freed, the run's first optimizer step (Adam creates its states), gradients
                         # freed as FREE_CYCLE
     tail: list          # every later optimizer step
+    last: list | None = None  # a cycle's last micro-step's forward and backward where it differs from ``middle``
+                              # (FSDP1 reducing after no_sync: ``estimator.reserved.fsdp1``)
 
     def ops(self, cycle: int, micro: int, k: int) -> list:
         """Micro-step ``micro`` (0-based) of cycle ``cycle`` of ``k`` micro-steps each."""
-        body = (self.first_head if cycle == 0 else self.head) if micro == 0 else self.middle
+        body = ((self.first_head if cycle == 0 else self.head) if micro == 0
+                else self.last if micro == k - 1 and self.last is not None else self.middle)
         if micro < k - 1:
             return body + self.before_optimizer
         return body + (self.first_tail if cycle == 0 else self.tail)

@@ -27,8 +27,17 @@ process group, event for event (``tests/estimator/test_reserved_fsdp1.py``). Per
   the first step, one ``sqrt`` temporary per piece, freed last to first); ``zero_grad`` frees nothing (the
   tensors' gradients view the flat gradient), the next forward's root pre-forward drops the flat gradients.
 
+LoRA (peft's ``fsdp_auto_wrap_policy``, what the HF Trainer gives a PEFT model): each lora_A / lora_B weight is a
+unit of its own inside its decoder layer's, which holds the frozen weights alone (``_adapter_events``): set up
+before their layer, lazily initialised after it, gathered around their forward output (and the recompute's),
+reduce-scattered as each gradient is made; the optimizer steps their pieces.
+
+Gradient accumulation reducing every micro-batch (``_micro_steps``): a later micro-batch's new shards are added
+into the kept ones and freed; the next cycle's first root pre-forward drops them. Under ``no_sync()``
+(``_no_sync_micro_steps``) the flat gradients are held from the cycle's first micro-batch and reduced by the last.
+
 BACKWARD_PRE prefetching: the root's pre-backward unshards the last layer; each layer's pre-backward the one
-before it. Frees made with ``record_stream`` are taken as complete at the next allocation (the GPU keeping up
+before it (with LoRA: its last adapter; the first adapter's the layer before). Frees made with ``record_stream`` are taken as complete at the next allocation (the GPU keeping up
 with the CPU); ``limit_all_gathers`` bounds how far ahead it can run (docs/allocator.md).
 """
 
@@ -38,6 +47,7 @@ from dataclasses import dataclass
 
 from estimator.methods.fsdp1 import FlatUnit, Fsdp1Sizes, flat_layout, shard_pieces
 from estimator.models.params import ParamInfo
+from estimator.reserved.accumulate import FREE_CYCLE, FREE_PREVIOUS_CYCLE, MicroSteps
 from estimator.reserved.expand import (
     ALLOC,
     FREE,
@@ -58,6 +68,11 @@ from estimator.reserved.fsdp import (
 from estimator.reserved.timeline import Setup, model_order
 
 PRE_UNSHARD, UNSHARD, POST_BACKWARD = 3, 4, 5  # allocator streams (0 the default; FSDP2's are 1 and 2)
+# Which micro-batch a post-backward belongs to: no accumulation (or a cycle's first, reducing every micro-batch);
+# a later one reducing every micro-batch (its new shards added into the kept ones); under no_sync the cycle's
+# first (its flat gradients held), a middle one (added into them), the last (the held ones reduced)
+SYNC, ADD_SHARD, HOLD, HOLD_ADD, REDUCE_HELD = "sync", "add_shard", "hold", "hold_add", "reduce_held"
+MICRO_BATCHES = (SYNC, ADD_SHARD, HOLD, HOLD_ADD, REDUCE_HELD)
 
 
 def why_not_fsdp1(options) -> str | None:
@@ -93,27 +108,46 @@ class _Unit:
         return self.flat.shard_numel * self.flat.world * self.flat.compute_elem
 
 
+def _adapter(layer: int, index: int) -> tuple:
+    """The unit key of a decoder layer's ``index``-th adapter weight (peft's ``fsdp_auto_wrap_policy``)."""
+    return ("adapter", layer, index)
+
+
+def _adapters_of(units: dict, layer: int) -> list[tuple]:
+    """The layer's adapter units in registration (= forward) order."""
+    return [g for g in units if isinstance(g, tuple) and g[1] == layer]
+
+
 def _units(table: list[ParamInfo], num_layers: int, sizes: Fsdp1Sizes) -> dict:
     """Unit -> _Unit: every decoder layer (its tensors in table order) and the root (the rest, registration
-    order)."""
+    order); with LoRA each adapter weight its own unit (``_adapter``) and the layer its frozen tensors alone."""
     aligned = sizes.options.use_orig_params
+    lora = bool(sizes.adapters)
 
     def unit(params: list[ParamInfo], flat: FlatUnit) -> _Unit:
         offsets, paddings, _total = flat_layout(params, flat.world, flat.compute_elem, aligned)
         return _Unit(params, flat, sizes.mixed, tuple(paddings), tuple(offsets), sizes.sharded)
     units = {"root": unit([p for p in model_order(table) if p.layer is None], sizes.root)}
     for layer in range(num_layers):
-        units[layer] = unit([p for p in table if p.layer == layer], sizes.layer)
+        params = [p for p in table if p.layer == layer]
+        units[layer] = unit([p for p in params if not (lora and p.trainable)], sizes.layer)
+        adapters = [p for p in params if lora and p.trainable]
+        if len(adapters) != len(sizes.adapters):
+            raise ExpansionError(f"fsdp1: layer {layer}'s adapters differ from the sized layer's")
+        for index, (p, flat) in enumerate(zip(adapters, sizes.adapters)):
+            units[_adapter(layer, index)] = adapter = unit([p], flat)
+            if adapter.offsets[-1] + p.numel + sum(adapter.paddings) != flat.numel:
+                raise ExpansionError(f"fsdp1: {p.name} differs from the sized layer's adapter")
     return units
 
 
 def fsdp1_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: int, sizes: Fsdp1Sizes) -> Setup:
-    """Per unit in wrap order (layers, then the root): its tensors moved, the flat parameter, the shard; the moved
+    """Per unit in wrap order (``_wrap_order``): its tensors moved, the flat parameter, the shard; the moved
     tensors and the full flat parameter freed. Then the module buffers."""
     allocations: list[tuple[str, int]] = []
     frees: list[tuple[int, tuple[int, ...]]] = []
     units = _units(table, num_layers, sizes)
-    for name in [*range(num_layers), "root"]:
+    for name in _wrap_order(units, num_layers):
         unit = units[name]
         elem = unit.flat.param_elem
         first = len(allocations)
@@ -139,12 +173,27 @@ def fsdp1_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: in
     return Setup(allocations, [], [], frees_after=tuple(frees))
 
 
+def _wrap_order(units: dict, num_layers: int) -> list:
+    """The order the auto-wrap policy makes the units (a post-order walk: a layer's adapters before the layer,
+    the root last)."""
+    return [*(g for layer in range(num_layers) for g in (*_adapters_of(units, layer), layer)), "root"]
+
+
+def _lazy_init_order(units: dict, num_layers: int) -> list:
+    """``_all_fsdp_states``' order (a pre-order walk): the root, then each layer before its adapters."""
+    return ["root", *(g for layer in range(num_layers) for g in (layer, *_adapters_of(units, layer)))]
+
+
 class _Step(BufferOps):
     """One step's FSDP1 tensors and the ops that make and free them."""
 
-    def __init__(self, build: _Builder, units: dict, grads: dict) -> None:
+    def __init__(self, build: _Builder, units: dict, grads: dict, micro: str = SYNC, held: dict | None = None,
+                 unit_pieces: dict | None = None) -> None:
         super().__init__(build)
         self.units, self.grads = units, grads
+        self.unit_pieces = unit_pieces or {}  # unit -> bytes of each tensor's piece of this rank's shard
+        self.micro = micro  # MICRO_BATCHES
+        self.held: dict = dict(held or {})  # unit -> its unsharded flat gradient held under no_sync
         self.unsharded: dict = {}      # unit -> padded unsharded flat parameter
         self.grad_shards: dict = {}    # unit -> new shard (the sharded gradient)
 
@@ -154,6 +203,16 @@ class _Step(BufferOps):
             self.unsharded[g] = self._alloc(out, unit.mp_bytes, PRE_UNSHARD) if unit.mp_bytes else None
             return
         self.unsharded[g] = self._staged(out, (unit.mp_bytes, PRE_UNSHARD), unit.unsharded_bytes, UNSHARD)
+
+    @staticmethod
+    def emit(out: list, op: tuple) -> None:
+        """An op of the event list, moved here."""
+        out.append(op)
+
+    def unshard_once(self, out: list, g) -> None:
+        """``_unshard`` where the unit is not unsharded yet (an adapter prefetched, or resharded since)."""
+        if g not in self.unsharded:
+            self.unshard(out, g)
 
     def reshard(self, out: list, g) -> None:
         tensor = self.unsharded.pop(g)
@@ -173,17 +232,35 @@ class _Step(BufferOps):
         for tensor in zeros:
             self._free(out, tensor)
         self.reshard(out, g)
+        if self.micro == HOLD:  # no_sync: the flat gradient stays the flat parameter's .grad
+            self.held[g] = flat_grad
+            # ``_use_unsharded_grad_views``: a tensor without a gradient gets ``empty_like`` of its (sharded) self
+            # before its ``.grad.data`` is pointed at its view of the flat gradient
+            for nbytes in self.unit_pieces.get(g, ()):
+                if nbytes:
+                    self._free(out, self._alloc(out, nbytes))
+            return
+        if self.micro == HOLD_ADD:  # added into the held one; autograd drops it once the hooks are done
+            self._free(out, flat_grad)
+            return
         # the use_orig_params layout already divides by the shard group: no F.pad before the reduce-scatter
         cast = (self._alloc(out, flat.numel * flat.reduce_elem, POST_BACKWARD)
                 if flat.reduce_elem != flat.compute_elem else None)
         if not unit.sharded:
             self._keep_whole_grad(out, g, flat_grad, cast)
             return
-        # the reduce dtype is the shards' (fp32 under mixed precision), so the new shard is kept as it is
-        self.grad_shards[g] = self._alloc(out, flat.shard_numel * flat.reduce_elem, POST_BACKWARD)
-        for tensor in (cast, flat_grad):
+        # the reduce dtype is the shards' (fp32 under mixed precision), so the new shard is kept as it is; a later
+        # micro-batch's is added into the saved one in place and goes as ``_reduce_grad`` returns. After no_sync the
+        # held gradient (this micro-batch's added into it) is reduced; this micro-batch's stays referenced by
+        # autograd until the hook returns
+        new_shard = self._alloc(out, flat.shard_numel * flat.reduce_elem, POST_BACKWARD)
+        self.grad_shards[g] = new_shard
+        for tensor in (cast, flat_grad, new_shard if self.micro == ADD_SHARD else None):
             if tensor is not None:
                 self._free(out, tensor)
+        if self.micro == REDUCE_HELD:
+            held = self.held.pop(g)
+            out.append((FREE_CYCLE, held.key, held.size_index))
 
     def _keep_whole_grad(self, out: list, g, flat_grad, cast) -> None:
         """NO_SHARD's ``_reduce_grad_no_shard``, on the post-backward stream: the all-reduce is in place on the
@@ -214,11 +291,16 @@ class _Step(BufferOps):
 
 
 def _boundary(step: _Step, out: list, name: str, layer: int | None, num_layers: int, prefix_at: list,
-              reshard_after_forward: bool) -> None:
+              reshard_after_forward: bool, layer0_at_suffix: bool = True) -> None:
     """FSDP1's events at the start of a segment instance (``methods.fsdp1._schedule``, tensor by tensor).
     SHARD_GRAD_OP (``reshard_after_forward`` off) keeps each layer unsharded from its forward to its
-    post-backward, so backward has nothing to unshard."""
+    post-backward, so backward has nothing to unshard. With LoRA adapter units (``_adapter_events``) a layer's
+    pre-backward prefetches its last adapter, not the layer before it: BACKWARD_PRE gathers the unit that
+    finished its forward just before this one (``get_handle_to_backward_prefetch``), and the layer's adapters
+    finish theirs inside the layer's. ``layer0_at_suffix``: layer 0's post-backward runs as its backward ends
+    (trainable, or its inputs require grad); else in backward's final callback, after the root's."""
     last = num_layers - 1
+    adapters = _adapters_of(step.units, layer) if layer is not None else []
     if name == "prefix":
         prefix_at.append(len(out))  # the root's pre-forward: lazy init (first step), previous shards freed
         step.unshard(out, "root")
@@ -239,13 +321,19 @@ def _boundary(step: _Step, out: list, name: str, layer: int | None, num_layers: 
             step.unshard(out, "root")
         if reshard_after_forward:
             step.unshard(out, last)
+    elif name in ("bw_first", "bw", "bw_last") and adapters:
+        # the layer's pre-backward, then the frozen layer after it resharded by its inputs' gradient hook
+        step.unshard_once(out, adapters[-1])
+        if layer != last:
+            step.post_backward(out, layer + 1)
     elif name in ("bw_first", "bw", "bw_last"):
         if layer != last:
             step.post_backward(out, layer + 1)
         if layer > 0 and reshard_after_forward:
             step.unshard(out, layer - 1)
     elif name == "suffix":
-        step.post_backward(out, 0)
+        if layer0_at_suffix:
+            step.post_backward(out, 0)
     else:
         raise ExpansionError(f"fsdp1: no boundary events for segment {name!r}")
 
@@ -262,45 +350,266 @@ def _summed_grad_keys(grads: dict, table: list[ParamInfo]) -> set[int]:
             if p.tied_names}
 
 
+def _per_token_bytes(polys: list, size_index: int) -> float | None:
+    """Bytes per (row, position) of a size that is ``b * s * c`` alone (an activation of one token-wide row),
+    else None."""
+    if size_index >= len(polys):
+        return None
+    c0, c1, c2, c3, c4, c5 = polys[size_index]
+    return c4 if not any(abs(c) > 1e-6 for c in (c0, c1, c2, c3, c5)) else None
+
+
+def _adapter_pairs(units: dict, layer: int) -> list[tuple[tuple, tuple]]:
+    """The layer's (lora_A, lora_B) units, forward order. ExpansionError for other trainable layer tensors (DoRA's
+    magnitudes, biases), whose forward the replay cannot place."""
+    adapters = _adapters_of(units, layer)
+    names = [units[g].params[0].name for g in adapters]
+    pairs = list(zip(adapters[::2], adapters[1::2]))
+    if len(adapters) % 2 or any(".lora_A." not in units[a].params[0].name or ".lora_B." not in units[b].params[0].name
+                                for a, b in pairs):
+        raise ExpansionError(f"fsdp1: layer {layer}'s trainable tensors are not lora_A/lora_B pairs: {names}")
+    return pairs
+
+
+def _constant_bytes(polys: list, size_index: int) -> float | None:
+    """The bytes of a size that depends on neither ``b`` nor ``s``, else None."""
+    if size_index >= len(polys):
+        return None
+    c0, *rest = polys[size_index]
+    return c0 if not any(abs(c) > 1e-6 for c in rest) else None
+
+
+def _adapter_forwards(ops: list, start: int, end: int, pairs: list, units: dict, polys: list,
+                      out_elem: int | None) -> list[tuple[tuple, tuple]]:
+    """Each adapter pair's forward in ``ops[start:end]``: ((first op, last op, weight copies) of lora_A's, of
+    lora_B's). An
+    adapter's forward is its Linear: under autocast (``out_elem``: its dtype's bytes) the 16-bit copies of its
+    weight and of a full-precision input, then the output, ``b * s`` times its weight's rows (in the adapter's
+    dtype without autocast), then what the Linear frees. lora_A's output is the first of its size after the
+    previous pair; lora_B's follows with nothing but its weight's copy between. ExpansionError where a pair is
+    not found."""
+    def per_token(g, dim: int) -> int:
+        p = units[g].params[0]
+        return p.shape[dim] * (out_elem or p.elem_bytes)
+
+    def own_copy(g, i: int) -> bool:  # the 16-bit weight, or (lora_A) input, autocast makes for the Linear
+        weight = units[g].params[0].numel * (out_elem or 0)
+        return bool(out_elem) and (_constant_bytes(polys, ops[i][2]) == weight
+                                   or _per_token_bytes(polys, ops[i][2]) == per_token(g, 1))
+
+    def span(g, out_at: int, first: int) -> tuple[int, int, tuple[int, ...]]:
+        """(first op, last op, its weight copies' op indices) of the Linear whose output is at ``out_at``; its
+        copies start no earlier than ``first``."""
+        lo = out_at
+        while lo > first and ops[lo - 1][0] == ALLOC and own_copy(g, lo - 1):
+            lo -= 1
+        hi = out_at
+        while hi + 1 < end and ops[hi + 1][0] != ALLOC:
+            hi += 1
+        weight = units[g].params[0].numel * (out_elem or 0)
+        return lo, hi, tuple(i for i in range(lo, out_at) if _constant_bytes(polys, ops[i][2]) == weight)
+
+    def lora_b_output(b, after: int) -> int | None:
+        for j in range(after, end):
+            if ops[j][0] != ALLOC:
+                continue
+            if _per_token_bytes(polys, ops[j][2]) == per_token(b, 0):
+                return j
+            if not own_copy(b, j):
+                return None
+        return None
+    found: list = []
+    at = start
+    for a, b in pairs:
+        for i in range(at, end):
+            if ops[i][0] != ALLOC or _per_token_bytes(polys, ops[i][2]) != per_token(a, 0):
+                continue
+            a_span = span(a, i, at)
+            j = lora_b_output(b, a_span[1] + 1)
+            if j is not None:
+                b_span = span(b, j, a_span[1] + 1)
+                found.append((a_span, b_span))
+                at = b_span[1] + 1
+                break
+        else:
+            raise ExpansionError(f"fsdp1: the forward of {units[a].params[0].name} is not in the event list")
+    return found
+
+
+def _node_done_at(ops: list, grad_at: int, stops: set[int], cut: int) -> tuple[str, int]:
+    """Where the autograd node that made the gradient at ``grad_at`` has finished and the gradient's
+    ``AccumulateGrad`` runs: after the node's other outputs, the release of its saved tensors and the sums of
+    its outputs into gradients already waiting for them (the engine's input buffers: an allocation of an output's
+    size that frees the output and the waiting gradient), i.e. before the next allocation; or after the op before
+    the next segment boundary (``stops``) or the optimizer part."""
+    outputs: dict[int, int] = {}  # key -> size index
+    freed = False
+    i = grad_at + 1
+    while i < cut:
+        if i in stops:
+            return "after", i - 1
+        kind, key, size = ops[i]
+        if kind == ALLOC and not freed:
+            outputs[key] = size
+        elif kind == ALLOC:
+            frees = _frees_after(ops, i, cut)
+            summed = [k for k in frees if outputs.get(k) == size]
+            if not summed or len(frees) < 2:
+                return "before", i
+            del outputs[summed[0]]
+            outputs[key] = size  # the sum is the output now
+        else:
+            freed = True
+        i += 1
+    return "after", cut - 1
+
+
+def _frees_after(ops: list, at: int, cut: int) -> set[int]:
+    """The keys freed right after the op at ``at``, up to the next allocation."""
+    keys: set[int] = set()
+    for kind, key, _size in ops[at + 1:cut]:
+        if kind == ALLOC:
+            break
+        keys.add(key)
+    return keys
+
+
+def _adapter_events(ops: list, cut: int, at_mark: dict, units: dict, grads: dict, polys: list, recompute: bool,
+                    out_elem: int | None) -> tuple[dict, dict, set[int]]:
+    """(op index -> adapter events before it, op index -> those after it, the keys whose frees those events
+    move), an event being (``_Step`` method, its argument: a unit or an op). peft's adapters are FSDP units inside the layer's (``fsdp_auto_wrap_policy``), FULL_SHARD:
+
+    * forward (and the checkpointed recompute in backward): each adapter weight unsharded just before its
+      output is made, resharded right after (already unsharded: a prefetch, which the recompute's reshard
+      frees all the same);
+    * backward, per adapter as its gradient is made: its pre-backward (unshard it if it is not, prefetch the unit
+      that finished its forward before it: the previous adapter, or for the first adapter the previous layer),
+      and once the gradient's node is done its post-backward (``_Step.post_backward``)."""
+    events: tuple[dict, dict, set[int]] = ({}, {}, set())
+    stops = set(at_mark) | {cut}
+    bounds = sorted(stops)
+    alloc_at = {op[1]: i for i, op in enumerate(ops[:cut]) if op[0] == ALLOC}
+    for start, entries in sorted(at_mark.items()):
+        end = next(b for b in bounds if b > start)
+        for name, layer in entries:
+            if layer is None or not _adapters_of(units, layer):
+                continue
+            if name not in ("bw_first", "bw", "bw_last"):
+                _adapter_gathers(events, ops, start, end, units, layer, polys, out_elem)
+                continue
+            made = {alloc_at[key]: g for g, (key, _size) in zip(_adapters_of(units, layer), grads.get(layer, []),
+                                                                 strict=True)}
+            if recompute:  # the recompute runs before the layer's first gradient
+                _adapter_gathers(events, ops, start, min([end, *made]), units, layer, polys, out_elem)
+            _adapter_backwards(events, ops, made, units, layer, stops, cut)
+    return events
+
+
+def _adapter_gathers(events: tuple[dict, dict, set[int]], ops: list, start: int, end: int, units: dict, layer: int,
+                     polys: list, out_elem: int | None) -> None:
+    """Each adapter's unshard before its forward, its reshard after it (``_adapter_events``). Autocast's 16-bit
+    copy of the weight goes with the Linear's other temporaries: under FSDP the weight is a view of the flat
+    parameter, not a leaf, so autocast does not cache the copy to the end of the forward as it does on one GPU
+    (``cached_cast``), where the event list was traced."""
+    before, after, moved = events
+    pairs = _adapter_pairs(units, layer)
+    for (a, b), spans in zip(pairs, _adapter_forwards(ops, start, end, pairs, units, polys, out_elem)):
+        for unit, (first, last, copies) in zip((a, b), spans):
+            before.setdefault(first, []).append(("unshard_once", unit))
+            after.setdefault(last, []).extend(("emit", (FREE, *ops[i][1:])) for i in copies)
+            after[last].append(("reshard", unit))
+            moved.update(ops[i][1] for i in copies)
+
+
+def _adapter_backwards(events: tuple[dict, dict, set[int]], ops: list, made: dict, units: dict, layer: int,
+                       stops: set[int], cut: int) -> None:
+    """Each adapter's pre-backward before its gradient (``made``: op index -> unit), its post-backward once the
+    gradient's node is done (``_adapter_events``)."""
+    before, after, _moved = events
+    adapters = _adapters_of(units, layer)
+    previous = dict(zip(adapters, [layer - 1 if layer > 0 else None, *adapters]))
+    for at, g in sorted(made.items()):
+        before.setdefault(at, []).append(("unshard_once", g))
+        if previous[g] is not None:
+            before.setdefault(at, []).append(("unshard_once", previous[g]))
+        where, done = _node_done_at(ops, at, stops, cut)
+        (before if where == "before" else after).setdefault(done, []).append(("post_backward", g))
+
+
+def _adapter_grads(grads: dict, units: dict) -> dict:
+    """``grads`` with each layer's adapter gradients under their own units (a layer's keys are its trainable
+    tensors', model order: the adapters')."""
+    out = dict(grads)
+    for layer in [g for g in grads if isinstance(g, int)]:
+        adapters = _adapters_of(units, layer)
+        if adapters:
+            keys = out.pop(layer)
+            out.update({g: [key] for g, key in zip(adapters, keys, strict=True)})
+    return out
+
+
 def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, units: dict, table: list,
               optimizer: str, first: bool, num_layers: int, scalar: set[int], pieces: list[int],
-              reshard_after_forward: bool) -> tuple[list, dict[int, int], tuple[int, int], list, int]:
+              reshard_after_forward: bool, polys: list, recompute: bool, layer0_at_suffix: bool,
+              adapter_out_elem: int | None, unit_pieces: dict, micro: str = SYNC, held: dict | None = None
+              ) -> tuple[list, dict[int, int], tuple[int, int], list, int, dict]:
     """The FSDP1 step's ops, where each old op index went, where its optimizer part begins (before and after the
     loss is freed), the gradient shards (the next step's root pre-forward frees them) and where the root's
-    pre-forward begins."""
-    grads = {g: list(keys) for g, keys in _grads_by_group(expansion, ops, table).items()}
-    summed = _summed_grad_keys(grads, table)
-    step = _Step(build, units, grads)
+    pre-forward begins. ``recompute``: checkpointing re-runs each layer's forward (its adapters') in backward.
+    ``micro``: which micro-batch of an accumulation cycle (``MICRO_BATCHES``), ``held``: the flat gradients the
+    cycle's first kept under no_sync; the flat gradients this one holds are returned last."""
+    layer_grads = {g: list(keys) for g, keys in _grads_by_group(expansion, ops, table).items()}
+    summed = _summed_grad_keys(layer_grads, table)
+    step = _Step(build, units, _adapter_grads(layer_grads, units), micro, held, unit_pieces)
     grad_keys = expansion.grad_keys
     cut, at_mark, seed = boundary_marks(ops, marks, scalar)
+    before, after, moved_frees = _adapter_events(ops, cut, at_mark, units, layer_grads, polys, recompute,
+                                                 adapter_out_elem)
     out: list = []
     moved: dict[int, int] = {}
     prefix_at: list = []
     seed_free = None
-    for index, op in enumerate(ops[:cut]):
+
+    def boundaries(index: int) -> None:
         for name, layer in at_mark.get(index, ()):
-            _boundary(step, out, name, layer, num_layers, prefix_at, reshard_after_forward)
+            _boundary(step, out, name, layer, num_layers, prefix_at, reshard_after_forward, layer0_at_suffix)
+    for index, op in enumerate(ops[:cut]):
+        boundaries(index)
+        for method, g in before.get(index, ()):
+            getattr(step, method)(out, g)
         moved[index] = len(out)
-        if op[0] == FREE and op[1] in grad_keys:  # gradients go at their unit's post-backward
-            continue
-        if seed is not None and op[0] == FREE and op[1] == seed[1]:
+        if op[0] == FREE and (op[1] in grad_keys or op[1] in moved_frees):  # gradients: at their post-backward
+            pass
+        elif seed is not None and op[0] == FREE and op[1] == seed[1]:
             seed_free = op  # held until the root's post-backward, backward's last hook
-            continue
-        out.append((alloc_on(UNSHARD), *op[1:]) if op[0] == ALLOC and op[1] in summed else op)
-    for name, layer in at_mark.get(cut, ()):
-        _boundary(step, out, name, layer, num_layers, prefix_at, reshard_after_forward)
+        else:
+            out.append((alloc_on(UNSHARD), *op[1:]) if op[0] == ALLOC and op[1] in summed else op)
+        for method, g in after.get(index, ()):
+            getattr(step, method)(out, g)
+    boundaries(cut)
     step.post_backward(out, "root")
+    if not layer0_at_suffix:  # backward's final callback reshards what is left, in pre-order: the root, layer 0
+        step.post_backward(out, 0)
     if seed_free is not None:
         out.append(seed_free)
     optimizer_at = moved[cut] = len(out)
     made = {op[1] for op in ops[:cut] if op[0] == ALLOC}
-    out.extend(op for op in ops[cut:] if op[0] == FREE and op[1] in made and op[1] not in grad_keys)
+    out.extend(op for op in ops[cut:]
+               if op[0] == FREE and op[1] in made and op[1] not in grad_keys and op[1] not in moved_frees)
     loss_freed_at = len(out)
     step.adamw(out, pieces, first, optimizer)  # the tensors' pieces of the shards, parameter order
     if step.unsharded:
         raise ExpansionError("fsdp1: unsharded flat parameters left at the end of the step")
-    shards = [step.grad_shards[g] for g in ["root", *range(num_layers)] if g in step.grad_shards]
-    return out, moved, (optimizer_at, loss_freed_at), shards, prefix_at[0]
+    shards = [step.grad_shards[g] for g in _lazy_init_order(units, num_layers) if g in step.grad_shards]
+    return out, moved, (optimizer_at, loss_freed_at), shards, prefix_at[0], step.held
+
+
+def _layer0_hooked(units: dict, table: list[ParamInfo], grad_ckpt: bool) -> bool:
+    """Whether layer 0's post-backward runs as its backward ends: its flat parameter's gradient hook (trainable),
+    or the reshard-only hook on its inputs, which require grad under checkpointing (transformers'
+    ``enable_input_require_grads``) or after a trainable embedding; else backward's final callback does it."""
+    return (units[0].flat.trainable or grad_ckpt
+            or any(p.trainable and p.layer is None and p.before_layers is not False for p in table))
 
 
 @dataclass(frozen=True)
@@ -314,9 +623,13 @@ def _shifted(moved: dict[int, int], at: int, by: int) -> dict[int, int]:
 
 
 def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, optimizer: str, rank: int,
-               base_size_index: int, num_layers: int, polys: list) -> Fsdp1Step:
-    """The expansion with FSDP1's events; the new tensors' sizes take indices from ``base_size_index`` on.
-    ExpansionError where the step cannot be built."""
+               base_size_index: int, num_layers: int, polys: list, grad_ckpt: bool = False,
+               accumulating: bool = False, autocast_elem: int | None = None, grad_sync: str = "every"
+               ) -> Fsdp1Step:
+    """The expansion with FSDP1's events; the new tensors' sizes take indices from ``base_size_index`` on;
+    ``accumulating``: with the micro-steps of gradient accumulation (``_micro_steps``, ``grad_sync`` last:
+    ``_no_sync_micro_steps``); ``autocast_elem``: the
+    forward's autocast dtype's bytes, None without. ExpansionError where the step cannot be built."""
     if optimizer not in OPTIMIZERS:
         raise ExpansionError(f"fsdp1: the {optimizer} optimizer's step over shards is not modelled")
     reason = why_not_fsdp1(sizes.options)
@@ -326,37 +639,114 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
     if any(not units[layer].params for layer in range(num_layers)) or not units["root"].params:
         raise ExpansionError("fsdp1: a decoder layer or the root holds no parameters")
     piece_of: dict[str, int] = {}
-    for unit in units.values():
+    unit_pieces: dict = {}
+    for g, unit in units.items():
         # the rank's place in its shard group (HYBRID_SHARD: within the node)
         shard_rank = rank % unit.flat.world
-        for p, n in zip(unit.params, shard_pieces(unit.params, unit.offsets, unit.flat.shard_numel, shard_rank)):
-            piece_of[p.name] = n * unit.flat.param_elem
+        pieces = shard_pieces(unit.params, unit.offsets, unit.flat.shard_numel, shard_rank)
+        piece_of.update((p.name, n * unit.flat.param_elem) for p, n in zip(unit.params, pieces))
+        unit_pieces[g] = [0 if _grad_view_fits(p, n, unit.flat) else n * unit.flat.param_elem
+                          for p, n in zip(unit.params, pieces)]
     pieces = [piece_of[p.name] for p in model_order(table) if p.trainable and piece_of[p.name]]
     build = _Builder(expansion.steady.keys, base_size_index)
     first_marks, steady_marks = expansion.marks
     scalar = {i for i, poly in enumerate(polys) if 0 < poly[0] <= 8 and not any(poly[1:])}
     common = dict(build=build, units=units, table=table, optimizer=optimizer, num_layers=num_layers,
-                  scalar=scalar, pieces=pieces,
-                  reshard_after_forward=sizes.frees_after_forward)
+                  scalar=scalar, pieces=pieces, reshard_after_forward=sizes.frees_after_forward, polys=polys,
+                  recompute=grad_ckpt, layer0_at_suffix=_layer0_hooked(units, table, grad_ckpt),
+                  adapter_out_elem=autocast_elem, unit_pieces=unit_pieces)
     start = build.next_key
-    steady_ops, _moved, steady_optimizer, steady_shards, steady_prefix = _step_ops(
+    steady_ops, _moved, steady_optimizer, steady_shards, steady_prefix, _held = _step_ops(
         expansion, expansion.steady.ops, steady_marks, first=False, **common)
     steady_keys = build.next_key
     build.next_key = start  # the first step's tensors take the same keys in the same order
-    first_ops, first_moved, first_optimizer, first_shards, first_prefix = _step_ops(
+    first_ops, first_moved, first_optimizer, first_shards, first_prefix, _held = _step_ops(
         expansion, expansion.first.ops, first_marks, first=True, **common)
     if [t.key for t in first_shards] != [t.key for t in steady_shards]:
         raise ExpansionError("fsdp1: the gradient shards of the first and the steady step differ")
     lazy: list = []  # keys after every other tensor of the step, so both steps keep theirs
-    _Step(build, units, {}).lazy_init(lazy, ["root", *range(num_layers)])
+    _Step(build, units, {}).lazy_init(lazy, _lazy_init_order(units, num_layers))
     first_ops[first_prefix:first_prefix] = lazy
     first_moved = _shifted(first_moved, first_prefix, len(lazy))
     # the previous step's gradient shards go at the root's pre-forward (``_clear_grads_if_needed``)
     previous = [(FREE_PREVIOUS, t.key, t.size_index) for t in steady_shards]
     steady_ops[steady_prefix:steady_prefix] = previous
     step_keys = max(steady_keys, build.next_key)
+    first_at, steady_at = (first_optimizer[1] + len(lazy), steady_optimizer[0] + len(previous))
+    micro = None
+    if accumulating and grad_sync == "last":
+        micro, keys = _no_sync_micro_steps(expansion, build, start, common, lazy)
+        step_keys = max(step_keys, keys)
+    elif accumulating:
+        build.next_key = start  # a later micro-batch's tensors take the steady step's keys
+        middle, _moved, middle_optimizer, _shards, _prefix, _held = _step_ops(
+            expansion, expansion.steady.ops, steady_marks, first=False, micro=ADD_SHARD, **common)
+        step_keys = max(step_keys, build.next_key)
+        loss = steady_ops[steady_at:steady_optimizer[1] + len(previous)]
+        micro = _micro_steps(first_ops, first_at - len(loss), steady_ops, steady_at, middle[:middle_optimizer[0]],
+                             loss, {t.key for t in steady_shards})
     # kept to the next step: the shards, a manual loop's outputs
     return Fsdp1Step(expansion=method_expansion(
-        "fsdp1", expansion, first_ops, steady_ops, step_keys, first_moved,
-        (first_optimizer[1] + len(lazy), steady_optimizer[0] + len(previous)), grad_keys=frozenset()),
-        sizes=build.sizes)
+        "fsdp1", expansion, first_ops, steady_ops, step_keys, first_moved, (first_at, steady_at),
+        grad_keys=frozenset(), micro=micro), sizes=build.sizes)
+
+
+def _grad_view_fits(p: ParamInfo, piece_numel: int, flat: FlatUnit) -> bool:
+    """Whether ``_use_unsharded_grad_views`` can make the tensor's view of the flat gradient its ``.grad`` as it
+    is: its sharded self (a 1-D slice of the shard) has the view's shape (a 1-D tensor wholly in this rank's
+    shard) and dtype (no mixed precision); else it is given ``empty_like`` itself first."""
+    return len(p.shape) == 1 and piece_numel == p.numel and flat.param_elem == flat.compute_elem
+
+
+def _no_sync_micro_steps(expansion: Expansion, build: _Builder, start: int, common: dict, lazy: list
+                         ) -> tuple[MicroSteps, int]:
+    """Gradient accumulation under ``no_sync()`` on every micro-batch but the last (``grad_sync`` last: what the HF
+    Trainer and accelerate run), and the keys a micro-step uses. The post-backward hook reshards and returns
+    (``_post_backward_hook``: ``not state._sync_gradients``): the cycle's first micro-batch keeps each flat
+    gradient as the flat parameter's ``.grad`` (on the unshard stream, where autograd made it), a middle one's is
+    added into it (``AccumulateGrad``) and dropped once the hooks are done, the last reduces the held one (this
+    micro-batch's added into it, kept referenced by autograd until the hook returns) into new shards, which
+    the next cycle's first root pre-forward drops."""
+    first_marks, steady_marks = expansion.marks
+    keys: list[int] = []
+
+    def built(ops: list, marks: tuple, first: bool, micro: str, held: dict | None = None) -> tuple:
+        build.next_key = start  # every micro-step's tensors take keys in the same range
+        result = _step_ops(expansion, ops, marks, first=first, micro=micro, held=held, **common)
+        keys.append(build.next_key)
+        return result
+    first_head, _moved, first_optimizer, _shards, first_prefix, first_held = built(
+        expansion.first.ops, first_marks, True, HOLD)
+    first_head[first_prefix:first_prefix] = lazy
+    head, _moved, head_optimizer, _shards, head_prefix, held = built(expansion.steady.ops, steady_marks, False, HOLD)
+    if [t.key for t in first_held.values()] != [t.key for t in held.values()]:
+        raise ExpansionError("fsdp1: the held flat gradients of the first and the steady step differ")
+    middle, _moved, middle_optimizer, *_rest = built(expansion.steady.ops, steady_marks, False, HOLD_ADD)
+    last, _moved, last_optimizer, shards, *_rest = built(expansion.steady.ops, steady_marks, False, REDUCE_HELD, held)
+    first_last, _moved, first_last_optimizer, *_rest = built(expansion.steady.ops, steady_marks, True, REDUCE_HELD,
+                                                            held)
+    # the previous cycle's shards go at the root's pre-forward (``_clear_grads_if_needed``)
+    head[head_prefix:head_prefix] = [(FREE_PREVIOUS, t.key, t.size_index) for t in shards]
+    loss_at, loss_freed_at = last_optimizer
+    return MicroSteps(first_head=first_head[:first_optimizer[0] + len(lazy)],
+                      head=head[:head_optimizer[0] + len(shards)], middle=middle[:middle_optimizer[0]],
+                      before_optimizer=last[loss_at:loss_freed_at], first_tail=first_last[first_last_optimizer[0]:],
+                      tail=last[loss_at:], last=last[:loss_at]), max(keys)
+
+
+def _micro_steps(first_ops: list, first_end: int, steady_ops: list, steady_end: int, middle: list, loss: list,
+                 shards: set[int]) -> MicroSteps:
+    """Gradient accumulation with a reduce-scatter every micro-batch (``grad_sync`` every: no ``no_sync``), as
+    ``estimator.reserved.accumulate`` builds micro-steps, FSDP1's way: the cycle's first micro-batch keeps its new
+    shards as ``_saved_grad_shard`` (then ``.grad``: ``prepare_gradient_for_optim`` moves the tensor, the next
+    pre-backward moves it back), a later one adds its own into them (``_accumulate_sharded_grad``) and frees
+    them (``middle``: the steady step's forward and backward so built); the optimizer's ``zero_grad`` frees
+    nothing (the tensors' gradients view the shards), the next cycle's first root pre-forward drops them
+    (``FREE_PREVIOUS_CYCLE``). ``first_end`` / ``steady_end``: where each step's loss is freed, its optimizer
+    part begins."""
+    if sorted(first_ops[first_end:first_end + len(loss)]) != sorted(loss):
+        raise ExpansionError("fsdp1: the first step does not free the loss right before its optimizer step")
+    head = [(FREE_PREVIOUS_CYCLE, key, size) if kind == FREE_PREVIOUS and key in shards else (kind, key, size)
+            for kind, key, size in steady_ops[:steady_end]]
+    return MicroSteps(first_head=first_ops[:first_end], head=head, middle=middle, before_optimizer=loss,
+                      first_tail=first_ops[first_end:], tail=steady_ops[steady_end:])

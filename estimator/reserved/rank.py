@@ -22,7 +22,8 @@ from estimator.spec import FSDP_METHODS, ckpt_every
 # the buckets copied into only at the synchronising micro-step (no allocation); FSDP2 reduce-scatters every
 # micro-step, a later micro-step's output added into the sharded gradients and freed.
 # dp_tp: FSDP2 over the dp axis of the TP-local model (harness.fake.wrap), replayed as fsdp on dp ranks.
-# fsdp1: FULL_SHARD with the default prefetching and use_orig_params (estimator.reserved.fsdp1), no accumulation.
+# fsdp1: the default prefetching and use_orig_params, LoRA's adapter units, accumulation (reducing every micro-batch
+# or under no_sync) (estimator.reserved.fsdp1).
 # zero1 / zero2: DeepSpeed's flat buffers, IPG bucket and partition step (estimator.reserved.zero), default stream.
 # zero3: the same on three streams, with the parameter coordinator's gathers (estimator.reserved.zero3).
 METHODS = ("single", "ddp", "tp", "fsdp", "dp_tp", "fsdp1", "zero1", "zero2", "zero3")
@@ -57,17 +58,26 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
         return "the profile has no event list (traced before event lists were kept)"
     if events.get("optimizer") != training.optimizer:
         return f"the profile's optimizer step was traced with {events.get('optimizer')}, not {training.optimizer}"
-    if (spec.parallel.method in FSDP_METHODS and training.grad_accum_steps > 1
+    if (spec.parallel.method in FSDP_METHODS and spec.parallel.method != "fsdp1" and training.grad_accum_steps > 1
             and training.grad_sync == "last"):
         return "FSDP holding unsharded gradients between micro-batches (grad_sync last): not in the replay yet"
     if spec.parallel.method in ("fsdp", "fsdp1") and spec.parallel.world_size < 2:
         return f"{spec.parallel.method} on one GPU: no collectives"
     if spec.parallel.method == "fsdp1":
         reason = why_not_fsdp1(spec.parallel.fsdp1)
-        if reason is None and training.grad_accum_steps > 1:
-            reason = "fsdp1 with gradient accumulation: not modelled yet"
-        if reason is None and training.lora:
-            reason = "fsdp1 with LoRA: the adapters' own units are not in the replay yet"
+        if (reason is None and training.grad_accum_steps > 1
+                and spec.parallel.fsdp1.sharding_strategy == "NO_SHARD"):
+            reason = "fsdp1 NO_SHARD with gradient accumulation: its kept whole gradients are not in the replay yet"
+        if (reason is None and training.grad_accum_steps > 1 and training.grad_sync == "last"
+                and spec.parallel.fsdp1.sharding_strategy == "SHARD_GRAD_OP"):
+            reason = ("fsdp1 SHARD_GRAD_OP under no_sync (grad_sync last): the layers kept unsharded between "
+                      "micro-batches are not in the replay yet")
+        if reason is None and training.qlora:
+            reason = "fsdp1 with QLoRA: the packed weights' units are not in the replay yet"
+        if reason is None and training.lora and spec.parallel.fsdp1.sharding_strategy not in ("FULL_SHARD",
+                                                                                              "HYBRID_SHARD"):
+            reason = (f"fsdp1 with LoRA under {spec.parallel.fsdp1.sharding_strategy}: the adapters' units are "
+                      "replayed resharding after forward (FULL_SHARD, HYBRID_SHARD) only")
         if reason is not None:
             return reason
     if num_layers < 2:
@@ -175,10 +185,12 @@ def _fsdp1_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo]
                 base_size_index: int, rank: int) -> tuple[Expansion, list[int]]:
     training = spec.training
     key = ("fsdp1", id(expansion), id(table), spec.parallel.world_size, spec.parallel.fsdp1, training.precision,
-           training.optimizer, base_size_index, rank)
+           training.optimizer, training.grad_ckpt, training.grad_accum_steps > 1, training.grad_sync,
+           training.forward_autocast, base_size_index, rank)
+    autocast_elem = 2 if training.forward_autocast else None  # bf16 / fp16
     return _memo_step(key, expansion, table, lambda: fsdp1_step(
         expansion, table, fsdp1_sizes(spec, table, rank), training.optimizer, rank, base_size_index, num_layers,
-        events["polys"]))
+        events["polys"], training.grad_ckpt, training.grad_accum_steps > 1, autocast_elem, training.grad_sync))
 
 
 def _elem16(table: list[ParamInfo]) -> int:

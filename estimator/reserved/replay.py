@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 from estimator.allocator import CachingAllocator, OutOfMemory
 from estimator.models.memo import memo_by_owner
-from estimator.reserved.accumulate import micro_steps
+from estimator.reserved.accumulate import FREE_PREVIOUS_CYCLE, micro_steps
 from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, StepEvents, stream_of
 from estimator.reserved.timeline import BATCH_TENSORS, Setup, StepPlan
 
 MAX_STEPS = 8
 # Operation codes: allocate into / free from this step's slots, free the previous step's, or the setup's, or the
-# accumulation cycle's first micro-step's (its gradients, at zero_grad).
-_NEW, _FREE, _FREE_PREVIOUS, _FREE_SETUP, _NEW_SETUP, _FREE_CYCLE = 0, 1, 2, 3, 4, 5
+# accumulation cycle's first micro-step's (its gradients, at zero_grad), or the previous cycle's first micro-step's.
+_NEW, _FREE, _FREE_PREVIOUS, _FREE_SETUP, _NEW_SETUP, _FREE_CYCLE, _FREE_PREVIOUS_CYCLE = 0, 1, 2, 3, 4, 5, 6
 _NEW_ON = 8  # 8 + s: allocate into this step's slot on side stream s
 _TEMPLATES: dict[tuple, tuple] = {}
 
@@ -93,6 +93,8 @@ def _compile(expansion: Expansion, step_ops: list, keys: int, workspaces: int, p
             ops.append((_FREE, key, own[key]))
         elif op == FREE_PREVIOUS:
             ops.append((_FREE_PREVIOUS, key, poly_of[key]))
+        elif op == FREE_PREVIOUS_CYCLE:
+            ops.append((_FREE_PREVIOUS_CYCLE, key, poly))
         else:  # FREE_CYCLE: a gradient of the cycle's first micro-step
             ops.append((_FREE_CYCLE, key, poly))
     return ops
@@ -214,9 +216,11 @@ class _Run:
                               num_alloc_retries=allocator.num_alloc_retries, oom=oom, steps=steps, steady=steady,
                               stopped_above=stopped_above)
 
-    def run(self, ops: list[tuple], addr: list, previous: list, cycle: list | None = None) -> None:
-        """Apply ``ops`` with this step's address slots ``addr``, the previous step's ``previous`` and the
-        accumulation cycle's first micro-step's ``cycle`` (default: this step's)."""
+    def run(self, ops: list[tuple], addr: list, previous: list, cycle: list | None = None,
+            previous_cycle: list | None = None) -> None:
+        """Apply ``ops`` with this step's address slots ``addr``, the previous step's ``previous``, the
+        accumulation cycle's first micro-step's ``cycle`` (default: this step's) and the previous cycle's first
+        micro-step's ``previous_cycle``."""
         cycle = addr if cycle is None else cycle
         allocator, setup_addr = self.allocator, self.setup_addr
         malloc, free = allocator.malloc, allocator.free
@@ -239,6 +243,10 @@ class _Run:
                     continue
                 elif code == _FREE_CYCLE:
                     free(cycle[slot])
+                    live -= nbytes
+                    continue
+                elif code == _FREE_PREVIOUS_CYCLE:
+                    free(previous_cycle[slot])
                     live -= nbytes
                     continue
                 elif code > _NEW_ON:
@@ -308,14 +316,16 @@ def _replay_accumulating(setup: Setup, plan: StepPlan, conf, allowed_bytes: int 
         run.setup(setup)
         run.check_stop()
         previous_addr: list = []
+        cycle_addr: list = []
         for cycle in range(max_cycles):
             run.step_peak = run.allocator.reserved_bytes
-            cycle_addr: list = []
+            previous_cycle_addr = cycle_addr
             for micro in range(k):
                 addr = [None] * slots
                 cycle_addr = addr if micro == 0 else cycle_addr
                 kinds = (min(cycle, 1), _micro_kind(micro, k))
-                run.run(rebuild if (cycle, micro) == (1, 0) else ops[kinds], addr, previous_addr, cycle_addr)
+                run.run(rebuild if (cycle, micro) == (1, 0) else ops[kinds], addr, previous_addr, cycle_addr,
+                        previous_cycle_addr)
                 previous_addr = addr
                 steps += 1
                 run.check_stop()
@@ -347,6 +357,7 @@ def replay_sequence(setup: Setup, plans: list[StepPlan], conf=None, allowed_byte
         run.check_stop()
         previous_addr: list = []
         cycle_addr: list = []
+        previous_cycle_addr: list = []
         for step, plan in enumerate(plans):
             before = plans[step - 1] if step else plan
             cycle, micro = divmod(step, accum)
@@ -356,9 +367,10 @@ def replay_sequence(setup: Setup, plans: list[StepPlan], conf=None, allowed_byte
                 kind = 1 if (cycle, micro) == (1, 0) else 2  # DDP's bucket rebuild (above)
                 ops = _step_ops(plan, before, setup, kind, templates[min(cycle, 1), _micro_kind(micro, accum)])
             addr = [None] * slots
+            previous_cycle_addr = cycle_addr if micro == 0 else previous_cycle_addr
             cycle_addr = addr if micro == 0 else cycle_addr
             run.step_peak = run.allocator.reserved_bytes
-            run.run(ops, addr, previous_addr, cycle_addr)
+            run.run(ops, addr, previous_addr, cycle_addr, previous_cycle_addr)
             previous_addr = addr
             steps += 1
             run.check_stop()

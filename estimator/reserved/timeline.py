@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from estimator.models.params import ParamInfo
-from estimator.reserved.accumulate import MicroSteps, micro_steps
+from estimator.reserved.accumulate import FREE_PREVIOUS_CYCLE, MicroSteps, micro_steps
 from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, stream_of
 
 MIB = 1024 * 1024
@@ -163,6 +163,8 @@ def micro_step_requests(plan: StepPlan, micro: MicroSteps, accum: int, step: int
             out.append(("free", offset + key))
         elif kind == FREE_PREVIOUS:
             out.append(("free", previous + key))
+        elif kind == FREE_PREVIOUS_CYCLE:
+            out.append(("free", first_of_cycle - accum * per_step + key))
         else:  # FREE_CYCLE
             out.append(("free", first_of_cycle + key))
     return out

@@ -2,6 +2,7 @@
 process group (built as the harness builds it: the model on the host, ``FullyShardedDataParallel`` per decoder
 layer then the root), event for event; its allocated level against the estimator's."""
 
+import contextlib
 import dataclasses
 import json
 
@@ -12,7 +13,7 @@ pytest.importorskip("torch")
 from estimator import api  # noqa: E402
 from estimator.hardware.residuals import load_coefficients  # noqa: E402
 from estimator.reserved import rank as reserved_rank  # noqa: E402
-from estimator.reserved.timeline import INT64, step_requests  # noqa: E402
+from estimator.reserved.timeline import INT64, run_requests  # noqa: E402
 from estimator.spec import Fsdp1Spec, ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
 from tests.estimator.test_reserved_fsdp import (  # noqa: E402
     LLAMA,
@@ -42,7 +43,8 @@ def _spec(path: str, training: TrainingSpec, world: int, strategy: str = "FULL_S
 
 
 def _generated(path: str, training: TrainingSpec, world: int, rank: int, strategy: str) -> list[tuple]:
-    """Setup (without the host-to-device moves, which a CPU run does not make) and ``STEPS`` steps."""
+    """Setup (without the host-to-device moves, which a CPU run does not make) and ``STEPS`` optimizer steps of
+    ``training.grad_accum_steps`` micro-batches."""
     spec = _spec(path, training, world, strategy)
     arch, profile = api.load_model_profile(path, training)
     table, regime = api._param_table(profile, arch.num_layers), api._regime(profile, B, S)
@@ -58,12 +60,10 @@ def _generated(path: str, training: TrainingSpec, world: int, rank: int, strateg
         if not name.startswith(("buffers", "moved.")):
             out.append(("alloc", ("setup", i), nbytes, 0))
         out.extend(("free", ("setup", j)) for j in frees.get(i, ()) if not names[j].startswith("moved."))
-    for step in range(STEPS):
-        out += step_requests(plan, step, 0)
-    return out
+    return out + run_requests(plan, STEPS, training.grad_accum_steps)
 
 
-def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: str
+def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: str, keep_marks: bool = False
                        ) -> list[tuple[bool, object, int]]:
     """``rank`` of a real CPU run on the fake process group: the model built on the host, wrapped as
     ``harness.fake.wrap.wrap_model`` wraps it, then ``STEPS`` steps. Resized flat parameters are recorded as
@@ -108,8 +108,12 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
                 model = wrap_model(model, spec, mesh, LLAMA, fake=True, device="cpu")
                 optimizer = build_method_optimizer(model, spec)
                 for _ in range(STEPS):
-                    batch = build.synthetic_batch(B, S, 1000)
-                    build.forward_backward(model, batch, training, held=held)
+                    for micro in range(training.grad_accum_steps):
+                        batch = build.synthetic_batch(B, S, 1000)
+                        # grad_sync last: no_sync() on every micro-batch but the last, as accelerate runs it
+                        unsynced = training.grad_sync == "last" and micro < training.grad_accum_steps - 1
+                        with model.no_sync() if unsynced else contextlib.nullcontext():
+                            build.forward_backward(model, batch, training, held=held)
                     rec.mark("optimizer")
                     optimizer.step()
                     rec.mark("zero_grad")
@@ -130,6 +134,8 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
             phase = event[1]
             if phase == "end":
                 break
+            if keep_marks:
+                out.append(("m", phase, 0))
             continue
         if event[0] == "a":
             if phase is None or event[2] == 0 or (phase == "optimizer" and event[2] == 4) or event[1] in host:
@@ -161,8 +167,62 @@ def test_generated_stream_equals_a_real_fsdp1_run(llama_path, precision, world, 
     _assert_same_runs(generated, real)
 
 
+@pytest.mark.parametrize("precision, world, rank, ckpt, strategy", [
+    ("bf16", 2, 0, False, "FULL_SHARD"),  # a frozen embedding: layer 0 resharded after the root, at backward's end
+    ("bf16", 2, 1, True, "FULL_SHARD"),  # the recompute gathers each adapter again, resharding a prefetched one
+    pytest.param("fp32", 3, 2, False, "FULL_SHARD", marks=pytest.mark.slow),  # padded adapters; input-buffer sums
+    pytest.param("fp32", 3, 2, True, "FULL_SHARD", marks=pytest.mark.slow),
+    pytest.param("bf16", 4, 3, False, "HYBRID_SHARD:2", marks=pytest.mark.slow),
+], ids=lambda v: str(v))
+def test_lora_stream_equals_a_real_fsdp1_run(llama_path, precision, world, rank, ckpt, strategy):
+    """LoRA as the HF Trainer wraps a PEFT model (peft's ``fsdp_auto_wrap_policy``: each lora_A / lora_B Linear
+    its own unit inside its frozen decoder layer's): the adapters' gathers around their forward (and the
+    recompute), their pre-backward prefetches, each adapter's post-backward as its gradient is made, the
+    optimizer over the adapters' pieces. Setup and three steps, as above."""
+    training = TrainingSpec(precision=precision, attn="eager", micro_batch_size=B, seq_len=S, grad_ckpt=ckpt,
+                            lora_rank=8)
+    generated = _runs(_generated(llama_path, training, world, rank, strategy), True)
+    real = _runs(_in_fresh_process(_real_fsdp1_events, training, world, rank, strategy), False)
+    _assert_same_runs(generated, real)
+
+
+@pytest.mark.parametrize("training, world, rank, strategy", [
+    (TrainingSpec(precision="mixed_bf16", grad_accum_steps=3), 2, 0, "FULL_SHARD"),
+    (TrainingSpec(precision="bf16", lora_rank=8, grad_ckpt=True, grad_accum_steps=2), 3, 2, "FULL_SHARD"),
+    pytest.param(TrainingSpec(precision="bf16", grad_accum_steps=2), 3, 2, "SHARD_GRAD_OP", marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="mixed_bf16", grad_ckpt=True, grad_accum_steps=2), 4, 3, "HYBRID_SHARD:2",
+                 marks=pytest.mark.slow),
+    # no_sync on all but the last micro-batch (accelerate's and the HF Trainer's way)
+    (TrainingSpec(precision="mixed_bf16", grad_accum_steps=3, grad_sync="last"), 2, 0, "FULL_SHARD"),
+    pytest.param(TrainingSpec(precision="bf16", grad_accum_steps=2, grad_sync="last"), 2, 0, "FULL_SHARD",
+                 marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="fp32", grad_ckpt=True, grad_accum_steps=2, grad_sync="last"), 3, 2,
+                 "FULL_SHARD", marks=pytest.mark.slow),  # 1-D tensors wholly in the shard: their views as they are
+    pytest.param(TrainingSpec(precision="mixed_bf16", grad_ckpt=True, grad_accum_steps=2, grad_sync="last"), 4, 3,
+                 "HYBRID_SHARD:2", marks=pytest.mark.slow),
+], ids=lambda v: str(v) if not isinstance(v, TrainingSpec) else
+   f"{v.precision}-lora{v.lora_rank}-ckpt{int(v.grad_ckpt)}-k{v.grad_accum_steps}-{v.grad_sync}")
+def test_gradient_accumulation_stream_equals_a_real_fsdp1_run(llama_path, training, world, rank, strategy):
+    """Three optimizer steps of k micro-batches. ``grad_sync`` every (each micro-batch reduce-scatters): the
+    cycle's first new shards are kept, a later micro-batch's are added into them and freed in its post-backward,
+    the next cycle's first root pre-forward drops them. ``grad_sync`` last (``no_sync()`` but on the last): the
+    flat gradients are held from the cycle's first micro-batch (each tensor without a gradient given
+    ``empty_like`` itself before its view), a middle one's added and dropped, the last reduces them."""
+    training = dataclasses.replace(training, attn="eager", micro_batch_size=B, seq_len=S)
+    generated = _runs(_generated(llama_path, training, world, rank, strategy), True)
+    real = _runs(_in_fresh_process(_real_fsdp1_events, training, world, rank, strategy), False)
+    _assert_same_runs(generated, real)
+
+
 @pytest.mark.parametrize("training, world, strategy", [
     (TrainingSpec(precision="mixed_bf16"), 2, "FULL_SHARD"),
+    (TrainingSpec(precision="bf16", lora_rank=8), 2, "FULL_SHARD"),
+    (TrainingSpec(precision="mixed_bf16", grad_accum_steps=2), 2, "FULL_SHARD"),
+    (TrainingSpec(precision="bf16", lora_rank=8, grad_ckpt=True, grad_accum_steps=3), 3, "FULL_SHARD"),
+    (TrainingSpec(precision="fp32", grad_accum_steps=4, loop="manual"), 4, "HYBRID_SHARD:2"),
+    (TrainingSpec(precision="mixed_bf16", grad_accum_steps=3, grad_sync="last"), 2, "FULL_SHARD"),
+    (TrainingSpec(precision="bf16", grad_accum_steps=2, grad_sync="last", loop="manual"), 4, "HYBRID_SHARD:2"),
+    (TrainingSpec(precision="fp32", lora_rank=8, grad_ckpt=True), 3, "FULL_SHARD"),
     (TrainingSpec(precision="bf16"), 3, "FULL_SHARD"),
     (TrainingSpec(precision="fp32", grad_ckpt=True), 4, "FULL_SHARD"),
     (TrainingSpec(precision="mixed_bf16", loop="manual"), 2, "FULL_SHARD"),
@@ -202,6 +262,15 @@ def test_other_fsdp1_settings_keep_the_prior(llama_path):
         est = api.estimate(spec, alloc_conf="")
         assert est.reserved_source == "prior"
         assert any(n.startswith("reserved: prior") and reason in n for n in est.notes)
-    accumulating = api.estimate(_spec(llama_path, dataclasses.replace(training, grad_accum_steps=2), 2),
+    accumulating = api.estimate(_spec(llama_path, dataclasses.replace(training, grad_accum_steps=2), 2, "NO_SHARD"),
                                 alloc_conf="")
     assert accumulating.reserved_source == "prior"
+    assert any(n.startswith("reserved: prior") and "accumulation" in n for n in accumulating.notes)
+    unsynced = api.estimate(_spec(llama_path, dataclasses.replace(training, grad_accum_steps=2, grad_sync="last"), 2,
+                                  "SHARD_GRAD_OP"), alloc_conf="")
+    assert unsynced.reserved_source == "prior"
+    assert any(n.startswith("reserved: prior") and "no_sync" in n for n in unsynced.notes)
+    lora = dataclasses.replace(training, precision="bf16", lora_rank=8)
+    kept = api.estimate(_spec(llama_path, lora, 2, "SHARD_GRAD_OP"), alloc_conf="")
+    assert kept.reserved_source == "prior"
+    assert any(n.startswith("reserved: prior") and "LoRA" in n for n in kept.notes)
