@@ -256,7 +256,9 @@ DIAGNOSES = [
      "(4.44, 4.45, 4.48: the same commits' single-GPU rows match); an output object kept through backward "
      "(+0.24 GiB per sample with 4.48's bf16 logits, +0.49 with 4.45's fp32: short of the gap, -3 to -5 % left). "
      "What is left is in torch 2.2-2.4's FSDP1 or accelerate's launch path, which this machine cannot run. The "
-     "nvidia-smi rows also take the reserved prior: the adapters' own units are not in the FSDP1 replay yet"),
+     "nvidia-smi rows' reserved level is replayed with the adapters' own FSDP1 units (session 22: -9.5 .. -15.9 % "
+     "on the prior, -3.0 .. -12.3 % replayed) from that allocated peak, non-reentrant (the rows' Trainer "
+     "checkpointed reentrant, which the profiler does not trace)"),
     (lambda r, s: _bf16_loss_in_model(r) and s.err_pct > 0 and not _own_release(r, s),
      "version: the source's transformers (4.45, 4.48) GPTBigCode forward takes the cross-entropy of its bf16 "
      "logits (a shifted bf16 copy, bf16 log-softmax, no fp32 upcast); transformers 5, which the estimator traces, "
