@@ -506,6 +506,11 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
     in_flight = float(largest * elem16)
     notes = ["ZeRO accounting follows DeepSpeed 0.19's allocations (checked on real DeepSpeed CPU runs and on "
              "emulated ranks of an H200, docs/error_matrix/README.md)"]
+    if training.precision == "bf16":
+        notes.append("zero with precision bf16: estimated with fp32 master partitions, fp32 Adam states and the fp32 "
+                     "gradient cast (DeepSpeed's bf16.enabled); its pure-bf16 options (bf16_master_weights_and_grads, "
+                     "bf16_optimizer_states), which the harness runs, keep them in bf16 and are not modelled yet: an "
+                     "upper bound (+26 to +68 % on the CPU oracle's tiny models, docs/error_matrix/moe_methods.csv)")
     host = 0.0
     if offload_opt:  # masters, states and fp32 gradients live in host RAM and the step runs there
         host = master + states + fp32_grads

@@ -306,6 +306,11 @@ def _segment_bounds(signature: list[tuple], num_layers: int) -> dict[str, tuple[
         if e[0] == "m":
             first_where.setdefault(e[1], i)
     last = num_layers - 1
+    skipped = [i for i in range(num_layers) if f"fw_pre:{i}" in first_where and f"bw_pre:{i}" not in first_where]
+    if skipped and "backward" in first_where:
+        # e.g. LoRA on the routed experts of a model whose first layers are dense: nothing there needs a gradient
+        raise ValueError(f"lora_targets: backward never reaches decoder layer {skipped[0]} (no trainable parameter "
+                         "in it or before it); a layer without gradients is not modelled: add a target it has")
     try:
         fw = [first_where[f"fw_pre:{i}"] for i in range(num_layers)]
         fw_end = first_where[f"fw_post:{last}"]
