@@ -20,12 +20,13 @@ merged into the ``--csv`` file when one is given.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.table_csv import read_rows, write_rows
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rows {len(rows)}  median |error| {errors[len(errors) // 2]:.3f} %  max {errors[-1]:.3f} %  "
           f"elapsed {time.perf_counter() - started:.0f} s")
     if args.csv:
-        _write(args.csv, rows)
+        write_rows(args.csv, rows)
     return 0
 
 
@@ -213,8 +214,7 @@ def rescore(paths: list[Path], out: Path | None) -> int:
     """Re-estimate committed rows (their measurements kept); each file written back, all merged into ``out``."""
     merged: list[dict] = []
     for path in paths:
-        with path.open() as fh:
-            rows = list(csv.DictReader(fh))
+        rows = read_rows(path)
         cache: dict[tuple, dict[int, int]] = {}
         for row in rows:
             key = (row["config"], row["precision"], row["schedule"], int(row["pp"]), int(row["dp"]),
@@ -226,21 +226,13 @@ def rescore(paths: list[Path], out: Path | None) -> int:
                                        ckpt)
             est, got = cache[key][int(row["rank"])], int(row["measured_bytes"])
             row["estimate_bytes"], row["error_pct"] = est, round(100 * (est - got) / got, 4)
-        _write(path, rows)
+        write_rows(path, rows)
         merged += rows
     if out is not None:
-        _write(out, merged)
+        write_rows(out, merged)
     errors = sorted(abs(float(r["error_pct"])) for r in merged)
     print(f"rows {len(merged)}  median |error| {errors[len(errors) // 2]:.3f} %  max {errors[-1]:.3f} %")
     return 0
-
-
-def _write(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 if __name__ == "__main__":
