@@ -492,12 +492,15 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
     n_train = sum(p.numel for p in trainable)
     part = 1.0 / world
     weights = weights_bytes(table)
-    master = FP32 * n_train * part
-    states = optimizer_state_bytes(trainable, training.optimizer, True, shard=part)
-    fp32_grads = FP32 * n_train * part
+    # pure bf16 runs DeepSpeed's bf16_master_weights_and_grads + bf16_optimizer_states (harness/methods/deepspeed.py):
+    # the master partition, its gradient and Adam's states in bf16, laid out as fp32 training lays out fp32 ones
+    master_elem = elem16 if training.precision == "bf16" else FP32
+    master = master_elem * n_train * part
+    states = optimizer_state_bytes(trainable, training.optimizer, master_elem == FP32, shard=part)
+    fp32_grads = master_elem * n_train * part
     partition16 = elem16 * n_train * part  # the 16-bit gradient partition buffer
-    cast32 = fp32_grads if elem16 != FP32 else 0.0  # .to(fp32) of an fp32 tensor is the tensor itself
-    adam_temp = step_temp_bytes(trainable, training.optimizer, True, shard=part)
+    cast32 = fp32_grads if elem16 != master_elem else 0.0  # .to(dtype) of a tensor of that dtype is the tensor
+    adam_temp = step_temp_bytes(trainable, training.optimizer, master_elem == FP32, shard=part)
     if stage == 3:
         adam_temp = min(adam_temp, FP32 * zcfg.sub_group_size)
     largest = max((p.numel for p in trainable), default=0)
@@ -506,11 +509,6 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
     in_flight = float(largest * elem16)
     notes = ["ZeRO accounting follows DeepSpeed 0.19's allocations (checked on real DeepSpeed CPU runs and on "
              "emulated ranks of an H200, docs/error_matrix/README.md)"]
-    if training.precision == "bf16":
-        notes.append("zero with precision bf16: estimated with fp32 master partitions, fp32 Adam states and the fp32 "
-                     "gradient cast (DeepSpeed's bf16.enabled); its pure-bf16 options (bf16_master_weights_and_grads, "
-                     "bf16_optimizer_states), which the harness runs, keep them in bf16 and are not modelled yet: an "
-                     "upper bound (+26 to +68 % on the CPU oracle's tiny models, docs/error_matrix/moe_methods.csv)")
     host = 0.0
     if offload_opt:  # masters, states and fp32 gradients live in host RAM and the step runs there
         host = master + states + fp32_grads
@@ -535,10 +533,10 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
         resident["weights"] = weights
         buckets = ipg * (2 if zcfg.overlap_comm_for(stage) else 1)
         path = path or zero12_ranks(table, world, zcfg.reduce_bucket_size)[rank]
-        if not offload_opt:  # the fp32 master partition and the flat partitions of the step are P elements each
-            master = FP32 * path.partition_numel
+        if not offload_opt:  # the master partition and the flat partitions of the step are P elements each
+            master = master_elem * path.partition_numel
             partition16 = elem16 * path.partition_numel
-            cast32 = FP32 * path.partition_numel if elem16 != FP32 else 0.0
+            cast32 = master_elem * path.partition_numel if elem16 != master_elem else 0.0
             norm_temp = 8.0 * path.largest_piece
         in_partition = 0.0 if offload_opt else float(elem16 * path.buffer_numel)
         # Above that buffer: the fp64 norm of one gradient piece; the flattened partition + its fp32 cast; then

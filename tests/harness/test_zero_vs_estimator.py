@@ -23,14 +23,17 @@ SMALL_BUCKETS = ("parallel.zero.reduce_bucket_size=20000", "parallel.zero.allgat
                  "parallel.zero.stage3_param_persistence_threshold=100")
 
 
-@pytest.mark.parametrize("method,buckets", [("zero1", SMALL_BUCKETS), ("zero2", SMALL_BUCKETS),
-                                            ("zero3", SMALL_BUCKETS), ("zero2", ())])
-def test_zero_estimate_matches_deepspeed_on_cpu(tmp_path, method, buckets):
+@pytest.mark.parametrize("method,buckets,precision", [
+    ("zero1", SMALL_BUCKETS, "mixed_bf16"), ("zero2", SMALL_BUCKETS, "mixed_bf16"),
+    ("zero3", SMALL_BUCKETS, "mixed_bf16"), ("zero2", (), "mixed_bf16"),
+    # pure bf16: DeepSpeed's bf16 master weights, gradients and optimizer states (harness/methods/deepspeed.py)
+    ("zero2", SMALL_BUCKETS, "bf16"), ("zero3", SMALL_BUCKETS, "bf16")])
+def test_zero_estimate_matches_deepspeed_on_cpu(tmp_path, method, buckets, precision):
     from estimator.api import estimate
 
     # Fresh worker processes: a fork of this (multi-threaded, after other tests) process can deadlock.
     record = run_point(tmp_path, "model=tiny-llama", "data=synthetic", "training.seq_len=64",
-                       "training.micro_batch_size=2", "training.precision=mixed_bf16", "training.attn=eager",
+                       "training.micro_batch_size=2", f"training.precision={precision}", "training.attn=eager",
                        f"method={method}", "parallel.world_size=2", "emulate.enabled=true", "backend=cpu",
                        "launcher.isolation=subprocess", *buckets, device=CPU_DEVICE)
     assert record.status == "ok", record.error
