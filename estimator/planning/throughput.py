@@ -385,17 +385,17 @@ def _ring(kind: str, n: int) -> float:
     return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n
 
 
-def _sharded_gather_s(shape: ModelShape, setup: Setup, psi: float, grad_elem: float, dp_link: Link,
-                      ep_link: Link) -> float:
+def _sharded_gather_s(shape: ModelShape, setup: Setup, psi: float, grad_elem: float, dp_link: Link) -> float:
     """One pass of FSDP's per-layer all-gathers (the reduce-scatter moves as much). Under EP the routed experts
     are a unit of their own, sharded over the world / ep ranks that hold the same experts: a rank gathers only its
-    experts / ep of them, over those ranks (``estimator.models.moe_ep``)."""
+    experts / ep of them, over those ranks (``estimator.models.moe_ep``), which are strided across the EP groups,
+    so across the data-parallel link."""
     if setup.ep == 1 or not shape.moe_layers or shape.trainable_params is not None:
         return dp_link.time("all_gather", psi, setup.shards, shape.layers + 1)
     experts = shape.expert_params * grad_elem
     efsdp = setup.shards // setup.ep
     return dp_link.time("all_gather", psi - experts, setup.shards, shape.layers + 1) + \
-        ep_link.time("all_gather", experts / setup.ep, efsdp, shape.moe_layers)
+        dp_link.time("all_gather", experts / setup.ep, efsdp, shape.moe_layers)
 
 
 def _all_to_all_s(shape: ModelShape, setup: Setup, tokens: int, act_elem: float, link: Link) -> float:
@@ -445,7 +445,7 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
         parts["dp_reduce_scatter"], parts["dp_all_gather"] = micro_comm * accum, step_comm
         hidden_micro = zero_overlap * bwd_micro
     elif m in ("zero3", "fsdp", "fsdp1", "dp_tp") + ZERO3_OFFLOAD:   # dp_tp: FSDP2 over the dp axis of the mesh
-        micro_comm = 3 * _sharded_gather_s(shape, setup, psi, grad_elem, dp_link, ep_link)
+        micro_comm = 3 * _sharded_gather_s(shape, setup, psi, grad_elem, dp_link)
         parts["dp_gather_scatter"] = micro_comm * accum
         overlap = OVERLAP["fsdp" if m in FSDP_METHODS else "zero3"] \
             if setup.overlap_comm is not False else 0.0
