@@ -3,6 +3,7 @@
     PYTHONPATH=. .venv/bin/python benchmarks/moe_methods_table.py [--configs CONFIG.json ...]
         [--methods ddp zero1 zero2 zero3 fsdp fsdp1 lora-attn lora-all-linear lora-experts] [--world 2]
         [--points 1x64 2x128] [--precisions bf16 mixed_bf16] [--csv docs/error_matrix/moe_methods.csv]
+    PYTHONPATH=. .venv/bin/python benchmarks/moe_methods_table.py --rescore docs/error_matrix/moe_methods.csv
 
 Each point is a real harness run (``backend=cpu``, ``memory_source counted-cpu``; multi-rank methods emulate ranks
 0 and N-1 on torch's fake process group), scored as ``zero_cpu_check.compare`` scores ZeRO: each rank's measured
@@ -20,6 +21,7 @@ cannot run, or the estimator cannot estimate, is a row whose ``result`` says so,
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -28,7 +30,7 @@ import time
 from pathlib import Path
 
 from benchmarks.table_csv import read_rows, write_rows
-from benchmarks.zero_cpu_check import compare, run_point
+from benchmarks.zero_cpu_check import compare, estimate_ranks, point_spec, run_point
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = [HERE / "configs" / f"{name}_tiny.json" for name in ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v2")]
@@ -91,6 +93,32 @@ def point_rows(path: Path, method: str, world: int, precision: str, b: int, s: i
     return rows
 
 
+@functools.lru_cache(maxsize=8)
+def _point_reports(point: tuple) -> tuple:
+    """The estimate's (rank 0, last rank) reports of a point (its rows share one estimate)."""
+    reports = estimate_ranks(point_spec(*point), [0, -1])
+    return reports[0], reports[-1]
+
+
+def rescored(row: dict) -> dict:
+    """A committed row estimated again by today's estimator (its measurement kept): the point's spec composed as
+    the harness composes it, nothing run. A row the harness could not run stays as it is."""
+    if not row["measured_bytes"]:
+        return row
+    path = HERE / "configs" / row["config"]
+    name, ranks, extra = harness_method(row["method"], int(row["world"]), json.loads(path.read_text())["model_type"])
+    point = ("custom", name, ranks, row["precision"], row["buckets"] or "small", Path("/tmp/moe_methods"),
+             int(row["micro_batch_size"]), int(row["seq_len"]), (f"model.name={path.resolve()}", *extra))
+    try:
+        mine = _point_reports(point)[0 if int(row["rank"]) == 0 else 1]
+    except Exception as exc:  # noqa: BLE001 - the estimator failing on a point is the row's result
+        return {**row, "estimate_bytes": "", "error_pct": "", "estimated_phase": "",
+                "result": f"estimate failed: {type(exc).__name__}: {error_line(exc)}"}
+    measured, predicted = int(row["measured_bytes"]), mine.traced_allocated_bytes
+    return {**row, "estimate_bytes": predicted, "error_pct": round(100 * (predicted - measured) / measured, 2),
+            "result": "ok", "estimated_phase": mine.phase}
+
+
 def point_key(row: dict) -> tuple[str, ...]:
     return tuple(str(row[k]) for k in ("config", "method", "precision", "micro_batch_size", "seq_len"))
 
@@ -115,11 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", type=Path, default=None)
     parser.add_argument("--append", action="store_true",
                         help="keep the CSV's rows of other (config, method, precision, point)s, replace the rest")
+    parser.add_argument("--rescore", type=Path, default=None, metavar="CSV",
+                        help="estimate a committed table's rows again (measurements kept, nothing run) and rewrite it")
     args = parser.parse_args(argv)
     rows: list[dict] = []
     started = time.perf_counter()
+    if args.rescore:
+        rows = [rescored(row) for row in read_rows(args.rescore)]
+        for row in rows:
+            print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+        args.csv, args.append = args.rescore, False
     with tempfile.TemporaryDirectory(prefix="moe_methods-") as tmp:
-        for path in args.configs:
+        for path in [] if args.rescore else args.configs:
             for precision in args.precisions:
                 for point in args.points:
                     b, s = (int(x) for x in point.split("x"))
@@ -128,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                                               Path(tmp)):
                             rows.append(row)
                             print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-    scored = sorted(abs(r["error_pct"]) for r in rows if r["result"] == "ok")
+    scored = sorted(abs(float(r["error_pct"])) for r in rows if r["result"] == "ok")
     if scored:
         print(f"rows {len(rows)}  scored {len(scored)}  median |error| {scored[len(scored) // 2]:.2f} %  "
               f"max {scored[-1]:.2f} %  elapsed {time.perf_counter() - started:.0f} s")

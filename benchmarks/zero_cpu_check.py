@@ -33,14 +33,38 @@ SMALL_BUCKETS = ["parallel.zero.reduce_bucket_size=100000", "parallel.zero.allga
                  "parallel.zero.stage3_param_persistence_threshold=1000"]
 
 
+def point_overrides(model: str, method: str, world: int, precision: str, buckets: str, results: Path,
+                    batch: int, seq: int, extra: list[str]) -> list[str]:
+    """The harness overrides of one point."""
+    overrides = [f"model={model}", f"method={method}", f"parallel.world_size={world}",
+                 f"emulate.enabled={str(world > 1).lower()}", "backend=cpu", "data=synthetic",
+                 f"training.micro_batch_size={batch}", f"training.seq_len={seq}",
+                 f"training.precision={precision}", "training.attn=eager", f"paths.results_dir={results}",
+                 f"paths.measurements_dir={results / 'measurements'}", "campaign=zero_cpu_check"]
+    return overrides + (SMALL_BUCKETS if buckets == "small" else []) + list(extra)
+
+
+def point_spec(*point) -> RunSpec:
+    """The spec the harness runs for a point (``point_overrides``' arguments), composed as the harness composes
+    it, without running anything: for re-estimating a committed row."""
+    from harness.campaign import composer, hydra_context
+    from harness.config import to_run
+
+    with hydra_context():
+        spec, _opts = to_run(composer().compose(point_overrides(*point)))
+    return spec
+
+
+def estimate_ranks(spec: RunSpec, ranks: list[int]) -> dict[int, object]:
+    """The estimate's rank report for each measured rank (the estimate reports rank 0 and the last)."""
+    est = estimate(spec.replace(gpu="h100-80gb"))
+    return {rank: est.ranks[0] if rank == 0 else est.ranks[-1] for rank in ranks}
+
+
 def run_point(model: str, method: str, world: int, precision: str, buckets: str, results: Path,
               batch: int, seq: int, extra: list[str]) -> Path:
     """One harness run; returns its run directory."""
-    overrides = [f"model={model}", f"method={method}", f"parallel.world_size={world}",
-                 f"emulate.enabled={str(world > 1).lower()}", "backend=cpu", "data=synthetic", f"training.micro_batch_size={batch}", f"training.seq_len={seq}",
-                 f"training.precision={precision}", "training.attn=eager", f"paths.results_dir={results}",
-                 f"paths.measurements_dir={results / 'measurements'}", "campaign=zero_cpu_check"]
-    overrides += (SMALL_BUCKETS if buckets == "small" else []) + extra
+    overrides = point_overrides(model, method, world, precision, buckets, results, batch, seq, extra)
     out = subprocess.run([sys.executable, "-m", "harness", *overrides], cwd=ROOT, capture_output=True, text=True)
     ok = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("ok ")]
     if out.returncode or not ok:
@@ -51,11 +75,11 @@ def run_point(model: str, method: str, world: int, precision: str, buckets: str,
 
 def compare(run_dir: Path) -> list[dict]:
     spec = RunSpec.from_json((run_dir / "spec.json").read_text()).replace(gpu="h100-80gb")
-    est = estimate(spec)
+    records = [json.loads(path.read_text()) for path in sorted(run_dir.glob("rank*.json"))]
+    reports = estimate_ranks(spec, [rec["rank"] for rec in records])
     rows = []
-    for path in sorted(run_dir.glob("rank*.json")):
-        rec = json.loads(path.read_text())
-        mine = est.ranks[0] if rec["rank"] == 0 else est.ranks[-1]  # the estimate reports rank 0 and the last
+    for rec in records:
+        mine = reports[rec["rank"]]
         predicted = mine.traced_allocated_bytes
         measured = rec["peak_allocated_bytes"]
         steady = [s for s in rec["steps"] if not s["warmup"]][-1]

@@ -52,6 +52,7 @@ from estimator.methods.fsdp_replay import (
     UNSYNCED_FIRST,
     UNSYNCED_LATER,
     Walk,
+    segment_layer,
     set_part,
 )
 from estimator.methods.state import StepModel, optimizer_state_bytes, step_temp_bytes
@@ -131,6 +132,13 @@ class Fsdp1Sizes:
     options: Fsdp1Spec
     mixed: bool  # 16-bit compute from fp32 shards (MixedPrecision param_dtype)
     adapters: tuple[FlatUnit, ...] = ()  # LoRA: one unit per adapter weight of a decoder layer
+    # Each decoder layer's own unit where layers are not all alike (a dense first layer before expert layers);
+    # empty: every layer is ``layer``.
+    layers: tuple[FlatUnit, ...] = ()
+
+    def unit_of(self, index: int) -> FlatUnit:
+        """Decoder layer ``index``'s unit."""
+        return self.layers[index] if self.layers else self.layer
 
     @property
     def adapter_kept_bytes(self) -> float:
@@ -151,7 +159,7 @@ class Fsdp1Sizes:
         whole flat parameter under mixed_*, nothing otherwise (the parameters are the flat parameter)."""
         if not self.sharded and not self.mixed:
             return 0.0
-        if unit is self.layer and not self.frees_after_forward:  # SHARD_GRAD_OP keeps the adapters' gathers too
+        if unit is not self.root and not self.frees_after_forward:  # SHARD_GRAD_OP keeps the adapters' gathers too
             return unit.unsharded_bytes + sum(a.unsharded_bytes for a in self.adapters)
         return unit.unsharded_bytes
 
@@ -176,22 +184,20 @@ def _free(sz: Fsdp1Sizes, unit: FlatUnit, part: str) -> list:
 
 
 def _post_backward(sz: Fsdp1Sizes, unit: FlatUnit, params_part: str, grads_part: str, micro: str,
-                   prefetch_after: bool, grad_bytes: float | None = None) -> list:
-    """The unit's gradients are complete: flat gradient, reshard (BACKWARD_POST prefetches here), reduce.
-    ``grad_bytes``: the unit's own parameter gradients to drop (None: everything in ``grads_part``). ``micro``:
-    which micro-batch (``methods.fsdp_replay.MICRO_BATCHES``)."""
+                   prefetch: FlatUnit | None, grad_bytes: float | None = None) -> list:
+    """The unit's gradients are complete: flat gradient, reshard (BACKWARD_POST prefetches ``prefetch`` here),
+    reduce. ``grad_bytes``: the unit's own parameter gradients to drop (None: everything in ``grads_part``).
+    ``micro``: which micro-batch (``methods.fsdp_replay.MICRO_BATCHES``)."""
     accumulating = micro == LATER
+    prefetched = [] if prefetch is None else _unshard(sz, prefetch, "layer_params")
     if not unit.trainable:
-        events = _adapters_post_backward(sz, grads_part, grad_bytes, accumulating) if unit is sz.layer else []
-        return events + _free(sz, unit, params_part) + (_unshard(sz, sz.layer, "layer_params") if prefetch_after
-                                                        else [])
+        events = _adapters_post_backward(sz, grads_part, grad_bytes, accumulating) if unit is not sz.root else []
+        return events + _free(sz, unit, params_part) + prefetched
     drop = (lambda st: 0.0) if grad_bytes is None else (lambda st: max(st[grads_part] - grad_bytes, 0.0))
     events = [set_part("flat_grad", lambda st: unit.flat_grad_bytes), set_part(grads_part, drop)]
     if micro in (UNSYNCED_FIRST, UNSYNCED_LATER, SYNCED_LAST):
         events += _held_flat_grad(unit, micro)
-    events += _free(sz, unit, params_part)
-    if prefetch_after:
-        events += _unshard(sz, sz.layer, "layer_params")
+    events += _free(sz, unit, params_part) + prefetched
     if micro in (UNSYNCED_FIRST, UNSYNCED_LATER):  # no_sync: nothing reduced
         return events
     cast = float(unit.numel * unit.reduce_elem) if unit.reduce_elem != unit.compute_elem else 0.0
@@ -264,29 +270,31 @@ def _keep_flat_grad(kept: float):
     return apply
 
 
-def _forward_events(name: str, num_layers: int, sz: Fsdp1Sizes) -> list:
+def _forward_events(name: str, num_layers: int, sz: Fsdp1Sizes, index: int) -> list:
+    """At the start of a forward segment; ``index``: the decoder layer whose forward starts there (``prefix``: 0,
+    ``mid_fw``: the layer count)."""
     opts = sz.options
     reshard_fw = sz.frees_after_forward
-    layer = sz.layer
     if name == "prefix":  # the root's pre-forward; forward prefetching unshards the first layer there
         events = _unshard(sz, sz.root, "root_params")
-        return events + (_unshard(sz, layer, "layer_params") if opts.forward_prefetch else [])
+        return events + (_unshard(sz, sz.unit_of(0), "layer_params") if opts.forward_prefetch else [])
     if name in FORWARD_LAYER:
-        events = [] if name == "fw_first" or not reshard_fw else _free(sz, layer, "layer_params")
+        events = [] if name == "fw_first" or not reshard_fw else _free(sz, sz.unit_of(index - 1), "layer_params")
         if not opts.forward_prefetch:
-            events += _unshard(sz, layer, "layer_params")
+            events += _unshard(sz, sz.unit_of(index), "layer_params")
         if opts.forward_prefetch and name != "fw_last" and num_layers > 1:
-            events += _unshard(sz, layer, "layer_params")
+            events += _unshard(sz, sz.unit_of(index + 1), "layer_params")
         return events
     if name == "mid_fw":
-        events = _free(sz, layer, "layer_params") if reshard_fw else []
+        events = _free(sz, sz.unit_of(num_layers - 1), "layer_params") if reshard_fw else []
         return events + ([] if sz.sharded else _free(sz, sz.root, "root_params"))
     raise ValueError(f"fsdp1: unknown forward segment {name!r}")
 
 
-def _backward_events(sz: Fsdp1Sizes, layer_index: int, num_layers: int, layer_grad_bytes: float,
+def _backward_events(sz: Fsdp1Sizes, layer_index: int, num_layers: int, layer_grad_bytes: list[float],
                      micro: str) -> list:
     """At the start of layer ``layer_index``'s backward (-1: the suffix, after the first layer's).
+    ``layer_grad_bytes``: each layer's traced parameter gradients.
 
     A layer's post-backward runs when autograd reaches its flat parameter's split node, which it orders by
     creation: unsharded in its own pre-forward, the split comes after the previous layer's backward; prefetched
@@ -303,53 +311,72 @@ def _backward_events(sz: Fsdp1Sizes, layer_index: int, num_layers: int, layer_gr
         # Prefetching follows the units' post-forward order, in which each layer's adapters come before it: a
         # layer's pre-backward prefetches its own last adapter, and the previous layer is gathered by this layer's
         # first adapter, at the end of its backward, before this layer reshards (the last layer: by the root).
-        events += _unshard(sz, sz.layer, "layer_params") if 0 <= layer_index < num_layers - 1 else []
+        events += _unshard(sz, sz.unit_of(layer_index), "layer_params") if 0 <= layer_index < num_layers - 1 else []
         pre = False
     finished = layer_index + 1 + delay
     if finished < num_layers:
-        events += _post_backward(sz, sz.layer, "layer_params", "layer_grads", micro,
-                                 prefetch_after=post and reshard_fw and layer_index >= 0,
-                                 grad_bytes=layer_grad_bytes)
+        prefetch = sz.unit_of(layer_index) if post and reshard_fw and layer_index >= 0 else None
+        events += _post_backward(sz, sz.unit_of(finished), "layer_params", "layer_grads", micro, prefetch,
+                                 grad_bytes=layer_grad_bytes[finished])
     if layer_index < 0:  # the suffix
         return events
     last = layer_index == num_layers - 1
     # BACKWARD_PRE: every layer was prefetched (the last by the root); BACKWARD_POST: all but the last.
     if reshard_fw and not pre and not (post and not last) and not sz.adapters:
-        events += _unshard(sz, sz.layer, "layer_params")
+        events += _unshard(sz, sz.unit_of(layer_index), "layer_params")
     if pre and reshard_fw and layer_index > 0:
-        events += _unshard(sz, sz.layer, "layer_params")
+        events += _unshard(sz, sz.unit_of(layer_index - 1), "layer_params")
     return events
 
 
-def _mid_backward_events(sz: Fsdp1Sizes) -> list:
+def _mid_backward_events(sz: Fsdp1Sizes, num_layers: int) -> list:
     """The root's pre-backward hook (on the loss): NO_SHARD re-makes the root's 16-bit copy; BACKWARD_PRE
     prefetches the last layer."""
     events = [] if sz.sharded else _unshard(sz, sz.root, "root_params")
     if sz.options.backward_prefetch == "BACKWARD_PRE" and sz.frees_after_forward:
-        events += _unshard(sz, sz.layer, "layer_params")
+        events += _unshard(sz, sz.unit_of(num_layers - 1), "layer_params")
     return events
 
 
-def _schedule(num_layers: int, sz: Fsdp1Sizes, layer_grad_bytes: float, micro: str
+def _boundary_events(name: str, index: int | None, num_layers: int, sz: Fsdp1Sizes, layer_grad_bytes: list[float],
+                     micro: str) -> list:
+    """FSDP1's events at the start of a profile segment whose layer is ``index`` (``segment_layer``)."""
+    if name in BACKWARD_LAYER:
+        return _backward_events(sz, index, num_layers, layer_grad_bytes, micro)
+    if name == "mid_bw":
+        return _mid_backward_events(sz, num_layers)
+    if name == "suffix":
+        return _backward_events(sz, -1, num_layers, layer_grad_bytes, micro)
+    return _forward_events(name, num_layers, sz, {"prefix": 0, "mid_fw": num_layers}.get(name, index))
+
+
+def _schedule(num_layers: int, sz: Fsdp1Sizes, layer_grad_bytes: list[float], micro: str
               ) -> list[tuple[str, int, list]]:
-    """(profile segment, repetitions, boundary events) over the step; a repeated segment is split where its
-    events change (the first backward layers, before any post-backward is due)."""
+    """(profile segment, repetitions, boundary events) over the step. Every layer alike: a repeated segment is
+    split where its events change (the first backward layers, before any post-backward is due); layers not
+    alike: one entry per layer."""
     delay = int(sz.options.forward_prefetch)
     out = []
     for name, repeats in segment_sequence(num_layers):
-        if name in BACKWARD_LAYER:
-            index = {"bw_first": num_layers - 1, "bw": num_layers - 2, "bw_last": 0}[name]
-            if name == "bw" and delay and repeats > 1:  # the first middle layer has no post-backward due yet
-                out.append((name, 1, _backward_events(sz, index, num_layers, layer_grad_bytes, micro)))
-                index, repeats = index - 1, repeats - 1
-            out.append((name, repeats, _backward_events(sz, index, num_layers, layer_grad_bytes, micro)))
-        elif name == "mid_bw":
-            out.append((name, repeats, _mid_backward_events(sz)))
-        elif name == "suffix":
-            out.append((name, repeats, _backward_events(sz, -1, num_layers, layer_grad_bytes, micro)))
-        else:
-            out.append((name, repeats, _forward_events(name, num_layers, sz)))
+        if sz.layers:
+            out += [(name, 1, _boundary_events(name, segment_layer(name, k, num_layers), num_layers, sz,
+                                               layer_grad_bytes, micro)) for k in range(repeats)]
+            continue
+        index = segment_layer(name, 0, num_layers)
+        if name == "bw" and delay and repeats > 1:  # the first middle layer has no post-backward due yet
+            out.append((name, 1, _boundary_events(name, index, num_layers, sz, layer_grad_bytes, micro)))
+            index, repeats = index - 1, repeats - 1
+        out.append((name, repeats, _boundary_events(name, index, num_layers, sz, layer_grad_bytes, micro)))
     return out
+
+
+def _layer_grad_bytes(segments: dict, num_layers: int, per_layer: bool) -> list[float]:
+    """Each decoder layer's traced parameter gradients: its backward segment's (every layer alike: the first
+    layer's, as all are)."""
+    if not per_layer:
+        return [segments["bw_last"]["net_grad"]] * num_layers
+    return [segments["bw_last" if i == 0 else "bw_first" if i == num_layers - 1 else "bw"]["net_grad"]
+            for i in range(num_layers)]
 
 
 def replay_fsdp1(segments: dict, num_layers: int, b: int, s: int, sizes: Fsdp1Sizes,
@@ -361,27 +388,30 @@ def replay_fsdp1(segments: dict, num_layers: int, b: int, s: int, sizes: Fsdp1Si
     micro = accumulating if isinstance(accumulating, str) else LATER if accumulating else FIRST
     if micro not in MICRO_BATCHES:
         raise ValueError(f"fsdp1: unknown micro-batch {micro!r}")
+    if sizes.layers and len(sizes.layers) != num_layers:
+        raise ValueError(f"fsdp1: {len(sizes.layers)} layer units for {num_layers} decoder layers")
     walk = Walk(b, s, grad_part=lambda name: "layer_grads" if name in BACKWARD_LAYER else "root_grads")
     act = 0.0
     state = dict.fromkeys(BUFFERS + GRADS, 0.0)
+    layer_units = sizes.layers or (sizes.layer,) * num_layers
     if micro in (UNSYNCED_LATER, SYNCED_LAST):
-        state["held_grads"] = (num_layers * sizes.layer.flat_grad_bytes * sizes.layer.trainable
+        state["held_grads"] = (sum(u.flat_grad_bytes * u.trainable for u in layer_units)
                                + sizes.root.flat_grad_bytes * sizes.root.trainable)
     accumulating = micro == LATER
     if accumulating:
-        per_unit = sizes.layer.shard_numel if sizes.sharded else sizes.layer.numel
-        root_unit = sizes.root.shard_numel if sizes.sharded else sizes.root.numel
-        state["grad_shards"] = (num_layers * per_unit * sizes.layer.param_elem * sizes.layer.trainable
-                                + root_unit * sizes.root.param_elem * sizes.root.trainable
+        state["grad_shards"] = (sum((u.shard_numel if sizes.sharded else u.numel) * u.param_elem * u.trainable
+                                    for u in layer_units)
+                                + (sizes.root.shard_numel if sizes.sharded else sizes.root.numel)
+                                * sizes.root.param_elem * sizes.root.trainable
                                 + num_layers * sizes.adapter_kept_bytes)
-    layer_grad_bytes = segments["bw_last"]["net_grad"]
+    layer_grad_bytes = _layer_grad_bytes(segments, num_layers, bool(sizes.layers))
     for name, repeats, events in _schedule(num_layers, sizes, layer_grad_bytes, micro):
         act, state = walk.repeat(name, segments[name], events, act, state, repeats)
     tail = []
     if sizes.options.forward_prefetch:  # the first layer's post-backward, deferred past the embeddings' backward
-        tail += _post_backward(sizes, sizes.layer, "layer_params", "layer_grads", micro, prefetch_after=False,
-                               grad_bytes=layer_grad_bytes)
-    tail += _post_backward(sizes, sizes.root, "root_params", "root_grads", micro, prefetch_after=False)
+        tail += _post_backward(sizes, sizes.unit_of(0), "layer_params", "layer_grads", micro, None,
+                               grad_bytes=layer_grad_bytes[0])
+    tail += _post_backward(sizes, sizes.root, "root_params", "root_grads", micro, None)
     for event in tail:
         if event(state):
             walk.consider(act, state, "suffix")
@@ -393,22 +423,26 @@ def replay_fsdp1(segments: dict, num_layers: int, b: int, s: int, sizes: Fsdp1Si
                               "comm_buffers": parts["reduce"] + parts["flat_grad"]})
 
 
-def _units(table: list[ParamInfo]) -> tuple[list[ParamInfo], list[ParamInfo]]:
-    """(root unit's tensors in registration order, one decoder layer's tensors)."""
+def _units(table: list[ParamInfo]) -> tuple[list[ParamInfo], list[list[ParamInfo]]]:
+    """(root unit's tensors in registration order, each decoder layer's tensors)."""
     outer = [p for p in table if p.layer is None]
 
     def before(p: ParamInfo) -> bool:
         return p.before_layers if p.before_layers is not None else p.module_kind == "embedding"
     root = [p for p in outer if before(p)] + [p for p in outer if not before(p)]
-    unit_layer = largest_layer(table)
-    return root, [p for p in table if p.layer is not None and p.layer == unit_layer]
+    layers: dict[int, list[ParamInfo]] = {}
+    for p in table:
+        if p.layer is not None:
+            layers.setdefault(p.layer, []).append(p)
+    return root, [layers[i] for i in sorted(layers)]
 
 
 def _uniform_elem(params: list[ParamInfo], unit: str) -> int:
     sizes = {p.elem_bytes for p in params}
     if len(sizes) > 1:
         raise ValueError(f"method: fsdp1 flattens each unit into one tensor and needs one dtype per unit; the {unit} "
-                         f"mixes {sorted(sizes)}-byte tensors (e.g. fp32 LoRA adapters on 16-bit weights); use fsdp")
+                         f"mixes {sorted(sizes)}-byte tensors (e.g. a router kept in fp32, or fp32 LoRA adapters on 16-bit "
+                         "weights); use fsdp")
     return sizes.pop() if sizes else 2
 
 
@@ -417,7 +451,9 @@ def fsdp1_sizes(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> Fsdp1Si
     options = parallel.fsdp1
     world = options.shard_size(parallel.world_size)
     mixed = training.precision.startswith("mixed_")
-    root, layer = _units(table)
+    root, layers = _units(table)
+    largest = largest_layer(table)
+    layer = next((params for params in layers if params[0].layer == largest), [])
     adapters = [p for p in layer if p.trainable] if training.lora else []
     if adapters and (options.forward_prefetch or options.backward_prefetch != "BACKWARD_PRE"):
         raise ValueError("method: fsdp1 with LoRA is modelled with the default prefetching only (BACKWARD_PRE, no "
@@ -426,7 +462,9 @@ def fsdp1_sizes(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> Fsdp1Si
         raise ValueError("method: fsdp1 with LoRA under mixed_* is not modelled (FSDP1's MixedPrecision casts the "
                          "adapters to 16 bits, which changes what they keep for backward); use bf16, fp32, amp_* "
                          "or fsdp")
-    layer = [p for p in layer if not p.trainable] if adapters else layer
+    if adapters:
+        layer = [p for p in layer if not p.trainable]
+        layers = [[p for p in params if not p.trainable] for params in layers]
     if training.grad_accum_steps > 1 and training.grad_sync == "last" and (
             adapters or options.sharding_strategy == "NO_SHARD"):
         raise ValueError("grad_sync: fsdp1 holding its gradients between micro-batches (no_sync) is modelled for "
@@ -437,8 +475,10 @@ def fsdp1_sizes(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> Fsdp1Si
         param_elem = FP32 if mixed else compute
         reduce = FP32 if mixed else compute
         return flat_unit(params, world, rank % world, compute, param_elem, reduce, options.use_orig_params)
+    each = tuple(unit(params, "decoder layer") for params in layers)
     return Fsdp1Sizes(root=unit(root, "root unit"), layer=unit(layer, "decoder layer"), options=options,
-                      mixed=mixed, adapters=tuple(unit([p], f"adapter {p.name}") for p in adapters))
+                      mixed=mixed, adapters=tuple(unit([p], f"adapter {p.name}") for p in adapters),
+                      layers=each if len(set(each)) > 1 else ())
 
 
 def fsdp1(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> StepModel:
@@ -448,7 +488,8 @@ def fsdp1(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> StepModel:
     sizes = fsdp1_sizes(spec, table, rank)
     options = sizes.options
     num_layers = len({p.layer for p in table if p.layer is not None})
-    units = [(sizes.root, 1), (sizes.layer, num_layers)] + [(a, num_layers) for a in sizes.adapters]
+    layer_units = [(u, 1) for u in sizes.layers] or [(sizes.layer, num_layers)]
+    units = [(sizes.root, 1)] + layer_units + [(a, num_layers) for a in sizes.adapters]
     stored = [(u.shard_numel if sizes.sharded else u.numel, u, n) for u, n in units]
     weights = float(sum(numel * u.param_elem * n for numel, u, n in stored))
     grads = float(sum(numel * u.param_elem * n for numel, u, n in stored if u.trainable))

@@ -263,9 +263,9 @@ def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
                          segments, num_layers, b, s, sizes, accumulating=accumulating))
 
 
-def _zero_layout(table: list[ParamInfo]) -> tuple[float, float, float, int]:
-    """(pre-layer numel, one decoder layer's numel, post-layer numel, layers) for ZeRO-3's gather schedule:
-    embeddings come before the layers, the rest (final norm, head) after."""
+def _zero_layout(table: list[ParamInfo]) -> tuple[float, list[float], float]:
+    """(pre-layer numel, each decoder layer's numel in layer order, post-layer numel) for ZeRO-3's gather
+    schedule: embeddings come before the layers, the rest (final norm, head) after."""
     layers: dict[int, float] = {}
     pre = post = 0.0
     for p in table:
@@ -275,7 +275,7 @@ def _zero_layout(table: list[ParamInfo]) -> tuple[float, float, float, int]:
             pre += p.numel
         else:
             post += p.numel
-    return pre, max(layers.values(), default=0.0), post, len(layers)
+    return pre, [layers[i] for i in sorted(layers)], post
 
 
 def _zero3_gathered(zcfg: ZeroSpec, table: list[ParamInfo], elem: int) -> ExtraBytes:
@@ -289,9 +289,11 @@ def _zero3_gathered(zcfg: ZeroSpec, table: list[ParamInfo], elem: int) -> ExtraB
     elements are gathered. On top: the module in use and up to ``stage3_prefetch_bucket_size`` elements of the
     modules ahead. Not modelled: the flat buffer of a coalesced gather, which briefly doubles what one gather
     brings in. Persistent parameters (<= ``stage3_param_persistence_threshold`` elements) are resident and not
-    counted here."""
+    counted here. Each layer counts its own tensors (a dense first layer before expert layers is smaller)."""
     big = [p for p in table if p.numel > zcfg.stage3_param_persistence_threshold]
-    pre, layer, post, num_layers = _zero_layout(big)
+    pre, layers, post = _zero_layout(big)
+    num_layers = len(layers)
+    before = [sum(layers[:i]) for i in range(num_layers + 1)]  # numel of the layers ahead of layer i
     bucket = zcfg.stage3_prefetch_bucket_size
     live = zcfg.stage3_max_live_parameters
 
@@ -301,15 +303,15 @@ def _zero3_gathered(zcfg: ZeroSpec, table: list[ParamInfo], elem: int) -> ExtraB
 
     def gathered(segment: str, k: int) -> float:
         if segment == "prefix":
-            numel = pre + min(bucket, num_layers * layer + post)
+            numel = pre + min(bucket, before[-1] + post)
         elif segment == "suffix":
             numel = pre
         elif segment in ("mid_fw", "mid_bw"):
-            numel = min(pre + num_layers * layer, live) + post
+            numel = min(pre + before[-1], live) + post
         else:
             i = layer_index(segment, k)
-            ahead = (num_layers - i) * layer + post if segment.startswith("fw") else 0.0  # backward: all held
-            numel = min(pre + (i - 1) * layer, live) + layer + min(bucket, ahead)
+            ahead = before[-1] - before[i] + post if segment.startswith("fw") else 0.0  # backward: all held
+            numel = min(pre + before[i - 1], live) + layers[i - 1] + min(bucket, ahead)
         return elem * numel
     return gathered
 

@@ -89,20 +89,27 @@ def largest_layer(table: list[ParamInfo]) -> int | None:
 def backward_order(params: dict, num_layers: int) -> dict[tuple[int | None, str], int]:
     """(layer or None, name) -> position of the tensor's gradient hook in backward, for the full depth, from the
     profile's ``grad_order`` (recorded on the shrunken model: the non-layer tensors finished before the layers,
-    the generic layer's order repeated from the last layer to the first, then the rest). Empty when the profile
-    does not record it or its generic layer does not match its parameter table."""
+    each layer's order from the last layer to the first, then the rest). A layer takes the order of the recorded
+    layer with its tensors (the generic layer where it has them: a dense first layer before expert layers has its
+    own). Empty when the profile does not record it or a layer's tensors match no recorded layer's."""
     recorded = params.get("grad_order")
-    if not recorded or params.get("layer_kinds"):  # the generic layer's order is not every layer's
+    if not recorded:
         return {}
     first = next((i for i, (layer, _) in enumerate(recorded) if layer is not None), len(recorded))
     head = [name for layer, name in recorded[:first] if layer is None]
     tail = [name for layer, name in recorded[first:] if layer is None]
-    generic = [name for layer, name in recorded if layer == 1]
-    if sorted(generic) != sorted(row["name"] for row in params["per_layer"] if row["trainable"]):
-        return {}
+    traced: dict[int, list[str]] = {}
+    for layer, name in recorded:
+        if layer is not None:
+            traced.setdefault(layer, []).append(name)
+    candidates = [traced[i] for i in sorted(traced, key=lambda i: (i != 1, i))]  # the generic layer first
     keys = [(None, name) for name in head]
-    for layer in range(num_layers - 1, -1, -1):
-        keys.extend((layer, name) for name in generic)
+    for layer, rows in reversed(list(enumerate(layer_rows(params, num_layers)))):
+        names = sorted(row["name"] for row in rows if row["trainable"])
+        order = next((c for c in candidates if sorted(c) == names), None)
+        if order is None:
+            return {}
+        keys.extend((layer, name) for name in order)
     keys.extend((None, name) for name in tail)
     return {key: i for i, key in enumerate(keys)}
 

@@ -130,7 +130,7 @@ def _units(table: list[ParamInfo], num_layers: int, sizes: Fsdp1Sizes) -> dict:
     units = {"root": unit([p for p in model_order(table) if p.layer is None], sizes.root)}
     for layer in range(num_layers):
         params = [p for p in table if p.layer == layer]
-        units[layer] = unit([p for p in params if not (lora and p.trainable)], sizes.layer)
+        units[layer] = unit([p for p in params if not (lora and p.trainable)], sizes.unit_of(layer))
         adapters = [p for p in params if lora and p.trainable]
         if len(adapters) != len(sizes.adapters):
             raise ExpansionError(f"fsdp1: layer {layer}'s adapters differ from the sized layer's")

@@ -145,3 +145,37 @@ def test_a_deeper_config_than_recorded_asks_for_torch_without_it(tmp_path):
     path.write_text(json.dumps({**config, "num_hidden_layers": 40}))
     with pytest.raises(ValueError, match="recorded for 27 layers only"):
         estimate(RunSpec(model=str(path)), allow_build=False)
+
+
+# Rows of docs/error_matrix/moe_methods.csv past the 1 % bar, with what is known of them (docs/LOG.md, session 23).
+MOE_METHODS_OPEN = {
+    # DeepSpeed ZeRO-2 in pure bf16, the last rank, on families with a dense first layer: the estimate follows the
+    # real backward's gradient order (checked), but the rank's partition buffer or IPG path is off by ~0.26 MiB
+    ("qwen3_moe_tiny.json", "zero2", "bf16", "1"): 2.0,
+    ("deepseek_v2_tiny.json", "zero2", "bf16", "1"): 2.0,
+    # ZeRO-3 in pure bf16 on Mixtral peaks in backward 0.36 MiB above the estimate: not found
+    ("mixtral_tiny.json", "zero3", "bf16", "0"): 2.0,
+    ("mixtral_tiny.json", "zero3", "bf16", "1"): 2.0,
+}
+
+
+def test_the_committed_moe_methods_table_stays_within_its_bounds():
+    """Every scored row of docs/error_matrix/moe_methods.csv (real harness CPU runs of four MoE families under ddp,
+    ZeRO-1/2/3, FSDP2, FSDP1 and LoRA, every storage counted: benchmarks/moe_methods_table.py) estimated again
+    from the spec the harness composes for it: within 1 %, the rows still open within their bound. Covers the
+    per-layer units of FSDP1 and ZeRO-3 for a dense first layer before expert layers (+11 % and +3 % before)."""
+    from benchmarks.moe_methods_table import rescored
+    from benchmarks.table_csv import read_rows
+
+    rows = read_rows(Path(__file__).resolve().parents[2] / "docs" / "error_matrix" / "moe_methods.csv")
+    assert {r["method"] for r in rows} >= {"ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp1", "lora-attn"}
+    found = {}
+    for row in rows:
+        if row["result"] != "ok":
+            continue
+        again = rescored(row)
+        assert again["result"] == "ok", (row, again["result"])
+        found[(row["config"], row["method"], row["precision"], row["rank"])] = float(again["error_pct"])
+    assert len(found) >= 80
+    beyond = {k: e for k, e in found.items() if abs(e) > MOE_METHODS_OPEN.get(k, 1.0)}
+    assert not beyond, beyond
