@@ -3,11 +3,11 @@ the same spec; writes a table.
 
     PYTHONPATH=. .venv/bin/python benchmarks/reserved_every_k.py [--csv docs/error_matrix/reserved_every_k_cpu.csv]
 
-Tiny Llama and OPT configs (6 layers), every-k:2 and :3, single / ddp / zero1 / zero2 (ZeRO not at pure bf16:
+Tiny Llama and OPT configs (6 layers), every-k:2 and :3, single / ddp / tp / zero1 / zero2 (ZeRO not at pure bf16:
 its replay refuses that), several (micro-batch, sequence) points. Per row: the replay's requested peak less the
 estimate's allocated peak (less its block rounding, plus the three batch tensors the estimator does not count;
 0 is the same to the byte), the replayed reserved peak and the prior the estimate fell back to before (allocated
-x 1.1 + 64 MiB). Exit 1 when a single / ddp / zero1 row is not byte-equal where the activations peak (the rows
+x 1.1 + 64 MiB). Exit 1 when a single / ddp / tp / zero1 row is not byte-equal where the activations peak (the rows
 marked ``activation_peak``: the peak is not the optimizer step's, where a pre-existing 4 bytes differ with or
 without checkpointing, test_reserved_every_k), or any row whose difference is not full checkpointing's at the same
 point (ZeRO-2's replay sits a fixed amount under its estimate with or without every-k: not every-k's).
@@ -41,7 +41,7 @@ CONFIGS = {
             "word_embed_proj_dim": 64},
 }
 PRECISIONS = ("fp32", "mixed_bf16", "bf16")
-METHODS = (("single", 1), ("ddp", 2), ("zero1", 2), ("zero2", 2))
+METHODS = (("single", 1), ("ddp", 2), ("tp", 2), ("zero1", 2), ("zero2", 2))
 POINTS = ((8, 256), (4, 512), (2, 128), (1, 32))
 MIB = 1024 * 1024
 
@@ -51,8 +51,9 @@ def _difference(spec: RunSpec, every: int | None) -> tuple[int, int, int, bool]:
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
     est = api.estimate(spec, alloc_conf="")
-    arch, profile = (api.every_k_profile(spec.model, training, 1, every) if every
-                     else api.load_model_profile(spec.model, training))
+    tp = spec.parallel.tp
+    arch, profile = (api.every_k_profile(spec.model, training, tp, every) if every
+                     else api.load_model_profile(spec.model, training, tp))
     regime, table = api._regime(profile, b, s), api._param_table(profile, arch.num_layers)
     reason = reserved_rank.why_not(spec, regime, arch.num_layers, table)
     if reason is not None:
@@ -69,7 +70,8 @@ def _difference(spec: RunSpec, every: int | None) -> tuple[int, int, int, bool]:
 
 def _row(name: str, path: str, precision: str, method: str, world: int, every: int, b: int, s: int) -> dict:
     def spec(policy: str) -> RunSpec:
-        return RunSpec(model=path, parallel=ParallelSpec(method=method, world_size=world),
+        return RunSpec(model=path, parallel=ParallelSpec(method=method, world_size=world,
+                                                         tp=world if method == "tp" else 1),
                        training=TrainingSpec(precision=precision, grad_ckpt=True, ckpt_policy=policy,
                                              micro_batch_size=b, seq_len=s))
 
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     inherited = sum(r["requested_less_estimate_bytes"] == r["full_ckpt_requested_less_estimate_bytes"] for r in rows)
     gaps = [abs(r["requested_less_estimate_bytes"]) for r in rows]
     vs_prior = [r["replayed_reserved_bytes"] / r["prior_reserved_bytes"] - 1 for r in rows]
-    print(f"{len(rows)} rows; single/ddp/zero1 where activations peak: {len(exact) - len(off)} of {len(exact)} "
+    print(f"{len(rows)} rows; single/ddp/tp/zero1 where activations peak: {len(exact) - len(off)} of {len(exact)} "
           f"byte-equal; every-k's requested - estimate = full checkpointing's in {inherited} of {len(rows)}; "
           f"|requested - estimate| median {statistics.median(gaps)} B, max {max(gaps)} B; replayed reserved vs the "
           f"prior: median {statistics.median(vs_prior):+.1%}, from {min(vs_prior):+.1%} to {max(vs_prior):+.1%}")

@@ -32,7 +32,7 @@ def _spec(path: str, precision: str, every: int, b: int, s: int, method: str = "
     policy = f"every-k:{every}" if every else ""
     return RunSpec(model=path, training=TrainingSpec(precision=precision, grad_ckpt=True, ckpt_policy=policy,
                                                      micro_batch_size=b, seq_len=s, **training),
-                   parallel=ParallelSpec(method=method, world_size=world))
+                   parallel=ParallelSpec(method=method, world_size=world, tp=world if method == "tp" else 1))
 
 
 def _requested_less_estimate(spec: RunSpec) -> int:
@@ -42,8 +42,9 @@ def _requested_less_estimate(spec: RunSpec) -> int:
     b, s = training.micro_batch_size, training.seq_len
     est = api.estimate(spec, alloc_conf="")
     every = int(training.ckpt_policy.split(":")[1]) if training.ckpt_policy else None
-    arch, profile = (api.every_k_profile(spec.model, training, 1, every) if every
-                     else api.load_model_profile(spec.model, training))
+    tp = spec.parallel.tp
+    arch, profile = (api.every_k_profile(spec.model, training, tp, every) if every
+                     else api.load_model_profile(spec.model, training, tp))
     regime, table = api._regime(profile, b, s), api._param_table(profile, arch.num_layers)
     assert reserved_rank.why_not(spec, regime, arch.num_layers, table) is None
     coeffs = load_coefficients(est.gpu_key)
@@ -64,6 +65,12 @@ def _requested_less_estimate(spec: RunSpec) -> int:
 def test_replayed_requested_peak_equals_the_estimate(llama_path, precision, method, world, every, b, s):
     """Where the activations peak, the replay's requested peak is the analytic estimate to the byte."""
     assert _requested_less_estimate(_spec(llama_path, precision, every, b, s, method, world)) == 0
+
+
+@pytest.mark.parametrize("every", [2, 3])
+def test_tensor_parallel_requested_peak_equals_the_estimate(llama_path, every):
+    """TP's rank profiles (local shards, replicated parts) merge the same way."""
+    assert _requested_less_estimate(_spec(llama_path, "mixed_bf16", every, 8, 256, "tp", 2)) == 0
 
 
 @pytest.mark.parametrize("precision", ["fp32", "mixed_bf16"])
