@@ -137,17 +137,22 @@ def test_profiles_that_differ_outside_the_layers_are_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("every", [2, 3])
-def test_generated_stream_equals_a_real_cpu_run(llama_path, every):
+@pytest.mark.parametrize("precision, every", [
+    ("fp32", 2), ("fp32", 3),
+    # mixed precision: the plain layers free their input in their forward, the model keeps the embedding output
+    # bound to the forward's end and the last layer's input past its hook (checkpointed last layer: K 2; plain: K 4)
+    ("mixed_bf16", 2), ("mixed_bf16", 4),
+])
+def test_generated_stream_equals_a_real_cpu_run(llama_path, precision, every):
     """Setup, three steps of the tiny Llama (6 layers) with layers K-1, 2K-1, ... under torch's non-reentrant
     checkpoint (the profiler's build, ``techniques.apply_layer_policy``), the real run in a spawned process: the
     same sizes in the same order, the same tensor freed, to the event."""
     b, s = 2, 64
-    spec = _spec(llama_path, "fp32", every, b, s, attn="eager")
+    spec = _spec(llama_path, precision, every, b, s, attn="eager")
     arch, profile = api.every_k_profile(llama_path, spec.training, 1, every)
     regime, table = api._regime(profile, b, s), api._param_table(profile, arch.num_layers)
     events = mixed_events(spec, regime, arch.num_layers)
-    setup = reserved_rank._setup(profile, table, arch.num_layers, "single", False)
+    setup = reserved_rank._setup(profile, table, arch.num_layers, "single", precision.startswith("mixed_"))
     plan = StepPlan(expand(events, arch.num_layers), step_sizes(events["polys"], b, s), b * s * INT64, 0, 0)
     generated = [("alloc", i, n, 0) for i, (name, n) in enumerate(setup.allocations)
                  if not name.startswith("buffers")]
