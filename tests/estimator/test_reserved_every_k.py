@@ -67,6 +67,13 @@ def test_replayed_requested_peak_equals_the_estimate(llama_path, precision, meth
     assert _requested_less_estimate(_spec(llama_path, precision, every, b, s, method, world)) == 0
 
 
+@pytest.mark.parametrize("method", ["ddp", "zero2"])
+def test_gradient_accumulation_requested_peak_equals_the_estimate(llama_path, method):
+    """Two micro-batches a step (DDP under no_sync, ZeRO-2's own micro-steps): the merged step accumulates too."""
+    spec = _spec(llama_path, "mixed_bf16", 2, 8, 256, method, 2, grad_accum_steps=2)
+    assert _requested_less_estimate(spec) == 0
+
+
 @pytest.mark.parametrize("every", [2, 3])
 def test_tensor_parallel_requested_peak_equals_the_estimate(llama_path, every):
     """TP's rank profiles (local shards, replicated parts) merge the same way."""
