@@ -24,6 +24,9 @@ from operator import itemgetter
 LAYER_SEGMENTS = {"fw_first": ("fw", 0), "fw": ("fw", 1), "fw_last": ("fw", 2),
                   "bw_first": ("bw", 2), "bw": ("bw", 1), "bw_last": ("bw", 0)}
 OUTER = ("prefix", "mid_fw", "mid_bw", "suffix", "optimizer_pre", "optimizer")
+# every-k checkpointing's merged event list (``estimator.reserved.every_k``): a checkpointed layer's segments are
+# named ``fw+ckpt``, ...; the lowest checkpointed layer's backward ``bw+ckpt+release`` (the same tensors)
+CKPT, RELEASE = "+ckpt", "+release"
 
 ALLOC, FREE, FREE_PREVIOUS = 0, 1, 2
 _ON_STREAM = 8  # kind 8 + s: allocate on side stream s >= 1 (its own pools: ``estimator.reserved.fsdp``)
@@ -81,14 +84,26 @@ def _decode(code: int) -> tuple[bool, int]:
     return (True, code) if code >= 0 else (False, ~code)
 
 
-def _segment_order(num_layers: int) -> list[tuple[str, int | None]]:
-    """(segment, concrete layer) in step order; outer segments have no layer."""
+def _base(name: str) -> str:
+    """A segment's name without the every-k suffixes (``bw+ckpt+release`` -> ``bw``)."""
+    return name.split("+", 1)[0]
+
+
+def _segment_order(num_layers: int, every_k: tuple[int, int] | None = None) -> list[tuple[str, int | None]]:
+    """(segment, concrete layer) in step order; outer segments have no layer. ``every_k``: (K, the lowest
+    checkpointed layer) of a merged event list: layers K-1, 2K-1, ... run the checkpointed segments."""
     last = num_layers - 1
-    order = [("prefix", None), ("fw_first", 0)]
-    order += [("fw", layer) for layer in range(1, last)]
-    order += [("fw_last", last), ("mid_fw", None), ("mid_bw", None), ("bw_first", last)]
-    order += [("bw", layer) for layer in range(last - 1, 0, -1)]
-    order += [("bw_last", 0), ("suffix", None), ("optimizer_pre", None), ("optimizer", None)]
+
+    def named(name: str, layer: int) -> tuple[str, int]:
+        if every_k is None or (layer + 1) % every_k[0]:
+            return name, layer
+        return name + CKPT + (RELEASE if name.startswith("bw") and layer == every_k[1] else ""), layer
+
+    order = [("prefix", None), named("fw_first", 0)]
+    order += [named("fw", layer) for layer in range(1, last)]
+    order += [named("fw_last", last), ("mid_fw", None), ("mid_bw", None), named("bw_first", last)]
+    order += [named("bw", layer) for layer in range(last - 1, 0, -1)]
+    order += [named("bw_last", 0), ("suffix", None), ("optimizer_pre", None), ("optimizer", None)]
     return order
 
 
@@ -114,9 +129,12 @@ class _Layout:
     def __init__(self, events: dict, segments: dict[str, list[int]]) -> None:
         self.size = events["size"]
         labels = {o: layer for o, layer in events["layer_of"]}
+        alias = events.get("ckpt_alias", {})
         self.ident: dict[int, tuple] = {}
         self.layer: dict[int, int | None] = {}
         for name, codes in segments.items():
+            if name.endswith(RELEASE):  # the same tensors as its segment's
+                continue
             j = 0
             for code in codes:
                 alloc, o = _decode(code)
@@ -124,9 +142,14 @@ class _Layout:
                     continue
                 if o in self.ident:
                     raise ExpansionError(f"events: ordinal {o} allocated twice")
-                if name in LAYER_SEGMENTS:
-                    stack, layer = LAYER_SEGMENTS[name]
-                    self.ident[o] = (stack, j)
+                if _base(name) in LAYER_SEGMENTS:
+                    stack, layer = LAYER_SEGMENTS[_base(name)]
+                    if name == _base(name):
+                        self.ident[o] = (stack, j)
+                    elif j in alias.get(stack, {}):  # a checkpointed layer's crossing tensor: the plain one's
+                        self.ident[o] = (stack, alias[stack][j])
+                    else:
+                        self.ident[o] = (stack + CKPT, j)
                     self.layer[o] = layer
                     j += 1
                 else:
@@ -247,9 +270,11 @@ def _expand_segments(events: dict, segments: dict, num_layers: int, held: list[i
     marks = []
     resolved: dict[str, list[tuple]] = {}
     copies_at = len(events["polys"])
-    for name, layer in _segment_order(num_layers):
-        starts.setdefault(name, len(out))
-        marks.append((name, layer, len(out)))
+    every_k = events.get("every_k")
+    for name, layer in _segment_order(num_layers, every_k):
+        base = _base(name)
+        starts.setdefault(base, len(out))
+        marks.append((base, layer, len(out)))
         if name == "mid_bw" and manual and fp32_copies:
             copies = [(namer(("fp32 copy", o), None), copies_at + j) for j, o in enumerate(held)]
             out.extend((ALLOC, key, poly) for key, poly in copies)
@@ -257,11 +282,16 @@ def _expand_segments(events: dict, segments: dict, num_layers: int, held: list[i
         elif name == "mid_bw" and manual:
             out.extend((FREE_PREVIOUS, namer(layout.ident[o], layer), layout.size[o])
                        for o in held for layer in _held_layers(layout, o, num_layers))
-        if name in LAYER_SEGMENTS:
+        if base in LAYER_SEGMENTS:
             if name not in resolved:
-                resolved[name] = _resolve(layout, namer, segments[name], LAYER_SEGMENTS[name][1], skip_free)
+                resolved[name] = _resolve(layout, namer, segments[name], LAYER_SEGMENTS[base][1], skip_free)
                 resolved[name + " not last"] = [event for event in resolved[name] if not _frees_shared(event)]
-            last_generic = name not in ("fw", "bw") or layer == (num_layers - 2 if name == "fw" else 1)
+                if (every_k and base in ("fw", "bw") and not name.endswith(RELEASE)
+                        and resolved[name] != resolved[name + " not last"]):
+                    raise ExpansionError("every-k: a generic layer frees a tensor the layers share")
+            # the lowest checkpointed layer's backward frees what the checkpoints kept (``reserved.every_k``)
+            last_generic = (base not in ("fw", "bw") or name.endswith(RELEASE)
+                            or layer == (num_layers - 2 if base == "fw" else 1))
             _emit(out, namer, resolved[name if last_generic else name + " not last"], layer, num_layers, grads,
                   grad_keys)
             continue

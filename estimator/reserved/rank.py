@@ -9,6 +9,7 @@ import dataclasses
 from estimator.allocator import parse_alloc_conf
 from estimator.methods.fsdp1 import fsdp1_sizes
 from estimator.models.params import ParamInfo
+from estimator.reserved.every_k import mixed_events
 from estimator.reserved.expand import Expansion, ExpansionError, expand, step_sizes
 from estimator.reserved.fsdp import fsdp_setup, fsdp_step
 from estimator.reserved.fsdp1 import fsdp1_setup, fsdp1_step, why_not_fsdp1
@@ -28,6 +29,9 @@ from estimator.spec import FSDP_METHODS, ckpt_every
 # zero3: the same on three streams, with the parameter coordinator's gathers (estimator.reserved.zero3).
 METHODS = ("single", "ddp", "tp", "fsdp", "dp_tp", "fsdp1", "zero1", "zero2", "zero3")
 ZERO = ("zero1", "zero2")
+# every-k checkpointing: the methods whose allocated estimate mixes the two profiles' layers (estimator.api
+# MIXED_LAYER_METHODS; zero_offload is no replayed method)
+EVERY_K = ("single", "ddp", "tp", "zero1", "zero2")
 SHARDED = ("fsdp", "dp_tp")
 _EXPANSIONS: dict[tuple, tuple] = {}
 _FSDP_STEPS: dict[tuple, tuple] = {}
@@ -49,11 +53,15 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
     if getattr(spec.parallel, "ep", 1) > 1:
         return ("expert parallelism: the all-to-all buffers and the expert units' own FSDP2 gathers are not in the "
                 "allocator replay yet")
-    if ckpt_every(training.ckpt_policy) is not None:
-        return "every-k checkpointing mixes two profiles' layers; their event lists are not merged yet"
+    if ckpt_every(training.ckpt_policy) is not None and spec.parallel.method not in EVERY_K:
+        return f"every-k checkpointing under {spec.parallel.method}: the merged event list is replayed for " \
+            f"{', '.join(EVERY_K)} only"
     if training.ce == "fused_linear":
         return "Liger's chunk buffer is added to the allocated peak, not to the event list"
-    events = regime.get("events")
+    try:
+        events = _events(spec, regime, num_layers)
+    except ExpansionError as err:
+        return str(err)
     if events is None:
         return "the profile has no event list (traced before event lists were kept)"
     if events.get("optimizer") != training.optimizer:
@@ -85,6 +93,14 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
     if _fp32_copies(training, regime) is None:
         return "outputs_fp32 with an output object of 16-bit and other tensors: not in the event list"
     return None
+
+
+def _events(spec, regime: dict, num_layers: int) -> dict | None:
+    """The regime's event list; every-k's: the plain and the checkpointed profile's merged
+    (``estimator.reserved.every_k``; ExpansionError when they cannot be)."""
+    if ckpt_every(spec.training.ckpt_policy) is None or num_layers < 2:
+        return regime.get("events")
+    return mixed_events(spec, regime, num_layers)
 
 
 def _fp32_copies(training, regime: dict) -> bool | None:
@@ -251,7 +267,7 @@ def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[Para
     1 where the spec's has more rows: an epoch's last, short batch) are left out. The run's need is reported
     when the cap is hit, as ``replay_reserved`` does (``_capped_then_needed``). ExpansionError: no replay."""
     training = spec.training
-    events = regime["events"]
+    events = _events(spec, regime, num_layers)
     expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)))
     plans: dict[tuple[int, int], StepPlan] = {}
     sequence = []
@@ -291,7 +307,7 @@ def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], n
     reserved peak passes it. ExpansionError: no replay."""
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
-    events = regime["events"]
+    events = _events(spec, regime, num_layers)
     expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)))
     plan = _plan(spec, events, expansion, table, num_layers, b, s, workspace_bytes=workspace_bytes,
                  workspaces=workspaces, rank=rank)
