@@ -39,6 +39,15 @@ INT64 = 8
 BOOL = 1
 
 
+def received_rows_factor(imbalance: float, ep: int, experts: int, top_k: int) -> float:
+    """Rows the busiest EP rank's experts run on, relative to its own T x top_k, when the busiest expert gets
+    ``imbalance`` x its balanced load: at most every row its EP group can send it."""
+    if ep == 1 or not top_k:
+        return 1.0  # one device runs every expert dropless: the same rows however the router spreads them
+    per_token = min(top_k, experts // ep)  # rows one token can send to one rank
+    return min(imbalance, ep * per_token / top_k)
+
+
 @dataclass(frozen=True)
 class EpLayout:
     ep: int
@@ -61,10 +70,7 @@ class EpLayout:
 
     def received_rows_factor(self) -> float:
         """Rows the busiest rank's experts run on, relative to its own T x top_k."""
-        if self.ep == 1:
-            return 1.0  # one device runs every expert dropless: the same rows however the router spreads them
-        per_token = min(self.top_k, self.experts_per_rank)  # rows one token can send to one rank
-        return min(self.imbalance, self.ep * per_token / self.top_k)
+        return received_rows_factor(self.imbalance, self.ep, self.experts, self.top_k)
 
     def row_bytes(self, act_bytes: int) -> float:
         """Bytes backward keeps per received row in one MoE layer's experts (``grouped_mm_experts_forward`` under

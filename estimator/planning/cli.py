@@ -76,6 +76,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--batch", choices=BATCHES, default="full",
                         help="'full' (default: every row full length, or packed) or 'padded' (some rows padded: "
                              "an attention mask; set per batch from --lengths)")
+    parser.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
+                        help="load of the busiest expert relative to balanced routing: the expert-parallel layouts' "
+                             "memory and step time follow their busiest rank (default 1: balanced)")
     parser.add_argument("--alloc-conf", metavar="STRING", default=None,
                         help="PYTORCH_CUDA_ALLOC_CONF the reserved replay uses (default: the environment's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -125,7 +128,7 @@ def run_plan(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                               fsdp1=fsdp1_from_args(args, "fsdp1", getattr(args, "fsdp1_base", None)),
                               outputs_fp32=args.outputs_fp32, grad_sync=args.grad_sync,
                               model_code=args.model_code, techniques=_techniques(args),
-                              try_techniques=not args.no_techniques)
+                              try_techniques=not args.no_techniques, moe_imbalance=args.moe_imbalance)
         baseline = None
         if args.llmem:
             from estimator.baselines import llmem_select

@@ -70,6 +70,11 @@ def _check_tp(arch, tp: int) -> None:
     check_tp(arch, tp)
 
 
+def _checked_imbalance(moe_imbalance: float) -> float:
+    """``moe_imbalance`` as ``ParallelSpec`` validates it (``ValueError("moe_imbalance: ...")``)."""
+    return ParallelSpec(method="fsdp", world_size=2, moe_imbalance=moe_imbalance).moe_imbalance
+
+
 # --- candidates -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Candidate:
@@ -385,6 +390,7 @@ class _Context:
     ckpt_options: tuple[bool, ...] = (False, True)
     host_ram_bytes: int | None = None      # the user's host RAM per node (offload layouts), if given
     fsdp1: Fsdp1Spec = field(default_factory=Fsdp1Spec)  # the fsdp1 layout's settings
+    moe_imbalance: float = 1.0             # the busiest expert's load relative to balanced (EP layouts)
     # Sample lengths (estimator.batching.epoch.EpochSource): memory at each micro-batch's worst batch, step time
     # at its mean padded length, tokens/s in real tokens.
     epoch: Any = None
@@ -423,6 +429,8 @@ class _Context:
         parallel = cand.parallel_spec()
         if cand.method == "fsdp1":
             parallel = dataclasses.replace(parallel, fsdp1=self.fsdp1)
+        if cand.ep > 1:
+            parallel = dataclasses.replace(parallel, moe_imbalance=self.moe_imbalance)
         return RunSpec(model=self.model, gpu=self.gpu.key, training=train, parallel=parallel)
 
     def estimate(self, cand: Candidate, mb: int, *, probe: bool = False, **training: Any):
@@ -465,7 +473,7 @@ class _Context:
                            ep=cand.ep, micro_batch=mb,
                            seq_len=shapes.mean_padded_len if shapes else train["seq_len"], grad_accum=accum, grad_ckpt=cand.grad_ckpt,
                            precision=train["precision"], optimizer=train["optimizer"],
-                           lora=train["lora_rank"] > 0)
+                           lora=train["lora_rank"] > 0, moe_imbalance=self.moe_imbalance)
         shape = self.shape(train["lora_rank"], train["lora_targets"])
         time = tput.step_time(shape, setup, self.gpu, self.eff, dp_link=dp_link, tp_link=tp_link, ep_link=ep_link)
         if shapes is None:
@@ -773,7 +781,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
          estimate_fn: EstimateFn | None = None, gpu_info: tput.GpuPerf | None = None, loop: str = "trainer",
          epoch: Any = None, alloc_conf: str | None = None, batch: str = "full",
          fsdp1: Fsdp1Spec | None = None, outputs_fp32: bool = False, grad_sync: str = "every",
-         model_code: str = "", techniques: dict[str, Any] | None = None, try_techniques: bool = True) -> Plan:
+         model_code: str = "", techniques: dict[str, Any] | None = None, try_techniques: bool = True,
+         moe_imbalance: float = 1.0) -> Plan:
     """Search, rank and advise. Raises ``ValueError("field: ...")`` for bad input (unknown GPU or model,
     impossible N, a global batch no candidate can split, a method with no layout on N GPUs).
 
@@ -786,6 +795,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     ``fsdp1``: the settings of the fsdp1 layout (default: FULL_SHARD, use_orig_params, BACKWARD_PRE).
     ``outputs_fp32``: the forward returns fp32 copies of its 16-bit outputs (``TrainingSpec.outputs_fp32``).
     ``grad_sync``: when FSDP reduces under gradient accumulation (``TrainingSpec.grad_sync``).
+    ``moe_imbalance``: the busiest expert's load relative to balanced routing (``ParallelSpec.moe_imbalance``):
+    the EP layouts' memory and step time follow their busiest rank.
     ``model_code``: the transformers release whose model code runs (``TrainingSpec.model_code``).
     ``techniques``: TrainingSpec fields of long-context techniques every layout runs (``ce``, ``ce_chunks``,
     ``activation_offload``, ``ckpt_policy``: a policy plans the checkpointed layouts only). Without them and
@@ -821,7 +832,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
                    probe_fn=None if estimate_fn else _default_estimate(allow_build=False, alloc_conf=alloc_conf),
                    ckpt_options=ckpt_options,
                    host_ram_bytes=int(host_ram_gb * GIB) if host_ram_gb is not None else None, epoch=epoch,
-                   fsdp1=fsdp1 or Fsdp1Spec(), global_batch=global_batch)
+                   fsdp1=fsdp1 or Fsdp1Spec(), global_batch=global_batch,
+                   moe_imbalance=_checked_imbalance(moe_imbalance))
     if gpus % ctx.fsdp1.shard_size(gpus):
         raise ValueError(f"gpus_per_node: HYBRID_SHARD needs whole nodes: {gpus} GPUs is not a multiple of "
                          f"{ctx.fsdp1.gpus_per_node}")
@@ -953,24 +965,26 @@ def _notes(ctx: _Context, result: Plan) -> list[str]:
         notes.append("lengths: each micro-batch's memory is the estimate at its epoch's worst batch; step time at "
                      "the epoch's mean padded length, tokens/s in real (unpadded) tokens")
     notes += _grad_sync_notes(ctx, result)
-    notes += _ep_notes(result)
+    notes += _ep_notes(result, ctx.moe_imbalance)
     if best and best.micro_batch:  # the model code it describes and, for MoE, the experts and routing, as estimated
         est = ctx.estimate(best.candidate, best.micro_batch)
         notes += [n for n in getattr(est, "notes", ()) if n.startswith(("model code:", "moe", "ep"))]
     return notes
 
 
-def _ep_notes(result: Plan) -> list[str]:
-    """Which expert-parallel layouts were weighed, and what was picked."""
+def _ep_notes(result: Plan, moe_imbalance: float) -> list[str]:
+    """Which expert-parallel layouts were weighed, under which routing, and what was picked."""
     weighed = sorted({r.candidate.ep for r in result.results if r.candidate.ep > 1})
     if not weighed:
         return []
     best = result.best
     picked = (f"picked {best.candidate.label}" if best and best.candidate.ep > 1 else
               f"picked {best.candidate.label} (no expert parallelism)" if best else "none fits")
-    return [f"ep: weighed FSDP2 with expert parallelism ep in {{{', '.join(map(str, weighed))}}} (balanced "
-            f"routing; the time model adds each layout's all-to-all exchanges and gathers only its experts "
-            f"over world / ep ranks; the busiest rank's extra rows under skewed routing are not timed); {picked}"]
+    routing = "balanced routing" if moe_imbalance == 1 else \
+        f"the busiest expert at {moe_imbalance:g}x its balanced load: memory and time of the busiest rank"
+    return [f"ep: weighed FSDP2 with expert parallelism ep in {{{', '.join(map(str, weighed))}}} ({routing}; the "
+            f"time model adds each layout's all-to-all exchanges and gathers only its experts over world / ep "
+            f"ranks); {picked}"]
 
 
 def _grad_sync_notes(ctx: _Context, result: Plan) -> list[str]:

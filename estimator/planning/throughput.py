@@ -34,7 +34,8 @@ Pure standard library. One optimizer step on one rank takes
     recomputation, ``(ep-1)/ep`` of them leaving the rank, on the EP group's link and never overlapped (each
     exchange is waited on); the routed experts are gathered and reduce-scattered only for the rank's
     ``experts / ep``, over the ``world / ep`` ranks that hold them. Balanced routing: every rank runs the same
-    expert FLOPs.
+    expert FLOPs; skewed routing (``moe_imbalance``): the busiest rank runs and exchanges the rows its experts
+    receive (``EpLayout.received_rows_factor``), and the step waits for it.
   - zero_offload (ZeRO-2 + optimizer on the CPU): ZeRO-2's collectives, plus over PCIe the rank's gradient
     shard to the host each micro-batch and its 16-bit weight shard back each step, plus CPU Adam over the
     rank's shard (the CPU is shared by the ranks on a node). Host copies run at pageable speed unless
@@ -66,6 +67,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from estimator.models.moe_ep import received_rows_factor
 from estimator.planning.shape import ModelShape, model_shape
 from estimator.spec import FSDP_METHODS
 
@@ -351,6 +353,7 @@ class Setup:
     cp: int = 1                        # context parallelism: each rank runs seq_len / cp tokens of a sequence
     pp: int = 1                        # pipeline stages (grad_accum: the pipeline's micro-batches per step)
     ep: int = 1                        # expert parallelism (FSDP2): each rank holds experts / ep of every layer
+    moe_imbalance: float = 1.0         # the busiest expert's load relative to balanced routing (ParallelSpec's)
 
     @property
     def dp(self) -> int:
@@ -398,13 +401,30 @@ def _sharded_gather_s(shape: ModelShape, setup: Setup, psi: float, grad_elem: fl
         dp_link.time("all_gather", experts / setup.ep, efsdp, shape.moe_layers)
 
 
+def _busiest_rows_factor(shape: ModelShape, setup: Setup) -> float:
+    """Rows the busiest EP rank's experts run on relative to balanced routing: the step waits for that rank."""
+    return received_rows_factor(setup.moe_imbalance, setup.ep, shape.experts, shape.top_k)
+
+
 def _all_to_all_s(shape: ModelShape, setup: Setup, tokens: int, act_elem: float, link: Link) -> float:
     """EP's exchanges of one micro-batch: each MoE layer sends its T x top_k rows to the experts' ranks and gets
     them back (dispatch and combine), in forward, in backward (their gradients) and again in a checkpointed
-    layer's recomputation; (ep - 1) / ep of them leave the rank (balanced routing)."""
+    layer's recomputation; (ep - 1) / ep of them leave the rank under balanced routing. Skewed routing: the
+    busiest rank receives (and returns) ``_busiest_rows_factor`` x as many, and every rank waits for it."""
     passes = 3 if setup.grad_ckpt else 2
     count = 2 * passes * shape.moe_layers
-    return link.time("all_gather", count * tokens * shape.top_k * shape.hidden_size * act_elem, setup.ep, count)
+    rows = tokens * shape.top_k * _busiest_rows_factor(shape, setup)
+    return link.time("all_gather", count * rows * shape.hidden_size * act_elem, setup.ep, count)
+
+
+def _skewed_experts_flops(shape: ModelShape, setup: Setup, tokens: int) -> float:
+    """The routed-expert FLOPs the busiest EP rank runs beyond its balanced share: each row costs an expert's
+    matmuls (expert parameters / experts per MoE layer) in every pass."""
+    extra = _busiest_rows_factor(shape, setup) - 1.0
+    if extra <= 0 or not shape.experts or not shape.moe_layers:
+        return 0.0
+    passes = (4.0 if setup.lora else 6.0) + (2.0 if setup.grad_ckpt else 0.0)
+    return extra * passes * tokens * shape.top_k * shape.expert_params / shape.experts
 
 
 def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
@@ -423,6 +443,8 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
                          f"(no bf16 before Ampere); use mixed_fp16 or fp32")
     efficiency = eff.at(tokens, shape.hidden_size / tp)
     flops = micro_batch_flops(shape, tokens, setup.seq_len, grad_ckpt=setup.grad_ckpt, lora=setup.lora, tp=tp)
+    skewed = _skewed_experts_flops(shape, setup, tokens) if setup.ep > 1 else 0.0
+    flops += skewed
     compute_micro = flops / (peak * efficiency)
     bwd_micro = compute_micro * backward_fraction(grad_ckpt=setup.grad_ckpt, lora=setup.lora)
 
@@ -496,6 +518,8 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
         per_param = OPTIMIZER_BYTES_PER_PARAM.get(setup.optimizer, 32.0)
         optimizer = local * per_param / (gpu.memory_bandwidth * HBM_EFFICIENCY)
     parts["compute"] = compute_micro * accum
+    if skewed:
+        parts["ep_busiest_rank_extra_compute"] = skewed / (peak * efficiency) * accum
     parts["optimizer"] = optimizer
     step = accum * (compute_micro + exposed_micro) + exposed_step + offload + optimizer
     comm = micro_comm * accum + step_comm

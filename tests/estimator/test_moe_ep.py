@@ -207,6 +207,51 @@ def test_the_plan_weighs_ep_layouts_for_moe_models_only():
     assert ep4.parallel_spec() == ParallelSpec(method="fsdp", world_size=8, ep=4)
 
 
+def test_skewed_routing_slows_the_busiest_ep_rank_only():
+    """The busiest EP rank runs (and exchanges) the rows its experts receive: the step waits for it. Without EP
+    every rank runs all its own rows whatever the routing; the factor is capped by what a rank can receive."""
+    from estimator.planning import throughput as tput
+    from estimator.planning.shape import ModelShape
+
+    shape = ModelShape(params=7_000_000_000, matmul_params=1_300_000_000, layers=16, hidden_size=2048,
+                       moe_layers=16, experts=64, top_k=8, expert_params=6_400_000_000)
+    gpu = tput.gpu_perf("h100-80gb")
+    eff = tput.load_efficiency(gpu)
+    link = tput.resolve_link(gpu, 8, None, None)
+
+    def step(ep: int, imbalance: float) -> tput.StepTime:
+        setup = tput.Setup(method="fsdp", world_size=8, tp=1, micro_batch=1, seq_len=4096, ep=ep,
+                           moe_imbalance=imbalance)
+        return tput.step_time(shape, setup, gpu, eff, dp_link=link, tp_link=link)
+
+    assert step(1, 4.0).step_s == step(1, 1.0).step_s
+    balanced, skewed, capped = step(4, 1.0), step(4, 2.0), step(4, 100.0)
+    assert "ep_busiest_rank_extra_compute" not in balanced.parts
+    # one extra balanced share of the routed experts' FLOPs: 6 passes x tokens x top_k x expert_params / experts
+    extra = 6 * 4096 * 8 * 6_400_000_000 / 64
+    assert skewed.flops_per_step - balanced.flops_per_step == pytest.approx(extra)
+    assert skewed.parts["ep_all_to_all"] == pytest.approx(2 * balanced.parts["ep_all_to_all"], rel=0.05)
+    # at most every row of the EP group: ep x min(top_k, experts / ep) / top_k = 4
+    assert capped.flops_per_step - balanced.flops_per_step == pytest.approx(3 * extra)
+
+
+def test_the_plan_weighs_ep_layouts_under_the_given_routing():
+    from estimator.planning.plan import plan
+
+    kwargs = dict(gpus=8, gpu="h100-80gb", seq_len=4096, ckpt_options=(False,), methods=("fsdp",), advise=False)
+    balanced = plan("allenai/OLMoE-1B-7B-0924", **kwargs)
+    skewed = plan("allenai/OLMoE-1B-7B-0924", moe_imbalance=3.0, **kwargs)
+
+    def row(result, label):
+        return next(r for r in result.results if r.candidate.label == label)
+    for label in ("fsdp ep2", "fsdp ep4"):
+        assert row(skewed, label).time.tokens_per_s < row(balanced, label).time.tokens_per_s
+    assert row(skewed, "fsdp").time.tokens_per_s == row(balanced, "fsdp").time.tokens_per_s
+    assert any("busiest expert at 3x" in n for n in skewed.notes)
+    with pytest.raises(ValueError, match="moe_imbalance"):
+        plan("allenai/OLMoE-1B-7B-0924", moe_imbalance=0.5, **kwargs)
+
+
 def test_the_plan_says_which_ep_layout_it_picked():
     from estimator.planning.plan import plan
 
