@@ -1,0 +1,137 @@
+"""Expert parallelism's reserved level replayed through the caching-allocator model (``estimator.reserved.ep``):
+the replayed request stream reproduces the analytic EP allocated peak (the one docs/error_matrix/moe_ep.csv checks
+against transformers' EP on gloo ranks) to the byte, what it covers and what it refuses. Shipped profiles: no
+torch here; the replayed peak against the real runs' peaks is ``benchmarks/reserved_ep_table.py``."""
+
+import pytest
+
+from estimator import api
+from estimator.hardware.residuals import load_coefficients
+from estimator.models.moe import is_routed_expert
+from estimator.reserved import rank as reserved_rank
+from estimator.reserved.ep import EXPERTS, ep_setup, group_of, local_table, why_not_ep
+from estimator.reserved.expand import ALLOC, stream_of
+from estimator.reserved.fsdp import ALL_GATHER, REDUCE_SCATTER
+from estimator.reserved.timeline import INT64
+from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
+
+MIXTRAL, QWEN3, OLMOE, QWEN15 = ("mistralai/Mixtral-8x7B-v0.1", "Qwen/Qwen3-30B-A3B", "allenai/OLMoE-1B-7B-0924",
+                                 "Qwen/Qwen1.5-MoE-A2.7B")
+
+
+def _spec(model: str, world: int, ep: int, precision: str = "bf16", b: int = 1, s: int = 2048, **training
+          ) -> RunSpec:
+    return RunSpec(model=model, gpu="h100-80gb", parallel=ParallelSpec(method="fsdp", world_size=world, ep=ep),
+                   training=TrainingSpec(precision=precision, micro_batch_size=b, seq_len=s, **training))
+
+
+def _replay(spec: RunSpec):
+    training = spec.training
+    est = api.estimate(spec, alloc_conf="")
+    arch, profile = api.load_model_profile(spec.model, training)
+    coeffs = load_coefficients(est.gpu_key)
+    b, s = training.micro_batch_size, training.seq_len
+    replayed = reserved_rank.replay_reserved(spec, profile, api._regime(profile, b, s),
+                                             api._param_table(profile, arch.num_layers), arch.num_layers,
+                                             workspace_bytes=coeffs.cublas_workspace_bytes,
+                                             workspaces=coeffs.cublas_workspaces, allowed_bytes=None, conf_text="")
+    return est, replayed
+
+
+@pytest.mark.parametrize("model, world, ep, precision, b, s", [
+    (MIXTRAL, 8, 8, "bf16", 1, 2048),
+    (QWEN3, 8, 8, "bf16", 1, 2048),
+    (OLMOE, 8, 8, "bf16", 1, 4096),
+    (OLMOE, 4, 4, "fp32", 2, 1024),
+    (QWEN15, 4, 4, "bf16", 1, 2048),   # its peak is the optimizer step's
+    (QWEN15, 2, 2, "bf16", 1, 1024),
+])
+def test_replayed_requested_peak_equals_the_analytic_ep_estimate(model, world, ep, precision, b, s):
+    """The requested bytes alive at once in the replayed EP stream = the analytic EP allocated peak + the batch,
+    to the byte. One difference, explained: where the analytic peak is the optimizer step (``temporaries`` in its
+    breakdown), it still counts the profile's activation level there (a 4-byte scalar of the one-device trace's
+    optimizer segment), which the FSDP2 replay's optimizer part, rebuilt over the shards, does not allocate."""
+    spec = _spec(model, world, ep, precision, b, s)
+    est, replayed = _replay(spec)
+    rounding = est.breakdown.get("allocator_rounding", 0)
+    optimizer_level = est.breakdown["activations"] if "temporaries" in est.breakdown else 0
+    assert optimizer_level <= 8  # the scalar, nothing of the step's activations
+    assert replayed.peak_requested_bytes == est.peak_allocated_bytes - rounding + 3 * b * s * INT64 - optimizer_level
+    assert est.reserved_source == "replayed" and replayed.steady
+    assert est.peak_reserved_bytes == replayed.peak_reserved_bytes >= replayed.peak_allocated_bytes
+    assert not any("expert parallelism" in note and "prior" in note for note in est.notes)
+
+
+def _step(spec: RunSpec):
+    training = spec.training
+    arch, profile = api.load_model_profile(spec.model, training)
+    regime = api._regime(profile, training.micro_batch_size, training.seq_len)
+    table = api._param_table(profile, arch.num_layers)
+    expansion = reserved_rank._expansion(regime["events"], arch.num_layers, training.loop)
+    plan = reserved_rank._plan(spec, regime["events"], expansion, table, arch.num_layers, training.micro_batch_size,
+                               training.seq_len, workspace_bytes=0, workspaces=0)
+    return plan, table, arch, profile
+
+
+def test_the_experts_are_units_of_their_own_on_a_one_rank_mesh():
+    """ep == world: the experts' unit gathers nothing (the shard is copied into the unsharded tensors) and its
+    post-backward makes two reduce-stream tensors (the output and the divided input's temporary); the dense units
+    gather and reduce-scatter as plain FSDP2's; the experts' gradients are this rank's experts' only."""
+    world = ep = 8
+    ep_plan, table, arch, _profile = _step(_spec(MIXTRAL, world, ep))
+    fsdp_plan, *_ = _step(_spec(MIXTRAL, world, 1))
+
+    def count(plan, stream: int) -> int:
+        return sum(1 for kind, _key, _si in plan.expansion.steady.ops
+                   if kind != ALLOC and stream_of(kind) == stream)
+
+    moe_layers = {p.layer for p in table if p.layer is not None and is_routed_expert(p.name)}
+    assert len(moe_layers) == arch.num_layers
+    assert count(ep_plan, ALL_GATHER) == count(fsdp_plan, ALL_GATHER)
+    assert count(ep_plan, REDUCE_SCATTER) == count(fsdp_plan, REDUCE_SCATTER) + 2 * len(moe_layers)
+    local = local_table(table, ep)
+    for full, mine in zip(table, local):
+        assert mine.numel == (full.numel // ep if is_routed_expert(full.name) else full.numel)
+        assert (group_of(mine) == (EXPERTS, mine.layer)) == is_routed_expert(mine.name)
+    # every gradient the steady step allocates is at most one of this rank's tensors: no expert's of other ranks
+    allocated = {ep_plan.sizes[si] for kind, key, si in ep_plan.expansion.steady.ops
+                 if kind == ALLOC and key in ep_plan.expansion.grad_keys | _grad_keys(ep_plan)}
+    largest_expert = max(p.nbytes for p in table if is_routed_expert(p.name))
+    assert largest_expert // ep in allocated and largest_expert not in allocated
+
+
+def _grad_keys(plan) -> frozenset:
+    return frozenset(plan.expansion.grad_layers and dict(plan.expansion.grad_layers))
+
+
+def test_the_setup_holds_the_analytic_resident_weights():
+    """Each parameter's shard (an expert's over the ranks holding it) as the setup allocates it = the estimate's
+    resident weights (module buffers aside)."""
+    spec = _spec(QWEN15, 4, 4)
+    est = api.estimate(spec, alloc_conf="")
+    arch, profile = api.load_model_profile(spec.model, spec.training)
+    table = api._param_table(profile, arch.num_layers)
+    setup = ep_setup(table, (0, 0), arch.num_layers, 4, 4, False)
+    assert sum(nbytes for _name, nbytes in setup.allocations) == est.breakdown["weights"]
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"moe_imbalance": 4.0}, "skewed routing"),
+    ({"grad_ckpt": True}, "checkpointing"),
+    ({"world_size": 8, "ep": 4}, "ep < world"),
+    ({"precision": "mixed_bf16"}, "mixed precision"),
+    ({"grad_accum_steps": 2}, "gradient accumulation"),
+    ({"lora_rank": 8}, "LoRA"),
+])
+def test_what_the_ep_replay_does_not_cover_keeps_a_reason(changes, reason):
+    parallel = {"method": "fsdp", "world_size": 4, "ep": 4}
+    training = {"precision": "bf16", "micro_batch_size": 1, "seq_len": 1024}
+    for key, value in changes.items():
+        (parallel if key in ("moe_imbalance", "world_size", "ep") else training)[key] = value
+    spec = RunSpec(model=OLMOE, gpu="h100-80gb", parallel=ParallelSpec(**parallel),
+                   training=TrainingSpec(**training))
+    found = why_not_ep(spec, None)
+    assert found is not None and reason in found and "\n" not in found
+    assert why_not_ep(_spec(OLMOE, 4, 4), None) is None
+    est = api.estimate(spec, alloc_conf="")
+    assert est.reserved_source != "replayed"
