@@ -135,3 +135,27 @@ def test_what_the_ep_replay_does_not_cover_keeps_a_reason(changes, reason):
     assert why_not_ep(_spec(OLMOE, 4, 4), None) is None
     est = api.estimate(spec, alloc_conf="")
     assert est.reserved_source != "replayed"
+
+
+def test_the_replay_against_transformers_ep_on_gloo_ranks():
+    """docs/error_matrix/reserved_ep.csv (``benchmarks/reserved_ep_table.py``): each balanced row of moe_ep.csv the
+    replay covers replayed again, its requested peak (less the batch) within 1 % of the real run's busiest rank;
+    equal to the analytic estimate (the optimizer step's scalar aside) but for Qwen2-MoE on 4 ranks at b1 s64, where the analytic's backward lowers
+    the trace's highest moment before the experts' first gradient by the S rows of down-projection output the
+    one-device experts hold there (``EpLayout.backward_bumps``' first term): a level, no tensor of the event list.
+    The tiny configs' profiles are traced on fake tensors here once."""
+    from benchmarks.reserved_ep_table import REPO as BENCH_REPO
+    from benchmarks.reserved_ep_table import replayed
+    from benchmarks.table_csv import read_rows
+
+    rows = [r for r in read_rows(BENCH_REPO / "docs/error_matrix/reserved_ep.csv") if r["refused"] == ""]
+    assert len(rows) >= 8 and {r["family"] for r in rows} >= {"mixtral", "qwen2_moe"}
+    for r in rows:
+        requested, _reserved = replayed(BENCH_REPO / "benchmarks/configs" / r["config"], int(r["world_size"]),
+                                        int(r["ep"]), r["precision"], int(r["micro_batch_size"]), int(r["seq_len"]))
+        assert requested == int(r["replayed_requested_bytes"])
+        measured = int(r["measured_bytes"])
+        assert abs(requested - measured) <= 0.01 * measured
+        if (r["family"], r["world_size"], r["micro_batch_size"]) != ("qwen2_moe", "4", "1"):
+            # 4: a row whose peak is the optimizer step (the analytic's 4-byte scalar there, as above)
+            assert int(r["analytic_bytes"]) - requested in (0, 4)
