@@ -159,3 +159,44 @@ def test_the_replay_against_transformers_ep_on_gloo_ranks():
         if (r["family"], r["world_size"], r["micro_batch_size"]) != ("qwen2_moe", "4", "1"):
             # 4: a row whose peak is the optimizer step (the analytic's 4-byte scalar there, as above)
             assert int(r["analytic_bytes"]) - requested in (0, 4)
+
+
+@pytest.mark.slow
+def test_a_one_rank_unit_post_backward_as_a_real_run_makes_it():
+    """ep == world: the experts' FSDP2 mesh has one rank. A real one-rank unit (gloo, world 1, a spawned
+    interpreter): its copy-out allocates the unsharded tensors and no all-gather output; its post-backward reshards,
+    allocates the reduce input, frees every gradient (last to first: ``foreach_reduce``'s loop variable that keeps
+    the last one for world > 1 does not run), allocates the output, then the divided input's temporary. The
+    replay's ``_EpStep`` makes the same requests in the same order."""
+    from benchmarks.gloo_ranks import free_port
+    from estimator.models.params import ParamInfo
+    from estimator.reserved.ep import _EpStep, EpBytes
+    from estimator.reserved.expand import FREE
+    from estimator.reserved.fsdp import _Builder, _group
+    from tests.estimator._ep_one_rank import SHAPES, one_rank_events
+    from tests.estimator.test_reserved import _in_fresh_process
+
+    events = _in_fresh_process(one_rank_events, free_port())
+    backward = events[events.index(("m", "backward1")):events.index(("m", "end1"))]
+    forward = events[events.index(("m", "forward1")):events.index(("m", "backward1"))]
+    # copy-out: the resized (unsharded) storages only, each the size of its parameter
+    params = [ParamInfo(f"experts.{i}.weight", shape, shape[0] * shape[1], 2, True, "linear", 0)
+              for i, shape in enumerate(SHAPES)]
+    unsharded = [p.nbytes for p in params]
+    assert [e[2] for e in forward if e[0] == "a" and e[3]] == unsharded
+    assert [e[2] for e in forward if e[0] == "a"][:2] == unsharded
+    start = next(i for i, e in enumerate(backward) if e[0] == "f" and e[3])  # the post-backward's reshard
+    real = [(e[0], e[2]) for e in backward[start:start + 8]]
+
+    build = _Builder(100, 10)  # the step's own sizes from index 10; 0 and 1: the gradients' (the parameters')
+    group = ("experts", 0)
+    grads = {group: [(1, 0), (2, 1)]}  # the gradients' keys, model order (sizes: the parameters')
+    step = _EpStep(build, {group: _group(params, 1, False)}, {group: 1}, grads, False, "adamw", False,
+                   EpBytes(0, 0, 0))
+    out: list = []
+    step.copy_out(out, group)
+    out.clear()
+    step.post_backward(out, group)
+    sizes = {0: unsharded[0], 1: unsharded[1], **{10 + j: nbytes for j, nbytes in enumerate(build.sizes)}}
+    generated = [("f" if kind == FREE else "a", sizes[si]) for kind, _key, si in out]
+    assert generated == real
