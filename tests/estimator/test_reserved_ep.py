@@ -170,7 +170,7 @@ def test_a_one_rank_unit_post_backward_as_a_real_run_makes_it():
     replay's ``_EpStep`` makes the same requests in the same order."""
     from benchmarks.gloo_ranks import free_port
     from estimator.models.params import ParamInfo
-    from estimator.reserved.ep import _EpStep, EpBytes
+    from estimator.reserved.ep import EpBytes, _EpStep
     from estimator.reserved.expand import FREE
     from estimator.reserved.fsdp import _Builder, _group
     from tests.estimator._ep_one_rank import SHAPES, one_rank_events
