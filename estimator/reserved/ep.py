@@ -3,13 +3,16 @@
 all-to-all path's tensors, as transformers 5.24 runs ``DistributedConfig(fsdp_size=world, ep_size=ep)``
 (``estimator.models.moe_ep``, whose arithmetic this module places on the profile's event list).
 
-Covered: balanced routing, no checkpointing, every rank holding experts of its own (``ep == world``: the experts'
-FSDP2 mesh has one rank). The boundaries are those of the analytic EP replay (``estimator.methods.fsdp_replay``,
-whose requested peak this replay reproduces):
+Covered: balanced routing, no checkpointing, bf16 or fp32 (no cast at copy-out), any ep dividing the world. The
+boundaries are those of the analytic EP replay (``estimator.methods.fsdp_replay``, whose requested peak this replay
+reproduces):
 
-* the experts' unit: this rank's num_experts / ep experts, unsharded with the layer's unit at its pre-forward and
-  pre-backward, resharded with it after forward; on a one-rank mesh FSDP2 copies the shard into the unsharded
-  tensors (no all-gather output) and, in the post-backward, divides a copy of the gradients instead of
+* the experts' unit: this rank's num_experts / ep experts, sharded over the world / ep ranks holding them (the
+  efsdp mesh), gathered and unsharded with the layer's unit at its pre-forward and pre-backward, resharded with it
+  after forward; forward keeps their all-gather output until the next layer's copy-out (FSDP2's implicit
+  prefetch); their post-backward reduce-scatters over the efsdp mesh (transformers forces a sum there and
+  divides the output in place: no allocation). On a one-rank mesh (ep == world) FSDP2 copies the shard into the
+  unsharded tensors (no all-gather output) and, in the post-backward, divides a copy of the gradients instead of
   reduce-scattering them (``ExpertsUnit.divide_bytes``);
 * the experts' gradients: the one-device trace made every expert's; this rank makes its own (1 / ep of each);
   their post-backward runs once they are made, just before the layer's next gradient (the router's): the
@@ -23,11 +26,13 @@ whose requested peak this replay reproduces):
 
 The all-to-all's own buffers are the default stream's: transformers' ``all_to_all_single_autograd`` runs the
 functional collective on the current stream (no side stream, no ``record_stream``), so they are part of the
-transients above. Two differences from the analytic replay, both where the analytic one works on levels: its
+transients above. Three differences from the analytic replay, where the analytic one works on levels: its
 forward layer keeps the layer unit's all-gather output through the layer (here freed as the experts' copy-out
-frees it, FSDP2's ``wait_for_unshard`` of the next unit), and it lowers the trace's highest moment before the
+frees it, FSDP2's ``wait_for_unshard`` of the next unit); it lowers the trace's highest moment before the
 experts' first gradient by the S rows the one-device experts still hold there (``EpLayout.backward_bumps``'
-first term, no tensor of its own in the event list).
+first term, no tensor of its own in the event list); on an efsdp mesh of more than one rank it never holds the
+experts' all-gather output while their copy-out makes the unsharded experts, which a copy-out cannot avoid (here,
+at the layer's boundary in backward).
 """
 
 from __future__ import annotations
@@ -66,9 +71,6 @@ def why_not_ep(spec, table: list[ParamInfo] | None) -> str | None:
         return "expert parallelism with skewed routing: the busiest rank's extra rows are not in the replay yet"
     if training.grad_ckpt:
         return "expert parallelism with checkpointing: the recomputed dispatch and combine are not in the replay yet"
-    if parallel.world_size != parallel.ep:
-        return ("expert parallelism with ep < world: the experts' own all-gathers over the ranks holding the same "
-                "experts are not in the replay yet")
     if training.grad_accum_steps > 1:
         return "expert parallelism with gradient accumulation: not in the replay yet"
     if training.lora or training.qlora:
@@ -283,23 +285,29 @@ def _ep_boundary(step: _EpStep, out: list, name: str, layer: int | None, num_lay
         if layer and layer - 1 in moe_layers:
             step.reshard(out, (EXPERTS, layer - 1))
         _boundary(step, out, name, layer, num_layers, True)
+        if layer:  # the previous layer's experts' all-gather output, held to this copy-out (implicit prefetch)
+            step.free_gathered(out, (EXPERTS, layer - 1))
         if experts:  # the experts' copy-out frees the layer's all-gather output (the next unit's wait_for_unshard)
+            step.all_gather(out, (EXPERTS, layer))
             step.copy_out(out, (EXPERTS, layer))
-            if layer in step.gathered:
-                step.free_gathered(out, layer)
+            step.free_gathered(out, layer)
         return
     if name in ("bw_first", "bw", "bw_last"):
         if layer != num_layers - 1:
             step.post_backward(out, layer + 1)
         step.copy_out(out, layer)
-        if experts:
-            step.copy_out(out, (EXPERTS, layer))
         step.free_gathered(out, layer)
+        if experts:  # prefetched by the layer's pre-backward, unsharded at the experts' own
+            step.all_gather(out, (EXPERTS, layer))
+            step.copy_out(out, (EXPERTS, layer))
+            step.free_gathered(out, (EXPERTS, layer))
         if layer > 0:
             step.all_gather(out, layer - 1)
         return
     if name == "mid_fw" and num_layers - 1 in moe_layers:
         step.reshard(out, (EXPERTS, num_layers - 1))
+    if name == "mid_bw":  # the root's post-forward frees the last all-gather output held
+        step.free_gathered(out, (EXPERTS, num_layers - 1))
     _boundary(step, out, name, layer, num_layers, True)
 
 

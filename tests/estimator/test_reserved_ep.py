@@ -45,6 +45,9 @@ def _replay(spec: RunSpec):
     (OLMOE, 4, 4, "fp32", 2, 1024),
     (QWEN15, 4, 4, "bf16", 1, 2048),   # its peak is the optimizer step's
     (QWEN15, 2, 2, "bf16", 1, 1024),
+    (QWEN15, 8, 4, "bf16", 1, 2048),   # efsdp = 2: the experts gathered over the ranks holding them
+    (OLMOE, 8, 2, "bf16", 1, 4096),
+    (QWEN3, 8, 2, "bf16", 1, 2048),
 ])
 def test_replayed_requested_peak_equals_the_analytic_ep_estimate(model, world, ep, precision, b, s):
     """The requested bytes alive at once in the replayed EP stream = the analytic EP allocated peak + the batch,
@@ -60,6 +63,21 @@ def test_replayed_requested_peak_equals_the_analytic_ep_estimate(model, world, e
     assert est.reserved_source == "replayed" and replayed.steady
     assert est.peak_reserved_bytes == replayed.peak_reserved_bytes >= replayed.peak_allocated_bytes
     assert not any("expert parallelism" in note and "prior" in note for note in est.notes)
+
+
+def test_the_experts_gather_beside_their_copy_out_is_above_the_analytic_estimate():
+    """Mixtral-8x7B on 8 ranks, ep 4 (two ranks hold each expert pair): the replay's peak is a backward layer
+    boundary where the experts' all-gather output (704 MB) is alive while their copy-out makes the unsharded
+    experts, a moment the analytic replay never holds both at; above it by less than that output."""
+    spec = _spec(MIXTRAL, 8, 4)
+    est, replayed = _replay(spec)
+    over = replayed.peak_requested_bytes - (est.peak_allocated_bytes - est.breakdown["allocator_rounding"]
+                                            + 3 * 2048 * INT64)
+    arch, profile = api.load_model_profile(spec.model, spec.training)
+    table = api._param_table(profile, arch.num_layers)
+    gather = sum(p.nbytes for p in local_table(table, 4) if p.layer == 0 and is_routed_expert(p.name))
+    assert gather == 704_643_072
+    assert 0 < over < gather
 
 
 def _step(spec: RunSpec):
@@ -104,21 +122,21 @@ def _grad_keys(plan) -> frozenset:
     return frozenset(plan.expansion.grad_layers and dict(plan.expansion.grad_layers))
 
 
-def test_the_setup_holds_the_analytic_resident_weights():
+@pytest.mark.parametrize("world, ep", [(4, 4), (8, 4), (8, 2)])
+def test_the_setup_holds_the_analytic_resident_weights(world, ep):
     """Each parameter's shard (an expert's over the ranks holding it) as the setup allocates it = the estimate's
     resident weights (module buffers aside)."""
-    spec = _spec(QWEN15, 4, 4)
+    spec = _spec(QWEN15, world, ep)
     est = api.estimate(spec, alloc_conf="")
     arch, profile = api.load_model_profile(spec.model, spec.training)
     table = api._param_table(profile, arch.num_layers)
-    setup = ep_setup(table, (0, 0), arch.num_layers, 4, 4, False)
+    setup = ep_setup(table, (0, 0), arch.num_layers, world, ep, False)
     assert sum(nbytes for _name, nbytes in setup.allocations) == est.breakdown["weights"]
 
 
 @pytest.mark.parametrize("changes, reason", [
     ({"moe_imbalance": 4.0}, "skewed routing"),
     ({"grad_ckpt": True}, "checkpointing"),
-    ({"world_size": 8, "ep": 4}, "ep < world"),
     ({"precision": "mixed_bf16"}, "mixed precision"),
     ({"grad_accum_steps": 2}, "gradient accumulation"),
     ({"lora_rank": 8}, "LoRA"),
@@ -140,7 +158,9 @@ def test_what_the_ep_replay_does_not_cover_keeps_a_reason(changes, reason):
 def test_the_replay_against_transformers_ep_on_gloo_ranks():
     """docs/error_matrix/reserved_ep.csv (``benchmarks/reserved_ep_table.py``): each balanced row of moe_ep.csv the
     replay covers replayed again, its requested peak (less the batch) within 1 % of the real run's busiest rank;
-    equal to the analytic estimate (the optimizer step's scalar aside) but for Qwen2-MoE on 4 ranks at b1 s64, where the analytic's backward lowers
+    equal to the analytic estimate (the optimizer step's scalar aside) but for two rows: Mixtral on 4 ranks, ep 2,
+    b1 s64 (the experts' all-gather output beside their copy-out; the replay is nearer the run: -0.23 % against the
+    analytic's -0.60 %) and Qwen2-MoE on 4 ranks at b1 s64, where the analytic's backward lowers
     the trace's highest moment before the experts' first gradient by the S rows of down-projection output the
     one-device experts hold there (``EpLayout.backward_bumps``' first term): a level, no tensor of the event list.
     The tiny configs' profiles are traced on fake tensors here once."""
@@ -149,15 +169,17 @@ def test_the_replay_against_transformers_ep_on_gloo_ranks():
     from benchmarks.table_csv import read_rows
 
     rows = [r for r in read_rows(BENCH_REPO / "docs/error_matrix/reserved_ep.csv") if r["refused"] == ""]
-    assert len(rows) >= 8 and {r["family"] for r in rows} >= {"mixtral", "qwen2_moe"}
+    assert len(rows) >= 12 and {r["family"] for r in rows} >= {"mixtral", "qwen2_moe"}
     for r in rows:
         requested, _reserved = replayed(BENCH_REPO / "benchmarks/configs" / r["config"], int(r["world_size"]),
                                         int(r["ep"]), r["precision"], int(r["micro_batch_size"]), int(r["seq_len"]))
         assert requested == int(r["replayed_requested_bytes"])
         measured = int(r["measured_bytes"])
         assert abs(requested - measured) <= 0.01 * measured
-        if (r["family"], r["world_size"], r["micro_batch_size"]) != ("qwen2_moe", "4", "1"):
-            # 4: a row whose peak is the optimizer step (the analytic's 4-byte scalar there, as above)
+        point = (r["family"], r["world_size"], r["ep"], r["micro_batch_size"])
+        if point == ("qwen2_moe", "4", "4", "1") or point == ("mixtral", "4", "2", "1"):  # the analytic's lowered moment: the replay is above it
+            assert requested > int(r["analytic_bytes"])
+        else:  # 4: a row whose peak is the optimizer step (the analytic's 4-byte scalar there, as above)
             assert int(r["analytic_bytes"]) - requested in (0, 4)
 
 
