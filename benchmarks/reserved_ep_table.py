@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python benchmarks/reserved_ep_table.py [--table docs/error_matrix/moe_ep.csv]
         [--csv docs/error_matrix/reserved_ep.csv]
 
-For every balanced row of the table (transformers' EP on gloo CPU ranks, every live storage counted:
+For every row of the table without checkpointing (transformers' EP on gloo CPU ranks, every live storage counted:
 ``benchmarks/moe_ep_table.py``), the rank's step replayed through the caching-allocator model
 (``estimator.reserved.ep``): its requested peak less the batch (no cuBLAS workspace: a CPU run has none) against the
 busiest rank's measured peak, beside the analytic estimate the table holds; the reserved peak the replay reaches
@@ -25,14 +25,16 @@ REPO = HERE.parent
 INT64 = 8
 
 
-def replayed(config: Path, world: int, ep: int, precision: str, b: int, s: int) -> tuple[int, int] | str:
+def replayed(config: Path, world: int, ep: int, precision: str, b: int, s: int, imbalance: float = 1.0
+             ) -> tuple[int, int] | str:
     """(requested peak less the batch, reserved peak) of the rank's replay, or why there is none."""
     from estimator import api
     from estimator.reserved import rank as reserved_rank
     from estimator.reserved.expand import ExpansionError
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
-    spec = RunSpec(model=str(config), gpu="h100-80gb", parallel=ParallelSpec(method="fsdp", world_size=world, ep=ep),
+    spec = RunSpec(model=str(config), gpu="h100-80gb", parallel=ParallelSpec(method="fsdp", world_size=world, ep=ep,
+                                                                              moe_imbalance=imbalance),
                    training=TrainingSpec(precision=precision, attn="eager", micro_batch_size=b, seq_len=s))
     arch, profile = api.load_model_profile(spec.model, spec.training)
     regime = api._regime(profile, b, s)
@@ -55,13 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = []
     for row in read_rows(args.table):
-        if row["routing"] != "balanced" or row["grad_ckpt"] == "True":
+        if row["grad_ckpt"] == "True":
             continue
         world, ep, b, s = (int(row[k]) for k in ("world_size", "ep", "micro_batch_size", "seq_len"))
-        found = replayed(HERE / "configs" / row["config"], world, ep, row["precision"], b, s)
+        found = replayed(HERE / "configs" / row["config"], world, ep, row["precision"], b, s,
+                         float(row["moe_imbalance"]))
         measured = int(row["measured_bytes"])
         out = {k: row[k] for k in ("family", "config", "precision", "world_size", "ep", "micro_batch_size",
-                                   "seq_len", "measured_bytes")}
+                                   "seq_len", "routing", "moe_imbalance", "measured_bytes")}
         out["analytic_bytes"] = row["estimate_bytes"]
         if isinstance(found, str):
             out.update(replayed_requested_bytes="", replayed_reserved_bytes="", error_pct="", refused=found)

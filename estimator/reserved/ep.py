@@ -3,7 +3,8 @@
 all-to-all path's tensors, as transformers 5.24 runs ``DistributedConfig(fsdp_size=world, ep_size=ep)``
 (``estimator.models.moe_ep``, whose arithmetic this module places on the profile's event list).
 
-Covered: balanced routing, no checkpointing, bf16 or fp32 (no cast at copy-out), any ep dividing the world. The
+Covered: balanced and skewed routing (the busiest rank), no checkpointing, bf16 or fp32 (no cast at copy-out), any
+ep dividing the world. The
 boundaries are those of the analytic EP replay (``estimator.methods.fsdp_replay``, whose requested peak this replay
 reproduces):
 
@@ -22,7 +23,10 @@ reproduces):
   layer's forward end;
 * the forward's transient at the layer's end (``EpLayout.forward_transient_bytes``: the un-permuted rows or the
   combine's returned rows, whichever is more), freed at once;
-* the un-permute's backward just before the experts' first gradient (``EpLayout.unpermute_bump``).
+* the un-permute's backward just before the experts' first gradient (``EpLayout.unpermute_bump``);
+* under skewed routing, the busiest rank's extra rows (``EpLayout.backward_bumps``): their indices and unit
+  weights (part of the saved bytes) released as the experts' backward starts, what it holds for their gradients
+  from the experts' first gradient to their last.
 
 The all-to-all's own buffers are the default stream's: transformers' ``all_to_all_single_autograd`` runs the
 functional collective on the current stream (no side stream, no ``record_stream``), so they are part of the
@@ -67,8 +71,6 @@ def why_not_ep(spec, table: list[ParamInfo] | None) -> str | None:
     parallel, training = spec.parallel, spec.training
     if parallel.method != "fsdp":
         return f"expert parallelism under {parallel.method}: only fsdp + ep is replayed"
-    if parallel.moe_imbalance != 1.0:
-        return "expert parallelism with skewed routing: the busiest rank's extra rows are not in the replay yet"
     if training.grad_ckpt:
         return "expert parallelism with checkpointing: the recomputed dispatch and combine are not in the replay yet"
     if training.grad_accum_steps > 1:
@@ -121,12 +123,19 @@ class EpBytes:
     saved: int        # kept from the layer's forward to its experts' post-backward
     transient: int    # the forward's highest moment above the layer's end
     unpermute: int    # the un-permute's backward above the level before the experts' first gradient
+    # skewed routing, the busiest rank's extra rows (``EpLayout.backward_bumps``): of ``saved``, their indices and
+    # unit weights, released as the experts' backward starts; what that backward holds for them until their last
+    # gradient (the down projection's or the product's gradients)
+    released: int = 0
+    during: int = 0
 
 
 def ep_bytes(layout, tokens: int, act_bytes: int) -> EpBytes:
+    _first, during, last = layout.backward_bumps(tokens, act_bytes)
     return EpBytes(saved=round(layout.layer_saved_bytes(tokens, act_bytes)),
                    transient=round(layout.forward_transient_bytes(tokens, act_bytes)),
-                   unpermute=round(layout.unpermute_bump(tokens, act_bytes)))
+                   unpermute=round(layout.unpermute_bump(tokens, act_bytes)),
+                   released=round(-last), during=round(during - last))
 
 
 class _EpStep(_Step):
@@ -136,7 +145,11 @@ class _EpStep(_Step):
                  mixed: bool, per_layer: EpBytes) -> None:
         super().__init__(build, groups, 0, grads, first, optimizer, mixed)
         self.worlds, self.per_layer = worlds, per_layer
-        self.saved: dict[int, Tensor] = {}   # layer -> what the all-to-all path keeps for its backward
+        self.saved: dict[int, list[Tensor]] = {}   # layer -> what the all-to-all path keeps for its backward
+        self.during: dict[int, list[Tensor]] = {}  # layer -> what the experts' backward holds for the extra rows
+
+    def alloc_if(self, out: list, nbytes: int) -> list[Tensor]:
+        return [self._alloc(out, nbytes)] if nbytes else []
 
     def copy_out(self, out: list, g) -> None:
         world = self.worlds[g]
@@ -224,7 +237,8 @@ def _ep_step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder,
 
     def experts_done(out: list) -> None:  # their post-backward, then what the all-to-all path kept goes
         for layer in [m for m, count in made.items() if count == len(grads[(EXPERTS, m)])]:
-            step._free(out, step.saved.pop(layer))  # freed by the experts' own backward, before their hook
+            for tensor in step.saved.pop(layer):  # freed by the experts' own backward, before their hook
+                step._free(out, tensor)
             step.post_backward(out, (EXPERTS, layer))
             del made[layer]
 
@@ -234,7 +248,8 @@ def _ep_step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder,
     for index, op in enumerate(ops[:cut]):
         if index in forward_end:  # the layer's end: what its all-to-all path keeps, then its forward's transient
             layer = forward_end[index]
-            step.saved[layer] = step._alloc(out, per_layer.saved)
+            step.saved[layer] = step.alloc_if(out, per_layer.saved - per_layer.released) + step.alloc_if(
+                out, per_layer.released)
             step._free(out, step._alloc(out, per_layer.transient))
         if index in at_mark:
             experts_done(out)
@@ -247,7 +262,13 @@ def _ep_step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder,
             else:
                 if layer not in made:  # the un-permute's backward, just before the experts' first gradient
                     step._free(out, step._alloc(out, per_layer.unpermute))
+                    if per_layer.released:  # the extra rows' indices and unit weights go, their gradients come
+                        step._free(out, step.saved[layer].pop())
+                    step.during[layer] = step.alloc_if(out, per_layer.during)
                 made[layer] = made.get(layer, 0) + 1
+                if made[layer] == len(grads[(EXPERTS, layer)]):  # the last: the extra rows' gradients are gone
+                    for tensor in step.during.pop(layer):
+                        step._free(out, tensor)
         moved[index] = len(out)
         if op[0] == FREE and op[1] in grad_keys:
             continue
