@@ -24,6 +24,9 @@ reproduces):
 * the forward's transient at the layer's end (``EpLayout.forward_transient_bytes``: the un-permuted rows or the
   combine's returned rows, whichever is more), freed at once;
 * the un-permute's backward just before the experts' first gradient (``EpLayout.unpermute_bump``);
+* a module a 16-bit model keeps in fp32 (DeepSeek's router): in backward a unit of its own, whose all-gather the
+  layer's pre-backward prefetches instead of the previous layer's, issued at the router's pre-backward (just
+  before its gradient), as the analytic replay has it (``LayerGroup.router_gather_bytes``);
 * under skewed routing, the busiest rank's extra rows (``EpLayout.backward_bumps``): their indices and unit
   weights (part of the saved bytes) released as the experts' backward starts, what it holds for their gradients
   from the experts' first gradient to their last.
@@ -48,6 +51,7 @@ from estimator.models.moe import is_routed_expert
 from estimator.models.params import ParamInfo
 from estimator.reserved.expand import ALLOC, FREE, Expansion, ExpansionError
 from estimator.reserved.fsdp import (
+    ALL_GATHER,
     FP32,
     OPTIMIZERS,
     REDUCE_SCATTER,
@@ -81,8 +85,6 @@ def why_not_ep(spec, table: list[ParamInfo] | None) -> str | None:
         # a one-rank mesh's copy-out casts each fp32 shard to the compute dtype first (``wait_for_unshard``:
         # ``all_gather_inputs``), a temporary neither replay has
         return "expert parallelism under mixed precision: the experts' cast shards at copy-out are not in the replay yet"
-    if table is not None and fp32_kept_params(table, training.precision):
-        return "expert parallelism with a module kept in fp32 (a router unit of its own): not in the replay yet"
     return None
 
 
@@ -147,6 +149,8 @@ class _EpStep(_Step):
         self.worlds, self.per_layer = worlds, per_layer
         self.saved: dict[int, list[Tensor]] = {}   # layer -> what the all-to-all path keeps for its backward
         self.during: dict[int, list[Tensor]] = {}  # layer -> what the experts' backward holds for the extra rows
+        self.router_gather: dict[int, int] = {}  # layer -> its fp32 router unit's all-gather output bytes
+        self.routers: dict[int, Tensor] = {}  # layer -> that output, prefetched by the layer's pre-backward
 
     def alloc_if(self, out: list, nbytes: int) -> list[Tensor]:
         return [self._alloc(out, nbytes)] if nbytes else []
@@ -195,34 +199,53 @@ class _EpStep(_Step):
                    self.first, self.optimizer)
 
 
-def _experts_grads(grads: dict, table: list[ParamInfo]) -> dict:
+def _experts_grads(grads: dict, table: list[ParamInfo], polys: list, routers: frozenset[str] = frozenset()
+                   ) -> tuple[dict, dict[int, int]]:
     """Split each layer's gradient keys (``fsdp._grads_by_group``, in parameter order) into the layer's unit and
-    its experts'."""
+    its experts'; and the keys of the ``routers``' gradients (parameter names) with their layer."""
     trainable: dict = {}
     for p in table:
         if p.trainable and p.layer is not None:
             trainable.setdefault(p.layer, []).append(p)
-    out = {}
+    out: dict = {}
+    router_keys: dict[int, int] = {}
     for g, keys in grads.items():
         if g == "root":
             out[g] = keys
             continue
-        for p, key in zip(trainable[g], keys):
+        params = trainable[g]
+        if any(p.backward_index is None for p in params):
+            keys = _by_size(params, keys, polys)
+        for p, key in zip(params, keys):
             out.setdefault(group_of(p), []).append(key)
+            if p.name in routers:
+                router_keys[key[0]] = g
+    return out, router_keys
+
+
+def _by_size(params: list[ParamInfo], made: list, polys: list) -> list:
+    """Gradient keys taken as made (a profile without the parameters' backward order) put in parameter order:
+    each to the parameter of its bytes that comes latest in forward (backward runs it first)."""
+    free = list(reversed(range(len(params))))
+    out: list = [None] * len(params)
+    for key in made:
+        poly = polys[key[1]]
+        i = next((i for i in free if params[i].nbytes == poly[0] and not any(poly[1:])), None)
+        if i is None:
+            raise ExpansionError("ep: a gradient of no parameter's bytes")
+        free.remove(i)
+        out[i] = key
     return out
-
-
-def _layer_instances(marks: tuple) -> list[tuple[str, int | None, int]]:
-    return [(name, layer, at) for name, layer, at in marks if name in ("fw_first", "fw", "fw_last", "bw_first",
-                                                                          "bw", "bw_last")]
 
 
 def _ep_step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, groups: dict, worlds: dict,
                  table: list[ParamInfo], optimizer: str, mixed: bool, first: bool, num_layers: int,
-                 scalar: set[int], per_layer: EpBytes, moe_layers: set[int], grads: dict, local_size: dict
+                 scalar: set[int], per_layer: EpBytes, moe_layers: set[int], grads: dict, local_size: dict,
+                 router_gather: dict[int, int], router_keys: dict[int, int]
                  ) -> tuple[list, dict[int, int], int, int, set[int]]:
     """``fsdp._step_ops`` with the experts' units and the all-to-all path's tensors (the module docstring)."""
     step = _EpStep(build, groups, worlds, grads, first, optimizer, mixed, per_layer)
+    step.router_gather = router_gather
     grad_keys = expansion.grad_keys
     cut, at_mark, seed = boundary_marks(ops, marks, scalar)
     expert_keys = {key: g[1] for g, keys in grads.items() if isinstance(g, tuple) for key, _ in keys}
@@ -259,6 +282,11 @@ def _ep_step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder,
             layer = expert_keys.get(op[1])
             if layer is None:
                 experts_done(out)  # the layer's next gradient (the router's): the experts' backward is over
+                router = router_keys.get(op[1])
+                if router is not None and router in step.routers:  # the router unit's pre-backward: the previous
+                    step._free(out, step.routers.pop(router))      # layer's all-gather, deferred to here
+                    if router > 0:
+                        step.all_gather(out, router - 1)
             else:
                 if layer not in made:  # the un-permute's backward, just before the experts' first gradient
                     step._free(out, step._alloc(out, per_layer.unpermute))
@@ -322,7 +350,9 @@ def _ep_boundary(step: _EpStep, out: list, name: str, layer: int | None, num_lay
             step.all_gather(out, (EXPERTS, layer))
             step.copy_out(out, (EXPERTS, layer))
             step.free_gathered(out, (EXPERTS, layer))
-        if layer > 0:
+        if layer in step.router_gather:  # the router unit comes before the previous layer (``LayerGroup``)
+            step.routers[layer] = step._alloc(out, step.router_gather[layer], ALL_GATHER)
+        elif layer > 0:
             step.all_gather(out, layer - 1)
         return
     if name == "mid_fw" and num_layers - 1 in moe_layers:
@@ -353,17 +383,25 @@ def ep_step(expansion: Expansion, table: list[ParamInfo], world: int, ep: int, p
     build = _Builder(expansion.steady.keys, base_size_index)
     first_marks, steady_marks = expansion.marks
     scalar = {i for i, poly in enumerate(polys) if 0 < poly[0] <= 8 and not any(poly[1:])}
+    # a module a 16-bit model keeps in fp32 (DeepSeek's router): a unit of its own in backward, as the analytic
+    # replay has it (``fsdp_replay.LayerGroup.router_gather_bytes``); forward gathers it with its layer
+    router_params = [p for layer in range(num_layers) for p in fp32_kept_params(params[layer], precision)]
+    routers = frozenset(p.name for p in router_params)
+    router_gather: dict[int, int] = {}
+    for p in router_params:
+        router_gather[p.layer] = router_gather.get(p.layer, 0) + world * shard_numel(p, world) * p.elem_bytes
     common = dict(build=build, groups=groups, worlds=worlds, table=local, optimizer=optimizer, mixed=mixed,
-                  num_layers=num_layers, scalar=scalar, per_layer=per_layer, moe_layers=moe_layers)
+                  num_layers=num_layers, scalar=scalar, per_layer=per_layer, moe_layers=moe_layers,
+                  router_gather=router_gather)
     results = []
     first_start = build.next_key
     next_keys = []
     for ops, marks, first in ((expansion.first.ops, first_marks, True), (expansion.steady.ops, steady_marks, False)):
         build.next_key = first_start  # the steady step's tensors reuse the first step's key range
-        grads = _experts_grads(_grads_by_group(expansion, ops, table), table)
+        grads, router_keys = _experts_grads(_grads_by_group(expansion, ops, table), table, polys, routers)
         local_size = _local_grad_sizes(grads, polys, ep, build)
         results.append(_ep_step_ops(expansion, ops, marks, first=first, grads=_resized(grads, local_size),
-                                    local_size=local_size, **common))
+                                    local_size=local_size, router_keys=router_keys, **common))
         next_keys.append(build.next_key)
     (first_ops, first_moved, _o, first_loss_freed, first_outputs), (steady_ops, _m, steady_optimizer, _l,
                                                                     steady_outputs) = results

@@ -171,7 +171,7 @@ def test_the_replay_against_transformers_ep_on_gloo_ranks():
     from benchmarks.table_csv import read_rows
 
     rows = [r for r in read_rows(BENCH_REPO / "docs/error_matrix/reserved_ep.csv") if r["refused"] == ""]
-    assert len(rows) >= 24 and {r["family"] for r in rows} >= {"mixtral", "qwen2_moe"}
+    assert len(rows) >= 36 and {r["family"] for r in rows} >= {"mixtral", "qwen2_moe", "deepseek_v2"}
     assert {r["routing"] for r in rows} == {"balanced", "skewed"}
     for r in rows:
         requested, _reserved = replayed(BENCH_REPO / "benchmarks/configs" / r["config"], int(r["world_size"]),
