@@ -3,8 +3,8 @@
 all-to-all path's tensors, as transformers 5.24 runs ``DistributedConfig(fsdp_size=world, ep_size=ep)``
 (``estimator.models.moe_ep``, whose arithmetic this module places on the profile's event list).
 
-Covered: balanced and skewed routing (the busiest rank), no checkpointing, bf16 or fp32 (no cast at copy-out), any
-ep dividing the world. The
+Covered: balanced and skewed routing (the busiest rank), no checkpointing, bf16, fp32 and mixed precision, any ep
+dividing the world. The
 boundaries are those of the analytic EP replay (``estimator.methods.fsdp_replay``, whose requested peak this replay
 reproduces):
 
@@ -13,7 +13,8 @@ reproduces):
   after forward; forward keeps their all-gather output until the next layer's copy-out (FSDP2's implicit
   prefetch); their post-backward reduce-scatters over the efsdp mesh (transformers forces a sum there and
   divides the output in place: no allocation). On a one-rank mesh (ep == world) FSDP2 copies the shard into the
-  unsharded tensors (no all-gather output) and, in the post-backward, divides a copy of the gradients instead of
+  unsharded tensors (no all-gather output; under mixed precision each after its shard's cast to the compute
+  dtype, freed once the next cast is made) and, in the post-backward, divides a copy of the gradients instead of
   reduce-scattering them (``ExpertsUnit.divide_bytes``);
 * the experts' gradients: the one-device trace made every expert's; this rank makes its own (1 / ep of each);
   their post-backward runs once they are made, just before the layer's next gradient (the router's): the
@@ -81,10 +82,6 @@ def why_not_ep(spec, table: list[ParamInfo] | None) -> str | None:
         return "expert parallelism with gradient accumulation: not in the replay yet"
     if training.lora or training.qlora:
         return "expert parallelism with LoRA: not in the replay yet"
-    if training.precision.startswith("mixed_"):
-        # a one-rank mesh's copy-out casts each fp32 shard to the compute dtype first (``wait_for_unshard``:
-        # ``all_gather_inputs``), a temporary neither replay has
-        return "expert parallelism under mixed precision: the experts' cast shards at copy-out are not in the replay yet"
     return None
 
 
@@ -157,8 +154,23 @@ class _EpStep(_Step):
 
     def copy_out(self, out: list, g) -> None:
         world = self.worlds[g]
-        self.unsharded[g] = [self._alloc(out, world * shard_numel(p, world) * p.elem_bytes)
-                             for p in self.groups[g].params]
+        if world > 1 or not self.mixed:
+            self.unsharded[g] = [self._alloc(out, world * shard_numel(p, world) * p.elem_bytes)
+                                 for p in self.groups[g].params]
+            return
+        # a one-rank mesh under mixed precision (``wait_for_unshard``): each fp32 shard cast to the compute dtype
+        # (``all_gather_inputs``), then its unsharded tensor; a cast lives until the next one is bound, the last
+        # until the loop is over
+        self.unsharded[g] = []
+        cast = None
+        for p in self.groups[g].params:
+            nbytes = shard_numel(p, world) * p.elem_bytes
+            previous, cast = cast, self._alloc(out, nbytes)
+            if previous is not None:
+                self._free(out, previous)
+            self.unsharded[g].append(self._alloc(out, nbytes))
+        if cast is not None:
+            self._free(out, cast)
 
     def all_gather(self, out: list, g) -> None:
         if self.worlds[g] > 1:

@@ -48,7 +48,7 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
         return (f"{spec.parallel.method}: its communication buffers run on their own streams with delayed frees, "
                 "not modelled yet")
     if getattr(spec.parallel, "ep", 1) > 1:
-        reason = why_not_ep(spec, table)  # fsdp + ep, balanced, no checkpointing: estimator.reserved.ep
+        reason = why_not_ep(spec, table)  # fsdp + ep without checkpointing: estimator.reserved.ep
         if reason is not None:
             return reason
     if ckpt_every(training.ckpt_policy) is not None:

@@ -8,11 +8,12 @@ import os
 SHAPES = ((96, 64), (32, 96))  # two bf16 weights, model order
 
 
-def one_rank_events(port: int) -> list[tuple]:
+def one_rank_events(port: int, mixed: bool = False) -> list[tuple]:
+    """``mixed``: fp32 shards, bf16 compute, fp32 reduction (FSDP2's ``MixedPrecisionPolicy``); else bf16."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp._fully_shard import _fsdp_param as param_mod
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
 
@@ -25,8 +26,10 @@ def one_rank_events(port: int) -> list[tuple]:
     try:
         torch.manual_seed(0)
         experts = torch.nn.Sequential(*(torch.nn.Linear(cols, rows, bias=False) for rows, cols in SHAPES))
-        experts = experts.to(torch.bfloat16)
-        fully_shard(experts, mesh=init_device_mesh("cpu", (1,)), reshard_after_forward=True)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if not mixed:
+            experts, policy = experts.to(torch.bfloat16), MixedPrecisionPolicy()
+        fully_shard(experts, mesh=init_device_mesh("cpu", (1,)), reshard_after_forward=True, mp_policy=policy)
         experts.set_gradient_divide_factor(2.0)
         rec = StorageRecorder()
         resizes = StorageResizes(rec)
@@ -42,7 +45,7 @@ def one_rank_events(port: int) -> list[tuple]:
 
         param_mod.alloc_storage, param_mod.free_storage = alloc_recorded, free_recorded
         group_mod.alloc_storage = alloc_recorded
-        x = torch.randn(8, SHAPES[0][1], dtype=torch.bfloat16)
+        x = torch.randn(8, SHAPES[0][1], dtype=torch.float32 if mixed else torch.bfloat16)
         for step in range(2):  # the second step is the one compared (the first makes the unsharded storages)
             with rec:
                 rec.mark(f"forward{step}")

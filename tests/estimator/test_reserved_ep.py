@@ -51,6 +51,8 @@ def _replay(spec: RunSpec):
     (QWEN3, 8, 2, "bf16", 1, 2048, 1.0),
     (OLMOE, 8, 8, "bf16", 1, 2048, 2.0),    # skewed: the busiest rank's extra rows
     (QWEN3, 8, 4, "bf16", 1, 1024, 4.0),
+    (OLMOE, 8, 8, "mixed_bf16", 2, 1024, 1.0),  # the one-rank copy-out's casts
+    (OLMOE, 8, 4, "mixed_bf16", 1, 2048, 1.0),
 ])
 def test_replayed_requested_peak_equals_the_analytic_ep_estimate(model, world, ep, precision, b, s, imbalance):
     """The requested bytes alive at once in the replayed EP stream = the analytic EP allocated peak + the batch,
@@ -139,7 +141,6 @@ def test_the_setup_holds_the_analytic_resident_weights(world, ep):
 
 @pytest.mark.parametrize("changes, reason", [
     ({"grad_ckpt": True}, "checkpointing"),
-    ({"precision": "mixed_bf16"}, "mixed precision"),
     ({"grad_accum_steps": 2}, "gradient accumulation"),
     ({"lora_rank": 8}, "LoRA"),
 ])
@@ -188,9 +189,11 @@ def test_the_replay_against_transformers_ep_on_gloo_ranks():
 
 
 @pytest.mark.slow
-def test_a_one_rank_unit_post_backward_as_a_real_run_makes_it():
+@pytest.mark.parametrize("mixed", [False, True], ids=["bf16", "mixed_bf16"])
+def test_a_one_rank_unit_as_a_real_run_makes_it(mixed):
     """ep == world: the experts' FSDP2 mesh has one rank. A real one-rank unit (gloo, world 1, a spawned
-    interpreter): its copy-out allocates the unsharded tensors and no all-gather output; its post-backward reshards,
+    interpreter): its copy-out allocates the unsharded tensors and no all-gather output (under mixed precision
+    each after its shard's cast to bf16, a cast freed once the next is made); its post-backward reshards,
     allocates the reduce input, frees every gradient (last to first: ``foreach_reduce``'s loop variable that keeps
     the last one for world > 1 does not run), allocates the output, then the divided input's temporary. The
     replay's ``_EpStep`` makes the same requests in the same order."""
@@ -202,27 +205,33 @@ def test_a_one_rank_unit_post_backward_as_a_real_run_makes_it():
     from tests.estimator._ep_one_rank import SHAPES, one_rank_events
     from tests.estimator.test_reserved import _in_fresh_process
 
-    events = _in_fresh_process(one_rank_events, free_port())
+    events = _in_fresh_process(one_rank_events, free_port(), mixed)
     backward = events[events.index(("m", "backward1")):events.index(("m", "end1"))]
     forward = events[events.index(("m", "forward1")):events.index(("m", "backward1"))]
-    # copy-out: the resized (unsharded) storages only, each the size of its parameter
     params = [ParamInfo(f"experts.{i}.weight", shape, shape[0] * shape[1], 2, True, "linear", 0)
               for i, shape in enumerate(SHAPES)]
     unsharded = [p.nbytes for p in params]
-    assert [e[2] for e in forward if e[0] == "a" and e[3]] == unsharded
-    assert [e[2] for e in forward if e[0] == "a"][:2] == unsharded
+    # forward: the copy-out and the reshard after forward (the activations here have other sizes)
+    real_forward = [(e[0], e[2]) for e in forward if e[0] != "m" and e[2] in unsharded]
     start = next(i for i, e in enumerate(backward) if e[0] == "f" and e[3])  # the post-backward's reshard
-    real = [(e[0], e[2]) for e in backward[start:start + 8]]
+    real_backward = [(e[0], e[2]) for e in backward[start:start + 8]]
 
     build = _Builder(100, 10)  # the step's own sizes from index 10; 0 and 1: the gradients' (the parameters')
     group = ("experts", 0)
     grads = {group: [(1, 0), (2, 1)]}  # the gradients' keys, model order (sizes: the parameters')
-    step = _EpStep(build, {group: _group(params, 1, False)}, {group: 1}, grads, False, "adamw", False,
+    step = _EpStep(build, {group: _group(params, 1, mixed)}, {group: 1}, grads, False, "adamw", mixed,
                    EpBytes(0, 0, 0))
+
+    def requests(out: list) -> list:
+        sizes = {0: unsharded[0], 1: unsharded[1], **{10 + j: nbytes for j, nbytes in enumerate(build.sizes)}}
+        return [("f" if kind == FREE else "a", sizes[si]) for kind, _key, si in out]
+
     out: list = []
+    step.copy_out(out, group)
+    step.reshard(out, group)
+    assert requests(out) == real_forward
+    out = []
     step.copy_out(out, group)
     out.clear()
     step.post_backward(out, group)
-    sizes = {0: unsharded[0], 1: unsharded[1], **{10 + j: nbytes for j, nbytes in enumerate(build.sizes)}}
-    generated = [("f" if kind == FREE else "a", sizes[si]) for kind, _key, si in out]
-    assert generated == real
+    assert requests(out) == real_backward
