@@ -9,6 +9,7 @@ import dataclasses
 from estimator.allocator import parse_alloc_conf
 from estimator.methods.fsdp1 import fsdp1_sizes
 from estimator.models.params import ParamInfo
+from estimator.reserved.ep import ep_method_step, ep_setup, why_not_ep
 from estimator.reserved.every_k import mixed_events
 from estimator.reserved.expand import Expansion, ExpansionError, expand, step_sizes
 from estimator.reserved.fsdp import fsdp_setup, fsdp_step
@@ -51,8 +52,9 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
         return (f"{spec.parallel.method}: its communication buffers run on their own streams with delayed frees, "
                 "not modelled yet")
     if getattr(spec.parallel, "ep", 1) > 1:
-        return ("expert parallelism: the all-to-all buffers and the expert units' own FSDP2 gathers are not in the "
-                "allocator replay yet")
+        reason = why_not_ep(spec, table)  # fsdp + ep without checkpointing: estimator.reserved.ep
+        if reason is not None:
+            return reason
     if ckpt_every(training.ckpt_policy) is not None and spec.parallel.method not in EVERY_K:
         return f"every-k checkpointing under {spec.parallel.method}: the merged event list is replayed for " \
             f"{', '.join(EVERY_K)} only"
@@ -147,7 +149,7 @@ def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, 
            spec=None) -> Setup:
     """``spec``: needed for fsdp1 (its unit sizes) and zero3 (its bucket and persistence threshold)."""
     method_options = ((spec.parallel.fsdp1, spec.training.precision) if method == "fsdp1"
-                      else spec.parallel.zero if method == "zero3" else None)
+                      else spec.parallel.zero if method == "zero3" else spec.parallel.ep if spec is not None else None)
     key = (id(profile), id(table), num_layers, method, mixed, world, method_options)
     hit = _SETUPS.get(key)
     if hit is None or hit[0] is not table:
@@ -155,7 +157,9 @@ def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, 
             _SETUPS.clear()
         buffers = profile["params"].get("buffers") or {}
         buffer_bytes = (buffers.get("non_layer", 0), buffers.get("per_layer", 0))
-        if method in SHARDED:
+        if spec is not None and spec.parallel.ep > 1:
+            setup = ep_setup(table, buffer_bytes, num_layers, world, spec.parallel.ep, mixed)
+        elif method in SHARDED:
             setup = fsdp_setup(table, buffer_bytes, num_layers, world, mixed)
         elif method in ZERO:
             setup = zero_setup(table, buffer_bytes, num_layers, world, _elem16(table))
@@ -247,7 +251,8 @@ def _plan(spec, events: dict, expansion: Expansion, table: list[ParamInfo], num_
           workspace_bytes: int, workspaces: int, rank: int = 0) -> StepPlan:
     sizes = step_sizes(events["polys"], b, s)
     sizes += [2 * sizes[poly] for poly in expansion.copy_of]  # an fp32 copy of a 16-bit tensor
-    step, extra = _method_step(spec, events, expansion, table, num_layers, len(sizes), rank)
+    step, extra = (ep_method_step(spec, events, expansion, table, num_layers, len(sizes), b, s)
+                   if spec.parallel.ep > 1 else _method_step(spec, events, expansion, table, num_layers, len(sizes), rank))
     return StepPlan(expansion=step, sizes=sizes + extra, batch_bytes=b * s * INT64, workspace_bytes=workspace_bytes,
                     workspaces=workspaces)
 
