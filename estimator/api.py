@@ -154,8 +154,9 @@ class StepSequence:
 
 
 # Methods whose replay walks the profile's segments one by one (``methods.timeline.replay``) and so can take a
-# mixed layer sequence; FSDP's and ZeRO-3's replays place their gathers per layer of alike layers.
-MIXED_LAYER_METHODS = ("single", "ddp", "tp", "zero1", "zero2", "zero_offload")
+# mixed layer sequence; FSDP2's walks it layer by layer with its events at each boundary
+# (``methods.fsdp_replay._walk_mixed``). ZeRO-3's and FSDP1's replays place their gathers per layer of alike layers.
+MIXED_LAYER_METHODS = ("single", "ddp", "tp", "zero1", "zero2", "zero_offload", "fsdp")
 
 
 def check_spec(spec: RunSpec, arch: ModelArch) -> None:
@@ -164,6 +165,9 @@ def check_spec(spec: RunSpec, arch: ModelArch) -> None:
     if ckpt_every(training.ckpt_policy) is not None and parallel.method not in MIXED_LAYER_METHODS:
         raise ValueError(f"ckpt_policy: every-k is replayed for {', '.join(MIXED_LAYER_METHODS)}; "
                          f"{parallel.method} replays its gathers over alike layers (not modelled yet)")
+    if ckpt_every(training.ckpt_policy) is not None and parallel.ep > 1:
+        raise ValueError("ckpt_policy: every-k with expert parallelism is not modelled (the experts' units read "
+                         "the profile's event list, which a mixed profile does not have)")
     if training.ce == "fused_linear" and training.precision not in ACT_BYTES:
         raise ValueError(f"ce: Liger's fused loss under autocast ({training.precision}) is not modelled; use "
                          f"{', '.join(ACT_BYTES)}")
