@@ -352,6 +352,31 @@ def _schedule(num_layers: int, sz: Fsdp1Sizes, layer_grad_bytes: float, micro: s
     return out
 
 
+def _mixed_schedule(segments: dict, num_layers: int, sz: Fsdp1Sizes, layer_grad_bytes: float, micro: str
+                    ) -> list[tuple[str, int, list]]:
+    """``_schedule`` over a mixed layer sequence (``estimator.methods.long_context.mixed_layers``: every-k
+    checkpointing), one instance at a time: each layer's boundary events by its place, whichever its kind. A
+    checkpointed layer recomputes inside the unit's forward, which its pre-backward hook has unsharded; the unit's
+    hooks are outside the checkpoint and run once. ``release`` (what the checkpoints kept alive) has none."""
+    out, backward = [], 0
+    for name, repeats in segments["sequence"]:
+        base = name.split("+")[0]
+        for _ in range(repeats):
+            if base in BACKWARD_LAYER:
+                index, backward = num_layers - 1 - backward, backward + 1
+                events = _backward_events(sz, index, num_layers, layer_grad_bytes, micro)
+            elif base == "mid_bw":
+                events = _mid_backward_events(sz)
+            elif base == "suffix":
+                events = _backward_events(sz, -1, num_layers, layer_grad_bytes, micro)
+            elif base == "release":
+                events = []
+            else:  # a forward segment's events do not depend on the layer's place
+                events = _forward_events(base, num_layers, sz)
+            out.append((name, 1, events))
+    return out
+
+
 def replay_fsdp1(segments: dict, num_layers: int, b: int, s: int, sizes: Fsdp1Sizes,
                  accumulating: bool | str = False) -> Replay:
     """Peak of activations + gradients + FSDP1 buffers over one steady step's forward and backward.
@@ -361,7 +386,7 @@ def replay_fsdp1(segments: dict, num_layers: int, b: int, s: int, sizes: Fsdp1Si
     micro = accumulating if isinstance(accumulating, str) else LATER if accumulating else FIRST
     if micro not in MICRO_BATCHES:
         raise ValueError(f"fsdp1: unknown micro-batch {micro!r}")
-    walk = Walk(b, s, grad_part=lambda name: "layer_grads" if name in BACKWARD_LAYER else "root_grads")
+    walk = Walk(b, s, grad_part=lambda name: "layer_grads" if name.split("+")[0] in BACKWARD_LAYER else "root_grads")
     act = 0.0
     state = dict.fromkeys(BUFFERS + GRADS, 0.0)
     if micro in (UNSYNCED_LATER, SYNCED_LAST):
@@ -375,7 +400,9 @@ def replay_fsdp1(segments: dict, num_layers: int, b: int, s: int, sizes: Fsdp1Si
                                 + root_unit * sizes.root.param_elem * sizes.root.trainable
                                 + num_layers * sizes.adapter_kept_bytes)
     layer_grad_bytes = segments["bw_last"]["net_grad"]
-    for name, repeats, events in _schedule(num_layers, sizes, layer_grad_bytes, micro):
+    schedule = _mixed_schedule(segments, num_layers, sizes, layer_grad_bytes, micro) if segments.get("sequence") \
+        else _schedule(num_layers, sizes, layer_grad_bytes, micro)
+    for name, repeats, events in schedule:
         act, state = walk.repeat(name, segments[name], events, act, state, repeats)
     tail = []
     if sizes.options.forward_prefetch:  # the first layer's post-backward, deferred past the embeddings' backward

@@ -102,14 +102,14 @@ def test_every_k_counts_layers_as_torchtitan_and_replays_its_ends_exactly():
     assert full < half < replay(p, layers, 4, 512).peak_bytes
 
 
-@pytest.mark.parametrize("method, world", [("zero3", 2), ("fsdp1", 2), ("dp_tp", 4)])
+@pytest.mark.parametrize("method, world", [("zero3", 2), ("dp_tp", 4)])
 def test_every_k_is_refused_where_the_replay_assumes_alike_layers(method, world):
     from estimator.api import estimate
 
     parallel = ParallelSpec(method=method, world_size=world, **({"tp": 2} if method == "dp_tp" else {}))
     spec = RunSpec(model="facebook/opt-125m", parallel=parallel,
                    training=TrainingSpec(grad_ckpt=True, ckpt_policy="every-k:2"))
-    with pytest.raises(ValueError, match=rf"^ckpt_policy: every-k is replayed for single, .*fsdp; {method} replays"
+    with pytest.raises(ValueError, match=rf"^ckpt_policy: every-k is replayed for single, .*fsdp1; {method} replays"
                        ) as err:
         estimate(spec, allow_build=False)
     assert "\n" not in str(err.value)
@@ -124,15 +124,17 @@ def test_every_k_with_expert_parallelism_is_refused():
         estimate(spec, allow_build=False)
 
 
-def test_fsdp2_walks_a_mixed_sequence_layer_by_layer_as_its_alike_layers():
-    """A sequence naming every layer once, all of one kind, replays as FSDP2's extrapolated walk of alike layers;
-    every-k lies between the checkpointed and the plain step, and a layer more checkpointed lowers it."""
+@pytest.mark.parametrize("method", ["fsdp", "fsdp1"])
+def test_fsdp_walks_a_mixed_sequence_layer_by_layer_as_its_alike_layers(method):
+    """A sequence naming every layer once, all of one kind, replays as FSDP2's (FSDP1's) extrapolated walk of
+    alike layers; every-k lies between the checkpointed and the plain step, and a layer more checkpointed lowers
+    it."""
     from estimator.api import _param_table, _step_model
     from estimator.methods.timeline import at_depth, segment_sequence
     from estimator.models.arch import cached_arch
     from estimator.profiler.cache import load_model_profile
 
-    spec = RunSpec(model="facebook/opt-125m", parallel=ParallelSpec(method="fsdp", world_size=2),
+    spec = RunSpec(model="facebook/opt-125m", parallel=ParallelSpec(method=method, world_size=2),
                    training=TrainingSpec(grad_ckpt=True))
     _, plain = load_model_profile(spec.model, TrainingSpec(), allow_build=False)  # shipped profiles
     _, ckpt = load_model_profile(spec.model, spec.training, allow_build=False)
@@ -151,10 +153,12 @@ def test_fsdp2_walks_a_mixed_sequence_layer_by_layer_as_its_alike_layers():
 
 
 # --- against the oracles ------------------------------------------------------------------------------------
-def test_the_committed_fsdp2_every_k_table_stays_within_one_percent(tmp_path):
-    """Every row of docs/error_matrix/long_context_fsdp2_every_k.csv (FSDPMemTracker on FSDP2 ranks, fake process
-    group: ``benchmarks/long_context_check.py --oracles fsdp2-every-k``) estimated again within 1 % of its
-    measure. The small configs' profiles are traced on fake tensors here once."""
+@pytest.mark.parametrize("method", ["fsdp2", "fsdp1"])
+def test_the_committed_every_k_sharded_tables_stay_within_one_percent(tmp_path, method):
+    """Every row of docs/error_matrix/long_context_{fsdp2,fsdp1}_every_k.csv (FSDPMemTracker on FSDP2 / FSDP1
+    FULL_SHARD ranks, fake process group: ``benchmarks/long_context_check.py --oracles fsdp2-every-k`` /
+    ``fsdp1-every-k``) estimated again within 1 % of its measure. The small configs' profiles are traced on fake
+    tensors here once."""
     pytest.importorskip("torch")
     import csv
     from pathlib import Path
@@ -162,7 +166,7 @@ def test_the_committed_fsdp2_every_k_table_stays_within_one_percent(tmp_path):
     from benchmarks.long_context_check import _config, every_k_fsdp2_predicted
 
     rows = list(csv.DictReader((Path(__file__).resolve().parents[2] / "docs/error_matrix"
-                                / "long_context_fsdp2_every_k.csv").open()))
+                                / f"long_context_{method}_every_k.csv").open()))
     assert {r["technique"].split()[0] for r in rows} == {"every-k:2", "every-k:3"}
     assert {r["precision"] for r in rows} == {"bf16", "mixed_bf16"}
     assert {r["technique"].split("/")[-1] for r in rows} == {"2", "4"}  # worlds
@@ -175,7 +179,7 @@ def test_the_committed_fsdp2_every_k_table_stays_within_one_percent(tmp_path):
         label, _, ranks = r["technique"].split()
         rank, world = map(int, ranks.split("/"))
         predicted = every_k_fsdp2_predicted(str(path), label, r["precision"], int(r["micro_batch_size"]),
-                                            int(r["seq_len"]), world, rank)
+                                            int(r["seq_len"]), world, rank, fsdp1=method == "fsdp1")
         measured = int(r["measured_bytes"])
         errors[(r["model"], r["technique"], r["precision"], r["micro_batch_size"], r["seq_len"])] = \
             100 * (predicted - measured) / measured
