@@ -1,10 +1,13 @@
 """The long-context techniques (issue 18) against the project's two CPU oracles; writes an error table.
 
-    .venv/bin/python benchmarks/long_context_check.py [--quick] [--oracles memtracker fsdp2-memtracker counted-cpu]
-        [--techniques LABEL ...] [--csv FILE]
+    .venv/bin/python benchmarks/long_context_check.py [--quick]
+        [--oracles memtracker fsdp2-memtracker fsdp2-every-k fsdp1-every-k counted-cpu] [--techniques LABEL ...]
+        [--csv FILE]
 
 The committed tables: ``--oracles memtracker --csv docs/error_matrix/long_context_memtracker.csv``,
-``--oracles fsdp2-memtracker --csv docs/error_matrix/long_context_fsdp2.csv``, ``--oracles counted-cpu --csv
+``--oracles fsdp2-memtracker --csv docs/error_matrix/long_context_fsdp2.csv``, ``--oracles fsdp2-every-k --csv
+docs/error_matrix/long_context_fsdp2_every_k.csv``, ``--oracles fsdp1-every-k --csv
+docs/error_matrix/long_context_fsdp1_every_k.csv``, ``--oracles counted-cpu --csv
 docs/error_matrix/long_context_counted_cpu.csv`` (``LLMEM_CACHE_DIR`` set to a fresh directory traces the
 variants' profiles first). Exit 1 when a point is off by more than 1 %.
 
@@ -18,7 +21,11 @@ less the cuBLAS workspace and the allocator's rounding, which no CPU oracle has)
   (``harness.fake.memtracker``: its own model build, loop and techniques, ``harness.fake.long_context``), two
   steady steps, CUDA's kernel choices;
 * ``fsdp2-memtracker``: FSDP2 over 2 ranks (``FSDPMemTracker``, fake process group), ranks 0 and 1, of the small
-  configs (every-k is refused under FSDP);
+  configs (every-k has its own oracle below);
+* ``fsdp2-every-k``: every-k checkpointing (k 2, 3) under FSDP2, the same oracle over 2 and 4 ranks (the first and
+  the last rank), two (b, s) points, bf16 and mixed_bf16 (FSDP2's MixedPrecisionPolicy), the small configs;
+* ``fsdp1-every-k``: the same points under FSDP1 FULL_SHARD (its defaults: BACKWARD_PRE, no forward prefetch;
+  ``use_orig_params=False``, MixedPrecision for mixed_bf16), FSDPMemTracker on the fake process group;
 * ``counted-cpu``: the same program on real CPU tensors in a spawned interpreter, every live storage summed after
   every operator (``harness.fake.live_storage``); tiny configs, since it computes for real.
 """
@@ -39,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from estimator.api import estimate  # noqa: E402
-from estimator.spec import ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
+from estimator.spec import Fsdp1Spec, ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
 
 PRECISIONS = ("bf16", "fp32")  # fp32 for Liger's fused loss only (its fp32 weight-gradient fallback)
 # (label, TrainingSpec fields): each technique alone, then two combinations a long-context run uses.
@@ -64,6 +71,10 @@ FAKE_RUNS = (("facebook/opt-125m", ((1, 2048), (4, 512)), PRECISIONS),
 REAL_MODELS = ("small-llama", "small-opt")
 REAL_POINTS = ((2, 512), (4, 1024))
 FSDP_WORLD = 2  # FSDP2 on torch's fake process group (oracle "fsdp2-memtracker"): the small configs, mixed_bf16
+# every-k under FSDP2 (oracle "fsdp2-every-k"): worlds, (b, s) points, precisions
+EVERY_K_WORLDS = (2, 4)
+EVERY_K_POINTS = ((2, 512), (4, 1024))
+EVERY_K_PRECISIONS = ("bf16", "mixed_bf16")
 
 
 def _config(name: str) -> dict:
@@ -80,13 +91,16 @@ def _variant(training: TrainingSpec, kernels: str = "cuda"):
                    ckpt_policy=training.ckpt_policy)
 
 
-def _memtracker_peak(config: dict, training: TrainingSpec, world: int = 1, rank: int = 0) -> int:
-    """``world`` > 1: FSDP2 (FSDPMemTracker on torch's fake process group), this rank."""
+def _memtracker_peak(config: dict, training: TrainingSpec, world: int = 1, rank: int = 0, fsdp1: bool = False
+                     ) -> int:
+    """``world`` > 1: FSDP2 (FSDPMemTracker on torch's fake process group), this rank; ``fsdp1``: FSDP1
+    FULL_SHARD instead (``use_orig_params=False``, as the harness wraps it)."""
     import dataclasses
 
     from harness.fake import memtracker as mt
 
-    built = mt.build(config, dataclasses.replace(_variant(training), fsdp_world=world, rank=rank))
+    built = mt.build(config, dataclasses.replace(_variant(training), fsdp_world=world, rank=rank,
+                                                 fsdp1="FULL_SHARD" if fsdp1 else None))
     try:
         return mt.peak_bytes(built, training.micro_batch_size, training.seq_len)
     finally:
@@ -111,10 +125,50 @@ def _row(oracle: str, model: str, label: str, training: TrainingSpec, predicted:
             "error_pct": round(100 * (predicted - measured) / measured, 4), "oracle_s": round(seconds, 1)}
 
 
+def every_k_fsdp2_predicted(config_path: str, label: str, precision: str, b: int, s: int, world: int, rank: int,
+                            fsdp1: bool = False) -> int:
+    """The estimate of one ``fsdp2-every-k`` (``fsdp1``: ``fsdp1-every-k``) row (``tests/estimator/
+    test_long_context.py`` re-estimates the committed tables with it)."""
+    fields = dict(TECHNIQUES)[label]
+    training = TrainingSpec(micro_batch_size=b, seq_len=s, precision=precision, **fields)
+    parallel = ParallelSpec(method="fsdp1", world_size=world, fsdp1=Fsdp1Spec(use_orig_params=False)) if fsdp1 \
+        else ParallelSpec(method="fsdp", world_size=world)
+    spec = RunSpec(model=config_path, training=training, parallel=parallel)
+    return {r.rank: r for r in estimate(spec).ranks}[rank].traced_allocated_bytes
+
+
+def _every_k_fsdp2_rows(techniques, quick: bool, fsdp1: bool = False):
+    """Every-k checkpointing under FSDP2 (``fsdp1``: FSDP1 FULL_SHARD): each (model, k, precision, point, world),
+    the first and the last rank."""
+    oracle = "fsdp1-every-k" if fsdp1 else "fsdp2-every-k"
+    every_k = [label for label, fields in techniques if fields.get("ckpt_policy", "").startswith("every-k")
+               and len(fields) == 2]  # alone, not combined with another technique
+    for model in REAL_MODELS:
+        config = _config(model)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / f"{model}.json"
+            path.write_text(json.dumps(config))
+            for label in every_k:
+                for precision in EVERY_K_PRECISIONS:
+                    for b, s in EVERY_K_POINTS[:1] if quick else EVERY_K_POINTS:
+                        for world in EVERY_K_WORLDS:
+                            training = TrainingSpec(micro_batch_size=b, seq_len=s, precision=precision,
+                                                    **dict(TECHNIQUES)[label])
+                            for rank in (0, world - 1):
+                                predicted = every_k_fsdp2_predicted(str(path), label, precision, b, s, world, rank,
+                                                                    fsdp1)
+                                started = time.perf_counter()
+                                measured = _memtracker_peak(config, training, world, rank, fsdp1)
+                                row = _row(oracle, model, label, training, predicted, measured,
+                                           time.perf_counter() - started)
+                                yield {**row, "technique": f"{label} rank {rank}/{world}"}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one point per model and oracle")
-    parser.add_argument("--oracles", nargs="*", default=["memtracker", "fsdp2-memtracker", "counted-cpu"])
+    parser.add_argument("--oracles", nargs="*",
+                        default=["memtracker", "fsdp2-memtracker", "fsdp2-every-k", "fsdp1-every-k", "counted-cpu"])
     parser.add_argument("--techniques", nargs="*", help="labels of TECHNIQUES (default: all)")
     parser.add_argument("--csv")
     args = parser.parse_args()
@@ -155,6 +209,12 @@ def main() -> int:
                         row = _row("fsdp2-memtracker", model, label, training,
                                    ranks[rank].traced_allocated_bytes, measured, time.perf_counter() - started)
                         report({**row, "technique": f"{label} rank {rank}/{FSDP_WORLD}"})
+    if "fsdp2-every-k" in args.oracles:
+        for row in _every_k_fsdp2_rows(techniques, args.quick):
+            report(row)
+    if "fsdp1-every-k" in args.oracles:
+        for row in _every_k_fsdp2_rows(techniques, args.quick, fsdp1=True):
+            report(row)
     if "counted-cpu" in args.oracles:
         spawn = multiprocessing.get_context("spawn")
         with tempfile.TemporaryDirectory() as tmp, \

@@ -379,6 +379,27 @@ def _layer_grad_bytes(segments: dict, num_layers: int, per_layer: bool) -> list[
             for i in range(num_layers)]
 
 
+def _mixed_schedule(segments: dict, num_layers: int, sz: Fsdp1Sizes, layer_grad_bytes: list[float], micro: str
+                    ) -> list[tuple[str, int, list]]:
+    """``_schedule`` over a mixed layer sequence (``estimator.methods.long_context.mixed_layers``: every-k
+    checkpointing), one instance at a time: each layer's boundary events by its place, whichever its kind. A
+    checkpointed layer recomputes inside the unit's forward, which its pre-backward hook has unsharded; the unit's
+    hooks are outside the checkpoint and run once. ``release`` (what the checkpoints kept alive) has none."""
+    out, forward, backward = [], 0, 0
+    for name, repeats in segments["sequence"]:
+        base = name.split("+")[0]
+        for _ in range(repeats):
+            index = None
+            if base in BACKWARD_LAYER:
+                index, backward = num_layers - 1 - backward, backward + 1
+            elif base in FORWARD_LAYER:
+                index, forward = forward, forward + 1
+            events = [] if base == "release" else _boundary_events(base, index, num_layers, sz, layer_grad_bytes,
+                                                                   micro)
+            out.append((name, 1, events))
+    return out
+
+
 def replay_fsdp1(segments: dict, num_layers: int, b: int, s: int, sizes: Fsdp1Sizes,
                  accumulating: bool | str = False) -> Replay:
     """Peak of activations + gradients + FSDP1 buffers over one steady step's forward and backward.
@@ -390,7 +411,7 @@ def replay_fsdp1(segments: dict, num_layers: int, b: int, s: int, sizes: Fsdp1Si
         raise ValueError(f"fsdp1: unknown micro-batch {micro!r}")
     if sizes.layers and len(sizes.layers) != num_layers:
         raise ValueError(f"fsdp1: {len(sizes.layers)} layer units for {num_layers} decoder layers")
-    walk = Walk(b, s, grad_part=lambda name: "layer_grads" if name in BACKWARD_LAYER else "root_grads")
+    walk = Walk(b, s, grad_part=lambda name: "layer_grads" if name.split("+")[0] in BACKWARD_LAYER else "root_grads")
     act = 0.0
     state = dict.fromkeys(BUFFERS + GRADS, 0.0)
     layer_units = sizes.layers or (sizes.layer,) * num_layers
@@ -405,7 +426,9 @@ def replay_fsdp1(segments: dict, num_layers: int, b: int, s: int, sizes: Fsdp1Si
                                 * sizes.root.param_elem * sizes.root.trainable
                                 + num_layers * sizes.adapter_kept_bytes)
     layer_grad_bytes = _layer_grad_bytes(segments, num_layers, bool(sizes.layers))
-    for name, repeats, events in _schedule(num_layers, sizes, layer_grad_bytes, micro):
+    schedule = _mixed_schedule(segments, num_layers, sizes, layer_grad_bytes, micro) if segments.get("sequence") \
+        else _schedule(num_layers, sizes, layer_grad_bytes, micro)
+    for name, repeats, events in schedule:
         act, state = walk.repeat(name, segments[name], events, act, state, repeats)
     tail = []
     if sizes.options.forward_prefetch:  # the first layer's post-backward, deferred past the embeddings' backward

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from estimator.methods.long_context import CKPT
 from estimator.methods.timeline import Replay, poly, segment_sequence
 
 FORWARD_LAYER = ("fw_first", "fw", "fw_last")
@@ -239,7 +240,7 @@ def _root_post_backward(sz: FsdpSizes, micro: str) -> list[Event]:
 
 
 def _grad_part(name: str) -> str:
-    return "layer_grads" if name in BACKWARD_LAYER else "root_grads"
+    return "layer_grads" if name.removesuffix(CKPT) in BACKWARD_LAYER else "root_grads"
 
 
 class Walk:
@@ -388,6 +389,31 @@ def _prefetched_gather_bytes(name: str, sz: FsdpSizes, index: int | None) -> flo
     return prefetched.gather_bytes if prefetched is not None else 0.0
 
 
+def _walk_mixed(walk: Walk, segments: dict, num_layers: int, sizes: FsdpSizes, micro: str, act: float,
+                state: dict) -> tuple[float, dict]:
+    """A mixed layer sequence (``estimator.methods.long_context.mixed_layers``: every-k checkpointing) walked
+    segment by segment: a layer's segments come from the profile of its kind, FSDP2's events at its boundaries are
+    the same for both kinds. A checkpointed layer's recomputation runs inside its backward, after the pre-backward
+    hook has unsharded it (and prefetched the layer below): FSDP2's pre-forward and post-forward return at once in
+    that state (``FSDPState._pre_forward``), so its segment carries the recomputed activations and nothing else
+    changes. Segments outside the layers' (``release``: what the checkpoints kept alive) have no events."""
+    forward = backward = 0
+    for name, repeats in segments["sequence"]:
+        base = name.removesuffix(CKPT)
+        for _ in range(repeats):
+            index = None
+            if base in FORWARD_LAYER:
+                index, forward = forward, forward + 1
+            elif base in BACKWARD_LAYER:
+                index, backward = num_layers - 1 - backward, backward + 1
+            known = base in FORWARD_LAYER + BACKWARD_LAYER + ("prefix", "mid_fw", "mid_bw", "suffix")
+            events = _boundary_events(base, num_layers, sizes, micro, index) if known else []
+            experts = sizes.layer(index).experts if base in BACKWARD_LAYER else None
+            act, state = walk.segment(name, segments[name], events, act, state, experts, micro,
+                                      _prefetched_gather_bytes(base, sizes, index))
+    return act, state
+
+
 def replay_fsdp(segments: dict, num_layers: int, b: int, s: int, sizes: FsdpSizes, accumulating: bool | str = False
                 ) -> Replay:
     """Peak of activations + gradients + FSDP2 buffers over one steady step's forward and backward.
@@ -404,7 +430,9 @@ def replay_fsdp(segments: dict, num_layers: int, b: int, s: int, sizes: FsdpSize
         state["grad_shards"] = sizes.sum_layers(num_layers, "rs_out_bytes") + sizes.root_rs_out_bytes
     elif micro in (UNSYNCED_LATER, SYNCED_LAST):
         state["held_grads"] = sizes.sum_layers(num_layers, "held_bytes") + sizes.root_held_bytes
-    for name, repeats in segment_sequence(num_layers):
+    if segments.get("sequence"):  # every-k: each layer's own segments, one instance at a time
+        act, state = _walk_mixed(walk, segments, num_layers, sizes, micro, act, state)
+    for name, repeats in () if segments.get("sequence") else segment_sequence(num_layers):
         if not sizes.layers:  # every layer alike: the repetitions extrapolate
             events = _boundary_events(name, num_layers, sizes, micro)
             experts = sizes.layer(None).experts if name in BACKWARD_LAYER else None

@@ -99,10 +99,15 @@ def replay(segments: dict, num_layers: int, b: int, s: int, grad_policy: GradPol
     grad = 0.0
     best = (float("-inf"), 0.0, 0.0, "prefix", 0.0)
     breakpoints = tuple(getattr(grad_policy, "breakpoints", ()))
-    # a mixed set (estimator.methods.long_context.mixed_layers: every-k checkpointing) names its own order
+    # a mixed set (estimator.methods.long_context.mixed_layers: every-k checkpointing) names its own order, one
+    # instance of a layer segment at a time: ``extra_bytes`` gets its kind's generic name and its instance index
+    instances: dict[str, int] = {}
     for name, repeats in segments.get("sequence") or segment_sequence(num_layers):
         if repeats == 0:
             continue
+        kind = name.split("+")[0]
+        first = instances.get(kind, 0)
+        instances[kind] = first + repeats
         seg = segments[name]
         net_act = poly(seg["net_act"], b, s)
         net_grad = seg["net_grad"]
@@ -112,7 +117,7 @@ def replay(segments: dict, num_layers: int, b: int, s: int, grad_policy: GradPol
         for k in sorted(ks):
             base_act = act + k * net_act
             base_grad = grad + k * net_grad
-            extra = extra_bytes(name, k) if extra_bytes else 0.0
+            extra = extra_bytes(kind, first + k) if extra_bytes else 0.0
             for cand_act, cand_grad in seg["candidates"]:
                 a = base_act + poly(cand_act, b, s)
                 g = grad_policy(base_grad, cand_grad)

@@ -817,7 +817,9 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     training = TrainingSpec(micro_batch_size=1, seq_len=seq_len, precision=precision, optimizer=optimizer,
                             attn=attn, lora_rank=lora_rank, lora_targets=lora_targets, lora_dropout=lora_dropout,
                             loop=loop, batch=batch, outputs_fp32=outputs_fp32, grad_sync=grad_sync,
-                            model_code=model_code, **(techniques or {}))
+                            model_code=model_code,
+                            # a policy plans the checkpointed layouts only: the base spec checkpoints too
+                            grad_ckpt=bool((techniques or {}).get("ckpt_policy")), **(techniques or {}))
     if training.ckpt_policy:
         ckpt_options = (True,)  # the policy says how the checkpointed layouts checkpoint
     if not any(gpu_perf.peak_flops.values()) or not gpu_perf.capacity_bytes:

@@ -102,16 +102,119 @@ def test_every_k_counts_layers_as_torchtitan_and_replays_its_ends_exactly():
     assert full < half < replay(p, layers, 4, 512).peak_bytes
 
 
-def test_every_k_is_refused_where_the_replay_assumes_alike_layers():
+@pytest.mark.parametrize("method, world", [("dp_tp", 4)])
+def test_every_k_is_refused_where_the_replay_assumes_alike_layers(method, world):
     from estimator.api import estimate
 
-    spec = RunSpec(model="facebook/opt-125m", parallel=ParallelSpec(method="fsdp", world_size=2),
+    parallel = ParallelSpec(method=method, world_size=world, **({"tp": 2} if method == "dp_tp" else {}))
+    spec = RunSpec(model="facebook/opt-125m", parallel=parallel,
                    training=TrainingSpec(grad_ckpt=True, ckpt_policy="every-k:2"))
-    with pytest.raises(ValueError, match="^ckpt_policy: every-k is replayed for single"):
+    with pytest.raises(ValueError, match=rf"^ckpt_policy: every-k is replayed for single, .*zero3; {method} is not checked"
+                       ) as err:
+        estimate(spec, allow_build=False)
+    assert "\n" not in str(err.value)
+
+
+def test_every_k_with_expert_parallelism_is_refused():
+    from estimator.api import estimate
+
+    spec = RunSpec(model="Qwen/Qwen3-30B-A3B", parallel=ParallelSpec(method="fsdp", world_size=4, ep=2),
+                   training=TrainingSpec(grad_ckpt=True, ckpt_policy="every-k:2"))
+    with pytest.raises(ValueError, match="^ckpt_policy: every-k with expert parallelism is not modelled"):
         estimate(spec, allow_build=False)
 
 
+@pytest.mark.parametrize("method", ["fsdp", "fsdp1", "zero3"])
+def test_sharded_replays_walk_a_mixed_sequence_layer_by_layer_as_their_alike_layers(method):
+    """A sequence naming every layer once, all of one kind, replays as FSDP2's (FSDP1's, ZeRO-3's: its gathers by
+    each layer's place) walk of alike layers; every-k lies between the checkpointed and the plain step, and a
+    layer more checkpointed lowers it."""
+    from estimator.api import _param_table, _replay, _step_model
+    from estimator.methods.timeline import at_depth, segment_sequence
+    from estimator.models.arch import cached_arch
+    from estimator.profiler.cache import load_model_profile
+
+    spec = RunSpec(model="facebook/opt-125m", parallel=ParallelSpec(method=method, world_size=2),
+                   training=TrainingSpec(grad_ckpt=True))
+    _, plain = load_model_profile(spec.model, TrainingSpec(), allow_build=False)  # shipped profiles
+    _, ckpt = load_model_profile(spec.model, spec.training, allow_build=False)
+    layers = cached_arch(spec.model).num_layers
+    p, c = (at_depth(x["regimes"][1]["segments"], layers) for x in (plain, ckpt))
+    model = _step_model(spec, _param_table(plain, layers))
+
+    def peak(segments: dict) -> float:
+        return _replay(model, segments, layers, 4, 512, accumulating=False).peak_bytes
+
+    one_by_one = [(name, 1) for name, repeats in segment_sequence(layers) for _ in range(repeats)]
+    assert peak({**p, "sequence": one_by_one}) == pytest.approx(peak(p), rel=1e-12)
+    assert peak({**c, "sequence": one_by_one}) == pytest.approx(peak(c), rel=1e-12)
+    half, third = (peak(lc.mixed_layers(p, c, layers, k)) for k in (2, 3))
+    assert peak(c) < half < third < peak(p)
+
+
 # --- against the oracles ------------------------------------------------------------------------------------
+def test_the_committed_zero3_every_k_table_stays_within_one_percent():
+    """Every row of docs/error_matrix/zero3_every_k.csv (real DeepSpeed ZeRO-3 runs on the CPU, every live storage
+    counted: ``benchmarks/zero3_every_k.py``) estimated again from the run's own spec within 1 % of its measure.
+    The small config's profiles are traced on fake tensors here once."""
+    pytest.importorskip("torch")
+    import csv
+    from pathlib import Path
+
+    from estimator.api import estimate
+
+    repo = Path(__file__).resolve().parents[2]
+    rows = list(csv.DictReader((repo / "docs/error_matrix/zero3_every_k.csv").open()))
+    assert {r["ckpt_policy"] for r in rows} == {"every-k:2", "every-k:3"}
+    assert {r["precision"] for r in rows} == {"bf16", "mixed_bf16"} and {r["world"] for r in rows} == {"2", "4"}
+    assert len({(r["batch"], r["seq"]) for r in rows}) >= 2
+    errors = {}
+    for r in rows:
+        spec = RunSpec.from_json(r["spec"]).replace(gpu="h100-80gb")
+        assert (spec.parallel.method, spec.training.ckpt_policy) == ("zero3", r["ckpt_policy"])
+        ranks = estimate(spec).ranks
+        predicted = (ranks[0] if r["rank"] == "0" else ranks[-1]).traced_allocated_bytes
+        measured = float(r["measured_mib"]) * 2**20
+        errors[(r["ckpt_policy"], r["precision"], r["world"], r["rank"], r["batch"], r["seq"])] = \
+            100 * (predicted - measured) / measured
+    assert max(abs(e) for e in errors.values()) <= 100 * TOLERANCE, \
+        {k: round(e, 3) for k, e in errors.items() if abs(e) > 100 * TOLERANCE}
+
+
+@pytest.mark.parametrize("method", ["fsdp2", "fsdp1"])
+def test_the_committed_every_k_sharded_tables_stay_within_one_percent(tmp_path, method):
+    """Every row of docs/error_matrix/long_context_{fsdp2,fsdp1}_every_k.csv (FSDPMemTracker on FSDP2 / FSDP1
+    FULL_SHARD ranks, fake process group: ``benchmarks/long_context_check.py --oracles fsdp2-every-k`` /
+    ``fsdp1-every-k``) estimated again within 1 % of its measure. The small configs' profiles are traced on fake
+    tensors here once."""
+    pytest.importorskip("torch")
+    import csv
+    from pathlib import Path
+
+    from benchmarks.long_context_check import _config, every_k_fsdp2_predicted
+
+    rows = list(csv.DictReader((Path(__file__).resolve().parents[2] / "docs/error_matrix"
+                                / f"long_context_{method}_every_k.csv").open()))
+    assert {r["technique"].split()[0] for r in rows} == {"every-k:2", "every-k:3"}
+    assert {r["precision"] for r in rows} == {"bf16", "mixed_bf16"}
+    assert {r["technique"].split("/")[-1] for r in rows} == {"2", "4"}  # worlds
+    assert len({(r["micro_batch_size"], r["seq_len"]) for r in rows}) >= 2
+    errors = {}
+    for r in rows:
+        path = tmp_path / f"{r['model']}.json"
+        if not path.exists():
+            path.write_text(json.dumps(_config(r["model"])))
+        label, _, ranks = r["technique"].split()
+        rank, world = map(int, ranks.split("/"))
+        predicted = every_k_fsdp2_predicted(str(path), label, r["precision"], int(r["micro_batch_size"]),
+                                            int(r["seq_len"]), world, rank, fsdp1=method == "fsdp1")
+        measured = int(r["measured_bytes"])
+        errors[(r["model"], r["technique"], r["precision"], r["micro_batch_size"], r["seq_len"])] = \
+            100 * (predicted - measured) / measured
+    assert max(abs(e) for e in errors.values()) <= 100 * TOLERANCE, \
+        {k: round(e, 3) for k, e in errors.items() if abs(e) > 100 * TOLERANCE}
+
+
 @pytest.mark.parametrize("label", list(TECHNIQUES))
 def test_each_technique_matches_memtracker_and_changes_the_peak(tmp_path, label):
     pytest.importorskip("torch")
@@ -161,7 +264,7 @@ def test_real_counted_cpu_run_matches(tmp_path, label, precision):
 
 # --- CLI and plan -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv", [
-    ["--model", "facebook/opt-125m", "--method", "fsdp", "--gpus", "2", "--ckpt-policy", "every-k:2"],
+    ["--model", "facebook/opt-125m", "--method", "dp_tp", "--gpus", "4", "--tp", "2", "--ckpt-policy", "every-k:2"],
     ["--model", "facebook/opt-125m", "--ckpt-policy", "every-k:x"],
     ["--model", "facebook/opt-125m", "--ce", "chunked", "--ce-chunks", "0"],
     ["--model", "facebook/opt-125m", "--ce", "chunked", "--lora-rank", "8"],
@@ -250,3 +353,22 @@ def test_plan_says_when_the_techniques_could_not_be_planned(monkeypatch):
                     methods=("fsdp",), ckpt_options=(True,), advise=False)
     assert result.best is None and result.technique == ""
     assert any(n.startswith("long context:") and "not tried" in n and "torch" in n for n in result.notes)
+
+
+def test_plan_weighs_sharded_layouts_under_every_k_and_names_what_stays_refused():
+    """``plan --ckpt-policy every-k:2`` (no --grad-ckpt flag: the policy implies it) plans FSDP2's, FSDP1's and
+    ZeRO-3's layouts; dp_tp's carries the one-line refusal (shipped opt-125m profiles, no torch)."""
+    from estimator.planning import plan as P
+
+    result = P.plan("facebook/opt-125m", gpus=4, gpu="h100-80gb", seq_len=2048,
+                    methods=("fsdp", "fsdp1", "zero3", "dp_tp"), techniques={"ckpt_policy": "every-k:2"},
+                    advise=False, try_techniques=False)
+    by_method: dict = {}
+    for r in result.results:  # the GPU-resident layout of each method
+        if r.candidate.cp == 1 and not r.candidate.offload:
+            by_method.setdefault(r.candidate.method, r)
+    for method in ("fsdp", "fsdp1", "zero3"):
+        assert by_method[method].fits and by_method[method].candidate.grad_ckpt, by_method[method].reason
+    assert by_method["dp_tp"].status == "invalid"
+    assert by_method["dp_tp"].reason.startswith("ckpt_policy: every-k is replayed for") \
+        and "dp_tp is not checked" in by_method["dp_tp"].reason
