@@ -32,14 +32,8 @@ from estimator.reserved import rank as reserved_rank  # noqa: E402
 from estimator.reserved.timeline import INT64  # noqa: E402
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
 
-CONFIGS = {
-    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-              "intermediate_size": 160, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 1000, "max_position_embeddings": 512, "tie_word_embeddings": False},
-    "opt": {"model_type": "opt", "architectures": ["OPTForCausalLM"], "hidden_size": 64, "ffn_dim": 256,
-            "num_hidden_layers": 6, "num_attention_heads": 4, "vocab_size": 1000, "max_position_embeddings": 512,
-            "word_embed_proj_dim": 64},
-}
+CONFIGS = {family: json.loads((Path(__file__).resolve().parent / "configs" / f"{family}_6layer_tiny.json").read_text())
+           for family in ("llama", "opt")}
 PRECISIONS = ("fp32", "mixed_bf16", "bf16")
 METHODS = (("single", 1), ("ddp", 2), ("tp", 2), ("zero1", 2), ("zero2", 2))
 POINTS = ((8, 256), (4, 512), (2, 128), (1, 32))

@@ -263,8 +263,8 @@ def fsdp(spec: RunSpec, table: list[ParamInfo]) -> StepModel:
                          segments, num_layers, b, s, sizes, accumulating=accumulating))
 
 
-def _zero_layout(table: list[ParamInfo]) -> tuple[float, list[float], float]:
-    """(pre-layer numel, each decoder layer's numel in layer order, post-layer numel) for ZeRO-3's gather
+def _zero_layout(table: list[ParamInfo], num_layers: int) -> tuple[float, list[float], float]:
+    """(pre-layer numel, each of the ``num_layers`` decoder layers' numel, post-layer numel) for ZeRO-3's gather
     schedule: embeddings come before the layers, the rest (final norm, head) after."""
     layers: dict[int, float] = {}
     pre = post = 0.0
@@ -275,7 +275,7 @@ def _zero_layout(table: list[ParamInfo]) -> tuple[float, list[float], float]:
             pre += p.numel
         else:
             post += p.numel
-    return pre, [layers[i] for i in sorted(layers)], post
+    return pre, [layers.get(i, 0.0) for i in range(num_layers)], post
 
 
 def _zero3_gathered(zcfg: ZeroSpec, table: list[ParamInfo], elem: int) -> ExtraBytes:
@@ -291,8 +291,8 @@ def _zero3_gathered(zcfg: ZeroSpec, table: list[ParamInfo], elem: int) -> ExtraB
     brings in. Persistent parameters (<= ``stage3_param_persistence_threshold`` elements) are resident and not
     counted here. Each layer counts its own tensors (a dense first layer before expert layers is smaller)."""
     big = [p for p in table if p.numel > zcfg.stage3_param_persistence_threshold]
-    pre, layers, post = _zero_layout(big)
-    num_layers = len(layers)
+    num_layers = len({p.layer for p in table if p.layer is not None})
+    pre, layers, post = _zero_layout(big, num_layers)  # a layer of persistent tensors only gathers nothing
     before = [sum(layers[:i]) for i in range(num_layers + 1)]  # numel of the layers ahead of layer i
     bucket = zcfg.stage3_prefetch_bucket_size
     live = zcfg.stage3_max_live_parameters

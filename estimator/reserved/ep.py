@@ -63,6 +63,7 @@ from estimator.reserved.fsdp import (
     _group,
     _Step,
     boundary_marks,
+    finish_step,
     method_expansion,
     shard_numel,
 )
@@ -322,19 +323,7 @@ def _ep_step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder,
     if step.saved:
         raise ExpansionError("ep: an experts unit's post-backward was not found in the event list")
     step.post_backward(out, "root")
-    step.end_backward(out)
-    if seed_free is not None:
-        out.append(seed_free)
-    optimizer_at = moved[cut] = len(out)
-    made_keys = {op[1] for op in ops[:cut] if op[0] == ALLOC}
-    out.extend(op for op in ops[cut:] if op[0] == FREE and op[1] in made_keys and op[1] not in grad_keys)
-    loss_freed_at = len(out)
-    order = model_order(table)
-    step.optimizer_step(out, order)
-    step.zero_grad(out, order, group_of)
-    if step.unsharded or step.gathered or step.reduce_out:
-        raise ExpansionError("ep: buffers left at the end of the step")
-    return out, moved, optimizer_at, loss_freed_at, step.reduce_out_keys
+    return finish_step(step, out, ops, cut, moved, seed_free, grad_keys, table, group_of, "ep")
 
 
 def _ep_boundary(step: _EpStep, out: list, name: str, layer: int | None, num_layers: int, moe_layers: set[int]

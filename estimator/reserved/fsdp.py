@@ -344,6 +344,13 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, gr
     step.post_backward(out, "root")  # backward's final callback: every group not yet done, root first
     if not first_layer_hooked:
         step.post_backward(out, 0)
+    return finish_step(step, out, ops, cut, moved, seed_free, grad_keys, table, _group_of, "fsdp")
+
+
+def finish_step(step, out: list, ops: list, cut: int, moved: dict, seed_free, grad_keys: set, table: list,
+                group_of, label: str) -> tuple:
+    """The end of backward, then the optimizer part: (events, moved, optimizer_at, loss_freed_at, reduce-scatter
+    output keys). ``group_of``: a parameter's FSDP2 group."""
     step.end_backward(out)
     if seed_free is not None:
         out.append(seed_free)
@@ -355,9 +362,9 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, gr
     loss_freed_at = len(out)
     order = model_order(table)
     step.optimizer_step(out, order)
-    step.zero_grad(out, order, _group_of)
+    step.zero_grad(out, order, group_of)
     if step.unsharded or step.gathered or step.reduce_out:
-        raise ExpansionError("fsdp: buffers left at the end of the step")
+        raise ExpansionError(f"{label}: buffers left at the end of the step")
     return out, moved, optimizer_at, loss_freed_at, step.reduce_out_keys
 
 

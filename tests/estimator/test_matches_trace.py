@@ -1,6 +1,7 @@
 """The estimator's allocated peak vs a full-depth fake-tensor trace of the real transformers model."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,14 +12,10 @@ from estimator.spec import ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
 
 from .oracle_util import traced_peak_bytes  # noqa: E402
 
-TINY = {
-    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-              "intermediate_size": 160, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 1000, "max_position_embeddings": 512, "tie_word_embeddings": False},
-    "opt": {"model_type": "opt", "architectures": ["OPTForCausalLM"], "hidden_size": 64, "ffn_dim": 256,
-            "num_hidden_layers": 6, "num_attention_heads": 4, "vocab_size": 1000, "max_position_embeddings": 512,
-            "word_embed_proj_dim": 64},
-}
+# six decoder layers: deeper than the profile's shrunken model, so the replay extrapolates (shared with
+# benchmarks/reserved_every_k.py)
+TINY = {family: json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+                            / f"{family}_6layer_tiny.json").read_text()) for family in ("llama", "opt")}
 
 
 def _tensor_peak(est) -> int:

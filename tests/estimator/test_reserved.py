@@ -179,6 +179,12 @@ def test_generated_stream_equals_a_real_cpu_run(llama_path, variant):
         generated += step_requests(plan, step, len(setup.allocations))
     assert not any(r[1] < len(names) and names[r[1]].startswith("buffers") for r in generated)
     real = _in_fresh_process(_real_cpu_events, spec.training, 3)
+    assert_same_stream(generated, real)
+
+
+def assert_same_stream(generated: list[tuple], real: list[tuple[bool, object, int]]) -> None:
+    """The generated requests are the real run's, event for event: alloc or free, bytes, and which tensor (a
+    one-to-one map between the generated keys and the real storages)."""
     assert len(real) == len(generated)
     key_of, ident_of = {}, {}
     for i, (gen, (alloc, ident, nbytes)) in enumerate(zip(generated, real)):

@@ -17,7 +17,12 @@ from estimator.reserved.every_k import mixed_events  # noqa: E402
 from estimator.reserved.expand import ExpansionError, expand, step_sizes  # noqa: E402
 from estimator.reserved.timeline import INT64, StepPlan, step_requests  # noqa: E402
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
-from tests.estimator.test_reserved import LLAMA, _in_fresh_process, _real_cpu_events  # noqa: E402
+from tests.estimator.test_reserved import (  # noqa: E402
+    LLAMA,
+    _in_fresh_process,
+    _real_cpu_events,
+    assert_same_stream,
+)
 
 
 @pytest.fixture(scope="module")
@@ -167,10 +172,4 @@ def test_generated_stream_equals_a_real_cpu_run(llama_path, precision, every):
         generated += step_requests(plan, step, len(setup.allocations))
     assert arch.num_layers == LLAMA["num_hidden_layers"]
     real = _in_fresh_process(_real_cpu_events, spec.training, 3)
-    assert len(real) == len(generated)
-    key_of, ident_of = {}, {}
-    for i, (gen, (alloc, ident, nbytes)) in enumerate(zip(generated, real)):
-        assert (gen[0] == "alloc") == alloc, i
-        if alloc:
-            assert gen[2] == nbytes, i
-        assert key_of.setdefault(gen[1], ident) == ident and ident_of.setdefault(ident, gen[1]) == gen[1], i
+    assert_same_stream(generated, real)
