@@ -9,6 +9,7 @@ ZeRO, DeepSpeed's documented defaults (bucket sizes in elements, see ``ZeroSpec`
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -364,6 +365,11 @@ class Zero12Rank:
     appears_at: float      # stage 2: gradient bytes produced in backward when grads_in_partition is allocated
     reduction_held: float  # stage 1: gradients + grads_in_partition at the worst moment of the reduction after
     #                        backward (IPG buckets not included)
+    # stage 2, per number i of gradients produced (``produced[i]`` bytes): the gradient bytes alive when the i-th
+    # arrives (before its hook) and once its hook ran (``_stage2_held``); empty: not computed
+    produced: tuple[float, ...] = ()
+    arrival_held: tuple[float, ...] = ()
+    after_held: tuple[float, ...] = ()
 
 
 _ZERO12_RANKS: dict[tuple, tuple[list, list]] = {}
@@ -408,6 +414,24 @@ def zero_layout(table: list[ParamInfo], world: int) -> ZeroLayout:
     align = 2 * world  # nccl_start_alignment_factor x world
     return ZeroLayout(flat=flat, offsets=offsets, partition_numel=max(1, -(-total // align) * align // world),
                       world=world)
+
+
+def _stage2_held(order: list[ParamInfo], bucket: float) -> tuple[list[float], list[float]]:
+    """Gradient bytes a ZeRO-2 rank holds in backward, per number i of gradients produced in ``order``.
+
+    A gradient that fits the bucket is copied into it by its own hook, and its storage freed. An extra-large one
+    (above ``reduce_bucket_size``) is kept as it is (``extra_large_param_to_reduce``) until the next gradient's
+    hook flushes the bucket (``reduce_ipg_grads``) and copies it into ``grads_in_partition`` or drops it. So when
+    the i-th gradient arrives, before its hook, it is alive with the extra-large (i-1)-th one; once its hook ran,
+    only itself if it is extra-large. (arrival, after) per i, i = 0 included."""
+    def size(k: int) -> float:
+        return float(order[k].numel * order[k].elem_bytes) if 0 <= k < len(order) else 0.0
+
+    def extra_large(k: int) -> float:
+        return size(k) if 0 <= k < len(order) and order[k].numel > bucket else 0.0
+    arrival = [size(i - 1) + extra_large(i - 2) for i in range(len(order) + 1)]
+    after = [extra_large(i - 1) for i in range(len(order) + 1)]
+    return arrival, after
 
 
 def _zero12_ranks(table: list[ParamInfo], world: int, bucket: float) -> list[Zero12Rank]:
@@ -461,8 +485,50 @@ def _zero12_ranks(table: list[ParamInfo], world: int, bucket: float) -> list[Zer
                     reduction[r] = max(held_all, held_all - freed + elem * buffer[r])
         if i < len(reduced) and reduced[i].numel <= bucket:
             freed += grad(reduced[i])
+    arrival, after = _stage2_held(order, bucket)
     return [Zero12Rank(partition_numel=size, buffer_numel=buffer[r], largest_piece=largest[r],
-                       appears_at=appears[r], reduction_held=reduction[r]) for r in range(world)]
+                       appears_at=appears[r], reduction_held=reduction[r], produced=tuple(produced),
+                       arrival_held=tuple(arrival), after_held=tuple(after)) for r in range(world)]
+
+
+def _grads_alive(produced: tuple[float, ...], arrival: tuple[float, ...], after: tuple[float, ...]
+                 ) -> Callable[[float, float, float], float]:
+    """Gradient bytes alive at a profile candidate of a ZeRO backward (``_stage2_held``'s per-gradient bytes), given
+    (bytes produced before its segment, bytes produced in it so far, bytes produced in it at the segment's
+    previous candidate). The profile keeps a candidate only where no later one holds as much activation and as many
+    gradient bytes, so each gradient produced since the previous candidate may have arrived at a dropped moment
+    with no more activation than this one: the worst of those arrivals (before the hook, with the extra-large
+    gradient still pending). A candidate that produced nothing since the previous one comes after the last hook
+    (the engine runs a gradient's hook as it finishes it, before any other allocation)."""
+    def index(num_bytes: float) -> int:
+        return bisect.bisect_right(produced, num_bytes + 0.5) - 1
+
+    def alive(prev: float, within: float, since: float = 0.0) -> float:
+        first, last = index(prev + since), index(prev + within)
+        if last == first:
+            return after[last]
+        return max(arrival[first + 1:last + 1])
+    return alive
+
+
+def _stage2_grads_alive(path: Zero12Rank, in_flight: float) -> Callable[[float, float, float], float]:
+    """``_grads_alive`` on a rank's path; without the per-gradient path: the largest gradient, at most what the
+    segment produced."""
+    if not path.produced:
+        return lambda prev, within, since=0.0: min(within, in_flight)
+    return _grads_alive(path.produced, path.arrival_held, path.after_held)
+
+
+def _stage3_grads_alive(trainable: list[ParamInfo], bucket: float) -> Callable[[float, float, float], float]:
+    """ZeRO-3's gradients in backward (``__add_grad_to_ipg_bucket``): one that fits the bucket is copied into it
+    and its storage freed; a larger one stays as it is until the next gradient's hook flushes the bucket
+    (``__reduce_and_partition_ipg_grads``), as under ZeRO-2."""
+    order = _zero_backward_order(trainable, _zero_flat_order(trainable))
+    produced = [0.0]
+    for p in order:
+        produced.append(produced[-1] + p.numel * p.elem_bytes)
+    arrival, after = _stage2_held(order, bucket)
+    return _grads_alive(tuple(produced), tuple(arrival), tuple(after))
 
 
 def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank | None = None) -> StepModel:
@@ -477,7 +543,8 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
     the flat buffer (``model.parameters()`` order, so OPT's final norm sits with the embeddings in rank 0's).
     Stage 2 reduces during backward, the buckets filled in the order backward finishes the gradients (recorded
     by the profiler; a tied embedding is finished last): the buffer appears at the first flush that holds a
-    gradient of the partition. Stage 1 holds every gradient until backward ends and reduces them then, in flat
+    gradient of the partition. A gradient larger than the bucket stays alive until the next gradient's hook
+    (stages 2 and 3, ``_stage2_held``). Stage 1 holds every gradient until backward ends and reduces them then, in flat
     order, freeing each gradient that fits the bucket as it goes. Both are per rank (``zero12_ranks``). The step
     flattens the partition, casts it to fp32, computes the norm in fp64 per gradient piece, and runs Adam.
     Stage 3: the weight partition, an IPG bucket and the gradient partition buffer live from initialization;
@@ -526,8 +593,11 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
         resident["gradients"] = partition16
         extra = _zero3_gathered(zcfg, table, elem16)
 
-        def held(prev: float, within: float) -> float:
-            return min(within, in_flight)
+        grads_alive = _stage3_grads_alive(trainable, zcfg.reduce_bucket_size)
+
+        def held(prev: float, within: float, since: float = 0.0) -> float:
+            return grads_alive(prev, within, since)
+        held.since_previous = True
         # The gradient partition buffer stays: the fp64 norm of one gradient, or the fp32 gradients + Adam.
         step_grads = accumulated = 0.0
         step_candidates = [norm_temp, cast32 + adam_temp]
@@ -558,12 +628,14 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
                 return prev + within + (buckets if prev + within > 0 else 0.0)
         else:
             appears = path.appears_at
+            grads_alive = _stage2_grads_alive(path, in_flight)
 
-            def held(prev: float, within: float) -> float:
+            def held(prev: float, within: float, since: float = 0.0) -> float:
                 produced = prev + within
-                return (min(within, in_flight) + (buckets if produced > 0 else 0.0)
+                return (grads_alive(prev, within, since) + (buckets if produced > 0 else 0.0)
                         + (in_partition if produced >= appears - 0.5 else 0.0))
             held.breakpoints = (appears,)
+            held.since_previous = True
         step_grads = in_partition
         accumulated = grad_bytes(table) if stage == 1 else in_partition
     resident["master_weights"] = master

@@ -99,6 +99,10 @@ def replay(segments: dict, num_layers: int, b: int, s: int, grad_policy: GradPol
     grad = 0.0
     best = (float("-inf"), 0.0, 0.0, "prefix", 0.0)
     breakpoints = tuple(getattr(grad_policy, "breakpoints", ()))
+    # a policy with ``since_previous`` also gets the gradient bytes of the segment's previous candidate: the
+    # profile keeps only undominated candidates, so the gradients produced since then may each have arrived at a
+    # moment it dropped (a ZeRO-2 rank's held gradients are not monotonic in the bytes produced)
+    since_aware = bool(getattr(grad_policy, "since_previous", False))
     # a mixed set (estimator.methods.long_context.mixed_layers: every-k checkpointing) names its own order, one
     # instance of a layer segment at a time: ``extra_bytes`` gets its kind's generic name and its instance index
     instances: dict[str, int] = {}
@@ -118,9 +122,11 @@ def replay(segments: dict, num_layers: int, b: int, s: int, grad_policy: GradPol
             base_act = act + k * net_act
             base_grad = grad + k * net_grad
             extra = extra_bytes(kind, first + k) if extra_bytes else 0.0
+            since = 0.0  # the previous candidate's gradient bytes in this segment (its start: none)
             for cand_act, cand_grad in seg["candidates"]:
                 a = base_act + poly(cand_act, b, s)
-                g = grad_policy(base_grad, cand_grad)
+                g = grad_policy(base_grad, cand_grad, since) if since_aware else grad_policy(base_grad, cand_grad)
+                since = cand_grad
                 if a + g + extra > best[0]:
                     best = (a + g + extra, a, g, name, extra)
         act += repeats * net_act

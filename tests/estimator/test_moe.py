@@ -149,13 +149,12 @@ def test_a_deeper_config_than_recorded_asks_for_torch_without_it(tmp_path):
 
 # Rows of docs/error_matrix/moe_methods.csv past the 1 % bar, with what is known of them (docs/LOG.md, session 23).
 MOE_METHODS_OPEN = {
-    # DeepSpeed ZeRO-2 in pure bf16, the last rank, on families with a dense first layer: the estimate follows the
-    # real backward's gradient order (checked), but the rank's partition buffer or IPG path is off by ~0.26 MiB
-    ("qwen3_moe_tiny.json", "zero2", "bf16", "1"): 2.0,
+    # DeepSpeed ZeRO-2 in pure bf16, the last rank: the peak is in the final norm's gradient hook, which flushes
+    # the pending extra-large lm_head gradient and allocates the rank's partition buffer while it is still alive.
+    # The estimate holds the same gradients, bucket and buffer (checked storage by storage), but the profile's
+    # candidate at that gradient level has 0.12 MiB more activation than the real run holds there (about the
+    # 64 x 1000 bf16 logits): not found
     ("deepseek_v2_tiny.json", "zero2", "bf16", "1"): 2.0,
-    # ZeRO-3 in pure bf16 on Mixtral peaks in backward 0.36 MiB above the estimate: not found
-    ("mixtral_tiny.json", "zero3", "bf16", "0"): 2.0,
-    ("mixtral_tiny.json", "zero3", "bf16", "1"): 2.0,
 }
 
 

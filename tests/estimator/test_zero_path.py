@@ -8,7 +8,14 @@ tensor that overlaps the partition in full, the IPG flush that allocates it, and
 from __future__ import annotations
 
 from estimator.api import _undominated
-from estimator.methods.state import Zero12Rank, _zero_backward_order, _zero_flat_order, zero12_ranks
+from estimator.methods.state import (
+    Zero12Rank,
+    _grads_alive,
+    _stage2_held,
+    _zero_backward_order,
+    _zero_flat_order,
+    zero12_ranks,
+)
 from estimator.methods.timeline import replay, segment_sequence
 from estimator.models.params import ParamInfo, backward_order, expand_params
 
@@ -160,3 +167,38 @@ def test_a_tensor_backward_never_finishes_holds_no_gradient_but_sits_in_the_buff
     assert ranks[0].buffer_numel == 1000 + 10 + 500 and ranks[1].buffer_numel == 500 + 5 + 500 + 5 + 100
     assert ranks[0].reduction_held == 4 * (2020 + 1510)
     assert ranks[1].reduction_held == 4 * (2020 - 515 + 1110)
+
+
+def test_an_extra_large_gradient_stays_until_the_next_hook():
+    # Bucket of 10 elements, 4 bytes each: a (5) fits and is copied into the bucket by its own hook; b (30) is
+    # extra-large and kept as it is until c's hook flushes it, so c arrives with b still alive; d arrives alone.
+    order = [_p("a", 5), _p("b", 30), _p("c", 4), _p("d", 2)]
+    arrival, after = _stage2_held(order, bucket=10)
+    assert arrival == [0.0, 20.0, 120.0, 16.0 + 120.0, 8.0]
+    assert after == [0.0, 0.0, 120.0, 0.0, 0.0]
+
+
+def test_gradients_alive_at_a_candidate_are_the_worst_arrival_since_the_previous_candidate():
+    order = [_p("a", 5), _p("b", 30), _p("c", 4), _p("d", 2)]
+    arrival, after = _stage2_held(order, bucket=10)
+    produced = (0.0, 20.0, 140.0, 156.0, 164.0)
+    alive = _grads_alive(produced, tuple(arrival), tuple(after))
+    assert alive(0.0, 156.0, 0.0) == 136.0      # c's arrival (b pending) may be a dropped candidate: counted
+    assert alive(0.0, 164.0, 156.0) == 8.0      # only d arrived since the previous candidate
+    assert alive(140.0, 0.0, 0.0) == 120.0      # a segment's start after b's hook: b still pending
+    assert alive(0.0, 156.0, 156.0) == 0.0      # a later moment at c's level: c's hook ran and flushed b
+
+
+def test_replay_hands_a_since_aware_policy_the_previous_candidates_gradients():
+    seen = []
+
+    def held(prev, within, since=0.0):
+        seen.append((prev, within, since))
+        return 0.0
+    held.since_previous = True
+    empty = {"net_act": [0.0] * 6, "net_grad": 0.0, "candidates": [([0.0] * 6, 0.0)]}
+    segments = {name: empty for name, _ in segment_sequence(3)}
+    segments["bw_first"] = {"net_act": [0.0] * 6, "net_grad": 3.0,
+                            "candidates": [([0.0] * 6, 1.0), ([0.0] * 6, 3.0)]}
+    replay(segments, 3, 1, 1, grad_policy=held)
+    assert (0.0, 1.0, 0.0) in seen and (0.0, 3.0, 1.0) in seen
