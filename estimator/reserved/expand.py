@@ -7,7 +7,12 @@ Identity: a tensor allocated in a layer segment is named (stack, j, layer) — j
 allocations, the same in the first, generic and last layer's segment (checked: equal sizes). An event in
 layer ``c`` that touches a tensor allocated in the 3-layer trace's layer ``a`` touches the one of layer
 ``c + (a - c3)`` (``c3`` the event's own 3-layer layer) when ``|a - c3| <= 1`` (the previous layer's output, the
-same layer's saved activations, the next layer's gradient), else the first or last layer's. Outside the layer
+same layer's saved activations, the next layer's gradient), else the first or last layer's. A first layer of
+another kind (a dense MLP before mixture-of-experts layers: its forward or backward allocates another number of
+tensors) has identities of its own: a tensor of it that the generic layer touches (its output, freed as the next
+layer's replaces it) stands, for a generic layer after another generic one, for that layer's counterpart: the
+generic segment's allocation at the same place counted from the segment's end (the layer's output is its last),
+of the same size (``_Layout.counterparts``). Outside the layer
 segments (prefix, middle, suffix, optimizer step) an event belongs to the layer of the tensor it touches
 (gradients, optimizer states and temporaries carry their parameter's layer): a run of events of the generic
 layer is repeated for every generic layer, in the order its neighbours give (layer 0's run before it:
@@ -155,6 +160,27 @@ class _Layout:
                 else:
                     self.ident[o] = ("o", o)
                     self.layer[o] = labels.get(o)
+        self.counterpart = self.counterparts(segments)
+
+    def counterparts(self, segments: dict[str, list[int]]) -> dict[int, tuple | None] | None:
+        """For a first layer of another kind (its forward or backward allocates another number of tensors than the
+        generic layer's): each of its ordinals -> the generic layer's identity at the same place counted from the
+        segment's end, None where the sizes differ (no counterpart). None when the first layer is like the others."""
+        pairs = [(self._allocs(segments.get(first, ())), self._allocs(segments.get(generic, ())))
+                 for first, generic in (("fw_first", "fw"), ("bw_last", "bw"))]
+        if all(len(first) == len(generic) for first, generic in pairs):
+            return None
+        out: dict[int, tuple | None] = {}
+        for first, generic in pairs:
+            for o, g in zip(reversed(first), reversed(generic)):
+                out[o] = self.ident[g] if self.size[o] == self.size[g] else None
+            for o in first[:max(0, len(first) - len(generic))]:
+                out[o] = None
+        return out
+
+    @staticmethod
+    def _allocs(codes) -> list[int]:
+        return [o for alloc, o in map(_decode, codes) if alloc]
 
 
 def _held_layers(layout: _Layout, o: int, num_layers: int) -> list[int | None]:
@@ -178,15 +204,20 @@ def _outer_runs(codes: list[int], layout: _Layout) -> list[tuple[int | None, lis
     return runs
 
 
-def _repeated(runs: list, index: int) -> bool:
+def _repeated(runs: list, index: int, first_differs: bool = False) -> bool:
     """A run of the generic layer's events stands for every generic layer when the first and the last layer's
-    runs flank it (the optimizer step and ``zero_grad`` walk the parameters in order)."""
-    if not 0 < index < len(runs) - 1:
-        return False
-    return {runs[index - 1][0], runs[index + 1][0]} == {0, 2}
+    runs flank it (the optimizer step and ``zero_grad`` walk the parameters in order). Under a first layer of
+    another kind a walk over tensors it does not have (a foreach group of fp32 router weights, in the expert
+    layers only) has the last layer's run on one side and none of a layer on the other."""
+    before = runs[index - 1][0] if index > 0 else None
+    after = runs[index + 1][0] if index < len(runs) - 1 else None
+    if 0 < index < len(runs) - 1 and {before, after} == {0, 2}:
+        return True
+    return first_differs and {before, after} == {None, 2}
 
 
-def _outer_contexts(segment: str, runs: list, index: int, num_layers: int) -> list[tuple[int | None, int | None]]:
+def _outer_contexts(segment: str, runs: list, index: int, num_layers: int, first_differs: bool = False
+                    ) -> list[tuple[int | None, int | None]]:
     """(concrete layer, 3-layer layer) for each copy of an outer segment's run. A generic-layer run flanked by
     the first and last layer's (``_repeated``) is copied for every generic layer, ascending when the first
     layer's run comes before it; otherwise it is the layer next to the segment's end of the stack: layer 1
@@ -195,9 +226,10 @@ def _outer_contexts(segment: str, runs: list, index: int, num_layers: int) -> li
     last = num_layers - 1
     if label is None:
         return [(None, None)]
-    if label == 1 and _repeated(runs, index):
+    if label == 1 and _repeated(runs, index, first_differs):
         layers = list(range(1, last))
-        return [(layer, 1) for layer in (layers if runs[index - 1][0] == 0 else layers[::-1])]
+        ascending = (index > 0 and runs[index - 1][0] == 0) or (index < len(runs) - 1 and runs[index + 1][0] == 2)
+        return [(layer, 1) for layer in (layers if ascending else layers[::-1])]
     if label == 1:
         return [(1 if segment in ("prefix", "suffix", "optimizer") else last - 1, 1)]
     return [(0 if label == 0 else last, label)]
@@ -206,8 +238,9 @@ def _outer_contexts(segment: str, runs: list, index: int, num_layers: int) -> li
 def _resolve(layout: _Layout, namer: _Namer, codes: list[int], context3: int | None, skip_free: set[int]
              ) -> list[tuple]:
     """What the events of ``codes`` touch, independent of the concrete layer they run as: (kind, ordinal,
-    identity number, bytes, the tensor's 3-layer layer, its offset from ``context3``) — worked out once per
-    segment or run, then emitted for every layer it stands for."""
+    identity number, bytes, the tensor's 3-layer layer, its offset from ``context3``, the identity number it has
+    in a layer of the other kind: first layer vs the rest, -1 for none) — worked out once per segment or run,
+    then emitted for every layer it stands for."""
     resolved = []
     for code in codes:
         alloc, o = _decode(code)
@@ -216,9 +249,22 @@ def _resolve(layout: _Layout, namer: _Namer, codes: list[int], context3: int | N
         a = layout.layer.get(o)
         delta = None if a is None or context3 is None else a - context3
         ident = layout.ident.get(o)
-        resolved.append((ALLOC if alloc else FREE, o, None if ident is None else namer.ident_id(ident),
-                         layout.size[o], a, delta))
+        number = None if ident is None else namer.ident_id(ident)
+        resolved.append((ALLOC if alloc else FREE, o, number, layout.size[o], a, delta,
+                         _other_kind(layout, namer, o, a, number)))
     return resolved
+
+
+def _other_kind(layout: _Layout, namer: _Namer, o: int, layer3: int | None, number: int | None) -> int | None:
+    """The identity number tensor ``o`` (of 3-layer layer ``layer3``) takes when an event maps it onto a layer of
+    the other kind (a first-layer tensor onto a generic layer, or back): itself when the first layer is like
+    the others, the first layer's counterpart (``_Layout.counterparts``), -1 when there is none."""
+    if layout.counterpart is None or layer3 is None or number is None:
+        return number
+    if layer3 != 0:
+        return -1  # a generic tensor onto the first layer: only a 2-layer stack's last layer does that
+    ident = layout.counterpart.get(o)
+    return -1 if ident is None else namer.ident_id(ident)
 
 
 def _frees_shared(event: tuple) -> bool:
@@ -226,7 +272,7 @@ def _frees_shared(event: tuple) -> bool:
     layer was the tensor's last user in its stack's order. In the generic segment it happens once, as the last
     generic layer runs (the layer beyond did not use it in the trace, e.g. layer 0 whose frozen attention saves
     nothing when only the MLP has LoRA), not once per generic layer."""
-    kind, _o, _ident, _nbytes, layer, _delta = event
+    kind, _o, _ident, _nbytes, layer, _delta, _other = event
     return kind == FREE and layer is None
 
 
@@ -236,7 +282,7 @@ def _emit(out: list, namer: _Namer, resolved: list[tuple], context: int | None, 
     layer: ``context`` + its offset when within one layer, else the first or last layer (the module docstring).
     The keys of the parameter gradients (ordinals ``grads``) allocated go into ``grad_keys``, with their layer."""
     last, keys, stride = num_layers - 1, namer.keys, namer.stride
-    for kind, o, ident, nbytes, a, delta in resolved:
+    for kind, o, ident, nbytes, a, delta, other in resolved:
         if a is None:
             target = -1
         elif context is None:
@@ -249,6 +295,12 @@ def _emit(out: list, namer: _Namer, resolved: list[tuple], context: int | None, 
             target = 0 if a == 0 else last
         if ident is None:
             raise ExpansionError(f"events: ordinal {o} freed but never allocated in the step")
+        if target >= 0 and (a == 0) != (target == 0):  # traced in layer 0, run as a generic layer, or back
+            ident = other
+            if ident < 0:
+                raise ExpansionError(f"events: ordinal {o} of the {'first' if a == 0 else 'generic'} layer, of "
+                                     f"another kind, has no counterpart in the {'generic' if a == 0 else 'first'}"
+                                     " layer")
         key = keys.setdefault(ident * stride + target + 1, len(keys))
         out.append((kind, key, nbytes))
         if kind == ALLOC and o in grads:
@@ -298,7 +350,7 @@ def _expand_segments(events: dict, segments: dict, num_layers: int, held: list[i
         runs = _outer_runs(segments[name], layout)
         for index, (label, codes) in enumerate(runs):
             run = _resolve(layout, namer, codes, label, skip_free)
-            for context, _context3 in _outer_contexts(name, runs, index, num_layers):
+            for context, _context3 in _outer_contexts(name, runs, index, num_layers, layout.counterpart is not None):
                 _emit(out, namer, run, context, num_layers, grads, grad_keys)
     return out, namer, starts, marks
 

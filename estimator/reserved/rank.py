@@ -60,6 +60,9 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
             f"{', '.join(EVERY_K)} only"
     if training.ce == "fused_linear":
         return "Liger's chunk buffer is added to the allocated peak, not to the event list"
+    reason = None if table is None else why_not_layer_kinds(table, ckpt_every(training.ckpt_policy) is not None)
+    if reason is not None:
+        return reason
     try:
         events = _events(spec, regime, num_layers)
     except ExpansionError as err:
@@ -94,6 +97,32 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
         return "a 1-layer model has no generic layer to repeat"
     if _fp32_copies(training, regime) is None:
         return "outputs_fp32 with an output object of 16-bit and other tensors: not in the event list"
+    try:  # the expansion's own reason (memoized: the replay uses the same one)
+        _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)))
+    except ExpansionError as err:
+        return str(err)
+    return None
+
+
+def why_not_layer_kinds(table: list[ParamInfo], every_k: bool = False) -> str | None:
+    """The expansion repeats the trace's generic layer (its layer 1) for every layer after the first, whose own
+    events come from the traced layer 0: a stack whose layers after the first are not all of one kind (more than
+    one dense layer first, dense and expert layers alternating) has layers no traced segment stands for.
+    ``every_k``: every-k checkpointing's merged event list (``reserved.every_k``) pairs the plain and the
+    checkpointed layer's crossing tensors over all the traced layers, alike only when the first is."""
+    kinds: dict[int, list] = {}
+    for p in table:
+        if p.layer is not None:
+            kinds.setdefault(p.layer, []).append((p.name.split(f".{p.layer}.", 1)[-1], p.shape, p.elem_bytes,
+                                                  p.trainable))
+    layers = sorted(kinds)
+    odd = next((layer for layer in layers[2:] if kinds[layer] != kinds[layers[1]]), None)
+    if odd is not None:
+        return (f"layers: layer {odd} is of another kind than layer 1; the event list's generic layer stands for "
+                "every layer after the first, which the replay needs all alike")
+    if every_k and len(layers) > 1 and kinds[layers[0]] != kinds[layers[1]]:
+        return ("every-k checkpointing with a first layer of another kind (a dense layer before expert layers): "
+                "the merged event list pairs the layers' crossing tensors for alike layers only")
     return None
 
 
