@@ -47,11 +47,18 @@ def point_overrides(model: str, method: str, world: int, precision: str, buckets
 def point_spec(*point) -> RunSpec:
     """The spec the harness runs for a point (``point_overrides``' arguments), composed as the harness composes
     it, without running anything: for re-estimating a committed row."""
+    from hydra.core.global_hydra import GlobalHydra
+
     from harness.campaign import composer, hydra_context
     from harness.config import to_run
 
-    with hydra_context():
-        spec, _opts = to_run(composer().compose(point_overrides(*point)))
+    ours = not GlobalHydra.instance().is_initialized()
+    try:
+        with hydra_context():
+            spec, _opts = to_run(composer().compose(point_overrides(*point)))
+    finally:
+        if ours:  # leave Hydra as found: a caller (a test session) may initialise it itself later
+            GlobalHydra.instance().clear()
     return spec
 
 
