@@ -158,6 +158,7 @@ MOE_METHODS_OPEN = {
 }
 
 
+@pytest.mark.slow  # 4-5 min; and a fork-isolated harness run later in the same session hung after it (not found)
 def test_the_committed_moe_methods_table_stays_within_its_bounds():
     """Every scored row of docs/error_matrix/moe_methods.csv (real harness CPU runs of four MoE families under ddp,
     ZeRO-1/2/3, FSDP2, FSDP1 and LoRA, every storage counted: benchmarks/moe_methods_table.py) estimated again
