@@ -243,22 +243,10 @@ DIAGNOSES = [
      "1.5 GiB); and its LoRA (dropout 0.05, no checkpointing) keeps each dropped input in bf16, once per fused "
      "QKV, where peft's fp32 adapters keep an fp32 dropped input per adapted projection (q, k and v apart)"),
     (lambda r, s: r["method"] == "fsdp1" and r["lora_rank"] not in ("", "0") and r["source"] == "fms_acceleration",
-     "not attributed: a per-sample term of the source's two-GPU stack. FSDP1 with peft's wrap policy is "
-     "modelled (its allocated peak equals the FSDP2 estimate these rows had before, to 0.01 GiB). Per commit, the "
-     "published rank-0 peak grows 3.09-3.22 GiB per 4,096-token sample on two GPUs (b2 -> b4) against 2.56 "
-     "(2.80 with 4.48) on one GPU (b4 -> b8, which the estimate matches to 0.1 %), while the batch-independent "
-     "part (the two-GPU line at b0: 7.76 GiB) equals the estimate's within 0.02 GiB (0.4 GiB for 4.48): the "
-     "gap is +0.37 to +0.66 GiB per sample, not FSDP1's flat parameters, frozen units or fp32 adapters. Checked "
-     "and ruled out on a real CPU FSDP1 x 2 run (torch 2.13, every storage counted; "
-     "benchmarks/fsdp1_lora_per_sample.py: tiny Mistral, LoRA on q, k, v, o with dropout, peft's wrap "
-     "policy): the per-sample growth equals one GPU's to the byte with reentrant (the rows' Trainer default) and "
-     "non-reentrant checkpointing and with use_orig_params on and off; the source's releases' model code "
-     "(4.44, 4.45, 4.48: the same commits' single-GPU rows match); an output object kept through backward "
-     "(+0.24 GiB per sample with 4.48's bf16 logits, +0.49 with 4.45's fp32: short of the gap, -3 to -5 % left). "
-     "What is left is in torch 2.2-2.4's FSDP1 or accelerate's launch path, which this machine cannot run. The "
-     "nvidia-smi rows' reserved level is replayed with the adapters' own FSDP1 units (session 22: -9.5 .. -15.9 % "
-     "on the prior, -3.0 .. -12.3 % replayed) from that allocated peak, non-reentrant (the rows' Trainer "
-     "checkpointed reentrant, which the profiler does not trace)"),
+     "mechanism: the reserved level is the prior (allocated x 1.1 + 64 MiB). The allocated peak is modelled "
+     "(ckpt_reentrant: the Trainer's reentrant checkpoint around each FSDP1 unit, transformers before 4.52, keeps "
+     "every recomputed layer's input and its gradient to the end of backward; the same runs' max_allocated rows "
+     "are within 1 %), but the reserved replay does not hold those tensors yet, so these rows take the prior"),
     (lambda r, s: _bf16_loss_in_model(r) and s.err_pct > 0 and not _own_release(r, s),
      "version: the source's transformers (4.45, 4.48) GPTBigCode forward takes the cross-entropy of its bf16 "
      "logits (a shifted bf16 copy, bf16 log-softmax, no fp32 upcast); transformers 5, which the estimator traces, "

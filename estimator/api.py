@@ -218,7 +218,10 @@ def _step_model(spec: RunSpec, table, rank: int = 0, path: methods.Zero12Rank | 
                 ) -> methods.StepModel:
     """The method's step model, memoized per table: it depends on the layout, the precision and the optimizer,
     not on the micro-batch or the sequence (a plan's search asks for the same one at every micro-batch)."""
-    key = (spec.parallel, spec.training.precision, spec.training.optimizer, id(table), rank, path)
+    training = spec.training  # checkpointing's flavour and the model code: what FSDP1 keeps of the layer inputs
+    key = (spec.parallel, training.precision, training.optimizer, id(table), rank, path,
+           (training.grad_ckpt, training.ckpt_reentrant, training.model_code) if spec.parallel.method == "fsdp1"
+           else None)
     return memo_by_owner(_STEP_MODELS, key, table, lambda: _new_step_model(spec, table, rank, path), limit=1024)
 
 

@@ -140,6 +140,13 @@ class TrainingSpec:
     # around the forward), copied back when backward unpacks them.
     activation_offload: bool = False
     ckpt_policy: str = ""
+    # The model's own gradient checkpointing runs torch.utils.checkpoint's reentrant variant
+    # (``use_reentrant=True``: the HF Trainer's default through transformers 4.x). Before transformers 4.52 the
+    # model's layer loop calls the checkpoint around each decoder layer, outside an FSDP1 unit wrapping it: the
+    # recompute then re-enters the unit's forward with a detached copy of the layer's input, on which FSDP1 hangs
+    # the post-backward hook of a unit without gradients (LoRA's frozen layers), and that hook keeps the input's
+    # storage until backward ends (``estimator.methods.fsdp1``). Traced profiles are non-reentrant either way.
+    ckpt_reentrant: bool = False
 
     def __post_init__(self) -> None:
         _check_positive_int("micro_batch_size", self.micro_batch_size)
@@ -183,6 +190,11 @@ class TrainingSpec:
                 _fail("ckpt_policy", f"{self.ckpt_policy!r} is not one of every-k:K, selective-ops")
             if not self.grad_ckpt:
                 _fail("ckpt_policy", "a checkpointing policy needs checkpointing on (--grad-ckpt)")
+        if not isinstance(self.ckpt_reentrant, bool):
+            _fail("ckpt_reentrant", f"must be true or false, got {self.ckpt_reentrant!r}")
+        if self.ckpt_reentrant and (not self.grad_ckpt or self.ckpt_policy):
+            _fail("ckpt_reentrant", "reentrant checkpointing is the model's own checkpointing of every layer: it "
+                                    "needs --grad-ckpt and no --ckpt-policy")
         if self.ce != "standard" and self.outputs_fp32:
             _fail("ce", "a loss outside the model under accelerate's fp32 output wrapper (outputs_fp32) is not "
                         "modelled")
@@ -432,7 +444,7 @@ class RunSpec:
     def _canonical_dict(self) -> dict[str, Any]:
         """to_dict without the settings of a method not used, nor settings added later at their default (FSDP1's,
         ``ep``, ``moe_imbalance``, ``cp``, ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``, ``use_cache``,
-        the long-context techniques): ids stay as they were."""
+        the long-context techniques, ``ckpt_reentrant``): ids stay as they were."""
         data = self.to_dict()
         if self.parallel.method != "fsdp1":
             data["parallel"].pop("fsdp1")
@@ -445,7 +457,8 @@ class RunSpec:
         for name, default in (("pp", 1), ("pp_schedule", "1f1b"), ("pp_microbatches", 0), ("pp_virtual", 0)):
             if data["parallel"][name] == default:
                 data["parallel"].pop(name)
-        for name in ("outputs_fp32", "lora_dropout", "model_code", "use_cache", "activation_offload", "ckpt_policy"):
+        for name in ("outputs_fp32", "lora_dropout", "model_code", "use_cache", "activation_offload", "ckpt_policy",
+                     "ckpt_reentrant"):
             if not getattr(self.training, name):
                 data["training"].pop(name)
         if self.training.ce == "standard":

@@ -134,7 +134,9 @@ def _row(entry: dict, versions: dict, steps: int, cells: dict, quantity: str, ea
     notes = [f"configs: scenarios.yaml, defaults.yaml, accelerate.yaml, requirements.txt at {entry['commit'][:12]}",
              f"seq_len {seq_len}: packed rows (TRL ConstantLengthDataset, no attention mask); the run's "
              f"train_tokens_per_second x train_runtime / ({steps} steps x batch {batch}) = {tokens:.1f} tokens",
-             "optimizer: HF Trainer default adamw_torch (foreach AdamW); checkpointing reentrant (Trainer default)",
+             "optimizer: HF Trainer default adamw_torch (foreach AdamW); checkpointing reentrant (ckpt_reentrant: "
+             "the Trainer of 4.44-4.48 passes no use_reentrant, and torch 2.4's checkpoint defaults to it), called "
+             "by the model's layer loop around each decoder layer (before transformers 4.52)",
              "use_cache: the model config's (true); nothing turns it off: fms-hf-tuning's sft_trainer.py (the "
              "freeze's commit), TRL's SFTTrainer 0.10-0.13 and the Trainer pass no use_cache (Mistral's code then "
              "turns it off under checkpointing; GPTBigCode's (4.44-4.48) does not: each layer's present key/value, "
@@ -182,7 +184,7 @@ def _row(entry: dict, versions: dict, steps: int, cells: dict, quantity: str, ea
                                                                    "torch_dtype", "bf16", "fp16")),
         model=MODELS.get(hub, hub), gpu="a100-80gb", method=method, world_size=world,
         micro_batch_size=batch, seq_len=seq_len, precision=precision or "bf16", optimizer="adamw", grad_ckpt=True,
-        attn="flash", lora_rank=int(float(cells["r"])) if lora else 0, lora_targets=targets,
+        attn="flash", ckpt_reentrant=True, lora_rank=int(float(cells["r"])) if lora else 0, lora_targets=targets,
         lora_dropout=float(cells.get("lora_dropout") or 0) if lora else 0.0, qlora=qlora,
         grad_accum_steps=1, loop="trainer", batch="full", outputs_fp32=bool(half), use_cache=True, model_hub_id=hub,
         framework=f"fms-hf-tuning (HF Trainer / TRL SFTTrainer){', accelerate FSDP1' if world > 1 else ''}",

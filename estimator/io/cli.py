@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "it is by the HF Trainer, TRL's SFTTrainer and loops that pass no use_cache=False); the "
                         "model code decides what it keeps: Llama-family code turns it off under checkpointing, "
                         "GPTBigCode keeps each layer's fused QKV output until the loss")
+    p.add_argument("--ckpt-reentrant", action="store_true", default=None,
+                   help="the model's checkpointing is reentrant (use_reentrant=True, the HF Trainer's default "
+                        "through transformers 4.x); with --model-code before 4.52, FSDP1 over frozen layers (LoRA) "
+                        "then keeps each recomputed layer's input until backward ends")
     p.add_argument("--batch", choices=BATCHES, help="'full' (default: every row full length, or packed: no "
                    "attention mask) or 'padded' (some rows padded: transformers builds the 4-D mask; with "
                    "--lengths it is set per batch)")
@@ -141,7 +145,8 @@ def _training(args, base: TrainingSpec) -> TrainingSpec:
                         grad_accum_steps=pick(args.grad_accum_steps, base.grad_accum_steps),
                         grad_sync=pick(args.grad_sync, base.grad_sync),
                         model_code=pick(args.model_code, base.model_code),
-                        use_cache=pick(args.use_cache, base.use_cache))
+                        use_cache=pick(args.use_cache, base.use_cache),
+                        ckpt_reentrant=pick(args.ckpt_reentrant, base.ckpt_reentrant))
 
 
 # CPU runs and fake-tensor traces carry gpu "cpu": their allocated level is a GPU's minus the cuBLAS workspace,
@@ -236,7 +241,8 @@ def _loop_label(t) -> str:
     sync = f", gradients reduced on the {t.grad_sync} micro-batch" if t.grad_accum_steps > 1 and \
         t.grad_sync == "last" else ""
     return (f", {t.loop} loop" + (", fp32 outputs" if t.outputs_fp32 else "")
-            + (", key/value cache on" if t.use_cache else "") + sync + technique_label(t))
+            + (", key/value cache on" if t.use_cache else "") + (", reentrant checkpointing" if t.ckpt_reentrant else "")
+            + sync + technique_label(t))
 
 
 def render_compare(results: list[tuple[str, object, str]], spec: RunSpec, gpus: int) -> str:

@@ -58,11 +58,11 @@ from estimator.methods.fsdp_replay import (
 from estimator.methods.state import StepModel, optimizer_state_bytes, step_temp_bytes
 from estimator.methods.timeline import Replay, segment_sequence
 from estimator.models.params import ParamInfo, largest_layer
-from estimator.spec import Fsdp1Spec, RunSpec
+from estimator.spec import Fsdp1Spec, RunSpec, model_code_release
 
 FP32 = 4
 ALIGN_BYTES = 16
-BUFFERS = ("root_params", "layer_params", "low_precision_shard", "flat_grad", "reduce")
+BUFFERS = ("root_params", "layer_params", "low_precision_shard", "flat_grad", "reduce", "kept_inputs")
 GRADS = ("root_grads", "layer_grads", "grad_shards", "held_grads")
 
 
@@ -135,6 +135,9 @@ class Fsdp1Sizes:
     # Each decoder layer's own unit where layers are not all alike (a dense first layer before expert layers);
     # empty: every layer is ``layer``.
     layers: tuple[FlatUnit, ...] = ()
+    # Bytes per token a decoder layer's unit keeps from its backward to the end of backward (its input and the
+    # input's gradient: ``reentrant_kept_input_bytes``); 0: none kept.
+    kept_input_bytes_per_token: float = 0.0
 
     def unit_of(self, index: int) -> FlatUnit:
         """Decoder layer ``index``'s unit."""
@@ -259,6 +262,14 @@ def _adapters_post_backward(sz: Fsdp1Sizes, grads_part: str, grad_bytes: float |
     kept = 0.0 if accumulating else sz.adapter_kept_bytes
     drop = (lambda st: 0.0) if grad_bytes is None else (lambda st: max(st[grads_part] - grad_bytes, 0.0))
     return [set_part("grad_shards", lambda st: st["grad_shards"] + kept), set_part(grads_part, drop)]
+
+
+def _keep_input(nbytes: float):
+    """A recomputed layer's input and its gradient, kept past its backward (``reentrant_kept_input_bytes``)."""
+    def apply(state: dict) -> bool:
+        state["kept_inputs"] += nbytes
+        return True
+    return apply
 
 
 def _keep_flat_grad(kept: float):
@@ -428,6 +439,10 @@ def replay_fsdp1(segments: dict, num_layers: int, b: int, s: int, sizes: Fsdp1Si
     layer_grad_bytes = _layer_grad_bytes(segments, num_layers, bool(sizes.layers))
     schedule = _mixed_schedule(segments, num_layers, sizes, layer_grad_bytes, micro) if segments.get("sequence") \
         else _schedule(num_layers, sizes, layer_grad_bytes, micro)
+    if sizes.kept_input_bytes_per_token:  # each layer's backward starts with the one above it kept
+        keep = _keep_input(b * s * sizes.kept_input_bytes_per_token)
+        schedule = [(name, repeats, events + [keep] if name.split("+")[0] in ("bw", "bw_last", "suffix") else events)
+                    for name, repeats, events in schedule]
     for name, repeats, events in schedule:
         act, state = walk.repeat(name, segments[name], events, act, state, repeats)
     tail = []
@@ -442,7 +457,7 @@ def replay_fsdp1(segments: dict, num_layers: int, b: int, s: int, sizes: Fsdp1Si
     return Replay(peak_bytes=total, peak_act_bytes=peak_act, peak_grad_bytes=sum(parts[p] for p in GRADS),
                   peak_segment=seg, end_act_bytes=act, end_grad_bytes=state["grad_shards"],
                   peak_parts={"gathered_params": parts["root_params"] + parts["layer_params"]
-                              + parts["low_precision_shard"],
+                              + parts["low_precision_shard"], "activations": parts["kept_inputs"],
                               "comm_buffers": parts["reduce"] + parts["flat_grad"]})
 
 
@@ -467,6 +482,32 @@ def _uniform_elem(params: list[ParamInfo], unit: str) -> int:
                          f"mixes {sorted(sizes)}-byte tensors (e.g. a router kept in fp32, or fp32 LoRA adapters on 16-bit "
                          "weights); use fsdp")
     return sizes.pop() if sizes else 2
+
+
+# The first transformers release whose decoder layers checkpoint themselves (``GradientCheckpointingLayer``, inside
+# an FSDP1 unit wrapping them); before it the model's layer loop calls the checkpoint around the unit.
+CKPT_INSIDE_LAYER_RELEASE = (4, 52)
+
+
+def reentrant_kept_input_bytes(training, table: list[ParamInfo], layer: FlatUnit) -> float:
+    """Bytes per token that each decoder layer keeps from its backward to the end of backward under FSDP1 (torch
+    2.4-2.13, ``_register_post_backward_reshard_only_hook``). A unit whose flat parameter needs no gradient (LoRA's
+    frozen layers) waits for its inputs' gradients with ``register_multi_grad_hook``, whose closure holds the
+    inputs' gradient nodes until FSDP1's final callback. A reentrant checkpoint around the unit (the model's own
+    checkpointing before transformers 4.52, ``use_reentrant=True``) re-enters the unit's forward in backward with a
+    detached alias of the layer's saved input: a leaf, whose AccumulateGrad node the closure holds, and which gets
+    the input's gradient as its ``.grad``. So every recomputed layer keeps its input and the input's gradient
+    (two hidden states) past its backward. Checked on real CPU tensors (``benchmarks/fsdp1_lora_versions.py``:
+    torch 2.4.1, transformers 4.45.2, tiny Mistral of 8 layers: at the first layer's backward, 7 inputs and 7
+    gradients are alive that a non-reentrant run has freed; transformers 5.24: none). Non-reentrant checkpoints,
+    and checkpoints inside the unit, re-enter nothing."""
+    release = model_code_release(training.model_code) if training.model_code else None
+    if not (training.grad_ckpt and training.ckpt_reentrant and release and layer.numel and not layer.trainable):
+        return 0.0
+    if tuple(int(part) for part in release.split(".")) >= CKPT_INSIDE_LAYER_RELEASE:
+        return 0.0
+    hidden = next((p.shape[-1] for p in table if p.layer is None and p.module_kind == "embedding"), 0)
+    return float(2 * hidden * layer.compute_elem)
 
 
 def fsdp1_sizes(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> Fsdp1Sizes:
@@ -499,9 +540,11 @@ def fsdp1_sizes(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> Fsdp1Si
         reduce = FP32 if mixed else compute
         return flat_unit(params, world, rank % world, compute, param_elem, reduce, options.use_orig_params)
     each = tuple(unit(params, "decoder layer") for params in layers)
-    return Fsdp1Sizes(root=unit(root, "root unit"), layer=unit(layer, "decoder layer"), options=options,
+    generic = unit(layer, "decoder layer")
+    kept = reentrant_kept_input_bytes(training, table, generic) if not any(u.trainable for u in each) else 0.0
+    return Fsdp1Sizes(root=unit(root, "root unit"), layer=generic, options=options,
                       mixed=mixed, adapters=tuple(unit([p], f"adapter {p.name}") for p in adapters),
-                      layers=each if len(set(each)) > 1 else ())
+                      layers=each if len(set(each)) > 1 else (), kept_input_bytes_per_token=kept)
 
 
 def fsdp1(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> StepModel:

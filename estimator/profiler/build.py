@@ -94,8 +94,8 @@ def build_model(config: dict[str, Any], training: TrainingSpec, device: torch.de
     with target:
         model = _from_config(cfg, dtype, requested)
     model.config.use_cache = training.use_cache
-    if training.grad_ckpt:
-        enable_grad_ckpt(model, training)
+    if training.grad_ckpt:  # a meta build is a profile's trace: non-reentrant whatever the spec says
+        enable_grad_ckpt(model, training, reentrant=training.ckpt_reentrant and not meta)
     if training.ce != "standard":  # torchtune's / Liger's loss in place of the head's: wrappers still see a call
         from estimator.profiler.techniques import install_loss
 
@@ -110,13 +110,14 @@ def build_model(config: dict[str, Any], training: TrainingSpec, device: torch.de
     return model
 
 
-def enable_grad_ckpt(model: torch.nn.Module, training: TrainingSpec) -> None:
-    """transformers' per-decoder-layer checkpointing (non-reentrant; the spec's ``ckpt_policy``): each layer's
-    ``forward`` runs under ``torch.utils.checkpoint``, its module hooks (FSDP2's) outside it."""
+def enable_grad_ckpt(model: torch.nn.Module, training: TrainingSpec, reentrant: bool = False) -> None:
+    """transformers' per-decoder-layer checkpointing (non-reentrant unless ``reentrant``; the spec's
+    ``ckpt_policy``): each layer's ``forward`` runs under ``torch.utils.checkpoint``, its module hooks (FSDP2's)
+    outside it."""
     from estimator.profiler.techniques import apply_layer_policy, checkpoint_kwargs
     from estimator.profiler.trace import decoder_layers
 
-    kwargs = checkpoint_kwargs(training)  # non-reentrant; selective-ops adds torchtitan's op policy
+    kwargs = checkpoint_kwargs(training, reentrant)  # selective-ops adds torchtitan's op policy
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

@@ -264,8 +264,9 @@ def op_sac_context():
     return create_selective_checkpoint_contexts(_op_policy(defaultdict(int)))
 
 
-def checkpoint_kwargs(training: TrainingSpec) -> dict:
-    kwargs: dict = {"use_reentrant": False}
+def checkpoint_kwargs(training: TrainingSpec, reentrant: bool = False) -> dict:
+    """``reentrant``: the spec's ``ckpt_reentrant`` for a real run (a traced profile stays non-reentrant)."""
+    kwargs: dict = {"use_reentrant": reentrant}
     if training.ckpt_policy == "selective-ops":
         kwargs["context_fn"] = op_sac_context
     return kwargs

@@ -87,6 +87,9 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
                       "micro-batches are not in the replay yet")
         if reason is None and training.qlora:
             reason = "fsdp1 with QLoRA: the packed weights' units are not in the replay yet"
+        if reason is None and table is not None and fsdp1_sizes(spec, table).kept_input_bytes_per_token:
+            reason = ("fsdp1 with reentrant checkpointing around frozen units (ckpt_reentrant, model code before "
+                      "4.52): the layer inputs and gradients kept to the end of backward are not in the replay yet")
         if reason is None and training.lora and spec.parallel.fsdp1.sharding_strategy not in ("FULL_SHARD",
                                                                                               "HYBRID_SHARD"):
             reason = (f"fsdp1 with LoRA under {spec.parallel.fsdp1.sharding_strategy}: the adapters' units are "

@@ -283,3 +283,43 @@ def test_shallow_models_replay_every_layer_once(tmp_path, method, layers):
     reference = trace_run(spec, config=config, round_to=1, ranks=[0])["per_rank"][0]["peak_allocated_bytes"]
     predicted = _tensor_bytes(estimate(spec).ranks[0])
     assert abs(predicted - reference) / reference < 1e-3, (predicted, reference)
+
+
+# benchmarks/fsdp1_lora_versions.py's tiny Mistral (8 layers, s 256), whose real CPU run under torch 2.4.1 and
+# transformers 4.45.2 grows by 8,036,352 B per sample with reentrant checkpointing and by 7,118,848 without:
+# 917,504 B = 7 finished layers x 2 hidden states (input and its gradient) x 256 tokens x 256 x 2 B.
+REENTRANT_CONFIG = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "hidden_size": 256,
+                    "intermediate_size": 896, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "max_position_embeddings": 4096, "tie_word_embeddings": False, "vocab_size": 1024,
+                    "num_hidden_layers": 8}
+
+
+@pytest.mark.parametrize("model_code, kept", [("4.45", True), ("4.51.3", True), ("4.52", False), ("", False)])
+def test_reentrant_checkpoints_around_frozen_units_keep_each_layers_input_and_gradient(tmp_path, model_code, kept):
+    pytest.importorskip("torch")
+    from estimator.api import estimate
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(REENTRANT_CONFIG))
+
+    def per_sample_bytes(reentrant: bool) -> int:
+        peaks = []
+        for b in (1, 2):
+            training = TrainingSpec(precision="bf16", grad_ckpt=True, micro_batch_size=b, seq_len=256, lora_rank=8,
+                                    lora_targets="q_proj,k_proj,v_proj,o_proj", lora_dropout=0.1,
+                                    ckpt_reentrant=reentrant, model_code=model_code)
+            spec = RunSpec(model=str(path), training=training, parallel=ParallelSpec(method="fsdp1", world_size=2))
+            peaks.append(_tensor_bytes(estimate(spec).ranks[-1]))
+        return peaks[1] - peaks[0]
+
+    assert per_sample_bytes(True) - per_sample_bytes(False) == (917_504 if kept else 0)
+
+
+def test_reentrant_checkpointing_needs_the_models_own_checkpointing():
+    with pytest.raises(ValueError, match="ckpt_reentrant"):
+        TrainingSpec(ckpt_reentrant=True)
+    with pytest.raises(ValueError, match="ckpt_reentrant"):
+        TrainingSpec(grad_ckpt=True, ckpt_policy="every-k:2", ckpt_reentrant=True)
+    spec = RunSpec(training=TrainingSpec(grad_ckpt=True, ckpt_reentrant=True))
+    assert spec_from_columns({**spec_columns(spec), "world_size": 1}) == spec
+    assert "ckpt_reentrant" not in RunSpec(training=TrainingSpec(grad_ckpt=True))._canonical_dict()["training"]
