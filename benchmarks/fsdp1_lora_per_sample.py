@@ -61,15 +61,20 @@ def peak_bytes(config: dict, reentrant: bool, world: int, use_orig: bool, batch:
     return int(done.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def point_arguments(argv: list[str] | None, description: str) -> tuple[argparse.Namespace, dict]:
+    """(--seq-len, --vocab-size, --layers) and the tiny Mistral config they make (``fsdp1_lora_versions`` too)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args(argv)
     if args.seq_len < 8 or args.vocab_size < 16 or args.layers < 1:
         parser.error("--seq-len must be at least 8, --vocab-size at least 16, --layers at least 1")
-    config = {**CONFIG, "vocab_size": args.vocab_size, "num_hidden_layers": args.layers}
+    return args, {**CONFIG, "vocab_size": args.vocab_size, "num_hidden_layers": args.layers}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, config = point_arguments(argv, __doc__.split("\n\n")[0])
     print("case | peak b1 (B) | peak b2 (B) | per sample (B)")
     for world, use_orig in ((1, False), (2, False), (2, True)):
         for reentrant in (False, True):

@@ -18,19 +18,16 @@ SFTTrainer, the Trainer's default ``use_reentrant``), FSDP1 as accelerate wraps 
 ``fsdp_auto_wrap_policy``, use_orig_params, FULL_SHARD, BACKWARD_PRE, limit_all_gathers) on torch's fake process
 group, and the Trainer's step (loss from the model, output object dropped before backward, AdamW, zero_grad to
 None). The peak is that of the bytes of every live CPU storage, read at every operator (a dispatch mode), over
-two steps after a warm-up step. Each point runs in its own interpreter.
+two steps after a warm-up step. Each point runs in its own interpreter. The dispatch mode restates
+``harness.fake.live_storage.LiveStorages``: that module imports the project, whose dependencies the old
+software's environment lacks.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
-
-CONFIG = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "hidden_size": 256,
-          "intermediate_size": 896, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "max_position_embeddings": 4096, "tie_word_embeddings": False}
 
 _POINT = r"""
 import functools, gc, json, sys, weakref
@@ -122,16 +119,12 @@ def peak_bytes(config: dict, world: int, batch: int, seq_len: int, reentrant: bo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--vocab-size", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
-    args = parser.parse_args(argv)
-    if args.seq_len < 8 or args.vocab_size < 16 or args.layers < 1:
-        parser.error("--seq-len must be at least 8, --vocab-size at least 16, --layers at least 1")
+    # its sibling's arguments and config (this file's directory is on sys.path when run as a script)
+    from fsdp1_lora_per_sample import point_arguments
+
+    args, config = point_arguments(argv, __doc__.split("\n\n")[0])
     import torch
     import transformers
-    config = {**CONFIG, "vocab_size": args.vocab_size, "num_hidden_layers": args.layers}
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
     print("case | peak b1 (B) | peak b2 (B) | per sample (B)")
     for world in (1, 2):
