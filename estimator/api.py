@@ -155,9 +155,10 @@ class StepSequence:
 
 # Methods whose replay takes a mixed layer sequence (every-k): ``methods.timeline.replay`` walks it segment by
 # segment (ZeRO-3's gathers by each layer's place: ``extra_bytes``), FSDP2's and FSDP1's replays layer by layer with
-# their events at each boundary (``methods.fsdp_replay._walk_mixed``, ``methods.fsdp1._mixed_schedule``). dp_tp
-# (FSDP2 over a TP-local model) would take it too, but no oracle has checked that composition.
-MIXED_LAYER_METHODS = ("single", "ddp", "tp", "zero1", "zero2", "zero_offload", "fsdp", "fsdp1", "zero3")
+# their events at each boundary (``methods.fsdp_replay._walk_mixed``, ``methods.fsdp1._mixed_schedule``); dp_tp
+# (FSDP2 over a TP-local model) as fsdp on the TP profile, checked by its reserved replay, whose requested peak is
+# this estimate's and whose request stream a real 2 x 2 CPU run's (``tests/estimator/test_reserved_fsdp.py``).
+MIXED_LAYER_METHODS = ("single", "ddp", "tp", "zero1", "zero2", "zero_offload", "fsdp", "dp_tp", "fsdp1", "zero3")
 
 
 def check_spec(spec: RunSpec, arch: ModelArch) -> None:

@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass, replace
 
 from estimator.models.params import ParamInfo
+from estimator.reserved.accumulate import FREE_CYCLE, MicroSteps, accumulating_backward
 from estimator.reserved.expand import (
     ALLOC,
     FREE,
@@ -47,6 +48,10 @@ from estimator.reserved.timeline import Setup, model_order
 DEFAULT, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2  # allocator streams
 FP32 = 4
 OPTIMIZERS = ("adamw", "adamw_fused", "sgd")
+# A micro-batch's post-backward: SYNC reduce-scatters its gradients; under ``set_requires_gradient_sync(False)``
+# (grad_sync last) HOLD keeps them unsharded (the cycle's first), HOLD_ADD adds them into the held ones, and
+# REDUCE_HELD (the last) adds them and reduce-scatters the held ones (``_no_sync_micro_steps``)
+SYNC, HOLD, HOLD_ADD, REDUCE_HELD = "sync", "hold", "hold_add", "reduce_held"
 
 
 @dataclass(frozen=True)
@@ -91,16 +96,20 @@ class _Group:
     gather_bytes: int           # all-gather output
     copy_in_bytes: int          # the 16-bit copy of the shards (mixed precision), 0 without
     reduce_in_bytes: int        # reduce-scatter input, 0 for a frozen group
+    # each trainable tensor's unsharded gradient held under no sync in the reduce dtype (mixed precision), in the
+    # order of its gradient keys (``_grads_by_group``: the table's)
+    held_bytes: tuple[int, ...] = ()
 
 
-def _group(params: list[ParamInfo], world: int, mixed: bool) -> _Group:
+def _group(params: list[ParamInfo], world: int, mixed: bool, table_order: list[ParamInfo] = ()) -> _Group:
     shards = [shard_numel(p, world) for p in params]
     trainable = [p for p in params if p.trainable]
     reduce_elem = (lambda p: FP32) if mixed else (lambda p: p.elem_bytes)
     return _Group(params=params, trainable=trainable,
                   gather_bytes=world * sum(n * p.elem_bytes for n, p in zip(shards, params)),
                   copy_in_bytes=sum(n * p.elem_bytes for n, p in zip(shards, params)) if mixed else 0,
-                  reduce_in_bytes=world * sum(shard_numel(p, world) * reduce_elem(p) for p in trainable))
+                  reduce_in_bytes=world * sum(shard_numel(p, world) * reduce_elem(p) for p in trainable),
+                  held_bytes=tuple(p.numel * reduce_elem(p) for p in table_order if p.trainable))
 
 
 def fsdp_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: int, world: int, mixed: bool
@@ -173,10 +182,12 @@ class _Step(BufferOps):
     """One step's FSDP2 tensors and the ops that make and free them."""
 
     def __init__(self, build: _Builder, groups: dict, world: int, grads: dict, first: bool, optimizer: str,
-                 mixed: bool) -> None:
+                 mixed: bool, micro: str = SYNC, held: dict | None = None) -> None:
         super().__init__(build)
         self.groups, self.world, self.grads = groups, world, grads
         self.first, self.optimizer, self.mixed = first, optimizer, mixed
+        self.micro = micro
+        self.held: dict = dict(held or {})  # group -> (key, size index) of its held unsharded gradients
         self.gathered: dict = {}     # group -> all-gather output
         self.unsharded: dict = {}    # group -> unsharded tensors
         self.reduce_in: Tensor | None = None
@@ -199,7 +210,19 @@ class _Step(BufferOps):
             self._free(out, tensor)
 
     def post_backward(self, out: list, g) -> None:
-        """Reshard (layers: ``reshard_after_backward``; the root likewise) and reduce-scatter the gradients."""
+        """Reshard (layers: ``reshard_after_backward``; the root likewise) and reduce-scatter the gradients, or
+        under no sync hold them (``_hold``)."""
+        grads, free = self.grads.get(g, []), FREE
+        if self.mixed and self.micro in (HOLD_ADD, REDUCE_HELD):
+            # ``accumulate_unsharded_grad_if_needed``: each new 16-bit gradient added into its held reduce-dtype
+            # copy in place, then dropped
+            for key, size_index in grads:
+                out.append((FREE, key, size_index))
+        if self.micro in (HOLD, HOLD_ADD):
+            self._hold(out, g, grads)
+            return
+        if self.micro == REDUCE_HELD:  # the cycle's first micro-batch's tensors, kept to here
+            grads, free = self.held.pop(g, []), FREE_CYCLE
         self.reshard(out, g)
         if self.reduce_in is not None:  # at most one reduce-scatter input in flight, even past a frozen group
             self._free(out, self.reduce_in)
@@ -208,13 +231,29 @@ class _Step(BufferOps):
         if not group.trainable:
             return
         self.reduce_in = self._alloc(out, group.reduce_in_bytes)
-        grads = self.grads.get(g, [])
         for key, size_index in grads[-2::-1]:
-            out.append((FREE, key, size_index))
+            out.append((free, key, size_index))
         self.reduce_out[g] = self._alloc(out, group.reduce_in_bytes // self.world, REDUCE_SCATTER)
         self.reduce_out_keys.add(self.reduce_out[g].key)
         if grads:
-            out.append((FREE, *grads[-1]))
+            out.append((free, *grads[-1]))
+
+    def _hold(self, out: list, g, grads: list) -> None:
+        """A micro-batch under no sync: reshard and return. The cycle's first keeps each unsharded gradient: under
+        mixed precision a copy in the reduce dtype (``to_accumulated_grad_if_needed``: made, then the 16-bit
+        ``.grad`` dropped, parameter by parameter), else autograd's ``.grad`` itself (into which later
+        micro-batches' gradients are added in place: ``_no_sync_micro_steps``)."""
+        self.reshard(out, g)
+        if self.micro != HOLD or not grads:
+            return
+        if not self.mixed:
+            self.held[g] = list(grads)
+            return
+        held = []
+        for (key, size_index), nbytes in zip(grads, self.groups[g].held_bytes):
+            held.append(self._alloc(out, nbytes))
+            out.append((FREE, key, size_index))
+        self.held[g] = [(tensor.key, tensor.size_index) for tensor in held]
 
     def end_backward(self, out: list) -> None:
         if self.reduce_in is not None:
@@ -319,11 +358,13 @@ def _engine_start(ops: list, at: int, scalar: set[int]) -> int:
 
 def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, groups: dict, table: list,
               world: int, optimizer: str, mixed: bool, first: bool, num_layers: int, scalar: set[int],
-              first_layer_hooked: bool) -> tuple[list, dict[int, int], int, int, set[int]]:
+              first_layer_hooked: bool, micro: str = SYNC, held: dict | None = None
+              ) -> tuple[list, dict[int, int], int, int, set[int], dict]:
     """The FSDP2 step's ops, where each old op index went, where its optimizer part begins (backward's last
-    reduce-scatter done), where the optimizer's own ops begin (the loss freed) and the keys of the reduce-scatter
-    outputs. ``scalar``: size indices of constant bytes that hold one scalar."""
-    step = _Step(build, groups, world, _grads_by_group(expansion, ops, table), first, optimizer, mixed)
+    reduce-scatter done), where the optimizer's own ops begin (the loss freed), the keys of the reduce-scatter
+    outputs and the gradients held (no sync). ``scalar``: size indices of constant bytes that hold one scalar;
+    ``micro``, ``held``: the micro-batch's kind and the gradients the cycle's first held (``_no_sync_micro_steps``)."""
+    step = _Step(build, groups, world, _grads_by_group(expansion, ops, table), first, optimizer, mixed, micro, held)
     grad_keys = expansion.grad_keys
     cut, at_mark, seed = boundary_marks(ops, marks, scalar)
     out: list = []
@@ -344,7 +385,10 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, gr
     step.post_backward(out, "root")  # backward's final callback: every group not yet done, root first
     if not first_layer_hooked:
         step.post_backward(out, 0)
-    return finish_step(step, out, ops, cut, moved, seed_free, grad_keys, table, _group_of, "fsdp")
+    if not mixed and micro in (HOLD_ADD, REDUCE_HELD):
+        # autograd adds each new gradient into the held ``.grad`` in place, the new one dropped as its node ends
+        out = accumulating_backward(out, grad_keys)
+    return (*finish_step(step, out, ops, cut, moved, seed_free, grad_keys, table, _group_of, "fsdp"), step.held)
 
 
 def finish_step(step, out: list, ops: list, cut: int, moved: dict, seed_free, grad_keys: set, table: list,
@@ -369,10 +413,12 @@ def finish_step(step, out: list, ops: list, cut: int, moved: dict, seed_free, gr
 
 
 def fsdp_step(expansion: Expansion, table: list[ParamInfo], world: int, precision: str, optimizer: str,
-              base_size_index: int, num_layers: int, polys: list, grad_ckpt: bool) -> FsdpStep:
+              base_size_index: int, num_layers: int, polys: list, grad_ckpt: bool, no_sync: bool = False
+              ) -> FsdpStep:
     """The expansion with FSDP2's events; the new tensors' sizes take indices from ``base_size_index`` on
-    (``polys``: the profile's size polynomials). ExpansionError where the step cannot be built (an optimizer not
-    modelled, gradients that do not match)."""
+    (``polys``: the profile's size polynomials); ``no_sync``: gradient accumulation under
+    ``set_requires_gradient_sync(False)`` on all but the last micro-batch (``_no_sync_micro_steps``). ExpansionError
+    where the step cannot be built (an optimizer not modelled, gradients that do not match)."""
     if optimizer not in OPTIMIZERS:
         raise ExpansionError(f"fsdp: the {optimizer} optimizer's step over shards is not modelled")
     mixed = precision.startswith("mixed_")
@@ -381,7 +427,10 @@ def fsdp_step(expansion: Expansion, table: list[ParamInfo], world: int, precisio
         params.setdefault(_group_of(p), []).append(p)
     if any(layer not in params for layer in range(num_layers)) or "root" not in params:
         raise ExpansionError("fsdp: a decoder layer or the root holds no parameters")
-    groups = {g: _group(ps, world, mixed) for g, ps in params.items()}
+    in_table: dict = {}
+    for p in table:
+        in_table.setdefault(_group_of(p), []).append(p)
+    groups = {g: _group(ps, world, mixed, in_table[g]) for g, ps in params.items()}
     keys = expansion.steady.keys
     build = _Builder(keys, base_size_index)
     first_marks, steady_marks = expansion.marks
@@ -392,16 +441,53 @@ def fsdp_step(expansion: Expansion, table: list[ParamInfo], world: int, precisio
     common = dict(build=build, groups=groups, table=table, world=world, optimizer=optimizer, mixed=mixed,
                   num_layers=num_layers, scalar=scalar, first_layer_hooked=hooked)
     first_start = build.next_key
-    first_ops, first_moved, _first_optimizer, first_loss_freed, first_outputs = _step_ops(
+    first_ops, first_moved, _first_optimizer, first_loss_freed, first_outputs, _held = _step_ops(
         expansion, expansion.first.ops, first_marks, first=True, **common)
     first_keys = build.next_key
     build.next_key = first_start  # the steady step's FSDP tensors reuse the first step's key range
-    steady_ops, _moved, steady_optimizer, _loss_freed, steady_outputs = _step_ops(
+    steady_ops, _moved, steady_optimizer, _loss_freed, steady_outputs, _held = _step_ops(
         expansion, expansion.steady.ops, steady_marks, first=False, **common)
     step_keys = max(first_keys, build.next_key)
+    micro = None
+    if no_sync:
+        micro, keys = _no_sync_micro_steps(expansion, build, first_start, common)
+        step_keys = max(step_keys, keys)
     return FsdpStep(expansion=method_expansion(
         "fsdp", expansion, first_ops, steady_ops, step_keys, first_moved, (first_loss_freed, steady_optimizer),
-        grad_keys=frozenset(first_outputs | steady_outputs)), sizes=build.sizes)
+        grad_keys=frozenset(first_outputs | steady_outputs), micro=micro), sizes=build.sizes)
+
+
+def _no_sync_micro_steps(expansion: Expansion, build: _Builder, start: int, common: dict) -> tuple[MicroSteps, int]:
+    """Gradient accumulation under ``set_requires_gradient_sync(False)`` on all but the last micro-batch
+    (grad_sync last: the HF Trainer's and accelerate's way), and the keys a micro-step uses. Each group's
+    post-backward reshards and returns (``FSDPParamGroup.post_backward``: ``not self.reduce_grads``), holding the
+    unsharded gradients from the cycle's first micro-batch (``_Step._hold``); a later one's gradients are added
+    into them (mixed precision: in the post-backward, each 16-bit ``.grad`` dropped; else by autograd in place),
+    and the last reduce-scatters the held ones (freed as ``FREE_CYCLE``) into the sharded gradients, which the
+    optimizer step's ``zero_grad`` frees."""
+    first_marks, steady_marks = expansion.marks
+    keys: list[int] = []
+
+    def built(ops: list, marks: tuple, first: bool, micro: str, held: dict | None = None) -> tuple:
+        build.next_key = start  # every micro-step's tensors take keys in the same range
+        result = _step_ops(expansion, ops, marks, first=first, micro=micro, held=held, **common)
+        keys.append(build.next_key)
+        return result
+
+    first_head, _moved, first_optimizer, _freed, _outputs, first_held = built(expansion.first.ops, first_marks,
+                                                                              True, HOLD)
+    head, _moved, head_optimizer, _freed, _outputs, held = built(expansion.steady.ops, steady_marks, False, HOLD)
+    if first_held != held:
+        raise ExpansionError("fsdp: the held gradients of the first and the steady step differ")
+    middle, _moved, middle_optimizer, *_rest = built(expansion.steady.ops, steady_marks, False, HOLD_ADD)
+    last, _moved, last_optimizer, loss_freed, *_rest = built(expansion.steady.ops, steady_marks, False,
+                                                             REDUCE_HELD, held)
+    first_last, _moved, first_last_optimizer, *_rest = built(expansion.steady.ops, steady_marks, True,
+                                                             REDUCE_HELD, held)
+    return MicroSteps(first_head=first_head[:first_optimizer], head=head[:head_optimizer],
+                      middle=middle[:middle_optimizer], before_optimizer=last[last_optimizer:loss_freed],
+                      first_tail=first_last[first_last_optimizer:], tail=last[last_optimizer:],
+                      last=last[:last_optimizer]), max(keys)
 
 
 def method_expansion(method: str, expansion: Expansion, first_ops: list, steady_ops: list, keys: int,

@@ -18,7 +18,7 @@ from estimator.reserved.replay import ReservedReplay, replay_rank, replay_sequen
 from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocations
 from estimator.reserved.zero import why_not_zero, zero_setup, zero_step
 from estimator.reserved.zero3 import why_not_zero3, zero3_setup, zero3_step
-from estimator.spec import FSDP_METHODS, ckpt_every
+from estimator.spec import ckpt_every
 
 # Each with gradient accumulation (estimator.reserved.accumulate): DDP under no_sync accumulates as one GPU does,
 # the buckets copied into only at the synchronising micro-step (no allocation); FSDP2 reduce-scatters every
@@ -31,8 +31,11 @@ from estimator.spec import FSDP_METHODS, ckpt_every
 METHODS = ("single", "ddp", "tp", "fsdp", "dp_tp", "fsdp1", "zero1", "zero2", "zero3")
 ZERO = ("zero1", "zero2")
 # every-k checkpointing: the methods whose allocated estimate mixes the two profiles' layers (estimator.api
-# MIXED_LAYER_METHODS; zero_offload is no replayed method)
-EVERY_K = ("single", "ddp", "tp", "zero1", "zero2")
+# MIXED_LAYER_METHODS; zero_offload is no replayed method). FSDP2 (and dp_tp) and FSDP1 add their buffers at the
+# merged list's segment boundaries as at any other's: a checkpointed layer's recomputation runs inside its backward
+# segment, after the layer's unshard, so no unit event moves. zero3 refuses checkpointing of any kind
+# (``why_not_zero3``: the recomputation's fetches).
+EVERY_K = ("single", "ddp", "tp", "zero1", "zero2", "fsdp", "dp_tp", "fsdp1")
 SHARDED = ("fsdp", "dp_tp")
 _EXPANSIONS: dict[tuple, tuple] = {}
 _FSDP_STEPS: dict[tuple, tuple] = {}
@@ -71,9 +74,6 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
         return "the profile has no event list (traced before event lists were kept)"
     if events.get("optimizer") != training.optimizer:
         return f"the profile's optimizer step was traced with {events.get('optimizer')}, not {training.optimizer}"
-    if (spec.parallel.method in FSDP_METHODS and spec.parallel.method != "fsdp1" and training.grad_accum_steps > 1
-            and training.grad_sync == "last"):
-        return "FSDP holding unsharded gradients between micro-batches (grad_sync last): not in the replay yet"
     if spec.parallel.method in ("fsdp", "fsdp1") and spec.parallel.world_size < 2:
         return f"{spec.parallel.method} on one GPU: no collectives"
     if spec.parallel.method == "fsdp1":
@@ -226,11 +226,12 @@ def _method_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo
     if spec.parallel.method not in SHARDED:
         return expansion, []
     training, world = spec.training, _shard_world(spec)
+    no_sync = training.grad_accum_steps > 1 and training.grad_sync == "last"  # unsharded gradients held
     key = (id(expansion), id(table), world, training.precision, training.optimizer, training.grad_ckpt,
-           base_size_index)
+           base_size_index, no_sync)
     return _memo_step(key, expansion, table, lambda: fsdp_step(
         expansion, table, world, training.precision, training.optimizer, base_size_index, num_layers,
-        events["polys"], training.grad_ckpt))
+        events["polys"], training.grad_ckpt, no_sync))
 
 
 def _fsdp1_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo], num_layers: int,

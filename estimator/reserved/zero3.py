@@ -64,7 +64,7 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
     if training.grad_accum_steps > 1:
         return "zero3 with gradient accumulation: not in the replay yet"
     if training.grad_ckpt:
-        return "zero3 with activation checkpointing: the recomputation's fetches are not in the replay yet"
+        return "zero3 with activation checkpointing (full or every-k): the recomputation's fetches are not in the replay yet"
     if table is not None:
         if not llama_like(table):
             return ("zero3: the coordinator's module trace is modelled on Llama-style decoders (one tensor per "

@@ -24,6 +24,7 @@ from tests.estimator.test_reserved_fsdp import (  # noqa: E402
     _assert_same_runs,
     _in_fresh_process,
     _runs,
+    load_profile,
 )
 
 
@@ -46,10 +47,11 @@ def _generated(path: str, training: TrainingSpec, world: int, rank: int, strateg
     """Setup (without the host-to-device moves, which a CPU run does not make) and ``STEPS`` optimizer steps of
     ``training.grad_accum_steps`` micro-batches."""
     spec = _spec(path, training, world, strategy)
-    arch, profile = api.load_model_profile(path, training)
+    arch, profile = load_profile(path, training)
     table, regime = api._param_table(profile, arch.num_layers), api._regime(profile, B, S)
-    expansion = reserved_rank._expansion(regime["events"], arch.num_layers, training.loop)
-    plan = reserved_rank._plan(spec, regime["events"], expansion, table, arch.num_layers, B, S,
+    events = reserved_rank._events(spec, regime, arch.num_layers)  # every-k: the merged list
+    expansion = reserved_rank._expansion(events, arch.num_layers, training.loop)
+    plan = reserved_rank._plan(spec, events, expansion, table, arch.num_layers, B, S,
                                workspace_bytes=8 << 20, workspaces=0, rank=rank)
     setup = reserved_rank._setup(profile, table, arch.num_layers, "fsdp1", training.precision.startswith("mixed_"),
                                  world, spec)
@@ -158,10 +160,15 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
     pytest.param("mixed_bf16", 3, 0, False, "FULL_SHARD", marks=pytest.mark.slow),
     pytest.param("bf16", 4, 3, True, "FULL_SHARD", marks=pytest.mark.slow),
     pytest.param("bf16", 3, 2, True, "SHARD_GRAD_OP", marks=pytest.mark.slow),
+    # every-k (``ckpt`` the policy): the merged event list, FSDP1's events at its segment boundaries
+    pytest.param("mixed_bf16", 2, 0, "every-k:2", "FULL_SHARD", marks=pytest.mark.slow),
+    pytest.param("bf16", 3, 2, "every-k:3", "FULL_SHARD", marks=pytest.mark.slow),
+    pytest.param("fp32", 2, 1, "every-k:2", "SHARD_GRAD_OP", marks=pytest.mark.slow),
 ], ids=lambda v: str(v))
 def test_generated_stream_equals_a_real_fsdp1_run(llama_path, precision, world, rank, ckpt, strategy):
     """Setup and three steps: the same allocations in the same order, the same tensors freed between two."""
-    training = TrainingSpec(precision=precision, attn="eager", micro_batch_size=B, seq_len=S, grad_ckpt=ckpt)
+    training = TrainingSpec(precision=precision, attn="eager", micro_batch_size=B, seq_len=S, grad_ckpt=bool(ckpt),
+                            ckpt_policy=ckpt if isinstance(ckpt, str) else "")
     generated = _runs(_generated(llama_path, training, world, rank, strategy), True)
     real = _runs(_in_fresh_process(_real_fsdp1_events, training, world, rank, strategy), False)
     _assert_same_runs(generated, real)
@@ -231,6 +238,12 @@ def test_gradient_accumulation_stream_equals_a_real_fsdp1_run(llama_path, traini
     (TrainingSpec(precision="mixed_bf16"), 2, "NO_SHARD"),
     (TrainingSpec(precision="bf16"), 3, "NO_SHARD"),
     (TrainingSpec(precision="mixed_bf16"), 4, "HYBRID_SHARD:2"),
+    # every-k: the merged event list with FSDP1's events at its segment boundaries
+    (TrainingSpec(precision="mixed_bf16", grad_ckpt=True, ckpt_policy="every-k:2"), 2, "FULL_SHARD"),
+    (TrainingSpec(precision="bf16", grad_ckpt=True, ckpt_policy="every-k:3"), 3, "FULL_SHARD"),
+    (TrainingSpec(precision="fp32", grad_ckpt=True, ckpt_policy="every-k:2", grad_accum_steps=2), 4, "FULL_SHARD"),
+    (TrainingSpec(precision="mixed_bf16", grad_ckpt=True, ckpt_policy="every-k:3"), 2, "SHARD_GRAD_OP"),
+    (TrainingSpec(precision="bf16", grad_ckpt=True, ckpt_policy="every-k:2"), 4, "HYBRID_SHARD:2"),
 ])
 def test_fsdp1_replayed_allocated_level_equals_the_estimate(llama_path, training, world, strategy):
     """The requested bytes alive at once in the replayed stream = the estimator's FSDP1 allocated peak + the
@@ -238,7 +251,7 @@ def test_fsdp1_replayed_allocated_level_equals_the_estimate(llama_path, training
     training = dataclasses.replace(training, micro_batch_size=B, seq_len=S)
     spec = _spec(llama_path, training, world, strategy)
     est = api.estimate(spec, alloc_conf="")
-    arch, profile = api.load_model_profile(llama_path, training)
+    arch, profile = load_profile(llama_path, training)
     coeffs = load_coefficients(est.gpu_key)
     for rank in est.ranks:
         replayed = reserved_rank.replay_reserved(
