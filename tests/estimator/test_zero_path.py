@@ -243,10 +243,9 @@ def test_the_partition_buffer_appears_in_the_hook_not_at_the_gradients_allocatio
 
 
 def test_the_profile_keeps_a_gradients_hook_moment_that_a_later_moment_outweighs():
-    # The final RMSNorm's backward: its weight's gradient (ordinal 1) with the incoming gradient (0) alive, the
-    # node returns (0 freed: the hook runs here), then fp32 temporaries (2, 3) at the same gradient bytes. Only the
-    # hook moment shows what a ZeRO rank holds there; the moment of the allocation is kept as well (before the
-    # hook), the segment's end is outweighed within its interval.
+    # The final RMSNorm's backward: its weight's gradient (ordinal 1) made while the incoming gradient (0) is alive,
+    # then freed, then fp32 temporaries (2, 3) at the same gradient bytes. The hook moment (the level the node's
+    # outputs reach) shows what a ZeRO rank holds there; the later, larger moment outweighed it before.
     from fractions import Fraction
 
     from estimator.profiler.profile import _segment_summary
@@ -257,7 +256,7 @@ def test_the_profile_keeps_a_gradients_hook_moment_that_a_later_moment_outweighs
     grads = [None, "norm.weight", None, None]
     events = [("a", 0), ("a", 1), ("f", 0), ("a", 2), ("a", 3), ("f", 2), ("f", 3)]
     summary = _segment_summary(events, coeffs, grads)
-    assert [(act[0], grad) for act, grad in summary["candidates"]] == [(16.0, 1.0), (0.0, 1.0), (128.0, 1.0)]
-    assert summary["hooks"] == [1]
+    assert [(act[0], grad) for act, grad in summary["candidates"]] == [(16.0, 1.0), (128.0, 1.0)]
+    assert summary["hooks"] == [0]
     forward = _segment_summary([("a", 0), ("f", 0)], coeffs, grads)
     assert "hooks" not in forward  # no gradient: nothing a ZeRO policy reads
