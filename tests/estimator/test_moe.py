@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from estimator.models.moe import is_routed_expert, moe_facts, moe_notes
+from estimator.models.moe import is_routed_expert, moe_facts, moe_notes, qlora_experts_note
+from estimator.models.params import ParamInfo
 
 TINY_QWEN3_MOE = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
                              / "qwen3_moe_tiny.json").read_text())
@@ -171,3 +172,18 @@ def test_the_committed_moe_methods_table_stays_within_its_bounds(tmp_path, monke
     assert len(found) >= 80
     beyond = {k: e for k, e in found.items() if abs(e) > 1.0}
     assert not beyond, beyond
+
+
+def test_qlora_names_the_routed_experts_it_leaves_unquantized():
+    """QLoRA quantizes nn.Linear modules only: fused experts (3-D parameters) are cast to fp32 by peft, and the
+    estimate says how much that is; a model whose experts were quantized (packed 1-byte rows) or a dense one gets
+    no such note."""
+    def row(name, numel, elem):
+        return ParamInfo(name=name, shape=(numel,), numel=numel, elem_bytes=elem, trainable=False,
+                         module_kind="linear", layer=0)
+    fused = [row("model.layers.0.mlp.experts.gate_up_proj", 2 * 1024**3 // 4, 4),
+             row("model.layers.0.self_attn.q_proj.weight", 1024, 1)]
+    (note,) = qlora_experts_note(fused)
+    assert "routed experts (2.00 GiB) stay unquantized, in fp32" in note
+    assert not qlora_experts_note([row("model.layers.0.mlp.experts.3.w1.weight", 1024, 1),
+                                   row("model.layers.0.mlp.gate.weight", 64, 4)])
