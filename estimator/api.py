@@ -28,7 +28,7 @@ from estimator.methods.router_unit import router_segments
 from estimator.methods.timeline import Replay, at_depth, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
 from estimator.models.memo import memo_by_owner
-from estimator.models.moe import moe_facts, moe_notes
+from estimator.models.moe import moe_facts, moe_notes, qlora_experts_note
 from estimator.models.moe_ep import EpLayout, ep_notes
 from estimator.models.params import buffer_bytes, expand_params, param_counts
 from estimator.models.profiles import adapters_in_16bit, traced_release, versions_note
@@ -691,6 +691,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     if spec.training.qlora:
         notes.append("qlora: traced as transformers + peft run it (bitsandbytes NF4 with double quantization, "
                      "prepare_model_for_kbit_training: other weights and the adapters in fp32)")
+        notes += qlora_experts_note(table)
     notes += residuals.range_notes(coeffs, spec, gpu_key=gpu.key, params=total, model_family=arch.model_type)
     upper = residuals.upper_bound_bytes(worst.peak_device_bytes, coeffs)
     return Estimate(spec=asked, ranks=ranks, worst_rank=worst.rank, capacity_bytes=gpu.capacity_bytes,

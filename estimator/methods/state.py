@@ -492,34 +492,37 @@ def _zero12_ranks(table: list[ParamInfo], world: int, bucket: float) -> list[Zer
 
 
 def _grads_alive(produced: tuple[float, ...], arrival: tuple[float, ...], after: tuple[float, ...]
-                 ) -> Callable[[float, float, float], float]:
+                 ) -> Callable[..., float]:
     """Gradient bytes alive at a profile candidate of a ZeRO backward (``_stage2_held``'s per-gradient bytes), given
     (bytes produced before its segment, bytes produced in it so far, bytes produced in it at the segment's
     previous candidate). The profile keeps a candidate only where no later one holds as much activation and as many
     gradient bytes, so each gradient produced since the previous candidate may have arrived at a dropped moment
     with no more activation than this one: the worst of those arrivals (before the hook, with the extra-large
     gradient still pending). A candidate that produced nothing since the previous one comes after the last hook
-    (the engine runs a gradient's hook as it finishes it, before any other allocation)."""
+    (the engine runs a gradient's hook as it finishes it, before any other allocation). A profile that records
+    its hook moments (``hooks``) keeps every one of them, so the worst arrival is the candidate's own."""
     def index(num_bytes: float) -> int:
         return bisect.bisect_right(produced, num_bytes + 0.5) - 1
 
-    def alive(prev: float, within: float, since: float = 0.0) -> float:
+    def alive(prev: float, within: float, since: float = 0.0, hook: bool | None = None) -> float:
         first, last = index(prev + since), index(prev + within)
         if last == first:
-            return after[last]
+            # a hook moment after a moment with the same gradients (its gradient's allocation): the hook runs
+            # with that gradient and the pending one alive
+            return arrival[last] if hook and last > 0 else after[last]
         return max(arrival[first + 1:last + 1])
     return alive
 
 
-def _stage2_grads_alive(path: Zero12Rank, in_flight: float) -> Callable[[float, float, float], float]:
+def _stage2_grads_alive(path: Zero12Rank, in_flight: float) -> Callable[..., float]:
     """``_grads_alive`` on a rank's path; without the per-gradient path: the largest gradient, at most what the
     segment produced."""
     if not path.produced:
-        return lambda prev, within, since=0.0: min(within, in_flight)
+        return lambda prev, within, since=0.0, hook=None: min(within, in_flight)
     return _grads_alive(path.produced, path.arrival_held, path.after_held)
 
 
-def _stage3_grads_alive(trainable: list[ParamInfo], bucket: float) -> Callable[[float, float, float], float]:
+def _stage3_grads_alive(trainable: list[ParamInfo], bucket: float) -> Callable[..., float]:
     """ZeRO-3's gradients in backward (``__add_grad_to_ipg_bucket``): one that fits the bucket is copied into it
     and its storage freed; a larger one stays as it is until the next gradient's hook flushes the bucket
     (``__reduce_and_partition_ipg_grads``), as under ZeRO-2."""
@@ -595,9 +598,10 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
 
         grads_alive = _stage3_grads_alive(trainable, zcfg.reduce_bucket_size)
 
-        def held(prev: float, within: float, since: float = 0.0) -> float:
-            return grads_alive(prev, within, since)
+        def held(prev: float, within: float, since: float = 0.0, hook: bool | None = None) -> float:
+            return grads_alive(prev, within, since, hook)
         held.since_previous = True
+        held.hook_aware = True
         # The gradient partition buffer stays: the fp64 norm of one gradient, or the fp32 gradients + Adam.
         step_grads = accumulated = 0.0
         step_candidates = [norm_temp, cast32 + adam_temp]
@@ -630,12 +634,16 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
             appears = path.appears_at
             grads_alive = _stage2_grads_alive(path, in_flight)
 
-            def held(prev: float, within: float, since: float = 0.0) -> float:
-                produced = prev + within
-                return (grads_alive(prev, within, since) + (buckets if produced > 0 else 0.0)
-                        + (in_partition if produced >= appears - 0.5 else 0.0))
+            def held(prev: float, within: float, since: float = 0.0, hook: bool | None = None) -> float:
+                # the buckets and the partition buffer appear in a gradient's hook: at a moment before the hook
+                # of the gradients produced since the previous candidate (known only where the profile records
+                # its hook moments), only those hooked before count
+                hooked = prev + (since if hook is False and since < within else within)
+                return (grads_alive(prev, within, since, hook) + (buckets if hooked > 0 else 0.0)
+                        + (in_partition if hooked >= appears - 0.5 else 0.0))
             held.breakpoints = (appears,)
             held.since_previous = True
+            held.hook_aware = True
         step_grads = in_partition
         accumulated = grad_bytes(table) if stage == 1 else in_partition
     resident["master_weights"] = master

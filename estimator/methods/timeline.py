@@ -103,6 +103,9 @@ def replay(segments: dict, num_layers: int, b: int, s: int, grad_policy: GradPol
     # profile keeps only undominated candidates, so the gradients produced since then may each have arrived at a
     # moment it dropped (a ZeRO-2 rank's held gradients are not monotonic in the bytes produced)
     since_aware = bool(getattr(grad_policy, "since_previous", False))
+    # one that is also ``hook_aware`` is told whether the candidate is a gradient's hook moment (True), another
+    # moment (False), or not known (None: a profile traced before ``hooks`` were recorded)
+    hook_aware = bool(getattr(grad_policy, "hook_aware", False))
     # a mixed set (estimator.methods.long_context.mixed_layers: every-k checkpointing) names its own order, one
     # instance of a layer segment at a time: ``extra_bytes`` gets its kind's generic name and its instance index
     instances: dict[str, int] = {}
@@ -123,9 +126,15 @@ def replay(segments: dict, num_layers: int, b: int, s: int, grad_policy: GradPol
             base_grad = grad + k * net_grad
             extra = extra_bytes(kind, first + k) if extra_bytes else 0.0
             since = 0.0  # the previous candidate's gradient bytes in this segment (its start: none)
-            for cand_act, cand_grad in seg["candidates"]:
+            hooks = set(seg["hooks"]) if "hooks" in seg else None
+            for index, (cand_act, cand_grad) in enumerate(seg["candidates"]):
                 a = base_act + poly(cand_act, b, s)
-                g = grad_policy(base_grad, cand_grad, since) if since_aware else grad_policy(base_grad, cand_grad)
+                if hook_aware:
+                    g = grad_policy(base_grad, cand_grad, since, None if hooks is None else index in hooks)
+                elif since_aware:
+                    g = grad_policy(base_grad, cand_grad, since)
+                else:
+                    g = grad_policy(base_grad, cand_grad)
                 since = cand_grad
                 if a + g + extra > best[0]:
                     best = (a + g + extra, a, g, name, extra)

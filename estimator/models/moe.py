@@ -119,3 +119,17 @@ def moe_notes(facts: MoeFacts | None) -> list[str]:
             "what backward keeps has the same bytes however balanced the router is, so this estimate holds for "
             "balanced and skewed routing on one device; under expert parallelism (--ep) a rank's rows follow the "
             "load of the experts it owns (--moe-imbalance)"]
+
+
+def qlora_experts_note(table: list) -> list[str]:
+    """What QLoRA does to fused routed experts (``ParamInfo`` rows of a QLoRA profile's table): transformers holds
+    them as 3-D parameters, bitsandbytes swaps only ``nn.Linear`` modules for 4-bit ones, and peft's
+    ``prepare_model_for_kbit_training`` casts every other 16-bit parameter to fp32 (``peft/utils/other.py``), so
+    the experts, most of an MoE's weights, stay unquantized at 4 bytes a parameter."""
+    fp32 = sum(p.numel * p.elem_bytes for p in table if is_routed_expert(p.name) and p.elem_bytes == 4)
+    if not fp32:
+        return []
+    return [f"qlora on moe: the routed experts ({fp32 / 1024**3:.2f} GiB) stay unquantized, in fp32: transformers "
+            "holds them as fused 3-D parameters, which bitsandbytes does not quantize (it swaps nn.Linear modules "
+            "only), and peft's prepare_model_for_kbit_training casts every other 16-bit parameter to fp32"]
+

@@ -334,12 +334,19 @@ def _segment_summary(events: list[tuple], coeffs: list[list[Fraction]], grads: l
     ``per_layer_at``: positions in ``events`` where an outer segment allocates or frees a tensor of the generic
     decoder layer that every layer has (a key/value cache the output object keeps, freed as the loop drops it):
     the trace did it for one generic layer; ``per_layer_act`` and ``candidates_per_layer`` say how much, so
-    ``estimator.methods.timeline.at_depth`` adds it for every generic layer beyond."""
+    ``estimator.methods.timeline.at_depth`` adds it for every generic layer beyond.
+
+    ``hooks`` (segments that produce gradients): the indices of the candidates that are a gradient's hook moment
+    (``_hook_moments``). What a DeepSpeed ZeRO rank holds there differs from the moments around it (the new
+    gradient and a pending oversized one, the partition buffer its flush allocates), so a hook moment is never
+    dropped for a later moment with as much activation and as many gradient bytes (the fp32 part of the final
+    RMSNorm's backward, after ``norm.weight``'s hook); ``_dominated`` says which moments may be."""
     act = [Fraction(0)] * 6
     per_layer = [Fraction(0)] * 6
     grad = Fraction(0)
-    candidates: list[tuple[list[Fraction], Fraction, list[Fraction]]] = []
+    candidates: list[tuple[list[Fraction], Fraction, list[Fraction], bool]] = []
     marks: dict[str, tuple[list[float], float]] = {}
+    hooks_at = _hook_moments(events, grads)
     for i, event in enumerate(events):
         kind = event[0]
         if kind == "m":
@@ -357,21 +364,59 @@ def _segment_summary(events: list[tuple], coeffs: list[list[Fraction]], grads: l
                 per_layer = [a + sign * x for a, x in zip(per_layer, c)]
         nxt = events[i + 1][0] if i + 1 < len(events) else "end"
         if kind == "a" and nxt != "a":
-            candidates.append((list(act), grad, list(per_layer)))
-    candidates.append((list(act), grad, list(per_layer)))
-    kept, kept_per_layer = [], []
-    for k, (a_k, g_k, p_k) in enumerate(candidates):
-        dominated = any(j != k and g_j >= g_k and all(x >= y for x, y in zip(a_j, a_k)) and p_j == p_k
-                        and (a_j != a_k or g_j != g_k or j < k)
-                        for j, (a_j, g_j, p_j) in enumerate(candidates))
-        if not dominated:
+            candidates.append((list(act), grad, list(per_layer), i in hooks_at))
+    candidates.append((list(act), grad, list(per_layer), len(events) in hooks_at))
+    kept, kept_per_layer, hooks = [], [], []
+    interval = [0] * len(candidates)  # the hook moments before each candidate
+    for k in range(1, len(candidates)):
+        interval[k] = interval[k - 1] + candidates[k - 1][3]
+    for k, (a_k, g_k, p_k, hook) in enumerate(candidates):
+        if not _dominated(candidates, interval, k):
+            if hook:
+                hooks.append(len(kept))
             kept.append(([float(x) for x in a_k], float(g_k)))
             kept_per_layer.append([float(x) for x in p_k])
     summary = {"net_act": [float(x) for x in act], "net_grad": float(grad), "candidates": kept}
+    if any(grads[e[1]] is not None for e in events if e[0] == "a"):
+        summary["hooks"] = hooks
     if any(per_layer) or any(any(p) for p in kept_per_layer):
         summary["per_layer_act"] = [float(x) for x in per_layer]
         summary["candidates_per_layer"] = kept_per_layer
     return {**summary, "marks": marks} if marks else summary
+
+
+def _hook_moments(events: list[tuple], grads: list[str | None]) -> set[int]:
+    """Positions in ``events`` where a gradient's hook is counted: the end of the run of allocations that holds
+    the gradient's (the autograd node's outputs), before the frees that follow. The engine runs the
+    ``AccumulateGrad`` node (and DeepSpeed's hook) once the node has returned, but the real runs show the level
+    of this moment there in places: small-opt's fp32 ZeRO-2 rank flushed into its new partition buffer with 2 MiB
+    the profile frees right after the gradient still alive; DeepSeek-V2's final norm had freed its 32 KiB first
+    (this moment is then an upper bound by those). (``len(events)``: a segment that ends in the run.)"""
+    moments: set[int] = set()
+    pending = False
+    for i, event in enumerate(events):
+        if event[0] == "a" and grads[event[1]] is not None:
+            pending = True
+        nxt = events[i + 1][0] if i + 1 < len(events) else "end"
+        if pending and event[0] == "a" and nxt != "a":
+            moments.add(i)
+            pending = False
+    if pending:
+        moments.add(len(events))
+    return moments
+
+
+def _dominated(candidates: list[tuple[list, Fraction, list, bool]], interval: list[int], k: int) -> bool:
+    """Whether candidate ``k`` can be dropped: another holds as much activation, as many gradient bytes and the
+    same per-layer share, and stands for the same gradient state: it lies between the same two hook moments
+    (``interval``: the hook moments before each), the later of which may be itself (it holds what ``k`` holds
+    and the hooked gradient besides). A hook moment never is."""
+    a_k, g_k, p_k, hook_k = candidates[k]
+    if hook_k:
+        return False
+    return any(j != k and interval[j] == interval[k] and g_j >= g_k and all(x >= y for x, y in zip(a_j, a_k))
+               and p_j == p_k and (a_j != a_k or g_j != g_k or j < k)
+               for j, (a_j, g_j, p_j, _hook) in enumerate(candidates))
 
 
 def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:

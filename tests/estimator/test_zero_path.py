@@ -202,3 +202,61 @@ def test_replay_hands_a_since_aware_policy_the_previous_candidates_gradients():
                             "candidates": [([0.0] * 6, 1.0), ([0.0] * 6, 3.0)]}
     replay(segments, 3, 1, 1, grad_policy=held)
     assert (0.0, 1.0, 0.0) in seen and (0.0, 3.0, 1.0) in seen
+
+
+def test_a_hook_moment_holds_the_hooked_gradient_and_the_pending_one():
+    # c's hook runs after its node's frees, at the same gradient bytes as c's allocation: b (extra-large) is still
+    # pending then, and only flushed by that hook; a later moment at c's level holds neither
+    order = [_p("a", 5), _p("b", 30), _p("c", 4), _p("d", 2)]
+    arrival, after = _stage2_held(order, bucket=10)
+    alive = _grads_alive((0.0, 20.0, 140.0, 156.0, 164.0), tuple(arrival), tuple(after))
+    assert alive(0.0, 156.0, 156.0, True) == 136.0
+    assert alive(0.0, 156.0, 156.0, False) == alive(0.0, 156.0, 156.0) == 0.0
+
+
+def test_the_partition_buffer_appears_in_the_hook_not_at_the_gradients_allocation():
+    # DeepSeek-V2 tiny's last ZeRO-2 rank: lm_head's gradient is extra-large and pending until the final norm's
+    # hook flushes it into the partition buffer that hook allocates. The profile records three moments at the
+    # norm gradient's level: its allocation (the buffer not there yet), its hook (lm_head's gradient and the new
+    # buffer alive together: the real run's peak) and the fp32 rest of the norm's backward (lm_head's gone).
+    table = [_p("lm_head", 1000, index=0), _p("norm", 10, index=1), _p("w", 50, layer=0, index=2)]
+    path = zero12_ranks(table[1:] + table[:1], 2, bucket=100)[1]
+    assert path.appears_at == 4 * 1010
+    segments = {name: {"net_act": [0.0] * 6, "net_grad": 0.0, "candidates": [([0.0] * 6, 0.0)]}
+                for name, _ in segment_sequence(3)}
+    allocated, hooked, later = 40.0, 30.0, 60.0
+    segments["mid_bw"] = {"net_act": [0.0] * 6, "net_grad": 4040.0, "hooks": [1, 3],
+                          "candidates": [([0.0] * 6, 4000.0), ([0.0] * 6, 4000.0),
+                                         ([allocated] + [0.0] * 5, 4040.0), ([hooked] + [0.0] * 5, 4040.0),
+                                         ([later] + [0.0] * 5, 4040.0)]}
+    from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
+    spec = RunSpec(model="x", gpu="h100-80gb", training=TrainingSpec(precision="fp32"),
+                   parallel=ParallelSpec(method="zero2", world_size=2, zero=ZeroSpec(reduce_bucket_size=100)))
+    from estimator.methods.state import zero
+    policy = zero(spec, table, rank=1, path=path).grad_policy
+    buffer = 4.0 * path.buffer_numel
+    assert policy(0.0, 4040.0, 4000.0, False) == 4040.0 + 400.0              # allocated: no buffer yet
+    assert policy(0.0, 4040.0, 4040.0, True) == 4040.0 + 400.0 + buffer      # the hook: both, and the buffer
+    assert policy(0.0, 4040.0, 4040.0, False) == 400.0 + buffer  # after it: both copied into the bucket, freed
+    peak = replay(segments, 3, 1, 1, grad_policy=policy)
+    assert peak.peak_bytes == hooked + 4040.0 + 400.0 + buffer
+
+
+def test_the_profile_keeps_a_gradients_hook_moment_that_a_later_moment_outweighs():
+    # The final RMSNorm's backward: its weight's gradient (ordinal 1) made while the incoming gradient (0) is alive,
+    # then freed, then fp32 temporaries (2, 3) at the same gradient bytes. The hook moment (the level the node's
+    # outputs reach) shows what a ZeRO rank holds there; the later, larger moment outweighed it before.
+    from fractions import Fraction
+
+    from estimator.profiler.profile import _segment_summary
+
+    def c(n):
+        return [Fraction(n)] + [Fraction(0)] * 5
+    coeffs = [c(16), c(1), c(64), c(64)]
+    grads = [None, "norm.weight", None, None]
+    events = [("a", 0), ("a", 1), ("f", 0), ("a", 2), ("a", 3), ("f", 2), ("f", 3)]
+    summary = _segment_summary(events, coeffs, grads)
+    assert [(act[0], grad) for act, grad in summary["candidates"]] == [(16.0, 1.0), (128.0, 1.0)]
+    assert summary["hooks"] == [0]
+    forward = _segment_summary([("a", 0), ("f", 0)], coeffs, grads)
+    assert "hooks" not in forward  # no gradient: nothing a ZeRO policy reads
