@@ -2,7 +2,8 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/pipeline_table.py [--config CONFIG.json] [--schedules gpipe 1f1b
         interleaved_1f1b] [--pp 2 4] [--microbatches 4 8] [--points 1x64 2x32] [--dp 1 2]
-        [--precision bf16|fp32|mixed_bf16] [--grad-ckpt] [--csv docs/error_matrix/pipeline.csv] [--trace]
+        [--precision bf16|fp32|mixed_bf16] [--grad-ckpt [--ckpt-policy every-k:K]] [--lora-rank R]
+        [--csv docs/error_matrix/pipeline.csv] [--trace]
     PYTHONPATH=. .venv/bin/python benchmarks/pipeline_table.py --rescore docs/error_matrix/pipeline.csv [CSV ...]
 
 Each point runs ``pp x dp`` gloo ranks in freshly spawned interpreters (``harness.pipeline``: the transformers
@@ -34,7 +35,8 @@ CONFIG = HERE / "configs" / "llama_pp_tiny.json"
 
 
 def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virtual: int, config: dict,
-          precision: str, b: int, s: int, port: int, out: str, trace: bool, grad_ckpt: bool) -> None:
+          precision: str, b: int, s: int, port: int, out: str, trace: bool, grad_ckpt: bool,
+          variant: dict) -> None:
     sys.path.insert(0, str(REPO))
     import gc
 
@@ -64,11 +66,14 @@ def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virt
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(hf, dtype=dtype, attn_implementation="sdpa")
         model.train()
-        if grad_ckpt:
-            from estimator.profiler.build import enable_grad_ckpt
-            from estimator.spec import TrainingSpec
+        from estimator.profiler.build import apply_lora, enable_grad_ckpt
+        from estimator.spec import TrainingSpec
 
-            enable_grad_ckpt(model, TrainingSpec(precision=precision, grad_ckpt=True))
+        training = TrainingSpec(precision=precision, grad_ckpt=grad_ckpt, **variant)
+        if grad_ckpt:  # every decoder layer, or every k-th (ckpt_policy), as the harness applies it
+            enable_grad_ckpt(model, training)
+        if training.lora:  # peft's LoRA (fp32 adapters on the frozen base); the stages take its base model's modules
+            model = apply_lora(model, training)
         mp_policy = None
         if precision == "mixed_bf16":  # as the harness's FSDP2 paths: param bf16, reduce fp32
             from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -78,7 +83,7 @@ def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virt
                                    schedule, dp_mesh=dp_mesh, mp_policy=mp_policy)
         del model
         gc.collect()
-        params = [p for m in modules for p in m.parameters()]
+        params = [p for m in modules for p in m.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=True)
         num_stages = pp * virtual
         mine = hp.stages_of_rank(pp_rank, pp, virtual)
@@ -130,8 +135,9 @@ def _trace(runner, mode, events: list) -> None:
 
 
 def measured(config: dict, pp: int, dp: int, schedule: str, microbatches: int, virtual: int, precision: str,
-             b: int, s: int, trace: bool = False, grad_ckpt: bool = False) -> list[dict]:
-    """Each rank's peak live bytes (and, with ``trace``, its per-action events)."""
+             b: int, s: int, trace: bool = False, grad_ckpt: bool = False, variant: dict | None = None) -> list[dict]:
+    """Each rank's peak live bytes (and, with ``trace``, its per-action events). ``variant``: TrainingSpec fields
+    beyond precision and checkpointing (``lora_rank``, ``ckpt_policy``)."""
     import torch.multiprocessing as mp
 
     from benchmarks.gloo_ranks import free_port
@@ -139,12 +145,12 @@ def measured(config: dict, pp: int, dp: int, schedule: str, microbatches: int, v
     world = pp * dp
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_rank, args=(world, pp, schedule, microbatches, virtual, config, precision, b, s,
-                                        free_port(), out, trace, grad_ckpt), nprocs=world, start_method="spawn")
+                                        free_port(), out, trace, grad_ckpt, variant or {}), nprocs=world, start_method="spawn")
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def estimated(path: Path, pp: int, dp: int, schedule: str, microbatches: int, virtual: int, precision: str,
-              b: int, s: int, grad_ckpt: bool = False) -> dict[int, int]:
+              b: int, s: int, grad_ckpt: bool = False, variant: dict | None = None) -> dict[int, int]:
     """The estimate's traced allocated bytes per reported rank."""
     from estimator.api import estimate
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
@@ -153,7 +159,7 @@ def estimated(path: Path, pp: int, dp: int, schedule: str, microbatches: int, vi
                    parallel=ParallelSpec(method="fsdp" if dp > 1 else "single", world_size=pp * dp, pp=pp,
                                          pp_schedule=schedule, pp_microbatches=microbatches, pp_virtual=virtual),
                    training=TrainingSpec(precision=precision, attn="sdpa", micro_batch_size=b, seq_len=s,
-                                         grad_ckpt=grad_ckpt))
+                                         grad_ckpt=grad_ckpt, **(variant or {})))
     est = estimate(spec, replay_reserved=False)
     return {r.rank: r.traced_allocated_bytes for r in est.ranks}
 
@@ -169,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32", "mixed_bf16"),
                         help="mixed_bf16: fp32 model, FSDP2 MixedPrecisionPolicy(bf16, fp32) (with --dp 2)")
     parser.add_argument("--grad-ckpt", action="store_true", help="checkpoint every decoder layer")
+    parser.add_argument("--ckpt-policy", default="", help="every-k:K: checkpoint every K-th layer (with --grad-ckpt)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="peft LoRA of this rank on the frozen model")
     parser.add_argument("--csv", type=Path, default=None)
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--rescore", nargs="*", type=Path, default=None)
@@ -176,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rescore:
         return rescore(args.rescore, args.csv)
     config = json.loads(args.config.read_text())
+    variant = _variant(args.lora_rank, args.ckpt_policy)
     rows = []
     started = time.perf_counter()
     for schedule in args.schedules:
@@ -186,13 +195,14 @@ def main(argv: list[str] | None = None) -> int:
                     for point in args.points:
                         b, s = (int(x) for x in point.split("x"))
                         predicted = estimated(args.config, pp, dp, schedule, m, virtual, args.precision, b, s,
-                                              args.grad_ckpt)
+                                              args.grad_ckpt, variant)
                         ranks = measured(config, pp, dp, schedule, m, virtual, args.precision, b, s, args.trace,
-                                         args.grad_ckpt)
+                                         args.grad_ckpt, variant)
                         for rank, est in sorted(predicted.items()):
                             got = ranks[rank]["peak_bytes"]
                             rows.append({"config": args.config.name, "precision": args.precision,
-                                         **({"grad_ckpt": True} if args.grad_ckpt else {}), "schedule": schedule,
+                                         **({"grad_ckpt": True} if args.grad_ckpt else {}), **variant,
+                                         "schedule": schedule,
                                          "pp": pp, "dp": dp, "virtual": virtual,
                                          "microbatches": m, "micro_batch_size": b, "seq_len": s, "rank": rank,
                                          "measured_bytes": got, "estimate_bytes": est,
@@ -210,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _variant(lora_rank: int, ckpt_policy: str) -> dict:
+    """The TrainingSpec fields a table's rows add (only those set: the older tables' rows have neither column)."""
+    return {**({"lora_rank": lora_rank} if lora_rank else {}), **({"ckpt_policy": ckpt_policy} if ckpt_policy else {})}
+
+
 def rescore(paths: list[Path], out: Path | None) -> int:
     """Re-estimate committed rows (their measurements kept); each file written back, all merged into ``out``."""
     merged: list[dict] = []
@@ -219,11 +234,11 @@ def rescore(paths: list[Path], out: Path | None) -> int:
         for row in rows:
             key = (row["config"], row["precision"], row["schedule"], int(row["pp"]), int(row["dp"]),
                    int(row["virtual"]), int(row["microbatches"]), int(row["micro_batch_size"]), int(row["seq_len"]),
-                   row.get("grad_ckpt") == "True")
+                   row.get("grad_ckpt") == "True", int(row.get("lora_rank") or 0), row.get("ckpt_policy") or "")
             if key not in cache:
-                config, precision, schedule, pp, dp, virtual, m, b, s, ckpt = key
+                config, precision, schedule, pp, dp, virtual, m, b, s, ckpt, lora_rank, policy = key
                 cache[key] = estimated(HERE / "configs" / config, pp, dp, schedule, m, virtual, precision, b, s,
-                                       ckpt)
+                                       ckpt, _variant(lora_rank, policy))
             est, got = cache[key][int(row["rank"])], int(row["measured_bytes"])
             row["estimate_bytes"], row["error_pct"] = est, round(100 * (est - got) / got, 4)
         write_rows(path, rows)

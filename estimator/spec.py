@@ -355,7 +355,8 @@ class ParallelSpec:
                 _fail("pp", "pipeline settings (pp_schedule, pp_microbatches, pp_virtual) need pp > 1")
             return
         if self.tp > 1:
-            _fail("pp", "pp x tp is not modelled yet; use pp alone or pp x fsdp")
+            _fail("pp", "pp x tp is not modelled yet (no counted run of tensor parallelism inside pipeline stages "
+                        "has checked it); use pp alone or pp x fsdp")
         if self.method not in ("single", "fsdp"):
             _fail("pp", f"pipeline parallelism is modelled alone (method single, world size = pp) or with FSDP2 "
                         f"over the remaining ranks (method fsdp), got {self.method!r}")
