@@ -710,7 +710,8 @@ def _pipeline_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: lis
     if every is not None:  # each stage's layers from the plain or the checkpointed profile by their global index
         kinds = checkpointed(arch.num_layers, every)
         full = dataclasses.replace(training, ckpt_policy="")
-        plain, ckpt = (loop_segments(_regime(load_model_profile(spec.model, t, 1, allow_build=allow_build)[1],
+        plain, ckpt = (loop_segments(_regime(load_model_profile(spec.model, t, spec.parallel.tp,
+                                                                allow_build=allow_build)[1],
                                              training.micro_batch_size, training.seq_len),
                                      training.loop, arch.num_layers)
                        for t in (dataclasses.replace(full, grad_ckpt=False), full))
@@ -721,7 +722,7 @@ def _pipeline_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: lis
     act_bytes = 4 if training.precision == "fp32" else 2
     workspace = residuals.cublas_workspace_bytes(coeffs)
     buffers = buffer_bytes(profile["params"], 0)  # the rotary embedding's, on every stage (llama-style: no per-layer ones)
-    communicators = 0 if spec.parallel.world_size == 1 else 1 + (spec.parallel.dp > 1)
+    communicators = 0 if spec.parallel.world_size == 1 else 1 + (spec.parallel.dp > 1) + (spec.parallel.tp > 1)
     ranks = []
     for pp_rank in reported_pp_ranks(spec.parallel.pp):
         pr = pipeline_rank(spec, segments, table, arch.num_layers, arch.hidden_size, act_bytes, pp_rank,
@@ -729,7 +730,8 @@ def _pipeline_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: lis
         parts = {**pr.parts, "cublas_workspace": workspace, "buffers": buffers}
         allocated = int(round(pr.peak_bytes + workspace + buffers))
         reserved = residuals.reserved_from_allocated(allocated, coeffs)
-        ranks.append(RankEstimate(rank=pp_rank * spec.parallel.dp, peak_allocated_bytes=allocated,
+        ranks.append(RankEstimate(rank=pp_rank * spec.parallel.world_size // spec.parallel.pp,
+                                  peak_allocated_bytes=allocated,
                                   peak_reserved_bytes=reserved,
                                   peak_device_bytes=residuals.device_from_reserved(reserved, coeffs, communicators),
                                   breakdown={k: int(round(v)) for k, v in parts.items() if v},

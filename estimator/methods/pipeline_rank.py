@@ -367,6 +367,7 @@ def _state_model(spec: RunSpec, rank_table: list[ParamInfo], mixed: bool) -> met
         rank_table = [dataclasses.replace(p, elem_bytes=FP32) for p in rank_table]
         spec = spec.replace(**{"training.precision": "fp32"})
     return methods.single(spec.replace(**{"parallel.method": "single", "parallel.world_size": 1, "parallel.pp": 1,
+                                          "parallel.tp": 1,
                                           "parallel.pp_schedule": "1f1b", "parallel.pp_microbatches": 0,
                                           "parallel.pp_virtual": 0}), rank_table)
 
@@ -400,6 +401,8 @@ def check_pipeline(spec: RunSpec, model_type: str, tied: bool) -> None:
     if tied:
         raise ValueError("pp: tied input and output embeddings (tie_word_embeddings) would sit on the first and the "
                          "last stage; torch's pipelining does not tie them across stages")
+    if spec.parallel.tp > 1 and (training.lora or training.grad_ckpt):
+        raise ValueError("pp: pp x tp is checked without checkpointing and LoRA; use pp x tp alone")
     if training.lora and training.precision != "bf16":
         raise ValueError(f"pp: LoRA under pipelining is checked in bf16 only; precision {training.precision} is not "
                          "checked yet")
@@ -434,6 +437,10 @@ def pipeline_notes(spec: RunSpec, num_layers: int) -> list[str]:
         ckpt = (f"; ckpt {spec.training.ckpt_policy}: decoder layers {every - 1}, {2 * every - 1}, ... (by their "
                 "index in the whole model) checkpointed in whichever stage holds them, the others keep their "
                 "activations")
+    if par.tp > 1:
+        dp = (f"; TP over {par.tp} ranks inside each stage (torch's parallelize_module on each decoder layer: its "
+              "linears split as the traced TP rank holds them; embedding, norms and head replicated, so each rank of "
+              "the last stage holds the full logits; the hidden states sent between stages replicated)")
     if spec.training.lora:
         ckpt += (f"; LoRA r{spec.training.lora_rank}: each stage's frozen base weights, its adapters' gradients and "
                  "Adam states")
