@@ -2,7 +2,8 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/pipeline_table.py [--config CONFIG.json] [--schedules gpipe 1f1b
         interleaved_1f1b] [--pp 2 4] [--microbatches 4 8] [--points 1x64 2x32] [--dp 1 2]
-        [--precision bf16|fp32|mixed_bf16] [--grad-ckpt] [--csv docs/error_matrix/pipeline.csv] [--trace]
+        [--precision bf16|fp32|mixed_bf16] [--grad-ckpt [--ckpt-policy every-k:K]] [--lora-rank R]
+        [--tp T] [--csv docs/error_matrix/pipeline.csv] [--trace]
     PYTHONPATH=. .venv/bin/python benchmarks/pipeline_table.py --rescore docs/error_matrix/pipeline.csv [CSV ...]
 
 Each point runs ``pp x dp`` gloo ranks in freshly spawned interpreters (``harness.pipeline``: the transformers
@@ -34,7 +35,8 @@ CONFIG = HERE / "configs" / "llama_pp_tiny.json"
 
 
 def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virtual: int, config: dict,
-          precision: str, b: int, s: int, port: int, out: str, trace: bool, grad_ckpt: bool) -> None:
+          precision: str, b: int, s: int, port: int, out: str, trace: bool, grad_ckpt: bool,
+          variant: dict, tp: int = 1) -> None:
     sys.path.insert(0, str(REPO))
     import gc
 
@@ -48,8 +50,15 @@ def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virt
 
         from harness import pipeline as hp
 
-        dp = world // pp
-        if dp > 1:
+        dp = world // (pp * tp)
+        tp_mesh = None
+        if tp > 1:  # TP inside each stage, as torchtitan builds pp x tp (mesh (pp, tp); no dp here)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
+            pp_group, dp_mesh, tp_mesh = mesh.get_group("pp"), None, mesh["tp"]
+            pp_rank = mesh.get_local_rank("pp")
+        elif dp > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
@@ -64,11 +73,18 @@ def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virt
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(hf, dtype=dtype, attn_implementation="sdpa")
         model.train()
-        if grad_ckpt:
-            from estimator.profiler.build import enable_grad_ckpt
-            from estimator.spec import TrainingSpec
+        from estimator.profiler.build import apply_lora, enable_grad_ckpt
+        from estimator.spec import TrainingSpec
 
-            enable_grad_ckpt(model, TrainingSpec(precision=precision, grad_ckpt=True))
+        training = TrainingSpec(precision=precision, grad_ckpt=grad_ckpt, **variant)
+        if grad_ckpt:  # every decoder layer, or every k-th (ckpt_policy), as the harness applies it
+            enable_grad_ckpt(model, training)
+        if training.lora:  # peft's LoRA (fp32 adapters on the frozen base); the stages take its base model's modules
+            model = apply_lora(model, training)
+        if tp_mesh is not None:  # every decoder layer split over the tp ranks (the harness's and profiler's plan)
+            from estimator.profiler.tp import apply_tp
+
+            apply_tp(model, tp_mesh, config)
         mp_policy = None
         if precision == "mixed_bf16":  # as the harness's FSDP2 paths: param bf16, reduce fp32
             from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -78,8 +94,13 @@ def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virt
                                    schedule, dp_mesh=dp_mesh, mp_policy=mp_policy)
         del model
         gc.collect()
-        params = [p for m in modules for p in m.parameters()]
-        optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=True)
+        params = [p for m in modules for p in m.parameters() if p.requires_grad]
+        if tp_mesh is not None:  # one foreach AdamW per kind (DTensor, plain), as the harness's tp method builds it
+            from estimator.profiler.tp import build_tp_optimizer
+
+            optimizer = build_tp_optimizer(params, training)
+        else:
+            optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=True)
         num_stages = pp * virtual
         mine = hp.stages_of_rank(pp_rank, pp, virtual)
         first, last = 0 in mine, num_stages - 1 in mine
@@ -130,30 +151,33 @@ def _trace(runner, mode, events: list) -> None:
 
 
 def measured(config: dict, pp: int, dp: int, schedule: str, microbatches: int, virtual: int, precision: str,
-             b: int, s: int, trace: bool = False, grad_ckpt: bool = False) -> list[dict]:
-    """Each rank's peak live bytes (and, with ``trace``, its per-action events)."""
+             b: int, s: int, trace: bool = False, grad_ckpt: bool = False, variant: dict | None = None,
+             tp: int = 1) -> list[dict]:
+    """Each rank's peak live bytes (and, with ``trace``, its per-action events). ``variant``: TrainingSpec fields
+    beyond precision and checkpointing (``lora_rank``, ``ckpt_policy``)."""
     import torch.multiprocessing as mp
 
     from benchmarks.gloo_ranks import free_port
 
-    world = pp * dp
+    world = pp * dp * tp
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_rank, args=(world, pp, schedule, microbatches, virtual, config, precision, b, s,
-                                        free_port(), out, trace, grad_ckpt), nprocs=world, start_method="spawn")
+                                        free_port(), out, trace, grad_ckpt, variant or {}, tp), nprocs=world, start_method="spawn")
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def estimated(path: Path, pp: int, dp: int, schedule: str, microbatches: int, virtual: int, precision: str,
-              b: int, s: int, grad_ckpt: bool = False) -> dict[int, int]:
+              b: int, s: int, grad_ckpt: bool = False, variant: dict | None = None, tp: int = 1) -> dict[int, int]:
     """The estimate's traced allocated bytes per reported rank."""
     from estimator.api import estimate
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
     spec = RunSpec(model=str(path), gpu="h100-80gb",
-                   parallel=ParallelSpec(method="fsdp" if dp > 1 else "single", world_size=pp * dp, pp=pp,
+                   parallel=ParallelSpec(method="tp" if tp > 1 else "fsdp" if dp > 1 else "single",
+                                         world_size=pp * dp * tp, pp=pp, tp=tp,
                                          pp_schedule=schedule, pp_microbatches=microbatches, pp_virtual=virtual),
                    training=TrainingSpec(precision=precision, attn="sdpa", micro_batch_size=b, seq_len=s,
-                                         grad_ckpt=grad_ckpt))
+                                         grad_ckpt=grad_ckpt, **(variant or {})))
     est = estimate(spec, replay_reserved=False)
     return {r.rank: r.traced_allocated_bytes for r in est.ranks}
 
@@ -169,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32", "mixed_bf16"),
                         help="mixed_bf16: fp32 model, FSDP2 MixedPrecisionPolicy(bf16, fp32) (with --dp 2)")
     parser.add_argument("--grad-ckpt", action="store_true", help="checkpoint every decoder layer")
+    parser.add_argument("--ckpt-policy", default="", help="every-k:K: checkpoint every K-th layer (with --grad-ckpt)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="peft LoRA of this rank on the frozen model")
+    parser.add_argument("--tp", type=int, default=1, help="TP degree inside each stage (pp x tp, no dp)")
     parser.add_argument("--csv", type=Path, default=None)
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--rescore", nargs="*", type=Path, default=None)
@@ -176,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rescore:
         return rescore(args.rescore, args.csv)
     config = json.loads(args.config.read_text())
+    variant = _variant(args.lora_rank, args.ckpt_policy)
     rows = []
     started = time.perf_counter()
     for schedule in args.schedules:
@@ -186,18 +214,20 @@ def main(argv: list[str] | None = None) -> int:
                     for point in args.points:
                         b, s = (int(x) for x in point.split("x"))
                         predicted = estimated(args.config, pp, dp, schedule, m, virtual, args.precision, b, s,
-                                              args.grad_ckpt)
+                                              args.grad_ckpt, variant, args.tp)
                         ranks = measured(config, pp, dp, schedule, m, virtual, args.precision, b, s, args.trace,
-                                         args.grad_ckpt)
+                                         args.grad_ckpt, variant, args.tp)
                         for rank, est in sorted(predicted.items()):
                             got = ranks[rank]["peak_bytes"]
                             rows.append({"config": args.config.name, "precision": args.precision,
-                                         **({"grad_ckpt": True} if args.grad_ckpt else {}), "schedule": schedule,
-                                         "pp": pp, "dp": dp, "virtual": virtual,
+                                         **({"grad_ckpt": True} if args.grad_ckpt else {}), **variant,
+                                         "schedule": schedule,
+                                         "pp": pp, "dp": dp, **({"tp": args.tp} if args.tp > 1 else {}),
+                                         "virtual": virtual,
                                          "microbatches": m, "micro_batch_size": b, "seq_len": s, "rank": rank,
                                          "measured_bytes": got, "estimate_bytes": est,
                                          "error_pct": round(100 * (est - got) / got, 4)})
-                            print(f"{schedule:<17}pp{pp} dp{dp} M{m:<3}b{b} s{s:<5}rank {rank}: measured {got:>11} "
+                            print(f"{schedule:<17}pp{pp} dp{dp} tp{args.tp} M{m:<3}b{b} s{s:<5}rank {rank}: measured {got:>11} "
                                   f"estimate {est:>11} {rows[-1]['error_pct']:+8.3f} %", flush=True)
                             if args.trace:
                                 for event in ranks[rank]["events"]:
@@ -210,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _variant(lora_rank: int, ckpt_policy: str) -> dict:
+    """The TrainingSpec fields a table's rows add (only those set: the older tables' rows have neither column)."""
+    return {**({"lora_rank": lora_rank} if lora_rank else {}), **({"ckpt_policy": ckpt_policy} if ckpt_policy else {})}
+
+
 def rescore(paths: list[Path], out: Path | None) -> int:
     """Re-estimate committed rows (their measurements kept); each file written back, all merged into ``out``."""
     merged: list[dict] = []
@@ -219,11 +254,12 @@ def rescore(paths: list[Path], out: Path | None) -> int:
         for row in rows:
             key = (row["config"], row["precision"], row["schedule"], int(row["pp"]), int(row["dp"]),
                    int(row["virtual"]), int(row["microbatches"]), int(row["micro_batch_size"]), int(row["seq_len"]),
-                   row.get("grad_ckpt") == "True")
+                   row.get("grad_ckpt") == "True", int(row.get("lora_rank") or 0), row.get("ckpt_policy") or "",
+                   int(row.get("tp") or 1))
             if key not in cache:
-                config, precision, schedule, pp, dp, virtual, m, b, s, ckpt = key
+                config, precision, schedule, pp, dp, virtual, m, b, s, ckpt, lora_rank, policy, tp = key
                 cache[key] = estimated(HERE / "configs" / config, pp, dp, schedule, m, virtual, precision, b, s,
-                                       ckpt)
+                                       ckpt, _variant(lora_rank, policy), tp)
             est, got = cache[key][int(row["rank"])], int(row["measured_bytes"])
             row["estimate_bytes"], row["error_pct"] = est, round(100 * (est - got) / got, 4)
         write_rows(path, rows)

@@ -23,7 +23,13 @@ from estimator.methods.long_context import (
     mixed_layers,
     with_transient,
 )
-from estimator.methods.pipeline_rank import check_pipeline, pipeline_notes, pipeline_rank, reported_pp_ranks
+from estimator.methods.pipeline_rank import (
+    check_pipeline,
+    every_k_segments,
+    pipeline_notes,
+    pipeline_rank,
+    reported_pp_ranks,
+)
 from estimator.methods.router_unit import router_segments
 from estimator.methods.timeline import Replay, at_depth, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
@@ -618,7 +624,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     last = spec.parallel.world_size - 1
     table = _param_table(profile, arch.num_layers)
     if spec.parallel.pp > 1:
-        return _pipeline_estimate(spec, arch, profile, table, coeffs, gpu)
+        return _pipeline_estimate(spec, arch, profile, table, coeffs, gpu, allow_build)
     layout = expert_parallel.layout_of(spec, arch, profile)
     ep_recompute = None
     if layout is not None and spec.training.grad_ckpt:  # the recomputed MoE layer's all-to-all path
@@ -700,24 +706,37 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
                     notes=notes, alloc_conf=conf or "", model_code=traced_release(profile) or "")
 
 
-def _pipeline_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, gpu) -> Estimate:
+def _pipeline_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, gpu,
+                       allow_build: bool = True) -> Estimate:
     """Pipeline parallelism (``methods.pipeline_rank``): the first, middle and last pipeline rank, each the lowest
     global rank of its stage's dp group (mesh (pp, dp), row-major). The reserved level is the prior."""
     training = spec.training
-    regime = _regime(profile, training.micro_batch_size, training.seq_len)
-    segments = loop_segments(regime, training.loop, arch.num_layers)
+    every, kinds = ckpt_every(training.ckpt_policy), None
+    if every is not None:  # each stage's layers from the plain or the checkpointed profile by their global index
+        kinds = checkpointed(arch.num_layers, every)
+        full = dataclasses.replace(training, ckpt_policy="")
+        plain, ckpt = (loop_segments(_regime(load_model_profile(spec.model, t, spec.parallel.tp,
+                                                                allow_build=allow_build)[1],
+                                             training.micro_batch_size, training.seq_len),
+                                     training.loop, arch.num_layers)
+                       for t in (dataclasses.replace(full, grad_ckpt=False), full))
+        segments = every_k_segments(plain, ckpt, kinds)
+    else:
+        segments = loop_segments(_regime(profile, training.micro_batch_size, training.seq_len), training.loop,
+                                 arch.num_layers)
     act_bytes = 4 if training.precision == "fp32" else 2
     workspace = residuals.cublas_workspace_bytes(coeffs)
     buffers = buffer_bytes(profile["params"], 0)  # the rotary embedding's, on every stage (llama-style: no per-layer ones)
-    communicators = 0 if spec.parallel.world_size == 1 else 1 + (spec.parallel.dp > 1)
+    communicators = 0 if spec.parallel.world_size == 1 else 1 + (spec.parallel.dp > 1) + (spec.parallel.tp > 1)
     ranks = []
     for pp_rank in reported_pp_ranks(spec.parallel.pp):
         pr = pipeline_rank(spec, segments, table, arch.num_layers, arch.hidden_size, act_bytes, pp_rank,
-                           arch.vocab_size)
+                           arch.vocab_size, kinds)
         parts = {**pr.parts, "cublas_workspace": workspace, "buffers": buffers}
         allocated = int(round(pr.peak_bytes + workspace + buffers))
         reserved = residuals.reserved_from_allocated(allocated, coeffs)
-        ranks.append(RankEstimate(rank=pp_rank * spec.parallel.dp, peak_allocated_bytes=allocated,
+        ranks.append(RankEstimate(rank=pp_rank * spec.parallel.world_size // spec.parallel.pp,
+                                  peak_allocated_bytes=allocated,
                                   peak_reserved_bytes=reserved,
                                   peak_device_bytes=residuals.device_from_reserved(reserved, coeffs, communicators),
                                   breakdown={k: int(round(v)) for k, v in parts.items() if v},

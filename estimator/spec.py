@@ -326,9 +326,10 @@ class ParallelSpec:
                                 f"{self.world_size}" + (f" with pp {self.pp}" if self.pp > 1 else ""))
         if self.world_size % self.tp:
             _fail("tp", f"world size {self.world_size} is not divisible by tp {self.tp}")
-        if self.method == "tp" and self.tp != self.world_size:
+        if self.method == "tp" and self.tp * self.pp != self.world_size:
             _fail("tp", f"method 'tp' uses every GPU for tensor parallelism: tp must equal world size "
-                        f"{self.world_size}, got {self.tp} (use dp_tp for a 2-D split)")
+                        f"{self.world_size}" + (f" / pp {self.pp}" if self.pp > 1 else "")
+                  + f", got {self.tp} (use dp_tp for a 2-D split)")
         if self.method == "dp_tp" and (self.tp < 2 or self.tp == self.world_size):
             _fail("tp", f"dp_tp needs 1 < tp < world size, got tp={self.tp} on {self.world_size} GPUs")
         if self.method == "fsdp1" and self.world_size % self.fsdp1.shard_size(self.world_size):
@@ -366,11 +367,13 @@ class ParallelSpec:
             if self.pp_schedule != "1f1b" or self.pp_microbatches or self.pp_virtual:
                 _fail("pp", "pipeline settings (pp_schedule, pp_microbatches, pp_virtual) need pp > 1")
             return
-        if self.tp > 1:
-            _fail("pp", "pp x tp is not modelled yet; use pp alone or pp x fsdp")
-        if self.method not in ("single", "fsdp"):
-            _fail("pp", f"pipeline parallelism is modelled alone (method single, world size = pp) or with FSDP2 "
-                        f"over the remaining ranks (method fsdp), got {self.method!r}")
+        if self.method == "dp_tp":
+            _fail("pp", "pp x dp x tp is not modelled yet (no counted run of FSDP2 over TP-split pipeline stages "
+                        "has checked it); use pp x tp (method tp, world size = pp x tp), pp alone or pp x fsdp")
+        if self.method not in ("single", "fsdp", "tp"):
+            _fail("pp", f"pipeline parallelism is modelled alone (method single, world size = pp), with FSDP2 "
+                        f"over the remaining ranks (method fsdp) or with TP inside each stage (method tp, world "
+                        f"size = pp x tp), got {self.method!r}")
         if self.ep > 1:
             _fail("pp", "pp with expert parallelism is not modelled")
         if self.cp > 1:

@@ -57,6 +57,8 @@ def build(model: nn.Module, pp: int, virtual: int, pp_rank: int, pp_group, devic
 
     if schedule not in SCHEDULES:
         raise ValueError(f"pp_schedule: {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if hasattr(model, "get_base_model"):  # peft's LoRA: the stages take the adapted modules of its base model
+        model = model.get_base_model()
     num_layers = len(model.model.layers)
     vocab = model.config.vocab_size
     num_stages = pp * virtual

@@ -132,7 +132,8 @@ def pp_layouts(world_size: int, num_layers: int, ckpt_options: Iterable[bool] = 
 def _pipeline_candidates(model: str, arch: Any, training: TrainingSpec, gpus: int,
                          ckpt_options: tuple[bool, ...]) -> tuple[list[Candidate], str]:
     """The pipeline layouts the pipeline estimate covers for ``training`` (bf16 / fp32; Llama-style decoders, untied
-    embeddings, ...; checkpointing is each candidate's own), and a note naming the first refusal when none is
+    embeddings, LoRA without checkpointing, every-k checkpointing, ...; checkpointing is each candidate's own, checked
+    with it), and a note naming the first refusal when none is
     covered. mixed_bf16 (estimated for pp x FSDP2) is not planned yet: the plan's step-time rows count a pipeline's
     micro-batches apart from its reported accumulation."""
     from estimator.methods.pipeline_rank import check_pipeline
@@ -143,7 +144,8 @@ def _pipeline_candidates(model: str, arch: Any, training: TrainingSpec, gpus: in
     covered, refusals = [], []
     for cand in pp_layouts(gpus, arch.num_layers, ckpt_options):
         try:
-            check_pipeline(RunSpec(model=model, training=training, parallel=cand.parallel_spec()),
+            staged = dataclasses.replace(training, grad_ckpt=cand.grad_ckpt or training.grad_ckpt)
+            check_pipeline(RunSpec(model=model, training=staged, parallel=cand.parallel_spec()),
                            getattr(arch, "model_type", ""), bool(getattr(arch, "tie_word_embeddings", False)))
             covered.append(cand)
         except ValueError as err:

@@ -1,8 +1,8 @@
-"""``parallel.pp > 1`` (methods ``single`` and ``fsdp``): torch.distributed.pipelining on real process groups
+"""``parallel.pp > 1`` (methods ``single``, ``fsdp`` and ``tp``): torch.distributed.pipelining on real process groups
 (``harness.pipeline``: the stage split, torch's PipelineStage and schedule, FSDP2 over the dp ranks of a stage, with
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` over fp32 weights under ``mixed_bf16``; ``grad_ckpt``:
 transformers' per-layer checkpointing of every decoder layer, which the stages keep, as torchtitan checkpoints each
-stage's blocks).
+stage's blocks; method ``tp``: every decoder layer split over the tp ranks (``apply_tp``) before the stage split).
 
 The worker's step is forward / backward / optimizer per micro-batch; a pipeline step runs forward and backward
 of all its micro-batches inside ``schedule.step``. So ``forward`` runs the whole schedule on the micro-batch the
@@ -63,8 +63,13 @@ def wrap(ctx: WrapContext) -> PipelineTrainer:
     if ctx.fake_pg:
         raise ValueError("pp: pipeline stages send activations point to point; they need real process groups "
                          "(gloo on CPU, NCCL on GPUs), not the emulated ranks")
-    dp = par.dp
-    if dp > 1:
+    dp, tp_mesh = par.dp, None
+    if par.tp > 1:  # TP inside each stage (method tp, world = pp x tp; the spec refuses dp with it)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(ctx.device.type, (par.pp, par.tp), mesh_dim_names=("pp", "tp"))
+        pp_group, dp_mesh, tp_mesh, pp_rank = mesh.get_group("pp"), None, mesh["tp"], mesh.get_local_rank("pp")
+    elif dp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(ctx.device.type, (par.pp, dp), mesh_dim_names=("pp", "dp"))
@@ -77,12 +82,22 @@ def wrap(ctx: WrapContext) -> PipelineTrainer:
     training = build_training(spec)
     model = build_model(ctx.config, training, ctx.device)
     model.train()
+    if tp_mesh is not None:  # every decoder layer split over the tp ranks before the stage split
+        from estimator.profiler.tp import apply_tp
+
+        apply_tp(model, tp_mesh, ctx.config)
     modules, runner = hp.build(model, par.pp, par.virtual_stages, pp_rank, pp_group, ctx.device, par.microbatches,
                                par.pp_schedule, dp_mesh=dp_mesh,
                                mp_policy=fsdp_mp_policy(spec.training) if dp_mesh is not None else None)
     config = model.config
     del model
-    optimizer = build_optimizer([p for m in modules for p in m.parameters()], training)
+    params = [p for m in modules for p in m.parameters()]
+    if tp_mesh is not None:  # one optimizer per parameter kind (DTensor, plain), as the tp method builds it
+        from estimator.profiler.tp import build_tp_optimizer
+
+        optimizer = build_tp_optimizer([p for p in params if p.requires_grad], training)
+    else:
+        optimizer = build_optimizer(params, training)
     mine = hp.stages_of_rank(pp_rank, par.pp, par.virtual_stages)
     num_stages = par.pp * par.virtual_stages
     ctx.notes.append(f"pp: rank {ctx.dist.rank} runs stages {mine} of {num_stages} ({par.pp_schedule}, "
