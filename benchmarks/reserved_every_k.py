@@ -30,7 +30,7 @@ from estimator import api  # noqa: E402
 from estimator.hardware.residuals import load_coefficients  # noqa: E402
 from estimator.reserved import rank as reserved_rank  # noqa: E402
 from estimator.reserved.timeline import INT64  # noqa: E402
-from estimator.spec import ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
+from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ckpt_every  # noqa: E402
 
 CONFIGS = {family: json.loads((Path(__file__).resolve().parent / "configs" / f"{family}_6layer_tiny.json").read_text())
            for family in ("llama", "opt")}
@@ -40,11 +40,12 @@ POINTS = ((8, 256), (4, 512), (2, 128), (1, 32))
 MIB = 1024 * 1024
 
 
-def _difference(spec: RunSpec, every: int | None) -> tuple[int, int, int, bool]:
-    """(replay's requested less the estimate's, replayed reserved, the estimate's allocated, activation peak)."""
+def replay_rank(spec: RunSpec, rank: int = 0, est=None):
+    """(the estimate, a rank's replay) with the estimate's own profile and coefficients; exits naming why a spec
+    is not replayed. ``est``: the spec's estimate, when made already."""
     training = spec.training
-    b, s = training.micro_batch_size, training.seq_len
-    est = api.estimate(spec, alloc_conf="")
+    b, s, every = training.micro_batch_size, training.seq_len, ckpt_every(training.ckpt_policy)
+    est = est or api.estimate(spec, alloc_conf="")
     tp = spec.parallel.tp
     arch, profile = (api.every_k_profile(spec.model, training, tp, every) if every
                      else api.load_model_profile(spec.model, training, tp))
@@ -53,12 +54,24 @@ def _difference(spec: RunSpec, every: int | None) -> tuple[int, int, int, bool]:
     if reason is not None:
         raise SystemExit(f"{spec}: {reason}")
     coeffs = load_coefficients(est.gpu_key)
-    replayed = reserved_rank.replay_reserved(spec, profile, regime, table, arch.num_layers,
-                                             workspace_bytes=coeffs.cublas_workspace_bytes,
-                                             workspaces=coeffs.cublas_workspaces, allowed_bytes=None, conf_text="")
-    rounding = est.breakdown.get("allocator_rounding", 0)
-    diff = replayed.peak_requested_bytes - (est.peak_allocated_bytes - rounding + 3 * b * s * INT64)
-    assert est.reserved_source == "replayed" and est.peak_reserved_bytes == replayed.peak_reserved_bytes
+    return est, reserved_rank.replay_reserved(spec, profile, regime, table, arch.num_layers,
+                                              workspace_bytes=coeffs.cublas_workspace_bytes,
+                                              workspaces=coeffs.cublas_workspaces, allowed_bytes=None, conf_text="",
+                                              rank=rank)
+
+
+def requested_less_estimate(replayed, rank, b: int, s: int) -> int:
+    """The replay's requested peak less the estimate's allocated, with the estimate's block rounding taken out and
+    the ``3 b s`` int64 elements every replay comparison adds (tests/estimator/test_reserved.py)."""
+    rounding = rank.breakdown.get("allocator_rounding", 0)
+    assert rank.reserved_source == "replayed" and rank.peak_reserved_bytes == replayed.peak_reserved_bytes
+    return replayed.peak_requested_bytes - (rank.peak_allocated_bytes - rounding + 3 * b * s * INT64)
+
+
+def _difference(spec: RunSpec) -> tuple[int, int, int, bool]:
+    """(replay's requested less the estimate's, replayed reserved, the estimate's allocated, activation peak)."""
+    est, replayed = replay_rank(spec)
+    diff = requested_less_estimate(replayed, est, spec.training.micro_batch_size, spec.training.seq_len)
     return diff, replayed.peak_reserved_bytes, est.peak_allocated_bytes, "optim" not in est._worst().phase
 
 
@@ -70,10 +83,10 @@ def _row(name: str, path: str, precision: str, method: str, world: int, every: i
                                              micro_batch_size=b, seq_len=s))
 
     mixed = spec(f"every-k:{every}")
-    diff, reserved, allocated, activations = _difference(mixed, every)
+    diff, reserved, allocated, activations = _difference(mixed)
     return {"model": name, "precision": precision, "method": method, "world": world, "every": every, "b": b,
             "s": s, "activation_peak": activations, "requested_less_estimate_bytes": diff,
-            "full_ckpt_requested_less_estimate_bytes": _difference(spec(""), None)[0],
+            "full_ckpt_requested_less_estimate_bytes": _difference(spec(""))[0],
             "estimate_allocated_bytes": allocated, "replayed_reserved_bytes": reserved,
             "prior_reserved_bytes": api.estimate(mixed, replay_reserved=False).peak_reserved_bytes}
 

@@ -34,13 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from reserved_every_k import CONFIGS, POINTS, PRECISIONS  # noqa: E402
+from reserved_every_k import CONFIGS, POINTS, PRECISIONS, replay_rank, requested_less_estimate  # noqa: E402
 
 from estimator import api  # noqa: E402
-from estimator.hardware.residuals import load_coefficients  # noqa: E402
-from estimator.reserved import rank as reserved_rank  # noqa: E402
-from estimator.reserved.timeline import INT64  # noqa: E402
-from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ckpt_every  # noqa: E402
+from estimator.spec import ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
 
 # (method, world, tp)
 METHODS = (("fsdp", 2, 1), ("fsdp", 4, 1), ("dp_tp", 4, 2), ("dp_tp", 8, 2), ("fsdp1", 2, 1), ("fsdp1", 4, 1))
@@ -49,27 +46,12 @@ METHODS = (("fsdp", 2, 1), ("fsdp", 4, 1), ("dp_tp", 4, 2), ("dp_tp", 8, 2), ("f
 def rank_differences(spec: RunSpec) -> list[dict]:
     """Per rank the estimate reports: (rank, replay's requested less the estimate's, replayed reserved, the
     estimate's allocated, whether the activations peak). The estimate's reserved level must be the replay's."""
-    training = spec.training
-    b, s = training.micro_batch_size, training.seq_len
+    b, s = spec.training.micro_batch_size, spec.training.seq_len
     est = api.estimate(spec, alloc_conf="")
-    every, tp = ckpt_every(training.ckpt_policy), spec.parallel.tp
-    arch, profile = (api.every_k_profile(spec.model, training, tp, every) if every
-                     else api.load_model_profile(spec.model, training, tp))
-    regime, table = api._regime(profile, b, s), api._param_table(profile, arch.num_layers)
-    reason = reserved_rank.why_not(spec, regime, arch.num_layers, table)
-    if reason is not None:
-        raise SystemExit(f"{spec}: {reason}")
-    coeffs = load_coefficients(est.gpu_key)
     out = []
     for rank in est.ranks:
-        replayed = reserved_rank.replay_reserved(spec, profile, regime, table, arch.num_layers,
-                                                 workspace_bytes=coeffs.cublas_workspace_bytes,
-                                                 workspaces=coeffs.cublas_workspaces, allowed_bytes=None,
-                                                 conf_text="", rank=rank.rank)
-        rounding = rank.breakdown.get("allocator_rounding", 0)
-        assert rank.reserved_source == "replayed" and rank.peak_reserved_bytes == replayed.peak_reserved_bytes
-        out.append({"rank": rank.rank,
-                    "diff": replayed.peak_requested_bytes - (rank.peak_allocated_bytes - rounding + 3 * b * s * INT64),
+        replayed = replay_rank(spec, rank.rank, est)[1]
+        out.append({"rank": rank.rank, "diff": requested_less_estimate(replayed, rank, b, s),
                     "reserved": replayed.peak_reserved_bytes, "allocated": rank.peak_allocated_bytes,
                     "activations": "optim" not in rank.phase})
     return out

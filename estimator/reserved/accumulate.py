@@ -54,6 +54,25 @@ class MicroSteps:
         return body + (self.first_tail if cycle == 0 else self.tail)
 
 
+class KeyedBuilds:
+    """A method's micro-steps built one after another (``_no_sync_micro_steps`` of ``reserved.fsdp`` and
+    ``reserved.fsdp1``): every micro-step's tensors take keys from ``start`` on; ``keys`` is the most any used."""
+
+    def __init__(self, step_ops, expansion: Expansion, build, start: int, common: dict) -> None:
+        self.step_ops, self.expansion, self.build, self.start, self.common = step_ops, expansion, build, start, common
+        self.used: list[int] = []
+
+    def __call__(self, ops: list, marks: tuple, first: bool, micro: str, held: dict | None = None) -> tuple:
+        self.build.next_key = self.start
+        result = self.step_ops(self.expansion, ops, marks, first=first, micro=micro, held=held, **self.common)
+        self.used.append(self.build.next_key)
+        return result
+
+    @property
+    def keys(self) -> int:
+        return max(self.used)
+
+
 def micro_steps(expansion: Expansion) -> MicroSteps:
     """ExpansionError when the first step does not free the loss right before its optimizer step. A method's
     own micro-steps (``Expansion.micro``) when it built them."""

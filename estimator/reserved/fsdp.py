@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, replace
 
 from estimator.models.params import ParamInfo
-from estimator.reserved.accumulate import FREE_CYCLE, MicroSteps, accumulating_backward
+from estimator.reserved.accumulate import FREE_CYCLE, KeyedBuilds, MicroSteps, accumulating_backward
 from estimator.reserved.expand import (
     ALLOC,
     FREE,
@@ -466,13 +466,7 @@ def _no_sync_micro_steps(expansion: Expansion, build: _Builder, start: int, comm
     and the last reduce-scatters the held ones (freed as ``FREE_CYCLE``) into the sharded gradients, which the
     optimizer step's ``zero_grad`` frees."""
     first_marks, steady_marks = expansion.marks
-    keys: list[int] = []
-
-    def built(ops: list, marks: tuple, first: bool, micro: str, held: dict | None = None) -> tuple:
-        build.next_key = start  # every micro-step's tensors take keys in the same range
-        result = _step_ops(expansion, ops, marks, first=first, micro=micro, held=held, **common)
-        keys.append(build.next_key)
-        return result
+    built = KeyedBuilds(_step_ops, expansion, build, start, common)
 
     first_head, _moved, first_optimizer, _freed, _outputs, first_held = built(expansion.first.ops, first_marks,
                                                                               True, HOLD)
@@ -487,7 +481,7 @@ def _no_sync_micro_steps(expansion: Expansion, build: _Builder, start: int, comm
     return MicroSteps(first_head=first_head[:first_optimizer], head=head[:head_optimizer],
                       middle=middle[:middle_optimizer], before_optimizer=last[last_optimizer:loss_freed],
                       first_tail=first_last[first_last_optimizer:], tail=last[last_optimizer:],
-                      last=last[:last_optimizer]), max(keys)
+                      last=last[:last_optimizer]), built.keys
 
 
 def method_expansion(method: str, expansion: Expansion, first_ops: list, steady_ops: list, keys: int,

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from estimator.methods.fsdp1 import FlatUnit, Fsdp1Sizes, flat_layout, shard_pieces
 from estimator.models.params import ParamInfo
-from estimator.reserved.accumulate import FREE_CYCLE, FREE_PREVIOUS_CYCLE, MicroSteps
+from estimator.reserved.accumulate import FREE_CYCLE, FREE_PREVIOUS_CYCLE, KeyedBuilds, MicroSteps
 from estimator.reserved.expand import (
     ALLOC,
     FREE,
@@ -708,13 +708,7 @@ def _no_sync_micro_steps(expansion: Expansion, build: _Builder, start: int, comm
     micro-batch's added into it, kept referenced by autograd until the hook returns) into new shards, which
     the next cycle's first root pre-forward drops."""
     first_marks, steady_marks = expansion.marks
-    keys: list[int] = []
-
-    def built(ops: list, marks: tuple, first: bool, micro: str, held: dict | None = None) -> tuple:
-        build.next_key = start  # every micro-step's tensors take keys in the same range
-        result = _step_ops(expansion, ops, marks, first=first, micro=micro, held=held, **common)
-        keys.append(build.next_key)
-        return result
+    built = KeyedBuilds(_step_ops, expansion, build, start, common)
     first_head, _moved, first_optimizer, _shards, first_prefix, first_held = built(
         expansion.first.ops, first_marks, True, HOLD)
     first_head[first_prefix:first_prefix] = lazy
@@ -731,7 +725,7 @@ def _no_sync_micro_steps(expansion: Expansion, build: _Builder, start: int, comm
     return MicroSteps(first_head=first_head[:first_optimizer[0] + len(lazy)],
                       head=head[:head_optimizer[0] + len(shards)], middle=middle[:middle_optimizer[0]],
                       before_optimizer=last[loss_at:loss_freed_at], first_tail=first_last[first_last_optimizer[0]:],
-                      tail=last[loss_at:], last=last[:loss_at]), max(keys)
+                      tail=last[loss_at:], last=last[:loss_at]), built.keys
 
 
 def _micro_steps(first_ops: list, first_end: int, steady_ops: list, steady_end: int, middle: list, loss: list,
