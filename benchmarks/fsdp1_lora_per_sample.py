@@ -4,7 +4,11 @@
 
 The fms-acceleration Mistral-7B LoRA rows on two GPUs (FSDP1, peft's ``fsdp_auto_wrap_policy``, reentrant
 checkpointing, packed 4,096-token rows) grow by 0.4-0.7 GiB more per sample than the same commits' one-GPU rows,
-while their batch-independent part matches the estimate. This runs the step on real CPU tensors on the fake
+while their batch-independent part matches the estimate. (Found in session 24 with ``fsdp1_lora_versions.py``
+under the rows' own torch 2.4.1 and transformers 4.45.2: the reentrant checkpoint around each FSDP1 unit that
+transformers before 4.52 makes keeps every recomputed layer's input and its gradient, ``TrainingSpec.
+ckpt_reentrant``; this project's torch 2.13 / transformers 5.24, which this script runs, checkpoint inside the unit
+and keep nothing.) This runs the step on real CPU tensors on the fake
 process group (``harness.fake.memtracker.build(..., fake=False)``, the peak of live storages over two steady
 steps: ``harness.fake.live_storage.peak_bytes``) for a tiny Mistral with LoRA r 8 on q, k, v, o (dropout 0.1) and
 checkpointing, at micro-batch 1 and 2: one GPU, and FSDP1 x 2 (rank 1) with use_orig_params off and on, each with
