@@ -18,6 +18,13 @@ the peak is reset after wrapping, so it is that of two training steps (the Train
 whole of ``train()``, whose first step is the higher one here: the optimizer's state is created in it).
 Each point runs reentrant (the rows) and non-reentrant (what transformers >= 4.52 does in effect): the
 difference is the inputs that FSDP1's post-backward hook keeps (``estimator.methods.fsdp1``).
+
+Measured 2026-11-27 (docs/LOG.md, session 25) on one H200, torch 2.11.0+cu130, transformers 4.48.1, peft 0.13.2
+(``results/fms_fsdp1_lora_gpu_h200.jsonl``), peak allocated against the rows' published values (flash-attn 2,
+torch 2.4.1): FSDP1 x 2 b2 reentrant 15,329,033,216 B (published 15,144,870,400), non-reentrant 14,103,902,720;
+b4 reentrant 22,244,523,008 (published 21,959,827,968), non-reentrant 20,257,159,680; one GPU b4 reentrant
+27,058,472,960 (published 26,704,571,904), non-reentrant 27,056,375,808. Reentrant checkpointing keeps 1.23 GB
+(b2) and 1.99 GB (b4) more under FSDP1 and 2 MB more on one GPU.
 """
 
 from __future__ import annotations
