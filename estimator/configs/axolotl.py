@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from estimator.configs.common import read_fsdp_options, read_hf_optimizer
+from estimator.configs.common import read_fsdp_options, read_hf_optimizer, read_reentrant
 from estimator.configs.hf import HF_NO_EFFECT, _relative
 from estimator.configs.reading import Reading, unknown_keys, words
 
@@ -25,7 +25,7 @@ resume_from_checkpoint auto_resume_from_checkpoints local_rank logging_steps war
 evals_per_epoch eval_table_size eval_max_new_tokens saves_per_epoch save_steps save_total_limit debug
 weight_decay special_tokens tokens chat_template eval_sample_packing pad_to_sequence_len trust_remote_code
 save_safetensors eval_batch_size max_steps cosine_min_lr_ratio dataset_processes shuffle_merged_datasets
-plugins gradient_checkpointing_kwargs max_grad_norm adam_beta1 adam_beta2 adam_epsilon bnb_config_kwargs
+plugins max_grad_norm adam_beta1 adam_beta2 adam_epsilon bnb_config_kwargs
 default_system_message dataloader_num_workers dataloader_pin_memory dataloader_prefetch_factor
 """)
 _ATTN_KEYS = (("flash_attention", "flash"), ("sdp_attention", "sdpa"), ("eager_attention", "eager"))
@@ -34,7 +34,7 @@ _ATTN_KEYS = (("flash_attention", "flash"), ("sdp_attention", "sdpa"), ("eager_a
 def read_axolotl(path: str, data: dict[str, Any]) -> Reading:
     reading = Reading(path, "axolotl config")
     handled = {"base_model", "sequence_len", "micro_batch_size", "gradient_accumulation_steps", "optimizer",
-               "gradient_checkpointing", "flash_attention", "sdp_attention", "eager_attention", "xformers_attention",
+               "gradient_checkpointing", "gradient_checkpointing_kwargs", "flash_attention", "sdp_attention", "eager_attention", "xformers_attention",
                "adapter", "lora_r", "lora_target_modules", "lora_target_linear", "lora_dropout", "load_in_4bit", "load_in_8bit",
                "bf16", "fp16", "bfloat16", "float16", "sample_packing", "deepspeed", "fsdp", "fsdp_config",
                "fsdp_version", "torch_compile", "batch_size", "unsloth_lora_mlp", "unsloth_lora_qkv",
@@ -56,6 +56,7 @@ def read_axolotl(path: str, data: dict[str, Any]) -> Reading:
         reading.set("grad_ckpt", False, "gradient_checkpointing")
     else:
         reading.assume("grad_ckpt", False, "axolotl's gradient_checkpointing default is off")
+    read_reentrant(reading, {"gradient_checkpointing_kwargs": data.get("gradient_checkpointing_kwargs")})
     _read_attention(reading, data)
     _read_adapter(reading, data)
     _read_precision(reading, data)

@@ -18,7 +18,8 @@ _FLAG_SETTINGS = {"model": "model", "gpus": "world_size", "method": "method", "t
                   "lora_targets": "lora_targets", "lora_dropout": "lora_dropout", "qlora": "qlora", "loop": "loop", "gpu": "gpu",
                   "grad_accum_steps": "grad_accum_steps", "grad_sync": "grad_sync", "outputs_fp32": "outputs_fp32",
                   "use_cache": "use_cache", "deepspeed": "deepspeed", "ce": "ce", "ce_chunks": "ce_chunks",
-                  "activation_offload": "activation_offload", "ckpt_policy": "ckpt_policy"}
+                  "activation_offload": "activation_offload", "ckpt_policy": "ckpt_policy",
+                  "ckpt_reentrant": "ckpt_reentrant"}
 
 
 def explicit_flags(build_parser: Callable[[], argparse.ArgumentParser], argv: list[str]) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from estimator.configs.reading import Reading
@@ -181,3 +182,33 @@ def _read_fsdp1(reading: Reading, get, prefix: str, strategy: str | None, offloa
         took("gpus_per_node", gpus_per_node[1], gpus_per_node[0])
     reading.set("method", "fsdp1", where)
     reading.set("fsdp1", settings, ", ".join(sources) or where)
+
+
+# Where a config says whether checkpointing re-enters (torch.utils.checkpoint's use_reentrant): the Trainer's
+# kwargs for the model's gradient_checkpointing_enable (both names), and TRL's script argument.
+REENTRANT_KEYS = ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs",
+                  "gradient_checkpointing_use_reentrant")
+
+
+def read_reentrant(reading: Reading, values: dict[str, Any]) -> None:
+    """``ckpt_reentrant`` from the first of ``REENTRANT_KEYS`` that gives it. Unset, the spec's default
+    (non-reentrant) stands: what transformers 5 passes; before 5 the model's ``gradient_checkpointing_enable``
+    defaulted to reentrant, which matters under FSDP1 with model code before 4.52 (pass --ckpt-reentrant)."""
+    for key, value in values.items():
+        if value is None:
+            continue
+        if key == "gradient_checkpointing_use_reentrant":
+            reading.set("ckpt_reentrant", reading.flag(key, value), key)
+            return
+        kwargs = value
+        if isinstance(kwargs, str):  # the Trainer takes a JSON string from the command line
+            try:
+                kwargs = json.loads(kwargs)
+            except json.JSONDecodeError:
+                reading.fail(key, f"must be a mapping or a JSON object, got {value!r}")
+        if not isinstance(kwargs, dict):
+            reading.fail(key, f"must be a mapping or a JSON object, got {value!r}")
+        if "use_reentrant" in kwargs:
+            reading.set("ckpt_reentrant", reading.flag(f"{key}.use_reentrant", kwargs["use_reentrant"]),
+                        f"{key}.use_reentrant")
+            return

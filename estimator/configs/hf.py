@@ -13,7 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from estimator.configs.common import read_attn_implementation, read_fsdp_options, read_hf_optimizer
+from estimator.configs.common import (
+    REENTRANT_KEYS,
+    read_attn_implementation,
+    read_fsdp_options,
+    read_hf_optimizer,
+    read_reentrant,
+)
 from estimator.configs.reading import Reading, unknown_keys, words
 
 # TrainingArguments fields (transformers 5.23 and 4.x) that leave the training step's per-rank peak unchanged:
@@ -33,13 +39,13 @@ metric_for_best_model num_train_epochs optim_args output_dir per_device_eval_bat
 push_to_hub remove_unused_columns report_to restore_callback_states_from_checkpoint resume_from_checkpoint run_name
 save_on_each_node save_only_model save_steps save_strategy save_total_limit seed skip_memory_metrics tf32
 trackio_bucket_id trackio_space_id trackio_static_space_id train_sampling_strategy use_cache warmup_steps
-weight_decay gradient_checkpointing_kwargs activation_checkpointing_kwargs
+weight_decay
 evaluation_strategy logging_dir overwrite_output_dir fp16_opt_level fp16_backend half_precision_backend
 group_by_length save_safetensors hub_private_repo push_to_hub_model_id push_to_hub_organization
 push_to_hub_token mp_parameters ray_scope dispatch_batches split_batches include_inputs_for_metrics
 include_tokens_per_second eval_do_concat_batches warmup_ratio jit_mode_eval use_ipex bf16_full_eval
 no_cuda use_mps_device tpu_num_cores tpu_metrics_debug past_index save_on_each_node logging_dir
-gradient_checkpointing_kwargs torchdynamo ddp_bucket_cap_mb hub_strategy use_legacy_prediction_loop
+torchdynamo ddp_bucket_cap_mb hub_strategy use_legacy_prediction_loop
 predict_with_generate generation_max_length generation_num_beams generation_config sortish_sampler
 """)
 # TRL SFTConfig fields without an effect on the peak (data preparation, chat templates, logging).
@@ -47,7 +53,7 @@ TRL_NO_EFFECT = words("""
 dataset_text_field dataset_kwargs dataset_num_proc eos_token pad_token chat_template_path truncation_mode
 shuffle_dataset eval_packing completion_only_loss assistant_only_loss dataset_batch_size num_of_sequences
 chars_per_token pad_to_multiple_of dataset_name dataset_config dataset_train_split dataset_test_split
-dataset_streaming gradient_checkpointing_use_reentrant ignore_bias_buffers model_revision trust_remote_code
+dataset_streaming ignore_bias_buffers model_revision trust_remote_code
 base_model_revision model_code_revision lora_alpha lora_modules_to_save lora_task_type use_rslora
 bnb_4bit_quant_type use_bnb_nested_quant bnb_4bit_quant_storage lora_target_parameters config
 """)
@@ -136,6 +142,7 @@ def _read_half(reading: Reading, bf16: Any, fp16: Any, *, trl: bool) -> None:
 
 def _read_checkpointing(reading: Reading, data: dict[str, Any], take, *, trl: bool) -> None:
     # transformers >= 5.2x names it activation_checkpointing; gradient_checkpointing is the older name.
+    read_reentrant(reading, {key: take(key) for key in REENTRANT_KEYS})
     for key in ("activation_checkpointing", "gradient_checkpointing"):
         value = take(key)
         if value is not None:

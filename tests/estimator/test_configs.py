@@ -175,7 +175,7 @@ def test_every_fsdp1_setting_of_an_accelerate_config_equals_its_flag(tmp_path):
 def test_trainer_fsdp_config_version_1_equals_the_flags(tmp_path):
     args = {"per_device_train_batch_size": 2, "bf16": True, "fsdp": "shard_grad_op auto_wrap offload",
             "fsdp_config": {"version": 1, "backward_prefetch": "backward_pre", "forward_prefetch": "true"}}
-    path = tmp_path / "args.json"
+    path = tmp_path / "args.yaml"
     path.write_text(json.dumps(args))
     spec, _ = spec_from_configs([str(path)], {"model": "facebook/opt-125m", "world_size": 4})
     flags = ["--model", "facebook/opt-125m", "--gpus", "4", "--micro-batch-size", "2", "--precision", "mixed_bf16",
@@ -242,6 +242,40 @@ LLAMAFACTORY_LORA = {"model_name_or_path": "meta-llama/Llama-3.2-1B", "stage": "
 def test_lora_dropout_is_read_from_each_tool_or_its_default(tmp_path, name, config, expected):
     spec, _ = spec_from_configs([_write_yaml(tmp_path / name, config)], {})
     assert spec.training.lora_rank > 0 and spec.training.lora_dropout == expected
+
+
+HF_CKPT = {"model_name_or_path": "meta-llama/Llama-3.2-1B", "per_device_train_batch_size": 1,
+           "gradient_checkpointing": True}
+
+
+@pytest.mark.parametrize(("name", "config", "expected"), [
+    ("args.yaml", {**HF_CKPT, "gradient_checkpointing_kwargs": {"use_reentrant": True}}, True),
+    ("args.yaml", {**HF_CKPT, "gradient_checkpointing_kwargs": '{"use_reentrant": false}'}, False),
+    ("args.yaml", {**HF_CKPT, "activation_checkpointing_kwargs": {"use_reentrant": "true"}}, True),
+    ("args.yaml", HF_CKPT, False),  # transformers 5's default
+    ("args.yaml", {**HF_CKPT, "gradient_checkpointing": False,
+                   "gradient_checkpointing_kwargs": {"use_reentrant": True}}, False),  # nothing re-enters
+    ("trl.yaml", {"model_name_or_path": "meta-llama/Llama-3.2-1B", "max_length": 512,
+                  "gradient_checkpointing_use_reentrant": True}, True),
+    ("axolotl.yaml", {"base_model": "meta-llama/Llama-3.2-1B", "gradient_checkpointing": True,
+                      "gradient_checkpointing_kwargs": {"use_reentrant": True}}, True),
+])
+def test_reentrant_checkpointing_is_read_from_the_checkpointing_kwargs(tmp_path, name, config, expected):
+    spec, report = spec_from_configs([_write_yaml(tmp_path / name, config)], {})
+    assert spec.training.ckpt_reentrant is expected
+    assert not any("use_reentrant" in key for key in report.unknown)
+
+
+def test_the_reentrant_flag_overrides_the_config(tmp_path):
+    config = {**HF_CKPT, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    spec, _ = spec_from_configs([_write_yaml(tmp_path / "args.yaml", config)], {"ckpt_reentrant": True})
+    assert spec.training.ckpt_reentrant is True
+
+
+def test_bad_checkpointing_kwargs_name_the_file_and_key(tmp_path):
+    config = {**HF_CKPT, "gradient_checkpointing_kwargs": "use_reentrant"}
+    with pytest.raises(ValueError, match=r"args\.yaml: gradient_checkpointing_kwargs: must be a mapping"):
+        spec_from_configs([_write_yaml(tmp_path / "args.yaml", config)], {})
 
 
 def test_a_bad_lora_dropout_names_the_file_and_key(tmp_path):
