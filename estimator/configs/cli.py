@@ -73,6 +73,7 @@ def plan_args_from_configs(args: argparse.Namespace, argv: list[str], build_pars
     args.ce = keep("ce", None if t.ce == "standard" else t.ce)
     args.ce_chunks = keep("ce_chunks", t.ce_chunks if t.ce == "chunked" else None)
     args.activation_offload = keep("activation_offload", t.activation_offload or None)
+    args.ckpt_reentrant = keep("ckpt_reentrant", t.ckpt_reentrant)
     if args.precision is None:
         args.precision = _plan_precision(spec)
     if args.global_batch is None:

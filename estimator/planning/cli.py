@@ -73,6 +73,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="the forward returns fp32 copies of its 16-bit outputs (accelerate's mixed precision, "
                              "the HF Trainer with bf16/fp16): a manual loop holds fp32 logits; over 16-bit weights "
                              "the forward also runs under autocast")
+    parser.add_argument("--ckpt-reentrant", action="store_true",
+                        help="the checkpointed layouts checkpoint reentrantly (use_reentrant=True, the HF Trainer's "
+                             "default through transformers 4.x); with --model-code before 4.52 the fsdp1 layout "
+                             "over frozen layers (LoRA) then keeps each recomputed layer's input until backward ends")
     parser.add_argument("--batch", choices=BATCHES, default="full",
                         help="'full' (default: every row full length, or packed) or 'padded' (some rows padded: "
                              "an attention mask; set per batch from --lengths)")
@@ -126,7 +130,7 @@ def run_plan(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                               bandwidth_gbs=args.bandwidth, host_ram_gb=args.host_ram, loop=args.loop,
                               epoch=epoch, alloc_conf=args.alloc_conf, batch=args.batch,
                               fsdp1=fsdp1_from_args(args, "fsdp1", getattr(args, "fsdp1_base", None)),
-                              outputs_fp32=args.outputs_fp32, grad_sync=args.grad_sync,
+                              outputs_fp32=args.outputs_fp32, grad_sync=args.grad_sync, ckpt_reentrant=args.ckpt_reentrant,
                               model_code=args.model_code, techniques=_techniques(args),
                               try_techniques=not args.no_techniques, moe_imbalance=args.moe_imbalance)
         baseline = None

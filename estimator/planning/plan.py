@@ -393,6 +393,7 @@ class _Context:
     host_ram_bytes: int | None = None      # the user's host RAM per node (offload layouts), if given
     fsdp1: Fsdp1Spec = field(default_factory=Fsdp1Spec)  # the fsdp1 layout's settings
     moe_imbalance: float = 1.0             # the busiest expert's load relative to balanced (EP layouts)
+    ckpt_reentrant: bool = False           # the checkpointed layouts' checkpointing re-enters (TrainingSpec's)
     # Sample lengths (estimator.batching.epoch.EpochSource): memory at each micro-batch's worst batch, step time
     # at its mean padded length, tokens/s in real tokens.
     epoch: Any = None
@@ -427,6 +428,7 @@ class _Context:
 
     def spec(self, cand: Candidate, mb: int, **training: Any) -> RunSpec:
         training.setdefault("grad_accum_steps", self.held_accumulation(cand, mb))
+        training.setdefault("ckpt_reentrant", self.ckpt_reentrant and cand.grad_ckpt and not self.training.ckpt_policy)
         train = dataclasses.replace(self.training, micro_batch_size=mb, grad_ckpt=cand.grad_ckpt, **training)
         parallel = cand.parallel_spec()
         if cand.method == "fsdp1":
@@ -784,7 +786,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
          epoch: Any = None, alloc_conf: str | None = None, batch: str = "full",
          fsdp1: Fsdp1Spec | None = None, outputs_fp32: bool = False, grad_sync: str = "every",
          model_code: str = "", techniques: dict[str, Any] | None = None, try_techniques: bool = True,
-         moe_imbalance: float = 1.0) -> Plan:
+         moe_imbalance: float = 1.0, ckpt_reentrant: bool = False) -> Plan:
     """Search, rank and advise. Raises ``ValueError("field: ...")`` for bad input (unknown GPU or model,
     impossible N, a global batch no candidate can split, a method with no layout on N GPUs).
 
@@ -800,6 +802,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     ``moe_imbalance``: the busiest expert's load relative to balanced routing (``ParallelSpec.moe_imbalance``):
     the EP layouts' memory and step time follow their busiest rank.
     ``model_code``: the transformers release whose model code runs (``TrainingSpec.model_code``).
+    ``ckpt_reentrant``: the checkpointed layouts checkpoint reentrantly (``TrainingSpec.ckpt_reentrant``).
     ``techniques``: TrainingSpec fields of long-context techniques every layout runs (``ce``, ``ce_chunks``,
     ``activation_offload``, ``ckpt_policy``: a policy plans the checkpointed layouts only). Without them and
     with ``try_techniques``, when no GPU-resident layout fits, the layouts are planned again under each rung of
@@ -837,7 +840,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
                    ckpt_options=ckpt_options,
                    host_ram_bytes=int(host_ram_gb * GIB) if host_ram_gb is not None else None, epoch=epoch,
                    fsdp1=fsdp1 or Fsdp1Spec(), global_batch=global_batch,
-                   moe_imbalance=_checked_imbalance(moe_imbalance))
+                   moe_imbalance=_checked_imbalance(moe_imbalance), ckpt_reentrant=ckpt_reentrant)
     if gpus % ctx.fsdp1.shard_size(gpus):
         raise ValueError(f"gpus_per_node: HYBRID_SHARD needs whole nodes: {gpus} GPUs is not a multiple of "
                          f"{ctx.fsdp1.gpus_per_node}")

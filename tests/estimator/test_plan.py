@@ -606,3 +606,12 @@ def test_layouts_that_do_not_fit_report_lower_bounds():
                                 parallel=r.candidate.parallel_spec()))
         assert not full.fits and full.upper_bound_bytes >= r.bound_bytes
         assert not any(rank.reserved_lower_bound for rank in full.ranks)
+
+
+def test_reentrant_checkpointing_goes_to_the_checkpointed_layouts_only():
+    calls: list = []
+    run(estimate_fn=make_fake(calls=calls), lora_rank=16, ckpt_reentrant=True, methods=["fsdp1", "ddp"])
+    assert {(s.training.grad_ckpt, s.training.ckpt_reentrant) for s in calls} == {(True, True), (False, False)}
+    plain: list = []
+    run(estimate_fn=make_fake(calls=plain), lora_rank=16, methods=["fsdp1"])
+    assert not any(s.training.ckpt_reentrant for s in plain)
