@@ -34,7 +34,7 @@ from estimator.methods.router_unit import router_segments
 from estimator.methods.timeline import Replay, at_depth, poly, replay
 from estimator.models.arch import ModelArch, cached_arch
 from estimator.models.memo import memo_by_owner
-from estimator.models.moe import moe_facts, moe_notes, qlora_experts_note
+from estimator.models.moe import experts_breakdown, moe_facts, moe_notes, qlora_experts_note
 from estimator.models.moe_ep import EpLayout, ep_notes
 from estimator.models.params import buffer_bytes, expand_params, param_counts
 from estimator.models.profiles import adapters_in_16bit, traced_release, versions_note
@@ -92,6 +92,9 @@ class Estimate:
     alloc_conf: str = ""
     # The transformers release (major.minor) whose model code the profile traced ("" when it does not say).
     model_code: str = ""
+    # A mixture-of-experts model: the routed experts' part of the worst rank's weights, gradients and optimizer
+    # states (``estimator.models.moe.experts_breakdown``); empty for a dense model.
+    experts_breakdown: dict[str, int] = field(default_factory=dict)
 
     def _worst(self) -> RankEstimate:
         return next(r for r in self.ranks if r.rank == self.worst_rank)
@@ -142,7 +145,8 @@ class Estimate:
             "reserved_source": self.reserved_source, "alloc_conf": self.alloc_conf,
             "capacity_bytes": self.capacity_bytes, "fits": self.fits, "headroom_bytes": self.headroom_bytes,
             "host_ram_bytes": self.host_ram_bytes, "phase": self.phase, "worst_rank": self.worst_rank,
-            "breakdown": self.breakdown, "ranks": [asdict(r) for r in self.ranks],
+            "breakdown": self.breakdown, "experts_breakdown": self.experts_breakdown,
+            "ranks": [asdict(r) for r in self.ranks],
             "params": self.params, "trainable_params": self.trainable_params,
             "calibrated": self.calibrated, "model_code": self.model_code, "notes": list(self.notes),
             "spec": self.spec.to_dict(),
@@ -703,7 +707,8 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     return Estimate(spec=asked, ranks=ranks, worst_rank=worst.rank, capacity_bytes=gpu.capacity_bytes,
                     upper_bound_bytes=upper, host_ram_bytes=int(model.host_bytes) if model else 0,
                     calibrated=coeffs.calibrated, gpu_key=gpu.key, params=total, trainable_params=trainable,
-                    notes=notes, alloc_conf=conf or "", model_code=traced_release(profile) or "")
+                    notes=notes, alloc_conf=conf or "", model_code=traced_release(profile) or "",
+                    experts_breakdown=experts_breakdown(table, worst.breakdown))
 
 
 def _pipeline_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, gpu,

@@ -292,6 +292,8 @@ def render_detail(est) -> str:
     lines.append("\nbreakdown at the allocated peak (worst rank):")
     for name, value in est.breakdown.items():
         lines.append(f"  {name:<20}{_gib(value)} GiB")
+        if name in est.experts_breakdown:
+            lines.append(f"    {'routed experts':<18}{_gib(est.experts_breakdown[name])} GiB")
     verdict = "fits" if est.fits else "DOES NOT FIT"
     lines.append(f"\n{verdict}: device peak {est.peak_device_bytes / GIB:.2f} GiB (safety bound "
                  f"{est.upper_bound_bytes / GIB:.2f}) of {est.capacity_bytes / GIB:.2f} GiB; headroom "

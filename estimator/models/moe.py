@@ -133,3 +133,23 @@ def qlora_experts_note(table: list) -> list[str]:
             "holds them as fused 3-D parameters, which bitsandbytes does not quantize (it swaps nn.Linear modules "
             "only), and peft's prepare_model_for_kbit_training casts every other 16-bit parameter to fp32"]
 
+
+def experts_breakdown(table: list, breakdown: dict[str, int]) -> dict[str, int]:
+    """The routed experts' part of a rank's weights, gradients and optimizer states (``ParamInfo`` rows of the
+    profile's table; ``breakdown``: the rank's at its peak), in proportion to their bytes: what every rank holds of
+    the experts and of the rest shrinks by the same factor under FSDP2, FSDP1 and ZeRO-3 (1 / world) and under
+    expert parallelism (each rank E / ep experts, FSDP-sharded over world / ep: again 1 / world); ZeRO-1/2's flat
+    partitions hold that share only on average over the ranks. Empty for a dense model. Gradients and optimizer
+    states follow the trainable parameters (LoRA: the experts' adapters, if any)."""
+    def stored(rows) -> float:
+        return sum(p.numel * (p.stored_bytes_per_elem or p.elem_bytes) for p in rows)
+
+    experts = [p for p in table if is_routed_expert(p.name)]
+    if not experts or not stored(table):
+        return {}
+    out = {"weights": breakdown.get("weights", 0) * stored(experts) / stored(table)}
+    trainable = stored(p for p in table if p.trainable)
+    if trainable:
+        share = stored(p for p in experts if p.trainable) / trainable
+        out.update((k, breakdown.get(k, 0) * share) for k in ("gradients", "optimizer_states"))
+    return {k: int(round(v)) for k, v in out.items() if v >= 0.5}

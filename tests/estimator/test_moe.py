@@ -1,12 +1,13 @@
 """Mixture-of-experts: the experts' share and the routing assumption in the estimate, and the claim behind it
 (dropless experts save the same bytes however the router spreads the tokens), checked on a real CPU run."""
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from estimator.models.moe import is_routed_expert, moe_facts, moe_notes, qlora_experts_note
+from estimator.models.moe import experts_breakdown, is_routed_expert, moe_facts, moe_notes, qlora_experts_note
 from estimator.models.params import ParamInfo
 
 TINY_QWEN3_MOE = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
@@ -61,13 +62,32 @@ def test_catalogue_moe_models_under_fsdp_on_8_gpus(model):
     assert est.params / 1e9 == pytest.approx(CATALOGUE_TOTALS_B[model], abs=0.05)
     assert any(n.startswith("moe: ") for n in est.notes)
     assert any(n.startswith("moe routing: dropless") for n in est.notes)
+    # the experts' share of each model state in the breakdown: most of it, never all (attention, embeddings)
+    for name in ("weights", "gradients", "optimizer_states"):
+        assert 0.5 * est.breakdown[name] < est.experts_breakdown[name] < est.breakdown[name]
 
 
 def test_dense_models_get_no_moe_note():
     from estimator.api import estimate
     from estimator.spec import RunSpec
 
-    assert not any(n.startswith("moe") for n in estimate(RunSpec(), allow_build=False).notes)
+    est = estimate(RunSpec(), allow_build=False)
+    assert not any(n.startswith("moe") for n in est.notes) and est.experts_breakdown == {}
+
+
+def test_the_experts_share_follows_their_bytes_and_lora_trains_none_of_them():
+    def row(name, numel, elem, trainable):
+        return ParamInfo(name=name, shape=(numel,), numel=numel, elem_bytes=elem, trainable=trainable,
+                         module_kind="linear", layer=0)
+    full = [row("model.layers.0.mlp.experts.gate_up_proj", 3000, 2, True),
+            row("model.layers.0.mlp.shared_expert.up_proj.weight", 500, 2, True),
+            row("model.layers.0.self_attn.q_proj.weight", 500, 2, True)]
+    breakdown = {"weights": 4000, "gradients": 4000, "optimizer_states": 16000, "activations": 999}
+    assert experts_breakdown(full, breakdown) == {"weights": 3000, "gradients": 3000, "optimizer_states": 12000}
+    lora = [dataclasses.replace(p, trainable=False) for p in full] + [
+        row("model.layers.0.self_attn.q_proj.lora_A.default.weight", 100, 4, True)]
+    assert experts_breakdown(lora, breakdown) == {"weights": round(4000 * 6000 / 8400)}  # frozen: no gradients
+    assert experts_breakdown(full[1:], breakdown) == {}
 
 
 def test_balanced_and_skewed_routing_keep_the_same_bytes_on_a_real_cpu_run():
