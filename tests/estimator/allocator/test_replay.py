@@ -41,17 +41,18 @@ def test_every_address_and_segment_event_matches(name, device):
 
 
 def test_own_h200_traces_are_carried():
-    assert len(OWN) == 7
+    assert len(OWN) == 26  # session 15 (7), session 25 (19: README)
 
 
 @pytest.mark.parametrize("name", OWN)
 def test_own_h200_training_traces_replay_exactly_from_a_cold_start(name):
-    """Three fine-tuning steps per rank on a real H200 (FSDP2's side streams included): every block lands at
-    the address the real allocator gave it, every cudaMalloc matches, from an empty allocator."""
+    """Three fine-tuning steps per rank on a real H200 (FSDP2's side streams included; session 25: FSDP1's, TP,
+    dp_tp, ZeRO's three streams, LoRA, MoE at full width): every block lands at the address the real allocator
+    gave it, every cudaMalloc matches, from an empty allocator."""
     report = replay_device(check_snapshot(load_snapshot(str(OWN_TRACES / name))), 0)
     assert report["mismatches"] == []
-    assert report["addr_matches"] == report["allocs"] > 5000
-    assert report["segment_matches"] == report["segment_events"] > 200
+    assert report["addr_matches"] == report["allocs"] > 2000
+    assert report["segment_matches"] == report["segment_events"] > 50
     assert report["reserved_peak_bytes"]["recorded"] == report["reserved_peak_bytes"]["simulated"]
 
 
