@@ -101,7 +101,8 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
     if _fp32_copies(training, regime) is None:
         return "outputs_fp32 with an output object of 16-bit and other tensors: not in the event list"
     try:  # the expansion's own reason (memoized: the replay uses the same one)
-        _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)))
+        _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)),
+                   head_grad_bytes(table))
     except ExpansionError as err:
         return str(err)
     return None
@@ -161,14 +162,24 @@ def alloc_conf(text: str | None):
     return _CONFS[key]
 
 
-def _expansion(events: dict, num_layers: int, loop: str, fp32_copies: bool = False):
-    key = (id(events), num_layers, loop, fp32_copies)
+def head_grad_bytes(table: list[ParamInfo] | None) -> int | None:
+    """The bytes of the LM head weight's gradient (the head, or the embedding it is tied to), if it trains: the
+    backward's first matmul output (``expand._backward_workspace_at``)."""
+    for p in table or ():
+        if p.trainable and p.layer is None and any(name.endswith("lm_head.weight") for name in (p.name, *p.tied_names)):
+            return p.numel * p.elem_bytes
+    return None
+
+
+def _expansion(events: dict, num_layers: int, loop: str, fp32_copies: bool = False,
+               head_bytes: int | None = None):
+    key = (id(events), num_layers, loop, fp32_copies, head_bytes)
     hit = _EXPANSIONS.get(key)
     if hit is None or hit[0] is not events:
         if len(_EXPANSIONS) > 256:
             _EXPANSIONS.clear()
         try:
-            hit = (events, expand(events, num_layers, loop, fp32_copies))
+            hit = (events, expand(events, num_layers, loop, fp32_copies, head_bytes))
         except ExpansionError as err:
             hit = (events, err)
         _EXPANSIONS[key] = hit
@@ -306,7 +317,8 @@ def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[Para
     when the cap is hit, as ``replay_reserved`` does (``_capped_then_needed``). ExpansionError: no replay."""
     training = spec.training
     events = _events(spec, regime, num_layers)
-    expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)))
+    expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)),
+                           head_grad_bytes(table))
     plans: dict[tuple[int, int], StepPlan] = {}
     sequence = []
     for b, s in shapes:
@@ -346,7 +358,8 @@ def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], n
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
     events = _events(spec, regime, num_layers)
-    expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)))
+    expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)),
+                           head_grad_bytes(table))
     plan = _plan(spec, events, expansion, table, num_layers, b, s, workspace_bytes=workspace_bytes,
                  workspaces=workspaces, rank=rank)
     setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"),
