@@ -102,7 +102,7 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
         return "outputs_fp32 with an output object of 16-bit and other tensors: not in the event list"
     try:  # the expansion's own reason (memoized: the replay uses the same one)
         _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)),
-                   head_grad_bytes(table))
+                   head_grad_bytes(table, 2 if training.forward_autocast else None))
     except ExpansionError as err:
         return str(err)
     return None
@@ -162,12 +162,13 @@ def alloc_conf(text: str | None):
     return _CONFS[key]
 
 
-def head_grad_bytes(table: list[ParamInfo] | None) -> int | None:
-    """The bytes of the LM head weight's gradient (the head, or the embedding it is tied to), if it trains: the
-    backward's first matmul output (``expand._backward_workspace_at``)."""
+def head_grad_bytes(table: list[ParamInfo] | None, autocast_elem_bytes: int | None = None) -> int | None:
+    """The bytes of the LM head weight's gradient as its matmul makes it (the head, or the embedding it is tied to),
+    if it trains: the backward's first matmul output (``expand._backward_workspace_at``). Under autocast the matmul
+    runs in the 16-bit dtype, so its gradient output is 16-bit before it is cast to the fp32 weight's dtype."""
     for p in table or ():
         if p.trainable and p.layer is None and any(name.endswith("lm_head.weight") for name in (p.name, *p.tied_names)):
-            return p.numel * p.elem_bytes
+            return p.numel * (autocast_elem_bytes or p.elem_bytes)
     return None
 
 
@@ -318,7 +319,7 @@ def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[Para
     training = spec.training
     events = _events(spec, regime, num_layers)
     expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)),
-                           head_grad_bytes(table))
+                           head_grad_bytes(table, 2 if training.forward_autocast else None))
     plans: dict[tuple[int, int], StepPlan] = {}
     sequence = []
     for b, s in shapes:
@@ -359,7 +360,7 @@ def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], n
     b, s = training.micro_batch_size, training.seq_len
     events = _events(spec, regime, num_layers)
     expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)),
-                           head_grad_bytes(table))
+                           head_grad_bytes(table, 2 if training.forward_autocast else None))
     plan = _plan(spec, events, expansion, table, num_layers, b, s, workspace_bytes=workspace_bytes,
                  workspaces=workspaces, rank=rank)
     setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"),

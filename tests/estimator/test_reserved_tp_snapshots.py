@@ -116,6 +116,15 @@ def test_a_frozen_head_keeps_the_workspace_at_the_loss():
     assert head_grad_bytes([_param("lm_head.weight")]) == 32
 
 
+def test_under_autocast_the_heads_matmul_makes_a_16_bit_gradient():
+    """amp: fp32 weights, the matmul in bf16 (the H200 amp snapshot's workspace follows a 501 MiB request, not the
+    1002 MiB fp32 copy of the head's gradient)."""
+    fp32_head = ParamInfo(name="lm_head.weight", shape=(4, 4), numel=16, elem_bytes=4, trainable=True,
+                          module_kind="linear", layer=None)
+    assert head_grad_bytes([fp32_head]) == 64
+    assert head_grad_bytes([fp32_head], autocast_elem_bytes=2) == 32
+
+
 def test_tp_and_dp_tp_rows_are_replayed_within_a_tenth_of_a_percent():
     """Before: dp_tp every-k:2 -16.7 % (prior), TP x8 b1 -5.5 %, dp_tp b1 -1.9 % on both GPUs."""
     for gpu, run_ids in (("h200-141gb", ["7addc9fe3f22cb20", "c18d98b58a82376d", "85f44c981a598d21"]),
