@@ -6,8 +6,9 @@ For the run's spec (its row of ``data/measurements/<gpu>/gpu_snapshots.csv``) th
 (``estimator.reserved.rank.replay_rank``) to get its setup and step plan; the generated requests are the setup's
 allocations then ``timeline.step_requests`` for three steps (what ``replay_rank`` replays, test
 ``test_reserved``). The recorded requests are the snapshot's ``alloc`` / ``free_requested`` events. Both are cut in
-phases (setup, step 1, 2, 3; the recorded steps end at the trace's ``zero_grad`` annotations, the recorded setup at
-the first batch-sized int64 tensor) and aligned per phase by size (``difflib``). Printed: per phase the allocation
+phases (setup, step 1, 2, 3; the recorded steps end at the trace's ``zero_grad`` annotations, else at the end of
+each step's last ``Optimizer.step`` (a TP run steps one optimizer per kind of parameter), the recorded setup at the
+first batch-sized int64 tensor) and aligned per phase by size (``difflib``). Printed: per phase the allocation
 count, requested bytes and reserved level at the phase end (each stream through the model with the simulated
 driver), the size multiset difference, and the first aligned runs that differ; then the reserved peak of
   - the recorded stream, recorded addresses (the measured peak, exact: ``estimator.allocator.replay``),
