@@ -6,8 +6,9 @@ For the run's spec (its row of ``data/measurements/<gpu>/gpu_snapshots.csv``) th
 (``estimator.reserved.rank.replay_rank``) to get its setup and step plan; the generated requests are the setup's
 allocations then ``timeline.step_requests`` for three steps (what ``replay_rank`` replays, test
 ``test_reserved``). The recorded requests are the snapshot's ``alloc`` / ``free_requested`` events. Both are cut in
-phases (setup, step 1, 2, 3; the recorded steps end at the trace's ``zero_grad`` annotations, the recorded setup at
-the first batch-sized int64 tensor) and aligned per phase by size (``difflib``). Printed: per phase the allocation
+phases (setup, step 1, 2, 3; the recorded steps end at the trace's ``zero_grad`` annotations, else at the end of
+each step's last ``Optimizer.step`` (a TP run steps one optimizer per kind of parameter), the recorded setup at the
+first batch-sized int64 tensor) and aligned per phase by size (``difflib``). Printed: per phase the allocation
 count, requested bytes and reserved level at the phase end (each stream through the model with the simulated
 driver), the size multiset difference, and the first aligned runs that differ; then the reserved peak of
   - the recorded stream, recorded addresses (the measured peak, exact: ``estimator.allocator.replay``),
@@ -27,6 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MEASUREMENTS = ROOT / "data" / "measurements"
 MIB = 1024 * 1024
+# a snapshot runs to the end of the third training step; a TP run steps one optimizer per kind of parameter
+# (DTensor shards, replicated tensors: harness.methods.tp), so each step ends at its last optimizer's end
+STEPS = 3
 
 
 def _row(run_id: str, gpu: str, rank: int = 0) -> dict:
@@ -95,6 +99,7 @@ def recorded(path: Path, batch_bytes: int, setup_bytes: int = 0):
     ends = [a["time_us"] for a in annotations if a["stage"] == "END" and "zero_grad" in a["name"]]
     if not ends and annotations:  # no zero_grad annotation (a wrapping optimizer): the outermost step's end
         ends = [a["time_us"] for a in annotations if a["stage"] == "END" and a["name"] == annotations[0]["name"]]
+        ends = ends[len(ends) // STEPS - 1::len(ends) // STEPS] if len(ends) > STEPS else ends
     allocs, live_bytes, sizes = [], [], {}
     for event in trace:  # live requested bytes before each allocation
         if event["action"] == "alloc":

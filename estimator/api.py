@@ -39,7 +39,7 @@ from estimator.models.moe_ep import EpLayout, ep_notes
 from estimator.models.params import buffer_bytes, expand_params, param_counts
 from estimator.models.profiles import adapters_in_16bit, traced_release, versions_note
 from estimator.models.tp_plans import check_tp
-from estimator.profiler.cache import load_model_profile
+from estimator.profiler.cache import load_model_profile, load_plain_and_checkpointed
 from estimator.spec import FSDP_METHODS, ParallelSpec, RunSpec, TrainingSpec, ckpt_every
 
 GIB = 1024**3
@@ -279,9 +279,7 @@ def every_k_profile(model: str, training: TrainingSpec, tp: int, every: int, *, 
     """The profile of every-k checkpointing: each regime's segments mixed layer by layer from the checkpointed
     and the plain profile (``methods.long_context.mixed_layers``). Without an event list: the reserved level
     keeps the prior (``why_not``)."""
-    full = dataclasses.replace(training, ckpt_policy="")
-    arch, ckpt = load_model_profile(model, full, tp, allow_build=allow_build)
-    _, plain = load_model_profile(model, dataclasses.replace(full, grad_ckpt=False), tp, allow_build=allow_build)
+    arch, plain, ckpt = load_plain_and_checkpointed(model, training, tp, allow_build=allow_build)
     regimes = []
     for mine, theirs in zip(plain["regimes"], ckpt["regimes"]):
         mixed = {k: v for k, v in mine.items() if k != "events"}

@@ -9,7 +9,14 @@ import json
 from dataclasses import replace
 
 from estimator.models.arch import ModelArch, cached_arch
-from estimator.models.profiles import find_profile, has_events, installed_version, profile_key, save_profile
+from estimator.models.profiles import (
+    find_profile,
+    has_events,
+    installed_version,
+    profile_key,
+    save_profile,
+    traced_release,
+)
 from estimator.spec import TrainingSpec, model_code_release
 
 
@@ -69,6 +76,22 @@ def load_model_profile(model: str, training: TrainingSpec, tp: int = 1, *, allow
     profile = get_profile(arch.config, arch.config_sha, training, allow_build=allow_build, tp=tp,
                           adapters_16bit=adapters_16bit)
     return arch, with_layer_kinds_at_depth(profile, arch, training, allow_build=allow_build)
+
+
+def load_plain_and_checkpointed(model: str, training: TrainingSpec, tp: int = 1, *, allow_build: bool = True
+                                ) -> tuple[ModelArch, dict, dict]:
+    """(arch, plain profile, checkpointed profile) for every-k checkpointing, both traced with one model code.
+    Each profile falls back on its own to the default one when the spec's release (``model_code``) was not traced
+    for it; a pair of two releases' code is not one run's step (transformers moves where a small tensor of the
+    decoder's prologue is freed between releases, so the two prefixes differ), so then both are the default's."""
+    full = replace(training, ckpt_policy="")
+    arch, ckpt = load_model_profile(model, full, tp, allow_build=allow_build)
+    _, plain = load_model_profile(model, replace(full, grad_ckpt=False), tp, allow_build=allow_build)
+    if training.model_code and traced_release(plain) != traced_release(ckpt):
+        default = replace(full, model_code="")
+        arch, ckpt = load_model_profile(model, default, tp, allow_build=allow_build)
+        _, plain = load_model_profile(model, replace(default, grad_ckpt=False), tp, allow_build=allow_build)
+    return arch, plain, ckpt
 
 
 def with_layer_kinds_at_depth(profile: dict, arch: ModelArch, training: TrainingSpec, *,

@@ -20,8 +20,6 @@ outer segments is an ExpansionError: the prior stays.
 
 from __future__ import annotations
 
-import dataclasses
-
 from estimator.methods.long_context import checkpointed
 from estimator.reserved.expand import CKPT, LAYER_SEGMENTS, RELEASE, ExpansionError, _decode, _Layout
 from estimator.spec import ckpt_every
@@ -247,16 +245,15 @@ def mixed_events(spec, regime: dict, num_layers: int) -> dict:
     """The merged event list of an every-k spec's (mixed) regime: the plain and the checkpointed profile's event
     lists of the regime with the same bounds, loaded as ``estimator.api.every_k_profile`` loads them (memoized per
     pair). ExpansionError: no replay (the reason)."""
-    from estimator.profiler.cache import load_model_profile
+    from estimator.profiler.cache import load_plain_and_checkpointed
 
     every = ckpt_every(spec.training.ckpt_policy)
-    full = dataclasses.replace(spec.training, ckpt_policy="")
+    try:
+        _, plain, ckpt = load_plain_and_checkpointed(spec.model, spec.training, spec.parallel.tp, allow_build=False)
+    except ValueError as err:
+        raise ExpansionError(f"every-k: {err}") from None
     pair = []
-    for training in (dataclasses.replace(full, grad_ckpt=False), full):
-        try:
-            _, profile = load_model_profile(spec.model, training, spec.parallel.tp, allow_build=False)
-        except ValueError as err:
-            raise ExpansionError(f"every-k: {err}") from None
+    for profile in (plain, ckpt):
         bounds = [r for r in profile["regimes"] if all(r[k] == regime[k] for k in ("b_min", "b_max", "s_min", "s_max"))]
         if not bounds or bounds[0].get("events") is None:
             raise ExpansionError("the profile has no event list (traced before event lists were kept)")

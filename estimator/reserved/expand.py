@@ -404,10 +404,31 @@ def _free_with_the_loss(orphans: set[int], steady: list, steady_at: int, first: 
             first_at + len(first_frees), at)
 
 
-def expand(events: dict, num_layers: int, loop: str = "trainer", fp32_copies: bool = False) -> Expansion:
+def _backward_workspace_at(ops: list, events: dict, mid_bw: int, bw_first: int, head_grad_bytes: int | None
+                           ) -> int:
+    """Where the backward thread's cuBLAS workspace is made: cuBLAS gets its workspace from the caching allocator
+    at the thread's first matmul, after that op allocated its output (``at::cuda::blas`` fetches the handle inside
+    the GEMM call). The backward's first matmul is the LM head's (the loss's backward has none), and
+    ``MmBackward0`` makes the weight's gradient first: the workspace follows the first allocation in the middle
+    segment of the head weight's bytes (a constant size). Seen in the H200 snapshots of session 25 (TP x8,
+    dp_tp): after the 501 MiB head gradient, not before the loss's backward. Without a trainable head (LoRA, or no
+    ``head_grad_bytes``): at the start of the middle segment, as before."""
+    if head_grad_bytes is None:
+        return mid_bw
+    constant = {i for i, poly in enumerate(events["polys"]) if poly[0] == head_grad_bytes and not any(poly[1:])}
+    for at in range(mid_bw, bw_first):
+        kind, _key, poly = ops[at]
+        if kind == ALLOC and poly in constant:
+            return at + 1
+    return mid_bw
+
+
+def expand(events: dict, num_layers: int, loop: str = "trainer", fp32_copies: bool = False,
+           head_grad_bytes: int | None = None) -> Expansion:
     """The first and the steady step of ``num_layers`` layers (>= 2); ``fp32_copies``: a manual loop holds fp32
-    copies of the output object's tensors (every held one 16-bit: the caller checks). Raises ExpansionError
-    when the events cannot be repeated."""
+    copies of the output object's tensors (every held one 16-bit: the caller checks); ``head_grad_bytes``: the
+    bytes of the trainable LM head's weight gradient (``_backward_workspace_at``). Raises ExpansionError when the
+    events cannot be repeated."""
     if num_layers < 2:
         raise ExpansionError("events: a 1-layer model has no generic layer to repeat")
     manual = loop == "manual"
@@ -446,7 +467,8 @@ def expand(events: dict, num_layers: int, loop: str = "trainer", fp32_copies: bo
     if leaked - previous:
         raise ExpansionError(f"events: {len(leaked - previous)} tensors of a steady step are never freed")
     return Expansion(first=StepEvents(first_ops, keys), steady=StepEvents(steady_ops, keys),
-                     workspace_at=(starts["fw_first"], starts["mid_bw"]),
+                     workspace_at=(starts["fw_first"], _backward_workspace_at(
+                         first_ops, events, starts["mid_bw"], starts["bw_first"], head_grad_bytes)),
                      optimizer_at=(starts["optimizer"], steady_starts["optimizer"]),
                      persistent_keys=frozenset(persistent - previous),
                      copy_of=tuple(events["size"][o] for o in held) if fp32_copies else (),

@@ -43,7 +43,7 @@ from estimator.reserved.expand import (
     alloc_on,
     check_step,
 )
-from estimator.reserved.timeline import Setup, model_order
+from estimator.reserved.timeline import Setup, model_order, to_empty_tied_copies
 
 DEFAULT, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2  # allocator streams
 FP32 = 4
@@ -122,7 +122,7 @@ def fsdp_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: int
         allocations.extend((f"buffers.{layer}", per_layer) for layer in range(num_layers))
     if non_layer:
         allocations.append(("buffers", non_layer))
-    return Setup(allocations, [], [])
+    return Setup(allocations, [], [], to_empty_tied_copies(allocations, table, swapped=True))
 
 
 class BufferOps:

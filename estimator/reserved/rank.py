@@ -101,7 +101,8 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
     if _fp32_copies(training, regime) is None:
         return "outputs_fp32 with an output object of 16-bit and other tensors: not in the event list"
     try:  # the expansion's own reason (memoized: the replay uses the same one)
-        _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)))
+        _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)),
+                   head_grad_bytes(table, 2 if training.forward_autocast else None))
     except ExpansionError as err:
         return str(err)
     return None
@@ -161,14 +162,25 @@ def alloc_conf(text: str | None):
     return _CONFS[key]
 
 
-def _expansion(events: dict, num_layers: int, loop: str, fp32_copies: bool = False):
-    key = (id(events), num_layers, loop, fp32_copies)
+def head_grad_bytes(table: list[ParamInfo] | None, autocast_elem_bytes: int | None = None) -> int | None:
+    """The bytes of the LM head weight's gradient as its matmul makes it (the head, or the embedding it is tied to),
+    if it trains: the backward's first matmul output (``expand._backward_workspace_at``). Under autocast the matmul
+    runs in the 16-bit dtype, so its gradient output is 16-bit before it is cast to the fp32 weight's dtype."""
+    for p in table or ():
+        if p.trainable and p.layer is None and any(name.endswith("lm_head.weight") for name in (p.name, *p.tied_names)):
+            return p.numel * (autocast_elem_bytes or p.elem_bytes)
+    return None
+
+
+def _expansion(events: dict, num_layers: int, loop: str, fp32_copies: bool = False,
+               head_bytes: int | None = None):
+    key = (id(events), num_layers, loop, fp32_copies, head_bytes)
     hit = _EXPANSIONS.get(key)
     if hit is None or hit[0] is not events:
         if len(_EXPANSIONS) > 256:
             _EXPANSIONS.clear()
         try:
-            hit = (events, expand(events, num_layers, loop, fp32_copies))
+            hit = (events, expand(events, num_layers, loop, fp32_copies, head_bytes))
         except ExpansionError as err:
             hit = (events, err)
         _EXPANSIONS[key] = hit
@@ -306,7 +318,8 @@ def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[Para
     when the cap is hit, as ``replay_reserved`` does (``_capped_then_needed``). ExpansionError: no replay."""
     training = spec.training
     events = _events(spec, regime, num_layers)
-    expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)))
+    expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)),
+                           head_grad_bytes(table, 2 if training.forward_autocast else None))
     plans: dict[tuple[int, int], StepPlan] = {}
     sequence = []
     for b, s in shapes:
@@ -346,7 +359,8 @@ def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], n
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
     events = _events(spec, regime, num_layers)
-    expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)))
+    expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)),
+                           head_grad_bytes(table, 2 if training.forward_autocast else None))
     plan = _plan(spec, events, expansion, table, num_layers, b, s, workspace_bytes=workspace_bytes,
                  workspaces=workspaces, rank=rank)
     setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"),

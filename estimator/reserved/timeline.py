@@ -48,6 +48,28 @@ def model_order(table: list[ParamInfo]) -> list[ParamInfo]:
     return before + layers + after
 
 
+def to_empty_tied_copies(allocations: list[tuple[str, int]], table: list[ParamInfo], swapped: bool
+                         ) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """A model built on the meta device and materialised with ``to_empty`` (``harness.methods.base.build_sharded``,
+    as torchtitan builds: fsdp, tp, dp_tp) makes a tied tensor once per module that holds it: ``Module._apply``
+    visits each module's own parameters, and the head is the model's last module, so its copy comes after the
+    buffers. Appends that copy to ``allocations``; returns the frees (``Setup.frees_after``). ``swapped``: DTensor
+    parameters (FSDP2's shards) take ``_apply``'s ``swap_tensors`` path into the one shared parameter, so the
+    embedding's first copy is freed as the head's is made, which stays; plain parameters (tp's replicated
+    embedding and head) take a new ``Parameter`` per module, untying them, and the harness's ``retie`` drops the
+    head's copy at once. Seen in the H200 snapshots of session 25 (FSDP2, dp_tp, TP x8: one embedding-sized
+    request after the rotary buffers)."""
+    index = {name: i for i, (name, _) in enumerate(allocations)}
+    frees = []
+    for p in table:
+        for other in p.tied_names:
+            first = index[p.name]
+            allocations.append((f"to_empty.{other}", allocations[first][1]))
+            copy = len(allocations) - 1
+            frees.append((copy, (first,) if swapped else (copy,)))
+    return tuple(frees)
+
+
 def ddp_buckets(params: list[ParamInfo], order: list[int]) -> list[list[int]]:
     """DDP's bucket assignment (``_compute_bucket_assignment_by_size``): tensors taken in ``order``, one open
     bucket per dtype, closed once it holds at least its limit (1 MiB for the first, then 25 MiB)."""
@@ -80,6 +102,7 @@ def setup_allocations(table: list[ParamInfo], buffers: tuple[int, int], num_laye
         allocations.extend((f"buffers.{layer}", layer_buffers) for layer in range(num_layers))
     if non_layer_buffers:
         allocations.append(("buffers", non_layer_buffers))
+    frees_after = to_empty_tied_copies(allocations, table, swapped=False) if method == "tp" else ()
     rebuilt: list[int] = []
     bucket_indices: list[int] = []
     if method == "ddp":
@@ -98,7 +121,7 @@ def setup_allocations(table: list[ParamInfo], buffers: tuple[int, int], num_laye
                 groups.setdefault(p.opt_group, []).append(p)
         for group in (groups[k] for k in sorted(groups)):
             allocations.extend((f"master.{p.name}", 4 * p.numel) for p in group if p.elem_bytes < 4)
-    return Setup(allocations, rebuilt, bucket_indices)
+    return Setup(allocations, rebuilt, bucket_indices, frees_after)
 
 
 @dataclass(frozen=True)
