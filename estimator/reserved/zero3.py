@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from estimator.methods.long_context import checkpointed
 from estimator.methods.state import zero_layout
 from estimator.models.params import ParamInfo
 from estimator.reserved.expand import ALLOC, FREE_PREVIOUS, Expansion, ExpansionError
@@ -39,6 +40,7 @@ from estimator.reserved.fsdp import _Builder, method_expansion
 from estimator.reserved.timeline import Setup, model_order
 from estimator.reserved.zero import FP32, FP64, REDUCTION, _backward_ops, _grad_params, _Step
 from estimator.reserved.zero3_gathers import emulate
+from estimator.spec import ckpt_every
 
 ALLGATHER = 2  # allocator stream of the coordinator's gathers (REDUCTION = 1: the reduce-scatter's)
 LAYER_BLOCKS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
@@ -63,8 +65,13 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
         return "zero3 with LoRA: frozen tensors' gathers are not in the replay yet"
     if training.grad_accum_steps > 1:
         return "zero3 with gradient accumulation: not in the replay yet"
-    if training.grad_ckpt:
-        return "zero3 with activation checkpointing (full or every-k): the recomputation's fetches are not in the replay yet"
+    if training.grad_ckpt and training.ckpt_reentrant:
+        return ("zero3 with reentrant checkpointing: the recomputation runs as a forward of its own, its fetches "
+                "not in the replay yet")
+    if training.grad_ckpt and training.ckpt_policy and ckpt_every(training.ckpt_policy) is None:
+        return f"zero3 with {training.ckpt_policy} checkpointing: not in the replay yet"
+    if training.grad_ckpt and training.activation_offload:
+        return "zero3 with activation checkpointing and offload: not checked against a run yet"
     if table is not None:
         if not llama_like(table):
             return ("zero3: the coordinator's module trace is modelled on Llama-style decoders (one tensor per "
@@ -72,6 +79,16 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
         if partition_numel(table, parallel.world_size) > zcfg.sub_group_size:
             return "zero3 with more than one optimizer sub-group: not in the replay yet"
     return None
+
+
+def recomputed_layers(training, num_layers: int) -> frozenset[int]:
+    """The decoder layers whose forward backward runs again (non-reentrant checkpointing, every layer or
+    every-k's), each with its fetches (``zero3_gathers.with_recomputation``)."""
+    if not training.grad_ckpt:
+        return frozenset()
+    every = ckpt_every(training.ckpt_policy)
+    on = checkpointed(num_layers, every) if every is not None else [True] * num_layers
+    return frozenset(i for i, layer_on in enumerate(on) if layer_on)
 
 
 def llama_like(table: list[ParamInfo]) -> bool:
@@ -163,14 +180,16 @@ class Zero3Step:
 
 
 def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16: int, bucket_numel: int,
-               optimizer: str, base_size_index: int, polys: list, zcfg) -> Zero3Step:
+               optimizer: str, base_size_index: int, polys: list, zcfg,
+               recomputed: frozenset[int] = frozenset()) -> Zero3Step:
     """The expansion with ZeRO-3's events (module docstring); new tensors' sizes take indices from
-    ``base_size_index`` on. ExpansionError where the step cannot be built."""
+    ``base_size_index`` on; ``recomputed``: the checkpointed layers (their recomputation's fetches; the
+    expansion holds their recomputed activations). ExpansionError where the step cannot be built."""
     if not llama_like(table):
         raise ExpansionError("zero3: the coordinator's module trace is modelled on Llama-style decoders only")
     gathers = emulate(table, world, steps=2, prefetch_bucket=zcfg.stage3_prefetch_bucket_size,
                       max_live=zcfg.stage3_max_live_parameters, max_reuse=zcfg.stage3_max_reuse_distance,
-                      persistence=zcfg.stage3_param_persistence_threshold)
+                      persistence=zcfg.stage3_param_persistence_threshold, checkpointed=recomputed)
     build = _Builder(expansion.steady.keys, base_size_index)
     first_marks, steady_marks = expansion.marks
     persistent = [p for p in model_order(table) if p.numel < zcfg.stage3_param_persistence_threshold]
