@@ -1,0 +1,235 @@
+"""ZeRO-3 with activation checkpointing: the parameter coordinator's gathers and releases of a checkpointed layer's
+recomputation (``estimator.reserved.zero3_gathers.with_recomputation``) against real DeepSpeed 0.19.8 runs on CPU.
+
+The fast tests read the coordinator's calls recorded from real runs (``data/zero3_coordinator_calls.json``: a
+4-layer Llama, hidden 64, world 2, rank 0, 3 steps, stage-3 knobs scaled so a prefetch spans about a layer and the
+norms are persistent), no torch. The slow test records them again live. Regenerate the file with
+
+    PYTHONPATH=. .venv/bin/python -m tests.estimator.test_zero3_recompute
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sys
+
+import pytest
+
+from estimator.methods.long_context import checkpointed
+from estimator.models.params import ParamInfo
+from estimator.reserved.zero3_gathers import emulate, modules_of, with_recomputation
+
+DATA = pathlib.Path(__file__).parent / "data" / "zero3_coordinator_calls.json"
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 160,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+         "max_position_embeddings": 512, "tie_word_embeddings": True}
+WORLD, B, S, STEPS = 2, 2, 64, 3
+# A layer holds 43,008 elements, the model 238,464. "wide": DeepSpeed's reuse distance and live limit (1e9),
+# larger than the model, so nothing gathered in forward is released before its backward; "tight": both scaled to
+# about a layer (as 1e9 is to Llama-3.2-1B's 1.24e9 elements), so the recomputation fetches again.
+KNOBS = {"wide": {"stage3_prefetch_bucket_size": 35_000, "stage3_param_persistence_threshold": 100},
+         "tight": {"stage3_prefetch_bucket_size": 35_000, "stage3_param_persistence_threshold": 100,
+                   "stage3_max_reuse_distance": 50_000, "stage3_max_live_parameters": 150_000}}
+POLICIES = ("none", "full", "every-k:2")
+CASES = [(knobs, policy) for knobs in KNOBS for policy in POLICIES]
+
+
+def _recomputed(policy: str, num_layers: int) -> frozenset[int]:
+    if policy == "none":
+        return frozenset()
+    on = [True] * num_layers if policy == "full" else checkpointed(num_layers, int(policy.split(":")[1]))
+    return frozenset(i for i, layer_on in enumerate(on) if layer_on)
+
+
+def _table(rows: list[dict]) -> list[ParamInfo]:
+    return [ParamInfo(**{**row, "shape": tuple(row["shape"]), "tied_names": tuple(row["tied_names"])})
+            for row in rows]
+
+
+def _comparable(calls: list[list], table: list[ParamInfo], persistence: int = 100) -> list[list[tuple]]:
+    """Per step, the gathers and releases the allgather stream sees: from the second step on, the persistent
+    tensors' releases at ``release_and_reset_all`` are left out (they were gathered on the default stream, by
+    ``_post_step``: ``estimator.reserved.zero3``)."""
+    persistent = {p.name for p in table if p.numel < persistence}
+    return [[(c[0], tuple(c[1]) if c[0] == "G" else c[1]) for c in step
+             if not (k and c[0] == "R" and c[1] in persistent)] for k, step in enumerate(calls)]
+
+
+def _emulation(table: list[ParamInfo], knobs: str, policy: str):
+    num_layers = 1 + max(p.layer for p in table if p.layer is not None)
+    k = KNOBS[knobs]
+    return emulate(table, WORLD, steps=STEPS, prefetch_bucket=k["stage3_prefetch_bucket_size"],
+                   persistence=k["stage3_param_persistence_threshold"],
+                   max_reuse=k.get("stage3_max_reuse_distance", 1_000_000_000),
+                   max_live=k.get("stage3_max_live_parameters", 1_000_000_000),
+                   checkpointed=_recomputed(policy, num_layers))
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict:
+    return json.loads(DATA.read_text())
+
+
+@pytest.mark.parametrize("knobs, policy", CASES)
+def test_the_emulated_coordinator_makes_the_real_runs_calls(recorded, knobs, policy):
+    """Every gather call (which tensors, in one call) and every release of three steps, in order: the first
+    step's recorded trace with each checkpointed layer's recomputation in backward (no prefetch), and the two
+    prefetching steps that follow that trace."""
+    table = _table(recorded["table"])
+    assert _emulation(table, knobs, policy).calls == _comparable(recorded["calls"][knobs][policy], table)
+
+
+def test_the_recomputation_enters_the_backward_trace_at_the_layers_first_fetch(recorded):
+    """Each checkpointed layer's forward modules (not the layer itself) come right after the backward's fetch of
+    its last MLP projection; that projection's release waits for the recomputation, whose own fetch of it is
+    never released (early stop)."""
+    table = _table(recorded["table"])
+    forward, backward = modules_of(table)
+    out, moved = with_recomputation(forward, backward, frozenset({1}))
+    names = [m.name for m in out]
+    at = names.index("model.layers.1.mlp.down_proj")
+    recompute = [m.name for m in forward if m.name.startswith("model.layers.1.")]
+    assert names[at + 1:at + 1 + len(recompute)] == recompute
+    assert len(out) == len(backward) + len(recompute)
+    first, last = len(forward) + at, len(forward) + at + len(recompute)
+    assert moved == {first: last, last: None}
+    assert with_recomputation(forward, backward, frozenset()) == (backward, {})
+
+
+def test_what_the_recomputation_adds_to_the_allgather_stream(recorded):
+    """The record step gathers each checkpointed layer again for its recomputation (two norms and seven
+    projections, less the MLP's last projection, still gathered for its backward). In the steps that follow the
+    trace, a reuse distance wider than the model keeps every tensor gathered from its forward to its backward, so
+    the recomputation fetches nothing; scaled to about a layer, full checkpointing fetches tensors again (every
+    other layer, here, not: what the recomputation needs is still within reach). The tiny model's allgather pool
+    is one 2 MiB segment either way."""
+    from estimator.allocator.requests import simulate
+    from estimator.reserved.zero3_gathers import pool_requests
+
+    table = _table(recorded["table"])
+    ops = {case: _emulation(table, *case) for case in CASES}
+    gathered = {case: [sum(len(c[1]) for c in step if c[0] == "G") for step in o.calls] for case, o in ops.items()}
+    assert gathered["wide", "full"][0] - gathered["wide", "none"][0] == 4 * 8
+    assert gathered["wide", "every-k:2"][0] - gathered["wide", "none"][0] == 2 * 8
+    assert gathered["wide", "full"][1:] == gathered["wide", "none"][1:] == [29, 29]
+    assert gathered["tight", "none"][1:] == gathered["tight", "every-k:2"][1:] == [46, 46]
+    assert gathered["tight", "full"][1:] == [51, 51]
+    assert {simulate(pool_requests(o))["peak_reserved_bytes"] for o in ops.values()} == {2 << 20}
+
+
+def test_zero3_replays_checkpointing_and_refuses_reentrant(tmp_path):
+    """Full and every-k non-reentrant checkpointing are replayed; reentrant checkpointing (its recomputation a
+    forward of its own, outside backward's hooks) keeps the prior, with the reason."""
+    from estimator.reserved.zero3 import why_not_zero3
+    from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
+
+    def spec(**training) -> RunSpec:
+        return RunSpec(model="meta-llama/Llama-3.2-1B",
+                       training=TrainingSpec(precision="mixed_bf16", micro_batch_size=1, seq_len=1024, **training),
+                       parallel=ParallelSpec(method="zero3", world_size=4))
+
+    assert why_not_zero3(spec(grad_ckpt=True)) is None
+    assert why_not_zero3(spec(grad_ckpt=True, ckpt_policy="every-k:2")) is None
+    assert why_not_zero3(spec(grad_ckpt=True, ckpt_reentrant=True)).startswith("zero3 with reentrant")
+    assert why_not_zero3(spec(grad_ckpt=True, ckpt_policy="selective-ops")).startswith("zero3 with selective-ops")
+
+
+def _real_coordinator_calls(config: dict, knobs: str, policy: str) -> tuple[list[dict], list[list]]:
+    """(the parameter table, per step the coordinator's gather calls and releases) of a real DeepSpeed ZeRO-3 run
+    on CPU (fake process group, rank 0), built and stepped as the harness runs it."""
+    import torch
+    from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
+    from transformers import masking_utils
+
+    from estimator import api
+    from estimator.profiler import build
+    from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
+    from harness import distributed
+    from harness.methods import deepspeed as ds_method
+    from harness.methods.base import WrapContext
+    from harness.options import HarnessOptions
+
+    path = pathlib.Path(__import__("tempfile").mkdtemp()) / "config.json"
+    path.write_text(json.dumps(config))
+    training = TrainingSpec(precision="mixed_bf16", attn="eager", micro_batch_size=B, seq_len=S,
+                            grad_ckpt=policy != "none", ckpt_policy="" if policy in ("none", "full") else policy)
+    zero = ZeroSpec(reduce_bucket_size=20_000, allgather_bucket_size=20_000, **KNOBS[knobs])
+    spec = RunSpec(model=str(path), training=training,
+                   parallel=ParallelSpec(method="zero3", world_size=WORLD, zero=zero))
+    plain = dataclasses.replace(training, grad_ckpt=False, ckpt_policy="")
+    arch, profile = api.load_model_profile(str(path), plain, 1)
+    table = api._param_table(profile, arch.num_layers)
+
+    coordinator = ppc.PartitionedParameterCoordinator
+    gather_name, release_name = ("_PartitionedParameterCoordinator__all_gather_params",
+                                 "_PartitionedParameterCoordinator__release_param")
+    gather, release = getattr(coordinator, gather_name), getattr(coordinator, release_name)
+    names: dict[int, str] = {}
+    steps: list[list] = []
+
+    def logged_gather(self, params, forward):
+        todo = [names[p.ds_id] for p in sorted(params, key=lambda p: p.ds_id) if p.ds_status.name == "NOT_AVAILABLE"]
+        if todo:
+            steps[-1].append(["G", todo])
+        return gather(self, params, forward)
+
+    def logged_release(self, param, *args, **kwargs):
+        was = param.ds_status.name
+        out = release(self, param, *args, **kwargs)
+        if was == "AVAILABLE" and param.ds_status.name == "NOT_AVAILABLE":
+            steps[-1].append(["R", names[param.ds_id]])
+        return out
+
+    orig_mask = masking_utils._ignore_causal_mask_sdpa
+    masking_utils._ignore_causal_mask_sdpa = lambda padding_mask, *a, **k: orig_mask(None, *a, **k)
+    setattr(coordinator, gather_name, logged_gather)
+    setattr(coordinator, release_name, logged_release)
+    steps.append([])  # the setup's own gathers (the gradient hooks' registration): not compared
+    dist_ctx = distributed.init(method="zero3", rank=0, world_size=WORLD, local_rank=0, device=torch.device("cpu"),
+                                emulated=True)
+    try:
+        trainer = ds_method.wrap(WrapContext(spec=spec, options=HarnessOptions(), dist=dist_ctx, config=config))
+        names.update({p.ds_id: n for n, p in trainer.engine.module.named_parameters()})
+        for _ in range(STEPS):
+            steps.append([])
+            loss = trainer.forward(build.synthetic_batch(B, S, config["vocab_size"]))
+            trainer.backward(loss)
+            del loss
+            trainer.step()
+        trainer.close()
+    finally:
+        setattr(coordinator, gather_name, gather)
+        setattr(coordinator, release_name, release)
+        masking_utils._ignore_causal_mask_sdpa = orig_mask
+        distributed.teardown()
+    return [dataclasses.asdict(p) for p in table], steps[1:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("knobs, policy", CASES)
+def test_the_emulation_against_a_live_run(knobs, policy):
+    pytest.importorskip("deepspeed")
+    from tests.estimator.test_reserved import _in_fresh_process
+
+    rows, calls = _in_fresh_process(_real_coordinator_calls, LLAMA, knobs, policy)
+    table = _table(rows)
+    assert _emulation(table, knobs, policy).calls == _comparable(calls, table)
+
+
+def _record() -> None:
+    """Rewrite ``DATA`` from three real runs (each in a spawned process: DeepSpeed's groups outlive a teardown)."""
+    from tests.estimator.test_reserved import _in_fresh_process
+
+    out: dict = {"config": LLAMA, "world": WORLD, "micro_batch_size": B, "seq_len": S, "knobs": KNOBS, "calls": {}}
+    for knobs, policy in CASES:
+        out["table"], out["calls"].setdefault(knobs, {})[policy] = _in_fresh_process(
+            _real_coordinator_calls, LLAMA, knobs, policy)
+    DATA.parent.mkdir(exist_ok=True)
+    DATA.write_text(json.dumps(out, separators=(",", ":")) + "\n")
+    print(f"wrote {DATA}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    _record()
