@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from estimator.methods.long_context import checkpointed
 from estimator.methods.state import zero_layout
 from estimator.models.params import ParamInfo
-from estimator.reserved.expand import ALLOC, FREE_PREVIOUS, Expansion, ExpansionError
+from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, ExpansionError
 from estimator.reserved.fsdp import _Builder, method_expansion
 from estimator.reserved.timeline import Setup, model_order
 from estimator.reserved.zero import FP32, FP64, REDUCTION, _backward_ops, _grad_params, _Step
@@ -173,6 +173,43 @@ class _Step3(_Step):
         self._free(out, grad32)
 
 
+def _last_projection(table: list[ParamInfo], layer: int) -> ParamInfo:
+    """The layer's MLP output projection: the last module its forward runs, the first its backward reaches."""
+    return next(p for p in table if p.layer == layer and p.name.endswith(f"mlp.{LAYER_BLOCKS['mlp'][-1]}.weight"))
+
+
+def _stopped_output_size_index(table: list[ParamInfo], polys: list) -> int:
+    """The size index of the MLP output projection's output (``b * s * out_features`` 16-bit elements), made
+    by a recomputation before it stops (``_recompute_output_made_then_dropped``)."""
+    layer = next(p.layer for p in table if p.layer is not None)
+    down = _last_projection(table, layer)
+    per_token = [0.0, 0.0, 0.0, 0.0, float(down.shape[0] * down.elem_bytes), 0.0]
+    for index, poly in enumerate(polys):
+        if [float(c) for c in poly] == per_token:
+            return index
+    raise ExpansionError("zero3 with checkpointing: the profile has no tensor of the MLP output's size")
+
+
+def _recompute_output_made_then_dropped(body: list, moved: dict[int, int], layer: int, table: list[ParamInfo],
+                                        grad_of: dict, size_index: int, build: _Builder) -> None:
+    """Under ``zero.Init`` a Linear runs DeepSpeed's ``LinearFunctionForZeroStage3``, an autograd Function that
+    computes its output before it saves its inputs; torch's own linear saves them first. So a checkpointed
+    layer's recomputation, stopping early once the MLP output projection has packed its inputs (the last tensors
+    the layer saves), has made that projection's output first, freed as the stop unwinds: one
+    ``b * s * hidden`` 16-bit tensor per recomputed layer, right after the recomputation's last allocation,
+    which precedes the layer's first gradient. ZeRO-1/2 (torch's linear) have none: their streams match a real
+    run's without it (tests/estimator/test_zero3_recompute.py)."""
+    grads = {grad_of[id(p)][0] for p in table if p.layer == layer and id(p) in grad_of}
+    first_grad = next(i for i, op in enumerate(body) if op[0] == ALLOC and op[1] in grads)
+    after = max(i for i in range(first_grad) if body[i][0] == ALLOC) + 1
+    key = build.next_key
+    build.next_key += 1
+    body[after:after] = [(ALLOC, key, size_index), (FREE, key, size_index)]
+    for index, at in moved.items():
+        if at >= after:
+            moved[index] = at + 2
+
+
 @dataclass(frozen=True)
 class Zero3Step:
     expansion: Expansion
@@ -191,6 +228,7 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
                       max_live=zcfg.stage3_max_live_parameters, max_reuse=zcfg.stage3_max_reuse_distance,
                       persistence=zcfg.stage3_param_persistence_threshold, checkpointed=recomputed)
     build = _Builder(expansion.steady.keys, base_size_index)
+    stopped_output = _stopped_output_size_index(table, polys) if recomputed else None
     first_marks, steady_marks = expansion.marks
     persistent = [p for p in model_order(table) if p.numel < zcfg.stage3_param_persistence_threshold]
     # the persistent tensors' gathered copies keep the same keys from step to step (the next step frees them)
@@ -209,6 +247,8 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
             else:
                 step._free(head, tensors.pop(buffer))
         body, moved, loss = _backward_ops(expansion, events.ops, marks, table, step, polys)
+        for layer in sorted(recomputed):
+            _recompute_output_made_then_dropped(body, moved, layer, table, step.grad_of, stopped_output, build)
         if not first:  # backward's release_and_reset_all drops the persistent tensors' gathered copies
             body += [(FREE_PREVIOUS, kept_keys + j, build.tensor(_aligned_bytes(p, world)).size_index)
                      for j, p in enumerate(persistent)]

@@ -218,6 +218,38 @@ def test_the_emulation_against_a_live_run(knobs, policy):
     assert _emulation(table, knobs, policy).calls == _comparable(calls, table)
 
 
+@pytest.mark.slow
+def test_what_checkpointing_adds_to_the_stream_is_what_it_adds_to_a_real_run(tmp_path):
+    """Every allocation that full checkpointing adds to a ZeRO-3 rank's three steps (the checkpointed run's less
+    the plain run's, by size), generated and real: the profile's recomputed activations, the recomputation's
+    gathers, and the MLP output each recomputation makes before it stops. The plain streams themselves differ
+    on CPU by what the H100 snapshots do not have (``zero.Init``'s construction partitions, which a GPU run moves
+    to the host; ``estimator.reserved.zero3``), the same for both runs."""
+    pytest.importorskip("deepspeed")
+    from collections import Counter
+
+    from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
+    from tests.estimator import test_reserved_zero as zero_tests
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA))
+    counts = {}
+    for policy in ("none", "full"):
+        training = TrainingSpec(precision="mixed_bf16", attn="eager", micro_batch_size=zero_tests.B,
+                                seq_len=zero_tests.S, grad_ckpt=policy == "full")
+        zero = ZeroSpec(reduce_bucket_size=20_000, allgather_bucket_size=20_000, **KNOBS["wide"])
+        spec = RunSpec(model=str(path), training=training,
+                       parallel=ParallelSpec(method="zero3", world_size=WORLD, zero=zero))
+        generated = zero_tests._requests(zero_tests._generated(spec, 0), True)
+        real = zero_tests._requests(zero_tests._in_fresh_process(zero_tests._real_zero_events, LLAMA, spec, 0),
+                                    False)
+        counts[policy] = [Counter(r[2] for r in stream if r[0] == "alloc") for stream in (generated, real)]
+    added = [{n: counts["full"][i][n] - counts["none"][i][n] for n in counts["full"][i] | counts["none"][i]
+              if counts["full"][i][n] != counts["none"][i][n]} for i in (0, 1)]
+    assert added[0] == added[1]
+    assert added[0][zero_tests.B * zero_tests.S * LLAMA["hidden_size"] * 2] > 0
+
+
 def _record() -> None:
     """Rewrite ``DATA`` from three real runs (each in a spawned process: DeepSpeed's groups outlive a teardown)."""
     from tests.estimator.test_reserved import _in_fresh_process
