@@ -180,13 +180,16 @@ def _last_projection(table: list[ParamInfo], layer: int) -> ParamInfo:
 
 def _stopped_output_size_index(table: list[ParamInfo], polys: list) -> int:
     """The size index of the MLP output projection's output (``b * s * out_features`` 16-bit elements), made
-    by a recomputation before it stops (``_recompute_output_made_then_dropped``)."""
+    by a recomputation before it stops (``_recompute_output_made_then_dropped``). A micro-batch-1 regime's
+    polynomials are in ``s`` alone (``b * s`` folded into ``s``): there the ``s`` term stands for it."""
     layer = next(p.layer for p in table if p.layer is not None)
     down = _last_projection(table, layer)
-    per_token = [0.0, 0.0, 0.0, 0.0, float(down.shape[0] * down.elem_bytes), 0.0]
-    for index, poly in enumerate(polys):
-        if [float(c) for c in poly] == per_token:
-            return index
+    per_token = float(down.shape[0] * down.elem_bytes)
+    for term in (4, 1):  # c4 * b * s, else c1 * s
+        wanted = [per_token if k == term else 0.0 for k in range(6)]
+        for index, poly in enumerate(polys):
+            if [float(c) for c in poly] == wanted:
+                return index
     raise ExpansionError("zero3 with checkpointing: the profile has no tensor of the MLP output's size")
 
 

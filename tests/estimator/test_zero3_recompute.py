@@ -119,6 +119,30 @@ def test_what_the_recomputation_adds_to_the_allgather_stream(recorded):
     assert {simulate(pool_requests(o))["peak_reserved_bytes"] for o in ops.values()} == {2 << 20}
 
 
+def test_the_stopped_recomputations_output_goes_before_the_layers_first_gradient(recorded):
+    """The MLP output a recomputation makes before it stops: allocated and freed right after the last allocation
+    before the layer's first gradient (the recomputation's last activation, the projection's input), whatever
+    frees come between; the op indices after it move by two. Its size: the ``b * s`` polynomial of
+    ``hidden x 2`` bytes, or in a micro-batch-1 regime the ``s`` one."""
+    from estimator.reserved.expand import ALLOC, FREE
+    from estimator.reserved.fsdp import _Builder
+    from estimator.reserved.zero3 import _recompute_output_made_then_dropped, _stopped_output_size_index
+
+    table = _table(recorded["table"])
+    hidden_bytes = LLAMA["hidden_size"] * 2
+    assert _stopped_output_size_index(table, [[8, 0, 0, 0, 0, 0], [0, 0, 0, 0, hidden_bytes, 0]]) == 1
+    assert _stopped_output_size_index(table, [[0, hidden_bytes, 0, 0, 0, 0], [hidden_bytes, 0, 0, 0, 0, 0]]) == 0
+    down = next(p for p in table if p.name == "model.layers.1.mlp.down_proj.weight")
+    grad_of = {id(down): (50, 7)}
+    body = [(ALLOC, 1, 3), (ALLOC, 2, 3), (FREE, 9, 4), (ALLOC, 50, 7), (FREE, 1, 3)]
+    moved = {0: 0, 1: 1, 2: 2, 3: 3, 4: 4}
+    build = _Builder(100, 20)
+    _recompute_output_made_then_dropped(body, moved, 1, table, grad_of, 5, build)
+    assert body == [(ALLOC, 1, 3), (ALLOC, 2, 3), (ALLOC, 100, 5), (FREE, 100, 5), (FREE, 9, 4), (ALLOC, 50, 7),
+                    (FREE, 1, 3)]
+    assert moved == {0: 0, 1: 1, 2: 4, 3: 5, 4: 6} and build.next_key == 101
+
+
 def test_zero3_replays_checkpointing_and_refuses_reentrant(tmp_path):
     """Full and every-k non-reentrant checkpointing are replayed; reentrant checkpointing (its recomputation a
     forward of its own, outside backward's hooks) keeps the prior, with the reason."""
@@ -134,6 +158,29 @@ def test_zero3_replays_checkpointing_and_refuses_reentrant(tmp_path):
     assert why_not_zero3(spec(grad_ckpt=True, ckpt_policy="every-k:2")) is None
     assert why_not_zero3(spec(grad_ckpt=True, ckpt_reentrant=True)).startswith("zero3 with reentrant")
     assert why_not_zero3(spec(grad_ckpt=True, ckpt_policy="selective-ops")).startswith("zero3 with selective-ops")
+
+
+@pytest.mark.parametrize("b, policy", [(1, ""), (4, ""), (1, "every-k:4")])
+def test_llama_1b_with_checkpointing_is_replayed(b, policy):
+    """Llama-3.2-1B ZeRO-3 x 4 s1024 with checkpointing, from the shipped profiles: replayed, not the prior;
+    the recomputation's re-gathers grow the allgather pool (2.05 -> 2.62 GiB), so the reserved level sits further
+    above the allocated one than without checkpointing."""
+    from estimator.api import estimate
+    from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
+
+    def rank(grad_ckpt: bool):
+        training = TrainingSpec(precision="mixed_bf16", micro_batch_size=b, seq_len=1024, grad_ckpt=grad_ckpt,
+                                ckpt_policy=policy if grad_ckpt else "")
+        spec = RunSpec(model="meta-llama/Llama-3.2-1B", gpu="h200-141gb", training=training,
+                       parallel=ParallelSpec(method="zero3", world_size=4))
+        result = estimate(spec, allow_build=False)
+        return result.reserved_source, result.ranks[0]
+
+    (source, ckpt), (_, plain) = rank(True), rank(False)
+    assert source == "replayed"
+    assert ckpt.peak_allocated_bytes < plain.peak_allocated_bytes
+    assert (ckpt.peak_reserved_bytes - ckpt.peak_allocated_bytes
+            > plain.peak_reserved_bytes - plain.peak_allocated_bytes)
 
 
 def _real_coordinator_calls(config: dict, knobs: str, policy: str) -> tuple[list[dict], list[list]]:
