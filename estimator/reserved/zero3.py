@@ -12,7 +12,8 @@ requests sit among the default stream's does not change it.
   16-bit elements) and the 16-bit gradient partition; then ``create_reduce_and_remove_grad_hooks`` gathers every
   non-persistent trainable tensor once, one at a time, each freed at once.
 * **Default stream, each step**: the single-GPU forward and backward at full depth (``estimator.reserved.expand``;
-  the parameters are the gathered ones, on the allgather stream); each gradient copied into the IPG bucket at its
+  the parameters are the gathered ones, on the allgather stream; with checkpointing, each recomputation's
+  stopped MLP output: ``_recompute_output_made_then_dropped``); each gradient copied into the IPG bucket at its
   hook and freed (a flush first when it would overflow the bucket); after backward the norm's fp64 copy of each
   tensor's gradient partition, one at a time, in ``model.parameters()`` order; the partition's gradients
   flattened and cast to fp32, the flat copy freed; AdamW over the fp32 partition (its states on the first step,

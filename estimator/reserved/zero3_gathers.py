@@ -11,6 +11,9 @@ over the modules that hold parameters, in forward order and then in reverse for 
 * The first step records the module trace (every module whose forward runs, parameter-less ones too, then the
   backward's): nothing is prefetched and every parameter is released after its module, persistent ones
   (``stage3_param_persistence_threshold``) included; from then on those stay gathered.
+* Checkpointed layers (``with_recomputation``): backward's first fetch in the layer (the MLP's last projection)
+  triggers the recomputation, whose forward modules are fetched, released and traced like forward's; it stops
+  early, so that projection stays gathered until its backward release.
 * Later steps prefetch: after each fetch, parameters are popped off the trace's queue (those of the module just
   fetched, then up to ``stage3_prefetch_bucket_size`` elements, within ``stage3_max_live_parameters``) and
   gathered in one call; a release keeps what a module within ``stage3_max_reuse_distance`` elements of the trace
@@ -159,11 +162,13 @@ def with_recomputation(forward: list[Module], backward: list[Module], checkpoint
     out: list[Module] = []
     moved: dict[int, int | None] = {}
     base = len(forward)
+    recomputed: set[int] = set()
     for m in backward:
         out.append(m)
         layer = _layer_of(m.name)
-        if layer is None or layer not in checkpointed or not m.params or _layer_started(out[:-1], layer):
+        if layer is None or layer not in checkpointed or not m.params or layer in recomputed:
             continue
+        recomputed.add(layer)
         prefix = m.name.split(f".{layer}.")[0] + f".{layer}."
         recompute = [f for f in forward if f.name.startswith(prefix)]
         first_fetch = base + len(out) - 1
@@ -171,11 +176,6 @@ def with_recomputation(forward: list[Module], backward: list[Module], checkpoint
         last_fetch = base + len(out) - 1
         moved[first_fetch], moved[last_fetch] = last_fetch, None
     return out, moved
-
-
-def _layer_started(modules: list[Module], layer: int) -> bool:
-    """Whether a module of ``layer`` with parameters came already (its recomputation is in)."""
-    return any(m.params and _layer_of(m.name) == layer for m in modules)
 
 
 def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket: int = 50_000_000,
