@@ -265,36 +265,66 @@ def test_the_emulation_against_a_live_run(knobs, policy):
     assert _emulation(table, knobs, policy).calls == _comparable(calls, table)
 
 
+def _generated(spec) -> list[tuple]:
+    """``test_reserved_zero._generated`` through every-k's merged event list where the spec asks for it."""
+    from estimator import api
+    from estimator.reserved import rank as reserved_rank
+    from estimator.reserved.timeline import run_requests
+    from estimator.spec import ckpt_every
+    from tests.estimator import test_reserved_zero as zero_tests
+
+    training = spec.training
+    every = ckpt_every(training.ckpt_policy)
+    if every is None:
+        return zero_tests._generated(spec, 0)
+    arch, profile = api.every_k_profile(spec.model, training, 1, every)
+    table, regime = api._param_table(profile, arch.num_layers), api._regime(profile, B, S)
+    events = reserved_rank._events(spec, regime, arch.num_layers)
+    expansion = reserved_rank._expansion(events, arch.num_layers, training.loop)
+    plan = reserved_rank._plan(spec, events, expansion, table, arch.num_layers, B, S, workspace_bytes=8 << 20,
+                               workspaces=0, rank=0)
+    setup = reserved_rank._setup(profile, table, arch.num_layers, "zero3", False, WORLD, spec)
+    frees = dict(setup.frees_after)
+    out: list[tuple] = []
+    for i, (name, n) in enumerate(setup.allocations):
+        if not name.startswith("buffers"):
+            out.append(("alloc", ("setup", i), n, 0))
+        out.extend(("free", ("setup", j)) for j in frees.get(i, ()))
+    return out + run_requests(plan, STEPS, training.grad_accum_steps)
+
+
 @pytest.mark.slow
-def test_what_checkpointing_adds_to_the_stream_is_what_it_adds_to_a_real_run(tmp_path):
-    """Every allocation that full checkpointing adds to a ZeRO-3 rank's three steps (the checkpointed run's less
-    the plain run's, by size), generated and real: the profile's recomputed activations, the recomputation's
+@pytest.mark.parametrize("policy", ["full", "every-k:2"])
+def test_what_checkpointing_adds_to_the_stream_is_what_it_adds_to_a_real_run(tmp_path, policy):
+    """Every allocation that checkpointing adds to a ZeRO-3 rank's three steps (the checkpointed run's less the
+    plain run's, by size), generated and real: the profile's recomputed activations, the recomputation's
     gathers, and the MLP output each recomputation makes before it stops. The plain streams themselves differ
-    on CPU by what the H100 snapshots do not have (``zero.Init``'s construction partitions, which a GPU run moves
-    to the host; ``estimator.reserved.zero3``), the same for both runs."""
+    on CPU by what the H100 snapshots do not have (the CPU accelerator's setup gathers every tensor once more;
+    ``estimator.reserved.zero3``), the same for both runs."""
     pytest.importorskip("deepspeed")
     from collections import Counter
 
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
     from tests.estimator import test_reserved_zero as zero_tests
 
+    assert (zero_tests.B, zero_tests.S, zero_tests.STEPS) == (B, S, STEPS)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(LLAMA))
     counts = {}
-    for policy in ("none", "full"):
-        training = TrainingSpec(precision="mixed_bf16", attn="eager", micro_batch_size=zero_tests.B,
-                                seq_len=zero_tests.S, grad_ckpt=policy == "full")
+    for run in ("none", policy):
+        training = TrainingSpec(precision="mixed_bf16", attn="eager", micro_batch_size=B, seq_len=S,
+                                grad_ckpt=run != "none", ckpt_policy="" if run in ("none", "full") else run)
         zero = ZeroSpec(reduce_bucket_size=20_000, allgather_bucket_size=20_000, **KNOBS["wide"])
         spec = RunSpec(model=str(path), training=training,
                        parallel=ParallelSpec(method="zero3", world_size=WORLD, zero=zero))
-        generated = zero_tests._requests(zero_tests._generated(spec, 0), True)
+        generated = zero_tests._requests(_generated(spec), True)
         real = zero_tests._requests(zero_tests._in_fresh_process(zero_tests._real_zero_events, LLAMA, spec, 0),
                                     False)
-        counts[policy] = [Counter(r[2] for r in stream if r[0] == "alloc") for stream in (generated, real)]
-    added = [{n: counts["full"][i][n] - counts["none"][i][n] for n in counts["full"][i] | counts["none"][i]
-              if counts["full"][i][n] != counts["none"][i][n]} for i in (0, 1)]
+        counts[run] = [Counter(r[2] for r in stream if r[0] == "alloc") for stream in (generated, real)]
+    added = [{n: counts[policy][i][n] - counts["none"][i][n] for n in counts[policy][i] | counts["none"][i]
+              if counts[policy][i][n] != counts["none"][i][n]} for i in (0, 1)]
     assert added[0] == added[1]
-    assert added[0][zero_tests.B * zero_tests.S * LLAMA["hidden_size"] * 2] > 0
+    assert added[0][B * S * LLAMA["hidden_size"] * 2] > 0
 
 
 def _record() -> None:
