@@ -204,7 +204,9 @@ def _recompute_output_made_then_dropped(body: list, moved: dict[int, int], layer
     which precedes the layer's first gradient. ZeRO-1/2 (torch's linear) have none: their streams match a real
     run's without it (tests/estimator/test_zero3_recompute.py)."""
     grads = {grad_of[id(p)][0] for p in table if p.layer == layer and id(p) in grad_of}
-    first_grad = next(i for i, op in enumerate(body) if op[0] == ALLOC and op[1] in grads)
+    first_grad = next((i for i, op in enumerate(body) if op[0] == ALLOC and op[1] in grads), None)
+    if first_grad is None or not any(op[0] == ALLOC for op in body[:first_grad]):
+        raise ExpansionError(f"zero3 with checkpointing: layer {layer} has no gradient after its recomputation")
     after = max(i for i in range(first_grad) if body[i][0] == ALLOC) + 1
     key = build.next_key
     build.next_key += 1
