@@ -17,7 +17,7 @@ from estimator.reserved.fsdp1 import fsdp1_setup, fsdp1_step, why_not_fsdp1
 from estimator.reserved.replay import ReservedReplay, replay_rank, replay_sequence
 from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocations
 from estimator.reserved.zero import why_not_zero, zero_setup, zero_step
-from estimator.reserved.zero3 import why_not_zero3, zero3_setup, zero3_step
+from estimator.reserved.zero3 import recomputed_layers, why_not_zero3, zero3_setup, zero3_step
 from estimator.spec import ckpt_every
 
 # Each with gradient accumulation (estimator.reserved.accumulate): DDP under no_sync accumulates as one GPU does,
@@ -33,9 +33,9 @@ ZERO = ("zero1", "zero2")
 # every-k checkpointing: the methods whose allocated estimate mixes the two profiles' layers (estimator.api
 # MIXED_LAYER_METHODS; zero_offload is no replayed method). FSDP2 (and dp_tp) and FSDP1 add their buffers at the
 # merged list's segment boundaries as at any other's: a checkpointed layer's recomputation runs inside its backward
-# segment, after the layer's unshard, so no unit event moves. zero3 refuses checkpointing of any kind
-# (``why_not_zero3``: the recomputation's fetches).
-EVERY_K = ("single", "ddp", "tp", "zero1", "zero2", "fsdp", "dp_tp", "fsdp1")
+# segment, after the layer's unshard, so no unit event moves. zero3's gathers are on a stream of their own, placed
+# apart from the merged list (``zero3_gathers.with_recomputation``: the checkpointed layers' recomputation).
+EVERY_K = ("single", "ddp", "tp", "zero1", "zero2", "fsdp", "dp_tp", "fsdp1", "zero3")
 SHARDED = ("fsdp", "dp_tp")
 _EXPANSIONS: dict[tuple, tuple] = {}
 _FSDP_STEPS: dict[tuple, tuple] = {}
@@ -230,11 +230,12 @@ def _method_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo
         return _zero_step(spec, events, expansion, table, base_size_index, rank)
     if spec.parallel.method == "zero3":
         training, parallel = spec.training, spec.parallel
+        recomputed = recomputed_layers(training, num_layers)
         key = ("zero3", id(expansion), id(table), parallel.world_size, parallel.zero, training.optimizer,
-               base_size_index)
+               base_size_index, recomputed)
         return _memo_step(key, expansion, table, lambda: zero3_step(
             expansion, table, parallel.world_size, _elem16(table), parallel.zero.reduce_bucket_size,
-            training.optimizer, base_size_index, events["polys"], parallel.zero))
+            training.optimizer, base_size_index, events["polys"], parallel.zero, recomputed))
     if spec.parallel.method not in SHARDED:
         return expansion, []
     training, world = spec.training, _shard_world(spec)

@@ -12,7 +12,8 @@ requests sit among the default stream's does not change it.
   16-bit elements) and the 16-bit gradient partition; then ``create_reduce_and_remove_grad_hooks`` gathers every
   non-persistent trainable tensor once, one at a time, each freed at once.
 * **Default stream, each step**: the single-GPU forward and backward at full depth (``estimator.reserved.expand``;
-  the parameters are the gathered ones, on the allgather stream); each gradient copied into the IPG bucket at its
+  the parameters are the gathered ones, on the allgather stream; with checkpointing, each recomputation's
+  stopped MLP output: ``_recompute_output_made_then_dropped``); each gradient copied into the IPG bucket at its
   hook and freed (a flush first when it would overflow the bucket); after backward the norm's fp64 copy of each
   tensor's gradient partition, one at a time, in ``model.parameters()`` order; the partition's gradients
   flattened and cast to fp32, the flat copy freed; AdamW over the fp32 partition (its states on the first step,
@@ -32,13 +33,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from estimator.methods.long_context import checkpointed
 from estimator.methods.state import zero_layout
 from estimator.models.params import ParamInfo
-from estimator.reserved.expand import ALLOC, FREE_PREVIOUS, Expansion, ExpansionError
+from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, ExpansionError
 from estimator.reserved.fsdp import _Builder, method_expansion
 from estimator.reserved.timeline import Setup, model_order
 from estimator.reserved.zero import FP32, FP64, REDUCTION, _backward_ops, _grad_params, _Step
 from estimator.reserved.zero3_gathers import emulate
+from estimator.spec import ckpt_every
 
 ALLGATHER = 2  # allocator stream of the coordinator's gathers (REDUCTION = 1: the reduce-scatter's)
 LAYER_BLOCKS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
@@ -63,8 +66,13 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
         return "zero3 with LoRA: frozen tensors' gathers are not in the replay yet"
     if training.grad_accum_steps > 1:
         return "zero3 with gradient accumulation: not in the replay yet"
-    if training.grad_ckpt:
-        return "zero3 with activation checkpointing (full or every-k): the recomputation's fetches are not in the replay yet"
+    if training.grad_ckpt and training.ckpt_reentrant:
+        return ("zero3 with reentrant checkpointing: the recomputation runs as a forward of its own, its fetches "
+                "not in the replay yet")
+    if training.grad_ckpt and training.ckpt_policy and ckpt_every(training.ckpt_policy) is None:
+        return f"zero3 with {training.ckpt_policy} checkpointing: not in the replay yet"
+    if training.grad_ckpt and training.activation_offload:
+        return "zero3 with activation checkpointing and offload: not checked against a run yet"
     if table is not None:
         if not llama_like(table):
             return ("zero3: the coordinator's module trace is modelled on Llama-style decoders (one tensor per "
@@ -72,6 +80,16 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
         if partition_numel(table, parallel.world_size) > zcfg.sub_group_size:
             return "zero3 with more than one optimizer sub-group: not in the replay yet"
     return None
+
+
+def recomputed_layers(training, num_layers: int) -> frozenset[int]:
+    """The decoder layers whose forward backward runs again (non-reentrant checkpointing, every layer or
+    every-k's), each with its fetches (``zero3_gathers.with_recomputation``)."""
+    if not training.grad_ckpt:
+        return frozenset()
+    every = ckpt_every(training.ckpt_policy)
+    on = checkpointed(num_layers, every) if every is not None else [True] * num_layers
+    return frozenset(i for i, layer_on in enumerate(on) if layer_on)
 
 
 def llama_like(table: list[ParamInfo]) -> bool:
@@ -156,6 +174,48 @@ class _Step3(_Step):
         self._free(out, grad32)
 
 
+def _last_projection(table: list[ParamInfo], layer: int) -> ParamInfo:
+    """The layer's MLP output projection: the last module its forward runs, the first its backward reaches."""
+    return next(p for p in table if p.layer == layer and p.name.endswith(f"mlp.{LAYER_BLOCKS['mlp'][-1]}.weight"))
+
+
+def _stopped_output_size_index(table: list[ParamInfo], polys: list) -> int:
+    """The size index of the MLP output projection's output (``b * s * out_features`` 16-bit elements), made
+    by a recomputation before it stops (``_recompute_output_made_then_dropped``). A micro-batch-1 regime's
+    polynomials are in ``s`` alone (``b * s`` folded into ``s``): there the ``s`` term stands for it."""
+    layer = next(p.layer for p in table if p.layer is not None)
+    down = _last_projection(table, layer)
+    per_token = float(down.shape[0] * down.elem_bytes)
+    for term in (4, 1):  # c4 * b * s, else c1 * s
+        wanted = [per_token if k == term else 0.0 for k in range(6)]
+        for index, poly in enumerate(polys):
+            if [float(c) for c in poly] == wanted:
+                return index
+    raise ExpansionError("zero3 with checkpointing: the profile has no tensor of the MLP output's size")
+
+
+def _recompute_output_made_then_dropped(body: list, moved: dict[int, int], layer: int, table: list[ParamInfo],
+                                        grad_of: dict, size_index: int, build: _Builder) -> None:
+    """Under ``zero.Init`` a Linear runs DeepSpeed's ``LinearFunctionForZeroStage3``, an autograd Function that
+    computes its output before it saves its inputs; torch's own linear saves them first. So a checkpointed
+    layer's recomputation, stopping early once the MLP output projection has packed its inputs (the last tensors
+    the layer saves), has made that projection's output first, freed as the stop unwinds: one
+    ``b * s * hidden`` 16-bit tensor per recomputed layer, right after the recomputation's last allocation,
+    which precedes the layer's first gradient. ZeRO-1/2 (torch's linear) have none: their streams match a real
+    run's without it (tests/estimator/test_zero3_recompute.py)."""
+    grads = {grad_of[id(p)][0] for p in table if p.layer == layer and id(p) in grad_of}
+    first_grad = next((i for i, op in enumerate(body) if op[0] == ALLOC and op[1] in grads), None)
+    if first_grad is None or not any(op[0] == ALLOC for op in body[:first_grad]):
+        raise ExpansionError(f"zero3 with checkpointing: layer {layer} has no gradient after its recomputation")
+    after = max(i for i in range(first_grad) if body[i][0] == ALLOC) + 1
+    key = build.next_key
+    build.next_key += 1
+    body[after:after] = [(ALLOC, key, size_index), (FREE, key, size_index)]
+    for index, at in moved.items():
+        if at >= after:
+            moved[index] = at + 2
+
+
 @dataclass(frozen=True)
 class Zero3Step:
     expansion: Expansion
@@ -163,15 +223,18 @@ class Zero3Step:
 
 
 def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16: int, bucket_numel: int,
-               optimizer: str, base_size_index: int, polys: list, zcfg) -> Zero3Step:
+               optimizer: str, base_size_index: int, polys: list, zcfg,
+               recomputed: frozenset[int] = frozenset()) -> Zero3Step:
     """The expansion with ZeRO-3's events (module docstring); new tensors' sizes take indices from
-    ``base_size_index`` on. ExpansionError where the step cannot be built."""
+    ``base_size_index`` on; ``recomputed``: the checkpointed layers (their recomputation's fetches; the
+    expansion holds their recomputed activations). ExpansionError where the step cannot be built."""
     if not llama_like(table):
         raise ExpansionError("zero3: the coordinator's module trace is modelled on Llama-style decoders only")
     gathers = emulate(table, world, steps=2, prefetch_bucket=zcfg.stage3_prefetch_bucket_size,
                       max_live=zcfg.stage3_max_live_parameters, max_reuse=zcfg.stage3_max_reuse_distance,
-                      persistence=zcfg.stage3_param_persistence_threshold)
+                      persistence=zcfg.stage3_param_persistence_threshold, checkpointed=recomputed)
     build = _Builder(expansion.steady.keys, base_size_index)
+    stopped_output = _stopped_output_size_index(table, polys) if recomputed else None
     first_marks, steady_marks = expansion.marks
     persistent = [p for p in model_order(table) if p.numel < zcfg.stage3_param_persistence_threshold]
     # the persistent tensors' gathered copies keep the same keys from step to step (the next step frees them)
@@ -190,6 +253,8 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
             else:
                 step._free(head, tensors.pop(buffer))
         body, moved, loss = _backward_ops(expansion, events.ops, marks, table, step, polys)
+        for layer in sorted(recomputed):
+            _recompute_output_made_then_dropped(body, moved, layer, table, step.grad_of, stopped_output, build)
         if not first:  # backward's release_and_reset_all drops the persistent tensors' gathered copies
             body += [(FREE_PREVIOUS, kept_keys + j, build.tensor(_aligned_bytes(p, world)).size_index)
                      for j, p in enumerate(persistent)]

@@ -11,6 +11,9 @@ over the modules that hold parameters, in forward order and then in reverse for 
 * The first step records the module trace (every module whose forward runs, parameter-less ones too, then the
   backward's): nothing is prefetched and every parameter is released after its module, persistent ones
   (``stage3_param_persistence_threshold``) included; from then on those stay gathered.
+* Checkpointed layers (``with_recomputation``): backward's first fetch in the layer (the MLP's last projection)
+  triggers the recomputation, whose forward modules are fetched, released and traced like forward's; it stops
+  early, so that projection stays gathered until its backward release.
 * Later steps prefetch: after each fetch, parameters are popped off the trace's queue (those of the module just
   fetched, then up to ``stage3_prefetch_bucket_size`` elements, within ``stage3_max_live_parameters``) and
   gathered in one call; a release keeps what a module within ``stage3_max_reuse_distance`` elements of the trace
@@ -141,14 +144,56 @@ def _layer_of(module: str) -> int | None:
     return None
 
 
+def with_recomputation(forward: list[Module], backward: list[Module], checkpointed: frozenset[int]
+                       ) -> tuple[list[Module], dict[int, int | None]]:
+    """The backward trace with each checkpointed layer's recomputation, and where releases move: {fetch index:
+    the index of the fetch after which its module's release runs, None for never}.
+
+    Non-reentrant checkpointing recomputes a layer when backward first unpacks one of its saved tensors: at the
+    layer's first backward module with parameters (the MLP's last projection), right after that module's fetch.
+    The recomputation runs the layer's forward again, its modules' hooks firing (not the layer's own: transformers
+    calls the checkpoint from the layer's ``__call__``), so the coordinator fetches and releases each module as in
+    forward and records them in the trace. It stops early (``torch.utils.checkpoint``'s early stop) once that last
+    module has packed its inputs: its forward release never runs, and the projection stays gathered until its
+    backward release, after the recomputation. Frozen tensors' recompute attribution does not arise (full
+    fine-tuning)."""
+    if not checkpointed:
+        return backward, {}
+    out: list[Module] = []
+    moved: dict[int, int | None] = {}
+    base = len(forward)
+    recomputed: set[int] = set()
+    for m in backward:
+        out.append(m)
+        layer = _layer_of(m.name)
+        if layer is None or layer not in checkpointed or not m.params or layer in recomputed:
+            continue
+        recomputed.add(layer)
+        prefix = m.name.split(f".{layer}.")[0] + f".{layer}."
+        recompute = [f for f in forward if f.name.startswith(prefix)]
+        first_fetch = base + len(out) - 1
+        out.extend(recompute)
+        last_fetch = base + len(out) - 1
+        moved[first_fetch], moved[last_fetch] = last_fetch, None
+    return out, moved
+
+
 def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket: int = 50_000_000,
-            max_live: int = 1_000_000_000, max_reuse: int = 1_000_000_000, persistence: int = 100_000
-            ) -> GatherOps:
-    """The allgather stream's allocations and frees of ``steps`` training steps (module docstring)."""
+            max_live: int = 1_000_000_000, max_reuse: int = 1_000_000_000, persistence: int = 100_000,
+            checkpointed: frozenset[int] = frozenset()) -> GatherOps:
+    """The allgather stream's allocations and frees of ``steps`` training steps (module docstring);
+    ``checkpointed``: the decoder layers recomputed in backward (``with_recomputation``)."""
     index = {p.name: i for i, p in enumerate(table)}  # ds_id order: zero.Init partitions in creation order
     params = {p.name: _Param(p.name, p.numel, p.elem_bytes, p.numel < persistence) for p in table}
     forward, backward = modules_of(table)
+    backward, moved = with_recomputation(forward, backward, checkpointed)
     trace = forward + backward
+    releases_after: dict[int, list[int]] = {}
+    for at in range(len(trace)):
+        if at not in moved:
+            releases_after.setdefault(at, []).append(at)
+        elif moved[at] is not None:
+            releases_after.setdefault(moved[at], []).append(at)
     ops = GatherOps()
     next_buffer = [0]
     state: dict[str, str] = {n: "none" for n in params}  # none | inflight | available
@@ -206,13 +251,26 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
             out.append((-1, *storage.pop(name)))
         return True
 
+    def release_module(out: list, names: tuple[str, ...], now: int) -> int:
+        """A module's release at ``now`` (the step id, past the latest fetch): what it or a module within
+        max_reuse elements of the trace uses again stays. The elements released."""
+        keep = {n for n in names if fetched_for.get(n, -10**10) > now}
+        traversed = 0
+        for later in trace[now:]:
+            if traversed >= max_reuse:
+                break
+            for n in later.params:
+                keep.add(n)
+                traversed += params[n].numel
+        return sum(params[n].numel for n in names if n not in keep and release(out, n))
+
     # step 1: the trace is recorded, nothing prefetched, every parameter released after its module
     out: list = []
     calls: list = []
-    for m in trace:
+    for at, m in enumerate(trace):
         gather(out, list(m.params))
         wait(out, m.params)
-        for n in m.params:
+        for n in (n for released in releases_after.get(at, ()) for n in trace[released].params):
             release(out, n)
     ops.steps.append(out)
     ops.calls.append(calls)
@@ -250,20 +308,8 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
             if prefetch:
                 gather(out, prefetch)
                 n_available += numel
-            # the module's release (step_id has advanced past its fetch): what it or a module within
-            # max_reuse elements of the trace uses again stays
-            now = step_id + 1
-            keep = {n for n in names if fetched_for.get(n, -10**10) > now}
-            traversed = 0
-            for later in trace[now:]:
-                if traversed >= max_reuse:
-                    break
-                for n in later.params:
-                    keep.add(n)
-                    traversed += params[n].numel
-            for n in names:
-                if n not in keep and release(out, n):
-                    n_available -= params[n].numel
+            for released in releases_after.get(step_id, ()):
+                n_available -= release_module(out, trace[released].params, step_id + 1)
         for n in params:  # backward's end: release_and_reset_all
             wait(out, [n])
             release(out, n)

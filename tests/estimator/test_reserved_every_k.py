@@ -133,15 +133,14 @@ def test_merged_events_expand_for_any_depth(llama_path, every, layers):
         allocs(expand(plain_events, layers).steady.ops) + sum(kinds) * more
 
 
-def test_zero3_keeps_the_prior_with_a_reason(llama_path):
-    """ZeRO-3's replay refuses checkpointing of any kind (the recomputation's fetches); FSDP2, dp_tp and FSDP1
-    replay every-k (tests/estimator/test_reserved_fsdp.py, test_reserved_fsdp1.py)."""
+def test_zero3_replays_every_k(llama_path):
+    """ZeRO-3 replays every-k checkpointing: the merged event list on the default stream, the checkpointed layers'
+    recomputation fetches on the allgather stream (tests/estimator/test_zero3_recompute.py)."""
     spec = _spec(llama_path, "mixed_bf16", 2, 2, 64, "zero3", 2)
     arch, profile = api.every_k_profile(llama_path, spec.training, 1, 2)
     regime = api._regime(profile, 2, 64)
-    reason = reserved_rank.why_not(spec, regime, arch.num_layers, api._param_table(profile, arch.num_layers))
-    assert reason.startswith("zero3 with activation checkpointing (full or every-k)")
-    assert api.estimate(spec, alloc_conf="").ranks[0].reserved_source != "replayed"
+    assert reserved_rank.why_not(spec, regime, arch.num_layers, api._param_table(profile, arch.num_layers)) is None
+    assert api.estimate(spec, alloc_conf="").ranks[0].reserved_source == "replayed"
 
 
 def test_profiles_that_differ_outside_the_layers_are_refused():
