@@ -458,6 +458,7 @@ def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:
     events = compact_events(full, _segment_bounds(signature, model.num_layers), coeffs, grads,
                             [timeline.layer_of.get(sid) for sid in sids], held, first)
     events["optimizer"] = model.training.optimizer
+    events["blas_first"] = first_blas_outputs(full, sids, timeline.blas_outputs)
     return {**regime, "segments": segments,
             "segments_manual": _summarise(manual_signature, manual_coeffs, manual_grads, model.num_layers,
                                           previous),
@@ -466,6 +467,21 @@ def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:
 
 
 OUTER_SEGMENTS = ("prefix", "mid_fw", "mid_bw", "suffix")
+
+
+def first_blas_outputs(window: list[tuple], sids: list[int], blas_sids: list[int]) -> list[int | None]:
+    """[forward, backward]: the ordinal of the first cuBLAS op's output before and after the window's ``backward``
+    marker (None: no such op). The forward runs on the main thread, backward on autograd's device thread; each
+    thread's first cuBLAS call makes its handle's workspace just after that output (``expand.expand``)."""
+    blas = set(blas_sids)
+    found: list[int | None] = [None, None]
+    phase = 0
+    for event in window:
+        if event == ("m", "backward"):
+            phase = 1
+        elif event[0] == "a" and found[phase] is None and sids[event[1]] in blas:
+            found[phase] = event[1]
+    return found
 
 
 def _summarise(signature: list[tuple], coeffs: list, grads: list, num_layers: int,

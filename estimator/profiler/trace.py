@@ -38,6 +38,14 @@ class Timeline:
     # sids of 0-dim tensors an optimizer step makes from Python numbers (Adam's ``step`` counters, the scalar it adds
     # to them): host tensors on a GPU unless the optimizer is fused or capturable.
     scalars: set[int] = field(default_factory=set)
+    # sids of the first new storage of each cuBLAS op (a matmul's output), in order: a thread's first cuBLAS call
+    # allocates that thread's workspace right after its output (``estimator.reserved.expand``, ``blas_first``)
+    blas_outputs: list[int] = field(default_factory=list)
+
+
+# aten ops that call cuBLAS on CUDA tensors (a handle and its workspace are made at a thread's first call)
+BLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation",
+                      "_scaled_mm"})
 
 
 class StorageRecorder(TorchDispatchMode):
@@ -95,6 +103,8 @@ class StorageRecorder(TorchDispatchMode):
             for item in tree_flatten(out)[0]:
                 if isinstance(item, torch.Tensor):
                     self.track(item)
+            if self._next_sid > before and func.namespace == "aten" and func.overloadpacket.__name__ in BLAS_OPS:
+                self.timeline.blas_outputs.append(before)
             if self.inherit_layers and self._next_sid > before:
                 self._inherit_layer(args, out)
                 self._note_scalars(args, kwargs, out)

@@ -466,15 +466,39 @@ def expand(events: dict, num_layers: int, loop: str = "trainer", fp32_copies: bo
     leaked = check_step(steady_ops, previous_alive=previous)
     if leaked - previous:
         raise ExpansionError(f"events: {len(leaked - previous)} tensors of a steady step are never freed")
+    fallback = (starts["fw_first"], _backward_workspace_at(first_ops, events, starts["mid_bw"], starts["bw_first"],
+                                                           head_grad_bytes))
+    workspace_at = _workspace_at(events, first_segments, first_names, first_ops, fallback)
     return Expansion(first=StepEvents(first_ops, keys), steady=StepEvents(steady_ops, keys),
-                     workspace_at=(starts["fw_first"], _backward_workspace_at(
-                         first_ops, events, starts["mid_bw"], starts["bw_first"], head_grad_bytes)),
+                     workspace_at=workspace_at,
                      optimizer_at=(starts["optimizer"], steady_starts["optimizer"]),
                      persistent_keys=frozenset(persistent - previous),
                      copy_of=tuple(events["size"][o] for o in held) if fp32_copies else (),
                      grad_keys=frozenset(grad_keys), freed_with_loss=frozenset(orphans),
                      marks=(tuple(first_marks), tuple(steady_marks)),
                      grad_layers=tuple(sorted(grad_layers.items())))
+
+
+def _workspace_at(events: dict, segments: dict, namer: _Namer, first_ops: list, fallback: tuple[int, int]
+                  ) -> tuple[int, int]:
+    """Op index in the first step before which each thread's cuBLAS workspace is allocated: right after the
+    output of the thread's first cuBLAS op (``blas_first``: the forward's, the backward's; CUDA's
+    ``getCurrentCUDABlasHandle`` makes the workspace inside that op, once its output exists). Profiles traced
+    before ``blas_first`` existed keep ``fallback``: layer 0's forward start, ``_backward_workspace_at``'s place."""
+    found = events.get("blas_first") or [None, None]
+    ident = _Layout(events, segments).ident if any(o is not None for o in found) else {}
+    stride = namer.stride
+    ident_of_key = {key: pair // stride for pair, key in namer.keys.items()}
+    at = list(fallback)
+    for thread, o in enumerate(found):
+        number = namer.ident_ids.get(ident.get(o)) if o is not None else None
+        if number is None:
+            continue
+        index = next((i for i, (kind, key, _) in enumerate(first_ops)
+                      if kind == ALLOC and ident_of_key.get(key) == number), None)
+        if index is not None:
+            at[thread] = index + 1
+    return at[0], at[1]
 
 
 def check_step(ops: list, previous_alive: set[int] = frozenset()) -> set[int]:
