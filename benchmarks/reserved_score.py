@@ -1,8 +1,8 @@
 """Reserved-level error of the estimator over the rows of one method measured on the H100 and the H200.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/reserved_score.py [--method single] [--out rows.csv]
+    PYTHONPATH=. .venv/bin/python benchmarks/reserved_score.py [--method single] [--tables ...] [--out rows.csv]
 
-Rows: ``data/measurements/{h100-80gb,h200-141gb}/{gpu_single,gpu_snapshots,gpu_emulated}.csv`` with the method
+Rows: ``data/measurements/{h100-80gb,h200-141gb}/{gpu_single,gpu_snapshots,gpu_emulated}.csv`` (``--tables``) with the method
 (``single`` by default; ``fsdp1``, ``zero3``...: every measured rank) and status ok; estimate via ``calibrate.terms.rank_estimates`` with the GPU's shipped coefficients (no profile
 builds). Prints median / p95 / max |error| of ``peak_reserved_bytes`` per GPU and the rows beyond 1 %."""
 
@@ -18,9 +18,12 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _rows(gpu: str, method: str) -> pd.DataFrame:
+TABLES = ("gpu_single", "gpu_snapshots", "gpu_emulated")
+
+
+def _rows(gpu: str, method: str, tables: tuple[str, ...] = TABLES) -> pd.DataFrame:
     frames = []
-    for name in ("gpu_single.csv", "gpu_snapshots.csv", "gpu_emulated.csv"):
+    for name in (f"{table}.csv" for table in tables):
         path = ROOT / "data" / "measurements" / gpu / name
         if path.exists():
             frame = pd.read_csv(path, dtype=str, keep_default_na=False, na_values=[""])
@@ -45,13 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="per-row CSV")
     parser.add_argument("--gpus", nargs="*", default=["h100-80gb", "h200-141gb"])
     parser.add_argument("--method", default="single")
+    parser.add_argument("--tables", nargs="*", default=list(TABLES),
+                        help="measurement tables of each GPU (gpu_moe: the MoE rows, not in the default)")
     args = parser.parse_args(argv)
     from calibrate.terms import rank_estimates
     from estimator.hardware.residuals import load_coefficients
 
     table = []
     for gpu in args.gpus:
-        rows = _rows(gpu, args.method)
+        rows = _rows(gpu, args.method, tuple(args.tables))
         results = rank_estimates(rows, load_coefficients(gpu), allow_build=False)
         errors = []
         for (_, row), result in zip(rows.iterrows(), results):

@@ -1,0 +1,59 @@
+"""Each thread's cuBLAS workspace enters the replayed stream right after the output of that thread's first cuBLAS
+op (CUDA's ``getCurrentCUDABlasHandle`` makes it inside the op, once the op's output exists): the profile's
+``blas_first`` (docs/allocator.md, session 25). Pure: a hand-made window, a shipped profile, a shipped row."""
+
+import json
+import pathlib
+
+import pandas as pd
+
+from estimator.models.profiles import _shipped_path
+from estimator.reserved.expand import ALLOC, expand
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+LORA_KEY = "9560701ea61efa23_mixed_bf16_sdpa_nockpt_lora16-auto"  # Qwen2.5-0.5B, LoRA r16, the H200 row's
+
+
+def _events(key: str = LORA_KEY) -> dict:
+    return json.loads(_shipped_path(key).read_text())["regimes"][0]["events"]
+
+
+def test_first_blas_output_per_thread():
+    from estimator.profiler.profile import first_blas_outputs
+
+    window = [("m", "window_start"), ("a", 0), ("a", 1), ("f", 0), ("a", 2), ("m", "backward"), ("a", 3),
+              ("a", 4), ("a", 5)]
+    sids = [10, 11, 12, 13, 14, 15]
+    # ordinal 1 is the forward's first matmul output; 2 another; in backward 4 (ordinal 3 is the loss's gradient)
+    assert first_blas_outputs(window, sids, [11, 12, 14, 15]) == [1, 4]
+    assert first_blas_outputs(window, sids, [14]) == [None, 4]  # no cuBLAS op in the forward
+    assert first_blas_outputs(window, sids, []) == [None, None]
+
+
+def test_workspace_follows_the_first_blas_output_in_each_thread():
+    events = _events()
+    forward, backward = events["blas_first"]
+    expansion = expand(events, 24)
+    ops = expansion.first.ops
+    for thread, ordinal in ((0, forward), (1, backward)):
+        kind, _key, size = ops[expansion.workspace_at[thread] - 1]
+        assert kind == ALLOC and size == events["size"][ordinal]
+    # the backward's first matmul is the head's input gradient, after the loss's logits-sized gradients: the
+    # segment start (before them) put the workspace where the logits' blocks are split, not after them
+    old = expand({k: v for k, v in events.items() if k != "blas_first"}, 24)
+    assert old.workspace_at[1] < expansion.workspace_at[1]
+    assert old.first.ops == ops
+
+
+def test_lora_row_reserved_level_on_the_h200():
+    """Qwen2.5-0.5B LoRA r16 mixed_bf16 b4 s512: the backward workspace in the third logits-sized segment (step 1)
+    leaves no cached block for step 2's logits: one more 1188 MiB segment. Was -13.3 % with the segment start."""
+    from calibrate.terms import rank_estimates
+    from estimator.hardware.residuals import load_coefficients
+
+    rows = pd.read_csv(ROOT / "data" / "measurements" / "h200-141gb" / "gpu_snapshots.csv")
+    rows = rows[rows["run_id"] == "0f3d71141564db57-c862afd8"]
+    (_, rank), = rank_estimates(rows, load_coefficients("h200-141gb"), allow_build=False)
+    measured = int(rows["peak_reserved_bytes"].iloc[0])
+    assert rank.reserved_source == "replayed"
+    assert abs(rank.peak_reserved_bytes - measured) / measured < 0.002
