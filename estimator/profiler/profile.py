@@ -459,6 +459,7 @@ def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:
                             [timeline.layer_of.get(sid) for sid in sids], held, first)
     events["optimizer"] = model.training.optimizer
     events["blas_first"] = first_blas_outputs(full, sids, timeline.blas_outputs)
+    events["sums_in_place"] = model.recorder.fold_engine_sums
     return {**regime, "segments": segments,
             "segments_manual": _summarise(manual_signature, manual_coeffs, manual_grads, model.num_layers,
                                           previous),

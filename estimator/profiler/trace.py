@@ -49,6 +49,9 @@ BLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", 
 
 
 class StorageRecorder(TorchDispatchMode):
+    # on: autograd's gradient sums in place (``_engine_sum``), as a GPU makes some of them; off (the default): as
+    # fake tensors make them. Not on by default: a GPU run keeps some sums out of place (docs/allocator.md, s. 25)
+    fold_engine_sums_default = False
     def __init__(self) -> None:
         super().__init__()
         self.timeline = Timeline()
@@ -57,11 +60,17 @@ class StorageRecorder(TorchDispatchMode):
         self._next_sid = 0
         self._paused = 0
         self.inherit_layers = False  # while on: a new storage takes the layer of the input it is computed from
+        self.fold_engine_sums = self.fold_engine_sums_default
+        self._pending_sums: list[tuple[int, int, int, int]] = []  # (sum's sid, its inputs' sids, its "a" index)
+        self._alias: dict[int, int] = {}  # a folded sum's sid -> the input storage it stands for
 
     def mark(self, label: str) -> None:
+        self._settle_sums()
         self.timeline.events.append(("m", label))
 
     def sid(self, storage: torch.UntypedStorage) -> int | None:
+        if self._pending_sums:  # a folded sum's storage answers with the input it stands for
+            self._settle_sums()
         return self._sid_of.get(storage)
 
     def track(self, tensor: torch.Tensor) -> None:
@@ -71,6 +80,7 @@ class StorageRecorder(TorchDispatchMode):
     def _track_storage(self, storage: torch.UntypedStorage) -> None:
         if storage in self._sid_of:
             return
+        self._settle_sums()
         sid = self._next_sid
         self._next_sid += 1
         self._sid_of[storage] = sid
@@ -78,8 +88,47 @@ class StorageRecorder(TorchDispatchMode):
         self.timeline.sizes[sid] = nbytes
         self.timeline.events.append(("a", sid, nbytes))
         events = self.timeline.events
-        self._refs[sid] = weakref.ref(storage, lambda _ref, sid=sid: (events.append(("f", sid)),
+        alias = self._alias
+        self._refs[sid] = weakref.ref(storage, lambda _ref, sid=sid: (events.append(("f", alias.get(sid, sid))),
                                                                      self._refs.pop(sid, None)))
+
+    def _engine_sum(self, func, args: tuple, kwargs: dict | None, out, first_new: int) -> None:
+        """Autograd's input buffer sums two gradients of one input as ``old + new`` on traced tensors, but on a
+        GPU's plain tensors as ``old.add_(new)`` when it holds ``old``'s only reference, else ``new.add_(old)``
+        when it holds ``new``'s (``InputBuffer::accumulate``: ``can_accumulate_inplace`` and no tensor subclass;
+        a fake tensor is subclass-like). Such a sum (an add inside the engine, no grad mode, two dense inputs of
+        the output's shape) is noted here; ``_settle_sums`` folds it once the frees that follow it are known."""
+        if (func is not torch.ops.aten.add.Tensor or not self.fold_engine_sums or torch.is_grad_enabled()
+                or torch._C._current_graph_task_id() == -1 or self._next_sid != first_new + 1 or len(args) != 2
+                or (kwargs or {}).get("alpha", 1) != 1 or not isinstance(out, torch.Tensor)):
+            return
+        if not all(isinstance(a, torch.Tensor) and a.shape == out.shape and a.dtype == out.dtype
+                   and a.is_contiguous() and a.untyped_storage().nbytes() == out.untyped_storage().nbytes()
+                   for a in args):
+            return
+        inputs = [self.sid(a.untyped_storage()) for a in args]
+        if None not in inputs:
+            self._pending_sums.append((first_new, inputs[0], inputs[1], len(self.timeline.events) - 1))
+
+    def _settle_sums(self) -> None:
+        """Fold the noted sums whose kept input was freed right after them (before any later allocation): the
+        sum's storage becomes that input's (no allocation; that input's free goes, the sum's free frees it)."""
+        pending, self._pending_sums = self._pending_sums, []
+        events = self.timeline.events
+        for out, old, new, at in reversed(pending):  # from the end: earlier indices stay valid
+            if events[at] != ("a", out, self.timeline.sizes[out]):
+                continue
+            after = events[at + 1:]
+            kept = next((sid for sid in (old, new) if ("f", sid) in after), None)
+            if kept is None:
+                continue
+            del events[at + 1 + after.index(("f", kept))]
+            del events[at]
+            self._alias[out] = self._alias.get(kept, kept)
+            ref = self._refs.get(out)
+            storage = ref() if ref is not None else None
+            if storage is not None:
+                self._sid_of[storage] = self._alias[out]
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -105,6 +154,7 @@ class StorageRecorder(TorchDispatchMode):
                     self.track(item)
             if self._next_sid > before and func.namespace == "aten" and func.overloadpacket.__name__ in BLAS_OPS:
                 self.timeline.blas_outputs.append(before)
+            self._engine_sum(func, args, kwargs, out, before)
             if self.inherit_layers and self._next_sid > before:
                 self._inherit_layer(args, out)
                 self._note_scalars(args, kwargs, out)

@@ -57,3 +57,28 @@ def test_lora_row_reserved_level_on_the_h200():
     measured = int(rows["peak_reserved_bytes"].iloc[0])
     assert rank.reserved_source == "replayed"
     assert abs(rank.peak_reserved_bytes - measured) / measured < 0.002
+
+
+def _recorder_with(events: list[tuple], pending: list[tuple]):
+    from estimator.profiler.trace import StorageRecorder
+
+    rec = StorageRecorder()
+    rec.timeline.events = list(events)
+    rec.timeline.sizes = {e[1]: e[2] for e in events if e[0] == "a"}
+    rec._pending_sums = list(pending)
+    rec._settle_sums()
+    return rec
+
+
+def test_an_engine_sum_is_made_in_place_in_the_input_freed_after_it():
+    """The recorder's switch ``fold_engine_sums`` (off by default: docs/allocator.md, session 25): autograd's
+    ``InputBuffer::accumulate`` on plain GPU tensors sums ``old.add_(new)`` when the buffer holds ``old``'s only
+    reference, else ``new.add_(old)``; the trace's out-of-place sum (2 = 0 + 1) is folded accordingly."""
+    old, new, out = ("a", 0, 8), ("a", 1, 8), ("a", 2, 8)
+    rec = _recorder_with([old, new, out, ("f", 0), ("f", 1)], [(2, 0, 1, 2)])
+    assert rec.timeline.events == [old, new, ("f", 1)] and rec._alias == {2: 0}
+    rec = _recorder_with([old, new, out, ("f", 1)], [(2, 0, 1, 2)])  # something else holds ``old``
+    assert rec.timeline.events == [old, new] and rec._alias == {2: 1}
+    rec = _recorder_with([old, new, out], [(2, 0, 1, 2)])  # both held elsewhere: a new tensor, as traced
+    assert rec.timeline.events == [old, new, out] and rec._alias == {}
+

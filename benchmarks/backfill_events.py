@@ -1,12 +1,15 @@
-"""Add ``blas_first`` (where each thread's cuBLAS workspace is made) to the shipped profiles some measured rows use.
+"""Bring the event lists of the shipped profiles some measured rows use up to today's tracer, where that is exact.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/backfill_blas_first.py TABLE.csv [RUN_ID ...] [--estimator-transformers R]
+    PYTHONPATH=. .venv/bin/python benchmarks/backfill_events.py TABLE.csv [RUN_ID ...] [--estimator-transformers R]
 
-For each row (a harness table: ``data/measurements/<gpu>/gpu_*.csv``) the profile the estimator takes for its spec
-is traced again (``build_profile``, as ``estimator.profiler.ship --rows`` does, into a scratch directory); when its
-regimes' event lists equal the shipped ones but for the new key, only ``blas_first`` is written into the shipped
-profile (its segment summaries stay as they were traced, so the allocated estimate cannot move). A profile whose
-events differ is reported and left alone: it needs a full re-trace (``ship``), which may move other numbers."""
+Today's tracer adds two things to a profile's event lists (docs/allocator.md, session 25): ``blas_first`` (where
+each thread's cuBLAS workspace is made) and autograd's gradient sums in place (``sums_in_place``). For each row (a
+harness table, ``data/measurements/<gpu>/gpu_*.csv``; no RUN_ID: every row with status ok) the profile the
+estimator takes for its spec is traced with the sums as fake tensors make them; when those event lists equal the
+shipped ones (but for ``blas_first``), they replace the shipped ones (``--sums-in-place``: a trace with the sums in
+place does, an experiment: not every sum a GPU makes is in place). The segment
+summaries stay as they were traced, so the allocated estimate cannot move. A profile whose event lists differ is
+reported and left alone: it needs a full re-trace (``estimator.profiler.ship``), which may move other numbers."""
 
 from __future__ import annotations
 
@@ -52,33 +55,54 @@ def _trace(spec) -> tuple[dict, float]:
     return profile, time.perf_counter() - started
 
 
-def backfill(spec, key: str) -> str:
+def _same_events(shipped: dict, traced: dict) -> bool:
+    if len(shipped["regimes"]) != len(traced["regimes"]):
+        return False
+    for old, new in zip(shipped["regimes"], traced["regimes"]):
+        kept = {k: v for k, v in new.get("events", {}).items() if k not in NEW_KEYS}
+        if "events" not in old or {k: v for k, v in old["events"].items() if k not in NEW_KEYS} != kept:
+            return False
+    return True
+
+
+NEW_KEYS = ("blas_first", "sums_in_place")
+
+
+def backfill(spec, key: str, sums_in_place: bool = False) -> str:
     import json
 
     from estimator.models.profiles import _shipped_path, save_profile
+    from estimator.profiler.trace import StorageRecorder
 
     path = _shipped_path(key)
     if not path.is_file():
         return f"{key}: not shipped"
     shipped = json.loads(path.read_text())
-    if all("blas_first" in r.get("events", {}) for r in shipped["regimes"]):
-        return f"{key}: has blas_first"
+    if all("blas_first" in r.get("events", {}) and r["events"].get("sums_in_place", False) == sums_in_place
+           for r in shipped["regimes"]):
+        return f"{key}: up to date"
     try:
-        traced, seconds = _trace(spec)
+        StorageRecorder.fold_engine_sums_default = False
+        as_shipped, seconds = _trace(spec)
+        if not _same_events(shipped, as_shipped):
+            return f"{key}: its event list changed; re-trace it (ship)"
+        traced, more = as_shipped, 0.0
+        if sums_in_place:
+            StorageRecorder.fold_engine_sums_default = True
+            traced, more = _trace(spec)
     except Exception as err:  # noqa: BLE001 - one profile this install cannot trace must not stop the others
         return f"{key}: trace failed: {type(err).__name__}: {err}".splitlines()[0]
-    if len(shipped["regimes"]) != len(traced["regimes"]):
-        return f"{key}: another number of regimes; re-trace it (ship)"
+    finally:
+        StorageRecorder.fold_engine_sums_default = False
+    events_before = [sum(map(len, r["events"]["segments"].values())) for r in shipped["regimes"]]
     for old, new in zip(shipped["regimes"], traced["regimes"]):
-        events = dict(new.get("events", {}))
-        blas = events.pop("blas_first", None)
-        if "events" not in old or {k: v for k, v in old["events"].items() if k != "blas_first"} != events:
-            return f"{key}: its event list changed; re-trace it (ship)"
-        old["events"]["blas_first"] = blas
+        old["events"] = new["events"]
     with tempfile.TemporaryDirectory() as scratch:  # save_profile's atomic write, then into place
         written = save_profile(key, shipped, Path(scratch))
         path.write_text(written.read_text())
-    return f"{key}: blas_first {[r['events']['blas_first'] for r in shipped['regimes']]} ({seconds:.1f} s trace)"
+    events_after = [sum(map(len, r["events"]["segments"].values())) for r in shipped["regimes"]]
+    return (f"{key}: events {events_before} -> {events_after}, blas_first "
+            f"{[r['events']['blas_first'] for r in shipped['regimes']]} ({seconds + more:.1f} s trace)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the release the estimator runs with (default: the installed one); rows run with "
                              "another use that release's profiles (``_tf<release>``), traced only when it is the "
                              "installed one (PYTHONPATH to an unpacked wheel)")
+    parser.add_argument("--sums-in-place", action="store_true",
+                        help="trace autograd's gradient sums in place (experimental: see docs/allocator.md, session 25)")
     args = parser.parse_args(argv)
     installed = model_code_release(installed_version("transformers") or "")
     estimator_release = model_code_release(args.estimator_transformers or "") or installed
@@ -117,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         if release != installed:
             print(f"{row['run_id']}: {key}: needs transformers {release} installed")
             continue
-        print(f"{row['run_id']}: {backfill(spec, key)}", flush=True)
+        print(f"{row['run_id']}: {backfill(spec, key, args.sums_in_place)}", flush=True)
     return 0
 
 
