@@ -106,7 +106,10 @@ def test_the_backward_workspace_follows_the_heads_weight_gradient():
     at = expansion.workspace_at[1]
     kind, _key, poly = expansion.first.ops[at - 1]
     assert kind == ALLOC and events["polys"][poly] == [HEAD_BYTES, 0, 0, 0, 0, 0]
-    assert expand(events, 16).workspace_at[1] < at  # the old place: the start of the loss's backward
+    # the profile's traced first cuBLAS output (blas_first) gives the same place without the head's bytes
+    assert expand(events, 16).workspace_at[1] == at
+    untraced = {key: value for key, value in events.items() if key != "blas_first"}
+    assert expand(untraced, 16).workspace_at[1] < at  # neither: the old place, the start of the loss's backward
 
 
 def test_a_frozen_head_keeps_the_workspace_at_the_loss():
