@@ -285,8 +285,12 @@ def test_out_of_scope_methods_and_old_profiles_keep_the_prior(llama_path):
     assert zero.reserved_source == "replayed"  # tests/estimator/test_zero3_snapshots.py
     checkpointed = api.estimate(RunSpec(model=llama_path, training=dataclasses.replace(training, grad_ckpt=True),
                                         parallel=ParallelSpec(method="zero3", world_size=2)), alloc_conf="")
-    assert checkpointed.reserved_source == "prior"
-    assert any(n.startswith("reserved: prior") and "recomputation" in n for n in checkpointed.notes)
+    assert checkpointed.reserved_source == "replayed"  # tests/estimator/test_zero3_recompute.py
+    offloaded_ckpt = api.estimate(RunSpec(model=llama_path, training=dataclasses.replace(
+        training, grad_ckpt=True, activation_offload=True), parallel=ParallelSpec(method="zero3", world_size=2)),
+        alloc_conf="")
+    assert offloaded_ckpt.reserved_source == "prior"
+    assert any(n.startswith("reserved: prior") and "zero3" in n for n in offloaded_ckpt.notes)
     offloaded = api.estimate(RunSpec(model=llama_path, training=training, parallel=ParallelSpec(
         method="zero2", world_size=2, zero=ZeroSpec(offload_optimizer=True))), alloc_conf="")
     assert offloaded.reserved_source == "prior"
