@@ -52,6 +52,7 @@ from estimator.reserved.expand import (
     ALLOC,
     FREE,
     FREE_PREVIOUS,
+    FREE_SETUP,
     Expansion,
     ExpansionError,
     alloc_on,
@@ -83,8 +84,6 @@ def why_not_fsdp1(options) -> str | None:
         return f"fsdp1 {options.sharding_strategy}: not modelled yet"
     if options.cpu_offload:
         return "fsdp1 with CPU offload: not modelled yet"
-    if not options.use_orig_params:
-        return "fsdp1 without use_orig_params: its flat-parameter optimizer step is not modelled yet"
     if options.backward_prefetch != "BACKWARD_PRE" or options.forward_prefetch:
         return "fsdp1: only the default prefetching (BACKWARD_PRE, no forward prefetch) is modelled yet"
     return None
@@ -98,6 +97,22 @@ class _Unit:
     paddings: tuple[int, ...]  # padding segments' elements, flat order
     offsets: tuple[int, ...]   # each tensor's offset in the flat parameter
     sharded: bool = True       # False: NO_SHARD (the flat parameter is whole on every rank)
+    orig_params: bool = True   # use_orig_params; False: the optimizer steps the flat shards themselves
+
+    @property
+    def stepped_bytes(self) -> int:
+        """What this rank keeps of the flat parameter (its padded shard; NO_SHARD: all of it), and so of its
+        gradient: the tensor the optimizer steps without ``use_orig_params``."""
+        flat = self.flat
+        return (flat.shard_numel if self.sharded else flat.numel) * flat.param_elem
+
+    def short_chunk_numel(self, shard_rank: int) -> int | None:
+        """Elements of ``shard_rank``'s chunk of the flat parameter where ``torch.chunk`` leaves it short of a
+        whole shard (``_get_shard`` then pads its clone: ``F.pad``), else None. Only without ``use_orig_params``:
+        its layout is not padded to a multiple of the shard group."""
+        flat = self.flat
+        chunk = max(0, min(flat.shard_numel, flat.numel - shard_rank * flat.shard_numel))
+        return chunk if self.sharded and chunk < flat.shard_numel else None
 
     @property
     def mp_bytes(self) -> int:
@@ -126,7 +141,7 @@ def _units(table: list[ParamInfo], num_layers: int, sizes: Fsdp1Sizes) -> dict:
 
     def unit(params: list[ParamInfo], flat: FlatUnit) -> _Unit:
         offsets, paddings, _total = flat_layout(params, flat.world, flat.compute_elem, aligned)
-        return _Unit(params, flat, sizes.mixed, tuple(paddings), tuple(offsets), sizes.sharded)
+        return _Unit(params, flat, sizes.mixed, tuple(paddings), tuple(offsets), sizes.sharded, aligned)
     units = {"root": unit([p for p in model_order(table) if p.layer is None], sizes.root)}
     for layer in range(num_layers):
         params = [p for p in table if p.layer == layer]
@@ -141,12 +156,27 @@ def _units(table: list[ParamInfo], num_layers: int, sizes: Fsdp1Sizes) -> dict:
     return units
 
 
-def fsdp1_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: int, sizes: Fsdp1Sizes) -> Setup:
-    """Per unit in wrap order (``_wrap_order``): its tensors moved, the flat parameter, the shard; the moved
-    tensors and the full flat parameter freed. Then the module buffers."""
+def fsdp1_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: int, sizes: Fsdp1Sizes,
+                rank: int = 0) -> Setup:
+    """Per unit in wrap order (``_wrap_order``): its tensors moved, the flat parameter, the shard (without
+    ``use_orig_params`` a short chunk's clone padded into a new tensor); the moved tensors and the full flat
+    parameter freed. Then the module buffers."""
+    allocations, frees, _flat_at = _setup_allocations(_units(table, num_layers, sizes), num_layers, rank)
+    non_layer, per_layer = buffers
+    if per_layer:
+        allocations.extend((f"buffers.{layer}", per_layer) for layer in range(num_layers))
+    if non_layer:
+        allocations.append(("buffers", non_layer))
+    return Setup(allocations, [], [], frees_after=tuple(frees))
+
+
+def _setup_allocations(units: dict, num_layers: int, rank: int) -> tuple[list, list, dict]:
+    """``fsdp1_setup``'s allocations and frees, and where each sharded unit's full flat parameter is in them where
+    it outlives the setup: without ``use_orig_params`` the modules' tensors are views of it (``_use_unsharded_views``
+    at the handle's init) until its first unshard in forward makes new ones."""
     allocations: list[tuple[str, int]] = []
     frees: list[tuple[int, tuple[int, ...]]] = []
-    units = _units(table, num_layers, sizes)
+    flat_at: dict = {}
     for name in _wrap_order(units, num_layers):
         unit = units[name]
         elem = unit.flat.param_elem
@@ -163,14 +193,23 @@ def fsdp1_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: in
         if not unit.sharded:  # NO_SHARD keeps the flat parameter itself (``FlatParamHandle.shard``: no clone)
             frees.append((len(allocations) - 1, moved))
             continue
+        flat = len(allocations) - 1
+        if unit.orig_params:
+            freed_flat: tuple[int, ...] = (flat,)
+        else:  # the modules' views hold it to its first unshard
+            freed_flat, flat_at[name] = (), flat
+        short = unit.short_chunk_numel(rank % unit.flat.world)
+        if short is None:
+            allocations.append((f"shard.{name}", unit.flat.shard_numel * elem))
+            frees.append((len(allocations) - 1, (*moved, *freed_flat)))
+            continue
+        clone = ()
+        if short:  # an empty chunk's clone is no allocation
+            allocations.append((f"shard_chunk.{name}", short * elem))
+            clone = (len(allocations) - 1,)
         allocations.append((f"shard.{name}", unit.flat.shard_numel * elem))
-        frees.append((len(allocations) - 1, (*moved, len(allocations) - 2)))
-    non_layer, per_layer = buffers
-    if per_layer:
-        allocations.extend((f"buffers.{layer}", per_layer) for layer in range(num_layers))
-    if non_layer:
-        allocations.append(("buffers", non_layer))
-    return Setup(allocations, [], [], frees_after=tuple(frees))
+        frees.append((len(allocations) - 1, (*clone, *moved, *freed_flat)))
+    return allocations, frees, flat_at
 
 
 def _wrap_order(units: dict, num_layers: int) -> list:
@@ -184,13 +223,21 @@ def _lazy_init_order(units: dict, num_layers: int) -> list:
     return ["root", *(g for layer in range(num_layers) for g in (layer, *_adapters_of(units, layer)))]
 
 
+def _stepped_units(units: dict, num_layers: int) -> list:
+    """The units whose flat parameter requires grad, in ``model.parameters()`` order (each FSDP module's flat
+    parameter is its wrapped module's first parameter, before its children's: the pre-order walk)."""
+    return [g for g in _lazy_init_order(units, num_layers) if units[g].flat.trainable]
+
+
 class _Step(BufferOps):
     """One step's FSDP1 tensors and the ops that make and free them."""
 
     def __init__(self, build: _Builder, units: dict, grads: dict, micro: str = SYNC, held: dict | None = None,
-                 unit_pieces: dict | None = None) -> None:
+                 unit_pieces: dict | None = None, setup_flats: dict | None = None) -> None:
         super().__init__(build)
         self.units, self.grads = units, grads
+        # unit -> (setup index, size index) of its full flat parameter from setup, freed at its first unshard
+        self.setup_flats = dict(setup_flats or {})
         self.unit_pieces = unit_pieces or {}  # unit -> bytes of each tensor's piece of this rank's shard
         self.micro = micro  # MICRO_BATCHES
         self.held: dict = dict(held or {})  # unit -> its unsharded flat gradient held under no_sync
@@ -202,7 +249,16 @@ class _Step(BufferOps):
         if not unit.sharded:  # NO_SHARD computes with the 16-bit copy itself (mixed precision), else in place
             self.unsharded[g] = self._alloc(out, unit.mp_bytes, PRE_UNSHARD) if unit.mp_bytes else None
             return
-        self.unsharded[g] = self._staged(out, (unit.mp_bytes, PRE_UNSHARD), unit.unsharded_bytes, UNSHARD)
+        if g not in self.setup_flats:
+            self.unsharded[g] = self._staged(out, (unit.mp_bytes, PRE_UNSHARD), unit.unsharded_bytes, UNSHARD)
+            return
+        # the first unshard's ``_use_unsharded_views`` replaces the views of setup's flat parameter, which goes
+        # before ``post_unshard`` frees the 16-bit copy
+        copy = self._alloc(out, unit.mp_bytes, PRE_UNSHARD) if unit.mp_bytes else None
+        self.unsharded[g] = self._alloc(out, unit.unsharded_bytes, UNSHARD)
+        out.append((FREE_SETUP, *self.setup_flats.pop(g)))
+        if copy is not None:
+            self._free(out, copy)
 
     @staticmethod
     def emit(out: list, op: tuple) -> None:
@@ -243,19 +299,23 @@ class _Step(BufferOps):
         if self.micro == HOLD_ADD:  # added into the held one; autograd drops it once the hooks are done
             self._free(out, flat_grad)
             return
-        # the use_orig_params layout already divides by the shard group: no F.pad before the reduce-scatter
         cast = (self._alloc(out, flat.numel * flat.reduce_elem, POST_BACKWARD)
                 if flat.reduce_elem != flat.compute_elem else None)
         if not unit.sharded:
             self._keep_whole_grad(out, g, flat_grad, cast)
             return
+        # ``_get_reduce_scatter_tensors``: a flat gradient short of a whole number of shards is padded into a new
+        # tensor (F.pad), freed as ``_reduce_grad`` returns, after the cast; the use_orig_params layout never is
+        padded_numel = flat.shard_numel * flat.world
+        padded = (self._alloc(out, padded_numel * flat.reduce_elem, POST_BACKWARD)
+                  if padded_numel > flat.numel else None)
         # the reduce dtype is the shards' (fp32 under mixed precision), so the new shard is kept as it is; a later
         # micro-batch's is added into the saved one in place and goes as ``_reduce_grad`` returns. After no_sync the
         # held gradient (this micro-batch's added into it) is reduced; this micro-batch's stays referenced by
         # autograd until the hook returns
         new_shard = self._alloc(out, flat.shard_numel * flat.reduce_elem, POST_BACKWARD)
         self.grad_shards[g] = new_shard
-        for tensor in (cast, flat_grad, new_shard if self.micro == ADD_SHARD else None):
+        for tensor in (cast, padded, flat_grad, new_shard if self.micro == ADD_SHARD else None):
             if tensor is not None:
                 self._free(out, tensor)
         if self.micro == REDUCE_HELD:
@@ -551,16 +611,17 @@ def _adapter_grads(grads: dict, units: dict) -> dict:
 def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, units: dict, table: list,
               optimizer: str, first: bool, num_layers: int, scalar: set[int], pieces: list[int],
               reshard_after_forward: bool, polys: list, recompute: bool, layer0_at_suffix: bool,
-              adapter_out_elem: int | None, unit_pieces: dict, micro: str = SYNC, held: dict | None = None
-              ) -> tuple[list, dict[int, int], tuple[int, int], list, int, dict]:
+              adapter_out_elem: int | None, unit_pieces: dict, micro: str = SYNC, held: dict | None = None,
+              setup_flats: dict | None = None) -> tuple[list, dict[int, int], tuple[int, int], list, int, dict]:
     """The FSDP1 step's ops, where each old op index went, where its optimizer part begins (before and after the
     loss is freed), the gradient shards (the next step's root pre-forward frees them) and where the root's
     pre-forward begins. ``recompute``: checkpointing re-runs each layer's forward (its adapters') in backward.
     ``micro``: which micro-batch of an accumulation cycle (``MICRO_BATCHES``), ``held``: the flat gradients the
-    cycle's first kept under no_sync; the flat gradients this one holds are returned last."""
+    cycle's first kept under no_sync; the flat gradients this one holds are returned last. ``setup_flats``: the
+    full flat parameters setup leaves (``_Step``), in the run's first step."""
     layer_grads = {g: list(keys) for g, keys in _grads_by_group(expansion, ops, table).items()}
     summed = _summed_grad_keys(layer_grads, table)
-    step = _Step(build, units, _adapter_grads(layer_grads, units), micro, held, unit_pieces)
+    step = _Step(build, units, _adapter_grads(layer_grads, units), micro, held, unit_pieces, setup_flats)
     grad_keys = expansion.grad_keys
     cut, at_mark, seed = boundary_marks(ops, marks, scalar)
     before, after, moved_frees = _adapter_events(ops, cut, at_mark, units, layer_grads, polys, recompute,
@@ -598,7 +659,10 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
                if op[0] == FREE and op[1] in made and op[1] not in grad_keys and op[1] not in moved_frees)
     loss_freed_at = len(out)
     step.adamw(out, pieces, first, optimizer)  # the tensors' pieces of the shards, parameter order
-    if step.unsharded:
+    if not units["root"].orig_params:  # zero_grad(set_to_none): each flat parameter's .grad is its new shard
+        for g in _stepped_units(units, num_layers):
+            step._free(out, step.grad_shards.pop(g))
+    if step.unsharded or step.setup_flats:
         raise ExpansionError("fsdp1: unsharded flat parameters left at the end of the step")
     shards = [step.grad_shards[g] for g in _lazy_init_order(units, num_layers) if g in step.grad_shards]
     return out, moved, (optimizer_at, loss_freed_at), shards, prefix_at[0], step.held
@@ -647,7 +711,12 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
         piece_of.update((p.name, n * unit.flat.param_elem) for p, n in zip(unit.params, pieces))
         unit_pieces[g] = [0 if _grad_view_fits(p, n, unit.flat) else n * unit.flat.param_elem
                           for p, n in zip(unit.params, pieces)]
-    pieces = [piece_of[p.name] for p in model_order(table) if p.trainable and piece_of[p.name]]
+    if sizes.options.use_orig_params:
+        pieces = [piece_of[p.name] for p in model_order(table) if p.trainable and piece_of[p.name]]
+    elif accumulating:
+        raise ExpansionError("fsdp1 without use_orig_params under gradient accumulation: not modelled yet")
+    else:  # the optimizer steps the flat parameters themselves, i.e. this rank's shards
+        pieces = [units[g].stepped_bytes for g in _stepped_units(units, num_layers)]
     build = _Builder(expansion.steady.keys, base_size_index)
     first_marks, steady_marks = expansion.marks
     scalar = {i for i, poly in enumerate(polys) if 0 < poly[0] <= 8 and not any(poly[1:])}
@@ -660,8 +729,11 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
         expansion, expansion.steady.ops, steady_marks, first=False, **common)
     steady_keys = build.next_key
     build.next_key = start  # the first step's tensors take the same keys in the same order
+    _allocations, _frees, flat_at = _setup_allocations(units, num_layers, rank)
+    setup_flats = {g: (at, build.size_index(units[g].flat.numel * units[g].flat.param_elem))
+                   for g, at in flat_at.items()}
     first_ops, first_moved, first_optimizer, first_shards, first_prefix, _held = _step_ops(
-        expansion, expansion.first.ops, first_marks, first=True, **common)
+        expansion, expansion.first.ops, first_marks, first=True, setup_flats=setup_flats, **common)
     if [t.key for t in first_shards] != [t.key for t in steady_shards]:
         raise ExpansionError("fsdp1: the gradient shards of the first and the steady step differ")
     lazy: list = []  # keys after every other tensor of the step, so both steps keep theirs

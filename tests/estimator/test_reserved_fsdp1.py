@@ -35,18 +35,21 @@ def llama_path(tmp_path_factory):
     return str(path)
 
 
-def _spec(path: str, training: TrainingSpec, world: int, strategy: str = "FULL_SHARD") -> RunSpec:
+def _spec(path: str, training: TrainingSpec, world: int, strategy: str = "FULL_SHARD", orig_params: bool = True
+          ) -> RunSpec:
     """``strategy``: a sharding strategy; ``HYBRID_SHARD:N`` shards over N ranks per node."""
     strategy, _, per_node = strategy.partition(":")
-    options = Fsdp1Spec(sharding_strategy=strategy, **({"gpus_per_node": int(per_node)} if per_node else {}))
+    options = Fsdp1Spec(sharding_strategy=strategy, use_orig_params=orig_params,
+                        **({"gpus_per_node": int(per_node)} if per_node else {}))
     return RunSpec(model=path, training=training,
                    parallel=ParallelSpec(method="fsdp1", world_size=world, fsdp1=options))
 
 
-def _generated(path: str, training: TrainingSpec, world: int, rank: int, strategy: str) -> list[tuple]:
+def _generated(path: str, training: TrainingSpec, world: int, rank: int, strategy: str, orig_params: bool = True
+               ) -> list[tuple]:
     """Setup (without the host-to-device moves, which a CPU run does not make) and ``STEPS`` optimizer steps of
     ``training.grad_accum_steps`` micro-batches."""
-    spec = _spec(path, training, world, strategy)
+    spec = _spec(path, training, world, strategy, orig_params)
     arch, profile = load_profile(path, training)
     table, regime = api._param_table(profile, arch.num_layers), api._regime(profile, B, S)
     events = reserved_rank._events(spec, regime, arch.num_layers)  # every-k: the merged list
@@ -54,7 +57,7 @@ def _generated(path: str, training: TrainingSpec, world: int, rank: int, strateg
     plan = reserved_rank._plan(spec, events, expansion, table, arch.num_layers, B, S,
                                workspace_bytes=8 << 20, workspaces=0, rank=rank)
     setup = reserved_rank._setup(profile, table, arch.num_layers, "fsdp1", training.precision.startswith("mixed_"),
-                                 world, spec)
+                                 world, spec, rank)
     frees = dict(setup.frees_after)
     names = [name for name, _ in setup.allocations]
     out = []
@@ -65,8 +68,8 @@ def _generated(path: str, training: TrainingSpec, world: int, rank: int, strateg
     return out + run_requests(plan, STEPS, training.grad_accum_steps)
 
 
-def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: str, keep_marks: bool = False
-                       ) -> list[tuple[bool, object, int]]:
+def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: str, keep_marks: bool = False,
+                       orig_params: bool = True) -> list[tuple[bool, object, int]]:
     """``rank`` of a real CPU run on the fake process group: the model built on the host, wrapped as
     ``harness.fake.wrap.wrap_model`` wraps it, then ``STEPS`` steps. Resized flat parameters are recorded as
     blocks (``StorageResizes``). Left out: the host tensors (the model as built, which a GPU run copies in; FSDP's dtype-size
@@ -81,7 +84,7 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
     from estimator.profiler.trace import StorageRecorder
     from harness.fake.wrap import build_method_optimizer, build_training, make_mesh, wrap_model
 
-    spec = _spec("tiny", training, world, strategy)
+    spec = _spec("tiny", training, world, strategy, orig_params)
     rec = StorageRecorder()
     resizes = StorageResizes(rec)
     alloc_storage, free_storage = flat_param_mod._alloc_storage, flat_param_mod._free_storage
@@ -287,3 +290,19 @@ def test_other_fsdp1_settings_keep_the_prior(llama_path):
     kept = api.estimate(_spec(llama_path, lora, 2, "SHARD_GRAD_OP"), alloc_conf="")
     assert kept.reserved_source == "prior"
     assert any(n.startswith("reserved: prior") and "LoRA" in n for n in kept.notes)
+
+
+@pytest.mark.parametrize("training, world, rank, strategy", [
+    (TrainingSpec(precision="mixed_bf16"), 2, 0, "FULL_SHARD"),
+    (TrainingSpec(precision="bf16"), 3, 2, "FULL_SHARD"),  # short chunks: padded at setup and before each reduce
+    (TrainingSpec(precision="bf16", lora_rank=8, grad_ckpt=True), 2, 1, "FULL_SHARD"),
+], ids=lambda v: str(v) if not isinstance(v, TrainingSpec) else
+   f"{v.precision}-lora{v.lora_rank}-ckpt{int(v.grad_ckpt)}")
+def test_flat_parameter_stream_equals_a_real_fsdp1_run(llama_path, training, world, rank, strategy):
+    """``use_orig_params=False``: the flat parameter unpadded, a short chunk padded (setup's shard, the
+    reduce-scatter's input), the optimizer stepping the flat shards, ``zero_grad`` freeing them. Setup and three
+    steps, as above."""
+    training = dataclasses.replace(training, attn="eager", micro_batch_size=B, seq_len=S)
+    generated = _runs(_generated(llama_path, training, world, rank, strategy, False), True)
+    real = _runs(_in_fresh_process(_real_fsdp1_events, training, world, rank, strategy, False, False), False)
+    _assert_same_runs(generated, real)
