@@ -34,9 +34,6 @@ OUTER = ("prefix", "mid_fw", "mid_bw", "suffix", "optimizer_pre", "optimizer")
 CKPT, RELEASE = "+ckpt", "+release"
 
 ALLOC, FREE, FREE_PREVIOUS = 0, 1, 2
-# free a setup allocation: key its index in ``Setup.allocations``, size index its bytes' (FSDP1 without
-# use_orig_params: a unit's full flat parameter, viewed by its modules until the first forward's unshard)
-FREE_SETUP = 5
 _ON_STREAM = 8  # kind 8 + s: allocate on side stream s >= 1 (its own pools: ``estimator.reserved.fsdp``)
 
 
@@ -471,8 +468,6 @@ def check_step(ops: list, previous_alive: set[int] = frozenset()) -> set[int]:
             if state[key] != 1:
                 raise ExpansionError(f"events: tensor {key} freed while not alive")
             state[key] = 2
-        elif kind == FREE_SETUP:
-            continue
         elif key not in previous_alive:
             raise ExpansionError(f"events: the previous step's tensor {key} is not alive")
     return {key for key, alive in enumerate(state) if alive == 1}

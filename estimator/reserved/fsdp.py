@@ -75,16 +75,12 @@ class _Builder:
         self._size_index: dict[int, int] = {}
 
     def tensor(self, nbytes: int) -> Tensor:
-        key, self.next_key = self.next_key, self.next_key + 1
-        return Tensor(key, self.size_index(nbytes))
-
-    def size_index(self, nbytes: int) -> int:
-        """The size index of ``nbytes`` (a new one the first time)."""
         index = self._size_index.get(nbytes)
         if index is None:
             index = self._size_index[nbytes] = self.base + len(self.sizes)
             self.sizes.append(nbytes)
-        return index
+        key, self.next_key = self.next_key, self.next_key + 1
+        return Tensor(key, index)
 
 
 def shard_numel(p: ParamInfo, world: int) -> int:

@@ -52,7 +52,6 @@ from estimator.reserved.expand import (
     ALLOC,
     FREE,
     FREE_PREVIOUS,
-    FREE_SETUP,
     Expansion,
     ExpansionError,
     alloc_on,
@@ -161,22 +160,9 @@ def fsdp1_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: in
     """Per unit in wrap order (``_wrap_order``): its tensors moved, the flat parameter, the shard (without
     ``use_orig_params`` a short chunk's clone padded into a new tensor); the moved tensors and the full flat
     parameter freed. Then the module buffers."""
-    allocations, frees, _flat_at = _setup_allocations(_units(table, num_layers, sizes), num_layers, rank)
-    non_layer, per_layer = buffers
-    if per_layer:
-        allocations.extend((f"buffers.{layer}", per_layer) for layer in range(num_layers))
-    if non_layer:
-        allocations.append(("buffers", non_layer))
-    return Setup(allocations, [], [], frees_after=tuple(frees))
-
-
-def _setup_allocations(units: dict, num_layers: int, rank: int) -> tuple[list, list, dict]:
-    """``fsdp1_setup``'s allocations and frees, and where each sharded unit's full flat parameter is in them where
-    it outlives the setup: without ``use_orig_params`` the modules' tensors are views of it (``_use_unsharded_views``
-    at the handle's init) until its first unshard in forward makes new ones."""
     allocations: list[tuple[str, int]] = []
     frees: list[tuple[int, tuple[int, ...]]] = []
-    flat_at: dict = {}
+    units = _units(table, num_layers, sizes)
     for name in _wrap_order(units, num_layers):
         unit = units[name]
         elem = unit.flat.param_elem
@@ -193,23 +179,26 @@ def _setup_allocations(units: dict, num_layers: int, rank: int) -> tuple[list, l
         if not unit.sharded:  # NO_SHARD keeps the flat parameter itself (``FlatParamHandle.shard``: no clone)
             frees.append((len(allocations) - 1, moved))
             continue
+        # ``shard`` resizes the full flat parameter's storage to 0 (without use_orig_params the modules' views of it
+        # stay until the first forward's unshard replaces them, but hold no memory)
         flat = len(allocations) - 1
-        if unit.orig_params:
-            freed_flat: tuple[int, ...] = (flat,)
-        else:  # the modules' views hold it to its first unshard
-            freed_flat, flat_at[name] = (), flat
         short = unit.short_chunk_numel(rank % unit.flat.world)
         if short is None:
             allocations.append((f"shard.{name}", unit.flat.shard_numel * elem))
-            frees.append((len(allocations) - 1, (*moved, *freed_flat)))
+            frees.append((len(allocations) - 1, (*moved, flat)))
             continue
         clone = ()
         if short:  # an empty chunk's clone is no allocation
             allocations.append((f"shard_chunk.{name}", short * elem))
             clone = (len(allocations) - 1,)
         allocations.append((f"shard.{name}", unit.flat.shard_numel * elem))
-        frees.append((len(allocations) - 1, (*clone, *moved, *freed_flat)))
-    return allocations, frees, flat_at
+        frees.append((len(allocations) - 1, (*clone, *moved, flat)))
+    non_layer, per_layer = buffers
+    if per_layer:
+        allocations.extend((f"buffers.{layer}", per_layer) for layer in range(num_layers))
+    if non_layer:
+        allocations.append(("buffers", non_layer))
+    return Setup(allocations, [], [], frees_after=tuple(frees))
 
 
 def _wrap_order(units: dict, num_layers: int) -> list:
@@ -233,11 +222,9 @@ class _Step(BufferOps):
     """One step's FSDP1 tensors and the ops that make and free them."""
 
     def __init__(self, build: _Builder, units: dict, grads: dict, micro: str = SYNC, held: dict | None = None,
-                 unit_pieces: dict | None = None, setup_flats: dict | None = None) -> None:
+                 unit_pieces: dict | None = None) -> None:
         super().__init__(build)
         self.units, self.grads = units, grads
-        # unit -> (setup index, size index) of its full flat parameter from setup, freed at its first unshard
-        self.setup_flats = dict(setup_flats or {})
         self.unit_pieces = unit_pieces or {}  # unit -> bytes of each tensor's piece of this rank's shard
         self.micro = micro  # MICRO_BATCHES
         self.held: dict = dict(held or {})  # unit -> its unsharded flat gradient held under no_sync
@@ -249,16 +236,7 @@ class _Step(BufferOps):
         if not unit.sharded:  # NO_SHARD computes with the 16-bit copy itself (mixed precision), else in place
             self.unsharded[g] = self._alloc(out, unit.mp_bytes, PRE_UNSHARD) if unit.mp_bytes else None
             return
-        if g not in self.setup_flats:
-            self.unsharded[g] = self._staged(out, (unit.mp_bytes, PRE_UNSHARD), unit.unsharded_bytes, UNSHARD)
-            return
-        # the first unshard's ``_use_unsharded_views`` replaces the views of setup's flat parameter, which goes
-        # before ``post_unshard`` frees the 16-bit copy
-        copy = self._alloc(out, unit.mp_bytes, PRE_UNSHARD) if unit.mp_bytes else None
-        self.unsharded[g] = self._alloc(out, unit.unsharded_bytes, UNSHARD)
-        out.append((FREE_SETUP, *self.setup_flats.pop(g)))
-        if copy is not None:
-            self._free(out, copy)
+        self.unsharded[g] = self._staged(out, (unit.mp_bytes, PRE_UNSHARD), unit.unsharded_bytes, UNSHARD)
 
     @staticmethod
     def emit(out: list, op: tuple) -> None:
@@ -611,17 +589,16 @@ def _adapter_grads(grads: dict, units: dict) -> dict:
 def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, units: dict, table: list,
               optimizer: str, first: bool, num_layers: int, scalar: set[int], pieces: list[int],
               reshard_after_forward: bool, polys: list, recompute: bool, layer0_at_suffix: bool,
-              adapter_out_elem: int | None, unit_pieces: dict, micro: str = SYNC, held: dict | None = None,
-              setup_flats: dict | None = None) -> tuple[list, dict[int, int], tuple[int, int], list, int, dict]:
+              adapter_out_elem: int | None, unit_pieces: dict, micro: str = SYNC, held: dict | None = None
+              ) -> tuple[list, dict[int, int], tuple[int, int], list, int, dict]:
     """The FSDP1 step's ops, where each old op index went, where its optimizer part begins (before and after the
     loss is freed), the gradient shards (the next step's root pre-forward frees them) and where the root's
     pre-forward begins. ``recompute``: checkpointing re-runs each layer's forward (its adapters') in backward.
     ``micro``: which micro-batch of an accumulation cycle (``MICRO_BATCHES``), ``held``: the flat gradients the
-    cycle's first kept under no_sync; the flat gradients this one holds are returned last. ``setup_flats``: the
-    full flat parameters setup leaves (``_Step``), in the run's first step."""
+    cycle's first kept under no_sync; the flat gradients this one holds are returned last."""
     layer_grads = {g: list(keys) for g, keys in _grads_by_group(expansion, ops, table).items()}
     summed = _summed_grad_keys(layer_grads, table)
-    step = _Step(build, units, _adapter_grads(layer_grads, units), micro, held, unit_pieces, setup_flats)
+    step = _Step(build, units, _adapter_grads(layer_grads, units), micro, held, unit_pieces)
     grad_keys = expansion.grad_keys
     cut, at_mark, seed = boundary_marks(ops, marks, scalar)
     before, after, moved_frees = _adapter_events(ops, cut, at_mark, units, layer_grads, polys, recompute,
@@ -662,7 +639,7 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
     if not units["root"].orig_params:  # zero_grad(set_to_none): each flat parameter's .grad is its new shard
         for g in _stepped_units(units, num_layers):
             step._free(out, step.grad_shards.pop(g))
-    if step.unsharded or step.setup_flats:
+    if step.unsharded:
         raise ExpansionError("fsdp1: unsharded flat parameters left at the end of the step")
     shards = [step.grad_shards[g] for g in _lazy_init_order(units, num_layers) if g in step.grad_shards]
     return out, moved, (optimizer_at, loss_freed_at), shards, prefix_at[0], step.held
@@ -729,11 +706,8 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
         expansion, expansion.steady.ops, steady_marks, first=False, **common)
     steady_keys = build.next_key
     build.next_key = start  # the first step's tensors take the same keys in the same order
-    _allocations, _frees, flat_at = _setup_allocations(units, num_layers, rank)
-    setup_flats = {g: (at, build.size_index(units[g].flat.numel * units[g].flat.param_elem))
-                   for g, at in flat_at.items()}
     first_ops, first_moved, first_optimizer, first_shards, first_prefix, _held = _step_ops(
-        expansion, expansion.first.ops, first_marks, first=True, setup_flats=setup_flats, **common)
+        expansion, expansion.first.ops, first_marks, first=True, **common)
     if [t.key for t in first_shards] != [t.key for t in steady_shards]:
         raise ExpansionError("fsdp1: the gradient shards of the first and the steady step differ")
     lazy: list = []  # keys after every other tensor of the step, so both steps keep theirs

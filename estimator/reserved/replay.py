@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from estimator.allocator import CachingAllocator, OutOfMemory
 from estimator.models.memo import memo_by_owner
 from estimator.reserved.accumulate import FREE_PREVIOUS_CYCLE, micro_steps
-from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, FREE_SETUP, Expansion, StepEvents, stream_of
+from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, StepEvents, stream_of
 from estimator.reserved.timeline import BATCH_TENSORS, Setup, StepPlan
 
 MAX_STEPS = 8
@@ -95,8 +95,6 @@ def _compile(expansion: Expansion, step_ops: list, keys: int, workspaces: int, p
             ops.append((_FREE_PREVIOUS, key, poly_of[key]))
         elif op == FREE_PREVIOUS_CYCLE:
             ops.append((_FREE_PREVIOUS_CYCLE, key, poly))
-        elif op == FREE_SETUP:
-            ops.append((_FREE_SETUP, key, poly))
         else:  # FREE_CYCLE: a gradient of the cycle's first micro-step
             ops.append((_FREE_CYCLE, key, poly))
     return ops

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from estimator.models.params import ParamInfo
 from estimator.reserved.accumulate import FREE_PREVIOUS_CYCLE, MicroSteps, micro_steps
-from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, FREE_SETUP, Expansion, stream_of
+from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, stream_of
 
 MIB = 1024 * 1024
 DDP_FIRST_BUCKET_BYTES = 1 * MIB   # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
@@ -113,8 +113,7 @@ class StepPlan:
 
 
 def step_requests(plan: StepPlan, step: int, base_key: int) -> list[tuple]:
-    """Requests of step ``step`` (0 = the first), keys offset by ``base_key`` + step x keys-per-step; a setup
-    allocation freed in the step is keyed ("setup", its index)."""
+    """Requests of step ``step`` (0 = the first), keys offset by ``base_key`` + step x keys-per-step."""
     expansion = plan.expansion
     events = expansion.first if step == 0 else expansion.steady
     keys = events.keys
@@ -137,8 +136,6 @@ def step_requests(plan: StepPlan, step: int, base_key: int) -> list[tuple]:
             out.append(("free", offset + key))
         elif kind == FREE_PREVIOUS:
             out.append(("free", previous + key))
-        elif kind == FREE_SETUP:
-            out.append(("free", ("setup", key)))
     return out
 
 

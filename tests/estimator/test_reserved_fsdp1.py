@@ -72,7 +72,8 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
                        orig_params: bool = True) -> list[tuple[bool, object, int]]:
     """``rank`` of a real CPU run on the fake process group: the model built on the host, wrapped as
     ``harness.fake.wrap.wrap_model`` wraps it, then ``STEPS`` steps. Resized flat parameters are recorded as
-    blocks (``StorageResizes``). Left out: the host tensors (the model as built, which a GPU run copies in; FSDP's dtype-size
+    blocks (``StorageResizes``); setup's full flat parameter as freed where ``shard`` resizes its storage to 0 (without
+    use_orig_params the modules' views keep the storage object, not its memory, to the first forward). Left out: the host tensors (the model as built, which a GPU run copies in; FSDP's dtype-size
     probe, made on the default device), Adam's host-side step counters, zero-byte storages and what the run's end
     frees."""
     import torch
@@ -97,9 +98,20 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
         resizes.freed(tensor)
         free_storage(tensor)
 
+    handle_cls = flat_param_mod.FlatParamHandle
+    get_shard = handle_cls.__dict__["_get_shard"]
+
+    def get_shard_recorded(tensor, shard_rank, shard_world):
+        # ``shard`` resizes the full flat parameter's storage to 0 as this returns (no allocation between), which
+        # frees its memory while, without use_orig_params, the modules' views still hold the storage object
+        shard = get_shard.__func__(tensor, shard_rank, shard_world)
+        resizes.freed(tensor)
+        return shard
+
     ignore_mask = masking_utils._ignore_causal_mask_sdpa
     masking_utils._ignore_causal_mask_sdpa = lambda padding_mask, *a, **k: ignore_mask(None, *a, **k)
     flat_param_mod._alloc_storage, flat_param_mod._free_storage = alloc_recorded, free_recorded
+    handle_cls._get_shard = staticmethod(get_shard_recorded)
     try:
         with fake_process_group(rank, world, ("test_reserved_fsdp1", rank, world)):
             mesh = make_mesh(spec, "cpu")
@@ -127,6 +139,7 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
     finally:
         masking_utils._ignore_causal_mask_sdpa = ignore_mask
         flat_param_mod._alloc_storage, flat_param_mod._free_storage = alloc_storage, free_storage
+        handle_cls._get_shard = get_shard
     events, sizes = rec.timeline.events, rec.timeline.sizes
     host, phase = set(), None
     marks = [i for i, e in enumerate(events) if e[0] == "m"]
@@ -251,8 +264,28 @@ def test_gradient_accumulation_stream_equals_a_real_fsdp1_run(llama_path, traini
 def test_fsdp1_replayed_allocated_level_equals_the_estimate(llama_path, training, world, strategy):
     """The requested bytes alive at once in the replayed stream = the estimator's FSDP1 allocated peak + the
     batch, to the byte, on the first and the last rank; the reserved level is the replay's."""
+    _assert_replayed_allocated_level(llama_path, training, world, strategy, True)
+
+
+@pytest.mark.parametrize("training, world, strategy", [
+    (TrainingSpec(precision="mixed_bf16"), 2, "FULL_SHARD"),
+    (TrainingSpec(precision="bf16"), 3, "FULL_SHARD"),
+    (TrainingSpec(precision="fp32", grad_ckpt=True), 4, "FULL_SHARD"),
+    (TrainingSpec(precision="bf16", lora_rank=8), 2, "FULL_SHARD"),
+    (TrainingSpec(precision="bf16", lora_rank=8, grad_ckpt=True), 3, "FULL_SHARD"),
+    (TrainingSpec(precision="mixed_bf16", loop="manual"), 3, "SHARD_GRAD_OP"),
+    (TrainingSpec(precision="bf16"), 3, "NO_SHARD"),
+    (TrainingSpec(precision="mixed_bf16"), 4, "HYBRID_SHARD:2"),
+])
+def test_flat_parameter_replayed_allocated_level_equals_the_estimate(llama_path, training, world, strategy):
+    """``use_orig_params=False``, as above."""
+    _assert_replayed_allocated_level(llama_path, training, world, strategy, False)
+
+
+def _assert_replayed_allocated_level(llama_path: str, training: TrainingSpec, world: int, strategy: str,
+                                     orig_params: bool) -> None:
     training = dataclasses.replace(training, micro_batch_size=B, seq_len=S)
-    spec = _spec(llama_path, training, world, strategy)
+    spec = _spec(llama_path, training, world, strategy, orig_params)
     est = api.estimate(spec, alloc_conf="")
     arch, profile = load_profile(llama_path, training)
     coeffs = load_coefficients(est.gpu_key)
