@@ -27,6 +27,16 @@ process group, event for event (``tests/estimator/test_reserved_fsdp1.py``). Per
   the first step, one ``sqrt`` temporary per piece, freed last to first); ``zero_grad`` frees nothing (the
   tensors' gradients view the flat gradient), the next forward's root pre-forward drops the flat gradients.
 
+Without ``use_orig_params`` (``_Unit.orig_params``): the flat parameter is the tensors concatenated, no alignment or
+divisibility padding; a rank whose chunk (``torch.chunk``) is short of a whole shard pads its clone into a new
+tensor at setup (``_get_shard``: ``F.pad``), and each post-backward pads the flat gradient (after the cast) into a new
+tensor of shard x world elements before the reduce-scatter, freed as ``_reduce_grad`` returns. Setup's full flat
+parameter is freed at ``shard`` as with ``use_orig_params`` (its storage resized to 0; the modules' views keep only
+the storage object). The optimizer steps the flat shards themselves, one per unit whose flat parameter requires
+grad, in ``model.parameters()`` order (``_stepped_units``); their ``.grad`` is the new shard
+(``prepare_gradient_for_optim``), so ``zero_grad`` frees it, after the step; no ``_use_unsharded_grad_views``.
+Gradient accumulation keeps the prior there (not modelled yet).
+
 LoRA (peft's ``fsdp_auto_wrap_policy``, what the HF Trainer gives a PEFT model): each lora_A / lora_B weight is a
 unit of its own inside its decoder layer's, which holds the frozen weights alone (``_adapter_events``): set up
 before their layer, lazily initialised after it, gathered around their forward output (and the recompute's),

@@ -72,10 +72,10 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
                        orig_params: bool = True) -> list[tuple[bool, object, int]]:
     """``rank`` of a real CPU run on the fake process group: the model built on the host, wrapped as
     ``harness.fake.wrap.wrap_model`` wraps it, then ``STEPS`` steps. Resized flat parameters are recorded as
-    blocks (``StorageResizes``); setup's full flat parameter as freed where ``shard`` resizes its storage to 0 (without
-    use_orig_params the modules' views keep the storage object, not its memory, to the first forward). Left out: the host tensors (the model as built, which a GPU run copies in; FSDP's dtype-size
-    probe, made on the default device), Adam's host-side step counters, zero-byte storages and what the run's end
-    frees."""
+    blocks (``StorageResizes``); setup's full flat parameter as freed where ``shard`` resizes its storage to 0
+    (without use_orig_params the modules' views keep the storage object, not its memory, to the first forward).
+    Left out: the host tensors (the model as built, which a GPU run copies in; FSDP's dtype-size probe, made on the
+    default device), Adam's host-side step counters, zero-byte storages and what the run's end frees."""
     import torch
     from torch.distributed.fsdp import _flat_param as flat_param_mod
     from transformers import masking_utils
@@ -304,9 +304,9 @@ def _assert_replayed_allocated_level(llama_path: str, training: TrainingSpec, wo
 
 def test_other_fsdp1_settings_keep_the_prior(llama_path):
     training = TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S)
-    for options, reason in ((Fsdp1Spec(use_orig_params=False), "use_orig_params"),
-                            (Fsdp1Spec(backward_prefetch="BACKWARD_POST"), "prefetching")):
-        spec = RunSpec(model=llama_path, training=training,
+    for options, steps, reason in ((Fsdp1Spec(use_orig_params=False), 2, "use_orig_params"),
+                                   (Fsdp1Spec(backward_prefetch="BACKWARD_POST"), 1, "prefetching")):
+        spec = RunSpec(model=llama_path, training=dataclasses.replace(training, grad_accum_steps=steps),
                        parallel=ParallelSpec(method="fsdp1", world_size=2, fsdp1=options))
         est = api.estimate(spec, alloc_conf="")
         assert est.reserved_source == "prior"
