@@ -428,14 +428,15 @@ def _constant_bytes(polys: list, size_index: int) -> float | None:
 
 
 def _adapter_forwards(ops: list, start: int, end: int, pairs: list, units: dict, polys: list,
-                      out_elem: int | None) -> list[tuple[tuple, tuple]]:
+                      out_elem: int | None, recompute: bool = False) -> list[tuple[tuple, tuple | None]]:
     """Each adapter pair's forward in ``ops[start:end]``: ((first op, last op, weight copies) of lora_A's, of
     lora_B's). An
     adapter's forward is its Linear: under autocast (``out_elem``: its dtype's bytes) the 16-bit copies of its
     weight and of a full-precision input, then the output, ``b * s`` times its weight's rows (in the adapter's
     dtype without autocast), then what the Linear frees. lora_A's output is the first of its size after the
-    previous pair; lora_B's follows with nothing but its weight's copy between. ExpansionError where a pair is
-    not found."""
+    previous pair; lora_B's follows with nothing but its weight's copy between. ``recompute``: the checkpointed
+    recompute may stop after the last pair's lora_A (its lora_B span then None: ``_early_stopped_adapter``).
+    ExpansionError where a pair is not found."""
     def per_token(g, dim: int) -> int:
         p = units[g].params[0]
         return p.shape[dim] * (out_elem or p.elem_bytes)
@@ -474,6 +475,10 @@ def _adapter_forwards(ops: list, start: int, end: int, pairs: list, units: dict,
                 continue
             a_span = span(a, i, at)
             j = lora_b_output(b, a_span[1] + 1)
+            if j is None and recompute and (a, b) == pairs[-1]:
+                found.append((a_span, None))
+                at = a_span[1] + 1
+                break
             if j is not None:
                 b_span = span(b, j, a_span[1] + 1)
                 found.append((a_span, b_span))
@@ -547,41 +552,82 @@ def _adapter_events(ops: list, cut: int, at_mark: dict, units: dict, grads: dict
                 continue
             made = {alloc_at[key]: g for g, (key, _size) in zip(_adapters_of(units, layer), grads.get(layer, []),
                                                                  strict=True)}
+            early: set = set()
             if recompute:  # the recompute runs before the layer's first gradient
-                _adapter_gathers(events, ops, start, min([end, *made]), units, layer, polys, out_elem)
-            _adapter_backwards(events, ops, made, units, layer, stops, cut)
+                stopped = _adapter_gathers(events, ops, start, min([end, *made]), units, layer, polys, out_elem, True)
+                if stopped is not None:
+                    _early_stopped_adapter(events, ops, at_mark, start, units, layer, stopped)
+                    early.add(stopped)
+            _adapter_backwards(events, ops, made, units, layer, stops, cut, early)
     return events
 
 
 def _adapter_gathers(events: tuple[dict, dict, set[int]], ops: list, start: int, end: int, units: dict, layer: int,
-                     polys: list, out_elem: int | None) -> None:
+                     polys: list, out_elem: int | None, recompute: bool = False) -> tuple | None:
     """Each adapter's unshard before its forward, its reshard after it (``_adapter_events``). Autocast's 16-bit
     copy of the weight goes with the Linear's other temporaries: under FSDP the weight is a view of the flat
     parameter, not a leaf, so autocast does not cache the copy to the end of the forward as it does on one GPU
-    (``cached_cast``), where the event list was traced."""
+    (``cached_cast``), where the event list was traced. Returns the lora_B unit a recompute stopped before
+    (``_early_stopped_adapter``), else None."""
     before, after, moved = events
     pairs = _adapter_pairs(units, layer)
-    for (a, b), spans in zip(pairs, _adapter_forwards(ops, start, end, pairs, units, polys, out_elem)):
-        for unit, (first, last, copies) in zip((a, b), spans):
+    stopped = None
+    for (a, b), spans in zip(pairs, _adapter_forwards(ops, start, end, pairs, units, polys, out_elem, recompute)):
+        for unit, span in zip((a, b), spans):
+            if span is None:
+                stopped = unit
+                continue
+            first, last, copies = span
             before.setdefault(first, []).append(("unshard_once", unit))
             after.setdefault(last, []).extend(("emit", (FREE, *ops[i][1:])) for i in copies)
             after[last].append(("reshard", unit))
             moved.update(ops[i][1] for i in copies)
+    return stopped
 
 
 def _adapter_backwards(events: tuple[dict, dict, set[int]], ops: list, made: dict, units: dict, layer: int,
-                       stops: set[int], cut: int) -> None:
-    """Each adapter's pre-backward before its gradient (``made``: op index -> unit), its post-backward once the
-    gradient's node is done (``_adapter_events``)."""
+                       stops: set[int], cut: int, early: set = frozenset()) -> None:
+    """Each adapter's pre-backward before its gradient (``made``: op index -> unit; ``early``: those whose
+    pre-backward ran before the recompute, ``_early_stopped_adapter``), its post-backward once the gradient's node
+    is done (``_adapter_events``)."""
     before, after, _moved = events
     adapters = _adapters_of(units, layer)
     previous = dict(zip(adapters, [layer - 1 if layer > 0 else None, *adapters]))
     for at, g in sorted(made.items()):
-        before.setdefault(at, []).append(("unshard_once", g))
-        if previous[g] is not None:
+        if g not in early:
+            before.setdefault(at, []).append(("unshard_once", g))
+        if g not in early and previous[g] is not None:
             before.setdefault(at, []).append(("unshard_once", previous[g]))
         where, done = _node_done_at(ops, at, stops, cut)
         (before if where == "before" else after).setdefault(done, []).append(("post_backward", g))
+
+
+def _early_stopped_adapter(events: tuple[dict, dict, set[int]], ops: list, at_mark: dict, start: int, units: dict,
+                           layer: int, lora_b) -> None:
+    """The layer's last adapter is its last op's (down_proj's lora_B): its output's gradient is ready, so its
+    pre-backward runs (prefetching its lora_A), before the unpacking of its saved input triggers the recompute,
+    which stops (non-reentrant checkpoint's early stop) once lora_A's forward has made that input: lora_B is not
+    gathered again. Placed before the recompute's first allocation, found as the layer's forward's first ones."""
+    before, _after, _moved = events
+    adapters = _adapters_of(units, layer)
+    lora_a = adapters[adapters.index(lora_b) - 1]
+    before.setdefault(_recompute_start(ops, at_mark, start, layer), []).extend(
+        [("unshard_once", lora_b), ("unshard_once", lora_a)])
+
+
+def _recompute_start(ops: list, at_mark: dict, start: int, layer: int, n: int = 6) -> int:
+    """The op index in the layer's backward segment (from ``start``) where its checkpointed recompute begins: the
+    first ``n`` allocations' sizes there are those of the layer's forward. ExpansionError where none is found."""
+    forward = next((at for at, entries in at_mark.items()
+                    if any(name in ("fw_first", "fw", "fw_last") and g == layer for name, g in entries)), None)
+    if forward is None:
+        raise ExpansionError(f"fsdp1: the forward of layer {layer} is not in the event list")
+    head = [op[2] for op in ops[forward:] if op[0] == ALLOC][:n]
+    allocs = [i for i in range(start, len(ops)) if ops[i][0] == ALLOC]
+    for k, i in enumerate(allocs):
+        if [ops[j][2] for j in allocs[k:k + n]] == head:
+            return i
+    raise ExpansionError(f"fsdp1: the recompute of layer {layer} is not in the event list")
 
 
 def _adapter_grads(grads: dict, units: dict) -> dict:
