@@ -754,7 +754,8 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
     first_marks, steady_marks = expansion.marks
     scalar = {i for i, poly in enumerate(polys) if 0 < poly[0] <= 8 and not any(poly[1:])}
     common = dict(build=build, units=units, table=table, optimizer=optimizer, num_layers=num_layers,
-                  scalar=scalar, pieces=pieces, reshard_after_forward=sizes.frees_after_forward, polys=polys,
+                  scalar=scalar, pieces=pieces, reshard_after_forward=sizes.frees_after_forward,
+                  polys=_per_row_polys(polys),
                   recompute=grad_ckpt, layer0_at_suffix=_layer0_hooked(units, table, grad_ckpt),
                   adapter_out_elem=autocast_elem, unit_pieces=unit_pieces)
     start = build.next_key
@@ -791,6 +792,14 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
     return Fsdp1Step(expansion=method_expansion(
         "fsdp1", expansion, first_ops, steady_ops, step_keys, first_moved, (first_at, steady_at),
         grad_keys=frozenset(), micro=micro), sizes=build.sizes)
+
+
+def _per_row_polys(polys: list) -> list:
+    """``polys`` for finding the adapters' outputs by their bytes per token (``_per_token_bytes``): a regime of one
+    micro-batch size (a profile's b = 1 regime) fits its sizes in ``s`` alone, which are ``b * s`` ones there."""
+    if any(any(poly[3:]) for poly in polys):
+        return polys
+    return [[c0, 0.0, 0.0, 0.0, c1, c2] for c0, c1, c2, *_rest in polys]
 
 
 def _grad_view_fits(p: ParamInfo, piece_numel: int, flat: FlatUnit) -> bool:

@@ -51,10 +51,10 @@ def _generated(path: str, training: TrainingSpec, world: int, rank: int, strateg
     ``training.grad_accum_steps`` micro-batches."""
     spec = _spec(path, training, world, strategy, orig_params)
     arch, profile = load_profile(path, training)
-    table, regime = api._param_table(profile, arch.num_layers), api._regime(profile, B, S)
+    table, regime = api._param_table(profile, arch.num_layers), api._regime(profile, training.micro_batch_size, S)
     events = reserved_rank._events(spec, regime, arch.num_layers)  # every-k: the merged list
     expansion = reserved_rank._expansion(events, arch.num_layers, training.loop)
-    plan = reserved_rank._plan(spec, events, expansion, table, arch.num_layers, B, S,
+    plan = reserved_rank._plan(spec, events, expansion, table, arch.num_layers, training.micro_batch_size, S,
                                workspace_bytes=8 << 20, workspaces=0, rank=rank)
     setup = reserved_rank._setup(profile, table, arch.num_layers, "fsdp1", training.precision.startswith("mixed_"),
                                  world, spec, rank)
@@ -126,7 +126,7 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
                 optimizer = build_method_optimizer(model, spec)
                 for _ in range(STEPS):
                     for micro in range(training.grad_accum_steps):
-                        batch = build.synthetic_batch(B, S, 1000)
+                        batch = build.synthetic_batch(training.micro_batch_size, S, 1000)
                         # grad_sync last: no_sync() on every micro-batch but the last, as accelerate runs it
                         unsynced = training.grad_sync == "last" and micro < training.grad_accum_steps - 1
                         with model.no_sync() if unsynced else contextlib.nullcontext():
