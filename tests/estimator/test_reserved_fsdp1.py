@@ -27,6 +27,8 @@ from tests.estimator.test_reserved_fsdp import (  # noqa: E402
     load_profile,
 )
 
+ALL_SIX = "down_proj,gate_proj,k_proj,q_proj,up_proj,v_proj"  # fsdp_qlora's "all": the layer ends in an adapter
+
 
 @pytest.fixture(scope="module")
 def llama_path(tmp_path_factory):
@@ -270,12 +272,13 @@ def test_fsdp1_replayed_allocated_level_equals_the_estimate(llama_path, training
 @pytest.mark.parametrize("training, world, strategy", [
     (TrainingSpec(precision="mixed_bf16"), 2, "FULL_SHARD"),
     (TrainingSpec(precision="bf16"), 3, "FULL_SHARD"),
-    (TrainingSpec(precision="fp32", grad_ckpt=True), 4, "FULL_SHARD"),
-    (TrainingSpec(precision="bf16", lora_rank=8), 2, "FULL_SHARD"),
-    (TrainingSpec(precision="bf16", lora_rank=8, grad_ckpt=True), 3, "FULL_SHARD"),
-    (TrainingSpec(precision="mixed_bf16", loop="manual"), 3, "SHARD_GRAD_OP"),
-    (TrainingSpec(precision="bf16"), 3, "NO_SHARD"),
-    (TrainingSpec(precision="mixed_bf16"), 4, "HYBRID_SHARD:2"),
+    (TrainingSpec(precision="bf16", lora_rank=8, grad_ckpt=True, lora_targets=ALL_SIX), 3, "FULL_SHARD"),
+    pytest.param(TrainingSpec(precision="fp32", grad_ckpt=True), 4, "FULL_SHARD", marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="bf16", lora_rank=8), 2, "FULL_SHARD", marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="bf16", lora_rank=8, grad_ckpt=True), 3, "FULL_SHARD", marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="mixed_bf16", loop="manual"), 3, "SHARD_GRAD_OP", marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="bf16"), 3, "NO_SHARD", marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="mixed_bf16"), 4, "HYBRID_SHARD:2", marks=pytest.mark.slow),
 ])
 def test_flat_parameter_replayed_allocated_level_equals_the_estimate(llama_path, training, world, strategy):
     """``use_orig_params=False``, as above."""
@@ -325,17 +328,31 @@ def test_other_fsdp1_settings_keep_the_prior(llama_path):
     assert any(n.startswith("reserved: prior") and "LoRA" in n for n in kept.notes)
 
 
-@pytest.mark.parametrize("training, world, rank, strategy", [
-    (TrainingSpec(precision="mixed_bf16"), 2, 0, "FULL_SHARD"),
-    (TrainingSpec(precision="bf16"), 3, 2, "FULL_SHARD"),  # short chunks: padded at setup and before each reduce
-    (TrainingSpec(precision="bf16", lora_rank=8, grad_ckpt=True), 2, 1, "FULL_SHARD"),
+def _flat(**fields) -> TrainingSpec:
+    return TrainingSpec(**{"micro_batch_size": B, **fields})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("training, world, rank, strategy, orig_params", [
+    (_flat(precision="mixed_bf16"), 2, 0, "FULL_SHARD", False),
+    (_flat(precision="bf16"), 3, 2, "FULL_SHARD", False),  # short chunks: padded at setup and before each reduce
+    (_flat(precision="bf16", lora_rank=8, grad_ckpt=True), 2, 1, "FULL_SHARD", False),
+    # the recompute stops after down_proj's lora_A: lora_B's pre-backward before it, no gather of lora_B in it
+    (_flat(precision="bf16", lora_rank=8, grad_ckpt=True, lora_targets=ALL_SIX), 2, 0, "FULL_SHARD", False),
+    (_flat(precision="bf16", lora_rank=8, grad_ckpt=True, lora_targets=ALL_SIX), 2, 0, "FULL_SHARD", True),
+    # one row: the b = 1 regime's sizes are fitted in s alone
+    (_flat(precision="bf16", lora_rank=8, grad_ckpt=True, lora_targets=ALL_SIX, micro_batch_size=1), 2, 0,
+     "FULL_SHARD", False),
+    (_flat(precision="mixed_bf16"), 3, 2, "SHARD_GRAD_OP", False),
+    (_flat(precision="bf16"), 2, 1, "NO_SHARD", False),
+    (_flat(precision="bf16", grad_ckpt=True), 4, 3, "HYBRID_SHARD:2", False),
 ], ids=lambda v: str(v) if not isinstance(v, TrainingSpec) else
-   f"{v.precision}-lora{v.lora_rank}-ckpt{int(v.grad_ckpt)}")
-def test_flat_parameter_stream_equals_a_real_fsdp1_run(llama_path, training, world, rank, strategy):
+   f"{v.precision}-lora{v.lora_rank}-{v.lora_targets}-ckpt{int(v.grad_ckpt)}-b{v.micro_batch_size}")
+def test_flat_parameter_stream_equals_a_real_fsdp1_run(llama_path, training, world, rank, strategy, orig_params):
     """``use_orig_params=False``: the flat parameter unpadded, a short chunk padded (setup's shard, the
     reduce-scatter's input), the optimizer stepping the flat shards, ``zero_grad`` freeing them. Setup and three
-    steps, as above."""
-    training = dataclasses.replace(training, attn="eager", micro_batch_size=B, seq_len=S)
-    generated = _runs(_generated(llama_path, training, world, rank, strategy, False), True)
-    real = _runs(_in_fresh_process(_real_fsdp1_events, training, world, rank, strategy, False, False), False)
+    steps, as above. With LoRA on every Linear of the MLP the checkpointed recompute stops early (either way)."""
+    training = dataclasses.replace(training, attn="eager", seq_len=S)
+    generated = _runs(_generated(llama_path, training, world, rank, strategy, orig_params), True)
+    real = _runs(_in_fresh_process(_real_fsdp1_events, training, world, rank, strategy, False, orig_params), False)
     _assert_same_runs(generated, real)
