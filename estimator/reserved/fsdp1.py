@@ -40,7 +40,8 @@ Gradient accumulation keeps the prior there (not modelled yet).
 LoRA (peft's ``fsdp_auto_wrap_policy``, what the HF Trainer gives a PEFT model): each lora_A / lora_B weight is a
 unit of its own inside its decoder layer's, which holds the frozen weights alone (``_adapter_events``): set up
 before their layer, lazily initialised after it, gathered around their forward output (and the recompute's),
-reduce-scattered as each gradient is made; the optimizer steps their pieces.
+reduce-scattered as each gradient is made; the optimizer steps their pieces. A layer whose last op is an adapter
+(down_proj's lora_B) has its recompute stop early, after lora_A (``_early_stopped_adapter``).
 
 Gradient accumulation reducing every micro-batch (``_micro_steps``): a later micro-batch's new shards are added
 into the kept ones and freed; the next cycle's first root pre-forward drops them. Under ``no_sync()``
