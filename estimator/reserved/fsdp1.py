@@ -27,10 +27,21 @@ process group, event for event (``tests/estimator/test_reserved_fsdp1.py``). Per
   the first step, one ``sqrt`` temporary per piece, freed last to first); ``zero_grad`` frees nothing (the
   tensors' gradients view the flat gradient), the next forward's root pre-forward drops the flat gradients.
 
+Without ``use_orig_params`` (``_Unit.orig_params``): the flat parameter is the tensors concatenated, no alignment or
+divisibility padding; a rank whose chunk (``torch.chunk``) is short of a whole shard pads its clone into a new
+tensor at setup (``_get_shard``: ``F.pad``), and each post-backward pads the flat gradient (after the cast) into a new
+tensor of shard x world elements before the reduce-scatter, freed as ``_reduce_grad`` returns. Setup's full flat
+parameter is freed at ``shard`` as with ``use_orig_params`` (its storage resized to 0; the modules' views keep only
+the storage object). The optimizer steps the flat shards themselves, one per unit whose flat parameter requires
+grad, in ``model.parameters()`` order (``_stepped_units``); their ``.grad`` is the new shard
+(``prepare_gradient_for_optim``), so ``zero_grad`` frees it, after the step; no ``_use_unsharded_grad_views``.
+Gradient accumulation keeps the prior there (not modelled yet).
+
 LoRA (peft's ``fsdp_auto_wrap_policy``, what the HF Trainer gives a PEFT model): each lora_A / lora_B weight is a
 unit of its own inside its decoder layer's, which holds the frozen weights alone (``_adapter_events``): set up
 before their layer, lazily initialised after it, gathered around their forward output (and the recompute's),
-reduce-scattered as each gradient is made; the optimizer steps their pieces.
+reduce-scattered as each gradient is made; the optimizer steps their pieces. A layer whose last op is an adapter
+(down_proj's lora_B) has its recompute stop early, after lora_A (``_early_stopped_adapter``).
 
 Gradient accumulation reducing every micro-batch (``_micro_steps``): a later micro-batch's new shards are added
 into the kept ones and freed; the next cycle's first root pre-forward drops them. Under ``no_sync()``
@@ -83,8 +94,6 @@ def why_not_fsdp1(options) -> str | None:
         return f"fsdp1 {options.sharding_strategy}: not modelled yet"
     if options.cpu_offload:
         return "fsdp1 with CPU offload: not modelled yet"
-    if not options.use_orig_params:
-        return "fsdp1 without use_orig_params: its flat-parameter optimizer step is not modelled yet"
     if options.backward_prefetch != "BACKWARD_PRE" or options.forward_prefetch:
         return "fsdp1: only the default prefetching (BACKWARD_PRE, no forward prefetch) is modelled yet"
     return None
@@ -98,6 +107,22 @@ class _Unit:
     paddings: tuple[int, ...]  # padding segments' elements, flat order
     offsets: tuple[int, ...]   # each tensor's offset in the flat parameter
     sharded: bool = True       # False: NO_SHARD (the flat parameter is whole on every rank)
+    orig_params: bool = True   # use_orig_params; False: the optimizer steps the flat shards themselves
+
+    @property
+    def stepped_bytes(self) -> int:
+        """What this rank keeps of the flat parameter (its padded shard; NO_SHARD: all of it), and so of its
+        gradient: the tensor the optimizer steps without ``use_orig_params``."""
+        flat = self.flat
+        return (flat.shard_numel if self.sharded else flat.numel) * flat.param_elem
+
+    def short_chunk_numel(self, shard_rank: int) -> int | None:
+        """Elements of ``shard_rank``'s chunk of the flat parameter where ``torch.chunk`` leaves it short of a
+        whole shard (``_get_shard`` then pads its clone: ``F.pad``), else None. Only without ``use_orig_params``:
+        its layout is not padded to a multiple of the shard group."""
+        flat = self.flat
+        chunk = max(0, min(flat.shard_numel, flat.numel - shard_rank * flat.shard_numel))
+        return chunk if self.sharded and chunk < flat.shard_numel else None
 
     @property
     def mp_bytes(self) -> int:
@@ -126,7 +151,7 @@ def _units(table: list[ParamInfo], num_layers: int, sizes: Fsdp1Sizes) -> dict:
 
     def unit(params: list[ParamInfo], flat: FlatUnit) -> _Unit:
         offsets, paddings, _total = flat_layout(params, flat.world, flat.compute_elem, aligned)
-        return _Unit(params, flat, sizes.mixed, tuple(paddings), tuple(offsets), sizes.sharded)
+        return _Unit(params, flat, sizes.mixed, tuple(paddings), tuple(offsets), sizes.sharded, aligned)
     units = {"root": unit([p for p in model_order(table) if p.layer is None], sizes.root)}
     for layer in range(num_layers):
         params = [p for p in table if p.layer == layer]
@@ -141,9 +166,11 @@ def _units(table: list[ParamInfo], num_layers: int, sizes: Fsdp1Sizes) -> dict:
     return units
 
 
-def fsdp1_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: int, sizes: Fsdp1Sizes) -> Setup:
-    """Per unit in wrap order (``_wrap_order``): its tensors moved, the flat parameter, the shard; the moved
-    tensors and the full flat parameter freed. Then the module buffers."""
+def fsdp1_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: int, sizes: Fsdp1Sizes,
+                rank: int = 0) -> Setup:
+    """Per unit in wrap order (``_wrap_order``): its tensors moved, the flat parameter, the shard (without
+    ``use_orig_params`` a short chunk's clone padded into a new tensor); the moved tensors and the full flat
+    parameter freed. Then the module buffers."""
     allocations: list[tuple[str, int]] = []
     frees: list[tuple[int, tuple[int, ...]]] = []
     units = _units(table, num_layers, sizes)
@@ -163,8 +190,20 @@ def fsdp1_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: in
         if not unit.sharded:  # NO_SHARD keeps the flat parameter itself (``FlatParamHandle.shard``: no clone)
             frees.append((len(allocations) - 1, moved))
             continue
+        # ``shard`` resizes the full flat parameter's storage to 0 (without use_orig_params the modules' views of it
+        # stay until the first forward's unshard replaces them, but hold no memory)
+        flat = len(allocations) - 1
+        short = unit.short_chunk_numel(rank % unit.flat.world)
+        if short is None:
+            allocations.append((f"shard.{name}", unit.flat.shard_numel * elem))
+            frees.append((len(allocations) - 1, (*moved, flat)))
+            continue
+        clone = ()
+        if short:  # an empty chunk's clone is no allocation
+            allocations.append((f"shard_chunk.{name}", short * elem))
+            clone = (len(allocations) - 1,)
         allocations.append((f"shard.{name}", unit.flat.shard_numel * elem))
-        frees.append((len(allocations) - 1, (*moved, len(allocations) - 2)))
+        frees.append((len(allocations) - 1, (*clone, *moved, flat)))
     non_layer, per_layer = buffers
     if per_layer:
         allocations.extend((f"buffers.{layer}", per_layer) for layer in range(num_layers))
@@ -182,6 +221,12 @@ def _wrap_order(units: dict, num_layers: int) -> list:
 def _lazy_init_order(units: dict, num_layers: int) -> list:
     """``_all_fsdp_states``' order (a pre-order walk): the root, then each layer before its adapters."""
     return ["root", *(g for layer in range(num_layers) for g in (layer, *_adapters_of(units, layer)))]
+
+
+def _stepped_units(units: dict, num_layers: int) -> list:
+    """The units whose flat parameter requires grad, in ``model.parameters()`` order (each FSDP module's flat
+    parameter is its wrapped module's first parameter, before its children's: the pre-order walk)."""
+    return [g for g in _lazy_init_order(units, num_layers) if units[g].flat.trainable]
 
 
 class _Step(BufferOps):
@@ -243,19 +288,23 @@ class _Step(BufferOps):
         if self.micro == HOLD_ADD:  # added into the held one; autograd drops it once the hooks are done
             self._free(out, flat_grad)
             return
-        # the use_orig_params layout already divides by the shard group: no F.pad before the reduce-scatter
         cast = (self._alloc(out, flat.numel * flat.reduce_elem, POST_BACKWARD)
                 if flat.reduce_elem != flat.compute_elem else None)
         if not unit.sharded:
             self._keep_whole_grad(out, g, flat_grad, cast)
             return
+        # ``_get_reduce_scatter_tensors``: a flat gradient short of a whole number of shards is padded into a new
+        # tensor (F.pad), freed as ``_reduce_grad`` returns, after the cast; the use_orig_params layout never is
+        padded_numel = flat.shard_numel * flat.world
+        padded = (self._alloc(out, padded_numel * flat.reduce_elem, POST_BACKWARD)
+                  if padded_numel > flat.numel else None)
         # the reduce dtype is the shards' (fp32 under mixed precision), so the new shard is kept as it is; a later
         # micro-batch's is added into the saved one in place and goes as ``_reduce_grad`` returns. After no_sync the
         # held gradient (this micro-batch's added into it) is reduced; this micro-batch's stays referenced by
         # autograd until the hook returns
         new_shard = self._alloc(out, flat.shard_numel * flat.reduce_elem, POST_BACKWARD)
         self.grad_shards[g] = new_shard
-        for tensor in (cast, flat_grad, new_shard if self.micro == ADD_SHARD else None):
+        for tensor in (cast, padded, flat_grad, new_shard if self.micro == ADD_SHARD else None):
             if tensor is not None:
                 self._free(out, tensor)
         if self.micro == REDUCE_HELD:
@@ -380,14 +429,15 @@ def _constant_bytes(polys: list, size_index: int) -> float | None:
 
 
 def _adapter_forwards(ops: list, start: int, end: int, pairs: list, units: dict, polys: list,
-                      out_elem: int | None) -> list[tuple[tuple, tuple]]:
+                      out_elem: int | None, recompute: bool = False) -> list[tuple[tuple, tuple | None]]:
     """Each adapter pair's forward in ``ops[start:end]``: ((first op, last op, weight copies) of lora_A's, of
     lora_B's). An
     adapter's forward is its Linear: under autocast (``out_elem``: its dtype's bytes) the 16-bit copies of its
     weight and of a full-precision input, then the output, ``b * s`` times its weight's rows (in the adapter's
     dtype without autocast), then what the Linear frees. lora_A's output is the first of its size after the
-    previous pair; lora_B's follows with nothing but its weight's copy between. ExpansionError where a pair is
-    not found."""
+    previous pair; lora_B's follows with nothing but its weight's copy between. ``recompute``: the checkpointed
+    recompute may stop after the last pair's lora_A (its lora_B span then None: ``_early_stopped_adapter``).
+    ExpansionError where a pair is not found."""
     def per_token(g, dim: int) -> int:
         p = units[g].params[0]
         return p.shape[dim] * (out_elem or p.elem_bytes)
@@ -426,6 +476,10 @@ def _adapter_forwards(ops: list, start: int, end: int, pairs: list, units: dict,
                 continue
             a_span = span(a, i, at)
             j = lora_b_output(b, a_span[1] + 1)
+            if j is None and recompute and (a, b) == pairs[-1]:
+                found.append((a_span, None))
+                at = a_span[1] + 1
+                break
             if j is not None:
                 b_span = span(b, j, a_span[1] + 1)
                 found.append((a_span, b_span))
@@ -499,41 +553,82 @@ def _adapter_events(ops: list, cut: int, at_mark: dict, units: dict, grads: dict
                 continue
             made = {alloc_at[key]: g for g, (key, _size) in zip(_adapters_of(units, layer), grads.get(layer, []),
                                                                  strict=True)}
+            early: set = set()
             if recompute:  # the recompute runs before the layer's first gradient
-                _adapter_gathers(events, ops, start, min([end, *made]), units, layer, polys, out_elem)
-            _adapter_backwards(events, ops, made, units, layer, stops, cut)
+                stopped = _adapter_gathers(events, ops, start, min([end, *made]), units, layer, polys, out_elem, True)
+                if stopped is not None:
+                    _early_stopped_adapter(events, ops, at_mark, start, units, layer, stopped)
+                    early.add(stopped)
+            _adapter_backwards(events, ops, made, units, layer, stops, cut, early)
     return events
 
 
 def _adapter_gathers(events: tuple[dict, dict, set[int]], ops: list, start: int, end: int, units: dict, layer: int,
-                     polys: list, out_elem: int | None) -> None:
+                     polys: list, out_elem: int | None, recompute: bool = False) -> tuple | None:
     """Each adapter's unshard before its forward, its reshard after it (``_adapter_events``). Autocast's 16-bit
     copy of the weight goes with the Linear's other temporaries: under FSDP the weight is a view of the flat
     parameter, not a leaf, so autocast does not cache the copy to the end of the forward as it does on one GPU
-    (``cached_cast``), where the event list was traced."""
+    (``cached_cast``), where the event list was traced. Returns the lora_B unit a recompute stopped before
+    (``_early_stopped_adapter``), else None."""
     before, after, moved = events
     pairs = _adapter_pairs(units, layer)
-    for (a, b), spans in zip(pairs, _adapter_forwards(ops, start, end, pairs, units, polys, out_elem)):
-        for unit, (first, last, copies) in zip((a, b), spans):
+    stopped = None
+    for (a, b), spans in zip(pairs, _adapter_forwards(ops, start, end, pairs, units, polys, out_elem, recompute)):
+        for unit, span in zip((a, b), spans):
+            if span is None:
+                stopped = unit
+                continue
+            first, last, copies = span
             before.setdefault(first, []).append(("unshard_once", unit))
             after.setdefault(last, []).extend(("emit", (FREE, *ops[i][1:])) for i in copies)
             after[last].append(("reshard", unit))
             moved.update(ops[i][1] for i in copies)
+    return stopped
 
 
 def _adapter_backwards(events: tuple[dict, dict, set[int]], ops: list, made: dict, units: dict, layer: int,
-                       stops: set[int], cut: int) -> None:
-    """Each adapter's pre-backward before its gradient (``made``: op index -> unit), its post-backward once the
-    gradient's node is done (``_adapter_events``)."""
+                       stops: set[int], cut: int, early: set = frozenset()) -> None:
+    """Each adapter's pre-backward before its gradient (``made``: op index -> unit; ``early``: those whose
+    pre-backward ran before the recompute, ``_early_stopped_adapter``), its post-backward once the gradient's node
+    is done (``_adapter_events``)."""
     before, after, _moved = events
     adapters = _adapters_of(units, layer)
     previous = dict(zip(adapters, [layer - 1 if layer > 0 else None, *adapters]))
     for at, g in sorted(made.items()):
-        before.setdefault(at, []).append(("unshard_once", g))
-        if previous[g] is not None:
+        if g not in early:
+            before.setdefault(at, []).append(("unshard_once", g))
+        if g not in early and previous[g] is not None:
             before.setdefault(at, []).append(("unshard_once", previous[g]))
         where, done = _node_done_at(ops, at, stops, cut)
         (before if where == "before" else after).setdefault(done, []).append(("post_backward", g))
+
+
+def _early_stopped_adapter(events: tuple[dict, dict, set[int]], ops: list, at_mark: dict, start: int, units: dict,
+                           layer: int, lora_b) -> None:
+    """The layer's last adapter is its last op's (down_proj's lora_B): its output's gradient is ready, so its
+    pre-backward runs (prefetching its lora_A), before the unpacking of its saved input triggers the recompute,
+    which stops (non-reentrant checkpoint's early stop) once lora_A's forward has made that input: lora_B is not
+    gathered again. Placed before the recompute's first allocation, found as the layer's forward's first ones."""
+    before, _after, _moved = events
+    adapters = _adapters_of(units, layer)
+    lora_a = adapters[adapters.index(lora_b) - 1]
+    before.setdefault(_recompute_start(ops, at_mark, start, layer), []).extend(
+        [("unshard_once", lora_b), ("unshard_once", lora_a)])
+
+
+def _recompute_start(ops: list, at_mark: dict, start: int, layer: int, n: int = 6) -> int:
+    """The op index in the layer's backward segment (from ``start``) where its checkpointed recompute begins: the
+    first ``n`` allocations' sizes there are those of the layer's forward. ExpansionError where none is found."""
+    forward = next((at for at, entries in at_mark.items()
+                    if any(name in ("fw_first", "fw", "fw_last") and g == layer for name, g in entries)), None)
+    if forward is None:
+        raise ExpansionError(f"fsdp1: the forward of layer {layer} is not in the event list")
+    head = [op[2] for op in ops[forward:] if op[0] == ALLOC][:n]
+    allocs = [i for i in range(start, len(ops)) if ops[i][0] == ALLOC]
+    for k, i in enumerate(allocs):
+        if [ops[j][2] for j in allocs[k:k + n]] == head:
+            return i
+    raise ExpansionError(f"fsdp1: the recompute of layer {layer} is not in the event list")
 
 
 def _adapter_grads(grads: dict, units: dict) -> dict:
@@ -598,6 +693,9 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
                if op[0] == FREE and op[1] in made and op[1] not in grad_keys and op[1] not in moved_frees)
     loss_freed_at = len(out)
     step.adamw(out, pieces, first, optimizer)  # the tensors' pieces of the shards, parameter order
+    if not units["root"].orig_params:  # zero_grad(set_to_none): each flat parameter's .grad is its new shard
+        for g in _stepped_units(units, num_layers):
+            step._free(out, step.grad_shards.pop(g))
     if step.unsharded:
         raise ExpansionError("fsdp1: unsharded flat parameters left at the end of the step")
     shards = [step.grad_shards[g] for g in _lazy_init_order(units, num_layers) if g in step.grad_shards]
@@ -647,12 +745,18 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
         piece_of.update((p.name, n * unit.flat.param_elem) for p, n in zip(unit.params, pieces))
         unit_pieces[g] = [0 if _grad_view_fits(p, n, unit.flat) else n * unit.flat.param_elem
                           for p, n in zip(unit.params, pieces)]
-    pieces = [piece_of[p.name] for p in model_order(table) if p.trainable and piece_of[p.name]]
+    if sizes.options.use_orig_params:
+        pieces = [piece_of[p.name] for p in model_order(table) if p.trainable and piece_of[p.name]]
+    elif accumulating:
+        raise ExpansionError("fsdp1 without use_orig_params under gradient accumulation: not modelled yet")
+    else:  # the optimizer steps the flat parameters themselves, i.e. this rank's shards
+        pieces = [units[g].stepped_bytes for g in _stepped_units(units, num_layers)]
     build = _Builder(expansion.steady.keys, base_size_index)
     first_marks, steady_marks = expansion.marks
     scalar = {i for i, poly in enumerate(polys) if 0 < poly[0] <= 8 and not any(poly[1:])}
     common = dict(build=build, units=units, table=table, optimizer=optimizer, num_layers=num_layers,
-                  scalar=scalar, pieces=pieces, reshard_after_forward=sizes.frees_after_forward, polys=polys,
+                  scalar=scalar, pieces=pieces, reshard_after_forward=sizes.frees_after_forward,
+                  polys=_per_row_polys(polys),
                   recompute=grad_ckpt, layer0_at_suffix=_layer0_hooked(units, table, grad_ckpt),
                   adapter_out_elem=autocast_elem, unit_pieces=unit_pieces)
     start = build.next_key
@@ -689,6 +793,14 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
     return Fsdp1Step(expansion=method_expansion(
         "fsdp1", expansion, first_ops, steady_ops, step_keys, first_moved, (first_at, steady_at),
         grad_keys=frozenset(), micro=micro), sizes=build.sizes)
+
+
+def _per_row_polys(polys: list) -> list:
+    """``polys`` for finding the adapters' outputs by their bytes per token (``_per_token_bytes``): a regime of one
+    micro-batch size (a profile's b = 1 regime) fits its sizes in ``s`` alone, which are ``b * s`` ones there."""
+    if any(any(poly[3:]) for poly in polys):
+        return polys
+    return [[c0, 0.0, 0.0, 0.0, c1, c2] for c0, c1, c2, *_rest in polys]
 
 
 def _grad_view_fits(p: ParamInfo, piece_numel: int, flat: FlatUnit) -> bool:

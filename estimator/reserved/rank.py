@@ -24,8 +24,8 @@ from estimator.spec import ckpt_every
 # the buckets copied into only at the synchronising micro-step (no allocation); FSDP2 reduce-scatters every
 # micro-step, a later micro-step's output added into the sharded gradients and freed.
 # dp_tp: FSDP2 over the dp axis of the TP-local model (harness.fake.wrap), replayed as fsdp on dp ranks.
-# fsdp1: the default prefetching and use_orig_params, LoRA's adapter units, accumulation (reducing every micro-batch
-# or under no_sync) (estimator.reserved.fsdp1).
+# fsdp1: the default prefetching, LoRA's adapter units, accumulation (reducing every micro-batch or under no_sync;
+# with use_orig_params only) (estimator.reserved.fsdp1).
 # zero1 / zero2: DeepSpeed's flat buffers, IPG bucket and partition step (estimator.reserved.zero), default stream.
 # zero3: the same on three streams, with the parameter coordinator's gathers (estimator.reserved.zero3).
 METHODS = ("single", "ddp", "tp", "fsdp", "dp_tp", "fsdp1", "zero1", "zero2", "zero3")
@@ -85,6 +85,9 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
                 and spec.parallel.fsdp1.sharding_strategy == "SHARD_GRAD_OP"):
             reason = ("fsdp1 SHARD_GRAD_OP under no_sync (grad_sync last): the layers kept unsharded between "
                       "micro-batches are not in the replay yet")
+        if reason is None and training.grad_accum_steps > 1 and not spec.parallel.fsdp1.use_orig_params:
+            reason = ("fsdp1 without use_orig_params under gradient accumulation: the flat parameters' gradients "
+                      "kept between micro-batches are not in the replay yet")
         if reason is None and training.qlora:
             reason = "fsdp1 with QLoRA: the packed weights' units are not in the replay yet"
         if reason is None and table is not None and fsdp1_sizes(spec, table).kept_input_bytes_per_token:
@@ -190,11 +193,13 @@ def _expansion(events: dict, num_layers: int, loop: str, fp32_copies: bool = Fal
 
 
 def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, mixed: bool, world: int = 1,
-           spec=None) -> Setup:
-    """``spec``: needed for fsdp1 (its unit sizes) and zero3 (its bucket and persistence threshold)."""
+           spec=None, rank: int = 0) -> Setup:
+    """``spec``: needed for fsdp1 (its unit sizes) and zero3 (its bucket and persistence threshold); ``rank``:
+    fsdp1 without use_orig_params, whose short last chunks are padded at setup."""
     method_options = ((spec.parallel.fsdp1, spec.training.precision) if method == "fsdp1"
                       else spec.parallel.zero if method == "zero3" else spec.parallel.ep if spec is not None else None)
-    key = (id(profile), id(table), num_layers, method, mixed, world, method_options)
+    rank = rank if method == "fsdp1" and not spec.parallel.fsdp1.use_orig_params else 0
+    key = (id(profile), id(table), num_layers, method, mixed, world, method_options, rank)
     hit = _SETUPS.get(key)
     if hit is None or hit[0] is not table:
         if len(_SETUPS) > 256:
@@ -212,7 +217,7 @@ def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, 
             setup = zero3_setup(table, world, _elem16(table), zcfg.reduce_bucket_size,
                                 zcfg.stage3_param_persistence_threshold)
         elif method == "fsdp1":
-            setup = fsdp1_setup(table, buffer_bytes, num_layers, fsdp1_sizes(spec, table))
+            setup = fsdp1_setup(table, buffer_bytes, num_layers, fsdp1_sizes(spec, table, rank), rank)
         else:
             setup = setup_allocations(table, buffer_bytes, num_layers, method, mixed)
         hit = (table, setup)
@@ -333,7 +338,7 @@ def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[Para
     if not sequence:
         raise ExpansionError("sequence: no step of the spec's regime")
     setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"),
-                   _shard_world(spec), spec)
+                   _shard_world(spec), spec, rank)
     return _capped_then_needed(
         lambda cap, stop: replay_sequence(setup, sequence, alloc_conf(conf_text), cap, empty_cache_every,
                                           training.grad_accum_steps, stop), allowed_bytes, stop_above_bytes)
@@ -365,7 +370,7 @@ def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], n
     plan = _plan(spec, events, expansion, table, num_layers, b, s, workspace_bytes=workspace_bytes,
                  workspaces=workspaces, rank=rank)
     setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"),
-                   _shard_world(spec), spec)
+                   _shard_world(spec), spec, rank)
     return _capped_then_needed(
         lambda cap, stop: replay_rank(setup, plan, alloc_conf(conf_text), cap, accum=training.grad_accum_steps,
                                       stop_above_bytes=stop), allowed_bytes, stop_above_bytes)

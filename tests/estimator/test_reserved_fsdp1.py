@@ -27,6 +27,8 @@ from tests.estimator.test_reserved_fsdp import (  # noqa: E402
     load_profile,
 )
 
+ALL_SIX = "down_proj,gate_proj,k_proj,q_proj,up_proj,v_proj"  # fsdp_qlora's "all": the layer ends in an adapter
+
 
 @pytest.fixture(scope="module")
 def llama_path(tmp_path_factory):
@@ -35,26 +37,29 @@ def llama_path(tmp_path_factory):
     return str(path)
 
 
-def _spec(path: str, training: TrainingSpec, world: int, strategy: str = "FULL_SHARD") -> RunSpec:
+def _spec(path: str, training: TrainingSpec, world: int, strategy: str = "FULL_SHARD", orig_params: bool = True
+          ) -> RunSpec:
     """``strategy``: a sharding strategy; ``HYBRID_SHARD:N`` shards over N ranks per node."""
     strategy, _, per_node = strategy.partition(":")
-    options = Fsdp1Spec(sharding_strategy=strategy, **({"gpus_per_node": int(per_node)} if per_node else {}))
+    options = Fsdp1Spec(sharding_strategy=strategy, use_orig_params=orig_params,
+                        **({"gpus_per_node": int(per_node)} if per_node else {}))
     return RunSpec(model=path, training=training,
                    parallel=ParallelSpec(method="fsdp1", world_size=world, fsdp1=options))
 
 
-def _generated(path: str, training: TrainingSpec, world: int, rank: int, strategy: str) -> list[tuple]:
+def _generated(path: str, training: TrainingSpec, world: int, rank: int, strategy: str, orig_params: bool = True
+               ) -> list[tuple]:
     """Setup (without the host-to-device moves, which a CPU run does not make) and ``STEPS`` optimizer steps of
     ``training.grad_accum_steps`` micro-batches."""
-    spec = _spec(path, training, world, strategy)
+    spec = _spec(path, training, world, strategy, orig_params)
     arch, profile = load_profile(path, training)
-    table, regime = api._param_table(profile, arch.num_layers), api._regime(profile, B, S)
+    table, regime = api._param_table(profile, arch.num_layers), api._regime(profile, training.micro_batch_size, S)
     events = reserved_rank._events(spec, regime, arch.num_layers)  # every-k: the merged list
     expansion = reserved_rank._expansion(events, arch.num_layers, training.loop)
-    plan = reserved_rank._plan(spec, events, expansion, table, arch.num_layers, B, S,
+    plan = reserved_rank._plan(spec, events, expansion, table, arch.num_layers, training.micro_batch_size, S,
                                workspace_bytes=8 << 20, workspaces=0, rank=rank)
     setup = reserved_rank._setup(profile, table, arch.num_layers, "fsdp1", training.precision.startswith("mixed_"),
-                                 world, spec)
+                                 world, spec, rank)
     frees = dict(setup.frees_after)
     names = [name for name, _ in setup.allocations]
     out = []
@@ -65,13 +70,14 @@ def _generated(path: str, training: TrainingSpec, world: int, rank: int, strateg
     return out + run_requests(plan, STEPS, training.grad_accum_steps)
 
 
-def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: str, keep_marks: bool = False
-                       ) -> list[tuple[bool, object, int]]:
+def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: str, keep_marks: bool = False,
+                       orig_params: bool = True) -> list[tuple[bool, object, int]]:
     """``rank`` of a real CPU run on the fake process group: the model built on the host, wrapped as
     ``harness.fake.wrap.wrap_model`` wraps it, then ``STEPS`` steps. Resized flat parameters are recorded as
-    blocks (``StorageResizes``). Left out: the host tensors (the model as built, which a GPU run copies in; FSDP's dtype-size
-    probe, made on the default device), Adam's host-side step counters, zero-byte storages and what the run's end
-    frees."""
+    blocks (``StorageResizes``); setup's full flat parameter as freed where ``shard`` resizes its storage to 0
+    (without use_orig_params the modules' views keep the storage object, not its memory, to the first forward).
+    Left out: the host tensors (the model as built, which a GPU run copies in; FSDP's dtype-size probe, made on the
+    default device), Adam's host-side step counters, zero-byte storages and what the run's end frees."""
     import torch
     from torch.distributed.fsdp import _flat_param as flat_param_mod
     from transformers import masking_utils
@@ -81,7 +87,7 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
     from estimator.profiler.trace import StorageRecorder
     from harness.fake.wrap import build_method_optimizer, build_training, make_mesh, wrap_model
 
-    spec = _spec("tiny", training, world, strategy)
+    spec = _spec("tiny", training, world, strategy, orig_params)
     rec = StorageRecorder()
     resizes = StorageResizes(rec)
     alloc_storage, free_storage = flat_param_mod._alloc_storage, flat_param_mod._free_storage
@@ -94,9 +100,20 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
         resizes.freed(tensor)
         free_storage(tensor)
 
+    handle_cls = flat_param_mod.FlatParamHandle
+    get_shard = handle_cls.__dict__["_get_shard"]
+
+    def get_shard_recorded(tensor, shard_rank, shard_world):
+        # ``shard`` resizes the full flat parameter's storage to 0 as this returns (no allocation between), which
+        # frees its memory while, without use_orig_params, the modules' views still hold the storage object
+        shard = get_shard.__func__(tensor, shard_rank, shard_world)
+        resizes.freed(tensor)
+        return shard
+
     ignore_mask = masking_utils._ignore_causal_mask_sdpa
     masking_utils._ignore_causal_mask_sdpa = lambda padding_mask, *a, **k: ignore_mask(None, *a, **k)
     flat_param_mod._alloc_storage, flat_param_mod._free_storage = alloc_recorded, free_recorded
+    handle_cls._get_shard = staticmethod(get_shard_recorded)
     try:
         with fake_process_group(rank, world, ("test_reserved_fsdp1", rank, world)):
             mesh = make_mesh(spec, "cpu")
@@ -111,7 +128,7 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
                 optimizer = build_method_optimizer(model, spec)
                 for _ in range(STEPS):
                     for micro in range(training.grad_accum_steps):
-                        batch = build.synthetic_batch(B, S, 1000)
+                        batch = build.synthetic_batch(training.micro_batch_size, S, 1000)
                         # grad_sync last: no_sync() on every micro-batch but the last, as accelerate runs it
                         unsynced = training.grad_sync == "last" and micro < training.grad_accum_steps - 1
                         with model.no_sync() if unsynced else contextlib.nullcontext():
@@ -124,6 +141,7 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
     finally:
         masking_utils._ignore_causal_mask_sdpa = ignore_mask
         flat_param_mod._alloc_storage, flat_param_mod._free_storage = alloc_storage, free_storage
+        handle_cls._get_shard = get_shard
     events, sizes = rec.timeline.events, rec.timeline.sizes
     host, phase = set(), None
     marks = [i for i, e in enumerate(events) if e[0] == "m"]
@@ -248,8 +266,29 @@ def test_gradient_accumulation_stream_equals_a_real_fsdp1_run(llama_path, traini
 def test_fsdp1_replayed_allocated_level_equals_the_estimate(llama_path, training, world, strategy):
     """The requested bytes alive at once in the replayed stream = the estimator's FSDP1 allocated peak + the
     batch, to the byte, on the first and the last rank; the reserved level is the replay's."""
+    _assert_replayed_allocated_level(llama_path, training, world, strategy, True)
+
+
+@pytest.mark.parametrize("training, world, strategy", [
+    (TrainingSpec(precision="mixed_bf16"), 2, "FULL_SHARD"),
+    (TrainingSpec(precision="bf16"), 3, "FULL_SHARD"),
+    (TrainingSpec(precision="bf16", lora_rank=8, grad_ckpt=True, lora_targets=ALL_SIX), 3, "FULL_SHARD"),
+    pytest.param(TrainingSpec(precision="fp32", grad_ckpt=True), 4, "FULL_SHARD", marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="bf16", lora_rank=8), 2, "FULL_SHARD", marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="bf16", lora_rank=8, grad_ckpt=True), 3, "FULL_SHARD", marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="mixed_bf16", loop="manual"), 3, "SHARD_GRAD_OP", marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="bf16"), 3, "NO_SHARD", marks=pytest.mark.slow),
+    pytest.param(TrainingSpec(precision="mixed_bf16"), 4, "HYBRID_SHARD:2", marks=pytest.mark.slow),
+])
+def test_flat_parameter_replayed_allocated_level_equals_the_estimate(llama_path, training, world, strategy):
+    """``use_orig_params=False``, as above."""
+    _assert_replayed_allocated_level(llama_path, training, world, strategy, False)
+
+
+def _assert_replayed_allocated_level(llama_path: str, training: TrainingSpec, world: int, strategy: str,
+                                     orig_params: bool) -> None:
     training = dataclasses.replace(training, micro_batch_size=B, seq_len=S)
-    spec = _spec(llama_path, training, world, strategy)
+    spec = _spec(llama_path, training, world, strategy, orig_params)
     est = api.estimate(spec, alloc_conf="")
     arch, profile = load_profile(llama_path, training)
     coeffs = load_coefficients(est.gpu_key)
@@ -268,9 +307,9 @@ def test_fsdp1_replayed_allocated_level_equals_the_estimate(llama_path, training
 
 def test_other_fsdp1_settings_keep_the_prior(llama_path):
     training = TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S)
-    for options, reason in ((Fsdp1Spec(use_orig_params=False), "use_orig_params"),
-                            (Fsdp1Spec(backward_prefetch="BACKWARD_POST"), "prefetching")):
-        spec = RunSpec(model=llama_path, training=training,
+    for options, steps, reason in ((Fsdp1Spec(use_orig_params=False), 2, "use_orig_params"),
+                                   (Fsdp1Spec(backward_prefetch="BACKWARD_POST"), 1, "prefetching")):
+        spec = RunSpec(model=llama_path, training=dataclasses.replace(training, grad_accum_steps=steps),
                        parallel=ParallelSpec(method="fsdp1", world_size=2, fsdp1=options))
         est = api.estimate(spec, alloc_conf="")
         assert est.reserved_source == "prior"
@@ -287,3 +326,33 @@ def test_other_fsdp1_settings_keep_the_prior(llama_path):
     kept = api.estimate(_spec(llama_path, lora, 2, "SHARD_GRAD_OP"), alloc_conf="")
     assert kept.reserved_source == "prior"
     assert any(n.startswith("reserved: prior") and "LoRA" in n for n in kept.notes)
+
+
+def _flat(**fields) -> TrainingSpec:
+    return TrainingSpec(**{"micro_batch_size": B, **fields})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("training, world, rank, strategy, orig_params", [
+    (_flat(precision="mixed_bf16"), 2, 0, "FULL_SHARD", False),
+    (_flat(precision="bf16"), 3, 2, "FULL_SHARD", False),  # short chunks: padded at setup and before each reduce
+    (_flat(precision="bf16", lora_rank=8, grad_ckpt=True), 2, 1, "FULL_SHARD", False),
+    # the recompute stops after down_proj's lora_A: lora_B's pre-backward before it, no gather of lora_B in it
+    (_flat(precision="bf16", lora_rank=8, grad_ckpt=True, lora_targets=ALL_SIX), 2, 0, "FULL_SHARD", False),
+    (_flat(precision="bf16", lora_rank=8, grad_ckpt=True, lora_targets=ALL_SIX), 2, 0, "FULL_SHARD", True),
+    # one row: the b = 1 regime's sizes are fitted in s alone
+    (_flat(precision="bf16", lora_rank=8, grad_ckpt=True, lora_targets=ALL_SIX, micro_batch_size=1), 2, 0,
+     "FULL_SHARD", False),
+    (_flat(precision="mixed_bf16"), 3, 2, "SHARD_GRAD_OP", False),
+    (_flat(precision="bf16"), 2, 1, "NO_SHARD", False),
+    (_flat(precision="bf16", grad_ckpt=True), 4, 3, "HYBRID_SHARD:2", False),
+], ids=lambda v: str(v) if not isinstance(v, TrainingSpec) else
+   f"{v.precision}-lora{v.lora_rank}-{v.lora_targets}-ckpt{int(v.grad_ckpt)}-b{v.micro_batch_size}")
+def test_flat_parameter_stream_equals_a_real_fsdp1_run(llama_path, training, world, rank, strategy, orig_params):
+    """``use_orig_params=False``: the flat parameter unpadded, a short chunk padded (setup's shard, the
+    reduce-scatter's input), the optimizer stepping the flat shards, ``zero_grad`` freeing them. Setup and three
+    steps, as above. With LoRA on every Linear of the MLP the checkpointed recompute stops early (either way)."""
+    training = dataclasses.replace(training, attn="eager", seq_len=S)
+    generated = _runs(_generated(llama_path, training, world, rank, strategy, orig_params), True)
+    real = _runs(_in_fresh_process(_real_fsdp1_events, training, world, rank, strategy, False, orig_params), False)
+    _assert_same_runs(generated, real)
