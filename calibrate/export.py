@@ -134,7 +134,7 @@ def fit_gpu(rows: pd.DataFrame, files: list[dict], gpu_key: str, *, quantile: fl
     # The replay allocates the cuBLAS workspaces, so it runs with the ones these rows measure (read off the
     # allocated level less what the replay adds to the analytical bytes: block rounding, ZeRO's flush buffers).
     rows = with_replayed_levels(rows, prior)
-    workspace = F.fit_workspace(F.fit_rows(rows))
+    workspace = F.fit_workspace(F.fit_rows(rows), prior.cublas_workspaces or 1)
     if int(round(workspace / (prior.cublas_workspaces or 1))) != prior.cublas_workspace_bytes:
         replaying = dataclasses.replace(
             prior, cublas_workspace_bytes=int(round(workspace / (prior.cublas_workspaces or 1))))

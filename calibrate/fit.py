@@ -65,13 +65,23 @@ def _identifiable(x: np.ndarray) -> bool:
     return len(x) >= 3 and len(np.unique(x)) >= 2
 
 
-def fit_workspace(rows: pd.DataFrame) -> float:
+# The workspace sizes torch chooses itself (``getChosenWorkspaceSize``, CUBLAS_WORKSPACE_CONFIG unset): 4096 KiB x 2
+# + 16 KiB x 8 before Hopper, 4096 KiB x 8 from sm90 on.
+TORCH_WORKSPACE_BYTES = (4096 * 1024 * 2 + 16 * 1024 * 8, 4096 * 1024 * 8)
+WORKSPACE_SNAP_BYTES = 1024 * 1024
+
+
+def fit_workspace(rows: pd.DataFrame, workspaces: int = 1) -> float:
     """The cuBLAS workspaces' total bytes: the median of measured - analytical allocated (>= 0), less what the
-    allocator replay adds where the estimator runs it (``replay_extra_bytes``: block rounding, flush buffers)."""
+    allocator replay adds where the estimator runs it (``replay_extra_bytes``: block rounding, flush buffers).
+    Within ``WORKSPACE_SNAP_BYTES`` of one of torch's own sizes (per workspace of ``workspaces``), that size: the
+    replay requests the workspace, and a size torch never asks for moves every block after it."""
     residual = rows["peak_allocated_bytes"].to_numpy(float) - rows["analytic_allocated_bytes"].to_numpy(float)
     if "replay_extra_bytes" in rows:
         residual = residual - rows["replay_extra_bytes"].to_numpy(float)
-    return max(0.0, float(np.median(residual)))
+    total = max(0.0, float(np.median(residual)))
+    near = [size for size in TORCH_WORKSPACE_BYTES if abs(total / workspaces - size) <= WORKSPACE_SNAP_BYTES]
+    return float(near[0] * workspaces) if near else total
 
 
 def fit_terms(rows: pd.DataFrame, prior: Coefficients) -> TermFit:
@@ -83,9 +93,11 @@ def fit_terms(rows: pd.DataFrame, prior: Coefficients) -> TermFit:
     reserved = rows["peak_reserved_bytes"].to_numpy(float)
     device = rows["peak_device_bytes"].to_numpy(float)
 
-    workspace = fit_workspace(rows)
+    workspace = fit_workspace(rows, prior.cublas_workspaces or 1)
+    snapped = workspace / (prior.cublas_workspaces or 1) in TORCH_WORKSPACE_BYTES
     sources["cublas_workspace_bytes"] = (f"fitted: median of measured - analytical allocated (less the replay's "
                                          f"block rounding) over {len(rows)} rows"
+                                         + (", within 1 MiB of torch's own size, which it takes" if snapped else "")
                                          + (" (negative median clamped to 0)" if workspace == 0 else ""))
 
     # Allocation retries mean the allocator flushed its cache under pressure: reserved was squeezed, so those

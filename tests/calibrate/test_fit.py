@@ -137,3 +137,15 @@ def test_one_family_one_method_falls_back_to_runs(fitted):
     done, skipped = F.run_cv(rows, PRIOR)
     assert [r.scheme for r in done] == ["grouped_kfold_by_run"] and len(skipped) == 2
     assert set(done[0].per_group) == set(rows["run_id"])
+
+
+def test_a_workspace_near_torchs_own_size_is_torchs():
+    import pandas as pd
+
+    from calibrate.fit import TORCH_WORKSPACE_BYTES, fit_workspace
+
+    def rows(extra_bytes: float) -> pd.DataFrame:
+        return pd.DataFrame({"peak_allocated_bytes": [1e9 + extra_bytes] * 3, "analytic_allocated_bytes": [1e9] * 3})
+    hopper = TORCH_WORKSPACE_BYTES[1]
+    assert fit_workspace(rows(2 * hopper + 300_000), workspaces=2) == 2 * hopper
+    assert fit_workspace(rows(2 * hopper + 3 * MIB), workspaces=2) == 2 * hopper + 3 * MIB
