@@ -48,6 +48,12 @@ def _generated(spec: RunSpec, rank: int) -> list[tuple]:
                                workspace_bytes=8 << 20, workspaces=0, rank=rank)
     setup = reserved_rank._setup(profile, table, arch.num_layers, spec.parallel.method, False,
                                  spec.parallel.world_size, spec)
+    return generated_requests(setup, plan, training)
+
+
+def generated_requests(setup, plan, training: TrainingSpec) -> list[tuple]:
+    """The setup's allocations and frees (module buffers left out, as the real-run recorder leaves them), then
+    ``STEPS`` steps of the plan."""
     frees = dict(setup.frees_after)
     out: list[tuple] = []
     for i, (name, n) in enumerate(setup.allocations):

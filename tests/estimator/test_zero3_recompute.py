@@ -269,7 +269,6 @@ def _generated(spec) -> list[tuple]:
     """``test_reserved_zero._generated`` through every-k's merged event list where the spec asks for it."""
     from estimator import api
     from estimator.reserved import rank as reserved_rank
-    from estimator.reserved.timeline import run_requests
     from estimator.spec import ckpt_every
     from tests.estimator import test_reserved_zero as zero_tests
 
@@ -284,13 +283,7 @@ def _generated(spec) -> list[tuple]:
     plan = reserved_rank._plan(spec, events, expansion, table, arch.num_layers, B, S, workspace_bytes=8 << 20,
                                workspaces=0, rank=0)
     setup = reserved_rank._setup(profile, table, arch.num_layers, "zero3", False, WORLD, spec)
-    frees = dict(setup.frees_after)
-    out: list[tuple] = []
-    for i, (name, n) in enumerate(setup.allocations):
-        if not name.startswith("buffers"):
-            out.append(("alloc", ("setup", i), n, 0))
-        out.extend(("free", ("setup", j)) for j in frees.get(i, ()))
-    return out + run_requests(plan, STEPS, training.grad_accum_steps)
+    return zero_tests.generated_requests(setup, plan, training)
 
 
 @pytest.mark.slow
