@@ -23,6 +23,8 @@ REPLAYED = [("silmont2000_b61be409_cold.pickle", 0), ("silmont2000_769df2d4_warm
 
 OWN_TRACES = ROOT / "data" / "measurements" / "h200-141gb" / "snapshots"  # this project's, cold starts (README)
 OWN = sorted(path.name for path in OWN_TRACES.glob("*.snapshot.pickle.gz"))
+SESSION_15_RUNS = ("35e53f1369f7c757", "69ff51400e273d33", "bbc5709c8d0c32f0", "058525bedac72e36",
+                   "bcfff02b2feff8d5", "a4b78a6f54206ff7")  # the README's first table
 
 
 def snapshot(name):
@@ -50,9 +52,11 @@ def test_own_h200_training_traces_replay_exactly_from_a_cold_start(name):
     dp_tp, ZeRO's three streams, LoRA, MoE at full width): every block lands at the address the real allocator
     gave it, every cudaMalloc matches, from an empty allocator."""
     report = replay_device(check_snapshot(load_snapshot(str(OWN_TRACES / name))), 0)
+    min_allocs, min_segment_events = (5000, 200) if name.startswith(SESSION_15_RUNS) \
+        else (2000, 50)  # session 25's single-GPU LoRA and MoE runs are short
     assert report["mismatches"] == []
-    assert report["addr_matches"] == report["allocs"] > 2000
-    assert report["segment_matches"] == report["segment_events"] > 50
+    assert report["addr_matches"] == report["allocs"] > min_allocs
+    assert report["segment_matches"] == report["segment_events"] > min_segment_events
     assert report["reserved_peak_bytes"]["recorded"] == report["reserved_peak_bytes"]["simulated"]
 
 
