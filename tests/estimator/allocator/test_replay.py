@@ -25,6 +25,8 @@ OWN_TRACES = ROOT / "data" / "measurements" / "h200-141gb" / "snapshots"  # this
 OWN = sorted(path.name for path in OWN_TRACES.glob("*.snapshot.pickle.gz"))
 SESSION_15_RUNS = ("35e53f1369f7c757", "69ff51400e273d33", "bbc5709c8d0c32f0", "058525bedac72e36",
                    "bcfff02b2feff8d5", "a4b78a6f54206ff7")  # the README's first table
+SESSION_26_SHORT_RUNS = ("73116de130780010", "5ab4fc0f4edbaa4d", "dc88be634d64b862")  # MoE b16/b4, FSDP1 LoRA x2
+BENCH_TRACES = ROOT / "data" / "measurements" / "h200-141gb" / "snapshots_bench"  # benchmarks/, not the harness
 
 
 def snapshot(name):
@@ -43,7 +45,7 @@ def test_every_address_and_segment_event_matches(name, device):
 
 
 def test_own_h200_traces_are_carried():
-    assert len(OWN) == 26  # session 15 (7), session 25 (19: README)
+    assert len(OWN) == 48  # session 15 (7), session 25 (19), session 26 (22: README)
 
 
 @pytest.mark.parametrize("name", OWN)
@@ -53,10 +55,25 @@ def test_own_h200_training_traces_replay_exactly_from_a_cold_start(name):
     gave it, every cudaMalloc matches, from an empty allocator."""
     report = replay_device(check_snapshot(load_snapshot(str(OWN_TRACES / name))), 0)
     min_allocs, min_segment_events = (5000, 200) if name.startswith(SESSION_15_RUNS) \
+        else (1000, 40) if name.startswith(SESSION_26_SHORT_RUNS) \
         else (2000, 50)  # session 25's single-GPU LoRA and MoE runs are short
     assert report["mismatches"] == []
     assert report["addr_matches"] == report["allocs"] > min_allocs
     assert report["segment_matches"] == report["segment_events"] > min_segment_events
+    assert report["reserved_peak_bytes"]["recorded"] == report["reserved_peak_bytes"]["simulated"]
+
+
+@pytest.mark.parametrize("batch, retries", [(4, 0), (8, 1)])
+def test_a_capped_run_that_releases_its_cache_and_retries_replays_exactly(batch, retries):
+    """Mistral-7B full fine-tuning (6 steps) under an allocator cap of 79.5 GiB on a real H200
+    (benchmarks/fms_full_capacity_gpu.py): at b8 the second step's cudaMalloc fails at the cap, the allocator frees
+    its cached blocks and retries; the model makes the same release, the same retry and the same later segments."""
+    report = replay_device(check_snapshot(load_snapshot(
+        str(BENCH_TRACES / f"fms_mistral7b_full_b{batch}.snapshot.pickle.gz"))), 0)
+    assert report["mismatches"] == []
+    assert report["addr_matches"] == report["allocs"] > 30_000
+    assert report["segment_matches"] == report["segment_events"] > 700
+    assert report["num_alloc_retries"] == retries
     assert report["reserved_peak_bytes"]["recorded"] == report["reserved_peak_bytes"]["simulated"]
 
 
