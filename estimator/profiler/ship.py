@@ -109,6 +109,18 @@ def _row_profile_key(spec: RunSpec, config_sha: str) -> str:
                        adapters_in_16bit(spec.training, spec.parallel.method))
 
 
+def catalogue_name(arch) -> str:
+    """The catalogue model whose config has ``arch``'s fingerprint (a harness asset config, a few layers of a
+    catalogue model, labels itself with its ``_name_or_path``; its profile serves the catalogue model), else the
+    arch's own name."""
+    from estimator.models.arch import catalogue_models
+
+    for name in catalogue_models():
+        if resolve_arch(name).config_sha == arch.config_sha:
+            return name
+    return arch.name
+
+
 def ship_rows(rows_csv: Path, out: Path, models: list[str] | None = None) -> int:
     """Trace the profiles of ``rows_csv``'s rows that run the installed transformers' model code."""
     from estimator.profiler.build import lora_adapters_16bit
@@ -128,7 +140,7 @@ def ship_rows(rows_csv: Path, out: Path, models: list[str] | None = None) -> int
         except Exception as err:  # noqa: BLE001 - one variant this release cannot trace must not stop the others
             print(f"{arch.name:<55}{key.split('_', 1)[1]:<48}failed: {type(err).__name__}: {err}".splitlines()[0])
             continue
-        profile["model"] = arch.name
+        profile["model"] = catalogue_name(arch)
         save_profile(key, profile, out)
         print(f"{arch.name:<55}{key.split('_', 1)[1]:<48}{time.perf_counter() - started:6.1f} s", flush=True)
     return 0

@@ -130,3 +130,22 @@ def test_the_plan_names_the_model_code_it_describes(tmp_path):
                   model_code="3.9")
     assert any(n.startswith("model code:") and "no profile of transformers 3.9's model code" in n
                for n in result.notes)
+
+
+
+def test_a_profile_traced_from_an_asset_config_names_its_catalogue_model(tmp_path):
+    """A harness asset (a few layers of a catalogue model) labels itself 'X, first N layers'; its profile is keyed
+    by the catalogue model's fingerprint and serves that model, so it is named after it. A config of no catalogue
+    model keeps its own name."""
+    import json
+
+    from estimator.models.arch import load_config, resolve_arch
+    from estimator.profiler.ship import catalogue_name
+
+    asset = resolve_arch("harness/assets/models/mixtral-8x7b-2l.json")
+    assert asset.name != "mistralai/Mixtral-8x7B-v0.1"
+    assert catalogue_name(asset) == "mistralai/Mixtral-8x7B-v0.1"
+    assert catalogue_name(resolve_arch("meta-llama/Llama-3.2-1B")) == "meta-llama/Llama-3.2-1B"
+    other = {**load_config("meta-llama/Llama-3.2-1B"), "hidden_size": 1024, "_name_or_path": "mine/llama-narrow"}
+    (tmp_path / "config.json").write_text(json.dumps(other))
+    assert catalogue_name(resolve_arch(str(tmp_path))) == "mine/llama-narrow"
