@@ -64,7 +64,9 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
     if training.optimizer != "adamw":
         return f"zero3 with {training.optimizer}: only AdamW's step over the partition is checked"
     if training.lora or training.qlora:
-        return "zero3 with LoRA: frozen tensors' gathers are not in the replay yet"
+        return ("zero3 with LoRA: peft's modules in the coordinator's trace, the frozen tensors' partitions and bf16 "
+                "master weights are not in the replay yet (and its allgather stream's record_stream frees wait on "
+                "the default stream's timing: docs/allocator.md)")
     if training.grad_ckpt and training.ckpt_reentrant:
         return ("zero3 with reentrant checkpointing: the recomputation runs as a forward of its own, its fetches "
                 "not in the replay yet")
