@@ -174,6 +174,9 @@ class _Replayer:
                 self._request(window, index, self._oom, event)
                 window = []
             elif action == "alloc":
+                if _released_before_request(window):
+                    self._flush(window)
+                    window = []
                 self._request(window, index, self._alloc, event)
                 window = []
             elif action == "free_requested":
@@ -284,6 +287,16 @@ class _Replayer:
         report["guessed_block_sizes"] = self.state.guessed
         report["num_alloc_retries"] = self.model.num_alloc_retries
         return report
+
+
+def _released_before_request(window):
+    """Segment releases ahead of an alloc that grew nothing: an `empty_cache()` the program called just
+    before the request. `malloc` itself only releases cached segments (release_available_cached_blocks,
+    release_cached_blocks, garbage_collect_cached_blocks) when no cached block fits, and then always
+    goes on to cudaMalloc or map pages (or raise), so its releases are followed by a growth event in
+    the same window."""
+    actions = {e["action"] for _, e in window}
+    return bool(actions & {"segment_free", "segment_unmap"}) and not actions & {"segment_alloc", "segment_map"}
 
 
 def _describe(event):

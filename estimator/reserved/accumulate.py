@@ -44,11 +44,20 @@ class MicroSteps:
     tail: list          # every later optimizer step
     last: list | None = None  # a cycle's last micro-step's forward and backward where it differs from ``middle``
                               # (FSDP1 reducing after no_sync: ``estimator.reserved.fsdp1``)
+    # the run's first cycle's middle / last micro-steps where they differ from later cycles' (ZeRO-3: its
+    # parameter coordinator's first cycle follows the trace-recording micro-step: ``estimator.reserved.zero3``)
+    first_middle: list | None = None
+    first_last: list | None = None
 
     def ops(self, cycle: int, micro: int, k: int) -> list:
         """Micro-step ``micro`` (0-based) of cycle ``cycle`` of ``k`` micro-steps each."""
-        body = ((self.first_head if cycle == 0 else self.head) if micro == 0
-                else self.last if micro == k - 1 and self.last is not None else self.middle)
+        if cycle == 0 and 0 < micro < k - 1 and self.first_middle is not None:
+            body = self.first_middle
+        elif cycle == 0 and micro == k - 1 and micro and self.first_last is not None:
+            body = self.first_last
+        else:
+            body = ((self.first_head if cycle == 0 else self.head) if micro == 0
+                    else self.last if micro == k - 1 and self.last is not None else self.middle)
         if micro < k - 1:
             return body + self.before_optimizer
         return body + (self.first_tail if cycle == 0 else self.tail)

@@ -237,10 +237,11 @@ def _method_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo
         training, parallel = spec.training, spec.parallel
         recomputed = recomputed_layers(training, num_layers)
         key = ("zero3", id(expansion), id(table), parallel.world_size, parallel.zero, training.optimizer,
-               base_size_index, recomputed)
+               base_size_index, recomputed, training.grad_accum_steps)
         return _memo_step(key, expansion, table, lambda: zero3_step(
             expansion, table, parallel.world_size, _elem16(table), parallel.zero.reduce_bucket_size,
-            training.optimizer, base_size_index, events["polys"], parallel.zero, recomputed))
+            training.optimizer, base_size_index, events["polys"], parallel.zero, recomputed,
+            accumulate=training.grad_accum_steps))
     if spec.parallel.method not in SHARDED:
         return expansion, []
     training, world = spec.training, _shard_world(spec)

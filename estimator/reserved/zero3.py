@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from estimator.methods.long_context import checkpointed
 from estimator.methods.state import zero_layout
 from estimator.models.params import ParamInfo
+from estimator.reserved.accumulate import MicroSteps
 from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, ExpansionError
 from estimator.reserved.fsdp import _Builder, method_expansion
 from estimator.reserved.timeline import Setup, model_order
@@ -63,9 +64,9 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
     if training.optimizer != "adamw":
         return f"zero3 with {training.optimizer}: only AdamW's step over the partition is checked"
     if training.lora or training.qlora:
-        return "zero3 with LoRA: frozen tensors' gathers are not in the replay yet"
-    if training.grad_accum_steps > 1:
-        return "zero3 with gradient accumulation: not in the replay yet"
+        return ("zero3 with LoRA: peft's modules in the coordinator's trace, the frozen tensors' partitions and bf16 "
+                "master weights are not in the replay yet (and its allgather stream's record_stream frees wait on "
+                "the default stream's timing: docs/allocator.md)")
     if training.grad_ckpt and training.ckpt_reentrant:
         return ("zero3 with reentrant checkpointing: the recomputation runs as a forward of its own, its fetches "
                 "not in the replay yet")
@@ -224,15 +225,24 @@ class Zero3Step:
 
 def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16: int, bucket_numel: int,
                optimizer: str, base_size_index: int, polys: list, zcfg,
-               recomputed: frozenset[int] = frozenset()) -> Zero3Step:
+               recomputed: frozenset[int] = frozenset(), accumulate: int = 1) -> Zero3Step:
     """The expansion with ZeRO-3's events (module docstring); new tensors' sizes take indices from
     ``base_size_index`` on; ``recomputed``: the checkpointed layers (their recomputation's fetches; the
-    expansion holds their recomputed activations). ExpansionError where the step cannot be built."""
+    expansion holds their recomputed activations); ``accumulate``: micro-steps per optimizer step
+    (``_accumulating``). ExpansionError where the step cannot be built."""
     if not llama_like(table):
         raise ExpansionError("zero3: the coordinator's module trace is modelled on Llama-style decoders only")
-    gathers = emulate(table, world, steps=2, prefetch_bucket=zcfg.stage3_prefetch_bucket_size,
+    gathers = emulate(table, world, steps=2 * accumulate, prefetch_bucket=zcfg.stage3_prefetch_bucket_size,
                       max_live=zcfg.stage3_max_live_parameters, max_reuse=zcfg.stage3_max_reuse_distance,
-                      persistence=zcfg.stage3_param_persistence_threshold, checkpointed=recomputed)
+                      persistence=zcfg.stage3_param_persistence_threshold, checkpointed=recomputed,
+                      accumulate=accumulate)
+    if accumulate > 1:
+        gathers.steps = _within_each_step(gathers.steps)
+        # the plain steps' gathers: a step after an optimizer step that ends with one (a cycle's last micro-step
+        # after a cycle's first, for the optimizer tail's keys)
+        plain = [gathers.steps[0], gathers.steps[2 * accumulate - 1]]
+    else:
+        plain = gathers.steps
     build = _Builder(expansion.steady.keys, base_size_index)
     stopped_output = _stopped_output_size_index(table, polys) if recomputed else None
     first_marks, steady_marks = expansion.marks
@@ -240,14 +250,18 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
     # the persistent tensors' gathered copies keep the same keys from step to step (the next step frees them)
     kept_keys, start, ends = build.next_key, build.next_key + len(persistent), []
 
-    def built(first: bool) -> tuple[list, dict[int, int], list, list]:
+    def built(first: bool, gathered: list | None = None, kept_freed: bool | None = None
+              ) -> tuple[list, dict[int, int], list, list]:
+        """``gathered``: the allgather stream's ops (default: the plain step's); ``kept_freed``: whether
+        backward's end frees the persistent tensors ``_post_step`` gathered (default: in every step but the
+        first)."""
         events, marks = (expansion.first, first_marks) if first else (expansion.steady, steady_marks)
         build.next_key = start
         step = _Step3(build, table, world, elem16, int(bucket_numel), _grad_params(expansion, events.ops, table),
                       first, optimizer)
         head: list = []
         tensors: dict[int, object] = {}
-        for sign, buffer, nbytes in gathers.steps[0 if first else 1]:
+        for sign, buffer, nbytes in plain[0 if first else 1] if gathered is None else gathered:
             if sign > 0:
                 tensors[buffer] = step._alloc(head, nbytes, ALLGATHER)
             else:
@@ -255,7 +269,8 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
         body, moved, loss = _backward_ops(expansion, events.ops, marks, table, step, polys)
         for layer in sorted(recomputed):
             _recompute_output_made_then_dropped(body, moved, layer, table, step.grad_of, stopped_output, build)
-        if not first:  # backward's release_and_reset_all drops the persistent tensors' gathered copies
+        if not first if kept_freed is None else kept_freed:
+            # the optimizer step's release_and_reset_all drops the persistent tensors' gathered copies
             body += [(FREE_PREVIOUS, kept_keys + j, build.tensor(_aligned_bytes(p, world)).size_index)
                      for j, p in enumerate(persistent)]
         tail: list = []
@@ -270,5 +285,41 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
     (first_body, first_moved, first_loss, first_tail), (body, _, loss, tail) = built(True), built(False)
     first_ops, steady_ops = first_body + first_loss + first_tail, body + loss + tail
     optimizer_at = (len(first_body) + len(first_loss), len(body) + len(loss))
+    micro = _accumulating(built, gathers.steps, accumulate, loss) if accumulate > 1 else None
     return Zero3Step(expansion=method_expansion("zero3", expansion, first_ops, steady_ops, max(ends), first_moved,
-                                                optimizer_at), sizes=build.sizes)
+                                                optimizer_at, micro=micro), sizes=build.sizes)
+
+
+def _accumulating(built, gathered: list[list], k: int, loss: list) -> MicroSteps:
+    """ZeRO-3 under gradient accumulation (``k`` micro-steps per optimizer step). Every micro-step's backward
+    reduces as a plain step's does: each gradient copied into the setup's IPG bucket and freed at its hook, the
+    bucket's flushes reduce-scattered, a later micro-step's partition added in place into the setup's gradient
+    partition (``partition_grads``: no allocation, the accumulation dtype being the model's). Only the cycle's
+    last micro-step runs the optimizer step: its ``release_and_reset_all`` (``step`` ->
+    ``_partition_all_parameters``), the norm, AdamW, and ``_post_step``'s gathers of the persistent tensors.
+    The allgather stream's ops per micro-step: ``emulate(accumulate=k)`` (``zero3_gathers._micro_step_start``).
+    ``_post_step``'s persistent copies (a few KiB each, in a small-pool segment of their own) are freed at the
+    end of the next cycle's first micro-step, not at its last one's optimizer step: a step's ops free only
+    tensors of the step before."""
+    def body(first: bool, step: int, kept_freed: bool) -> list:
+        made, _, _, _ = built(first, gathered[step], kept_freed)
+        return made
+
+    first_body, _, first_loss, first_tail = built(True, gathered[0], False)
+    _, _, _, tail = built(False, gathered[2 * k - 1], False)
+    return MicroSteps(first_head=first_body, head=body(False, k, True),
+                      middle=body(False, k + 1, False) if k > 2 else body(False, 2 * k - 1, False),
+                      before_optimizer=loss, first_tail=first_loss + first_tail, tail=loss + tail,
+                      last=body(False, 2 * k - 1, False),
+                      first_middle=body(False, 1, False) if k > 2 else None,
+                      first_last=body(False, k - 1, False))
+
+
+def _within_each_step(steps: list[list]) -> list[list]:
+    """The gather ops with the tensors one micro-step gathers and a later one frees left out: only persistent
+    tensors live so (fetched in the run's first cycle after the trace-recording micro-step, released at its
+    optimizer step; ``accumulate`` > 2), a few KiB each, in the allgather stream's small-pool segment that the
+    trace-recording step made for them. A step's ops free only its own tensors (or the step before's)."""
+    owner = {buffer: at for at, ops in enumerate(steps) for sign, buffer, _ in ops if sign > 0}
+    crossing = {buffer for at, ops in enumerate(steps) for sign, buffer, _ in ops if sign < 0 and owner[buffer] != at}
+    return [[op for op in ops if op[1] not in crossing] for ops in steps]

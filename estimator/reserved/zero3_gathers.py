@@ -180,9 +180,10 @@ def with_recomputation(forward: list[Module], backward: list[Module], checkpoint
 
 def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket: int = 50_000_000,
             max_live: int = 1_000_000_000, max_reuse: int = 1_000_000_000, persistence: int = 100_000,
-            checkpointed: frozenset[int] = frozenset()) -> GatherOps:
+            checkpointed: frozenset[int] = frozenset(), accumulate: int = 1) -> GatherOps:
     """The allgather stream's allocations and frees of ``steps`` training steps (module docstring);
-    ``checkpointed``: the decoder layers recomputed in backward (``with_recomputation``)."""
+    ``checkpointed``: the decoder layers recomputed in backward (``with_recomputation``); ``accumulate``: the
+    steps are micro-steps, an optimizer step after every that many (``_micro_step_start``)."""
     index = {p.name: i for i, p in enumerate(table)}  # ds_id order: zero.Init partitions in creation order
     params = {p.name: _Param(p.name, p.numel, p.elem_bytes, p.numel < persistence) for p in table}
     forward, backward = modules_of(table)
@@ -262,7 +263,10 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
             for n in later.params:
                 keep.add(n)
                 traversed += params[n].numel
-        return sum(params[n].numel for n in names if n not in keep and release(out, n))
+        # __params_to_release leaves ds_persist parameters out: gathered by a fetch, they stay to the next
+        # release_and_reset_all (a micro-step after one without an optimizer step fetches them: _micro_step_start)
+        return sum(params[n].numel for n in names
+                   if n not in keep and not params[n].persistent and release(out, n))
 
     # step 1: the trace is recorded, nothing prefetched, every parameter released after its module
     out: list = []
@@ -275,12 +279,10 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
     ops.steps.append(out)
     ops.calls.append(calls)
     queue_order = [(n, step_id) for step_id, m in enumerate(trace) for n in m.params]
-    for n, p in params.items():  # persistent parameters stay gathered from here on (not on this stream)
-        if p.persistent:
-            state[n] = "kept"
-    for _ in range(steps - 1):
+    for micro in range(1, steps):
         out = []
         calls = []
+        _micro_step_start(out, params, state, registry, micro % accumulate == 0, wait, release)
         queue = deque(queue_order)
         fetched_for: dict[str, int] = {}
         n_available = 0
@@ -310,12 +312,30 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
                 n_available += numel
             for released in releases_after.get(step_id, ()):
                 n_available -= release_module(out, trace[released].params, step_id + 1)
-        for n in params:  # backward's end: release_and_reset_all
-            wait(out, [n])
-            release(out, n)
+        if (micro + 1) % accumulate == 0:  # the optimizer step's release_and_reset_all, right after backward
+            for n in params:
+                wait(out, [n])
+                release(out, n)
         ops.steps.append(out)
         ops.calls.append(calls)
     return ops
+
+
+def _micro_step_start(out: list, params: dict, state: dict, registry: dict, after_optimizer: bool, wait,
+                      release) -> None:
+    """A (micro-)step's forward start (``reset_step``: ``_clean_inflight_param_registry`` waits for and releases
+    what is still in flight). After an optimizer step, whose ``release_and_reset_all`` released everything, the
+    persistent parameters are the ones ``_post_step`` gathered (on the default stream: ``zero3``); after a
+    micro-step without one (gradient accumulation) nothing was released at its end: what its backward left
+    gathered stays, and persistent parameters the trace-recording first step released are fetched like any
+    other (on this stream), then kept to the cycle's optimizer step."""
+    for n in [n for n in registry]:
+        wait(out, [n])
+        release(out, n)
+    if after_optimizer:
+        for n, p in params.items():
+            if p.persistent:
+                state[n] = "kept"
 
 
 def pool_requests(ops: GatherOps, stream: int = 1) -> list[tuple]:
