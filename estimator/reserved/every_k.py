@@ -16,6 +16,12 @@ arguments a checkpoint's frame holds) the plain profile frees at the forward's e
 lowest layer's backward: in the merge they go in the lowest checkpointed layer's backward (``+release``), at the
 place the checkpointed profile's layer 0 frees them. Anything else that differs between the two profiles'
 outer segments is an ExpansionError: the prior stays.
+
+A first layer of another kind (a dense MLP before expert layers) runs plain for every K > 1, but the checkpointed
+layer above it touches its output: its crossing tensors, numbered among its own segments' allocations, are
+paired apart from the generic layer's (``ckpt_alias_first``), and the shared tensors' frees go into the lowest
+checkpointed layer's backward at their place counted from the end of the first layer's backward (where the
+checkpoint's frame lets them go, after an MLP of either kind).
 """
 
 from __future__ import annotations
@@ -32,32 +38,41 @@ def _layer_segments(events: dict) -> dict[str, list[int]]:
     return {name: codes for name, codes in events["segments"].items() if name in LAYER_SEGMENTS}
 
 
-def _exports(events: dict, layout: _Layout) -> dict[str, list[int]]:
-    """Per stack, the places j of the layer tensors touched from another layer or from outside the layers."""
+def _exports(events: dict, layout: _Layout, first: bool | None = None) -> dict[str, list[int]]:
+    """Per stack, the places j of the layer tensors touched from another layer or from outside the layers.
+    ``first``: only the first layer's tensors (True) or only the others' (False), for a first layer of another
+    kind, whose places j count its own segments' allocations; None: every layer's (all alike)."""
     found: dict[str, set[int]] = {"fw": set(), "bw": set()}
     for name, codes in events["segments"].items():
         context = LAYER_SEGMENTS[name][1] if name in LAYER_SEGMENTS else None
         for code in codes:
             o = _decode(code)[1]
             ident, layer = layout.ident.get(o), layout.layer.get(o)
+            if first is not None and (layer == 0) != first:
+                continue
             if ident is not None and ident[0] in found and layer != context:
                 found[ident[0]].add(ident[1])
     return {stack: sorted(js) for stack, js in found.items()}
 
 
-def _ordinal_of(layout: _Layout) -> dict[tuple, int]:
-    """A representative ordinal (the generic layer's) of each layer identity, for its size."""
-    return {ident: o for o, ident in layout.ident.items() if ident[0] != "o" and layout.layer[o] == 1}
+def _ordinal_of(layout: _Layout, layer: int = 1) -> dict[tuple, int]:
+    """A representative ordinal (layer ``layer``'s: the generic one by default) of each layer identity, for its
+    size."""
+    return {ident: o for o, ident in layout.ident.items() if ident[0] != "o" and layout.layer[o] == layer}
 
 
-def _alias(plain: dict, ckpt: dict, plain_layout: _Layout, ckpt_layout: _Layout) -> dict[str, dict[int, int]]:
-    """The checkpointed layer's exports -> the plain layer's, in allocation order, the same sizes."""
-    mine, theirs = _exports(plain, plain_layout), _exports(ckpt, ckpt_layout)
-    plain_o, ckpt_o = _ordinal_of(plain_layout), _ordinal_of(ckpt_layout)
+def _alias(plain: dict, ckpt: dict, plain_layout: _Layout, ckpt_layout: _Layout, first: bool | None = None
+           ) -> dict[str, dict[int, int]]:
+    """The checkpointed layer's exports -> the plain layer's, in allocation order, the same sizes. ``first``: as
+    ``_exports`` (a first layer of another kind has places of its own, matched on their own)."""
+    mine, theirs = _exports(plain, plain_layout, first), _exports(ckpt, ckpt_layout, first)
+    layer = 0 if first else 1
+    plain_o, ckpt_o = _ordinal_of(plain_layout, layer), _ordinal_of(ckpt_layout, layer)
+    which = "first " if first else ""
     alias: dict[str, dict[int, int]] = {}
     for stack in ("fw", "bw"):
         if len(mine[stack]) != len(theirs[stack]):
-            raise ExpansionError(f"every-k: the plain layer exports {len(mine[stack])} {stack} tensors, the "
+            raise ExpansionError(f"every-k: the plain {which}layer exports {len(mine[stack])} {stack} tensors, the "
                                  f"checkpointed one {len(theirs[stack])}")
         for j_plain, j_ckpt in zip(mine[stack], theirs[stack]):
             size_plain = plain["polys"][plain["size"][plain_o[stack, j_plain]]]
@@ -137,9 +152,9 @@ def _signature(events: dict, layout: _Layout, name: str, rename, drop: set) -> l
 
 
 def _check_outer(plain: dict, ckpt: dict, plain_layout: _Layout, ckpt_layout: _Layout, outer: dict[int, int],
-                 alias: dict, drop: set[int]) -> None:
+                 aliases: tuple[dict, dict], drop: set[int]) -> None:
     """The outer segments before the backward the same in both, up to the frees that follow a layer's kind
-    (``drop``, plain ordinals)."""
+    (``drop``, plain ordinals). ``aliases``: the generic and the first layer's (``_alias``)."""
     def plain_name(o):
         ident = plain_layout.ident.get(o)
         return ("L", *ident, plain_layout.layer[o]) if ident and ident[0] != "o" else o
@@ -147,6 +162,7 @@ def _check_outer(plain: dict, ckpt: dict, plain_layout: _Layout, ckpt_layout: _L
     def ckpt_name(o):
         ident = ckpt_layout.ident.get(o)
         if ident and ident[0] != "o":
+            alias = aliases[1] if ckpt_layout.layer[o] == 0 else aliases[0]
             return ("L", ident[0], alias[ident[0]].get(ident[1], -1), ckpt_layout.layer[o])
         return outer.get(o, ("ckpt", o))
 
@@ -161,7 +177,9 @@ def _released(ckpt: dict, ckpt_layout: _Layout, target: str, outer: dict[int, in
               ) -> list[int]:
     """The checkpointed segment ``target`` (the lowest checkpointed layer's backward) with the shared tensors'
     frees where the checkpointed profile's layer 0 frees them (counted in the events that free no shared tensor
-    of no layer), in the checkpointed profile's ordinals."""
+    of no layer), in the checkpointed profile's ordinals. A first layer of another kind (its backward makes
+    other events than the generic one's) is matched from the segment's end: the checkpoint's frame lets the
+    shared tensors go as the layer's backward finishes, after its expert or dense MLP."""
     def other(code: int, context: int) -> bool:
         """Not a free of a tensor from outside the layer (its input, the gradient from above, a shared one)."""
         o = _decode(code)[1]
@@ -175,8 +193,13 @@ def _released(ckpt: dict, ckpt_layout: _Layout, target: str, outer: dict[int, in
         elif outer.get(~code) in shared:
             inserts.append((at, code))
     body, context = ckpt["segments"][target], LAYER_SEGMENTS[target][1]
-    if sum(other(code, context) for code in body) != at:
+    count = sum(other(code, context) for code in body)
+    if count != at and ckpt_layout.counterpart is None:
         raise ExpansionError("every-k: the checkpointed layer 0's backward is not the generic one's")
+    inserts = [(place + count - at, code) for place, code in inserts]  # from the end (the same when alike)
+    if any(place < 0 for place, _ in inserts):
+        raise ExpansionError("every-k: the checkpointed layer 0 lets the shared tensors go before the generic "
+                             "layer's backward begins")
     out, seen = [], 0
     pending = list(inserts)
     for code in body:
@@ -197,12 +220,19 @@ def merge_events(plain: dict, ckpt: dict, num_layers: int, every: int) -> dict:
         raise ExpansionError("every-k: the two profiles' steps differ outside the layers")
     plain_layout = _Layout(plain, plain["segments"])
     ckpt_layout = _Layout(ckpt, ckpt["segments"])
-    alias = _alias(plain, ckpt, plain_layout, ckpt_layout)
+    first_differs = plain_layout.counterpart is not None
+    if first_differs != (ckpt_layout.counterpart is not None):
+        raise ExpansionError("every-k: the first layer is of another kind in one profile only")
+    # a first layer of another kind (dense before expert layers) numbers its tensors on its own: its crossing
+    # tensors are paired apart from the generic layer's (it runs plain for every K > 1, but the checkpointed
+    # layer above it touches its output)
+    alias = _alias(plain, ckpt, plain_layout, ckpt_layout, False if first_differs else None)
+    alias_first = _alias(plain, ckpt, plain_layout, ckpt_layout, True) if first_differs else alias
     outer = _outer_map(plain, ckpt)
     shared = _shared(plain, ckpt, plain_layout, ckpt_layout, outer)
     first_in = _first_inputs(ckpt, ckpt_layout)
     last_in = {name: _last_inputs(plain, ckpt, plain_layout, ckpt_layout, name) for name in _BEFORE_BACKWARD}
-    _check_outer(plain, ckpt, plain_layout, ckpt_layout, outer, alias,
+    _check_outer(plain, ckpt, plain_layout, ckpt_layout, outer, (alias, alias_first),
                  shared | {outer[o] for o in first_in} | set().union(*last_in.values()))
     # what the mixed step frees before the backward: the plain profile's, less what the checkpoints keep and,
     # under a checkpointed last layer, its input
@@ -237,8 +267,11 @@ def merge_events(plain: dict, ckpt: dict, num_layers: int, every: int) -> dict:
                                          _released(ckpt, ckpt_layout, target, outer, shared)]
     grads = list(plain.get("grads", ())) + [o + offset for o in ckpt.get("grads", ())
                                             if ckpt_layout.ident.get(o, ("o",))[0] != "o"]
-    return {**plain, "polys": polys, "size": size, "segments": segments, "grads": grads,
-            "ckpt_alias": alias, "every_k": [every, lowest]}
+    merged = {**plain, "polys": polys, "size": size, "segments": segments, "grads": grads,
+              "ckpt_alias": alias, "every_k": [every, lowest]}
+    if first_differs:
+        merged["ckpt_alias_first"] = alias_first
+    return merged
 
 
 def mixed_events(spec, regime: dict, num_layers: int) -> dict:

@@ -135,6 +135,8 @@ class _Layout:
         self.size = events["size"]
         labels = {o: layer for o, layer in events["layer_of"]}
         alias = events.get("ckpt_alias", {})
+        # every-k under a first layer of another kind: its crossing tensors' pairing (``reserved.every_k``)
+        alias_first = events.get("ckpt_alias_first", alias)
         self.ident: dict[int, tuple] = {}
         self.layer: dict[int, int | None] = {}
         for name, codes in segments.items():
@@ -151,8 +153,9 @@ class _Layout:
                     stack, layer = LAYER_SEGMENTS[_base(name)]
                     if name == _base(name):
                         self.ident[o] = (stack, j)
-                    elif j in alias.get(stack, {}):  # a checkpointed layer's crossing tensor: the plain one's
-                        self.ident[o] = (stack, alias[stack][j])
+                    elif j in (alias_first if layer == 0 else alias).get(stack, {}):
+                        # a checkpointed layer's crossing tensor: the plain one's
+                        self.ident[o] = (stack, (alias_first if layer == 0 else alias)[stack][j])
                     else:
                         self.ident[o] = (stack + CKPT, j)
                     self.layer[o] = layer
@@ -166,12 +169,16 @@ class _Layout:
         """For a first layer of another kind (its forward or backward allocates another number of tensors than the
         generic layer's): each of its ordinals -> the generic layer's identity at the same place counted from the
         segment's end, None where the sizes differ (no counterpart). None when the first layer is like the others."""
-        pairs = [(self._allocs(segments.get(first, ())), self._allocs(segments.get(generic, ())))
-                 for first, generic in (("fw_first", "fw"), ("bw_last", "bw"))]
-        if all(len(first) == len(generic) for first, generic in pairs):
+        def pairs(suffix: str) -> list[tuple[list[int], list[int]]]:
+            return [(self._allocs(segments.get(first + suffix, ())), self._allocs(segments.get(generic + suffix, ())))
+                    for first, generic in (("fw_first", "fw"), ("bw_last", "bw"))]
+
+        if all(len(first) == len(generic) for first, generic in pairs("")):
             return None
         out: dict[int, tuple | None] = {}
-        for first, generic in pairs:
+        # every-k's merged list: a checkpointed layer above a plain generic one touches that layer's output
+        # through the checkpointed profile's first layer, whose counterpart is the checkpointed generic layer's
+        for first, generic in pairs("") + (pairs(CKPT) if "fw" + CKPT in segments else []):
             for o, g in zip(reversed(first), reversed(generic)):
                 out[o] = self.ident[g] if self.size[o] == self.size[g] else None
             for o in first[:max(0, len(first) - len(generic))]:

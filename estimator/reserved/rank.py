@@ -115,8 +115,11 @@ def why_not_layer_kinds(table: list[ParamInfo], every_k: bool = False) -> str | 
     """The expansion repeats the trace's generic layer (its layer 1) for every layer after the first, whose own
     events come from the traced layer 0: a stack whose layers after the first are not all of one kind (more than
     one dense layer first, dense and expert layers alternating) has layers no traced segment stands for.
-    ``every_k``: every-k checkpointing's merged event list (``reserved.every_k``) pairs the plain and the
-    checkpointed layer's crossing tensors over all the traced layers, alike only when the first is."""
+    ``every_k``: every-k checkpointing over a first layer of another kind stays on the prior. Its merged event
+    list is built (``reserved.every_k`` pairs the first layer's crossing tensors apart from the generic layer's)
+    and its requested peak is the real run's (tests/estimator/test_reserved_every_k.py), but the replay's
+    reserved level is not: the expert layers' CUDA-side scratch and order (reduction staging buffers,
+    grouped GEMM workspaces, docs/allocator.md, session 26) decide which cached segments the logits find."""
     kinds: dict[int, list] = {}
     for p in table:
         if p.layer is not None:
@@ -129,7 +132,8 @@ def why_not_layer_kinds(table: list[ParamInfo], every_k: bool = False) -> str | 
                 "every layer after the first, which the replay needs all alike")
     if every_k and len(layers) > 1 and kinds[layers[0]] != kinds[layers[1]]:
         return ("every-k checkpointing with a first layer of another kind (a dense layer before expert layers): "
-                "the merged event list pairs the layers' crossing tensors for alike layers only")
+                "the merged event list's requested peak is right, its replay not yet (the expert layers' CUDA-side "
+                "scratch is not in the trace)")
     return None
 
 

@@ -175,3 +175,68 @@ def test_generated_stream_equals_a_real_cpu_run(llama_path, precision, every):
     assert arch.num_layers == LLAMA["num_hidden_layers"]
     real = _in_fresh_process(_real_cpu_events, spec.training, 3)
     assert_same_stream(generated, real)
+
+
+# DeepSeek-V2-Lite's first 3 layers at full width (a dense first layer, then expert layers) with checkpointing
+# every-k:2, b8 s1024, on an H200 (torch 2.11, transformers 5.17); its snapshot is in
+# data/measurements/h200-141gb/snapshots/
+DENSE_FIRST_RUN = "f5cf7c580d4ba11d-c862afd8"
+
+
+def _dense_first_row() -> dict:
+    import csv
+    from pathlib import Path
+
+    table = Path(__file__).resolve().parents[2] / "data" / "measurements" / "h200-141gb" / "gpu_snapshots.csv"
+    with table.open(newline="") as handle:
+        return next(r for r in csv.DictReader(handle) if r["run_id"] == DENSE_FIRST_RUN)
+
+
+@pytest.fixture(scope="module")
+def dense_first():
+    """(spec, regime, table, num_layers, profile) of the H200 run, its profiles those of the model code it ran."""
+    from estimator.columns import measured_spec_from_columns
+
+    spec = measured_spec_from_columns(_dense_first_row())
+    training = spec.training
+    arch, profile = api.every_k_profile(spec.model, training, 1, 2)
+    regime = api._regime(profile, training.micro_batch_size, training.seq_len)
+    return spec, regime, api._param_table(profile, arch.num_layers), arch.num_layers, profile
+
+
+def test_dense_first_every_k_requested_peak_is_the_h200_runs(dense_first):
+    """Every-k over a dense first layer: the merged event list pairs the first layer's crossing tensors apart
+    from the generic layer's and puts the checkpoints' shared tensors where the first layer lets them go,
+    counted from its backward's end. The replay's requested peak is the snapshot's (36,810,085,636 B, the
+    kernels' own scratch aside: 196,604 B); its reserved level is not yet (the prior stays: ``why_not``)."""
+    spec, regime, table, num_layers, profile = dense_first
+    assert "first layer of another kind" in reserved_rank.why_not(spec, regime, num_layers, table)
+    coeffs = load_coefficients("h200-141gb")
+    replayed = reserved_rank.replay_reserved(spec, profile, regime, table, num_layers,
+                                             workspace_bytes=coeffs.cublas_workspace_bytes,
+                                             workspaces=coeffs.cublas_workspaces, allowed_bytes=None, conf_text="")
+    measured = int(_dense_first_row()["peak_requested_bytes"])
+    assert measured == 36_810_085_636
+    assert abs(replayed.peak_requested_bytes - measured) / measured < 1e-5
+
+
+@pytest.mark.parametrize("layers", [3, 4, 5, 27])
+def test_dense_first_merged_events_expand_for_any_depth(dense_first, layers):
+    """A checkpointed expert layer above a plain one touches its output through the checkpointed profile's first
+    (dense) layer, whose counterpart is the checkpointed generic layer's; every step frees what it makes."""
+    spec, regime, _table, _layers, _profile = dense_first
+    events = mixed_events(spec, regime, layers)
+    assert events["ckpt_alias_first"] != events["ckpt_alias"]
+    plain = api.load_model_profile(spec.model, dataclasses.replace(spec.training, ckpt_policy="", grad_ckpt=False))
+    plain_events = api._regime(plain[1], spec.training.micro_batch_size, spec.training.seq_len)["events"]
+
+    def allocs(ops: list) -> int:
+        return sum(kind == 0 for kind, _, _ in ops)
+
+    def per_layer(segments: dict, suffix: str) -> int:
+        return sum(code >= 0 for name in ("fw", "bw") for code in segments[name + suffix])
+
+    checkpointed = sum((i + 1) % 2 == 0 for i in range(layers))
+    more = per_layer(events["segments"], "+ckpt") - per_layer(events["segments"], "")
+    assert allocs(expand(events, layers).steady.ops) == \
+        allocs(expand(plain_events, layers).steady.ops) + checkpointed * more
