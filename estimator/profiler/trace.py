@@ -94,10 +94,12 @@ class StorageRecorder(TorchDispatchMode):
 
     def _engine_sum(self, func, args: tuple, kwargs: dict | None, out, first_new: int) -> None:
         """Autograd's input buffer sums two gradients of one input as ``old + new`` on traced tensors, but on a
-        GPU's plain tensors as ``old.add_(new)`` when it holds ``old``'s only reference, else ``new.add_(old)``
-        when it holds ``new``'s (``InputBuffer::accumulate``: ``can_accumulate_inplace`` and no tensor subclass;
-        a fake tensor is subclass-like). Such a sum (an add inside the engine, no grad mode, two dense inputs of
-        the output's shape) is noted here; ``_settle_sums`` folds it once the frees that follow it are known."""
+        GPU's plain tensors as ``old.add_(new)`` when it holds ``old``'s only reference and its storage's
+        (``InputBuffer::accumulate``: ``can_accumulate_inplace(old_var)`` and ``new`` no tensor subclass; a fake
+        tensor is subclass-like). Only the buffer's own ``old`` is ever the target: a dense ``new`` is never
+        summed into, whoever holds it (``var.add_(old_var)`` is for a sparse ``old`` only). Such a sum (an add
+        inside the engine, no grad mode, two dense inputs of the output's shape) is noted here; ``_settle_sums``
+        folds it once the frees that follow it are known."""
         if (func is not torch.ops.aten.add.Tensor or not self.fold_engine_sums or torch.is_grad_enabled()
                 or torch._C._current_graph_task_id() == -1 or self._next_sid != first_new + 1 or len(args) != 2
                 or (kwargs or {}).get("alpha", 1) != 1 or not isinstance(out, torch.Tensor)):
@@ -111,17 +113,19 @@ class StorageRecorder(TorchDispatchMode):
             self._pending_sums.append((first_new, inputs[0], inputs[1], len(self.timeline.events) - 1))
 
     def _settle_sums(self) -> None:
-        """Fold the noted sums whose kept input was freed right after them (before any later allocation): the
-        sum's storage becomes that input's (no allocation; that input's free goes, the sum's free frees it)."""
+        """Fold the noted sums whose ``old`` input was freed right after them (before any later allocation: the
+        buffer held its last reference, as the traced ``buffer[pos] = old + new`` drops it): the sum's storage
+        becomes ``old``'s (no allocation; its free goes, the sum's free frees it). Others stay out of place."""
         pending, self._pending_sums = self._pending_sums, []
         events = self.timeline.events
-        for out, old, new, at in reversed(pending):  # from the end: earlier indices stay valid
+        for out, old, _new, at in reversed(pending):  # from the end: earlier indices stay valid
             if events[at] != ("a", out, self.timeline.sizes[out]):
                 continue
             after = events[at + 1:]
-            kept = next((sid for sid in (old, new) if ("f", sid) in after), None)
-            if kept is None:
+            upto = next((i for i, event in enumerate(after) if event[0] == "a"), len(after))
+            if ("f", old) not in after[:upto]:
                 continue
+            kept = old
             del events[at + 1 + after.index(("f", kept))]
             del events[at]
             self._alias[out] = self._alias.get(kept, kept)

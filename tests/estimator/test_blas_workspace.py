@@ -73,12 +73,16 @@ def _recorder_with(events: list[tuple], pending: list[tuple]):
 def test_an_engine_sum_is_made_in_place_in_the_input_freed_after_it():
     """The recorder's switch ``fold_engine_sums`` (off by default: docs/allocator.md, session 25): autograd's
     ``InputBuffer::accumulate`` on plain GPU tensors sums ``old.add_(new)`` when the buffer holds ``old``'s only
-    reference, else ``new.add_(old)``; the trace's out-of-place sum (2 = 0 + 1) is folded accordingly."""
+    reference (the trace frees it right after the sum, before anything else is allocated); otherwise out of
+    place, whoever holds ``new`` (``var.add_(old_var)`` is for a sparse ``old`` only). The trace's out-of-place
+    sum (2 = 0 + 1) is folded accordingly."""
     old, new, out = ("a", 0, 8), ("a", 1, 8), ("a", 2, 8)
     rec = _recorder_with([old, new, out, ("f", 0), ("f", 1)], [(2, 0, 1, 2)])
     assert rec.timeline.events == [old, new, ("f", 1)] and rec._alias == {2: 0}
     rec = _recorder_with([old, new, out, ("f", 1)], [(2, 0, 1, 2)])  # something else holds ``old``
-    assert rec.timeline.events == [old, new] and rec._alias == {2: 1}
+    assert rec.timeline.events == [old, new, out, ("f", 1)] and rec._alias == {}
+    rec = _recorder_with([old, new, out, ("a", 3, 8), ("f", 0)], [(2, 0, 1, 2)])  # ``old`` outlives the sum
+    assert rec.timeline.events == [old, new, out, ("a", 3, 8), ("f", 0)] and rec._alias == {}
     rec = _recorder_with([old, new, out], [(2, 0, 1, 2)])  # both held elsewhere: a new tensor, as traced
     assert rec.timeline.events == [old, new, out] and rec._alias == {}
 
