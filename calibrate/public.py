@@ -23,7 +23,7 @@ GIB = 1024**3
 OUTLIER_PCT = 8.0
 DEFAULT_DATA = Path("data/public/measurements.csv")
 PREDICTED = {"max_allocated": "peak_allocated_bytes", "max_reserved": "peak_reserved_bytes",
-             "nvml_used": "peak_device_bytes"}
+             "nvml_used": "held_device_bytes"}
 BASELINES = ("llmem", "deepspeed", "accelerate", "rule_of_thumb")
 REQUIRED = ["row_id", "source", "complete", "in_scope", "quantity", "scope", "value_bytes", "framework", "qlora",
             "rescore_lengths", "assumptions", *SPEC_INPUT_COLUMNS]
