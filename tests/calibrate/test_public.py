@@ -409,7 +409,7 @@ def test_device_rows_are_predicted_at_the_level_the_steps_hold_after_a_retry():
     for b, retries in (("b4", False), ("b8", True)):
         est = estimate(P.spec_from_columns(rows[f"{head}:{b}:nvml"]), allow_build=False)
         assert (est.held_device_bytes < est.peak_device_bytes) is retries
-        assert (est._worst().num_alloc_retries > 0) is retries
+        assert (est.ranks[0].num_alloc_retries > 0) is retries
         assert scored[f"{head}:{b}:nvml"].predicted_bytes == est.held_device_bytes
         assert scored[f"{head}:{b}:alloc"].predicted_bytes == est.peak_allocated_bytes
     # the held level is below the capacity the peak reached, and above the allocated peak
