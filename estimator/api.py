@@ -68,6 +68,11 @@ class RankEstimate:
     # replayed with decide_fit: stopped once the reserved level proved the spec does not fit, so the reserved and
     # device levels are lower bounds (what the rank had reserved by then)
     reserved_lower_bound: bool = False
+    # The device level the training steps hold (replayed: from ReservedReplay.held_reserved_bytes). Equal to
+    # peak_device_bytes unless the replay reached the capacity and retried after freeing the cache: then the
+    # peak above it lasts until the retry, and every later step holds this level (what a once-a-second sampler
+    # of nvidia-smi reads through a run; the peak is what must fit). None: same as peak_device_bytes.
+    held_device_bytes: int | None = None
 
     @property
     def traced_allocated_bytes(self) -> int:
@@ -110,6 +115,12 @@ class Estimate:
     @property
     def peak_device_bytes(self) -> int:
         return self._worst().peak_device_bytes
+
+    @property
+    def held_device_bytes(self) -> int:
+        """The worst rank's device level held through the steps (RankEstimate.held_device_bytes)."""
+        worst = self._worst()
+        return worst.peak_device_bytes if worst.held_device_bytes is None else worst.held_device_bytes
 
     @property
     def breakdown(self) -> dict[str, int]:
@@ -434,6 +445,9 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
         allocator_fields = {"reserved_source": "replayed", "fragmentation_bytes": replayed.fragmentation_bytes,
                             "num_alloc_retries": replayed.num_alloc_retries, "allocator_oom": replayed.oom,
                             "replayed_steps": replayed.steps, "reserved_lower_bound": replayed.stopped_above}
+        if replayed.held_reserved_bytes is not None and replayed.held_reserved_bytes < reserved:
+            allocator_fields["held_device_bytes"] = residuals.device_from_reserved(
+                replayed.held_reserved_bytes, coeffs, communicators)
     device = residuals.device_from_reserved(reserved, coeffs, communicators)
     return RankEstimate(rank=rank, peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
                         peak_device_bytes=device, breakdown=breakdown, phase=f"{phase} (steady step)",

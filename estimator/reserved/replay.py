@@ -37,6 +37,11 @@ class ReservedReplay:
     # The replay stopped after the step in which the reserved peak passed ``stop_above_bytes`` (a level that already
     # decides the question asked, e.g. "does it fit?"): the peak fields are lower bounds, reached by then.
     stopped_above: bool = False
+    # The reserved level the last replayed step reached (its own peak). Without an allocation retry the reserved
+    # level never falls, so this is the peak; after a retry freed the cache (the capacity was reached) it is the
+    # level every later step holds, below the peak of the step that retried: what a sampler of the device's used
+    # memory reads through the run, where the peak above it lasts only until the retry (docs/allocator.md).
+    held_reserved_bytes: int | None = None
 
 
 class _Exceeded(Exception):
@@ -209,12 +214,17 @@ class _Run:
         self.previous_state = state
         return repeated
 
-    def result(self, *, oom: bool, steps: int, steady: bool, stopped_above: bool = False) -> ReservedReplay:
+    def result(self, *, oom: bool, steps: int, steady: bool, stopped_above: bool = False,
+               repeated_steps: bool = True) -> ReservedReplay:
+        """``repeated_steps``: every step is the same (the last one's level is what the later ones hold); False for
+        a sequence of differently shaped steps, whose held level is then taken as its peak."""
         allocator = self.allocator
+        retried = allocator.num_alloc_retries > 0 and steps > 0 and not oom and repeated_steps
         return ReservedReplay(peak_reserved_bytes=self.peak, peak_allocated_bytes=allocator.peak_allocated_bytes,
                               peak_requested_bytes=self.requested_peak, fragmentation_bytes=self.fragmentation,
                               num_alloc_retries=allocator.num_alloc_retries, oom=oom, steps=steps, steady=steady,
-                              stopped_above=stopped_above)
+                              stopped_above=stopped_above,
+                              held_reserved_bytes=self.step_peak if retried else self.peak)
 
     def run(self, ops: list[tuple], addr: list, previous: list, cycle: list | None = None,
             previous_cycle: list | None = None) -> None:
@@ -380,4 +390,4 @@ def replay_sequence(setup: Setup, plans: list[StepPlan], conf=None, allowed_byte
         oom = True
     except _Exceeded:
         stopped = True
-    return run.result(oom=oom, steps=steps, steady=False, stopped_above=stopped)
+    return run.result(oom=oom, steps=steps, steady=False, stopped_above=stopped, repeated_steps=False)

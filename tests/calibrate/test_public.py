@@ -395,3 +395,24 @@ def test_the_cuda_context_is_fitted_from_device_rows_and_ships_without_turning_t
     assert calibrated.reserved_source == shipped.reserved_source == "replayed"
     assert calibrated.peak_reserved_bytes == shipped.peak_reserved_bytes
     assert calibrated.peak_device_bytes - shipped.peak_device_bytes == coeffs.cuda_context_bytes - int(prior[0])
+
+
+def test_device_rows_are_predicted_at_the_level_the_steps_hold_after_a_retry():
+    """fms-acceleration's Mistral-7B full fine-tuning on one A100-80GB: at b8 the replay reaches the capacity,
+    releases its cache and retries, and every later step holds less (a 1 s nvidia-smi sampler of a 100-step
+    run reads that level: the published b8 figure is below the b4 one); at b4 it never retries. ``nvml_used``
+    rows take the held level, ``max_allocated`` rows stay on the peak."""
+    rows = {r["row_id"]: r for r in P.load(P.DEFAULT_DATA)}
+    head = "fms_acceleration:9239802cc91a:none:Mistral-7B-v0.1:full:x1"
+    picked = [rows[f"{head}:{b}:{q}"] for b in ("b4", "b8") for q in ("nvml", "alloc")]
+    scored = {s.row["row_id"]: s for s in P.score(picked, allow_build=False, with_baselines=False)}
+    for b, retries in (("b4", False), ("b8", True)):
+        est = estimate(P.spec_from_columns(rows[f"{head}:{b}:nvml"]), allow_build=False)
+        assert (est.held_device_bytes < est.peak_device_bytes) is retries
+        assert (est.ranks[0].num_alloc_retries > 0) is retries
+        assert scored[f"{head}:{b}:nvml"].predicted_bytes == est.held_device_bytes
+        assert scored[f"{head}:{b}:alloc"].predicted_bytes == est.peak_allocated_bytes
+    # the held level is below the capacity the peak reached, and above the allocated peak
+    b8 = estimate(P.spec_from_columns(rows[f"{head}:b8:nvml"]), allow_build=False)
+    assert b8.peak_allocated_bytes < b8.held_device_bytes < b8.capacity_bytes
+    assert abs(scored[f"{head}:b8:nvml"].err_pct) < P.OUTLIER_PCT

@@ -83,8 +83,11 @@ def _plain_replay(setup, plan, conf, allowed_bytes, max_steps=8, sequence=None, 
             previous = state
     except OutOfMemory:
         oom = True
+    # after a release-and-retry, the level the last step (or cycle) reached is what the later ones hold
+    retried = allocator.num_alloc_retries > 0 and steps > 0 and not oom and sequence is None
     return ReservedReplay(peak, allocator.peak_allocated_bytes, requested_peak, fragmentation,
-                          allocator.num_alloc_retries, oom, steps, steady)
+                          allocator.num_alloc_retries, oom, steps, steady,
+                          held_reserved_bytes=step_peak if retried else peak)
 
 
 def _inputs(model, precision, method, loop, b, s, other_lengths=()):
@@ -122,6 +125,22 @@ def test_compiled_replay_equals_the_plain_replay(case):
             assert capped == _plain_replay(setup, plan, conf, allowed)
             seen.add((capped.oom, capped.num_alloc_retries > 0))
     assert (True, True) in seen  # the out-of-memory path was exercised
+
+
+def test_a_replay_that_retries_holds_less_than_its_peak():
+    """A cap under the uncapped peak that the allocator meets by releasing its cache and retrying: the peak is
+    the step that retried (reaching the cap), the held level is what the later steps reach, below the peak and
+    at least the allocated level; and a replay that never retries holds its peak."""
+    setup, plan = _inputs(*CASES[2])
+    conf = reserved_rank.alloc_conf("")
+    free = replay_rank(setup, plan, conf, None)
+    assert free.num_alloc_retries == 0 and free.held_reserved_bytes == free.peak_reserved_bytes
+    retried = [r for r in (replay_rank(setup, plan, conf, int(free.peak_reserved_bytes * fraction))
+                           for fraction in (0.95, 0.9)) if r.num_alloc_retries and not r.oom]
+    assert retried, "no cap made the allocator release and retry without running out"
+    for capped in retried:
+        assert capped.steady
+        assert capped.peak_allocated_bytes <= capped.held_reserved_bytes < capped.peak_reserved_bytes
 
 
 @pytest.mark.parametrize("case", CASES[1:3], ids=lambda c: f"{c[0].split('/')[1]}-{c[2]}-{c[3]}")
