@@ -147,7 +147,9 @@ def _h200_estimates(run_id: str):
 
 @pytest.mark.parametrize("run_id, reserved_pct, allocated_pct", [
     ("faebe8f11fb18b64-a4b7c02a", 0.03, 0.3),  # zero3 + offload_optimizer (the prior was 13.8 % under)
-    ("21a1459a68b208f3-a4b7c02a", 0.0, None),  # zero_offload (the prior: 38.7 % / 23.8 % under)
+    # zero_offload (the prior: 38.7 % / 23.8 % under; the allocated level 8.9 % under before it counted
+    # temp_grad_buffer_for_gpu_offload, now 0.76 %)
+    ("21a1459a68b208f3-a4b7c02a", 0.0, 1.0),
 ])
 def test_the_offloaded_optimizer_rows_replay(run_id, reserved_pct, allocated_pct):
     """Llama-3.2-1B mixed_bf16 b1 s1024 on 4 emulated ranks of an H200 with the optimizer on the host
@@ -161,9 +163,8 @@ def test_the_offloaded_optimizer_rows_replay(run_id, reserved_pct, allocated_pct
         assert rank.reserved_source == "replayed", row["rank"]
         measured = int(row["peak_reserved_bytes"])
         assert abs(rank.peak_reserved_bytes - measured) <= reserved_pct / 100 * measured, row["rank"]
-        if allocated_pct is not None:
-            allocated = int(row["peak_allocated_bytes"])
-            assert abs(rank.peak_allocated_bytes - allocated) < allocated_pct / 100 * allocated, row["rank"]
+        allocated = int(row["peak_allocated_bytes"])
+        assert abs(rank.peak_allocated_bytes - allocated) < allocated_pct / 100 * allocated, row["rank"]
         reserved[int(row["rank"])] = rank.peak_reserved_bytes
     if run_id.startswith("21a1459a"):
         assert reserved == {0: 10_733_223_936, 3: 8_631_877_632}
