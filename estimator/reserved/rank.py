@@ -31,7 +31,8 @@ from estimator.spec import ckpt_every
 METHODS = ("single", "ddp", "tp", "fsdp", "dp_tp", "fsdp1", "zero1", "zero2", "zero3", "zero_offload")
 ZERO = ("zero1", "zero2", "zero_offload")
 # every-k checkpointing: the methods whose allocated estimate mixes the two profiles' layers (estimator.api
-# MIXED_LAYER_METHODS; zero_offload is no replayed method). FSDP2 (and dp_tp) and FSDP1 add their buffers at the
+# MIXED_LAYER_METHODS; zero_offload is replayed without every-k: no run checks
+# it). FSDP2 (and dp_tp) and FSDP1 add their buffers at the
 # merged list's segment boundaries as at any other's: a checkpointed layer's recomputation runs inside its backward
 # segment, after the layer's unshard, so no unit event moves. zero3's gathers are on a stream of their own, placed
 # apart from the merged list (``zero3_gathers.with_recomputation``: the checkpointed layers' recomputation).
