@@ -609,6 +609,11 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
         resident["weights"] = weights
         buckets = ipg * (2 if zcfg.overlap_comm_for(stage) else 1)
         path = path or zero12_ranks(table, world, zcfg.reduce_bucket_size)[rank]
+        if offload_opt:
+            # cpu_offload's temp_grad_buffer_for_gpu_offload: largest_param_numel 16-bit elements on the GPU for
+            # the run; the last flush casts each piece of the partition to fp64 (the norm) while the bucket lives
+            resident["comm_buffers"] = float(largest * elem16)
+            norm_temp = buckets + 8.0 * path.largest_piece
         if not offload_opt:  # the master partition and the flat partitions of the step are P elements each
             master = master_elem * path.partition_numel
             partition16 = elem16 * path.partition_numel

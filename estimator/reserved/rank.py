@@ -16,7 +16,7 @@ from estimator.reserved.fsdp import fsdp_setup, fsdp_step
 from estimator.reserved.fsdp1 import fsdp1_setup, fsdp1_step, why_not_fsdp1
 from estimator.reserved.replay import ReservedReplay, replay_rank, replay_sequence
 from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocations
-from estimator.reserved.zero import why_not_zero, zero_setup, zero_step
+from estimator.reserved.zero import offloads_optimizer, why_not_zero, zero_setup, zero_step
 from estimator.reserved.zero3 import recomputed_layers, why_not_zero3, zero3_setup, zero3_step
 from estimator.spec import ckpt_every
 
@@ -28,10 +28,11 @@ from estimator.spec import ckpt_every
 # with use_orig_params only) (estimator.reserved.fsdp1).
 # zero1 / zero2: DeepSpeed's flat buffers, IPG bucket and partition step (estimator.reserved.zero), default stream.
 # zero3: the same on three streams, with the parameter coordinator's gathers (estimator.reserved.zero3).
-METHODS = ("single", "ddp", "tp", "fsdp", "dp_tp", "fsdp1", "zero1", "zero2", "zero3")
-ZERO = ("zero1", "zero2")
+METHODS = ("single", "ddp", "tp", "fsdp", "dp_tp", "fsdp1", "zero1", "zero2", "zero3", "zero_offload")
+ZERO = ("zero1", "zero2", "zero_offload")
 # every-k checkpointing: the methods whose allocated estimate mixes the two profiles' layers (estimator.api
-# MIXED_LAYER_METHODS; zero_offload is no replayed method). FSDP2 (and dp_tp) and FSDP1 add their buffers at the
+# MIXED_LAYER_METHODS; zero_offload is replayed without every-k: no run checks
+# it). FSDP2 (and dp_tp) and FSDP1 add their buffers at the
 # merged list's segment boundaries as at any other's: a checkpointed layer's recomputation runs inside its backward
 # segment, after the layer's unshard, so no unit event moves. zero3's gathers are on a stream of their own, placed
 # apart from the merged list (``zero3_gathers.with_recomputation``: the checkpointed layers' recomputation).
@@ -202,6 +203,8 @@ def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, 
     fsdp1 without use_orig_params, whose short last chunks are padded at setup."""
     method_options = ((spec.parallel.fsdp1, spec.training.precision) if method == "fsdp1"
                       else spec.parallel.zero if method == "zero3" else spec.parallel.ep if spec is not None else None)
+    if method in ZERO and spec is not None:  # the offloaded optimizer's setup differs
+        method_options = (method_options, offloads_optimizer(spec.parallel))
     rank = rank if method == "fsdp1" and not spec.parallel.fsdp1.use_orig_params else 0
     key = (id(profile), id(table), num_layers, method, mixed, world, method_options, rank)
     hit = _SETUPS.get(key)
@@ -215,11 +218,12 @@ def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, 
         elif method in SHARDED:
             setup = fsdp_setup(table, buffer_bytes, num_layers, world, mixed)
         elif method in ZERO:
-            setup = zero_setup(table, buffer_bytes, num_layers, world, _elem16(table))
+            setup = zero_setup(table, buffer_bytes, num_layers, world, _elem16(table),
+                               offloads_optimizer(spec.parallel))
         elif method == "zero3":
             zcfg = spec.parallel.zero
             setup = zero3_setup(table, world, _elem16(table), zcfg.reduce_bucket_size,
-                                zcfg.stage3_param_persistence_threshold)
+                                zcfg.stage3_param_persistence_threshold, zcfg.offload_optimizer)
         elif method == "fsdp1":
             setup = fsdp1_setup(table, buffer_bytes, num_layers, fsdp1_sizes(spec, table, rank), rank)
         else:
@@ -245,7 +249,7 @@ def _method_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo
         return _memo_step(key, expansion, table, lambda: zero3_step(
             expansion, table, parallel.world_size, _elem16(table), parallel.zero.reduce_bucket_size,
             training.optimizer, base_size_index, events["polys"], parallel.zero, recomputed,
-            accumulate=training.grad_accum_steps))
+            accumulate=training.grad_accum_steps, offload_optimizer=parallel.zero.offload_optimizer))
     if spec.parallel.method not in SHARDED:
         return expansion, []
     training, world = spec.training, _shard_world(spec)
@@ -279,11 +283,12 @@ def _zero_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo],
     training, parallel = spec.training, spec.parallel
     stage, bucket = parallel.zero_stage, parallel.zero.reduce_bucket_size
     overlap, accumulating = parallel.zero.overlap_comm_for(stage), training.grad_accum_steps > 1
+    offload = offloads_optimizer(parallel)
     key = ("zero", id(expansion), id(table), parallel.world_size, stage, bucket, overlap, accumulating,
-           training.optimizer, base_size_index, rank)
+           training.optimizer, base_size_index, rank, offload)
     return _memo_step(key, expansion, table, lambda: zero_step(
         expansion, table, parallel.world_size, rank, stage, _elem16(table), bucket, training.optimizer,
-        base_size_index, events["polys"], overlap, accumulating))
+        base_size_index, events["polys"], overlap, accumulating, offload))
 
 
 def _memo_step(key: tuple, expansion: Expansion, table: list[ParamInfo], build) -> tuple[Expansion, list[int]]:

@@ -59,14 +59,22 @@ OPTIMIZERS = ("adamw", "adamw_fused", "sgd")
 PRECISIONS = ("mixed_bf16", "mixed_fp16", "fp32")
 
 
+def offloads_optimizer(parallel) -> bool:
+    """ZeRO-1/2 with the optimizer on the host (``cpu_offload`` in ``stage_1_and_2.py``): the zero_offload
+    method (stage 2) or ``offload_optimizer`` set."""
+    return parallel.method == "zero_offload" or parallel.zero.offload_optimizer
+
+
 def why_not_zero(spec) -> str | None:
     """Why this ZeRO spec's reserved peak cannot be replayed (None: it can)."""
     parallel, training = spec.parallel, spec.training
     zcfg = parallel.zero
-    if parallel.method not in ("zero1", "zero2"):  # zero3: estimator.reserved.zero3.why_not_zero3
-        return f"{parallel.method}: the offloaded step is not in the replay yet"
-    if zcfg.offload_optimizer:
-        return "ZeRO with optimizer offload: not in the replay yet"
+    if parallel.method not in ("zero1", "zero2", "zero_offload"):  # zero3: zero3.why_not_zero3
+        return f"{parallel.method}: not in the replay yet"
+    if offloads_optimizer(parallel):
+        reason = _why_not_offload(spec)
+        if reason is not None:
+            return reason
     if not zcfg.contiguous_gradients:
         return "ZeRO without contiguous_gradients: not in the replay yet"
     if training.precision not in PRECISIONS:
@@ -80,11 +88,32 @@ def why_not_zero(spec) -> str | None:
     return None
 
 
-def zero_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: int, world: int, elem16: int
-               ) -> Setup:
+def _why_not_offload(spec) -> str | None:
+    """The offloaded ZeRO-1/2 paths not in the replay (``_StepOffload``: checked on the H200's zero_offload
+    ranks)."""
+    parallel, training = spec.parallel, spec.training
+    if parallel.zero_stage != 2:
+        return "ZeRO-1 with optimizer offload: not checked against a run yet"
+    if training.grad_accum_steps > 1:
+        return ("ZeRO with optimizer offload and gradient accumulation: the gradients accumulate on the host "
+                "through a GPU buffer (async_accumulate_grad_in_cpu_via_gpu), not in the replay yet")
+    if training.precision not in ("mixed_bf16", "mixed_fp16"):
+        return f"ZeRO with optimizer offload under {training.precision}: not in the replay yet"
+    if training.lora or training.qlora:
+        return "ZeRO with optimizer offload and LoRA: not checked against a run yet"
+    if parallel.zero.overlap_comm_for(2):
+        return "ZeRO with optimizer offload and overlap_comm: not checked against a run yet"
+    return None
+
+
+def zero_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: int, world: int, elem16: int,
+               offload: bool = False) -> Setup:
     """The model on the device, DeepSpeed's flattening and the rank's fp32 master partition (module docstring).
     With LoRA (16-bit adapters, ``estimator.models.profiles.adapters_in_16bit``): the base model first, then
-    peft's adapters in fp32, then DeepSpeed's cast of each to 16 bits (the fp32 one freed)."""
+    peft's adapters in fp32, then DeepSpeed's cast of each to 16 bits (the fp32 one freed). ``offload``
+    (``offloads_optimizer``): the master partition and its gradient are made on the host (``self.device`` is the
+    CPU), so the 16-bit clone the master is cast from goes at once; then ``temp_grad_buffer_for_gpu_offload``,
+    ``largest_param_numel`` 16-bit elements on the GPU, for the life of the run."""
     frozen = [p for p in table if not p.trainable]
     base = setup_allocations(frozen or table, buffers, num_layers, "single", False)
     allocations = list(base.allocations)
@@ -104,6 +133,11 @@ def zero_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: int
     allocations.append(("zero.flat", partition * world * elem16))
     frees.append((len(allocations) - 1, tuple(index[p.name] for p in layout.flat if p.name in index)))
     allocations.append(("zero.partition_clone", partition * elem16))
+    if offload:
+        frees.append((len(allocations) - 1, (len(allocations) - 1,)))
+        largest = max(p.numel for p in table if p.trainable)
+        allocations.append(("zero.temp_grad_buffer_for_gpu_offload", largest * elem16))
+        return Setup(allocations, [], [], tuple(frees))
     if elem16 != FP32:
         allocations.append(("zero.master", partition * FP32))
         frees.append((len(allocations) - 1, (len(allocations) - 2,)))
@@ -236,6 +270,51 @@ class _Step(BufferOps):
                 self._free(out, tensor)
 
 
+class _StepOffload(_Step):
+    """ZeRO-2 with the optimizer on the host (``cpu_offload``). A flush reduces as without offload, but
+    ``copy_grads_in_partition`` makes no ``grads_in_partition``: for each gradient of the bucket that overlaps
+    the rank's partition, in the bucket's order, ``set_norm_for_param_grad_in_gpu`` casts its piece to fp64 for
+    the norm (freed once taken) and ``async_inplace_copy_grad_to_fp32_buffer_from_gpu`` casts it to fp32 for the
+    copy into the host's fp32 gradient (freed after the copy). So a rank whose partition holds a large tensor
+    (the embedding, first in the flat buffer: rank 0's) makes that piece's fp64 and fp32 copies, the ranks' peaks
+    differ. The optimizer steps on the host; its copy into the 16-bit partition and the all-gather make nothing
+    on the GPU. The norm's scalars and the overflow check's temporaries (a few bytes) are left out."""
+
+    def flush(self, out: list) -> None:
+        slices: list[list[int]] = []
+        for p in self.pending:
+            for partition, numel in self.layout.pieces(self.flat_index[id(p)]):
+                if slices and slices[-1][0] == partition:
+                    slices[-1][1] += numel
+                else:
+                    slices.append([partition, numel])
+        chunk: list[int] = []
+        for _, numel in slices:
+            chunk.append(numel)
+            if sum(chunk) > self.bucket_numel:
+                self._concatenate(out, chunk)
+                chunk = []
+        self._concatenate(out, chunk)
+        for p in self.pending:
+            k = self.flat_index[id(p)]
+            if self.rank in self.layout.ranks_of(k):
+                numel = dict(self.layout.pieces(k))[self.rank]
+                self._free(out, self._alloc(out, numel * FP64, self.reduce_stream))
+                self._free(out, self._alloc(out, numel * FP32, self.reduce_stream))
+            if p is self.oversized:
+                self._free_grad(out, p)
+        self.pending, self.elements, self.oversized = [], 0, None
+
+    def epilogue(self, out: list) -> None:
+        self.flush(out)
+        for bucket in self.ipg or ():
+            self._free(out, bucket)
+        self.ipg = None
+
+    def optimizer_step(self, out: list) -> None:
+        return None
+
+
 def _grad_params(expansion: Expansion, ops: list, table: list[ParamInfo]) -> dict:
     """id(ParamInfo) -> (gradient key, size index) of this step's gradients."""
     by_group: dict = {}
@@ -304,7 +383,7 @@ class ZeroStep:
 
 def zero_step(expansion: Expansion, table: list[ParamInfo], world: int, rank: int, stage: int, elem16: int,
               bucket_numel: int, optimizer: str, base_size_index: int, polys: list, overlap: bool = False,
-              accumulating: bool = False) -> ZeroStep:
+              accumulating: bool = False, offload: bool = False) -> ZeroStep:
     """The expansion with DeepSpeed's events for ``rank``; new tensors' sizes take indices from
     ``base_size_index`` on. ExpansionError where the step cannot be built."""
     if stage not in STAGES:
@@ -322,8 +401,9 @@ def zero_step(expansion: Expansion, table: list[ParamInfo], world: int, rank: in
         the same keys, in the same order."""
         events, marks = (expansion.first, first_marks) if first else (expansion.steady, steady_marks)
         build.next_key = start
-        step = _Step(build, layout, rank, stage, elem16, int(bucket_numel),
-                     _grad_params(expansion, events.ops, table), first, optimizer, overlap, micro)
+        step = (_StepOffload if offload else _Step)(build, layout, rank, stage, elem16, int(bucket_numel),
+                                                    _grad_params(expansion, events.ops, table), first, optimizer,
+                                                    overlap, micro)
         body, moved, loss = _backward_ops(expansion, events.ops, marks, table, step, polys)
         kept = {step.in_partition.key} if step.in_partition is not None else set()
         tail: list = []

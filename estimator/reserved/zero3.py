@@ -53,8 +53,10 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
     the module structure the coordinator's trace is modelled on."""
     parallel, training = spec.parallel, spec.training
     zcfg = parallel.zero
-    if zcfg.offload_optimizer or zcfg.offload_param:
-        return "zero3 with offload: not in the replay yet"
+    if zcfg.offload_param:
+        return "zero3 with parameter offload: not in the replay yet"
+    if zcfg.offload_optimizer and (training.grad_accum_steps > 1 or training.grad_ckpt):
+        return "zero3 with optimizer offload and accumulation or checkpointing: not checked against a run yet"
     if not zcfg.overlap_comm_for(3) or not zcfg.contiguous_gradients or not zcfg.reduce_scatter:
         return "zero3 without overlap_comm, contiguous_gradients or reduce_scatter: not in the replay yet"
     if parallel.world_size < 2:
@@ -119,13 +121,21 @@ def _aligned_bytes(p: ParamInfo, world: int) -> int:
     return math.ceil(p.numel / world) * world * p.elem_bytes
 
 
-def zero3_setup(table: list[ParamInfo], world: int, elem16: int, bucket_numel: int, persistence: int) -> Setup:
-    """The default stream's allocations before the first step (module docstring)."""
+def zero3_setup(table: list[ParamInfo], world: int, elem16: int, bucket_numel: int, persistence: int,
+                offload_optimizer: bool = False) -> Setup:
+    """The default stream's allocations before the first step (module docstring). ``offload_optimizer``: the
+    fp32 master partition, its gradient and the 16-bit gradient partition (``grad_partitions_flat_buffer``) are
+    made on the host (``self.device`` is the CPU), so only the 16-bit partition and the IPG bucket are the GPU's."""
     partition = partition_numel(table, world)
-    allocations = [("zero3.fp16_partition", partition * elem16), ("zero3.fp32_partition_first", partition * FP32),
-                   ("zero3.fp32_partition", partition * FP32), ("zero3.initial_grad", partition * FP32),
-                   ("zero3.ipg_bucket", bucket_numel * elem16), ("zero3.grad_partition", partition * elem16)]
-    frees: list[tuple[int, tuple[int, ...]]] = [(2, (1,)), (3, (3,))]
+    if offload_optimizer:
+        allocations = [("zero3.fp16_partition", partition * elem16), ("zero3.ipg_bucket", bucket_numel * elem16)]
+        frees: list[tuple[int, tuple[int, ...]]] = []
+    else:
+        allocations = [("zero3.fp16_partition", partition * elem16),
+                       ("zero3.fp32_partition_first", partition * FP32), ("zero3.fp32_partition", partition * FP32),
+                       ("zero3.initial_grad", partition * FP32), ("zero3.ipg_bucket", bucket_numel * elem16),
+                       ("zero3.grad_partition", partition * elem16)]
+        frees = [(2, (1,)), (3, (3,))]
     for p in model_order(table):
         if p.trainable and p.numel >= persistence:
             allocations.append((f"zero3.hook_gather.{p.name}", _aligned_bytes(p, world)))
@@ -173,6 +183,45 @@ class _Step3(_Step):
         self._free(out, flat)
         self.adamw(out, [partition * FP32], self.first, self.optimizer)
         self._free(out, grad32)
+
+
+class _Step3Offload(_Step3):
+    """ZeRO-3 with ``offload_optimizer``: the gradient partitions go to the host as each flush reduces them, and
+    the optimizer steps on the host.
+
+    ``partition_grads`` (on the reduction stream, inside the flush, so while the flush's concatenation lives), for
+    each reduced tensor in ``ds_id`` order: the partition copied into the host's ``grad_partitions_flat_buffer``,
+    then brought back (``grad_buffer.to(device)``: a 16-bit partition on the GPU); at the accumulation boundary
+    ``_offload_grad_partition_at_boundary`` takes its norm (``_constant_buffered_norm2``: an fp64 copy, one
+    chunk under 250M elements) and copies its fp32 cast into the host's fp32 gradient; the GPU copy goes when
+    the loop moves on. After backward nothing but scalars is made on the GPU: the norm is summed on the host,
+    the step runs on the host and its copy into the 16-bit partition is made there."""
+
+    NORM_CHUNK = 250_000_000  # _constant_buffered_norm2's buffer_size
+
+    def flush(self, out: list) -> None:
+        concatenated = None
+        if len(self.pending) > 1:
+            nbytes = sum(math.ceil(p.numel / self.world) * self.world for p in self.pending) * self.elem16
+            concatenated = self._alloc(out, nbytes, REDUCTION)
+        order = {id(p): k for k, p in enumerate(self.table)}  # params_in_bucket.sort(key=ds_id)
+        for p in sorted(self.pending, key=lambda q: order[id(q)]):
+            self._offload_partition(out, math.ceil(p.numel / self.world))
+        if concatenated is not None:
+            self._free(out, concatenated)
+        if self.oversized is not None:
+            self._free_grad(out, self.oversized)
+        self.pending, self.elements, self.oversized = [], 0, None
+
+    def _offload_partition(self, out: list, numel: int) -> None:
+        on_gpu = self._alloc(out, numel * self.elem16, REDUCTION)
+        for start in range(0, numel, self.NORM_CHUNK):
+            self._free(out, self._alloc(out, min(self.NORM_CHUNK, numel - start) * FP64, REDUCTION))
+        self._free(out, self._alloc(out, numel * FP32, REDUCTION))
+        self._free(out, on_gpu)
+
+    def optimizer_step(self, out: list) -> None:
+        return None
 
 
 def _last_projection(table: list[ParamInfo], layer: int) -> ParamInfo:
@@ -225,7 +274,8 @@ class Zero3Step:
 
 def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16: int, bucket_numel: int,
                optimizer: str, base_size_index: int, polys: list, zcfg,
-               recomputed: frozenset[int] = frozenset(), accumulate: int = 1) -> Zero3Step:
+               recomputed: frozenset[int] = frozenset(), accumulate: int = 1,
+               offload_optimizer: bool = False) -> Zero3Step:
     """The expansion with ZeRO-3's events (module docstring); new tensors' sizes take indices from
     ``base_size_index`` on; ``recomputed``: the checkpointed layers (their recomputation's fetches; the
     expansion holds their recomputed activations); ``accumulate``: micro-steps per optimizer step
@@ -257,7 +307,7 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
         first)."""
         events, marks = (expansion.first, first_marks) if first else (expansion.steady, steady_marks)
         build.next_key = start
-        step = _Step3(build, table, world, elem16, int(bucket_numel), _grad_params(expansion, events.ops, table),
+        step = (_Step3Offload if offload_optimizer else _Step3)(build, table, world, elem16, int(bucket_numel), _grad_params(expansion, events.ops, table),
                       first, optimizer)
         head: list = []
         tensors: dict[int, object] = {}
