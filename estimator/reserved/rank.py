@@ -47,6 +47,9 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
     """Why this spec's reserved peak cannot be replayed (None: it can). ``table``: the parameter table, for what
     depends on the model's tensors (ZeRO-3's module structure)."""
     training = spec.training
+    if regime.get("frozen_layers"):
+        return ("forward-only first decoder layers (LoRA past dense first layers): the event list's layers are "
+                "not in the replay yet")
     if spec.parallel.method.startswith("zero"):
         reason = why_not_zero3(spec, table) if spec.parallel.method == "zero3" else why_not_zero(spec)
         if reason is not None:
