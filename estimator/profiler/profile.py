@@ -661,13 +661,15 @@ def frozen_leading_layers(config: dict, training: TrainingSpec, model: _Model) -
     them and three layers after them (the first, generic and last layer backward reaches)."""
     if not training.lora or model.tp > 1:
         return 0
-    if any(p.requires_grad for p in model.layers[0].parameters()):
+    trainable = [any(p.requires_grad for p in layer.parameters()) for layer in model.layers]
+    if trainable[0]:
         return 0
     embeddings = model.base.get_input_embeddings()
     if embeddings is None or any(p.requires_grad for p in embeddings.parameters()):
         return 0
-    kinds = full_depth_layer_kinds(config, training)
-    trainable = [any(row["trainable"] for row in kinds["rows"][kind]) for kind in kinds["of_layer"]]
+    if not any(trainable) and not training.qlora:  # all traced layers frozen: the whole model's (a meta build)
+        kinds = full_depth_layer_kinds(config, training)
+        trainable = [any(row["trainable"] for row in kinds["rows"][kind]) for kind in kinds["of_layer"]]
     return trainable.index(True) if any(trainable) else 0
 
 

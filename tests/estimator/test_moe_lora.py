@@ -116,3 +116,45 @@ def test_lora_on_the_experts_past_a_dense_first_layer_matches_the_real_run(confi
         check = regime["layer_check"]
         assert check["replayed_peak_bytes"] == check["traced_peak_bytes"]
         assert check["events_first_mismatch"] is None
+
+
+def _stub(trainable: list[bool], embeddings_trainable: bool = False, tp: int = 1):
+    """What ``frozen_leading_layers`` reads of a traced model: its layers, its embeddings, its TP degree."""
+    import types
+
+    import torch
+
+    layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in trainable)
+    for layer, on in zip(layers, trainable):
+        layer.requires_grad_(on)
+    embeddings = torch.nn.Embedding(4, 2).requires_grad_(embeddings_trainable)
+    base = types.SimpleNamespace(get_input_embeddings=lambda: embeddings)
+    return types.SimpleNamespace(layers=layers, base=base, tp=tp)
+
+
+@pytest.mark.parametrize("trainable, embeddings, training, expected", [
+    ([False, True, True], False, {"lora_rank": 8}, 1),          # a dense first layer, adapters on the experts
+    ([False, False, True], False, {"lora_rank": 8}, 2),         # DeepSeek-V3's first_k_dense_replace 3, shallower
+    ([True, True, True], False, {"lora_rank": 8}, 0),           # adapters in every layer (attention)
+    ([False, True, True], True, {"lora_rank": 8}, 0),           # trainable embeddings: backward reaches layer 0
+    ([False, True, True], False, {}, 0),                        # full fine-tuning
+    ([False, False, False], False, {"lora_rank": 8, "qlora": True}, 0),  # no meta build for QLoRA: refused later
+])
+def test_the_first_layers_without_a_trainable_parameter_are_counted(trainable, embeddings, training, expected):
+    from estimator.profiler.profile import frozen_leading_layers
+
+    assert frozen_leading_layers({}, TrainingSpec(**training), _stub(trainable, embeddings)) == expected
+
+
+@pytest.mark.slow  # a meta-device build of the peft model: about 10-25 s with transformers' import
+def test_more_dense_first_layers_than_traced_are_read_off_the_whole_model():
+    """DeepSeek-V3 keeps its first 3 layers dense (``first_k_dense_replace``): the 3 traced layers are all frozen,
+    so the count comes from a meta-device build of the whole (tiny) model."""
+    import json
+
+    from estimator.profiler.profile import frozen_leading_layers
+
+    config = json.loads((ROOT / "benchmarks" / "configs" / "deepseek_v2_tiny.json").read_text())
+    config.update(first_k_dense_replace=3, num_hidden_layers=5)
+    training = TrainingSpec(precision="bf16", lora_rank=8, lora_targets="gate_proj,up_proj,down_proj")
+    assert frozen_leading_layers(config, training, _stub([False, False, False])) == 3
