@@ -84,11 +84,14 @@ def test_other_methods_refuse_forward_only_first_layers(parallel, training):
                               {"params": {"frozen_layers": 1}})
 
 
-def test_the_reserved_replay_says_why_it_keeps_the_prior():
-    from estimator.reserved.rank import why_not
+def test_the_reserved_replay_expands_the_layers_backward_reaches():
+    from estimator.reserved.rank import event_layers, why_not
 
-    spec = RunSpec(model="x", training=TrainingSpec(lora_rank=8))
-    assert "forward-only first decoder layers" in why_not(spec, {"frozen_layers": 1}, 4)
+    assert event_layers({"frozen_layers": 1}, 48) == 47 and event_layers({}, 48) == 48
+    spec = RunSpec(model="x", parallel=ParallelSpec(method="ddp", world_size=2), training=TrainingSpec(lora_rank=8))
+    assert "replayed for method single only" in why_not(spec, {"frozen_layers": 1}, 4)
+    single = RunSpec(model="x", training=TrainingSpec(lora_rank=8))
+    assert "no event list" in why_not(single, {"frozen_layers": 1}, 4)  # on to the event list's own checks
 
 
 @pytest.mark.slow  # traces the tiny Qwen3-MoE and DeepSeek-V2 (about 40 s each)
@@ -108,6 +111,13 @@ def test_lora_on_the_experts_past_a_dense_first_layer_matches_the_real_run(confi
     again = rescored(row)
     assert again["result"] == "ok", again["result"]
     assert abs(float(again["error_pct"])) <= 1.0
+    if config.startswith("qwen3"):  # 4 layers, 3 backward reaches (DeepSeek's 2: the expansion wants a generic one)
+        from estimator.api import estimate
+
+        spec = RunSpec(model=str(ROOT / "benchmarks" / "configs" / config), gpu="h100-80gb",
+                       training=TrainingSpec(precision="bf16", lora_rank=8, lora_targets="gate_proj,up_proj,down_proj",
+                                             seq_len=64))
+        assert estimate(spec).ranks[0].reserved_source == "replayed"
     training = TrainingSpec(precision="bf16", lora_rank=8, lora_targets="gate_proj,up_proj,down_proj")
     _, profile = load_model_profile(str(ROOT / "benchmarks" / "configs" / config), training, 1,
                                     adapters_16bit=adapters_in_16bit(training, "single"))
@@ -146,7 +156,6 @@ def test_the_first_layers_without_a_trainable_parameter_are_counted(trainable, e
     assert frozen_leading_layers({}, TrainingSpec(**training), _stub(trainable, embeddings)) == expected
 
 
-@pytest.mark.slow  # a meta-device build of the peft model: about 10-25 s with transformers' import
 def test_more_dense_first_layers_than_traced_are_read_off_the_whole_model():
     """DeepSeek-V3 keeps its first 3 layers dense (``first_k_dense_replace``): the 3 traced layers are all frozen,
     so the count comes from a meta-device build of the whole (tiny) model."""
