@@ -167,3 +167,13 @@ def test_more_dense_first_layers_than_traced_are_read_off_the_whole_model():
     config.update(first_k_dense_replace=3, num_hidden_layers=5)
     training = TrainingSpec(precision="bf16", lora_rank=8, lora_targets="gate_proj,up_proj,down_proj")
     assert frozen_leading_layers(config, training, _stub([False, False, False])) == 3
+
+
+def test_the_table_s_ckpt_suffix_adds_gradient_checkpointing_to_a_lora_method():
+    from benchmarks.moe_methods_table import harness_method
+
+    plain = harness_method("lora-experts", 2, "qwen3_moe")
+    assert plain == ("single", 1, ["training.lora_rank=8", "training.lora_targets='gate_proj,up_proj,down_proj'"])
+    assert harness_method("lora-experts-ckpt", 2, "mixtral") == (
+        "single", 1, ["training.lora_rank=8", "training.lora_targets='w1,w2,w3'", "training.grad_ckpt=true"])
+    assert harness_method("zero2", 2, "qwen3_moe") == ("zero2", 2, [])
