@@ -1,7 +1,8 @@
 """Mixture-of-experts under every method the harness runs on CPU, each rank against the estimate (issue 17).
 
     PYTHONPATH=. .venv/bin/python benchmarks/moe_methods_table.py [--configs CONFIG.json ...]
-        [--methods ddp zero1 zero2 zero3 fsdp fsdp1 lora-attn lora-all-linear lora-experts] [--world 2]
+        [--methods ddp zero1 zero2 zero3 fsdp fsdp1 lora-attn lora-all-linear lora-experts lora-experts-ckpt]
+        [--world 2]
         [--points 1x64 2x128] [--precisions bf16 mixed_bf16] [--csv docs/error_matrix/moe_methods.csv]
     PYTHONPATH=. .venv/bin/python benchmarks/moe_methods_table.py --rescore docs/error_matrix/moe_methods.csv
 
@@ -12,7 +13,8 @@ The routers are left as trained (random init), not forced: moe_routing.csv shows
 routing. ZeRO runs with ``--buckets small`` by default (``zero_cpu_check``'s 1e5-element buckets). ``lora-*`` are
 single-rank LoRA runs (rank 8) with the adapters on the attention projections (``q_proj,k_proj,v_proj,o_proj``), on
 every linear layer (``all-linear``: attention, routers, dense and shared MLPs) and on the experts' projections by
-name (``gate_proj,up_proj,down_proj``; Mixtral ``w1,w2,w3``). Transformers' fused experts hold parameters, not
+name (``gate_proj,up_proj,down_proj``; Mixtral ``w1,w2,w3``); a ``-ckpt`` suffix (``lora-experts-ckpt``) adds
+gradient checkpointing. Transformers' fused experts hold parameters, not
 Linear modules: peft turns these names into ``target_parameters`` on the fused experts where it knows the family's
 conversion, and matches dense or shared-expert MLPs by name where the model has such modules. A point the harness
 cannot run, or the estimator cannot estimate, is a row whose ``result`` says so, not a crash.
@@ -40,14 +42,18 @@ LORA_TARGETS = {"lora-attn": ATTENTION, "lora-all-linear": "all-linear", "lora-e
 # target_parameters on the fused experts' gate_up_proj / down_proj where the family converts them
 EXPERT_PROJECTIONS = {"mixtral": "w1,w2,w3"}
 LORA_RANK = 8
+CKPT = "-ckpt"  # a LoRA method's suffix: with gradient checkpointing
 
 
 def harness_method(method: str, world: int, family: str) -> tuple[str, int, list[str]]:
-    """The harness's method, world size and extra overrides of a table method."""
-    if method in LORA_TARGETS:  # hydra splits on commas outside quotes
-        targets = EXPERT_PROJECTIONS.get(family, LORA_TARGETS[method]) if method == "lora-experts" \
-            else LORA_TARGETS[method]
-        return "single", 1, [f"training.lora_rank={LORA_RANK}", f"training.lora_targets='{targets}'"]
+    """The harness's method, world size and extra overrides of a table method (``lora-*-ckpt``: the LoRA method
+    with gradient checkpointing)."""
+    lora, ckpt = method.removesuffix(CKPT), method.endswith(CKPT)
+    if lora in LORA_TARGETS:  # hydra splits on commas outside quotes
+        targets = EXPERT_PROJECTIONS.get(family, LORA_TARGETS[lora]) if lora == "lora-experts" \
+            else LORA_TARGETS[lora]
+        return "single", 1, [f"training.lora_rank={LORA_RANK}", f"training.lora_targets='{targets}'",
+                             *(["training.grad_ckpt=true"] if ckpt else [])]
     return method, world, []
 
 

@@ -31,7 +31,7 @@ from estimator.methods.pipeline_rank import (
     reported_pp_ranks,
 )
 from estimator.methods.router_unit import router_segments
-from estimator.methods.timeline import Replay, at_depth, poly, replay
+from estimator.methods.timeline import Replay, at_depth, poly, replay, segment_sequence
 from estimator.models.arch import ModelArch, cached_arch
 from estimator.models.memo import memo_by_owner
 from estimator.models.moe import experts_breakdown, moe_facts, moe_notes, qlora_experts_note
@@ -209,8 +209,36 @@ def _regime(profile: dict, b: int, s: int) -> dict:
 
 
 def loop_segments(regime: dict, loop: str, num_layers: int) -> dict:
-    """The regime's step as the training loop runs it (``TrainingSpec.loop``), at the model's depth."""
-    return at_depth(regime["segments_manual"] if loop == "manual" else regime["segments"], num_layers)
+    """The regime's step as the training loop runs it (``TrainingSpec.loop``), at the model's depth. Decoder layers
+    that run forward only (``frozen_layers``: LoRA on the routed experts past dense first layers) are in the
+    prefix: the layer segments repeat for the others, in an explicit ``sequence``."""
+    depth = replayed_depth(regime, num_layers)
+    segments = at_depth(regime["segments_manual"] if loop == "manual" else regime["segments"], depth)
+    return {**segments, "sequence": segment_sequence(depth)} if depth != num_layers else segments
+
+
+def replayed_depth(regime: dict, num_layers: int) -> int:
+    """The decoder layers the regime's layer segments stand for: all but the forward-only first ones."""
+    frozen = regime.get("frozen_layers", 0)
+    if frozen and num_layers <= frozen:
+        raise ValueError(f"lora_targets: no trainable parameter in any of the model's {num_layers} decoder layers")
+    return num_layers - frozen
+
+
+def check_forward_only_layers(spec: RunSpec, profile: dict) -> None:
+    """Forward-only first layers (``frozen_layers``) are replayed for one GPU only (checked against the CPU oracle
+    on Qwen3-MoE and DeepSeek-V2, docs/error_matrix/moe_methods.csv); elsewhere the methods' own replays would
+    count the layer segments for every layer. (every-k checkpointing is full fine-tuning only: the spec refuses
+    it with LoRA.)"""
+    frozen = profile["params"].get("frozen_layers", 0)
+    parallel = spec.parallel
+    if not frozen:
+        return
+    if parallel.method != "single" or parallel.world_size > 1 or parallel.pp > 1 or parallel.ep > 1 \
+            or parallel.cp > 1 or parallel.tp > 1:
+        raise ValueError(f"lora_targets: backward never reaches the first {frozen} decoder layer(s) (no adapter "
+                         "there: dense layers before the experts); modelled for method single only, add a target "
+                         "those layers have (e.g. attention) for other methods")
 
 
 def held_outputs_bytes(regime: dict, loop: str, b: int, s: int) -> float:
@@ -411,9 +439,9 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
         parts = {**model.resident, "activations": ep_forward[1], "gathered_params": model.forward_gathered_bytes}
         phase = "forward"
     elif fb_total >= step_total:
-        layer_act, other_act = _activation_split(at_depth(regime["segments"], arch.num_layers), fb,
-                                                 arch.num_layers, b, s) \
-            if "sequence" not in segments else (0.0, fb.peak_act_bytes)
+        depth = replayed_depth(regime, arch.num_layers)
+        layer_act, other_act = _activation_split(at_depth(regime["segments"], depth), fb, depth, b, s) \
+            if "sequence" not in segments or depth != arch.num_layers else (0.0, fb.peak_act_bytes)
         parts = {**model.resident, "gradients": model.resident.get("gradients", 0.0) + fb.peak_grad_bytes,
                  "activations": layer_act + other_act - held}
         for key, value in fb.peak_parts.items():
@@ -524,10 +552,12 @@ def _layers_note(profile: dict) -> list[str]:
     if not params.get("layers_differ"):
         return []
     depth = profile.get("provenance", {}).get("profile_layers", 3)
+    frozen = params.get("frozen_layers", 0)
+    traced = (f"its first {frozen} layer(s) forward only, as backward never reaches them (no adapter there), then "
+              "the first, generic and last layer backward reaches") if frozen else "its first, generic and last layer"
     if params.get("layer_kinds"):
         return [f"layers: {len(params['layer_kinds']['rows'])} kinds of decoder layer; weights, gradients and "
-                f"optimizer states counted layer by layer, activations from the {depth}-layer trace (its first, "
-                "generic and last layer)"]
+                f"optimizer states counted layer by layer, activations from the {depth}-layer trace ({traced})"]
     return [f"layers: decoder layer(s) {params['layers_differ']} of the {depth}-layer trace hold other parameters "
             "than layer 1 (e.g. a dense first layer before mixture-of-experts ones); weights, gradients and "
             "optimizer states count every layer as layer 1"]
@@ -637,6 +667,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     else:
         arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build,
                                            adapters_16bit=adapters_in_16bit(spec.training, spec.parallel.method))
+    check_forward_only_layers(spec, profile)
     last = spec.parallel.world_size - 1
     table = _param_table(profile, arch.num_layers)
     if spec.parallel.pp > 1:

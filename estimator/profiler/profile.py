@@ -119,7 +119,12 @@ class _Model:
         self.base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         self.layers = decoder_layers(self.base, num_layers)
         self.tracker = install_layer_markers(self.recorder, self.layers)
+        self.first = 0  # decoder layers that run forward only (``frozen_leading_layers``)
         self.warm = False  # after one step Adam states exist; every later window starts from the same state
+
+    def replayed_layer(self, layer: int | None) -> int | None:
+        """A traced layer's index among the layers backward reaches (the replay's layers)."""
+        return None if layer is None else layer - self.first
 
     def _dtensor_patches(self) -> contextlib.AbstractContextManager:
         """TP: DeviceMesh host tensors and DTensor's global-shape metadata propagation kept out of the trace."""
@@ -299,26 +304,29 @@ def _evaluate(coeffs: list[Fraction], b: int, s: int) -> Fraction:
     return sum(c * m for c, m in zip(coeffs, _monomial_values(b, s)))
 
 
-def _segment_bounds(signature: list[tuple], num_layers: int) -> dict[str, tuple[int, int]]:
+def _segment_bounds(signature: list[tuple], num_layers: int, first: int = 0) -> dict[str, tuple[int, int]]:
+    """``first``: the decoder layers before it run forward only (``frozen_leading_layers``): they are part of the
+    prefix, and layers ``first`` .. ``first + 2`` are the first, generic and last layer."""
     where = {e[1]: i for i, e in enumerate(signature) if e[0] == "m"}
     first_where = {}
     for i, e in enumerate(signature):
         if e[0] == "m":
             first_where.setdefault(e[1], i)
     last = num_layers - 1
-    skipped = [i for i in range(num_layers) if f"fw_pre:{i}" in first_where and f"bw_pre:{i}" not in first_where]
+    skipped = [i for i in range(first, num_layers) if f"fw_pre:{i}" in first_where and f"bw_pre:{i}" not in first_where]
     if skipped and "backward" in first_where:
         # e.g. LoRA on the routed experts of a model whose first layers are dense: nothing there needs a gradient
         raise ValueError(f"lora_targets: backward never reaches decoder layer {skipped[0]} (no trainable parameter "
                          "in it or before it); a layer without gradients is not modelled: add a target it has")
     try:
-        fw = [first_where[f"fw_pre:{i}"] for i in range(num_layers)]
+        fw = [first_where[f"fw_pre:{i}"] for i in range(first, num_layers)]
         fw_end = first_where[f"fw_post:{last}"]
-        bw = [first_where[f"bw_pre:{i}"] for i in range(num_layers)]
-        bw_end = where["bw_post:0"]
+        bw = [first_where[f"bw_pre:{i}"] for i in range(first, num_layers)]
+        bw_end = where[f"bw_post:{first}"]
         backward = first_where["backward"]
     except KeyError as err:
         raise RuntimeError(f"profile: missing layer marker {err} (layer hooks did not fire)") from None
+    last = len(fw) - 1  # the traced layers from ``first`` on
     return {
         "prefix": (0, fw[0]), "fw_first": (fw[0], fw[1]), "fw": (fw[1], fw[2]),
         "fw_last": (fw[last], fw_end), "mid_fw": (fw_end, backward), "mid_bw": (backward, bw[last]),
@@ -443,7 +451,7 @@ def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:
             if predicted != actual:
                 worst = max(worst, abs(float(predicted) - actual) / max(actual, 1))
     signature = full[:full.index(("m", "optimizer"))]  # the summaries end where the optimizer step begins
-    segments = _summarise(signature, coeffs, grads, model.num_layers)
+    segments = _summarise(signature, coeffs, grads, model.num_layers, first=model.first)
     manual_signature, manual_coeffs, manual_grads = manual_loop_events(signature, coeffs, grads, held)
     previous = {len(coeffs) + i: k for i, (k, _saved) in enumerate(held)}  # manual_loop_events' copies
     outputs = {kind: [float(x) for x in _sum_polys([coeffs[k] for k, saved in held if saved == want])]
@@ -455,14 +463,16 @@ def _fit_regime(model: _Model, regime: dict) -> tuple[dict, list, list]:
     grad_ordinal = {name: o for o, name in enumerate(grads) if name is not None}
     first = first_optimizer_events(device_events(model.first_optimizer_window, timeline, model.training), timeline,
                                    grad_ordinal, n)
-    events = compact_events(full, _segment_bounds(signature, model.num_layers), coeffs, grads,
-                            [timeline.layer_of.get(sid) for sid in sids], held, first)
+    events = compact_events(full, _segment_bounds(signature, model.num_layers, model.first), coeffs, grads,
+                            [model.replayed_layer(timeline.layer_of.get(sid)) for sid in sids], held,
+                            (*first[:2], {o: model.replayed_layer(layer) for o, layer in first[2].items()}))
     events["optimizer"] = model.training.optimizer
     events["blas_first"] = first_blas_outputs(full, sids, timeline.blas_outputs)
     events["sums_in_place"] = model.recorder.fold_engine_sums
-    return {**regime, "segments": segments,
+    frozen = {"frozen_layers": model.first} if model.first else {}
+    return {**regime, **frozen, "segments": segments,
             "segments_manual": _summarise(manual_signature, manual_coeffs, manual_grads, model.num_layers,
-                                          previous),
+                                          previous, model.first),
             "outputs_held": outputs, "outputs_held_16bit": outputs_16bit, "check_max_rel_error": worst,
             "events": events}, signature, coeffs
 
@@ -486,9 +496,10 @@ def first_blas_outputs(window: list[tuple], sids: list[int], blas_sids: list[int
 
 
 def _summarise(signature: list[tuple], coeffs: list, grads: list, num_layers: int,
-               copies_of: dict[int, int] | None = None) -> dict:
-    """``copies_of``: ordinals standing for another's tensor of the previous step (a manual loop's outputs)."""
-    bounds = _segment_bounds(signature, num_layers)
+               copies_of: dict[int, int] | None = None, first: int = 0) -> dict:
+    """``copies_of``: ordinals standing for another's tensor of the previous step (a manual loop's outputs);
+    ``first``: the first decoder layer backward reaches (``frozen_leading_layers``)."""
+    bounds = _segment_bounds(signature, num_layers, first)
     layer_of: dict[int, int] = {}
     for name, layer in (("fw_first", 0), ("fw", 1), ("fw_last", 2)):
         lo, hi = bounds[name]
@@ -548,15 +559,16 @@ def manual_loop_events(signature: list[tuple], coeffs: list, grads: list, held: 
     return out, coeffs, grads
 
 
-def param_table(model: torch.nn.Module, layers: torch.nn.ModuleList, num_layers: int) -> dict:
-    """Parameters of the shrunken model split into non-layer ones and one generic layer's.
+def param_table(model: torch.nn.Module, layers: torch.nn.ModuleList, num_layers: int, generic: int = 1) -> dict:
+    """Parameters of the shrunken model split into non-layer ones and one generic layer's (``generic``: its index;
+    after forward-only first layers, the generic one of the layers backward reaches).
 
     Shapes and sizes are what this rank holds: a TP model's DTensor parameters give their local shard (row
     ``dtensor: true`` with ``global_shape`` / ``global_numel`` of the whole parameter); plain ones are whole.
     ``buffers``: bytes of module buffers outside the layers and in one generic layer."""
     prefix = next(name for name, mod in model.named_modules() if mod is layers)
     non_layer, per_layer = [], []
-    generic = f"{prefix}.1."
+    generic_index, generic = generic, f"{prefix}.{generic}."
     layers_at = None  # how many non-layer tensors model.parameters() yields before the decoder layers
     for name, _param, row in _param_rows(model):
         if layers_at is None and name.startswith(f"{prefix}."):
@@ -571,7 +583,7 @@ def param_table(model: torch.nn.Module, layers: torch.nn.ModuleList, num_layers:
             index, _, rest = name[len(prefix) + 1:].partition(".")
             signatures.setdefault(int(index), []).append((rest, tuple(param.shape), param.element_size(),
                                                           param.requires_grad))
-    differing = sorted(i for i, sig in signatures.items() if sig != signatures.get(1))
+    differing = sorted(i for i, sig in signatures.items() if sig != signatures.get(generic_index))
     buffers = {"non_layer": 0, "per_layer": 0}  # resident on every rank (e.g. CodeGen's sin/cos, GPT-Neo's masks)
     for name, buf in model.named_buffers():
         held = getattr(buf, "_local_tensor", buf)
@@ -640,6 +652,27 @@ def full_depth_layer_kinds(config: dict, training: TrainingSpec) -> dict:
     return {"rows": rows, "of_layer": of_layer}
 
 
+def frozen_leading_layers(config: dict, training: TrainingSpec, model: _Model) -> int:
+    """How many first decoder layers backward never reaches: LoRA whose adapters leave them without a trainable
+    parameter, with nothing trainable before them (peft turns expert projections' names into
+    ``target_parameters`` on the fused routed experts, which a dense first layer has not: Qwen3-MoE's
+    ``mlp_only_layers``, DeepSeek-V2's ``first_k_dense_replace``). Autograd records nothing there: those layers
+    run forward only, their transients freed as they go, so they belong to the step's prefix; the profile traces
+    them and three layers after them (the first, generic and last layer backward reaches)."""
+    if not training.lora or model.tp > 1:
+        return 0
+    trainable = [any(p.requires_grad for p in layer.parameters()) for layer in model.layers]
+    if trainable[0]:
+        return 0
+    embeddings = model.base.get_input_embeddings()
+    if embeddings is None or any(p.requires_grad for p in embeddings.parameters()):
+        return 0
+    if not any(trainable) and not training.qlora:  # all traced layers frozen: the whole model's (a meta build)
+        kinds = full_depth_layer_kinds(config, training)
+        trainable = [any(row["trainable"] for row in kinds["rows"][kind]) for kind in kinds["of_layer"]]
+    return trainable.index(True) if any(trainable) else 0
+
+
 def grad_hook_order(top: torch.nn.Module, base: torch.nn.Module, layers: torch.nn.ModuleList,
                     step: Callable[[], None]) -> list[list]:
     """The order in which backward finishes each trainable parameter's gradient, as ``[layer, name]`` pairs
@@ -694,19 +727,27 @@ def build_profile(config: dict, training: TrainingSpec, *, check: bool = True, t
     started = time.perf_counter()
     with _process_group(tp), backends_seen() as sdpa_backends, liger_loop_as_marker():
         model = _Model(config, training, PROFILE_LAYERS, tp)
+        frozen = frozen_leading_layers(config, training, model)
+        if frozen:  # trace the forward-only layers too, and three layers backward reaches after them
+            del model
+            model = _Model(config, training, frozen + PROFILE_LAYERS, tp)
+            model.first = frozen
         regimes = []
         for regime in regimes_for(config):
             fitted, signature, coeffs = _fit_regime(model, regime)
             if check:
-                fitted["layer_check"] = _check_depth(config, training, regime, fitted, tp)
+                fitted["layer_check"] = _check_depth(config, training, regime, fitted, tp, frozen)
             regimes.append(fitted)
         table_model = model.base if not training.lora else model.model
-        params = param_table(table_model, model.layers, PROFILE_LAYERS)
+        params = param_table(table_model, model.layers, model.num_layers, generic=frozen + 1)
         if params.get("layers_differ") and tp <= 1 and not training.qlora:
             params["layer_kinds"] = full_depth_layer_kinds(config, training)
         # DeepSpeed ZeRO-1/2 reduces gradients in this order (ZeRO runs on the untouched model); FSDP2's
         # post-backward keeps a group's last gradient longest (dp_tp on a TP profile: estimator.reserved.fsdp)
-        params["grad_order"] = grad_hook_order(model.model, table_model, model.layers, model.warm_step)
+        params["grad_order"] = [[model.replayed_layer(layer), name] for layer, name in
+                                grad_hook_order(model.model, table_model, model.layers, model.warm_step)]
+        if frozen:
+            params["frozen_layers"] = frozen
         attn = build.effective_attn(model.base)
         del model
     import transformers
@@ -723,7 +764,7 @@ def build_profile(config: dict, training: TrainingSpec, *, check: bool = True, t
         "regimes": regimes,
         "provenance": {"torch": torch.__version__, "transformers": transformers.__version__,
                        "created": _dt.date.today().isoformat(), "trace_s": round(time.perf_counter() - started, 2),
-                       "profile_layers": PROFILE_LAYERS},
+                       "profile_layers": frozen + PROFILE_LAYERS},
     }
     if tp > 1:
         profile["tp"] = tp
@@ -746,14 +787,16 @@ def _variant(training: TrainingSpec) -> dict:
             "forward_autocast": training.forward_autocast, "use_cache": training.use_cache}
 
 
-def _check_depth(config: dict, training: TrainingSpec, regime: dict, fitted: dict, tp: int = 1) -> dict:
+def _check_depth(config: dict, training: TrainingSpec, regime: dict, fitted: dict, tp: int = 1,
+                 frozen: int = 0) -> dict:
     """Replay the 3-layer segments for 4 layers and compare with a real 4-layer trace at one point; expand the
     3-layer event list to 4 layers and compare it with the same trace event by event (steady step, and the first
-    step's optimizer step)."""
+    step's optimizer step). ``frozen``: forward-only first layers, traced before the 3 (and the 4) layers."""
     from estimator.methods.timeline import replay_activation_peak
 
     b, s = _points(regime)[1][0]
-    deeper = _Model(config, training, CHECK_LAYERS, tp)
+    deeper = _Model(config, training, frozen + CHECK_LAYERS, tp)
+    deeper.first = frozen
     window = deeper.trace_window(b, s)
     signature, sizes, grads, _held = _normalise(window, deeper.recorder.timeline)
     running, peak = 0, 0
@@ -762,7 +805,7 @@ def _check_depth(config: dict, training: TrainingSpec, regime: dict, fitted: dic
             continue
         running += sizes[event[1]] if event[0] == "a" else -sizes[event[1]]
         peak = max(peak, running)
-    replayed = replay_activation_peak(fitted["segments"], CHECK_LAYERS, b, s)
+    replayed = replay_activation_peak(fitted["segments"], CHECK_LAYERS, b, s)  # the layers backward reaches
     return {"b": b, "s": s, "traced_peak_bytes": peak, "replayed_peak_bytes": replayed,
             "rel_error": abs(replayed - peak) / max(peak, 1), **_check_events(deeper, fitted["events"], b, s)}
 
@@ -779,7 +822,7 @@ def _check_events(deeper: _Model, events: dict, b: int, s: int) -> dict:
                 for e in device_events(window, timeline, deeper.training) if e[0] != "m"]
 
     try:
-        expansion = expand(events, deeper.num_layers)
+        expansion = expand(events, deeper.num_layers - deeper.first)
     except ExpansionError as err:
         return {"events_error": str(err)}
     sizes = step_sizes(events["polys"], b, s)

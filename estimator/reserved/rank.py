@@ -48,6 +48,9 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
     """Why this spec's reserved peak cannot be replayed (None: it can). ``table``: the parameter table, for what
     depends on the model's tensors (ZeRO-3's module structure)."""
     training = spec.training
+    if regime.get("frozen_layers") and spec.parallel.method != "single":
+        return (f"forward-only first decoder layers (LoRA past dense first layers) under {spec.parallel.method}: "
+                "replayed for method single only")
     if spec.parallel.method.startswith("zero"):
         reason = why_not_zero3(spec, table) if spec.parallel.method == "zero3" else why_not_zero(spec)
         if reason is not None:
@@ -100,12 +103,12 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
                       "replayed resharding after forward (FULL_SHARD, HYBRID_SHARD) only")
         if reason is not None:
             return reason
-    if num_layers < 2:
+    if event_layers(regime, num_layers) < 2:
         return "a 1-layer model has no generic layer to repeat"
     if _fp32_copies(training, regime) is None:
         return "outputs_fp32 with an output object of 16-bit and other tensors: not in the event list"
     try:  # the expansion's own reason (memoized: the replay uses the same one)
-        _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)),
+        _expansion(events, event_layers(regime, num_layers), training.loop, bool(_fp32_copies(training, regime)),
                    head_grad_bytes(table, 2 if training.forward_autocast else None))
     except ExpansionError as err:
         return str(err)
@@ -136,6 +139,13 @@ def why_not_layer_kinds(table: list[ParamInfo], every_k: bool = False) -> str | 
                 "the merged event list's requested peak is right, its replay not yet (the expert layers' CUDA-side "
                 "scratch is not in the trace)")
     return None
+
+
+def event_layers(regime: dict, num_layers: int) -> int:
+    """The decoder layers the event list's layer segments repeat for: all but forward-only first ones
+    (``frozen_layers``: LoRA past dense first layers, whose forward is in the prefix's events). The setup's
+    weights still count every layer."""
+    return num_layers - regime.get("frozen_layers", 0)
 
 
 def _events(spec, regime: dict, num_layers: int) -> dict | None:
@@ -334,7 +344,8 @@ def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[Para
     when the cap is hit, as ``replay_reserved`` does (``_capped_then_needed``). ExpansionError: no replay."""
     training = spec.training
     events = _events(spec, regime, num_layers)
-    expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)),
+    depth = event_layers(regime, num_layers)
+    expansion = _expansion(events, depth, training.loop, bool(_fp32_copies(training, regime)),
                            head_grad_bytes(table, 2 if training.forward_autocast else None))
     plans: dict[tuple[int, int], StepPlan] = {}
     sequence = []
@@ -342,7 +353,7 @@ def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[Para
         if not in_regime(regime, b, s):
             continue
         if (b, s) not in plans:
-            plans[b, s] = _plan(spec, events, expansion, table, num_layers, b, s, workspace_bytes=workspace_bytes,
+            plans[b, s] = _plan(spec, events, expansion, table, depth, b, s, workspace_bytes=workspace_bytes,
                                 workspaces=workspaces, rank=rank)
         sequence.append(plans[b, s])
     if not sequence:
@@ -375,9 +386,10 @@ def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], n
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
     events = _events(spec, regime, num_layers)
-    expansion = _expansion(events, num_layers, training.loop, bool(_fp32_copies(training, regime)),
+    depth = event_layers(regime, num_layers)
+    expansion = _expansion(events, depth, training.loop, bool(_fp32_copies(training, regime)),
                            head_grad_bytes(table, 2 if training.forward_autocast else None))
-    plan = _plan(spec, events, expansion, table, num_layers, b, s, workspace_bytes=workspace_bytes,
+    plan = _plan(spec, events, expansion, table, depth, b, s, workspace_bytes=workspace_bytes,
                  workspaces=workspaces, rank=rank)
     setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"),
                    _shard_world(spec), spec, rank)
