@@ -576,7 +576,8 @@ def fsdp1(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> StepModel:
     if options.cpu_offload:
         host, weights, states, temp = weights + states + grads, 0.0, 0.0, 0.0
         notes.append("fsdp1 cpu_offload: shards, gradients' host copies, optimizer states and the step on the host "
-                     "(host_ram_bytes); not checked against an oracle (the CPU oracle has no separate device)")
+                     "(host_ram_bytes); checked on a real H200 (FULL_SHARD, mixed_bf16), not on the CPU oracle (no separate "
+                     "device)")
     return StepModel(resident={"weights": weights, "optimizer_states": states},
                      grad_policy=lambda prev, within: prev + within, segment_extra=None,
                      step_grads=0.0 if options.cpu_offload else grads, step_temp=temp, host_bytes=host, notes=notes,
