@@ -796,8 +796,11 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
         unit_pieces[g] = [0 if _grad_view_fits(p, n, unit.flat) else n * unit.flat.param_elem
                           for p, n in zip(unit.params, pieces)]
     if sizes.options.cpu_offload:  # the optimizer steps the host shards
-        if accumulating or grad_ckpt or sizes.adapters:
-            raise ExpansionError("fsdp1 with CPU offload: replayed without accumulation, checkpointing or LoRA")
+        # a recompute's pre-forward makes the copies again under mixed precision (``pre_unshard``); without, the
+        # unit is still unsharded and nothing is made
+        if accumulating or (grad_ckpt and sizes.mixed):
+            raise ExpansionError("fsdp1 with CPU offload: replayed without accumulation, and without checkpointing "
+                                 "under mixed precision")
         pieces = []
     elif sizes.options.use_orig_params:
         pieces = [piece_of[p.name] for p in model_order(table) if p.trainable and piece_of[p.name]]

@@ -89,10 +89,12 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
                 and not spec.parallel.fsdp1.use_orig_params):
             reason = ("fsdp1 without use_orig_params under no_sync (grad_sync last): the flat gradients held between "
                       "micro-batches are not in the replay yet")
-        if reason is None and spec.parallel.fsdp1.cpu_offload and (
-                training.grad_accum_steps > 1 or training.grad_ckpt or training.lora):
-            reason = ("fsdp1 with CPU offload under accumulation, checkpointing or LoRA: the recompute's and the "
-                      "adapters' host copies are not in the replay yet")
+        if reason is None and spec.parallel.fsdp1.cpu_offload and training.grad_accum_steps > 1:
+            reason = "fsdp1 with CPU offload under gradient accumulation: not in the replay yet"
+        if (reason is None and spec.parallel.fsdp1.cpu_offload and training.grad_ckpt
+                and training.precision.startswith("mixed_")):
+            reason = ("fsdp1 with CPU offload, mixed precision and checkpointing: the recompute's 16-bit shard "
+                      "copies (its pre-forward's pre_unshard) are not in the replay yet")
         if reason is None and training.qlora:
             reason = "fsdp1 with QLoRA: the packed weights' units are not in the replay yet"
         if reason is None and table is not None and fsdp1_sizes(spec, table).kept_input_bytes_per_token:

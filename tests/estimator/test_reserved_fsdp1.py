@@ -37,11 +37,11 @@ def llama_path(tmp_path_factory):
     return str(path)
 
 
-def _spec(path: str, training: TrainingSpec, world: int, strategy: str = "FULL_SHARD", orig_params: bool = True
-          ) -> RunSpec:
+def _spec(path: str, training: TrainingSpec, world: int, strategy: str = "FULL_SHARD", orig_params: bool = True,
+          cpu_offload: bool = False) -> RunSpec:
     """``strategy``: a sharding strategy; ``HYBRID_SHARD:N`` shards over N ranks per node."""
     strategy, _, per_node = strategy.partition(":")
-    options = Fsdp1Spec(sharding_strategy=strategy, use_orig_params=orig_params,
+    options = Fsdp1Spec(sharding_strategy=strategy, use_orig_params=orig_params, cpu_offload=cpu_offload,
                         **({"gpus_per_node": int(per_node)} if per_node else {}))
     return RunSpec(model=path, training=training,
                    parallel=ParallelSpec(method="fsdp1", world_size=world, fsdp1=options))
@@ -286,10 +286,24 @@ def test_flat_parameter_replayed_allocated_level_equals_the_estimate(llama_path,
     _assert_replayed_allocated_level(llama_path, training, world, strategy, False)
 
 
+@pytest.mark.parametrize("training, world, orig_params", [
+    (TrainingSpec(precision="mixed_bf16"), 4, True),  # the H200 row's settings (15898dcca26c5b27)
+    (TrainingSpec(precision="bf16"), 3, False),
+    # the answerai fsdp_qlora row's: pure bf16, LoRA on the six Linears, checkpointing, flat parameters
+    (TrainingSpec(precision="bf16", lora_rank=8, grad_ckpt=True, lora_targets=ALL_SIX), 2, False),
+    (TrainingSpec(precision="fp32", grad_ckpt=True), 2, True),
+])
+def test_cpu_offload_replayed_allocated_level_equals_the_estimate(llama_path, training, world, orig_params):
+    """CPU offload: the shards, their gradients and the step on the host; each gather's device copy of the host
+    shard (cast to 16 bits under mixed precision) and the new shards held to backward's end are transient, so the
+    replay's allocated level is the estimator's."""
+    _assert_replayed_allocated_level(llama_path, training, world, "FULL_SHARD", orig_params, cpu_offload=True)
+
+
 def _assert_replayed_allocated_level(llama_path: str, training: TrainingSpec, world: int, strategy: str,
-                                     orig_params: bool) -> None:
+                                     orig_params: bool, cpu_offload: bool = False) -> None:
     training = dataclasses.replace(training, micro_batch_size=B, seq_len=S)
-    spec = _spec(llama_path, training, world, strategy, orig_params)
+    spec = _spec(llama_path, training, world, strategy, orig_params, cpu_offload)
     est = api.estimate(spec, alloc_conf="")
     arch, profile = load_profile(llama_path, training)
     coeffs = load_coefficients(est.gpu_key)
@@ -325,7 +339,8 @@ def test_other_fsdp1_settings_keep_the_prior(llama_path):
                                   "SHARD_GRAD_OP"), alloc_conf="")
     assert unsynced.reserved_source == "prior"
     assert any(n.startswith("reserved: prior") and "no_sync" in n for n in unsynced.notes)
-    for offloaded, reason in ((dataclasses.replace(training, grad_ckpt=True), "CPU offload"),
+    for offloaded, reason in ((dataclasses.replace(training, grad_ckpt=True), "CPU offload, mixed precision"),
+                              (dataclasses.replace(training, grad_accum_steps=2), "CPU offload under gradient"),
                               (training, "CPU offload under SHARD_GRAD_OP")):
         strategy = "SHARD_GRAD_OP" if "SHARD_GRAD_OP" in reason else "FULL_SHARD"
         spec = RunSpec(model=llama_path, training=offloaded, parallel=ParallelSpec(
