@@ -49,6 +49,14 @@ Gradient accumulation reducing every micro-batch (``_micro_steps``): a later mic
 into the kept ones and freed; the next cycle's first root pre-forward drops them. Under ``no_sync()``
 (``_no_sync_micro_steps``) the flat gradients are held from the cycle's first micro-batch and reduced by the last.
 
+CPU offload (FULL_SHARD, HYBRID_SHARD; ``_Unit.offload``): setup sends each shard to the host once made; every
+``_unshard`` copies the host shard to the device on the pre-unshard stream (``_from_host``: under mixed precision a
+full-precision copy cast into the 16-bit shard and dropped at once, the 16-bit shard dropped after the all-gather,
+and again, without an all-gather, in the root's pre-backward; without mixed precision the copy is the all-gather's
+input); the new shards stay on the device until backward's final callback (``final_callback``); the optimizer
+steps the host shards (no device op). A checkpointed recompute under mixed precision makes its copies again (not
+built: refused).
+
 BACKWARD_PRE prefetching: the root's pre-backward unshards the last layer; each layer's pre-backward the one
 before it (with LoRA: its last adapter; the first adapter's the layer before). Frees made with ``record_stream`` are taken as complete at the next allocation (the GPU keeping up
 with the CPU); ``limit_all_gathers`` bounds how far ahead it can run (docs/allocator.md).

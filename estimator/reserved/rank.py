@@ -25,7 +25,7 @@ from estimator.spec import ckpt_every
 # micro-step, a later micro-step's output added into the sharded gradients and freed.
 # dp_tp: FSDP2 over the dp axis of the TP-local model (harness.fake.wrap), replayed as fsdp on dp ranks.
 # fsdp1: the default prefetching, LoRA's adapter units, accumulation (reducing every micro-batch; under no_sync with
-# use_orig_params only) (estimator.reserved.fsdp1).
+# use_orig_params only), CPU offload under FULL_SHARD / HYBRID_SHARD (estimator.reserved.fsdp1).
 # zero1 / zero2: DeepSpeed's flat buffers, IPG bucket and partition step (estimator.reserved.zero), default stream.
 # zero3: the same on three streams, with the parameter coordinator's gathers (estimator.reserved.zero3).
 METHODS = ("single", "ddp", "tp", "fsdp", "dp_tp", "fsdp1", "zero1", "zero2", "zero3")
