@@ -291,8 +291,9 @@ DIAGNOSES = [
      "use_cache); the source's Mistral-7B full FSDP1 rows are within 5.3 %"),
     (lambda r, s: r["source"] == "answerai_fsdp_qlora" and r["quantity"] == "max_reserved" and s.err_pct < 0
      and s.reserved_source == "prior",
-     "mechanism, partly attributed: the reserved level is the prior (allocated x 1.1 + 64 MiB): FSDP1's CPU "
-     "offload is not replayed. The "
+     "mechanism, partly attributed: the reserved level is the prior (allocated x 1.1 + 64 MiB) for these FSDP1 "
+     "settings (the b10 CPU-offload row is replayed since 2026-11-27: -21.1 % on the prior, -2.7 % replayed, "
+     "offload's mechanism exact on an H200 snapshot). The "
      "allocated peak is not published for these rows; for the same runs at batch 1 it is (8.28 / 9.16 GiB, s512 / "
      "s2048), and the estimate is +0.40 / +0.33 GiB above it, about what the estimator's fp32 adapters add on each "
      "rank (sharded weights +0.13 GiB, AdamW states +0.27) where peft 0.8-0.10 kept them in the base layer's bf16 "

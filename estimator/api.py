@@ -12,7 +12,7 @@ from estimator.hardware.gpus import get_gpu
 from estimator.methods import expert_parallel
 from estimator.methods import state as methods
 from estimator.methods.context_parallel import Ring, cp_notes, local_seq_len, ring_of
-from estimator.methods.fsdp1 import fsdp1
+from estimator.methods.fsdp1 import check_fsdp1, fsdp1
 from estimator.methods.long_context import (
     ACT_BYTES,
     LIGER_MARK,
@@ -652,6 +652,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     arch = cached_arch(spec.model)
     check_spec(spec, arch)
     check_pipeline(spec, arch.model_type, arch.tie_word_embeddings)
+    check_fsdp1(spec, arch.config)
     asked, ring = spec, ring_of(spec.parallel.cp, arch.num_heads, arch.num_kv_heads, arch.head_dim)
     if ring is not None and sequence is not None:
         raise ValueError("cp: an epoch of mixed batch shapes under context parallelism is not modelled (estimate "

@@ -187,6 +187,10 @@ def _check_model(spec: RunSpec) -> None:
         from estimator.models.tp_plans import check_tp
 
         check_tp(config, spec.parallel.tp)
+    if spec.parallel.method == "fsdp1":
+        from estimator.methods.fsdp1 import check_fsdp1
+
+        check_fsdp1(spec, config)
 
 
 def _check_launch(spec: RunSpec, opts: HarnessOptions, device: DeviceInfo | None) -> None:

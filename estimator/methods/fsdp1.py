@@ -512,6 +512,24 @@ def reentrant_kept_input_bytes(training, table: list[ParamInfo], layer: FlatUnit
     return float(2 * hidden * layer.compute_elem)
 
 
+def check_fsdp1(spec: RunSpec, config: dict) -> None:
+    """ValueError for what torch's FSDP1 cannot run. NO_SHARD with ``use_orig_params`` calls ``_use_sharded_views``
+    in each post-forward (it keeps no sharded views), which re-registers every tensor as a parameter
+    (``_use_unsharded_views(as_params=True)``) and asserts that a tied weight's primary (the input embedding) is a
+    parameter; with LoRA the frozen root unit's forward left it a plain tensor view, so torch 2.11 fails there
+    (``AssertionError: as_params=True type(prim_param)=<class 'torch.Tensor'>``: reproduced on CPU with the fake
+    process group and on an H200, docs/LOG.md session 26; untied, full fine-tuning, FULL_SHARD or use_orig_params
+    false run). ``config``: the model's config.json; tied where it says so (each model class has its own default)."""
+    options = spec.parallel.fsdp1
+    tied = config.get("tie_word_embeddings") is True
+    if (spec.parallel.method == "fsdp1" and options.sharding_strategy == "NO_SHARD" and options.use_orig_params
+            and spec.training.lora and tied):
+        raise ValueError("parallel.fsdp1.sharding_strategy: NO_SHARD with LoRA and use_orig_params on a model with "
+                         "tied embeddings fails in "
+                         "torch's FSDP1 post-forward (as_params=True on the tied embedding's tensor view); use "
+                         "use_orig_params false, FULL_SHARD or method ddp")
+
+
 def fsdp1_sizes(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> Fsdp1Sizes:
     training, parallel = spec.training, spec.parallel
     options = parallel.fsdp1
@@ -576,7 +594,8 @@ def fsdp1(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> StepModel:
     if options.cpu_offload:
         host, weights, states, temp = weights + states + grads, 0.0, 0.0, 0.0
         notes.append("fsdp1 cpu_offload: shards, gradients' host copies, optimizer states and the step on the host "
-                     "(host_ram_bytes); not checked against an oracle (the CPU oracle has no separate device)")
+                     "(host_ram_bytes); checked on a real H200 (FULL_SHARD, mixed_bf16), not on the CPU oracle (no separate "
+                     "device)")
     return StepModel(resident={"weights": weights, "optimizer_states": states},
                      grad_policy=lambda prev, within: prev + within, segment_extra=None,
                      step_grads=0.0 if options.cpu_offload else grads, step_temp=temp, host_bytes=host, notes=notes,

@@ -35,7 +35,9 @@ parameter is freed at ``shard`` as with ``use_orig_params`` (its storage resized
 the storage object). The optimizer steps the flat shards themselves, one per unit whose flat parameter requires
 grad, in ``model.parameters()`` order (``_stepped_units``); their ``.grad`` is the new shard
 (``prepare_gradient_for_optim``), so ``zero_grad`` frees it, after the step; no ``_use_unsharded_grad_views``.
-Gradient accumulation keeps the prior there (not modelled yet).
+Gradient accumulation reducing every micro-batch: the first micro-batch's new shards become the flat parameters'
+``.grad``, a later one's are added into them (the pre-backward moves ``.grad`` back to ``_saved_grad_shard``) and
+the cycle's ``zero_grad`` frees them (``_micro_steps``); under ``no_sync`` it keeps the prior (not modelled yet).
 
 LoRA (peft's ``fsdp_auto_wrap_policy``, what the HF Trainer gives a PEFT model): each lora_A / lora_B weight is a
 unit of its own inside its decoder layer's, which holds the frozen weights alone (``_adapter_events``): set up
@@ -46,6 +48,14 @@ reduce-scattered as each gradient is made; the optimizer steps their pieces. A l
 Gradient accumulation reducing every micro-batch (``_micro_steps``): a later micro-batch's new shards are added
 into the kept ones and freed; the next cycle's first root pre-forward drops them. Under ``no_sync()``
 (``_no_sync_micro_steps``) the flat gradients are held from the cycle's first micro-batch and reduced by the last.
+
+CPU offload (FULL_SHARD, HYBRID_SHARD; ``_Unit.offload``): setup sends each shard to the host once made; every
+``_unshard`` copies the host shard to the device on the pre-unshard stream (``_from_host``: under mixed precision a
+full-precision copy cast into the 16-bit shard and dropped at once, the 16-bit shard dropped after the all-gather,
+and again, without an all-gather, in the root's pre-backward; without mixed precision the copy is the all-gather's
+input); the new shards stay on the device until backward's final callback (``final_callback``); the optimizer
+steps the host shards (no device op). A checkpointed recompute under mixed precision makes its copies again (not
+built: refused).
 
 BACKWARD_PRE prefetching: the root's pre-backward unshards the last layer; each layer's pre-backward the one
 before it (with LoRA: its last adapter; the first adapter's the layer before). Frees made with ``record_stream`` are taken as complete at the next allocation (the GPU keeping up
@@ -92,8 +102,9 @@ def why_not_fsdp1(options) -> str | None:
     # shard across the nodes, in place on the post-backward stream: the same allocations.
     if options.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"):
         return f"fsdp1 {options.sharding_strategy}: not modelled yet"
-    if options.cpu_offload:
-        return "fsdp1 with CPU offload: not modelled yet"
+    if options.cpu_offload and options.sharding_strategy not in ("FULL_SHARD", "HYBRID_SHARD"):
+        return (f"fsdp1 with CPU offload under {options.sharding_strategy}: replayed resharding after forward "
+                "(FULL_SHARD, HYBRID_SHARD) only")
     if options.backward_prefetch != "BACKWARD_PRE" or options.forward_prefetch:
         return "fsdp1: only the default prefetching (BACKWARD_PRE, no forward prefetch) is modelled yet"
     return None
@@ -108,6 +119,7 @@ class _Unit:
     offsets: tuple[int, ...]   # each tensor's offset in the flat parameter
     sharded: bool = True       # False: NO_SHARD (the flat parameter is whole on every rank)
     orig_params: bool = True   # use_orig_params; False: the optimizer steps the flat shards themselves
+    offload: bool = False      # CPU offload: the shard lives on the host (``_local_shard``), the step runs there
 
     @property
     def stepped_bytes(self) -> int:
@@ -151,7 +163,8 @@ def _units(table: list[ParamInfo], num_layers: int, sizes: Fsdp1Sizes) -> dict:
 
     def unit(params: list[ParamInfo], flat: FlatUnit) -> _Unit:
         offsets, paddings, _total = flat_layout(params, flat.world, flat.compute_elem, aligned)
-        return _Unit(params, flat, sizes.mixed, tuple(paddings), tuple(offsets), sizes.sharded, aligned)
+        return _Unit(params, flat, sizes.mixed, tuple(paddings), tuple(offsets), sizes.sharded, aligned,
+                     sizes.options.cpu_offload)
     units = {"root": unit([p for p in model_order(table) if p.layer is None], sizes.root)}
     for layer in range(num_layers):
         params = [p for p in table if p.layer == layer]
@@ -196,14 +209,15 @@ def fsdp1_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: in
         short = unit.short_chunk_numel(rank % unit.flat.world)
         if short is None:
             allocations.append((f"shard.{name}", unit.flat.shard_numel * elem))
-            frees.append((len(allocations) - 1, (*moved, flat)))
+            # CPU offload: the shard goes to the host once made (``flat_param_to(cpu)``)
+            frees.append((len(allocations) - 1, (*moved, flat, *((len(allocations) - 1,) if unit.offload else ()))))
             continue
         clone = ()
         if short:  # an empty chunk's clone is no allocation
             allocations.append((f"shard_chunk.{name}", short * elem))
             clone = (len(allocations) - 1,)
         allocations.append((f"shard.{name}", unit.flat.shard_numel * elem))
-        frees.append((len(allocations) - 1, (*clone, *moved, flat)))
+        frees.append((len(allocations) - 1, (*clone, *moved, flat, *((len(allocations) - 1,) if unit.offload else ()))))
     non_layer, per_layer = buffers
     if per_layer:
         allocations.extend((f"buffers.{layer}", per_layer) for layer in range(num_layers))
@@ -247,7 +261,43 @@ class _Step(BufferOps):
         if not unit.sharded:  # NO_SHARD computes with the 16-bit copy itself (mixed precision), else in place
             self.unsharded[g] = self._alloc(out, unit.mp_bytes, PRE_UNSHARD) if unit.mp_bytes else None
             return
+        if unit.offload:
+            self.unsharded[g] = self._from_host(out, unit, unit.unsharded_bytes)
+            return
         self.unsharded[g] = self._staged(out, (unit.mp_bytes, PRE_UNSHARD), unit.unsharded_bytes, UNSHARD)
+
+    def _from_host(self, out: list, unit: _Unit, unsharded_bytes: int):
+        """CPU offload's ``_unshard`` (``pre_unshard``, ``_use_low_precision_shard``): the host shard copied to the
+        device on the pre-unshard stream (``_local_shard.to(device)``); mixed precision casts that copy into the
+        16-bit shard and drops it at once, and the 16-bit shard goes after the all-gather; without, the copy is
+        the all-gather's input, dropped as the unsharded flat parameter replaces it. ``unsharded_bytes`` 0: a unit
+        still unsharded (the root's pre-backward), whose ``pre_unshard`` makes and drops the copies all the same
+        under mixed precision (it skips them only without offload). Returns the unsharded flat parameter."""
+        flat = unit.flat
+        staged = self._alloc(out, unit.mp_bytes, PRE_UNSHARD) if unit.mp_bytes else None
+        copy = self._alloc(out, flat.shard_numel * flat.param_elem, PRE_UNSHARD) if staged or unsharded_bytes else None
+        if staged is not None and copy is not None:
+            self._free(out, copy)
+            copy = None
+        tensor = self._alloc(out, unsharded_bytes, UNSHARD) if unsharded_bytes else None
+        for left in (copy, staged):
+            if left is not None:
+                self._free(out, left)
+        return tensor
+
+    def refresh(self, out: list, g) -> None:
+        """``_unshard`` of a unit that is still unsharded, under CPU offload: its transient device copies alone."""
+        unit = self.units[g]
+        if unit.offload and unit.mixed:
+            self._from_host(out, unit, 0)
+
+    def final_callback(self, out: list, order: list) -> None:
+        """CPU offload: each new shard was copied into the host gradient (``_offload_grad``) and is dropped as
+        ``prepare_gradient_for_optim`` deletes ``_saved_grad_shard``, unit by unit in pre-order, as backward
+        ends (``_post_backward_final_callback``)."""
+        for g in order:
+            if self.units[g].offload and g in self.grad_shards:
+                self._free(out, self.grad_shards.pop(g))
 
     @staticmethod
     def emit(out: list, op: tuple) -> None:
@@ -368,6 +418,8 @@ def _boundary(step: _Step, out: list, name: str, layer: int | None, num_layers: 
     elif name == "engine_start":  # the root's pre-backward (NO_SHARD: its copy again) prefetches the last layer
         if not step.units["root"].sharded:
             step.unshard(out, "root")
+        else:  # still unsharded: under CPU offload its copies are made and dropped again
+            step.refresh(out, "root")
         if reshard_after_forward:
             step.unshard(out, last)
     elif name in ("bw_first", "bw", "bw_last") and adapters:
@@ -646,13 +698,14 @@ def _adapter_grads(grads: dict, units: dict) -> dict:
 def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, units: dict, table: list,
               optimizer: str, first: bool, num_layers: int, scalar: set[int], pieces: list[int],
               reshard_after_forward: bool, polys: list, recompute: bool, layer0_at_suffix: bool,
-              adapter_out_elem: int | None, unit_pieces: dict, micro: str = SYNC, held: dict | None = None
-              ) -> tuple[list, dict[int, int], tuple[int, int], list, int, dict]:
+              adapter_out_elem: int | None, unit_pieces: dict, micro: str = SYNC, held: dict | None = None,
+              zero_grad_keys: set | None = None) -> tuple[list, dict[int, int], tuple[int, int], list, int, dict]:
     """The FSDP1 step's ops, where each old op index went, where its optimizer part begins (before and after the
     loss is freed), the gradient shards (the next step's root pre-forward frees them) and where the root's
     pre-forward begins. ``recompute``: checkpointing re-runs each layer's forward (its adapters') in backward.
     ``micro``: which micro-batch of an accumulation cycle (``MICRO_BATCHES``), ``held``: the flat gradients the
-    cycle's first kept under no_sync; the flat gradients this one holds are returned last."""
+    cycle's first kept under no_sync; the flat gradients this one holds are returned last. ``zero_grad_keys`` gets
+    the keys of the new shards ``zero_grad`` frees (without ``use_orig_params``)."""
     layer_grads = {g: list(keys) for g, keys in _grads_by_group(expansion, ops, table).items()}
     summed = _summed_grad_keys(layer_grads, table)
     step = _Step(build, units, _adapter_grads(layer_grads, units), micro, held, unit_pieces)
@@ -685,6 +738,7 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
     step.post_backward(out, "root")
     if not layer0_at_suffix:  # backward's final callback reshards what is left, in pre-order: the root, layer 0
         step.post_backward(out, 0)
+    step.final_callback(out, _lazy_init_order(units, num_layers))
     if seed_free is not None:
         out.append(seed_free)
     optimizer_at = moved[cut] = len(out)
@@ -693,9 +747,13 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
                if op[0] == FREE and op[1] in made and op[1] not in grad_keys and op[1] not in moved_frees)
     loss_freed_at = len(out)
     step.adamw(out, pieces, first, optimizer)  # the tensors' pieces of the shards, parameter order
-    if not units["root"].orig_params:  # zero_grad(set_to_none): each flat parameter's .grad is its new shard
+    if not units["root"].orig_params and not units["root"].offload:  # zero_grad(set_to_none): each flat
+        # parameter's .grad is its new shard (under CPU offload, the host gradient)
         for g in _stepped_units(units, num_layers):
-            step._free(out, step.grad_shards.pop(g))
+            shard = step.grad_shards.pop(g)
+            step._free(out, shard)
+            if zero_grad_keys is not None:
+                zero_grad_keys.add(shard.key)
     if step.unsharded:
         raise ExpansionError("fsdp1: unsharded flat parameters left at the end of the step")
     shards = [step.grad_shards[g] for g in _lazy_init_order(units, num_layers) if g in step.grad_shards]
@@ -745,10 +803,17 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
         piece_of.update((p.name, n * unit.flat.param_elem) for p, n in zip(unit.params, pieces))
         unit_pieces[g] = [0 if _grad_view_fits(p, n, unit.flat) else n * unit.flat.param_elem
                           for p, n in zip(unit.params, pieces)]
-    if sizes.options.use_orig_params:
+    if sizes.options.cpu_offload:  # the optimizer steps the host shards
+        # a recompute's pre-forward makes the copies again under mixed precision (``pre_unshard``); without, the
+        # unit is still unsharded and nothing is made
+        if accumulating or (grad_ckpt and sizes.mixed):
+            raise ExpansionError("fsdp1 with CPU offload: replayed without accumulation, and without checkpointing "
+                                 "under mixed precision")
+        pieces = []
+    elif sizes.options.use_orig_params:
         pieces = [piece_of[p.name] for p in model_order(table) if p.trainable and piece_of[p.name]]
-    elif accumulating:
-        raise ExpansionError("fsdp1 without use_orig_params under gradient accumulation: not modelled yet")
+    elif accumulating and grad_sync == "last":
+        raise ExpansionError("fsdp1 without use_orig_params under no_sync: not modelled yet")
     else:  # the optimizer steps the flat parameters themselves, i.e. this rank's shards
         pieces = [units[g].stepped_bytes for g in _stepped_units(units, num_layers)]
     build = _Builder(expansion.steady.keys, base_size_index)
@@ -760,8 +825,9 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
                   recompute=grad_ckpt, layer0_at_suffix=_layer0_hooked(units, table, grad_ckpt),
                   adapter_out_elem=autocast_elem, unit_pieces=unit_pieces)
     start = build.next_key
+    zero_grad_keys: set[int] = set()  # without use_orig_params: the new shards, the flat parameters' .grad
     steady_ops, _moved, steady_optimizer, steady_shards, steady_prefix, _held = _step_ops(
-        expansion, expansion.steady.ops, steady_marks, first=False, **common)
+        expansion, expansion.steady.ops, steady_marks, first=False, zero_grad_keys=zero_grad_keys, **common)
     steady_keys = build.next_key
     build.next_key = start  # the first step's tensors take the same keys in the same order
     first_ops, first_moved, first_optimizer, first_shards, first_prefix, _held = _step_ops(
@@ -788,7 +854,7 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
         step_keys = max(step_keys, build.next_key)
         loss = steady_ops[steady_at:steady_optimizer[1] + len(previous)]
         micro = _micro_steps(first_ops, first_at - len(loss), steady_ops, steady_at, middle[:middle_optimizer[0]],
-                             loss, {t.key for t in steady_shards})
+                             loss, {t.key for t in steady_shards}, zero_grad_keys)
     # kept to the next step: the shards, a manual loop's outputs
     return Fsdp1Step(expansion=method_expansion(
         "fsdp1", expansion, first_ops, steady_ops, step_keys, first_moved, (first_at, steady_at),
@@ -841,18 +907,24 @@ def _no_sync_micro_steps(expansion: Expansion, build: _Builder, start: int, comm
 
 
 def _micro_steps(first_ops: list, first_end: int, steady_ops: list, steady_end: int, middle: list, loss: list,
-                 shards: set[int]) -> MicroSteps:
+                 shards: set[int], zero_grad_keys: set[int] = frozenset()) -> MicroSteps:
     """Gradient accumulation with a reduce-scatter every micro-batch (``grad_sync`` every: no ``no_sync``), as
     ``estimator.reserved.accumulate`` builds micro-steps, FSDP1's way: the cycle's first micro-batch keeps its new
     shards as ``_saved_grad_shard`` (then ``.grad``: ``prepare_gradient_for_optim`` moves the tensor, the next
     pre-backward moves it back), a later one adds its own into them (``_accumulate_sharded_grad``) and frees
     them (``middle``: the steady step's forward and backward so built); the optimizer's ``zero_grad`` frees
     nothing (the tensors' gradients view the shards), the next cycle's first root pre-forward drops them
-    (``FREE_PREVIOUS_CYCLE``). ``first_end`` / ``steady_end``: where each step's loss is freed, its optimizer
-    part begins."""
+    (``FREE_PREVIOUS_CYCLE``). Without ``use_orig_params`` (``zero_grad_keys``) the kept shards are the flat
+    parameters' ``.grad`` (``prepare_gradient_for_optim``; the next micro-batch's pre-backward moves them back to
+    ``_saved_grad_shard``: ``prepare_gradient_for_backward``) and the cycle's ``zero_grad`` frees them
+    (``FREE_CYCLE``). ``first_end`` / ``steady_end``: where each step's loss is freed, its optimizer part begins."""
     if sorted(first_ops[first_end:first_end + len(loss)]) != sorted(loss):
         raise ExpansionError("fsdp1: the first step does not free the loss right before its optimizer step")
     head = [(FREE_PREVIOUS_CYCLE, key, size) if kind == FREE_PREVIOUS and key in shards else (kind, key, size)
             for kind, key, size in steady_ops[:steady_end]]
+
+    def tail(ops: list) -> list:
+        return [(FREE_CYCLE, key, size) if kind == FREE and key in zero_grad_keys else (kind, key, size)
+                for kind, key, size in ops]
     return MicroSteps(first_head=first_ops[:first_end], head=head, middle=middle, before_optimizer=loss,
-                      first_tail=first_ops[first_end:], tail=steady_ops[steady_end:])
+                      first_tail=tail(first_ops[first_end:]), tail=tail(steady_ops[steady_end:]))

@@ -24,8 +24,8 @@ from estimator.spec import ckpt_every
 # the buckets copied into only at the synchronising micro-step (no allocation); FSDP2 reduce-scatters every
 # micro-step, a later micro-step's output added into the sharded gradients and freed.
 # dp_tp: FSDP2 over the dp axis of the TP-local model (harness.fake.wrap), replayed as fsdp on dp ranks.
-# fsdp1: the default prefetching, LoRA's adapter units, accumulation (reducing every micro-batch or under no_sync;
-# with use_orig_params only) (estimator.reserved.fsdp1).
+# fsdp1: the default prefetching, LoRA's adapter units, accumulation (reducing every micro-batch; under no_sync with
+# use_orig_params only), CPU offload under FULL_SHARD / HYBRID_SHARD (estimator.reserved.fsdp1).
 # zero1 / zero2: DeepSpeed's flat buffers, IPG bucket and partition step (estimator.reserved.zero), default stream.
 # zero3: the same on three streams, with the parameter coordinator's gathers (estimator.reserved.zero3).
 METHODS = ("single", "ddp", "tp", "fsdp", "dp_tp", "fsdp1", "zero1", "zero2", "zero3", "zero_offload")
@@ -89,9 +89,16 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
                 and spec.parallel.fsdp1.sharding_strategy == "SHARD_GRAD_OP"):
             reason = ("fsdp1 SHARD_GRAD_OP under no_sync (grad_sync last): the layers kept unsharded between "
                       "micro-batches are not in the replay yet")
-        if reason is None and training.grad_accum_steps > 1 and not spec.parallel.fsdp1.use_orig_params:
-            reason = ("fsdp1 without use_orig_params under gradient accumulation: the flat parameters' gradients "
-                      "kept between micro-batches are not in the replay yet")
+        if (reason is None and training.grad_accum_steps > 1 and training.grad_sync == "last"
+                and not spec.parallel.fsdp1.use_orig_params):
+            reason = ("fsdp1 without use_orig_params under no_sync (grad_sync last): the flat gradients held between "
+                      "micro-batches are not in the replay yet")
+        if reason is None and spec.parallel.fsdp1.cpu_offload and training.grad_accum_steps > 1:
+            reason = "fsdp1 with CPU offload under gradient accumulation: not in the replay yet"
+        if (reason is None and spec.parallel.fsdp1.cpu_offload and training.grad_ckpt
+                and training.precision.startswith("mixed_")):
+            reason = ("fsdp1 with CPU offload, mixed precision and checkpointing: the recompute's 16-bit shard "
+                      "copies (its pre-forward's pre_unshard) are not in the replay yet")
         if reason is None and training.qlora:
             reason = "fsdp1 with QLoRA: the packed weights' units are not in the replay yet"
         if reason is None and table is not None and fsdp1_sizes(spec, table).kept_input_bytes_per_token:

@@ -191,6 +191,27 @@ def test_lora_settings_fsdp1_does_not_model_are_one_line_errors(tmp_path, precis
         estimate(spec)
 
 
+def test_no_shard_lora_with_orig_params_on_tied_embeddings_is_refused(tmp_path):
+    """torch 2.11's FSDP1 fails in NO_SHARD's post-forward on a frozen root holding tied embeddings (the H200 run
+    f5bb3ea572113552, reproduced on CPU): refused before any profile is loaded; untied, use_orig_params false and
+    FULL_SHARD pass the check."""
+    from estimator.api import estimate
+    from estimator.methods.fsdp1 import check_fsdp1
+
+    lora = TrainingSpec(precision="bf16", micro_batch_size=1, seq_len=32, lora_rank=4)
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    spec = _spec(tied, lora, 2, sharding_strategy="NO_SHARD")
+    (tied / "config.json").write_text(json.dumps({**CONFIG, "tie_word_embeddings": True}))
+    with pytest.raises(ValueError, match="^parallel.fsdp1.sharding_strategy: NO_SHARD with LoRA and use_orig_params on a model with tied"):
+        estimate(spec)
+    config = {**CONFIG, "tie_word_embeddings": True}
+    check_fsdp1(_spec(tmp_path, lora, 2, sharding_strategy="NO_SHARD"), CONFIG)
+    check_fsdp1(_spec(tmp_path, lora, 2, sharding_strategy="NO_SHARD", use_orig_params=False), config)
+    check_fsdp1(_spec(tmp_path, lora, 2), config)
+    check_fsdp1(_spec(tmp_path, TrainingSpec(precision="bf16"), 2, sharding_strategy="NO_SHARD"), config)
+
+
 def test_fake_tensor_trace_equals_real_cpu_tensors(tmp_path):
     """FSDP1 asks data_ptr() whether storages are shared or freed (0 on fake tensors); the oracle's answer must
     give the same program as real tensors, byte for byte (SHARD_GRAD_OP's writeback check depends on it)."""

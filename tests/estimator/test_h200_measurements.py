@@ -14,11 +14,13 @@ MEASUREMENTS = pathlib.Path(__file__).resolve().parents[2] / "data" / "measureme
 
 SESSION_15 = "6362787470fda86aec0aa84543cbfa5a57cd7e4d"  # the harness's git sha in each row
 SESSION_25 = "5ea8c9220392da1da6bf51a86466109f7ce49415"
+SESSION_26 = "262911dfe08e6d0aa6d082bcf5a67adc1027f04e"
 
 
-def scored(table: str, git_sha: str | None = None) -> list[tuple[pd.Series, object]]:
+def scored(table: str, git_sha: str | None = None, run_ids: tuple[str, ...] = ()) -> list[tuple[pd.Series, object]]:
     rows = pd.read_csv(MEASUREMENTS / f"{table}.csv")
-    rows = rows[(rows["run_status"] == "ok") & ((rows["git_sha"] == git_sha) if git_sha else True)]
+    rows = rows[(rows["run_status"] == "ok") & ((rows["git_sha"] == git_sha) if git_sha else True)
+                & (rows["run_id"].isin(run_ids) if run_ids else True)]
     results = rank_estimates(rows, load_coefficients("h200-141gb"), allow_build=False)
     assert not [r for r in results if isinstance(r, str)]
     return [(row, rank) for (_, row), (_, rank) in zip(rows.iterrows(), results)]
@@ -83,3 +85,24 @@ def test_session_25_ranks_every_k_and_held_gradients_at_both_levels():
         assert abs(pct(rank.peak_allocated_bytes, row["peak_allocated_bytes"])) < 0.4, row["run_id"]
         if row["method"] in SHARDED and not row["model"].endswith(".json"):
             assert abs(pct(rank.peak_reserved_bytes, row["peak_reserved_bytes"])) < 0.05, row["run_id"]
+
+
+def test_session_26_fsdp1_offload_flat_accumulation_and_reentrant_lora_are_replayed_to_the_byte():
+    """Session 26's FSDP1 rows (Llama-3.2-1B, mixed_bf16, 4 ranks, b1 s1024, 2026-11-27; ranks 0 and 3).
+    ``cpu_offload``: each unit's host shard copied to the device and cast to 16 bits for its all-gather (the root's
+    again in its pre-backward), the new shards dropped as backward ends, the step on the host (was -45.76 % on
+    the prior). Without use_orig_params under accumulation 2 (reducing every micro-batch): the first
+    micro-batch's new shards kept as the flat parameters' ``.grad``, the second's added into them, ``zero_grad``
+    freeing them (was -22.72 %). FSDP1 x 2 with LoRA r16, bf16 and reentrant checkpointing, b4 s2048 (ranks 0 and 1):
+    transformers 5.17's layers checkpoint themselves inside their unit, so nothing is kept to backward's end
+    (``reentrant_kept_input_bytes`` 0) and the replay is the H200's."""
+    measured = {"15898dcca26c5b27-a4b7c02a": 8_413_773_824, "5a02b66474e7545d-a4b7c02a": 12_941_524_992,
+                "dc88be634d64b862-c4073027": 18_073_255_936}
+    rows = scored("gpu_snapshots", SESSION_26, tuple(measured))
+    ranks = {"dc88be634d64b862-c4073027": (0, 1)}
+    assert sorted((row["run_id"], row["rank"]) for row, _ in rows) == [
+        (r, k) for r in sorted(measured) for k in ranks.get(r, (0, 3))]
+    for row, rank in rows:
+        assert rank.reserved_source == "replayed", row["run_id"]
+        assert rank.peak_reserved_bytes == row["peak_reserved_bytes"] == measured[row["run_id"]], row["run_id"]
+        assert abs(pct(rank.peak_allocated_bytes, row["peak_allocated_bytes"])) < 0.01, row["run_id"]

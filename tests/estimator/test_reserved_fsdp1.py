@@ -37,11 +37,11 @@ def llama_path(tmp_path_factory):
     return str(path)
 
 
-def _spec(path: str, training: TrainingSpec, world: int, strategy: str = "FULL_SHARD", orig_params: bool = True
-          ) -> RunSpec:
+def _spec(path: str, training: TrainingSpec, world: int, strategy: str = "FULL_SHARD", orig_params: bool = True,
+          cpu_offload: bool = False) -> RunSpec:
     """``strategy``: a sharding strategy; ``HYBRID_SHARD:N`` shards over N ranks per node."""
     strategy, _, per_node = strategy.partition(":")
-    options = Fsdp1Spec(sharding_strategy=strategy, use_orig_params=orig_params,
+    options = Fsdp1Spec(sharding_strategy=strategy, use_orig_params=orig_params, cpu_offload=cpu_offload,
                         **({"gpus_per_node": int(per_node)} if per_node else {}))
     return RunSpec(model=path, training=training,
                    parallel=ParallelSpec(method="fsdp1", world_size=world, fsdp1=options))
@@ -279,16 +279,31 @@ def test_fsdp1_replayed_allocated_level_equals_the_estimate(llama_path, training
     pytest.param(TrainingSpec(precision="mixed_bf16", loop="manual"), 3, "SHARD_GRAD_OP", marks=pytest.mark.slow),
     pytest.param(TrainingSpec(precision="bf16"), 3, "NO_SHARD", marks=pytest.mark.slow),
     pytest.param(TrainingSpec(precision="mixed_bf16"), 4, "HYBRID_SHARD:2", marks=pytest.mark.slow),
+    (TrainingSpec(precision="mixed_bf16", grad_accum_steps=2), 4, "FULL_SHARD"),
 ])
 def test_flat_parameter_replayed_allocated_level_equals_the_estimate(llama_path, training, world, strategy):
     """``use_orig_params=False``, as above."""
     _assert_replayed_allocated_level(llama_path, training, world, strategy, False)
 
 
+@pytest.mark.parametrize("training, world, orig_params", [
+    (TrainingSpec(precision="mixed_bf16"), 4, True),  # the H200 row's settings (15898dcca26c5b27)
+    (TrainingSpec(precision="bf16"), 3, False),
+    # the answerai fsdp_qlora row's: pure bf16, LoRA on the six Linears, checkpointing, flat parameters
+    (TrainingSpec(precision="bf16", lora_rank=8, grad_ckpt=True, lora_targets=ALL_SIX), 2, False),
+    (TrainingSpec(precision="fp32", grad_ckpt=True), 2, True),
+])
+def test_cpu_offload_replayed_allocated_level_equals_the_estimate(llama_path, training, world, orig_params):
+    """CPU offload: the shards, their gradients and the step on the host; each gather's device copy of the host
+    shard (cast to 16 bits under mixed precision) and the new shards held to backward's end are transient, so the
+    replay's allocated level is the estimator's."""
+    _assert_replayed_allocated_level(llama_path, training, world, "FULL_SHARD", orig_params, cpu_offload=True)
+
+
 def _assert_replayed_allocated_level(llama_path: str, training: TrainingSpec, world: int, strategy: str,
-                                     orig_params: bool) -> None:
+                                     orig_params: bool, cpu_offload: bool = False) -> None:
     training = dataclasses.replace(training, micro_batch_size=B, seq_len=S)
-    spec = _spec(llama_path, training, world, strategy, orig_params)
+    spec = _spec(llama_path, training, world, strategy, orig_params, cpu_offload)
     est = api.estimate(spec, alloc_conf="")
     arch, profile = load_profile(llama_path, training)
     coeffs = load_coefficients(est.gpu_key)
@@ -309,7 +324,9 @@ def test_other_fsdp1_settings_keep_the_prior(llama_path):
     training = TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S)
     for options, steps, reason in ((Fsdp1Spec(use_orig_params=False), 2, "use_orig_params"),
                                    (Fsdp1Spec(backward_prefetch="BACKWARD_POST"), 1, "prefetching")):
-        spec = RunSpec(model=llama_path, training=dataclasses.replace(training, grad_accum_steps=steps),
+        # the flat gradients held under no_sync without use_orig_params (reducing every micro-batch is replayed)
+        spec = RunSpec(model=llama_path, training=dataclasses.replace(training, grad_accum_steps=steps,
+                                                                      grad_sync="last" if steps > 1 else "every"),
                        parallel=ParallelSpec(method="fsdp1", world_size=2, fsdp1=options))
         est = api.estimate(spec, alloc_conf="")
         assert est.reserved_source == "prior"
@@ -322,6 +339,15 @@ def test_other_fsdp1_settings_keep_the_prior(llama_path):
                                   "SHARD_GRAD_OP"), alloc_conf="")
     assert unsynced.reserved_source == "prior"
     assert any(n.startswith("reserved: prior") and "no_sync" in n for n in unsynced.notes)
+    for offloaded, reason in ((dataclasses.replace(training, grad_ckpt=True), "CPU offload, mixed precision"),
+                              (dataclasses.replace(training, grad_accum_steps=2), "CPU offload under gradient"),
+                              (training, "CPU offload under SHARD_GRAD_OP")):
+        strategy = "SHARD_GRAD_OP" if "SHARD_GRAD_OP" in reason else "FULL_SHARD"
+        spec = RunSpec(model=llama_path, training=offloaded, parallel=ParallelSpec(
+            method="fsdp1", world_size=2, fsdp1=Fsdp1Spec(sharding_strategy=strategy, cpu_offload=True)))
+        est = api.estimate(spec, alloc_conf="")
+        assert est.reserved_source == "prior"
+        assert any(n.startswith("reserved: prior") and reason in n for n in est.notes)
     lora = dataclasses.replace(training, precision="bf16", lora_rank=8)
     kept = api.estimate(_spec(llama_path, lora, 2, "SHARD_GRAD_OP"), alloc_conf="")
     assert kept.reserved_source == "prior"
@@ -346,8 +372,11 @@ def _flat(**fields) -> TrainingSpec:
     (_flat(precision="mixed_bf16"), 3, 2, "SHARD_GRAD_OP", False),
     (_flat(precision="bf16"), 2, 1, "NO_SHARD", False),
     (_flat(precision="bf16", grad_ckpt=True), 4, 3, "HYBRID_SHARD:2", False),
+    # accumulation reducing every micro-batch: the kept new shards are .grad, zero_grad frees them
+    (_flat(precision="mixed_bf16", grad_accum_steps=2), 4, 3, "FULL_SHARD", False),
+    (_flat(precision="bf16", grad_accum_steps=3), 3, 2, "FULL_SHARD", False),
 ], ids=lambda v: str(v) if not isinstance(v, TrainingSpec) else
-   f"{v.precision}-lora{v.lora_rank}-{v.lora_targets}-ckpt{int(v.grad_ckpt)}-b{v.micro_batch_size}")
+   f"{v.precision}-lora{v.lora_rank}-{v.lora_targets}-ckpt{int(v.grad_ckpt)}-b{v.micro_batch_size}-k{v.grad_accum_steps}")
 def test_flat_parameter_stream_equals_a_real_fsdp1_run(llama_path, training, world, rank, strategy, orig_params):
     """``use_orig_params=False``: the flat parameter unpadded, a short chunk padded (setup's shard, the
     reduce-scatter's input), the optimizer stepping the flat shards, ``zero_grad`` freeing them. Setup and three

@@ -128,6 +128,11 @@ def test_preflight_rejects_points_that_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="^training.precision: fsdp1 with LoRA under mixed_bf16"):
         plan_point(*point_args(tmp_path, "method=fsdp1", "parallel.world_size=2", "training=lora",
                                "training.precision=mixed_bf16", "training.seq_len=64"), CPU_DEVICE)
+    # torch's FSDP1 fails on tied embeddings under NO_SHARD + LoRA + use_orig_params (small-opt ties them)
+    with pytest.raises(ValueError, match="^parallel.fsdp1.sharding_strategy: NO_SHARD with LoRA and use_orig_params"):
+        plan_point(*point_args(tmp_path, "model=small-opt", "method=fsdp1", "parallel.world_size=2", "training=lora",
+                               "training.precision=bf16", "training.seq_len=64",
+                               "parallel.fsdp1.sharding_strategy=NO_SHARD"), CPU_DEVICE)
 
 
 def test_the_callers_git_state_wins_over_the_copys(monkeypatch):
