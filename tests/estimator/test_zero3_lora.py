@@ -236,3 +236,21 @@ def test_the_wrapper_saves_what_the_estimate_adds(adapters_16bit):
         table.append(ParamInfo(name, tuple(p.shape), p.numel(), p.element_size(), p.requires_grad, kind, layer))
     per_layer, head = zero3_saved_linear_inputs(table, 0.0, head=True, attention_view=False)
     assert extra == ids.numel() * (sum(per_layer) + head) == (2_588_672 if adapters_16bit else 2_981_888)
+
+
+@pytest.mark.slow
+def test_the_cpu_zero3_lora_runs_are_estimated_within_1_percent():
+    """``docs/error_matrix/zero_cpu_lora.csv``: real DeepSpeed ZeRO-3 LoRA runs on the CPU (every storage counted),
+    re-estimated as ``zero_cpu_check.py --rescore`` does (builds small-llama's LoRA profiles when not cached)."""
+    import csv
+
+    from benchmarks.zero_cpu_check import rescored
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "docs" / "error_matrix" / "zero_cpu_lora.csv"
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 8
+    for row in rows:
+        again = rescored("small-llama", row)
+        assert float(again["estimated_mib"]) == float(row["estimated_mib"])
+        assert abs(float(again["error_pct"])) < 1.0
