@@ -264,18 +264,22 @@ def fp32_outputs_extra_bytes(regime: dict, training: TrainingSpec, b: int, s: in
 _STEP_MODELS: dict[tuple, tuple[list, methods.StepModel]] = {}
 
 
-def _step_model(spec: RunSpec, table, rank: int = 0, path: methods.Zero12Rank | None = None
-                ) -> methods.StepModel:
+def _step_model(spec: RunSpec, table, rank: int = 0, path: methods.Zero12Rank | None = None,
+                attention_view: bool = True) -> methods.StepModel:
     """The method's step model, memoized per table: it depends on the layout, the precision and the optimizer,
     not on the micro-batch or the sequence (a plan's search asks for the same one at every micro-batch)."""
     training = spec.training  # checkpointing's flavour and the model code: what FSDP1 keeps of the layer inputs
     key = (spec.parallel, training.precision, training.optimizer, id(table), rank, path,
            (training.grad_ckpt, training.ckpt_reentrant, training.model_code) if spec.parallel.method == "fsdp1"
-           else None)
-    return memo_by_owner(_STEP_MODELS, key, table, lambda: _new_step_model(spec, table, rank, path), limit=1024)
+           # ZeRO-3's frozen Linear inputs: which are saved, and for how long
+           else (training.lora_dropout, training.grad_ckpt, training.ckpt_policy, training.ce, training.qlora)
+           if spec.parallel.zero_stage == 3 else None, attention_view)
+    return memo_by_owner(_STEP_MODELS, key, table, lambda: _new_step_model(spec, table, rank, path, attention_view),
+                         limit=1024)
 
 
-def _new_step_model(spec: RunSpec, table, rank: int, path: methods.Zero12Rank | None) -> methods.StepModel:
+def _new_step_model(spec: RunSpec, table, rank: int, path: methods.Zero12Rank | None,
+                    attention_view: bool = True) -> methods.StepModel:
     method = spec.parallel.method
     if method in ("single", "tp"):
         return methods.single(spec, table)
@@ -288,7 +292,14 @@ def _new_step_model(spec: RunSpec, table, rank: int, path: methods.Zero12Rank | 
         sharded = spec if method == "fsdp" else spec.replace(parallel=ParallelSpec(method="fsdp",
                                                                                    world_size=spec.parallel.dp))
         return methods.fsdp(sharded, table)
-    return methods.zero(spec, table, rank, path)
+    return methods.zero(spec, table, rank, path, attention_view)
+
+
+def attention_output_saved(profile: dict) -> bool:
+    """Whether the attention's output, as the output projection reads it, is a tensor the attention kernel saves
+    itself: SDPA's flash and memory-efficient kernels and flash-attn lay it out as (b, s, heads, dim), so the
+    reshape is a view; eager attention and SDPA's math kernel return (b, heads, s, dim) and the reshape copies."""
+    return profile.get("attn_effective") in ("sdpa", "flash") and "math" not in profile.get("sdpa_backends", ())
 
 
 def _activation_split(segments: dict, peak: Replay, num_layers: int, b: int, s: int) -> tuple[float, float]:
@@ -378,7 +389,8 @@ def _replay(model: methods.StepModel, segments: dict, num_layers: int, b: int, s
 
         def policy(prev: float, within: float) -> float:
             return held + min(within, in_flight)
-    return replay(segments, num_layers, b, s, grad_policy=policy, extra_bytes=model.segment_extra)
+    return replay(segments, num_layers, b, s, grad_policy=policy, extra_bytes=model.segment_extra,
+                  saved_per_token=model.segment_saved_per_token)
 
 
 def _grad_sync_note(spec: RunSpec) -> list[str]:
@@ -410,7 +422,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
                    ) -> tuple[RankEstimate, methods.StepModel]:
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
-    model = _step_model(spec, table, rank, path)
+    model = _step_model(spec, table, rank, path, attention_view=attention_output_saved(profile))
     regime = _regime(profile, b, s)
     segments = technique_segments(loop_segments(regime, training.loop, arch.num_layers), profile, training)
     if ring is not None:  # the ring attention's transients at each flash call (spec: this rank's local sequence)

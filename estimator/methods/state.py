@@ -35,6 +35,9 @@ class StepModel:
     # FSDP2: the unsharded parameters held while the last decoder layer runs forward (root and that layer; under
     # EP its experts too, and their all-gather output, which forward keeps until the next unit's copy-out)
     forward_gathered_bytes: float = 0.0
+    # Bytes per token held per (segment, repetition) on top of the profile's activations: what a method's own
+    # autograd functions save that the traced step does not (ZeRO-3's frozen Linear inputs)
+    segment_saved_per_token: ExtraBytes | None = None
     # A method that changes the step's event sequence replays it itself:
     # (segments, layers, b, s, accumulating) -> Replay.
     replay: Callable | None = None
@@ -279,6 +282,122 @@ def _zero_layout(table: list[ParamInfo], num_layers: int) -> tuple[float, list[f
     return pre, [layers.get(i, 0.0) for i in range(num_layers)], post
 
 
+def _zero3_layer_of(segment: str, k: int, num_layers: int) -> int:
+    """The decoder layer (1-based) a layer segment's repetition ``k`` runs."""
+    return {"fw_first": 1, "fw": 2 + k, "fw_last": num_layers, "bw_first": num_layers,
+            "bw": num_layers - 1 - k, "bw_last": 1}[segment]
+
+
+# Linear layers of one module that read the same input tensor (one saved copy serves them all); any other Linear
+# reads an input of its own (o_proj: the attention's reshaped output, down_proj: the gated product)
+_SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up",
+                 "w1": "w13", "w3": "w13", "query": "qkv", "key": "qkv", "value": "qkv"}
+# The attention's output projection: its input is the attention output reshaped, a view of the tensor SDPA's
+# flash and memory-efficient kernels (and flash-attn) save themselves; eager and math attention make it a copy
+_ATTENTION_OUTPUT = ("o_proj", "out_proj", "wo")
+_LORA_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_", ".lora_magnitude_vector")
+
+
+def _linear_input_key(name: str) -> tuple[str, str]:
+    """(parent module, input) of a Linear weight's module, peft's ``base_layer`` wrapper looked through."""
+    module = name.rsplit(".", 1)[0].removesuffix(".base_layer")
+    parent, _, leaf = module.rpartition(".")
+    return parent, _SHARED_INPUT.get(leaf, leaf)
+
+
+@dataclass
+class _InputGroup:
+    """The Linear layers of one module that read one input tensor, in registration (forward) order."""
+    weights: list[ParamInfo] = field(default_factory=list)
+    adapters: list[ParamInfo] = field(default_factory=list)   # peft's lora_A of those layers
+
+    def saved_plainly(self, lora_dropout: float) -> bool:
+        """The input is saved by plain autograd already: a trainable layer reads it, or an adapter's lora_A reads
+        the tensor itself (dropout 0 and an adapter of the input's dtype; peft feeds fp32 adapters a cast copy)."""
+        if any(p.trainable for p in self.weights):
+            return True
+        return lora_dropout == 0 and any(a.elem_bytes == self.weights[0].elem_bytes for a in self.adapters)
+
+    @property
+    def trainable(self) -> bool:
+        return bool(self.adapters) or any(p.trainable for p in self.weights)
+
+
+def _input_groups(table: list[ParamInfo]) -> dict[tuple[int | None, str, str], _InputGroup]:
+    groups: dict[tuple[int | None, str, str], _InputGroup] = {}
+    for p in table:
+        if p.module_kind != "linear" or len(p.shape) != 2 or is_routed_expert(p.name):
+            continue
+        if any(part in p.name for part in _LORA_PARTS):  # an adapter belongs to its wrapper's group
+            if ".lora_A." in p.name:
+                key = (p.layer, *_linear_input_key(p.name.split(".lora_")[0] + ".weight"))
+                groups.setdefault(key, _InputGroup()).adapters.append(p)
+            continue
+        groups.setdefault((p.layer, *_linear_input_key(p.name)), _InputGroup()).weights.append(p)
+    return {key: group for key, group in groups.items() if group.weights}
+
+
+def zero3_saved_linear_inputs(table: list[ParamInfo], lora_dropout: float, head: bool, attention_view: bool
+                              ) -> tuple[list[float], float]:
+    """Bytes per token that DeepSpeed ZeRO-3's ``LinearFunctionForZeroStage3`` saves beyond plain autograd: each
+    decoder layer's, and the output head's.
+
+    ``zero.Init`` (transformers builds a ZeRO-3 model under it) replaces ``torch.nn.functional.linear`` with
+    ``zero3_linear_wrap`` for good (``memory_efficient_linear``, default true; never restored), whose
+    ``setup_context`` saves ``(input, weight, bias)`` whenever one of them needs a gradient. A trainable Linear
+    saves its input anyway; a frozen one (LoRA's base model) under plain autograd saves only its weight, so its
+    input is now held to its backward as well, once per input tensor (q/k/v, gate/up share one), unless that
+    tensor is saved already (``_InputGroup.saved_plainly``; ``attention_view``: the attention output
+    projection's input is the attention kernel's own saved output). Nothing is recorded where neither the input
+    nor a parameter needs a gradient: the first layer's modules up to the first trainable one read activations
+    of the frozen embedding. Routed experts (not ``F.linear``) are left out. ``head``: the output head is one
+    ``F.linear`` (the standard cross-entropy)."""
+    layers = 1 + max((p.layer for p in table if p.layer is not None), default=-1)
+    per_layer = [0.0] * layers
+    needs_grad = any(p.trainable for p in table if p.layer is None and p.module_kind == "embedding")
+    head_bytes = 0.0
+    for (layer, _, leaf), group in _input_groups(table).items():
+        first = layer is not None and layer == 0 and not needs_grad
+        if first:
+            needs_grad = group.trainable  # from here on the activations carry a gradient
+            continue
+        if group.saved_plainly(lora_dropout) or (attention_view and leaf in _ATTENTION_OUTPUT):
+            continue
+        saved = group.weights[0].elem_bytes * group.weights[0].shape[1]
+        if layer is not None:
+            per_layer[layer] += saved
+        elif head:
+            head_bytes += saved
+    for p in table:  # a head tied to the input embedding is that embedding's weight, called through F.linear
+        if head and not p.trainable and any(t.endswith("lm_head.weight") for t in p.tied_names):
+            head_bytes += p.elem_bytes * p.shape[1]
+    return per_layer, head_bytes
+
+
+def _zero3_saved_inputs(table: list[ParamInfo], lora_dropout: float, head: bool, checkpointed: bool,
+                        attention_view: bool) -> ExtraBytes | None:
+    """Bytes per token of ``zero3_saved_linear_inputs`` held per (segment, repetition): the layers run so far
+    (the current one counted whole: an upper bound inside it); with checkpointing, only the layer whose
+    recompute runs in backward (its forward under checkpoint saves nothing); the head's from its forward to its
+    backward (the loss in between)."""
+    per_layer, head_bytes = zero3_saved_linear_inputs(table, lora_dropout, head, attention_view)
+    if not any(per_layer) and not head_bytes:
+        return None
+    num_layers = len(per_layer)
+    upto = [sum(per_layer[:i]) for i in range(num_layers + 1)]
+
+    def saved(segment: str, k: int) -> float:
+        if segment in ("prefix", "suffix"):
+            return 0.0
+        if segment in ("mid_fw", "mid_bw"):
+            return head_bytes + (0.0 if checkpointed else upto[-1])
+        i = _zero3_layer_of(segment, k, num_layers)
+        if checkpointed:
+            return per_layer[i - 1] if segment.startswith("bw") else 0.0
+        return upto[i]
+    return saved
+
+
 def _zero3_gathered(zcfg: ZeroSpec, table: list[ParamInfo], elem: int) -> ExtraBytes:
     """Bytes of gathered (unpartitioned) parameters per (segment, repetition) under DeepSpeed ZeRO-3.
 
@@ -299,8 +418,7 @@ def _zero3_gathered(zcfg: ZeroSpec, table: list[ParamInfo], elem: int) -> ExtraB
     live = zcfg.stage3_max_live_parameters
 
     def layer_index(segment: str, k: int) -> int:
-        return {"fw_first": 1, "fw": 2 + k, "fw_last": num_layers, "bw_first": num_layers,
-                "bw": num_layers - 1 - k, "bw_last": 1}[segment]
+        return _zero3_layer_of(segment, k, num_layers)
 
     def gathered(segment: str, k: int) -> float:
         if segment == "prefix":
@@ -315,6 +433,17 @@ def _zero3_gathered(zcfg: ZeroSpec, table: list[ParamInfo], elem: int) -> ExtraB
             numel = min(pre + before[i - 1], live) + layers[i - 1] + min(bucket, ahead)
         return elem * numel
     return gathered
+
+
+def _zero3_linear_saves(spec: RunSpec, table: list[ParamInfo], attention_view: bool) -> ExtraBytes | None:
+    """``_zero3_saved_inputs`` for a ZeRO-3 run built under ``zero.Init`` (the harness and the Hugging Face
+    Trainer; not QLoRA, which transformers builds without it). Autocast precisions are left out: there the
+    wrapper saves the fp32 input where plain autograd saved its 16-bit cast, not modelled (no run checks it)."""
+    training = spec.training
+    if training.qlora or training.precision.startswith("amp") or training.ckpt_policy:
+        return None
+    return _zero3_saved_inputs(table, training.lora_dropout, training.ce == "standard", training.grad_ckpt,
+                               attention_view)
 
 
 def _zero_flat_order(trainable: list[ParamInfo]) -> list[ParamInfo]:
@@ -534,7 +663,8 @@ def _stage3_grads_alive(trainable: list[ParamInfo], bucket: float) -> Callable[.
     return _grads_alive(tuple(produced), tuple(arrival), tuple(after))
 
 
-def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank | None = None) -> StepModel:
+def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank | None = None,
+         attention_view: bool = True) -> StepModel:
     """DeepSpeed ZeRO-1/2/3 and ZeRO-Offload as DeepSpeed 0.19 allocates (``harness/methods/deepspeed.py``
     config: torch AdamW on the partitions), checked against real DeepSpeed runs on CPU with every storage
     counted (``benchmarks/zero_cpu_check.py``).
@@ -586,7 +716,7 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
         host = master + states + fp32_grads
         master = states = partition16 = cast32 = adam_temp = norm_temp = 0.0
     resident: dict[str, float] = {}
-    extra = None
+    extra = saved_per_token = None
     if stage == 3:
         persistent = sum(p.nbytes for p in table if p.numel <= zcfg.stage3_param_persistence_threshold)
         resident["weights"] = 0.0 if offload_param else weights * part + persistent
@@ -595,6 +725,10 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
         resident["comm_buffers"] = ipg
         resident["gradients"] = partition16
         extra = _zero3_gathered(zcfg, table, elem16)
+        saved_per_token = _zero3_linear_saves(spec, table, attention_view)
+        if saved_per_token is not None:
+            notes.append("zero3: zero.Init's memory-efficient linear (LinearFunctionForZeroStage3) saves each frozen "
+                         "Linear's input for backward, which plain autograd does not: counted with the activations")
 
         grads_alive = _stage3_grads_alive(trainable, zcfg.reduce_bucket_size)
 
@@ -655,4 +789,5 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
     resident["optimizer_states"] = states
     return StepModel(resident=resident, grad_policy=held, segment_extra=extra, step_grads=step_grads,
                      step_temp=max(step_candidates), host_bytes=host, notes=notes,
-                     accumulated_grad_bytes=accumulated, largest_grad_bytes=in_flight)
+                     accumulated_grad_bytes=accumulated, largest_grad_bytes=in_flight,
+                     segment_saved_per_token=saved_per_token)

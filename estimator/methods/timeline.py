@@ -93,11 +93,12 @@ def _repetitions(repeats: int, produced: float, net_grad: float, breakpoints: tu
 
 
 def replay(segments: dict, num_layers: int, b: int, s: int, grad_policy: GradPolicy = _full,
-           extra_bytes: ExtraBytes | None = None) -> Replay:
-    """``grad_policy`` may carry ``breakpoints``: gradient bytes produced at which what it holds steps."""
+           extra_bytes: ExtraBytes | None = None, saved_per_token: ExtraBytes | None = None) -> Replay:
+    """``grad_policy`` may carry ``breakpoints``: gradient bytes produced at which what it holds steps.
+    ``saved_per_token``: activation bytes per token (b x s) the method saves on top of the profile's."""
     act = 0.0
     grad = 0.0
-    best = (float("-inf"), 0.0, 0.0, "prefix", 0.0)
+    best = (float("-inf"), 0.0, 0.0, "prefix", 0.0, 0.0)
     breakpoints = tuple(getattr(grad_policy, "breakpoints", ()))
     # a policy with ``since_previous`` also gets the gradient bytes of the segment's previous candidate: the
     # profile keeps only undominated candidates, so the gradients produced since then may each have arrived at a
@@ -125,6 +126,7 @@ def replay(segments: dict, num_layers: int, b: int, s: int, grad_policy: GradPol
             base_act = act + k * net_act
             base_grad = grad + k * net_grad
             extra = extra_bytes(kind, first + k) if extra_bytes else 0.0
+            saved = b * s * saved_per_token(kind, first + k) if saved_per_token else 0.0
             since = 0.0  # the previous candidate's gradient bytes in this segment (its start: none)
             hooks = set(seg["hooks"]) if "hooks" in seg else None
             for index, (cand_act, cand_grad) in enumerate(seg["candidates"]):
@@ -136,13 +138,14 @@ def replay(segments: dict, num_layers: int, b: int, s: int, grad_policy: GradPol
                 else:
                     g = grad_policy(base_grad, cand_grad)
                 since = cand_grad
-                if a + g + extra > best[0]:
-                    best = (a + g + extra, a, g, name, extra)
+                if a + g + extra + saved > best[0]:
+                    best = (a + g + extra + saved, a, g, name, extra, saved)
         act += repeats * net_act
         grad += repeats * net_grad
     return Replay(peak_bytes=best[0], peak_act_bytes=best[1], peak_grad_bytes=best[2], peak_segment=best[3],
                   end_act_bytes=act, end_grad_bytes=grad,
-                  peak_parts={"gathered_params": best[4]} if extra_bytes else {})
+                  peak_parts={**({"gathered_params": best[4]} if extra_bytes else {}),
+                              **({"activations": best[5]} if saved_per_token else {})})
 
 
 def replay_activation_peak(segments: dict, num_layers: int, b: int, s: int) -> int:
