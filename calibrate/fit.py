@@ -36,6 +36,7 @@ CV_SCHEMES = {"leave_one_model_family_out": "model_family", "leave_one_method_ou
 FALLBACK_SCHEME = ("grouped_kfold_by_run", "run_id")
 DEFAULT_UPPER_QUANTILE = 0.99
 DEFAULT_MAX_CV_ERROR_PCT = 5.0
+MIN_SLACK_RUNS = 3  # independent runs the reserved formula is fitted on (a run's ranks count once)
 
 
 @dataclass
@@ -107,7 +108,14 @@ def fit_terms(rows: pd.DataFrame, prior: Coefficients) -> TermFit:
     if "reserved_source" in rows:
         calm = calm & (rows["reserved_source"] != "replayed").to_numpy()
     x, y = alloc[calm] / GIB, (reserved[calm] - alloc[calm]) / GIB
-    if _identifiable(x):
+    # a run's ranks share one allocation stream: the formula needs independent runs, not rank rows
+    runs = int(rows.loc[calm, "run_id"].nunique()) if "run_id" in rows else len(x)
+    if runs < MIN_SLACK_RUNS:
+        ratio, slack_gib = prior.reserved_slack_ratio, prior.reserved_slack_bytes / GIB
+        sources["reserved_slack_ratio"] = (f"prior kept: {runs} run(s) without allocation retries whose reserved "
+                                           f"level the estimator does not replay (fewer than {MIN_SLACK_RUNS})")
+        sources["reserved_slack_bytes"] = sources["reserved_slack_ratio"]
+    elif _identifiable(x):
         ratio, slack_gib = _nonneg_linear(x, y)
         sources["reserved_slack_ratio"] = f"fitted: non-negative least squares over {len(x)} rows"
         sources["reserved_slack_bytes"] = sources["reserved_slack_ratio"]
@@ -134,7 +142,8 @@ def fit_terms(rows: pd.DataFrame, prior: Coefficients) -> TermFit:
     return TermFit(workspace_total_bytes=int(round(workspace)), reserved_slack_ratio=round(ratio, 9),
                    reserved_slack_bytes=int(round(slack_gib * GIB)), cuda_context_bytes=int(round(context_gib * GIB)),
                    nccl_bytes_per_communicator=int(round(nccl_gib * GIB)), sources=sources,
-                   rows={"allocated": len(rows), "reserved": int(calm.sum()), "device": len(rows)})
+                   rows={"allocated": len(rows), "reserved": int(calm.sum()) if runs >= MIN_SLACK_RUNS else 0,
+                         "device": len(rows)})
 
 
 def to_coefficients(terms: TermFit, prior: Coefficients, gpu_key: str, upper_bound_ratio: float) -> Coefficients:

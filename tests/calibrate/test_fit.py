@@ -149,3 +149,22 @@ def test_a_workspace_near_torchs_own_size_is_torchs():
     hopper = TORCH_WORKSPACE_BYTES[1]
     assert fit_workspace(rows(2 * hopper + 300_000), workspaces=2) == 2 * hopper
     assert fit_workspace(rows(2 * hopper + 3 * MIB), workspaces=2) == 2 * hopper + 3 * MIB
+
+
+def test_the_reserved_formula_needs_three_independent_runs():
+    """Two ranks of one run share one allocation stream: rank rows of two runs leave the formula at the prior;
+    a third run fits it."""
+    def rows(run_ids: list[str]) -> pd.DataFrame:
+        n = len(run_ids)
+        alloc = np.linspace(2e9, 9e9, n)
+        return pd.DataFrame({"run_id": run_ids, "peak_allocated_bytes": alloc, "analytic_allocated_bytes": alloc,
+                             "peak_reserved_bytes": alloc * 1.3, "peak_device_bytes": alloc * 1.3 + 5e8,
+                             "num_alloc_retries": [0] * n, "reserved_source": ["prior"] * n,
+                             "communicators": [0] * n, "emulated": [False] * n})
+    two = F.fit_terms(rows(["a", "a", "b", "b"]), PRIOR)
+    assert "prior kept" in two.sources["reserved_slack_ratio"] and two.rows["reserved"] == 0
+    assert (two.reserved_slack_ratio, two.reserved_slack_bytes) == (PRIOR.reserved_slack_ratio,
+                                                                    PRIOR.reserved_slack_bytes)
+    three = F.fit_terms(rows(["a", "a", "b", "c"]), PRIOR)
+    assert three.sources["reserved_slack_ratio"].startswith("fitted") and three.rows["reserved"] == 4
+    assert three.reserved_slack_ratio == pytest.approx(0.3, abs=1e-6)
