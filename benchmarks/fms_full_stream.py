@@ -28,24 +28,13 @@ CATALOGUE_VOCAB, HIDDEN = 32000, 4096
 
 def generated(row: dict):
     """(requests, phase starts) of the estimator's replay for ``row``'s spec."""
-    import estimator.reserved.rank as rank_mod
+    from reserved_stream_diff import intercepted_replay
+
     from estimator.api import estimate
     from estimator.columns import spec_from_columns
     from estimator.reserved.timeline import step_requests
 
-    caught = {}
-    original = rank_mod.replay_rank
-
-    def spy(setup, plan, *args, **kwargs):
-        caught.setdefault("setup", setup)
-        caught.setdefault("plan", plan)
-        return original(setup, plan, *args, **kwargs)
-
-    rank_mod.replay_rank = spy
-    try:
-        estimate(spec_from_columns(row), allow_build=False)
-    finally:
-        rank_mod.replay_rank = original
+    _, caught = intercepted_replay(lambda: estimate(spec_from_columns(row), allow_build=False))
     setup, plan = caught["setup"], caught["plan"]
     requests, frees = [], dict(setup.frees_after)
     for i, (_name, nbytes) in enumerate(setup.allocations):

@@ -45,16 +45,12 @@ def _row(run_id: str, gpu: str, rank: int = 0) -> dict:
     raise SystemExit(f"{run_id}: no row in {MEASUREMENTS / gpu}")
 
 
-def generated(row: dict, steps: int = 3):
-    """(requests, phase starts, estimate): the estimator's own request stream for the row's spec."""
-    import pandas as pd
-
+def intercepted_replay(run):
+    """``run()`` with the estimator's reserved replay intercepted: (its result, {"setup", "plan"} of the first
+    replay it made; empty when it made none)."""
     import estimator.reserved.rank as rank_mod
-    from calibrate.terms import rank_estimates
-    from estimator.hardware.residuals import load_coefficients
-    from estimator.reserved.timeline import step_requests
 
-    caught = {}
+    caught: dict = {}
     original = rank_mod.replay_rank
 
     def spy(setup, plan, *args, **kwargs):
@@ -64,9 +60,21 @@ def generated(row: dict, steps: int = 3):
 
     rank_mod.replay_rank = spy
     try:
-        result = rank_estimates(pd.DataFrame([row]), load_coefficients(row["gpu_key"]), allow_build=False)[0]
+        return run(), caught
     finally:
         rank_mod.replay_rank = original
+
+
+def generated(row: dict, steps: int = 3):
+    """(requests, phase starts, estimate): the estimator's own request stream for the row's spec."""
+    import pandas as pd
+
+    from calibrate.terms import rank_estimates
+    from estimator.hardware.residuals import load_coefficients
+    from estimator.reserved.timeline import step_requests
+
+    result, caught = intercepted_replay(
+        lambda: rank_estimates(pd.DataFrame([row]), load_coefficients(row["gpu_key"]), allow_build=False)[0])
     if "setup" not in caught:
         raise SystemExit(f"no replay for this spec: {result if isinstance(result, str) else result[1].to_dict()}")
     setup, plan = caught["setup"], caught["plan"]

@@ -196,15 +196,20 @@ class _Step(BufferOps):
         if self.ipg is None:
             self.ipg = [self._alloc(out, self.bucket_numel * self.elem16) for _ in range(1 + self.overlap)]
 
-    def flush(self, out: list) -> None:
-        """``reduce_ipg_grads``: the slices reduced (one concatenation when there are several), then copied."""
-        slices: list[list[int]] = []  # [partition, elements], consecutive pieces of one partition merged
+    def _pending_slices(self) -> list[list[int]]:
+        """[partition, elements] of the pending gradients, consecutive pieces of one partition merged."""
+        slices: list[list[int]] = []
         for p in self.pending:
             for partition, numel in self.layout.pieces(self.flat_index[id(p)]):
                 if slices and slices[-1][0] == partition:
                     slices[-1][1] += numel
                 else:
                     slices.append([partition, numel])
+        return slices
+
+    def flush(self, out: list) -> None:
+        """``reduce_ipg_grads``: the slices reduced (one concatenation when there are several), then copied."""
+        slices = self._pending_slices()
         chunk: list[int] = []
         for _, numel in slices:  # allreduce_and_scatter: chunks of just over reduce_bucket_size elements
             chunk.append(numel)
@@ -281,13 +286,7 @@ class _StepOffload(_Step):
     on the GPU. The norm's scalars and the overflow check's temporaries (a few bytes) are left out."""
 
     def flush(self, out: list) -> None:
-        slices: list[list[int]] = []
-        for p in self.pending:
-            for partition, numel in self.layout.pieces(self.flat_index[id(p)]):
-                if slices and slices[-1][0] == partition:
-                    slices[-1][1] += numel
-                else:
-                    slices.append([partition, numel])
+        slices = self._pending_slices()
         chunk: list[int] = []
         for _, numel in slices:
             chunk.append(numel)
