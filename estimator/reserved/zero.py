@@ -209,14 +209,7 @@ class _Step(BufferOps):
 
     def flush(self, out: list) -> None:
         """``reduce_ipg_grads``: the slices reduced (one concatenation when there are several), then copied."""
-        slices = self._pending_slices()
-        chunk: list[int] = []
-        for _, numel in slices:  # allreduce_and_scatter: chunks of just over reduce_bucket_size elements
-            chunk.append(numel)
-            if sum(chunk) > self.bucket_numel:
-                self._concatenate(out, chunk)
-                chunk = []
-        self._concatenate(out, chunk)
+        self._reduce_pending(out)
         for p in self.pending:
             mine = self.rank in self.layout.ranks_of(self.flat_index[id(p)])
             if mine and self.in_partition is None:
@@ -228,6 +221,15 @@ class _Step(BufferOps):
                 else:
                     self.held.append(p)
         self.pending, self.elements, self.oversized = [], 0, None
+
+    def _reduce_pending(self, out: list) -> None:
+        chunk: list[int] = []
+        for _, numel in self._pending_slices():  # allreduce_and_scatter: chunks of just over reduce_bucket_size
+            chunk.append(numel)
+            if sum(chunk) > self.bucket_numel:
+                self._concatenate(out, chunk)
+                chunk = []
+        self._concatenate(out, chunk)
 
     def _concatenate(self, out: list, chunk: list[int]) -> None:
         if len(chunk) > 1:  # one tensor is flattened as a view
@@ -286,14 +288,7 @@ class _StepOffload(_Step):
     on the GPU. The norm's scalars and the overflow check's temporaries (a few bytes) are left out."""
 
     def flush(self, out: list) -> None:
-        slices = self._pending_slices()
-        chunk: list[int] = []
-        for _, numel in slices:
-            chunk.append(numel)
-            if sum(chunk) > self.bucket_numel:
-                self._concatenate(out, chunk)
-                chunk = []
-        self._concatenate(out, chunk)
+        self._reduce_pending(out)
         for p in self.pending:
             k = self.flat_index[id(p)]
             if self.rank in self.layout.ranks_of(k):
