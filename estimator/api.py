@@ -31,10 +31,16 @@ from estimator.methods.pipeline_rank import (
     reported_pp_ranks,
 )
 from estimator.methods.router_unit import router_segments
-from estimator.methods.timeline import Replay, at_depth, poly, replay, segment_sequence
+from estimator.methods.timeline import Replay, at_depth, loop_segments, poly, replay, replayed_depth
 from estimator.models.arch import ModelArch, cached_arch
 from estimator.models.memo import memo_by_owner
-from estimator.models.moe import experts_breakdown, moe_facts, moe_notes, qlora_experts_note
+from estimator.models.moe import (
+    check_forward_only_layers,
+    experts_breakdown,
+    moe_facts,
+    moe_notes,
+    qlora_experts_note,
+)
 from estimator.models.moe_ep import EpLayout, ep_notes
 from estimator.models.params import buffer_bytes, expand_params, param_counts
 from estimator.models.profiles import adapters_in_16bit, traced_release, versions_note
@@ -208,39 +214,6 @@ def _regime(profile: dict, b: int, s: int) -> dict:
     raise ValueError(f"seq_len: no profiled regime covers micro-batch {b}, sequence {s}")
 
 
-def loop_segments(regime: dict, loop: str, num_layers: int) -> dict:
-    """The regime's step as the training loop runs it (``TrainingSpec.loop``), at the model's depth. Decoder layers
-    that run forward only (``frozen_layers``: LoRA on the routed experts past dense first layers) are in the
-    prefix: the layer segments repeat for the others, in an explicit ``sequence``."""
-    depth = replayed_depth(regime, num_layers)
-    segments = at_depth(regime["segments_manual"] if loop == "manual" else regime["segments"], depth)
-    return {**segments, "sequence": segment_sequence(depth)} if depth != num_layers else segments
-
-
-def replayed_depth(regime: dict, num_layers: int) -> int:
-    """The decoder layers the regime's layer segments stand for: all but the forward-only first ones."""
-    frozen = regime.get("frozen_layers", 0)
-    if frozen and num_layers <= frozen:
-        raise ValueError(f"lora_targets: no trainable parameter in any of the model's {num_layers} decoder layers")
-    return num_layers - frozen
-
-
-def check_forward_only_layers(spec: RunSpec, profile: dict) -> None:
-    """Forward-only first layers (``frozen_layers``) are replayed for one GPU only (checked against the CPU oracle
-    on Qwen3-MoE and DeepSeek-V2, docs/error_matrix/moe_methods.csv); elsewhere the methods' own replays would
-    count the layer segments for every layer. (every-k checkpointing is full fine-tuning only: the spec refuses
-    it with LoRA.)"""
-    frozen = profile["params"].get("frozen_layers", 0)
-    parallel = spec.parallel
-    if not frozen:
-        return
-    if parallel.method != "single" or parallel.world_size > 1 or parallel.pp > 1 or parallel.ep > 1 \
-            or parallel.cp > 1 or parallel.tp > 1:
-        raise ValueError(f"lora_targets: backward never reaches the first {frozen} decoder layer(s) (no adapter "
-                         "there: dense layers before the experts); modelled for method single only, add a target "
-                         "those layers have (e.g. attention) for other methods")
-
-
 def held_outputs_bytes(regime: dict, loop: str, b: int, s: int) -> float:
     """What a manual loop keeps bound besides the loss at every moment of the step: the model's output object
     (logits, and any other tensor the model returns)."""
@@ -293,13 +266,6 @@ def _new_step_model(spec: RunSpec, table, rank: int, path: methods.Zero12Rank | 
                                                                                    world_size=spec.parallel.dp))
         return methods.fsdp(sharded, table)
     return methods.zero(spec, table, rank, path, attention_view)
-
-
-def attention_output_saved(profile: dict) -> bool:
-    """Whether the attention's output, as the output projection reads it, is a tensor the attention kernel saves
-    itself: SDPA's flash and memory-efficient kernels and flash-attn lay it out as (b, s, heads, dim), so the
-    reshape is a view; eager attention and SDPA's math kernel return (b, heads, s, dim) and the reshape copies."""
-    return profile.get("attn_effective") in ("sdpa", "flash") and "math" not in profile.get("sdpa_backends", ())
 
 
 def _activation_split(segments: dict, peak: Replay, num_layers: int, b: int, s: int) -> tuple[float, float]:
@@ -422,7 +388,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
                    ) -> tuple[RankEstimate, methods.StepModel]:
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
-    model = _step_model(spec, table, rank, path, attention_view=attention_output_saved(profile))
+    model = _step_model(spec, table, rank, path, attention_view=methods.attention_output_saved(profile))
     regime = _regime(profile, b, s)
     segments = technique_segments(loop_segments(regime, training.loop, arch.num_layers), profile, training)
     if ring is not None:  # the ring attention's transients at each flash call (spec: this rank's local sequence)

@@ -791,3 +791,10 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
                      step_temp=max(step_candidates), host_bytes=host, notes=notes,
                      accumulated_grad_bytes=accumulated, largest_grad_bytes=in_flight,
                      segment_saved_per_token=saved_per_token)
+
+
+def attention_output_saved(profile: dict) -> bool:
+    """Whether the attention's output, as the output projection reads it, is a tensor the attention kernel saves
+    itself: SDPA's flash and memory-efficient kernels and flash-attn lay it out as (b, s, heads, dim), so the
+    reshape is a view; eager attention and SDPA's math kernel return (b, heads, s, dim) and the reshape copies."""
+    return profile.get("attn_effective") in ("sdpa", "flash") and "math" not in profile.get("sdpa_backends", ())

@@ -151,3 +151,20 @@ def replay(segments: dict, num_layers: int, b: int, s: int, grad_policy: GradPol
 def replay_activation_peak(segments: dict, num_layers: int, b: int, s: int) -> int:
     """The activation peak of a profile's (traced-depth) segments at ``num_layers``."""
     return round(replay(at_depth(segments, num_layers), num_layers, b, s).peak_bytes)
+
+
+def loop_segments(regime: dict, loop: str, num_layers: int) -> dict:
+    """The regime's step as the training loop runs it (``TrainingSpec.loop``), at the model's depth. Decoder layers
+    that run forward only (``frozen_layers``: LoRA on the routed experts past dense first layers) are in the
+    prefix: the layer segments repeat for the others, in an explicit ``sequence``."""
+    depth = replayed_depth(regime, num_layers)
+    segments = at_depth(regime["segments_manual"] if loop == "manual" else regime["segments"], depth)
+    return {**segments, "sequence": segment_sequence(depth)} if depth != num_layers else segments
+
+
+def replayed_depth(regime: dict, num_layers: int) -> int:
+    """The decoder layers the regime's layer segments stand for: all but the forward-only first ones."""
+    frozen = regime.get("frozen_layers", 0)
+    if frozen and num_layers <= frozen:
+        raise ValueError(f"lora_targets: no trainable parameter in any of the model's {num_layers} decoder layers")
+    return num_layers - frozen

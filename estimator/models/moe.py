@@ -153,3 +153,19 @@ def experts_breakdown(table: list, breakdown: dict[str, int]) -> dict[str, int]:
         share = stored(p for p in experts if p.trainable) / trainable
         out.update((k, breakdown.get(k, 0) * share) for k in ("gradients", "optimizer_states"))
     return {k: int(round(v)) for k, v in out.items() if v >= 0.5}
+
+
+def check_forward_only_layers(spec, profile: dict) -> None:
+    """Forward-only first layers (``frozen_layers``) are replayed for one GPU only (checked against the CPU oracle
+    on Qwen3-MoE and DeepSeek-V2, docs/error_matrix/moe_methods.csv); elsewhere the methods' own replays would
+    count the layer segments for every layer. (every-k checkpointing is full fine-tuning only: the spec refuses
+    it with LoRA.)"""
+    frozen = profile["params"].get("frozen_layers", 0)
+    parallel = spec.parallel
+    if not frozen:
+        return
+    if parallel.method != "single" or parallel.world_size > 1 or parallel.pp > 1 or parallel.ep > 1 \
+            or parallel.cp > 1 or parallel.tp > 1:
+        raise ValueError(f"lora_targets: backward never reaches the first {frozen} decoder layer(s) (no adapter "
+                         "there: dense layers before the experts); modelled for method single only, add a target "
+                         "those layers have (e.g. attention) for other methods")

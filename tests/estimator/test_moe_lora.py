@@ -54,7 +54,7 @@ def _segments() -> dict:
 
 
 def test_the_layer_segments_repeat_for_the_layers_backward_reaches():
-    from estimator.api import loop_segments
+    from estimator.methods.timeline import loop_segments
 
     regime = {"segments": _segments(), "segments_manual": _segments(), "frozen_layers": 2}
     mine = loop_segments(regime, "trainer", 6)
@@ -74,7 +74,7 @@ def test_the_layer_segments_repeat_for_the_layers_backward_reaches():
     (ParallelSpec(method="single", world_size=2, pp=2), {}),
 ])
 def test_other_methods_refuse_forward_only_first_layers(parallel, training):
-    from estimator.api import check_forward_only_layers
+    from estimator.models.moe import check_forward_only_layers
 
     spec = RunSpec(model="x", parallel=parallel, training=TrainingSpec(lora_rank=8, **training))
     with pytest.raises(ValueError, match="backward never reaches the first 1 decoder layer"):
