@@ -98,13 +98,18 @@ print(json.dumps({"world": world, "batch": b, "seq_len": s, "reentrant": bool(re
 """
 
 
-def run_point(config: dict, world: int, batch: int, seq_len: int, reentrant: bool) -> dict:
-    done = subprocess.run([sys.executable, "-c", _POINT, json.dumps([config, world, batch, seq_len, reentrant])],
-                          capture_output=True, text=True)
+def run_point_script(script: str, args: list, error_fields: dict) -> dict:
+    """``script`` in its own interpreter (a point that dies takes nothing else with it) with ``args`` as its JSON
+    argument: its last stdout line as JSON, else ``error_fields`` with the last line of its stderr."""
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(args)], capture_output=True, text=True)
     if done.returncode:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"world": world, "batch": batch, "seq_len": seq_len, "reentrant": reentrant, "error": tail}
+        return {**error_fields, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_point(config: dict, world: int, batch: int, seq_len: int, reentrant: bool) -> dict:
+    return run_point_script(_POINT, [config, world, batch, seq_len, reentrant],
+                            {"world": world, "batch": batch, "seq_len": seq_len, "reentrant": reentrant})
 
 
 def _ints(text: str) -> list[int]:

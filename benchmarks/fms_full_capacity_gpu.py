@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 
-from fms_fsdp1_lora_gpu import MISTRAL_7B
+from fms_fsdp1_lora_gpu import MISTRAL_7B, _ints, run_point_script
 
 _POINT = r"""
 import gzip, json, pickle, sys, threading, time
@@ -119,17 +118,8 @@ print(json.dumps({"batch": b, "seq_len": s, "steps": steps, "cap_gib": cap_gib, 
 
 def run_point(config: dict, batch: int, seq_len: int, steps: int, cap_gib: float | None,
               snapshot: str | None) -> dict:
-    done = subprocess.run([sys.executable, "-c", _POINT, json.dumps([config, batch, seq_len, steps, cap_gib,
-                                                                      snapshot])],
-                          capture_output=True, text=True)
-    if done.returncode:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"batch": batch, "seq_len": seq_len, "cap_gib": cap_gib, "error": tail}
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+    return run_point_script(_POINT, [config, batch, seq_len, steps, cap_gib, snapshot],
+                            {"batch": batch, "seq_len": seq_len, "cap_gib": cap_gib})
 
 
 def main(argv: list[str] | None = None) -> int:
