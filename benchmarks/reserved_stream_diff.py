@@ -1,6 +1,7 @@
 """Where the estimator's generated allocation stream departs from a recorded one (a harness snapshot).
 
     PYTHONPATH=. .venv/bin/python benchmarks/reserved_stream_diff.py RUN_ID [--rank R] [--gpu h100-80gb] [--show 25]
+        [--replay-refused] [--segments MIB] [--ablate]
 
 For the run's spec (its row of ``data/measurements/<gpu>/gpu_snapshots.csv``) the estimator's replay is intercepted
 (``estimator.reserved.rank.replay_rank``) to get its setup and step plan; the generated requests are the setup's
@@ -14,11 +15,16 @@ driver), the size multiset difference, and the first aligned runs that differ; t
   - the recorded stream, recorded addresses (the measured peak, exact: ``estimator.allocator.replay``),
   - the recorded stream with the simulated driver (isolates the driver's addresses from the stream),
   - the generated stream with the simulated driver (the estimate).
+``--segments MIB`` lists where steps 1-2's requests land in segments of at least MIB (which cached segments the
+largest requests find); ``--ablate`` replays each stream less each size of its unmatched requests (which
+differences decide its reserved peak); ``--replay-refused`` replays every-k over a first layer of another kind,
+which the estimate keeps on the prior.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import difflib
 import sys
@@ -65,18 +71,41 @@ def intercepted_replay(run):
         rank_mod.replay_rank = original
 
 
-def generated(row: dict, steps: int = 3):
-    """(requests, phase starts, estimate): the estimator's own request stream for the row's spec."""
+@contextlib.contextmanager
+def every_k_over_other_first_layer():
+    """The estimate refuses to replay every-k checkpointing over a first layer of another kind
+    (``reserved.rank.why_not_layer_kinds``); for a diagnosis, let it replay the merged event list all the same."""
+    import estimator.reserved.rank as rank_mod
+
+    original = rank_mod.why_not_layer_kinds
+    rank_mod.why_not_layer_kinds = lambda table, every_k=False: original(table, False)
+    try:
+        yield
+    finally:
+        rank_mod.why_not_layer_kinds = original
+
+
+def _reserved_note(result) -> str:
+    if isinstance(result, str):
+        return result
+    return next((note for note in result[0].notes if note.startswith("reserved:")), result[1].reserved_source)
+
+
+def generated(row: dict, steps: int = 3, replay_refused: bool = False):
+    """(requests, phase starts, estimate): the estimator's own request stream for the row's spec.
+    ``replay_refused``: also where the estimate keeps the prior for every-k over a first layer of another kind."""
     import pandas as pd
 
     from calibrate.terms import rank_estimates
     from estimator.hardware.residuals import load_coefficients
     from estimator.reserved.timeline import step_requests
 
-    result, caught = intercepted_replay(
-        lambda: rank_estimates(pd.DataFrame([row]), load_coefficients(row["gpu_key"]), allow_build=False)[0])
+    refused = every_k_over_other_first_layer() if replay_refused else contextlib.nullcontext()
+    with refused:
+        result, caught = intercepted_replay(
+            lambda: rank_estimates(pd.DataFrame([row]), load_coefficients(row["gpu_key"]), allow_build=False)[0])
     if "setup" not in caught:
-        raise SystemExit(f"no replay for this spec: {result if isinstance(result, str) else result[1].to_dict()}")
+        raise SystemExit(f"no replay for this spec: {_reserved_note(result)}")
     setup, plan = caught["setup"], caught["plan"]
     requests = []
     frees = dict(setup.frees_after)
@@ -166,6 +195,71 @@ def trajectory(requests, conf=None):
     return reserved, segments, allocator.peak_reserved_bytes
 
 
+def placements(requests, lo: int, hi: int, min_segment_bytes: int) -> list[str]:
+    """Requests ``lo:hi`` whose block lies in a segment of at least ``min_segment_bytes`` (through the model with
+    the simulated driver): index, alloc / free, size, the segment (its creation order and size) and the offset in
+    it. What shows which cached segments a step's largest requests find, and what holds the others."""
+    import bisect
+
+    from estimator.allocator.model import CachingAllocator
+
+    events: list = []
+    allocator = CachingAllocator(events=events)
+    segments: list[tuple[int, int, int]] = []  # (base, bytes, creation order)
+    placed: dict = {}
+    out = []
+    for index, request in enumerate(requests[:hi]):
+        if request[0] == "alloc":
+            seen = len(events)
+            addr = allocator.malloc(request[2], request[3])
+            for kind, base, nbytes, _stream in events[seen:]:
+                if kind == "segment_alloc":
+                    bisect.insort(segments, (base, nbytes, len(segments)))
+            base, nbytes, order = segments[bisect.bisect_right(segments, (addr, 1 << 62, 0)) - 1]
+            entry = placed[request[1]] = (addr, request[2], base, nbytes, order)
+        elif request[0] == "free":
+            entry = placed.pop(request[1])
+            allocator.free(entry[0])
+        else:
+            continue
+        addr, size, base, nbytes, order = entry
+        if index >= lo and nbytes >= min_segment_bytes:
+            what = "A" if request[0] == "alloc" else "F"
+            out.append(f"{index:6d} {what} {_fmt(size):>12s} segment #{order} ({_fmt(nbytes)}) at "
+                       f"{_fmt(addr - base)}")
+    return out
+
+
+def unmatched(requests, starts, other, other_starts, min_bytes: int = MIB) -> list[tuple]:
+    """The allocations of at least ``min_bytes`` that the per-phase size alignment (``difflib``) leaves without
+    a counterpart in the other stream."""
+    out = []
+    for phase in range(len(starts) - 1):
+        mine = [r for r in requests[starts[phase]:starts[phase + 1]] if r[0] == "alloc"]
+        theirs = [r[2] for r in other[other_starts[phase]:other_starts[phase + 1]] if r[0] == "alloc"]
+        matcher = difflib.SequenceMatcher(None, [r[2] for r in mine], theirs, autojunk=False)
+        matched = {i for tag, i1, i2, _j1, _j2 in matcher.get_opcodes() if tag == "equal" for i in range(i1, i2)}
+        out.extend(r for i, r in enumerate(mine) if i not in matched and r[2] >= min_bytes)
+    return out
+
+
+def without(requests, drop: set) -> list:
+    """The stream less the allocations named in ``drop`` and their frees."""
+    return [r for r in requests if r[1] not in drop]
+
+
+def ablation(requests, starts, other, other_starts) -> list[tuple[int | None, int, int]]:
+    """(size, count, reserved peak) of the stream as it is (size 0), less each size of its unmatched requests
+    (>= 1 MiB), then less all of them (size None): which differences from the other stream decide its peak."""
+    extra = unmatched(requests, starts, other, other_starts)
+    out: list[tuple[int | None, int, int]] = [(0, 0, trajectory(requests)[2])]
+    for size in sorted({r[2] for r in extra}):
+        drop = {r[1] for r in extra if r[2] == size}
+        out.append((size, len(drop), trajectory(without(requests, drop))[2]))
+    out.append((None, len(extra), trajectory(without(requests, {r[1] for r in extra}))[2]))
+    return out
+
+
 def _sizes(requests, lo, hi):
     return [r[2] for r in requests[lo:hi] if r[0] == "alloc"]
 
@@ -180,11 +274,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", default="h100-80gb")
     parser.add_argument("--rank", type=int, default=0, help="which rank's snapshot (emulated ranks)")
     parser.add_argument("--show", type=int, default=20, help="differing aligned runs shown per phase")
+    parser.add_argument("--replay-refused", action="store_true",
+                        help="replay every-k over a first layer of another kind, which the estimate refuses")
+    parser.add_argument("--segments", type=float, metavar="MIB",
+                        help="list the step-1 and step-2 requests placed in segments of at least MIB MiB")
+    parser.add_argument("--ablate", action="store_true",
+                        help="each stream's reserved peak less each size of its unmatched requests (>= 1 MiB)")
     args = parser.parse_args(argv)
     row = _row(args.run_id, args.gpu, args.rank)
     b, s = int(row["micro_batch_size"]), int(row["seq_len"])
     snap = MEASUREMENTS / args.gpu / "snapshots" / f"{row['run_id']}.rank{row['rank'] or 0}.snapshot.pickle.gz"
-    gen, gen_starts, result = generated(row)
+    gen, gen_starts, result = generated(row, replay_refused=args.replay_refused)
     rec, rec_starts, _snapshot = recorded(snap, b * s * 8, _live(gen[:gen_starts[1]]))
     gen_res, gen_segs, gen_peak = trajectory(gen)
     rec_res, rec_segs, rec_peak = trajectory(rec)
@@ -213,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         matcher = difflib.SequenceMatcher(None, gs, rs, autojunk=False)
         shown = 0
         for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-            if tag == "equal":
+            if tag == "equal" or shown >= args.show:
                 continue
             big = [x for x in gs[i1:i2] + rs[j1:j2] if x > MIB]
             if not big:
@@ -221,8 +321,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   {tag:7s} gen[{i1}:{i2}] {[_fmt(x) for x in gs[i1:i2]][:6]} rec[{j1}:{j2}] "
                   f"{[_fmt(x) for x in rs[j1:j2]][:6]}")
             shown += 1
-            if shown >= args.show:
-                break
+    if args.segments:
+        for name, requests, starts in (("generated", gen, gen_starts), ("recorded", rec, rec_starts)):
+            print(f"\n== {name}: steps 1-2, requests in segments >= {args.segments:g} MiB")
+            print("\n".join(placements(requests, starts[1], starts[3], int(args.segments * MIB))))
+    if args.ablate:
+        for name, mine, theirs in (("recorded", (rec, rec_starts), (gen, gen_starts)),
+                                   ("generated", (gen, gen_starts), (rec, rec_starts))):
+            print(f"\n== {name} stream's reserved peak (simulated driver)")
+            for size, count, peak in ablation(*mine, *theirs):
+                what = "as it is" if size == 0 else "less all its unmatched" if size is None else \
+                    f"less its unmatched {_fmt(size)}"
+                print(f"   {what:36s} x{count:<4d} {peak:,}")
     return 0
 
 

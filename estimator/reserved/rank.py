@@ -128,9 +128,11 @@ def why_not_layer_kinds(table: list[ParamInfo], every_k: bool = False) -> str | 
     one dense layer first, dense and expert layers alternating) has layers no traced segment stands for.
     ``every_k``: every-k checkpointing over a first layer of another kind stays on the prior. Its merged event
     list is built (``reserved.every_k`` pairs the first layer's crossing tensors apart from the generic layer's)
-    and its requested peak is the real run's (tests/estimator/test_reserved_every_k.py), but the replay's
-    reserved level is not: the expert layers' CUDA-side scratch and order (reduction staging buffers,
-    grouped GEMM workspaces, docs/allocator.md, session 26) decide which cached segments the logits find."""
+    and its requested peak is the real run's, its largest requests come and go as the GPU's
+    (tests/estimator/test_reserved_every_k.py), but the reserved level is not: on the H200 the level turns on
+    single 32 MiB requests of the first step that the trace lacks (cuDNN attention for MLA's unequal head dims
+    with the copy of its output; the expert layers' CUDA-side scratch), which decide where the persistent
+    gradients go and so whether the next step's logits find free segments (docs/allocator.md, "every-k")."""
     kinds: dict[int, list] = {}
     for p in table:
         if p.layer is not None:
@@ -143,8 +145,8 @@ def why_not_layer_kinds(table: list[ParamInfo], every_k: bool = False) -> str | 
                 "every layer after the first, which the replay needs all alike")
     if every_k and len(layers) > 1 and kinds[layers[0]] != kinds[layers[1]]:
         return ("every-k checkpointing with a first layer of another kind (a dense layer before expert layers): "
-                "the merged event list's requested peak is right, its replay not yet (the expert layers' CUDA-side "
-                "scratch is not in the trace)")
+                "the merged event list's requested peak is right, but its reserved level turns on single 32 MiB "
+                "requests of CUDA kernels the trace does not run (cuDNN attention, the experts' scratch)")
     return None
 
 
