@@ -2,6 +2,7 @@
 
 import csv
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -195,6 +196,75 @@ def test_answerai_rows_read_the_page_and_keep_sharded_qlora_out():
     assert (off["lora_rank"], off["lora_dropout"], off["loop"], off["model_code"]) == (64, 0.1, "manual", "4.44")
     assert "o_proj" not in off["lora_targets"]
 
+
+
+def _peft_experiments():
+    return _load("public_peft_experiments", "extract_peft_experiments.py")
+
+
+def _log_peaks(module, path: str, key: str) -> list[float]:
+    """``key``'s value on every line of a committed torchtune-style log, read with a plain regex."""
+    entry = next(e for e in module.manifest(module.SOURCE).values() if e["path"] == path)
+    text = (module.SOURCES / module.SOURCE / entry["file"]).read_text()
+    return [float(v) for v in re.findall(rf"{key}:([0-9.]+)", text)]
+
+
+def test_peft_experiments_rows_take_the_maximum_after_the_loading_step():
+    mod = _peft_experiments()
+    rows = {r["row_id"]: r for r in mod.extract()}
+    fsdp_log = "torchtune/llama3-lora-fsdp/log_peft.txt"
+    reserved = _log_peaks(mod, fsdp_log, "peak_memory_reserved")
+    row = rows["peft_experiments:lora-fsdp1-2gpu:max_reserved"]
+    # the first line holds model loading and FSDP wrapping (no reset before the loop): above every training step
+    assert reserved[0] > max(reserved[1:]) and row["value"] == max(reserved[1:])
+    assert row["value_bytes"] == round(max(reserved[1:]) * 1e9) and row["unit"] == "GB"
+    allocated = _log_peaks(mod, "torchtune/llama3-lora-single-device/log_peft.txt", "peak_memory_alloc")
+    assert rows["peft_experiments:lora-1gpu:max_allocated"]["value"] == max(allocated[1:])
+
+
+def test_peft_experiments_unit_is_gb_because_gib_would_exceed_the_board():
+    mod = _peft_experiments()
+    board_gib = mod.RTX4090_TORCH_TOTAL_BYTES / 2**30
+    mod._check_unit([{"peak_memory_reserved": board_gib + 0.5}], "log")  # too big as GiB, fits as GB
+    with pytest.raises(ValueError, match="exceeds an RTX 4090"):
+        mod._check_unit([{"peak_memory_reserved": mod.RTX4090_TORCH_TOTAL_BYTES / 1e9 + 0.5}], "log")
+
+
+def test_peft_experiments_plateau_counts_lines_at_the_maximum():
+    mod = _peft_experiments()
+    lines = [{"peak_memory_alloc": v} for v in (1.0, 3.0, 2.0, 3.0, 3.0)]
+    assert mod.plateau_count(lines) == 3
+    assert mod.plateau_count([{"peak_memory_alloc": 1.0}, {"peak_memory_alloc": 2.0}]) == 1
+    steps = [{"step": i, "peak_memory_reserved": v} for i, v in enumerate((1.0, 2.0, 1.5, 1.5, 2.5), start=1)]
+    assert mod.reserved_drops(steps) == [(3, 2.0, 1.5)]
+
+
+def test_peft_experiments_scope_keeps_bf16_qlora_and_torchtune_code_out():
+    rows = _peft_experiments().extract()
+    scored = {r["row_id"]: r for r in rows if r["in_scope"]}
+    assert sorted(scored) == [f"peft_experiments:{run}:{q}" for run in ("lora-1gpu", "lora-fsdp1-2gpu")
+                              for q in ("max_allocated", "max_reserved")]
+    fsdp = scored["peft_experiments:lora-fsdp1-2gpu:max_allocated"]
+    assert (fsdp["method"], fsdp["world_size"], fsdp["fsdp1_sharding_strategy"], fsdp["fsdp1_use_orig_params"]) == (
+        "fsdp1", 2, "FULL_SHARD", False)
+    assert (fsdp["grad_accum_steps"], fsdp["grad_ckpt"], fsdp["lora_targets"], fsdp["loop"]) == (
+        4, False, "q_proj,v_proj", "trainer")
+    for r in rows:
+        if r["in_scope"]:
+            continue
+        if "qlora-1gpu-bnb" in r["row_id"]:
+            assert r["qlora"] and "prepare_model_for_kbit_training" in r["assumptions"]
+        else:
+            assert "torchtune" in r["row_id"] or "fsdp1-offload" in r["row_id"]
+
+
+def test_peft_experiments_rows_estimate_from_shipped_profiles():
+    rows = [r for r in P.load(PUBLIC / "measurements.csv") if r["source"] == "peft_experiments"]
+    scored = P.score(rows, allow_build=False, with_baselines=False)
+    assert len(scored) == 4
+    for item in scored:  # the empty test cache: a profile traced with the rows' model code ships
+        assert not item.error and item.model_code == "4.45", (item.row["row_id"], item.error)
+        assert item.reserved_source == "replayed"
 
 
 def test_deepspeed_chat_row_reads_the_log_and_its_command():
