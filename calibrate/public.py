@@ -90,7 +90,7 @@ def refresh_cached_profiles(rows: list[dict], *, allow_build: bool = True) -> li
         training = spec.training
         if r["quantity"] == "max_allocated" or training.qlora or training.grad_accum_steps > 1 or spec.parallel.tp > 1:
             continue
-        arch = cached_arch(spec.model)
+        arch = cached_arch(spec.model)  # the configured model's profile (a resized vocabulary is derived from it)
         key = profiles.profile_key(arch.config_sha, training)
         found = profiles.find_profile(key)
         if key in done or found is None or profiles.has_events(found):
