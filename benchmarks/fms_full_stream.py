@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     cap = int(args.cap_gib * GIB)
     snapshot = SNAPSHOTS / f"fms_mistral7b_full_b{b}.snapshot.pickle.gz"
     rec, _starts, _ = recorded(snapshot, b * s * 8, 0)
-    print(f"{row_id} (model code {row['model_code']}, vocab_size {row['vocab_size']}); cap {args.cap_gib} GiB")
+    print(f"{row_id} (model code {row['model_code']}, vocab_size {row.get('vocab_size') or 0}); cap {args.cap_gib} GiB")
     peak, _, _ = through(rec, None)
     capped, levels, retries = through(rec, cap, [len(rec) - 1])
     print(f"recorded (H200, transformers 4.48.1, vocab 32001): uncapped {peak / GIB:.2f} GiB; capped peak "
