@@ -6,11 +6,11 @@ data/measurements/h200-141gb/snapshots_bench/), through the allocator model, unc
 
 The generated stream is the estimate's (``estimate`` of the public row, its replay intercepted: setup, then three
 steps of ``timeline.step_requests``). The re-run used the vocabulary fms-hf-tuning leaves after adding the
-tokenizer's pad token (32,001 rows, ``fms_fsdp1_lora_gpu.MISTRAL_7B``); the catalogue model, and so the estimate,
-has 32,000. ``--vocab`` re-sizes the generated stream's logits-sized requests (b x s x V and b x (s - 1) x V, 2 and 4
-bytes per element) and the LM head's (hidden x V x 2 bytes) to another vocabulary, to show what those sizes alone
-do to the reserved level: 2 MiB-rounded segments that one size fits and the other does not. Printed per stream:
-the uncapped reserved peak, and under the cap the peak, the level each step ends at, and the retries.
+tokenizer's pad token (32,001 rows, ``fms_fsdp1_lora_gpu.MISTRAL_7B``), which the row's spec now says
+(``vocab_size``); ``--vocab`` estimates the row with other vocabularies (``training.vocab_size``; 0: the catalogue
+config's 32,000), to show what those sizes alone do to the reserved level: 2 MiB-rounded segments that one size
+fits and the other does not. Printed per stream: the uncapped reserved peak, and under the cap the peak, the level
+each step ends at, and the retries.
 """
 
 from __future__ import annotations
@@ -23,18 +23,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1024**3
 SNAPSHOTS = ROOT / "data" / "measurements" / "h200-141gb" / "snapshots_bench"
-CATALOGUE_VOCAB, HIDDEN = 32000, 4096
 
 
-def generated(row: dict):
-    """(requests, phase starts) of the estimator's replay for ``row``'s spec."""
+def generated(row: dict, vocab: int):
+    """(requests, phase starts) of the estimator's replay for ``row``'s spec with ``vocab`` embedding rows."""
     from reserved_stream_diff import intercepted_replay
 
     from estimator.api import estimate
     from estimator.columns import spec_from_columns
     from estimator.reserved.timeline import step_requests
 
-    _, caught = intercepted_replay(lambda: estimate(spec_from_columns(row), allow_build=False))
+    spec = spec_from_columns(row).replace(**{"training.vocab_size": vocab})
+    _, caught = intercepted_replay(lambda: estimate(spec, allow_build=False))
     setup, plan = caught["setup"], caught["plan"]
     requests, frees = [], dict(setup.frees_after)
     for i, (_name, nbytes) in enumerate(setup.allocations):
@@ -47,15 +47,6 @@ def generated(row: dict):
                             else (request[0], ("s", request[1])))
         starts.append(len(requests))
     return requests, starts
-
-
-def revocab(requests: list, b: int, s: int, vocab: int) -> list:
-    """The stream with its logits-sized and LM-head-sized requests re-sized to ``vocab``."""
-    sizes = {HIDDEN * CATALOGUE_VOCAB * 2: HIDDEN * vocab * 2}
-    for elem in (2, 4):
-        for tokens in (b * s, b * (s - 1)):
-            sizes[tokens * CATALOGUE_VOCAB * elem] = tokens * vocab * elem
-    return [(r[0], r[1], sizes.get(r[2], r[2]), r[3]) if r[0] == "alloc" else r for r in requests]
 
 
 def through(requests: list, cap_bytes: int | None, ends: list[int] = ()):
@@ -83,23 +74,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8, choices=(4, 8))
     parser.add_argument("--commit", default="9239802cc91a", help="the public row's fms-acceleration commit")
     parser.add_argument("--cap-gib", type=float, default=79.5)
-    parser.add_argument("--vocab", type=int, nargs="*", default=[32000, 32001, 32008])
+    parser.add_argument("--vocab", type=int, nargs="*", default=[0, 32001, 32008],
+                        help="embedding rows to estimate with (0: the catalogue config's)")
     args = parser.parse_args(argv)
     row_id = f"fms_acceleration:{args.commit}:none:Mistral-7B-v0.1:full:x1:b{args.batch}:nvml"
     with open(ROOT / "data" / "public" / "measurements.csv") as handle:
         row = next(r for r in csv.DictReader(handle) if r["row_id"] == row_id)
     b, s = args.batch, int(row["seq_len"])
     cap = int(args.cap_gib * GIB)
-    gen, starts = generated(row)
     snapshot = SNAPSHOTS / f"fms_mistral7b_full_b{b}.snapshot.pickle.gz"
     rec, _starts, _ = recorded(snapshot, b * s * 8, 0)
-    print(f"{row_id} (model code {row['model_code']}); cap {args.cap_gib} GiB")
+    print(f"{row_id} (model code {row['model_code']}, vocab_size {row.get('vocab_size') or 0}); cap {args.cap_gib} GiB")
     peak, _, _ = through(rec, None)
     capped, levels, retries = through(rec, cap, [len(rec) - 1])
     print(f"recorded (H200, transformers 4.48.1, vocab 32001): uncapped {peak / GIB:.2f} GiB; capped peak "
           f"{capped / GIB:.2f}, end {levels[0] / GIB:.2f}, retries {retries}")
     for vocab in args.vocab:
-        stream = revocab(gen, b, s, vocab)
+        stream, starts = generated(row, vocab)
         peak, _, _ = through(stream, None)
         capped, levels, retries = through(stream, cap, [i - 1 for i in starts[2:]])
         print(f"generated, vocab {vocab}: uncapped {peak / GIB:.2f} GiB; capped peak {capped / GIB:.2f}, steps end "

@@ -32,7 +32,7 @@ from estimator.methods.pipeline_rank import (
 )
 from estimator.methods.router_unit import router_segments
 from estimator.methods.timeline import Replay, at_depth, loop_segments, poly, replay, replayed_depth
-from estimator.models.arch import ModelArch, cached_arch
+from estimator.models.arch import ModelArch, spec_arch
 from estimator.models.memo import memo_by_owner
 from estimator.models.moe import (
     check_forward_only_layers,
@@ -627,7 +627,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     gpu = get_gpu(spec.gpu)
     if gpu.capacity_bytes is None:
         raise ValueError(f"gpu: {gpu.key!r} has no known capacity; name the GPU type (see --list-gpus)")
-    arch = cached_arch(spec.model)
+    arch = spec_arch(spec.model, spec.training.vocab_size)
     check_spec(spec, arch)
     check_pipeline(spec, arch.model_type, arch.tie_word_embeddings)
     check_fsdp1(spec, arch.config)

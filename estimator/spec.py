@@ -147,6 +147,11 @@ class TrainingSpec:
     # the post-backward hook of a unit without gradients (LoRA's frozen layers), and that hook keeps the input's
     # storage until backward ends (``estimator.methods.fsdp1``). Traced profiles are non-reentrant either way.
     ckpt_reentrant: bool = False
+    # Rows of the model's embedding (and untied LM head) after the training script resized it
+    # (``model.resize_token_embeddings(N)``, e.g. fms-hf-tuning adding a ``<pad>`` token: 32,001 for Mistral-7B);
+    # 0 = the config's ``vocab_size``. The parameters, their gradients and optimizer states and every logits-sized
+    # tensor follow it; the profile is that of the resized config (its own fingerprint).
+    vocab_size: int = 0
 
     def __post_init__(self) -> None:
         _check_positive_int("micro_batch_size", self.micro_batch_size)
@@ -195,6 +200,8 @@ class TrainingSpec:
         if self.ckpt_reentrant and (not self.grad_ckpt or self.ckpt_policy):
             _fail("ckpt_reentrant", "reentrant checkpointing is the model's own checkpointing of every layer: it "
                                     "needs --grad-ckpt and no --ckpt-policy")
+        if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 0:
+            _fail("vocab_size", f"must be a positive integer (0: the config's vocabulary), got {self.vocab_size!r}")
         if self.ce != "standard" and self.outputs_fp32:
             _fail("ce", "a loss outside the model under accelerate's fp32 output wrapper (outputs_fp32) is not "
                         "modelled")
@@ -447,7 +454,7 @@ class RunSpec:
     def _canonical_dict(self) -> dict[str, Any]:
         """to_dict without the settings of a method not used, nor settings added later at their default (FSDP1's,
         ``ep``, ``moe_imbalance``, ``cp``, ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``, ``use_cache``,
-        the long-context techniques, ``ckpt_reentrant``): ids stay as they were."""
+        the long-context techniques, ``ckpt_reentrant``, ``vocab_size``): ids stay as they were."""
         data = self.to_dict()
         if self.parallel.method != "fsdp1":
             data["parallel"].pop("fsdp1")
@@ -461,7 +468,7 @@ class RunSpec:
             if data["parallel"][name] == default:
                 data["parallel"].pop(name)
         for name in ("outputs_fp32", "lora_dropout", "model_code", "use_cache", "activation_offload", "ckpt_policy",
-                     "ckpt_reentrant"):
+                     "ckpt_reentrant", "vocab_size"):
             if not getattr(self.training, name):
                 data["training"].pop(name)
         if self.training.ce == "standard":

@@ -56,6 +56,17 @@ PLUGINS = {"accelerated-peft-bnb": "fms-acceleration's accelerated-peft plugin l
            "accelerated-peft-autogptq": "GPTQ-quantized base weights (the plugin's triton kernels)",
            "foak": "fused-ops-and-kernels plugin (Triton kernels for LoRA/QLoRA, RMSNorm, RoPE, cross-entropy)"}
 STEPS_KEY = "max_steps"
+# fms-hf-tuning's sft_trainer.py adds the special tokens a tokenizer lacks (a LlamaTokenizer(Fast) always gets
+# bos/eos/unk "<s>", "</s>", "<unk>", which it has, and pad "<pad>", which it has not) and then always calls
+# ``tokenizer_and_embedding_resize``: ``model.resize_token_embeddings(ceil(len(tokenizer) / m) * m)`` with m =
+# ``embedding_size_multiple_of``. Tokenizer entries of the hub models that load a LlamaTokenizerFast (32,000, no
+# pad token); GPTBigCode's (SantaCoder's) tokenizer length is not checked here, so its rows keep the config's.
+LLAMA_TOKENIZER_ENTRIES = {hub: 32000 for hub in (
+    "mistralai/Mistral-7B-v0.1", "mistralai/Mixtral-8x7B-Instruct-v0.1", "NousResearch/Llama-2-70b-hf",
+    "TheBloke/Mistral-7B-v0.1-GPTQ", "TheBloke/Mixtral-8x7B-Instruct-v0.1-GPTQ", "TheBloke/Llama-2-70B-GPTQ")}
+# ``embedding_size_multiple_of``'s default at the fms-hf-tuning commit of each freeze (tuning/config/configs.py):
+# 8 at these two, 1 at 398c2a8, c40ae7f, d360202 and v2.5.0.
+MULTIPLE_OF_8 = ("85f32cb15019", "7dfd4e71a0de")
 
 
 def _yaml_flat(text: str) -> dict:
@@ -104,6 +115,15 @@ def _precision(weights: str, half: str, world: int, lora: bool) -> tuple[str, st
     if world > 1 and half and not lora:
         return "mixed_bf16", ""
     return "bf16", ""
+
+
+def _vocab_size(hub: str, versions: dict) -> int:
+    """The embedding rows fms-hf-tuning trains after adding the tokenizer's ``<pad>`` (0: the config's)."""
+    entries = LLAMA_TOKENIZER_ENTRIES.get(hub)
+    if entries is None:
+        return 0
+    multiple = 8 if any(f"fms-hf-tuning {c}" in versions["other_versions"] for c in MULTIPLE_OF_8) else 1
+    return -(-(entries + 1) // multiple) * multiple
 
 
 def _row(entry: dict, versions: dict, steps: int, cells: dict, quantity: str, earlier: bool) -> dict:
@@ -165,11 +185,15 @@ def _row(entry: dict, versions: dict, steps: int, cells: dict, quantity: str, ea
                      "estimator's bf16 has no autocast")
     if lora:
         notes.append("LoRA r 16, alpha 16, dropout 0.1 (a dropout mask per adapted projection, inside each "
-                     "checkpointed layer's recomputation); tokenizer's added <pad> token makes the vocab +1 row")
+                     "checkpointed layer's recomputation)")
     if qlora:
         notes.append("QLoRA: peft's prepare_model_for_kbit_training (non-quantized weights fp32), then TRL's "
                      "peft_module_casting_to_bf16 casts embed_tokens and lm_head back to bf16 under --bf16 and "
                      "autocast runs the step; the estimator's QLoRA keeps them fp32 without autocast")
+    vocab_size = _vocab_size(hub, versions)
+    if vocab_size:
+        notes.append(f"vocab_size {vocab_size}: fms-hf-tuning adds the LlamaTokenizerFast's missing <pad> and resizes "
+                     f"the embedding to len(tokenizer) = 32,001 rounded up to embedding_size_multiple_of")
     if earlier:
         notes.append("re-run of an earlier version's configuration (different figures)")
     value, unit = ((float(cells["mem_nvidia_mem_reserved"]), "MiB") if quantity == "nvml_used"
@@ -184,7 +208,7 @@ def _row(entry: dict, versions: dict, steps: int, cells: dict, quantity: str, ea
                                                                    "torch_dtype", "bf16", "fp16")),
         model=MODELS.get(hub, hub), gpu="a100-80gb", method=method, world_size=world,
         micro_batch_size=batch, seq_len=seq_len, precision=precision or "bf16", optimizer="adamw", grad_ckpt=True,
-        attn="flash", ckpt_reentrant=True, lora_rank=int(float(cells["r"])) if lora else 0, lora_targets=targets,
+        attn="flash", ckpt_reentrant=True, vocab_size=vocab_size, lora_rank=int(float(cells["r"])) if lora else 0, lora_targets=targets,
         lora_dropout=float(cells.get("lora_dropout") or 0) if lora else 0.0, qlora=qlora,
         grad_accum_steps=1, loop="trainer", batch="full", outputs_fp32=bool(half), use_cache=True, model_hub_id=hub,
         framework=f"fms-hf-tuning (HF Trainer / TRL SFTTrainer){', accelerate FSDP1' if world > 1 else ''}",

@@ -124,7 +124,7 @@ def spec_from_settings(settings: dict[str, Setting], report: ConfigReport) -> Ru
         ce=value("ce", "standard"), ce_chunks=value("ce_chunks", 8),
         activation_offload=bool(value("activation_offload", False)), ckpt_policy=value("ckpt_policy", ""),
         ckpt_reentrant=bool(value("ckpt_reentrant", False)) and bool(value("grad_ckpt", False))
-        and not value("ckpt_policy", ""))
+        and not value("ckpt_policy", ""), vocab_size=value("vocab_size", 0))
     gpu = str(value("gpu", "h100-80gb", "no config names the GPU type; pass --gpu")).lower()
     tp = value("tp", 1) if "tp" in settings else (world if method == "tp" else 1)
     model = str(settings["model"].value)

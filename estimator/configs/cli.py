@@ -19,7 +19,7 @@ _FLAG_SETTINGS = {"model": "model", "gpus": "world_size", "method": "method", "t
                   "grad_accum_steps": "grad_accum_steps", "grad_sync": "grad_sync", "outputs_fp32": "outputs_fp32",
                   "use_cache": "use_cache", "deepspeed": "deepspeed", "ce": "ce", "ce_chunks": "ce_chunks",
                   "activation_offload": "activation_offload", "ckpt_policy": "ckpt_policy",
-                  "ckpt_reentrant": "ckpt_reentrant"}
+                  "ckpt_reentrant": "ckpt_reentrant", "vocab_size": "vocab_size"}
 
 
 def explicit_flags(build_parser: Callable[[], argparse.ArgumentParser], argv: list[str]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any
 SETTINGS = ("model", "world_size", "method", "deepspeed", "fsdp1", "micro_batch_size", "seq_len", "half", "weights_dtype",
             "precision", "optimizer", "grad_ckpt", "attn", "lora_rank", "lora_targets", "lora_dropout",
             "qlora", "grad_accum_steps", "grad_sync", "loop", "outputs_fp32", "use_cache", "packing", "gpu", "ce",
-            "ce_chunks", "activation_offload", "ckpt_policy", "ckpt_reentrant")
+            "ce_chunks", "activation_offload", "ckpt_policy", "ckpt_reentrant", "vocab_size")
 _TRUE = {"true", "yes", "on", "1", "y", "t"}
 _FALSE = {"false", "no", "off", "0", "n", "f", "none", "null", ""}
 

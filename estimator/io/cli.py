@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model's checkpointing is reentrant (use_reentrant=True, the HF Trainer's default "
                         "through transformers 4.x); with --model-code before 4.52, FSDP1 over frozen layers (LoRA) "
                         "then keeps each recomputed layer's input until backward ends")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                   help="rows of the embedding (and untied LM head) after the training script resizes it "
+                        "(model.resize_token_embeddings(N), e.g. a tokenizer's added <pad> token); default: the "
+                        "model config's vocab_size")
     p.add_argument("--batch", choices=BATCHES, help="'full' (default: every row full length, or packed: no "
                    "attention mask) or 'padded' (some rows padded: transformers builds the 4-D mask; with "
                    "--lengths it is set per batch)")
@@ -146,7 +150,8 @@ def _training(args, base: TrainingSpec) -> TrainingSpec:
                         grad_sync=pick(args.grad_sync, base.grad_sync),
                         model_code=pick(args.model_code, base.model_code),
                         use_cache=pick(args.use_cache, base.use_cache),
-                        ckpt_reentrant=pick(args.ckpt_reentrant, base.ckpt_reentrant))
+                        ckpt_reentrant=pick(args.ckpt_reentrant, base.ckpt_reentrant),
+                        vocab_size=pick(args.vocab_size, base.vocab_size))
 
 
 # CPU runs and fake-tensor traces carry gpu "cpu": their allocated level is a GPU's minus the cuBLAS workspace,
@@ -241,7 +246,8 @@ def _loop_label(t) -> str:
     sync = f", gradients reduced on the {t.grad_sync} micro-batch" if t.grad_accum_steps > 1 and \
         t.grad_sync == "last" else ""
     return (f", {t.loop} loop" + (", fp32 outputs" if t.outputs_fp32 else "")
-            + (", key/value cache on" if t.use_cache else "") + (", reentrant checkpointing" if t.ckpt_reentrant else "")
+            + (", key/value cache on" if t.use_cache else "") + (f", vocabulary {t.vocab_size:,}" if t.vocab_size else "")
+            + (", reentrant checkpointing" if t.ckpt_reentrant else "")
             + sync + technique_label(t))
 
 

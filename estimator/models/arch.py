@@ -163,3 +163,16 @@ def resolve_arch(model: str, *, allow_hub: bool = False, trust_remote_code: bool
 def cached_arch(model: str) -> ModelArch:
     """``resolve_arch`` once per model name per process (estimates and plans ask for it many times)."""
     return resolve_arch(model)
+
+
+@functools.lru_cache(maxsize=256)
+def spec_arch(model: str, vocab_size: int = 0) -> ModelArch:
+    """The architecture a run trains: ``model``'s, with its embedding resized to ``vocab_size`` rows when the
+    training script calls ``model.resize_token_embeddings(vocab_size)`` (``TrainingSpec.vocab_size``; 0: as
+    configured). transformers writes the new size into ``config.vocab_size`` and resizes the tied or untied head
+    with it, so the resized model is the model of that config (its profile is the configured model's re-sized:
+    ``estimator.profiler.vocab``)."""
+    arch = cached_arch(model)
+    if not vocab_size or vocab_size == arch.vocab_size:
+        return arch
+    return arch_from_config({**arch.config, "vocab_size": vocab_size}, name=arch.name)

@@ -87,6 +87,7 @@ def build_model(config: dict[str, Any], training: TrainingSpec, device: torch.de
     """Randomly initialised causal LM from a config dict, in the spec's precision, checkpointing and LoRA."""
     if num_layers is not None:
         config = with_num_layers(config, num_layers)
+    config = with_vocab_size(config, training.vocab_size)
     cfg = hf_config(config, training)
     dtype = param_dtype(training.precision)
     target = torch.device("meta") if meta else torch.device(device)
@@ -108,6 +109,16 @@ def build_model(config: dict[str, Any], training: TrainingSpec, device: torch.de
         model = apply_lora(model, training)
     model.train()
     return model
+
+
+def with_vocab_size(config: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """``config`` as ``model.resize_token_embeddings(vocab_size)`` leaves it (0: unchanged). transformers writes the
+    new row count into ``config.vocab_size`` and re-ties the head, so building from the resized config gives the same
+    parameters; it also matches where the training scripts resize: on the host, before the model moves to the GPU
+    (fms-hf-tuning loads on the CPU and resizes there), so no old-and-new embedding pair passes through the GPU."""
+    if not vocab_size or config.get("vocab_size") == vocab_size:
+        return config
+    return {**config, "vocab_size": vocab_size}
 
 
 def enable_grad_ckpt(model: torch.nn.Module, training: TrainingSpec, reentrant: bool = False) -> None:

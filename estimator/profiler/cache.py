@@ -8,7 +8,7 @@ import functools
 import json
 from dataclasses import replace
 
-from estimator.models.arch import ModelArch, cached_arch
+from estimator.models.arch import ModelArch, cached_arch, spec_arch
 from estimator.models.profiles import (
     find_profile,
     has_events,
@@ -30,6 +30,7 @@ def get_profile(config: dict, config_sha: str, training: TrainingSpec, *, allow_
     """The cached profile, or one built now (torch + transformers, seconds) and cached. ``tp > 1``: the profile
     of one rank of the ``tp``-way tensor-parallel model (its own key); ``adapters_16bit``: LoRA adapters in the
     model's 16-bit dtype (``estimator.models.profiles.adapters_in_16bit``)."""
+    training = replace(training, vocab_size=0)  # profiles are the configured model's (``load_model_profile``)
     key = profile_key(config_sha, training, tp, adapters_16bit)
     found = find_profile(key)
     if found is not None:
@@ -71,11 +72,31 @@ def get_profile(config: dict, config_sha: str, training: TrainingSpec, *, allow_
 def load_model_profile(model: str, training: TrainingSpec, tp: int = 1, *, allow_build: bool = True,
                        adapters_16bit: bool = False) -> tuple[ModelArch, dict]:
     """The architecture and its profile; ``tp > 1``: the profile of one rank of the ``tp``-way TP model (local
-    shards in its parameter table, replicated parts and full logits in its activations)."""
+    shards in its parameter table, replicated parts and full logits in its activations). A resized vocabulary
+    (``training.vocab_size``): the profile of the model as configured, re-sized (``estimator.profiler.vocab``)."""
     arch = cached_arch(model)
-    profile = get_profile(arch.config, arch.config_sha, training, allow_build=allow_build, tp=tp,
+    resized = training.vocab_size and training.vocab_size != arch.vocab_size
+    configured = replace(training, vocab_size=0)
+    profile = get_profile(arch.config, arch.config_sha, configured, allow_build=allow_build, tp=tp,
                           adapters_16bit=adapters_16bit)
-    return arch, with_layer_kinds_at_depth(profile, arch, training, allow_build=allow_build)
+    profile = with_layer_kinds_at_depth(profile, arch, configured, allow_build=allow_build)
+    if not resized:
+        return arch, profile
+    return spec_arch(model, training.vocab_size), _resized_vocab(profile, arch.vocab_size, training.vocab_size)
+
+
+# (id of the configured profile, rows) -> (that profile, kept so its id stays its own; the re-sized copy)
+_RESIZED: dict[tuple[int, int], tuple[dict, dict]] = {}
+
+
+def _resized_vocab(profile: dict, old_vocab: int, new_vocab: int) -> dict:
+    """``estimator.profiler.vocab.resize_vocab`` once per profile and row count (a plan asks for many shapes)."""
+    from estimator.profiler.vocab import resize_vocab
+
+    key = (id(profile), new_vocab)
+    if key not in _RESIZED:
+        _RESIZED[key] = (profile, resize_vocab(profile, old_vocab, new_vocab))
+    return _RESIZED[key][1]
 
 
 def load_plain_and_checkpointed(model: str, training: TrainingSpec, tp: int = 1, *, allow_build: bool = True

@@ -437,11 +437,11 @@ def spec_ep_bytes(spec, table: list[ParamInfo], b: int, s: int) -> EpBytes:
     """The all-to-all path's bytes of ``spec`` at (b, s), its layout from the model's config
     (``estimator.models.moe_ep.ep_layout``) and the table's MoE layers."""
     from estimator.methods.expert_parallel import expert_act_bytes
-    from estimator.models.arch import cached_arch
+    from estimator.models.arch import spec_arch
     from estimator.models.moe import _EXPERT_COUNT_KEYS, _TOP_K_KEYS, MoeFacts, _first_int
     from estimator.models.moe_ep import ep_layout
 
-    config = cached_arch(spec.model).config
+    config = spec_arch(spec.model, spec.training.vocab_size).config
     experts, top_k = _first_int(config, _EXPERT_COUNT_KEYS), _first_int(config, _TOP_K_KEYS)
     moe_layers = len({p.layer for p in table if p.layer is not None and is_routed_expert(p.name)})
     facts = MoeFacts(experts=experts, top_k=top_k, shared="", moe_layers=moe_layers, num_layers=0,
