@@ -134,6 +134,20 @@ class StorageRecorder(TorchDispatchMode):
             if storage is not None:
                 self._sid_of[storage] = self._alias[out]
 
+    def _fills_fresh_zeros(self, func, args: tuple, kwargs: dict) -> bool:
+        """Whether ``func`` is a backward formula's fill of the zeros it has just made (torch's FunctionsManual:
+        ``index_backward``, ``gather_backward``, ``value_selecting_reduction_backward``, ``index_select_backward``
+        write the gradient into a fresh zeros tensor in place, ``_index_put_impl_`` / ``scatter_`` / ...,
+        except on tensor subclasses such as fake tensors, which take the out-of-place op and allocate a second
+        tensor of the input's size). In a backward pass (no grad mode), an out-of-place fill whose target is the
+        storage allocated last runs in place here, as on a GPU's or CPU's plain tensors."""
+        if (func not in _IN_PLACE_FILL or active_fake_mode() is None or torch.is_grad_enabled()
+                or torch._C._current_graph_task_id() == -1 or not args or not isinstance(args[0], torch.Tensor)):
+            return False
+        if func is torch.ops.aten.index_put.default and not (args[3] if len(args) > 3 else kwargs.get("accumulate")):
+            return False  # index_backward accumulates; a plain index_put is the model's own op
+        return self._sid_of.get(args[0].untyped_storage()) == self._next_sid - 1
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Storages created inside are not recorded (metadata-only computations, e.g. DTensor's global-shape
@@ -149,6 +163,8 @@ class StorageRecorder(TorchDispatchMode):
             return NotImplemented  # DTensor desugars into ops on its local tensors, which come back here
         if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode() is not None:
             out = args[0]  # the fake impl returns a new tensor; on a GPU wait_tensor returns its input
+        elif self._fills_fresh_zeros(func, args, kwargs or {}):
+            out = _IN_PLACE_FILL[func](*args, **(kwargs or {}))
         else:
             out = func(*args, **(kwargs or {}))
         if not self._paused:
@@ -211,6 +227,15 @@ class StorageRecorder(TorchDispatchMode):
             layer = self._layer(source)
             if layer is not None and isinstance(item, torch.Tensor):
                 self.label_layer(item, layer)
+
+
+# the out-of-place fills backward formulas use on tensor subclasses -> the in-place op plain tensors get
+_IN_PLACE_FILL = {
+    torch.ops.aten.index_put.default: torch.ops.aten.index_put_.default,
+    torch.ops.aten.scatter.src: torch.ops.aten.scatter_.src,
+    torch.ops.aten.scatter_add.default: torch.ops.aten.scatter_add_.default,
+    torch.ops.aten.index_add.default: torch.ops.aten.index_add_.default,
+}
 
 
 @functools.cache
