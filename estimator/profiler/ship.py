@@ -37,7 +37,7 @@ from estimator.profiler.carry import (
     carry_over_file,
     variant_training,
 )
-from estimator.spec import RunSpec, TrainingSpec, model_code_release
+from estimator.spec import RunSpec, TrainingSpec, ckpt_every, model_code_release
 
 # The spec's default, the same with checkpointing, the paper's setting, pure bf16, and fp16 for pre-Ampere GPUs.
 DEFAULT_VARIANTS = {
@@ -100,8 +100,18 @@ def specs_of_release(rows_csv: Path, release: str, models: list[str] | None = No
         arch = resolve_arch(spec.model)
         if models is not None and arch.name not in models:
             continue
-        specs.setdefault(_row_profile_key(spec, arch.config_sha), spec)
+        for traced in _traced_specs(spec):
+            specs.setdefault(_row_profile_key(traced, arch.config_sha), traced)
     return list(specs.values())
+
+
+def _traced_specs(spec: RunSpec) -> list[RunSpec]:
+    """The specs whose profiles ``spec``'s estimate loads: every-k checkpointing has no profile of its own, it
+    mixes the plain and the checkpointed one (``api.every_k_profile``)."""
+    if ckpt_every(spec.training.ckpt_policy) is None:
+        return [spec]
+    full = dataclasses.replace(spec.training, ckpt_policy="")
+    return [dataclasses.replace(spec, training=dataclasses.replace(full, grad_ckpt=ckpt)) for ckpt in (False, True)]
 
 
 def _row_profile_key(spec: RunSpec, config_sha: str) -> str:

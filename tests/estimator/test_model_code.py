@@ -149,3 +149,22 @@ def test_a_profile_traced_from_an_asset_config_names_its_catalogue_model(tmp_pat
     other = {**load_config("meta-llama/Llama-3.2-1B"), "hidden_size": 1024, "_name_or_path": "mine/llama-narrow"}
     (tmp_path / "config.json").write_text(json.dumps(other))
     assert catalogue_name(resolve_arch(str(tmp_path))) == "mine/llama-narrow"
+
+
+def test_ship_lists_the_plain_and_checkpointed_profiles_of_an_every_k_row(tmp_path):
+    from estimator.models.arch import resolve_arch
+    from estimator.profiler.ship import _row_profile_key, specs_of_release
+
+    spec = RunSpec(model="mistralai/Mistral-7B-v0.1",
+                   training=TrainingSpec(grad_ckpt=True, ckpt_policy="every-k:2", model_code="4.45.2"))
+    row = {k: ("" if v is None else str(v)) for k, v in spec_columns(spec).items()}
+    table = tmp_path / "rows.csv"
+    with table.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(row) + ["world_size", "complete", "in_scope"])
+        writer.writeheader()
+        writer.writerow(row | {"world_size": "1", "complete": "True", "in_scope": "True"})
+    specs = specs_of_release(table, "4.45")
+    sha = resolve_arch(spec.model).config_sha
+    tokens = [set(_row_profile_key(s, sha).split("_")) for s in specs]
+    assert len(specs) == 2 and {"ckpt"} <= tokens[1] and {"nockpt"} <= tokens[0]
+    assert all(not s.training.ckpt_policy for s in specs)
