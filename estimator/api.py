@@ -11,7 +11,13 @@ from estimator.hardware import residuals
 from estimator.hardware.gpus import get_gpu
 from estimator.methods import expert_parallel
 from estimator.methods import state as methods
-from estimator.methods.context_parallel import Ring, cp_notes, local_seq_len, ring_of
+from estimator.methods.context_parallel import (
+    Ring,
+    cp_notes,
+    local_seq_len,
+    output_projection_saves_input,
+    ring_of,
+)
 from estimator.methods.fsdp1 import check_fsdp1, fsdp1
 from estimator.methods.long_context import (
     ACT_BYTES,
@@ -649,6 +655,9 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     check_forward_only_layers(spec, profile)
     last = spec.parallel.world_size - 1
     table = _param_table(profile, arch.num_layers)
+    if ring is not None and spec.training.lora:  # a frozen output projection may not keep the ring's output copy
+        ring = dataclasses.replace(ring, output_saved=output_projection_saves_input(
+            table, spec.training.precision, spec.training.lora_dropout))
     if spec.parallel.pp > 1:
         return _pipeline_estimate(spec, arch, profile, table, coeffs, gpu, allow_build)
     layout = expert_parallel.layout_of(spec, arch, profile)
