@@ -166,12 +166,14 @@ def main() -> int:
     parser.add_argument("--models", nargs="*", help=f"names of the derived configs, or {SHIPPED} (default: the "
                                                      "derived configs)")
     parser.add_argument("--rescore", nargs="+", type=Path, metavar="CSV", help="re-estimate committed rows")
+    parser.add_argument("--precision", help="instead of the table's own (mixed_bf16; bf16 for --lora)")
     args = parser.parse_args()
     if args.rescore:
         return rescore(args.rescore)
     rows: list[dict] = []
     models = _models()
     names, variants, precision = _runs(args)
+    precision = args.precision or precision
     with tempfile.TemporaryDirectory() as tmp:
         for name, (label, fields) in ((n, t) for n in names for t in variants):
             config, model = _model_path(name, models, tmp)
