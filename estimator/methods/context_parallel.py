@@ -35,7 +35,7 @@ CP_ATTN = ("sdpa", "flash")
 
 
 def check_cp(cp: int, method: str, world_size: int, seq_len: int, precision: str, attn: str, *, tp: int = 1,
-             ep: int = 1, lora: bool = False, padded: bool = False) -> None:
+             ep: int = 1, qlora: bool = False, padded: bool = False) -> None:
     """ValueError("cp: ...") for a layout torch's ring attention or this model does not cover."""
     if cp == 1:
         return
@@ -55,8 +55,9 @@ def check_cp(cp: int, method: str, world_size: int, seq_len: int, precision: str
     if precision not in CP_PRECISIONS:
         raise ValueError(f"cp: ring attention is modelled for the flash kernel (16-bit attention); {precision} "
                          f"attention runs the memory-efficient kernel (use {', '.join(CP_PRECISIONS)})")
-    if lora:
-        raise ValueError("cp: LoRA under context parallelism is not modelled")
+    if qlora:
+        raise ValueError("cp: QLoRA under context parallelism is not modelled (FSDP2 cannot shard 4-bit weights; "
+                         "use LoRA)")
     if padded:
         raise ValueError("cp: ring attention takes no attention mask: full rows or packed sequences only (batch full)")
 
@@ -293,6 +294,9 @@ def ring_backward_extra(shape: AttentionShape, rank: int, cp: int, held_until_wa
 
 # ------------------------------------------------------------------------------------------- placing the ring op
 
+# The flash kernel's philox seed and offset, as its meta kernel allocates them (16 and 8 B): the bound that tells them
+# from any activation.
+PHILOX_MAX_BYTES = 64
 LAYER_SEGMENTS = ("fw_first", "fw", "fw_last", "bw_first", "bw", "bw_last")
 
 
@@ -321,9 +325,18 @@ def _attention_moments(codes: list[int], events: dict, shape: AttentionShape, b:
     def polys_bytes(code: int) -> float:
         return poly(polys[size[~code if code < 0 else code]], b, s)
 
+    def _then_philox(j: int) -> bool:
+        """The call's philox seed and offset follow its logsumexp (a few bytes each on the meta kernel)."""
+        return j < len(codes) and made[j] is not None and made[j] < PHILOX_MAX_BYTES
+
+    forwards = [i for i in range(len(codes) - 2) if made[i] == out_b and made[i + 1] == lse_b]
+    if len(forwards) > 1 and any(_then_philox(i + 2) for i in forwards):
+        # an allocation pair of the same sizes elsewhere in the layer (LoRA's fp32 cast of a (b, s, hidden / 2)
+        # input, then its (b, s, r) fp32 lora_A output with r = heads): the philox pair tells the flash call
+        forwards = [i for i in forwards if _then_philox(i + 2)]
     moments = []
     for i in range(len(codes) - 2):
-        if made[i] == out_b and made[i + 1] == lse_b:
+        if i in forwards:
             moments.append((i, "forward"))
         elif made[i] == out_b and made[i + 1] == kv_b and made[i + 2] == kv_b and _frees_lse(i + 3):
             moments.append((i, "backward"))
@@ -337,6 +350,34 @@ def output_copied(rank: int, cp: int) -> bool:
     ``attn_output.transpose(1, 2).contiguous()`` (transformers' ``sdpa_attention_forward``, torchtitan alike) then
     copies it, and the output projection saves the copy for backward: one more attention output per layer."""
     return rank < cp - 1
+
+
+# The attention's output projection, by family (Llama/Qwen/Mistral, OPT/BART, Phi, GPT-2), under a module whose
+# name says attention.
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj")
+
+
+def output_projection_saves_input(params: list, precision: str, lora_dropout: float) -> bool:
+    """Whether the output projection keeps the tensor it reads (the attention output ``output_copied`` copies)
+    for backward, judged from the parameter table (``ParamInfo``: name, trainable, element bytes). A trainable
+    weight saves it (its gradient needs it). Under LoRA the frozen base weight saves nothing (``mm`` keeps its
+    input only for the weight's gradient); peft's adapter reads ``_cast_input_dtype(x, lora_A.weight.dtype)``
+    then ``lora_dropout(x)``: ``lora_A`` saves the copy itself only when the cast is a no-op (adapters computed
+    in the 16-bit activation dtype: FSDP2's mixed-precision ``param_dtype``, or 16-bit adapters) and there is no
+    dropout; fp32 adapters on a 16-bit model save their fp32 cast, and the copy goes after the projection."""
+    adapters = []
+    for param in params:
+        parts = param.name.split(".")
+        at = [i for i, part in enumerate(parts) if part in OUTPUT_PROJECTIONS and i and "att" in parts[i - 1]]
+        if not at or not param.trainable:
+            continue
+        tail = parts[at[0] + 1:]
+        if tail == ["weight"]:
+            return True
+        if tail[:1] == ["lora_A"]:
+            adapters.append(param)
+    compute_bytes = [2 if precision.startswith("mixed_") else p.elem_bytes for p in adapters]
+    return not lora_dropout and any(nbytes == 2 for nbytes in compute_bytes)
 
 
 def _layer_segment(codes: list[int], events: dict, at: dict[int, str], extra: dict[str, float], copy_bytes: float,
@@ -383,17 +424,18 @@ def _layer_segment(codes: list[int], events: dict, at: dict[int, str], extra: di
 
 
 def cp_segments(segments: dict, regime: dict, rank: int, cp: int, b: int, s_local: int, heads: int,
-                kv_heads: int, head_dim: int, act_bytes: int) -> dict:
+                kv_heads: int, head_dim: int, act_bytes: int, output_saved: bool = True) -> dict:
     """The segments of one cp rank (traced at ``s_local`` tokens): every decoder-layer segment re-walked from its
     events with the ring attention's transients at each flash call (forward, and backward with its checkpointed
     recomputation: the state before the call plus what the ring holds at its peak) and the output copy of
-    ``output_copied``. ValueError("cp: ...") when the trace shows no flash call (another kernel ran)."""
+    ``output_copied`` when the output projection saves it (``output_saved``: ``output_projection_saves_input``).
+    ValueError("cp: ...") when the trace shows no flash call (another kernel ran)."""
     events = regime.get("events")
     if not events:
         raise ValueError("cp: the profile has no event list to place the ring attention in (re-trace it)")
     shape = attention_shape(b, s_local, heads, kv_heads, head_dim, act_bytes)
     extra = {"forward": ring_forward_extra(shape, rank, cp)[0], "backward": ring_backward_extra(shape, rank, cp)[0]}
-    copy_bytes = float(shape.q * shape.act_bytes) if output_copied(rank, cp) else 0.0
+    copy_bytes = float(shape.q * shape.act_bytes) if output_saved and output_copied(rank, cp) else 0.0
     found = {name: _attention_moments(events["segments"][name], events, shape, b, s_local)
              for name in LAYER_SEGMENTS if name in segments and name in events["segments"]}
     if not any(found.values()):
@@ -429,6 +471,8 @@ class Ring:
     kv_heads: int
     head_dim: int
     act_bytes: int = 2
+    # whether the output projection keeps the attention output it reads (``output_projection_saves_input``)
+    output_saved: bool = True
 
     def cp_rank(self, rank: int) -> int:
         """torchtitan's mesh (dp_shard, cp): consecutive global ranks form one cp group."""
@@ -436,7 +480,7 @@ class Ring:
 
     def segments(self, segments: dict, regime: dict, rank: int, b: int, s_local: int) -> dict:
         return cp_segments(segments, regime, self.cp_rank(rank), self.cp, b, s_local, self.heads, self.kv_heads,
-                           self.head_dim, self.act_bytes)
+                           self.head_dim, self.act_bytes, self.output_saved)
 
     def reported_ranks(self, world_size: int) -> list[int]:
         """Global ranks of cp rank 0, a middle one and the last of the first cp group (they differ in the ring's

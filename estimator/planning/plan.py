@@ -170,7 +170,7 @@ def cp_degrees(world_size: int, training: TrainingSpec) -> list[int]:
     for cp in range(2, world_size + 1):
         try:
             check_cp(cp, "fsdp", world_size, training.seq_len, training.precision, training.attn,
-                     lora=bool(training.lora_rank) or training.qlora, padded=training.batch == "padded")
+                     qlora=training.qlora, padded=training.batch == "padded")
         except ValueError:
             continue
         degrees.append(cp)
