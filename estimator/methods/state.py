@@ -327,10 +327,16 @@ class _InputGroup:
         return bool(self.adapters) or any(p.trainable for p in self.weights)
 
 
+def _is_router(p: ParamInfo) -> bool:
+    """A router that is no ``nn.Linear`` but calls ``F.linear`` on its input cast to its own dtype (DeepSeek's
+    ``mlp.gate``, kept in fp32): an input of its own, saved in the weight's dtype."""
+    return p.module_kind == "other" and p.name.endswith(".gate.weight")
+
+
 def _input_groups(table: list[ParamInfo]) -> dict[tuple[int | None, str, str], _InputGroup]:
     groups: dict[tuple[int | None, str, str], _InputGroup] = {}
     for p in table:
-        if p.module_kind != "linear" or len(p.shape) != 2 or is_routed_expert(p.name):
+        if not (p.module_kind == "linear" or _is_router(p)) or len(p.shape) != 2 or is_routed_expert(p.name):
             continue
         if any(part in p.name for part in _LORA_PARTS):  # an adapter belongs to its wrapper's group
             if ".lora_A." in p.name:
@@ -406,6 +412,17 @@ def _zero3_saved_inputs(table: list[ParamInfo], lora_dropout: float, head: bool,
     return saved
 
 
+def _reached_in_first_layer(big: list[ParamInfo], layer: int, numel: float) -> float:
+    """The elements of the first layer backward reaches that its backward uses, where nothing before it needs a
+    gradient: with trainable parameters in its routed experts only (LoRA on the experts), its input carries no
+    gradient, so its frozen attention, router and shared experts (they read that input) run forward only; only
+    the experts' modules run backward. Otherwise the whole layer (``numel``)."""
+    rows = [p for p in big if p.layer == layer]
+    if not any(p.trainable for p in rows) or any(p.trainable and not is_routed_expert(p.name) for p in rows):
+        return numel
+    return float(sum(p.numel for p in rows if is_routed_expert(p.name)))
+
+
 def _zero3_gathered(zcfg: ZeroSpec, table: list[ParamInfo], elem: int, checkpointed: bool = False) -> ExtraBytes:
     """Bytes of gathered (unpartitioned) parameters per (segment, repetition) under DeepSpeed ZeRO-3.
 
@@ -420,7 +437,8 @@ def _zero3_gathered(zcfg: ZeroSpec, table: list[ParamInfo], elem: int, checkpoin
     counted here. Each layer counts its own tensors (a dense first layer before expert layers is smaller).
     Modules backward never runs are not marked again: forward-only first layers (``forward_only_layers``: LoRA on
     the routed experts past dense first layers) are gathered in the prefix, one at a time, and released; so is a
-    frozen, untied input embedding (not under checkpointing: ``checkpointed``)."""
+    frozen, untied input embedding (not under checkpointing: ``checkpointed``), and, in the first layer backward
+    reaches, what runs forward only (``_reached_in_first_layer``)."""
     big = [p for p in table if p.numel > zcfg.stage3_param_persistence_threshold]
     num_layers = len({p.layer for p in table if p.layer is not None})
     pre, layers, post = _zero_layout(big, num_layers)  # a layer of persistent tensors only gathers nothing
@@ -435,15 +453,19 @@ def _zero3_gathered(zcfg: ZeroSpec, table: list[ParamInfo], elem: int, checkpoin
     reused = checkpointed or any(p.trainable or p.tied_names for p in big
                                  if p.layer is None and p.module_kind == "embedding")
     kept_pre = pre if reused else 0.0
+    kept = list(layers)  # what of each layer backward gathers again (is held from its forward to its backward)
+    if not reused:
+        kept[first] = _reached_in_first_layer(big, first, layers[first])
+    kept_before = [sum(kept[first:i]) for i in range(num_layers + 1)]
 
     def held_before(i: int) -> float:
         """Gathered layers kept to their backward when layer i runs: those backward reaches. A forward-only
         first layer's modules never come again in the step's trace, so each is released after its forward."""
-        return before[i - 1] - before[first] if i > first else 0.0
+        return kept_before[i - 1] if i > first else 0.0
 
     def in_layer(i: int, forward: bool) -> float:
         ahead = before[-1] - before[i] + post if forward else 0.0  # backward: all held
-        return min(kept_pre + held_before(i), live) + layers[i - 1] + min(bucket, ahead)
+        return min(kept_pre + held_before(i), live) + (layers if forward else kept)[i - 1] + min(bucket, ahead)
 
     def gathered(segment: str, k: int) -> float:
         if segment == "prefix":  # the embedding, then each forward-only layer in turn

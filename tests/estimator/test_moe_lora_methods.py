@@ -26,10 +26,11 @@ def _table(dense_adapter: bool) -> list[ParamInfo]:
              ParamInfo("model.layers.0.mlp.gate_proj.weight", (32, 8), 256, 2, False, "linear", 0)]
     if dense_adapter:
         rows.append(ParamInfo("model.layers.0.mlp.gate_proj.lora_A.default.weight", (2, 8), 16, 2, True, "linear", 0))
-    for i in (1, 2, 3):
+    for i in (1, 2, 3):  # attention, the fused experts with their adapter, an fp32 router (DeepSeek's)
         rows += [ParamInfo(f"model.layers.{i}.self_attn.q_proj.weight", (8, 8), 64, 2, False, "linear", i),
                  ParamInfo(f"model.layers.{i}.mlp.experts.gate_up_proj", (4, 16, 8), 512, 2, False, "other", i),
-                 ParamInfo(f"model.layers.{i}.mlp.experts.lora_A.default.weight", (8, 8), 64, 2, True, "other", i)]
+                 ParamInfo(f"model.layers.{i}.mlp.experts.lora_A.default.weight", (8, 8), 64, 2, True, "other", i),
+                 ParamInfo(f"model.layers.{i}.mlp.gate.weight", (4, 8), 32, 4, False, "other", i)]
     return rows + [ParamInfo("lm_head.weight", (100, 8), 800, 2, False, "linear", None)]
 
 
@@ -64,41 +65,44 @@ def test_a_layer_without_gradients_keeps_the_recorded_backward_order():
 
 
 def test_zero3_gathers_a_forward_only_layer_in_the_prefix_and_never_keeps_it():
-    """ZeRO-3's gathered parameters per (segment, repetition): the layer segments stand for layers 2-4 (1-based),
-    a layer held from its forward to its backward is one backward reaches, so the dense layer (320 elements) is
-    not among them; it is gathered once, in the prefix. The frozen, untied embedding (800) is released after its
-    forward too; the head (800) is used again by backward."""
+    """ZeRO-3's gathered parameters per (segment, repetition): the layer segments stand for layers 2-4 (1-based).
+    A layer is held from its forward to its backward only where backward runs it: not the dense layer (320
+    elements), gathered once in the prefix; in layer 2 (the first backward reaches) only the experts (576 of 672:
+    its attention and router read an input without a gradient). The frozen, untied embedding (800) is released
+    after its forward too; the head (800) is used again by backward."""
     from estimator.methods.state import _zero3_gathered
 
     zero = ZeroSpec(stage3_param_persistence_threshold=10, stage3_prefetch_bucket_size=100,
                     stage3_max_live_parameters=10**9)
     frozen = _zero3_gathered(zero, _table(dense_adapter=False), 2)
     trained = _zero3_gathered(zero, _table(dense_adapter=True), 2)
-    embed, dense, adapter, expert_layer, head, bucket = 800, 320, 16, 640, 800, 100
-    assert frozen("fw_first", 0) == 2 * (expert_layer + bucket)  # layer 2: nothing held before it
+    embed, dense, adapter, layer, experts, head, bucket = 800, 320, 16, 672, 576, 800, 100
+    assert frozen("fw_first", 0) == 2 * (layer + bucket)  # layer 2 runs whole in forward, nothing held before it
     assert trained("fw_first", 0) == 2 * (dense + adapter + bucket)  # layer 1: the dense one, with its adapter
-    assert frozen("bw_first", 0) == 2 * (2 * expert_layer + expert_layer)  # layers 2, 3 held, 4 running
-    assert frozen("mid_bw", 0) == 2 * (3 * expert_layer + head)
-    assert trained("mid_bw", 0) - frozen("mid_bw", 0) == 2 * (dense + adapter)  # held to its backward
-    assert frozen("bw_last", 0) == 2 * expert_layer
+    assert frozen("bw_last", 0) == 2 * experts  # layer 2's backward: its experts only
+    assert frozen("bw_first", 0) == 2 * (experts + layer + layer)  # layers 2 (experts), 3 held, 4 running
+    assert frozen("mid_bw", 0) == 2 * (experts + 2 * layer + head)
+    # with the dense layer's adapter every layer is reached whole: the dense layer and layer 2's attention and router
+    assert trained("mid_bw", 0) - frozen("mid_bw", 0) == 2 * (dense + adapter + layer - experts)
     assert frozen("prefix", 0) == trained("prefix", 0) == 2 * (embed + bucket)
     narrow = [ParamInfo(p.name, p.shape, 200, 2, False, p.module_kind, None) if p.module_kind == "embedding"
               else p for p in _table(dense_adapter=False)]
     assert _zero3_gathered(zero, narrow, 2)("prefix", 0) == 2 * (dense + bucket)  # the dense layer's forward
     checkpointed = _zero3_gathered(zero, _table(dense_adapter=False), 2, checkpointed=True)
-    assert checkpointed("mid_bw", 0) - frozen("mid_bw", 0) == 2 * embed  # measured held under checkpointing
+    assert checkpointed("mid_bw", 0) - frozen("mid_bw", 0) == 2 * (embed + layer - experts)  # measured held
 
 
 def test_zero3_saves_no_frozen_input_before_the_first_layer_backward_reaches():
     """zero.Init's linear saves a frozen Linear's input only where the input or a parameter needs a gradient: in
     the forward-only layer nothing does, nor in the first expert layer before its experts (the attention reads
-    the dense layer's output, which carries no gradient)."""
+    the dense layer's output, which carries no gradient). Later layers save the attention's input (16 B a token)
+    and the fp32 router's cast input (32)."""
     from estimator.methods.state import zero3_saved_linear_inputs
 
     per_layer, head = zero3_saved_linear_inputs(_table(dense_adapter=False), 0.0, True, attention_view=True)
-    assert per_layer == [0.0, 0.0, 16.0, 16.0] and head == 16.0
+    assert per_layer == [0.0, 0.0, 48.0, 48.0] and head == 16.0
     per_layer, _ = zero3_saved_linear_inputs(_table(dense_adapter=True), 0.0, True, attention_view=True)
-    assert per_layer == [0.0, 16.0, 16.0, 16.0]  # layer 0's adapter gives layer 1's attention a gradient
+    assert per_layer == [0.0, 48.0, 48.0, 48.0]  # layer 0's adapter gives layer 1's input a gradient
 
 
 def _segments() -> dict:
