@@ -14,7 +14,8 @@ routing. ZeRO runs with ``--buckets small`` by default (``zero_cpu_check``'s 1e5
 single-rank LoRA runs (rank 8) with the adapters on the attention projections (``q_proj,k_proj,v_proj,o_proj``), on
 every linear layer (``all-linear``: attention, routers, dense and shared MLPs) and on the experts' projections by
 name (``gate_proj,up_proj,down_proj``; Mixtral ``w1,w2,w3``); a ``-ckpt`` suffix (``lora-experts-ckpt``) adds
-gradient checkpointing. Transformers' fused experts hold parameters, not
+gradient checkpointing, a ``METHOD+`` prefix (``zero3+lora-experts``) runs it under that multi-rank method.
+Transformers' fused experts hold parameters, not
 Linear modules: peft turns these names into ``target_parameters`` on the fused experts where it knows the family's
 conversion, and matches dense or shared-expert MLPs by name where the model has such modules. A point the harness
 cannot run, or the estimator cannot estimate, is a row whose ``result`` says so, not a crash.
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 
 from benchmarks.table_csv import read_rows, write_rows
-from benchmarks.zero_cpu_check import compare, estimate_ranks, point_spec, run_point
+from benchmarks.zero_cpu_check import compare, estimate_ranks, measured_phase, point_spec, run_point
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = [HERE / "configs" / f"{name}_tiny.json" for name in ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v2")]
@@ -47,13 +48,15 @@ CKPT = "-ckpt"  # a LoRA method's suffix: with gradient checkpointing
 
 def harness_method(method: str, world: int, family: str) -> tuple[str, int, list[str]]:
     """The harness's method, world size and extra overrides of a table method (``lora-*-ckpt``: the LoRA method
-    with gradient checkpointing)."""
-    lora, ckpt = method.removesuffix(CKPT), method.endswith(CKPT)
+    with gradient checkpointing; ``METHOD+lora-*``: that LoRA under a multi-rank method, e.g. ``zero3+lora-experts``)."""
+    parallel, _, lora_method = method.rpartition("+")
+    lora, ckpt = lora_method.removesuffix(CKPT), lora_method.endswith(CKPT)
     if lora in LORA_TARGETS:  # hydra splits on commas outside quotes
         targets = EXPERT_PROJECTIONS.get(family, LORA_TARGETS[lora]) if lora == "lora-experts" \
             else LORA_TARGETS[lora]
-        return "single", 1, [f"training.lora_rank={LORA_RANK}", f"training.lora_targets='{targets}'",
-                             *(["training.grad_ckpt=true"] if ckpt else [])]
+        return parallel or "single", world if parallel else 1, [
+            f"training.lora_rank={LORA_RANK}", f"training.lora_targets='{targets}'",
+            *(["training.grad_ckpt=true"] if ckpt else [])]
     return method, world, []
 
 
@@ -64,10 +67,10 @@ def error_line(exc: Exception) -> str:
     return (raised or lines or [repr(exc)])[-1][:300]
 
 
-def measured_peaks(run_dir: Path) -> list[tuple[int, int]]:
-    """Each measured rank's peak allocated bytes, read from the run's records."""
+def measured_peaks(run_dir: Path) -> list[tuple[int, int, str]]:
+    """Each measured rank's peak allocated bytes and the phase that reached it, read from the run's records."""
     records = [json.loads(path.read_text()) for path in sorted(run_dir.glob("rank*.json"))]
-    return [(rec["rank"], rec["peak_allocated_bytes"]) for rec in records]
+    return [(rec["rank"], rec["peak_allocated_bytes"], measured_phase(rec)) for rec in records]
 
 
 def point_rows(path: Path, method: str, world: int, precision: str, b: int, s: int, buckets: str,
@@ -87,8 +90,8 @@ def point_rows(path: Path, method: str, world: int, precision: str, b: int, s: i
         scored_ranks = compare(run_dir)
     except Exception as exc:  # noqa: BLE001 - the estimator failing on a point is the row's result
         return [{**base, "rank": rank, "measured_bytes": measured, "estimate_bytes": "", "error_pct": "",
-                 "result": f"estimate failed: {type(exc).__name__}: {error_line(exc)}", "measured_phase": "",
-                 "estimated_phase": ""} for rank, measured in measured_peaks(run_dir)]
+                 "result": f"estimate failed: {type(exc).__name__}: {error_line(exc)}", "measured_phase": phase,
+                 "estimated_phase": ""} for rank, measured, phase in measured_peaks(run_dir)]
     rows = []
     for scored in scored_ranks:
         mib = 1024**2

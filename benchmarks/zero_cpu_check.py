@@ -81,6 +81,12 @@ def run_point(model: str, method: str, world: int, precision: str, buckets: str,
     return results / "zero_cpu_check" / "cpu" / ok[-1]
 
 
+def measured_phase(record: dict) -> str:
+    """The phase of a rank record's last steady step that reached its peak."""
+    steady = [s for s in record["steps"] if not s["warmup"]][-1]
+    return max(steady["phases"], key=lambda p: p["peak_allocated_bytes"] or 0)["phase"]
+
+
 def compare(run_dir: Path) -> list[dict]:
     spec = RunSpec.from_json((run_dir / "spec.json").read_text()).replace(gpu="h100-80gb")
     records = [json.loads(path.read_text()) for path in sorted(run_dir.glob("rank*.json"))]
@@ -90,8 +96,7 @@ def compare(run_dir: Path) -> list[dict]:
         mine = reports[rec["rank"]]
         predicted = mine.traced_allocated_bytes
         measured = rec["peak_allocated_bytes"]
-        steady = [s for s in rec["steps"] if not s["warmup"]][-1]
-        phase = max(steady["phases"], key=lambda p: p["peak_allocated_bytes"] or 0)["phase"]
+        phase = measured_phase(rec)
         rows.append({"method": spec.parallel.method, "world": spec.parallel.world_size, "rank": rec["rank"],
                      "precision": spec.training.precision,
                      "buckets": "small" if spec.parallel.zero.reduce_bucket_size < 500_000_000 else "default",

@@ -42,6 +42,7 @@ from estimator.models.arch import ModelArch, spec_arch
 from estimator.models.memo import memo_by_owner
 from estimator.models.moe import (
     check_forward_only_layers,
+    check_forward_only_layers_before_trace,
     experts_breakdown,
     moe_facts,
     moe_notes,
@@ -646,6 +647,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         conf = None  # the allocator replay has no ring events: the reserved prior
     coeffs = coefficients if isinstance(coefficients, residuals.Coefficients) else \
         residuals.load_coefficients(gpu.key, coefficients)
+    check_forward_only_layers_before_trace(spec, arch.config)
     every = ckpt_every(spec.training.ckpt_policy)
     if every is not None:
         arch, profile = every_k_profile(spec.model, spec.training, spec.parallel.tp, every, allow_build=allow_build)

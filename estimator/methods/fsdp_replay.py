@@ -185,10 +185,30 @@ def _pre_backward(group: LayerGroup, prefetched: LayerGroup | None) -> list[Even
 
 
 def _prefetched_in_backward(name: str, sz: FsdpSizes, index: int | None) -> LayerGroup | None:
-    """The layer a backward layer segment prefetches (None for the first layer, whose backward is the last)."""
-    if name == "bw_last":
+    """The layer a backward layer segment prefetches: the one before it in post-forward order. None for the first
+    layer, whose backward is the last; but after forward-only first layers (``forward_only_layers``) the last
+    backward still prefetches the forward-only layer before it, whose backward never comes."""
+    if name == "bw_last" and not index:
         return None
     return sz.layer(None if index is None else index - 1)
+
+
+def forward_only_layers(segments: dict, num_layers: int) -> int:
+    """The first decoder layers an explicit ``sequence`` leaves to the prefix (LoRA past dense first layers:
+    ``estimator.methods.timeline.loop_segments``): those its forward layer segments do not stand for."""
+    sequence = segments.get("sequence")
+    if not sequence:
+        return 0
+    return num_layers - sum(reps for name, reps in sequence if name.removesuffix(CKPT) in FORWARD_LAYER)
+
+
+def _forward_layer_events(here: LayerGroup, previous_gather_bytes: float) -> list[Event]:
+    """A layer's pre-forward: the previous unit's parameters resharded, this one's all-gathered (the previous
+    all-gather output still held), copied out, its all-gather output kept."""
+    return [set_part("layer_params", lambda st: 0.0),
+            set_part("gather", lambda st: previous_gather_bytes + here.gather_bytes),
+            set_part("layer_params", lambda st: here.bytes),
+            set_part("gather", lambda st: here.gather_bytes)]
 
 
 def segment_layer(name: str, k: int, num_layers: int) -> int | None:
@@ -197,26 +217,29 @@ def segment_layer(name: str, k: int, num_layers: int) -> int | None:
             "bw": num_layers - 2 - k, "bw_last": 0}.get(name)
 
 
-def _boundary_events(name: str, num_layers: int, sz: FsdpSizes, micro: str, index: int | None = None
-                     ) -> list[Event]:
+def _boundary_events(name: str, num_layers: int, sz: FsdpSizes, micro: str, index: int | None = None,
+                     first: int = 0) -> list[Event]:
     """FSDP2 events at the start of a profile segment (its layer's pre-hook, or the previous one's post-hook);
-    ``index``: the segment's layer (None: the generic layer, every layer alike)."""
+    ``index``: the segment's layer (None: the generic layer, every layer alike). ``first``: forward-only first
+    layers, whose forward runs in the prefix: each is all-gathered, run and resharded there, as any layer's
+    forward; no backward ever unshards them."""
     def near(offset: int) -> LayerGroup:  # the layer ``offset`` away from this one
         return sz.layer(None if index is None else index + offset)
 
     here = sz.layer(index)
     if name == "prefix":
-        return [set_part("gather", lambda st: sz.root_gather_bytes), set_part("root_params", lambda st: sz.root_bytes)]
-    if name == "fw_first":
+        events = [set_part("gather", lambda st: sz.root_gather_bytes),
+                  set_part("root_params", lambda st: sz.root_bytes)]
+        for layer in range(first):
+            previous = sz.root_gather_bytes if layer == 0 else sz.layer(layer - 1).deferred_gather_bytes
+            events += _forward_layer_events(sz.layer(layer), previous)
+        return events
+    if name == "fw_first" and not index:
         return [set_part("gather", lambda st: sz.root_gather_bytes + here.gather_bytes),
                 set_part("layer_params", lambda st: here.bytes),
                 set_part("gather", lambda st: here.gather_bytes)]
     if name in FORWARD_LAYER:
-        previous = near(-1)
-        return [set_part("layer_params", lambda st: 0.0),
-                set_part("gather", lambda st: previous.deferred_gather_bytes + here.gather_bytes),
-                set_part("layer_params", lambda st: here.bytes),
-                set_part("gather", lambda st: here.gather_bytes)]
+        return _forward_layer_events(here, near(-1).deferred_gather_bytes)
     if name == "mid_fw":
         return [set_part("layer_params", lambda st: 0.0),
                 set_part("gather", lambda st: sz.layer(num_layers - 1).deferred_gather_bytes)]
@@ -228,7 +251,7 @@ def _boundary_events(name: str, num_layers: int, sz: FsdpSizes, micro: str, inde
         return ([] if first else _post_backward(near(+1), micro)) + _pre_backward(
             here, _prefetched_in_backward(name, sz, index))
     if name == "suffix":
-        return _post_backward(sz.layer(0), micro)
+        return _post_backward(sz.layer(first), micro)
     raise ValueError(f"fsdp: unknown profile segment {name!r}")
 
 
@@ -397,7 +420,8 @@ def _walk_mixed(walk: Walk, segments: dict, num_layers: int, sizes: FsdpSizes, m
     hook has unsharded it (and prefetched the layer below): FSDP2's pre-forward and post-forward return at once in
     that state (``FSDPState._pre_forward``), so its segment carries the recomputed activations and nothing else
     changes. Segments outside the layers' (``release``: what the checkpoints kept alive) have no events."""
-    forward = backward = 0
+    first = forward_only_layers(segments, num_layers)
+    forward, backward = first, 0
     for name, repeats in segments["sequence"]:
         base = name.removesuffix(CKPT)
         for _ in range(repeats):
@@ -407,7 +431,7 @@ def _walk_mixed(walk: Walk, segments: dict, num_layers: int, sizes: FsdpSizes, m
             elif base in BACKWARD_LAYER:
                 index, backward = num_layers - 1 - backward, backward + 1
             known = base in FORWARD_LAYER + BACKWARD_LAYER + ("prefix", "mid_fw", "mid_bw", "suffix")
-            events = _boundary_events(base, num_layers, sizes, micro, index) if known else []
+            events = _boundary_events(base, num_layers, sizes, micro, index, first) if known else []
             experts = sizes.layer(index).experts if base in BACKWARD_LAYER else None
             act, state = walk.segment(name, segments[name], events, act, state, experts, micro,
                                       _prefetched_gather_bytes(base, sizes, index))
@@ -430,7 +454,8 @@ def replay_fsdp(segments: dict, num_layers: int, b: int, s: int, sizes: FsdpSize
         state["grad_shards"] = sizes.sum_layers(num_layers, "rs_out_bytes") + sizes.root_rs_out_bytes
     elif micro in (UNSYNCED_LATER, SYNCED_LAST):
         state["held_grads"] = sizes.sum_layers(num_layers, "held_bytes") + sizes.root_held_bytes
-    if segments.get("sequence"):  # every-k: each layer's own segments, one instance at a time
+    # every-k, or forward-only first layers: each layer's own segments, one instance at a time
+    if segments.get("sequence"):
         act, state = _walk_mixed(walk, segments, num_layers, sizes, micro, act, state)
     for name, repeats in () if segments.get("sequence") else segment_sequence(num_layers):
         if not sizes.layers:  # every layer alike: the repetitions extrapolate

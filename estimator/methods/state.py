@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from estimator.methods.timeline import ExtraBytes
 from estimator.models.memo import memo_by_owner
 from estimator.models.moe import is_routed_expert
-from estimator.models.params import ParamInfo, largest_layer
+from estimator.models.params import ParamInfo, forward_only_layers, largest_layer
 from estimator.spec import RunSpec, ZeroSpec
 
 FP32 = 4
@@ -282,15 +282,19 @@ def _zero_layout(table: list[ParamInfo], num_layers: int) -> tuple[float, list[f
     return pre, [layers.get(i, 0.0) for i in range(num_layers)], post
 
 
-def _zero3_layer_of(segment: str, k: int, num_layers: int) -> int:
-    """The decoder layer (1-based) a layer segment's repetition ``k`` runs."""
-    return {"fw_first": 1, "fw": 2 + k, "fw_last": num_layers, "bw_first": num_layers,
-            "bw": num_layers - 1 - k, "bw_last": 1}[segment]
+def _zero3_layer_of(segment: str, k: int, num_layers: int, first: int = 0) -> int:
+    """The decoder layer (1-based) a layer segment's repetition ``k`` runs. ``first``: forward-only first layers
+    (``forward_only_layers``), which run inside the prefix: the layer segments stand for the layers after them."""
+    replayed = num_layers - first
+    return first + {"fw_first": 1, "fw": 2 + k, "fw_last": replayed, "bw_first": replayed,
+                    "bw": replayed - 1 - k, "bw_last": 1}[segment]
 
 
 # Linear layers of one module that read the same input tensor (one saved copy serves them all); any other Linear
 # reads an input of its own (o_proj: the attention's reshaped output, down_proj: the gated product)
 _SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up",
+                 # DeepSeek's multi-head latent attention: the query and the compressed key/value read one input
+                 "q_a_proj": "qkv", "kv_a_proj_with_mqa": "qkv",
                  "w1": "w13", "w3": "w13", "query": "qkv", "key": "qkv", "value": "qkv"}
 # The attention's output projection: its input is the attention output reshaped, a view of the tensor SDPA's
 # flash and memory-efficient kernels (and flash-attn) save themselves; eager and math attention make it a copy
@@ -323,10 +327,16 @@ class _InputGroup:
         return bool(self.adapters) or any(p.trainable for p in self.weights)
 
 
+def _is_router(p: ParamInfo) -> bool:
+    """A router that is no ``nn.Linear`` but calls ``F.linear`` on its input cast to its own dtype (DeepSeek's
+    ``mlp.gate``, kept in fp32): an input of its own, saved in the weight's dtype."""
+    return p.module_kind == "other" and p.name.endswith(".gate.weight")
+
+
 def _input_groups(table: list[ParamInfo]) -> dict[tuple[int | None, str, str], _InputGroup]:
     groups: dict[tuple[int | None, str, str], _InputGroup] = {}
     for p in table:
-        if p.module_kind != "linear" or len(p.shape) != 2 or is_routed_expert(p.name):
+        if not (p.module_kind == "linear" or _is_router(p)) or len(p.shape) != 2 or is_routed_expert(p.name):
             continue
         if any(part in p.name for part in _LORA_PARTS):  # an adapter belongs to its wrapper's group
             if ".lora_A." in p.name:
@@ -350,14 +360,17 @@ def zero3_saved_linear_inputs(table: list[ParamInfo], lora_dropout: float, head:
     tensor is saved already (``_InputGroup.saved_plainly``; ``attention_view``: the attention output
     projection's input is the attention kernel's own saved output). Nothing is recorded where neither the input
     nor a parameter needs a gradient: the first layer's modules up to the first trainable one read activations
-    of the frozen embedding. Routed experts (not ``F.linear``) are left out. ``head``: the output head is one
+    of the frozen embedding, and where the first layers run forward only (``forward_only_layers``: LoRA on the
+    routed experts past dense first layers) every module of theirs and of the first layer backward reaches up to
+    its first trainable one (its routed experts, not ``F.linear``). Routed experts are left out. ``head``: the output head is one
     ``F.linear`` (the standard cross-entropy)."""
     layers = 1 + max((p.layer for p in table if p.layer is not None), default=-1)
     per_layer = [0.0] * layers
     needs_grad = any(p.trainable for p in table if p.layer is None and p.module_kind == "embedding")
+    reached = forward_only_layers(table)  # the first layer backward reaches (routed experts may be its only one)
     head_bytes = 0.0
     for (layer, _, leaf), group in _input_groups(table).items():
-        first = layer is not None and layer == 0 and not needs_grad
+        first = layer is not None and layer <= reached and not needs_grad
         if first:
             needs_grad = group.trainable  # from here on the activations carry a gradient
             continue
@@ -384,6 +397,7 @@ def _zero3_saved_inputs(table: list[ParamInfo], lora_dropout: float, head: bool,
     if not any(per_layer) and not head_bytes:
         return None
     num_layers = len(per_layer)
+    first = forward_only_layers(table)
     upto = [sum(per_layer[:i]) for i in range(num_layers + 1)]
 
     def saved(segment: str, k: int) -> float:
@@ -391,14 +405,25 @@ def _zero3_saved_inputs(table: list[ParamInfo], lora_dropout: float, head: bool,
             return 0.0
         if segment in ("mid_fw", "mid_bw"):
             return head_bytes + (0.0 if checkpointed else upto[-1])
-        i = _zero3_layer_of(segment, k, num_layers)
+        i = _zero3_layer_of(segment, k, num_layers, first)
         if checkpointed:
             return per_layer[i - 1] if segment.startswith("bw") else 0.0
         return upto[i]
     return saved
 
 
-def _zero3_gathered(zcfg: ZeroSpec, table: list[ParamInfo], elem: int) -> ExtraBytes:
+def _reached_in_first_layer(big: list[ParamInfo], layer: int, numel: float) -> float:
+    """The elements of the first layer backward reaches that its backward uses, where nothing before it needs a
+    gradient: with trainable parameters in its routed experts only (LoRA on the experts), its input carries no
+    gradient, so its frozen attention, router and shared experts (they read that input) run forward only; only
+    the experts' modules run backward. Otherwise the whole layer (``numel``)."""
+    rows = [p for p in big if p.layer == layer]
+    if not any(p.trainable for p in rows) or any(p.trainable and not is_routed_expert(p.name) for p in rows):
+        return numel
+    return float(sum(p.numel for p in rows if is_routed_expert(p.name)))
+
+
+def _zero3_gathered(zcfg: ZeroSpec, table: list[ParamInfo], elem: int, checkpointed: bool = False) -> ExtraBytes:
     """Bytes of gathered (unpartitioned) parameters per (segment, repetition) under DeepSpeed ZeRO-3.
 
     As measured on DeepSpeed 0.19 (``benchmarks/zero_cpu_check.py``, docs/LOG.md 2026-11-22): from the second
@@ -409,28 +434,49 @@ def _zero3_gathered(zcfg: ZeroSpec, table: list[ParamInfo], elem: int) -> ExtraB
     elements are gathered. On top: the module in use and up to ``stage3_prefetch_bucket_size`` elements of the
     modules ahead. Not modelled: the flat buffer of a coalesced gather, which briefly doubles what one gather
     brings in. Persistent parameters (<= ``stage3_param_persistence_threshold`` elements) are resident and not
-    counted here. Each layer counts its own tensors (a dense first layer before expert layers is smaller)."""
+    counted here. Each layer counts its own tensors (a dense first layer before expert layers is smaller).
+    Modules backward never runs are not marked again: forward-only first layers (``forward_only_layers``: LoRA on
+    the routed experts past dense first layers) are gathered in the prefix, one at a time, and released; so is a
+    frozen, untied input embedding (not under checkpointing: ``checkpointed``), and, in the first layer backward
+    reaches, what runs forward only (``_reached_in_first_layer``)."""
     big = [p for p in table if p.numel > zcfg.stage3_param_persistence_threshold]
     num_layers = len({p.layer for p in table if p.layer is not None})
     pre, layers, post = _zero_layout(big, num_layers)  # a layer of persistent tensors only gathers nothing
     before = [sum(layers[:i]) for i in range(num_layers + 1)]  # numel of the layers ahead of layer i
     bucket = zcfg.stage3_prefetch_bucket_size
     live = zcfg.stage3_max_live_parameters
+    first = forward_only_layers(table)
+    # the input embedding is gathered again in backward only where backward reaches it (trainable) or it is also
+    # the output head (tied); a frozen untied one (LoRA) is released after its forward like any module whose
+    # parameters the step's trace never uses again (docs/error_matrix/zero_cpu_lora.csv: +0.2 % -> 0.01 %). With
+    # checkpointing the measured peak still holds it (the checkpointed row: -0.19 % when released; not explained)
+    reused = checkpointed or any(p.trainable or p.tied_names for p in big
+                                 if p.layer is None and p.module_kind == "embedding")
+    kept_pre = pre if reused else 0.0
+    kept = list(layers)  # what of each layer backward gathers again (is held from its forward to its backward)
+    if not reused:
+        kept[first] = _reached_in_first_layer(big, first, layers[first])
+    kept_before = [sum(kept[first:i]) for i in range(num_layers + 1)]
 
-    def layer_index(segment: str, k: int) -> int:
-        return _zero3_layer_of(segment, k, num_layers)
+    def held_before(i: int) -> float:
+        """Gathered layers kept to their backward when layer i runs: those backward reaches. A forward-only
+        first layer's modules never come again in the step's trace, so each is released after its forward."""
+        return kept_before[i - 1] if i > first else 0.0
+
+    def in_layer(i: int, forward: bool) -> float:
+        ahead = before[-1] - before[i] + post if forward else 0.0  # backward: all held
+        return min(kept_pre + held_before(i), live) + (layers if forward else kept)[i - 1] + min(bucket, ahead)
 
     def gathered(segment: str, k: int) -> float:
-        if segment == "prefix":
-            numel = pre + min(bucket, before[-1] + post)
+        if segment == "prefix":  # the embedding, then each forward-only layer in turn
+            numel = max([pre + min(bucket, before[-1] + post)] + [in_layer(i, True) for i in range(1, first + 1)])
         elif segment == "suffix":
-            numel = pre
+            numel = kept_pre
         elif segment in ("mid_fw", "mid_bw"):
-            numel = min(pre + before[-1], live) + post
+            numel = min(kept_pre + held_before(num_layers + 1), live) + post
         else:
-            i = layer_index(segment, k)
-            ahead = before[-1] - before[i] + post if segment.startswith("fw") else 0.0  # backward: all held
-            numel = min(pre + before[i - 1], live) + layers[i - 1] + min(bucket, ahead)
+            i = _zero3_layer_of(segment, k, num_layers, first)
+            numel = in_layer(i, segment.startswith("fw"))
         return elem * numel
     return gathered
 
@@ -724,7 +770,7 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
             host += weights * part  # each rank offloads its own partition
         resident["comm_buffers"] = ipg
         resident["gradients"] = partition16
-        extra = _zero3_gathered(zcfg, table, elem16)
+        extra = _zero3_gathered(zcfg, table, elem16, training.grad_ckpt)
         saved_per_token = _zero3_linear_saves(spec, table, attention_view)
         if saved_per_token is not None:
             notes.append("zero3: zero.Init's memory-efficient linear (LinearFunctionForZeroStage3) saves each frozen "

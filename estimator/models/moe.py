@@ -155,17 +155,71 @@ def experts_breakdown(table: list, breakdown: dict[str, int]) -> dict[str, int]:
     return {k: int(round(v)) for k, v in out.items() if v >= 0.5}
 
 
-def check_forward_only_layers(spec, profile: dict) -> None:
-    """Forward-only first layers (``frozen_layers``) are replayed for one GPU only (checked against the CPU oracle
-    on Qwen3-MoE and DeepSeek-V2, docs/error_matrix/moe_methods.csv); elsewhere the methods' own replays would
-    count the layer segments for every layer. (every-k checkpointing is full fine-tuning only: the spec refuses
-    it with LoRA.)"""
-    frozen = profile["params"].get("frozen_layers", 0)
+# The methods whose replays split the decoder layers at forward-only first ones (``frozen_layers``), each checked
+# against the CPU oracle on Qwen3-MoE and DeepSeek-V2 (docs/error_matrix/moe_methods.csv, ``METHOD+lora-experts``).
+FORWARD_ONLY_METHODS = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp")
+# Families whose routed experts peft (>= 0.18, transformers 5) targets by the per-expert projection names: it
+# turns those names into ``target_parameters`` on the fused experts and drops them from ``target_modules``, so a
+# dense layer's MLP of the same names gets no adapter (``peft.utils.transformers_weight_conversion``).
+_EXPERT_NAME_FAMILIES = ("deepseek_v2", "deepseek_v3", "qwen2_moe", "qwen3_moe", "glm4_moe")
+_EXPERT_PROJECTIONS = {"gate_proj", "up_proj", "down_proj", "gate"}
+
+
+def dense_leading_layers(config: dict) -> int | None:
+    """Decoder layers before the first mixture-of-experts layer, as the config states them (transformers picks a
+    layer's kind from its index): DeepSeek's ``first_k_dense_replace`` and ``moe_layer_freq``, Qwen2/3-MoE's
+    ``mlp_only_layers`` and ``decoder_sparse_step``. None where the config names neither (or no experts)."""
+    if routed_experts(config) is None:
+        return None
+    layers = config.get("num_hidden_layers", 0)
+    if isinstance(config.get("first_k_dense_replace"), int):
+        first, every = config["first_k_dense_replace"], config.get("moe_layer_freq") or 1
+        is_moe = lambda i: i >= first and i % every == 0  # noqa: E731
+    elif "mlp_only_layers" in config or "decoder_sparse_step" in config:
+        dense, step = set(config.get("mlp_only_layers") or ()), config.get("decoder_sparse_step") or 1
+        is_moe = lambda i: i not in dense and (i + 1) % step == 0  # noqa: E731
+    else:
+        return None
+    return next((i for i in range(layers) if is_moe(i)), layers)
+
+
+def predicted_forward_only_layers(training, config: dict) -> int:
+    """Forward-only first layers (``frozen_layers``) read off the config, before any trace: LoRA whose targets
+    are the experts' projection names only, on a family peft turns them into the fused experts'
+    ``target_parameters`` for, past dense first layers the config states. 0 where it cannot say (the trace then
+    finds them: ``estimator.profiler.profile.frozen_leading_layers``)."""
+    if not training.lora or config.get("model_type") not in _EXPERT_NAME_FAMILIES:
+        return 0
+    targets = {t.strip() for t in training.lora_targets.split(",") if t.strip()}
+    if not targets or not targets <= _EXPERT_PROJECTIONS:
+        return 0
+    return dense_leading_layers(config) or 0
+
+
+def forward_only_refusal(spec, frozen: int) -> str | None:
+    """Why forward-only first layers are not modelled under this spec's parallelism (None: they are)."""
     parallel = spec.parallel
     if not frozen:
-        return
-    if parallel.method != "single" or parallel.world_size > 1 or parallel.pp > 1 or parallel.ep > 1 \
-            or parallel.cp > 1 or parallel.tp > 1:
-        raise ValueError(f"lora_targets: backward never reaches the first {frozen} decoder layer(s) (no adapter "
-                         "there: dense layers before the experts); modelled for method single only, add a target "
-                         "those layers have (e.g. attention) for other methods")
+        return None
+    if parallel.method in FORWARD_ONLY_METHODS and parallel.pp == 1 and parallel.ep == 1 and parallel.cp == 1 \
+            and parallel.tp == 1:
+        return None
+    return (f"lora_targets: backward never reaches the first {frozen} decoder layer(s) (no adapter there: dense "
+            f"layers before the experts); modelled for methods {', '.join(FORWARD_ONLY_METHODS)} without tp, pp, "
+            "cp or ep, add a target those layers have (e.g. attention) for other layouts")
+
+
+def check_forward_only_layers(spec, profile: dict) -> None:
+    """Forward-only first layers (``frozen_layers``, as the profile traced them) under a layout whose replay does
+    not split the layers there: refused in one line. (every-k checkpointing is full fine-tuning only: the spec
+    refuses it with LoRA.)"""
+    reason = forward_only_refusal(spec, profile["params"].get("frozen_layers", 0))
+    if reason:
+        raise ValueError(reason)
+
+
+def check_forward_only_layers_before_trace(spec, config: dict) -> None:
+    """The same refusal where the config states the dense first layers, before a profile is loaded or traced."""
+    reason = forward_only_refusal(spec, predicted_forward_only_layers(spec.training, config))
+    if reason:
+        raise ValueError(reason)

@@ -106,12 +106,24 @@ def backward_order(params: dict, num_layers: int) -> dict[tuple[int | None, str]
     keys = [(None, name) for name in head]
     for layer, rows in reversed(list(enumerate(layer_rows(params, num_layers)))):
         names = sorted(row["name"] for row in rows if row["trainable"])
+        if not names:  # a layer backward never reaches (forward-only first layers): no gradient hook
+            continue
         order = next((c for c in candidates if sorted(c) == names), None)
         if order is None:
             return {}
         keys.extend((layer, name) for name in order)
     keys.extend((None, name) for name in tail)
     return {key: i for i, key in enumerate(keys)}
+
+
+def forward_only_layers(table: list[ParamInfo]) -> int:
+    """How many first decoder layers backward never reaches: none of their parameters is trainable, nor any
+    before them (the embeddings), while a later layer's is (LoRA on the routed experts past dense first layers:
+    ``estimator.profiler.profile.frozen_leading_layers``, read here off the parameter table)."""
+    if any(p.trainable for p in table if p.layer is None and p.module_kind == "embedding"):
+        return 0
+    trainable = sorted({p.layer for p in table if p.layer is not None and p.trainable})
+    return trainable[0] if trainable else 0
 
 
 def buffer_bytes(params: dict, num_layers: int) -> int:

@@ -69,8 +69,8 @@ def test_the_layer_segments_repeat_for_the_layers_backward_reaches():
 
 
 @pytest.mark.parametrize("parallel, training", [
-    (ParallelSpec(method="fsdp", world_size=2), {}),
-    (ParallelSpec(method="ddp", world_size=2), {}),
+    (ParallelSpec(method="fsdp1", world_size=2), {}),
+    (ParallelSpec(method="fsdp", world_size=2, ep=2), {}),
     (ParallelSpec(method="single", world_size=2, pp=2), {}),
 ])
 def test_other_methods_refuse_forward_only_first_layers(parallel, training):
