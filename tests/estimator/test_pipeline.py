@@ -157,6 +157,7 @@ def test_the_estimate_reproduces_committed_oracle_rows(schedule):
 COMBINATIONS = {"pipeline_ckpt.csv": {"grad_ckpt": {"True"}},
                 "pipeline_mixed.csv": {"precision": {"mixed_bf16"}, "dp": {"2"}},
                 "pipeline_lora.csv": {"lora_rank": {"8"}, "dp": {"1", "2"}},
+                "pipeline_lora_ckpt.csv": {"lora_rank": {"8"}, "grad_ckpt": {"True"}, "dp": {"1"}},
                 "pipeline_every_k.csv": {"grad_ckpt": {"True"}, "ckpt_policy": {"every-k:2", "every-k:3"}},
                 "pipeline_tp.csv": {"tp": {"2"}, "dp": {"1"}}}
 # The 1 % bar, but for pp x tp's interleaved middle rank at pp 4 (+1.075 %): the pipelines' in-flight gradient
@@ -254,6 +255,44 @@ def test_lora_under_pp_holds_each_stages_adapter_state_and_frozen_weights():
     assert full["optimizer_states"] > 20 * first["optimizer_states"]
 
 
+def _rank_events(spec: RunSpec, pp_rank: int) -> list[list]:
+    """The estimate's per-action levels of one pipeline rank (the shipped profile, no torch)."""
+    from estimator.api import _param_table, _regime
+    from estimator.methods.pipeline_rank import pipeline_rank
+    from estimator.methods.timeline import loop_segments
+    from estimator.profiler.cache import load_model_profile
+
+    training = spec.training
+    arch, profile = load_model_profile(spec.model, training, spec.parallel.tp, allow_build=False)
+    segments = loop_segments(_regime(profile, training.micro_batch_size, training.seq_len), training.loop,
+                             arch.num_layers)
+    events: list[list] = []
+    pipeline_rank(spec, segments, _param_table(profile, arch.num_layers), arch.num_layers, arch.hidden_size, 2,
+                  pp_rank, arch.vocab_size, events=events)
+    return events
+
+
+def test_lora_with_checkpointing_keeps_the_first_stages_embedding_output():
+    """Under checkpointing peft makes the embedding output require a gradient, so layer 0's checkpoint keeps it:
+    each forward of the first stage holds it and each of its 4 layers' outputs (one hidden-sized tensor each) plus
+    its rotary tables (the prefix less the embedding output), as torch's run does (+90,624 B at b1 s64). Without
+    checkpointing LoRA's first stage lets the embedding output go."""
+    from estimator.api import _regime
+    from estimator.methods.timeline import loop_segments, poly
+    from estimator.profiler.cache import load_model_profile
+
+    par = ParallelSpec(method="single", world_size=2, pp=2, pp_schedule="gpipe", pp_microbatches=4)
+    spec = _tiny(par, lora_rank=8, grad_ckpt=True)
+    hidden_bytes = 1 * 64 * 128 * 2
+    arch, profile = load_model_profile(spec.model, spec.training, allow_build=False)
+    prefix = poly(loop_segments(_regime(profile, 1, 64), "trainer", arch.num_layers)["prefix"]["net_act"], 1, 64)
+    rises = [after - before for kind, _, _, before, _, after in _rank_events(spec, 0) if kind == "F"]
+    assert rises == [5 * hidden_bytes + prefix - hidden_bytes] * 4
+    plain = [after - before for kind, _, _, before, _, after in _rank_events(_tiny(par, lora_rank=8), 0)
+             if kind == "F"]
+    assert all(r > rises[0] for r in plain)  # every layer's activations, less the embedding output
+
+
 def test_cli_lora_every_k_and_tp_under_pp():
     base = [sys.executable, "-m", "estimator", "--model", str(CONFIG), "--precision", "bf16", "--seq-len", "64",
             "--micro-batch-size", "1"]
@@ -290,8 +329,8 @@ def test_cli_pipeline_and_its_errors():
                             "pp_microbatches: torch's 1F1B needs"),
                            (["--method", "single", "--gpus", "4", "--pp", "4", "--grad-ckpt", "--ckpt-policy",
                              "selective-ops"], "pp: ckpt_policy is not modelled under pipelining"),
-                           (["--method", "single", "--gpus", "4", "--pp", "4", "--grad-ckpt", "--lora-rank", "8"],
-                            "pp: LoRA with checkpointing is not modelled under pipelining yet"),
+                           (["--method", "fsdp", "--gpus", "8", "--pp", "4", "--grad-ckpt", "--lora-rank", "8"],
+                            "pp: LoRA with checkpointing under pp x FSDP2 is not modelled yet"),
                            (["--method", "single", "--gpus", "4", "--pp", "4", "--precision", "mixed_bf16"],
                             "pp: precision mixed_bf16 is modelled as FSDP2's MixedPrecisionPolicy"),
                            (["--method", "fsdp", "--gpus", "8", "--pp", "4", "--precision", "mixed_fp16"],
@@ -362,15 +401,16 @@ def test_the_plan_weighs_checkpointed_pipelines_and_names_why_mixed_ones_are_not
 
 
 def test_the_plan_weighs_lora_and_every_k_pipelines():
-    """LoRA pipelines are planned without checkpointing (LoRA with checkpointing is refused under pp); a plan with
-    every-k checkpointing weighs its checkpointed pipelines."""
+    """LoRA pipelines are planned with and without checkpointing, pp x FSDP2 without (LoRA with checkpointing is
+    refused there); a plan with every-k checkpointing weighs its checkpointed pipelines."""
     from estimator.models.arch import cached_arch
     from estimator.planning.plan import _pipeline_candidates
 
     arch = cached_arch(str(CONFIG))
     lora, note = _pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision="bf16", seq_len=64, lora_rank=8), 4,
                                       (False, True))
-    assert [(c.label, c.grad_ckpt) for c in lora] == [("pp2 x fsdp2", False), ("pp4 1f1b", False)] and note == ""
+    assert [(c.label, c.grad_ckpt) for c in lora] == [("pp2 x fsdp2", False), ("pp4 1f1b", False),
+                                                      ("pp4 1f1b", True)] and note == ""
     every, note = _pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision="bf16", seq_len=64, grad_ckpt=True,
                                                                        ckpt_policy="every-k:2"), 4, (True,))
     assert [(c.label, c.grad_ckpt) for c in every] == [("pp2 x fsdp2", True), ("pp4 1f1b", True)] and note == ""
