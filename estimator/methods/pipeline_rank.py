@@ -233,6 +233,11 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     # until the schedule returns, which full fine-tuning and the other schedules do not (counted with --trace at
     # b x s = 64 and 128: b s h x the activation's element size; origin not found). None: no such tensor.
     lora_kept: bool | None = False if training.lora and par.pp_schedule == "1f1b" else None
+    # 1F1B under pp x tp with checkpointing: the same where a forward follows the first backward (the steady
+    # state), but let go before the rank's last backward (counted with --trace at pp 2 and 4, b x s = 64 and 2 x 32;
+    # origin not found). None: no such tensor.
+    tp_kept: bool | None = False if par.tp > 1 and training.grad_ckpt and par.pp_schedule == "1f1b" else None
+    backward_actions = sum(a.kind == "B" for a in rank_actions(par.pp_schedule, pp_rank, pp, m, virtual))
     for index, action in enumerate(actions):
         before = base + gathered + act + grads + pending
         action_peak = before
@@ -250,6 +255,9 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
         else:
             seq = _backward_segments(first, last, splits[st], num_layers, kinds)
         accumulating = action.kind == "B" and st in started
+        if tp_kept and action.kind == "B" and sum(backwards.values()) == backward_actions - 1:
+            act -= boundary  # the rank's last backward: the kept tensor has gone
+            tp_kept = None
         phase = f"{'forward' if action.kind == 'F' else 'backward'} of stage {st}, micro-batch {action.microbatch}"
         # A checkpointed stage's first backward layer leaves its output's gradient alone (the receive buffer,
         # resident), which the unsplit profile's segment frees: every later level of the backward holds it
@@ -267,11 +275,11 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
             done_grad = seg["net_grad"] * (FP32 / act_bytes if mixed and layer_seg else 1)
             for k in {0, min(1, reps - 1), reps - 1}:  # levels are linear in k but for the lift after k = 0
                 lift = incoming if seg_index == 0 and k else 0.0  # later segments: in ``act``
-                for cand_act, cand_grad in seg["candidates"]:
+                for cand_act, cand_grad, fresh_grad in _with_fresh_grads(seg["candidates"]):
                     if mixed:  # every 16-bit gradient of the group stays until its hook: none added in place
                         g = grads + pending + (0 if accumulating else k * done_grad) + cand_grad
                     else:
-                        g = grads + (min(cand_grad, transient) if accumulating else k * done_grad + cand_grad)
+                        g = grads + (min(fresh_grad, transient) if accumulating else k * done_grad + cand_grad)
                     consider(base + gathered + act + lift + k * net + poly(cand_act, b, s) + g, phase,
                              {"activations": act + lift + k * net + poly(cand_act, b, s), "gradients": g,
                               "gathered_params": gathered})
@@ -319,6 +327,9 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
             if lora_kept is False and not last:
                 act += boundary  # held from the rank's first backward to the schedule's end (counted, below)
                 lora_kept = True
+            if tp_kept is False and not last and any(a.kind == "F" for a in actions[index + 1:]):
+                act += boundary  # held from the rank's first backward to its last (counted, above)
+                tp_kept = True
             live -= 1
             started.add(st)
         if events is not None:
@@ -366,6 +377,18 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
             out[key] = out.get(key, 0.0) + parts[key]
     return PipelineRank(pp_rank=pp_rank, stages=tuple(mine), parts=out, peak_bytes=total, phase=phase,
                         in_flight=in_flight)
+
+
+def _with_fresh_grads(candidates: list) -> list[tuple]:
+    """Each backward candidate ``(activations, gradients)`` with the gradients made since the one before (in time
+    order): under accumulation the only gradient that can be in flight at a candidate, before autograd adds it in
+    place, is one made since the previous candidate (a candidate after a layer norm's gradient holds no weight
+    gradient in flight; counted, --trace: pp x tp's checkpointed middle rank read one 32 KiB gradient over)."""
+    out, before = [], 0.0
+    for cand_act, cand_grad in candidates:
+        out.append((cand_act, cand_grad, max(0.0, cand_grad - before)))
+        before = cand_grad
+    return out
 
 
 def _fsdp_groups(stage: list[ParamInfo]) -> list[tuple[bool, list[ParamInfo]]]:
@@ -431,8 +454,11 @@ def check_pipeline(spec: RunSpec, model_type: str, tied: bool) -> None:
     if tied:
         raise ValueError("pp: tied input and output embeddings (tie_word_embeddings) would sit on the first and the "
                          "last stage; torch's pipelining does not tie them across stages")
-    if spec.parallel.tp > 1 and (training.lora or training.grad_ckpt):
-        raise ValueError("pp: pp x tp is checked without checkpointing and LoRA; use pp x tp alone")
+    if spec.parallel.tp > 1 and training.lora and training.grad_ckpt:
+        raise ValueError("pp: pp x tp with LoRA and checkpointing together is not checked yet; use one of them")
+    if spec.parallel.tp > 1 and ckpt_every(training.ckpt_policy) is not None:
+        raise ValueError(f"pp: pp x tp with ckpt_policy {training.ckpt_policy} is not checked yet; checkpoint every "
+                         "decoder layer")
     if training.lora and training.grad_ckpt and fsdp2:
         raise ValueError("pp: LoRA with checkpointing under pp x FSDP2 is not modelled yet (FSDP2's all-gathers at a "
                          "stage's first forward set the peak under 1F1B: -1.6 to -1.8 % against torch's run); use "

@@ -159,7 +159,9 @@ COMBINATIONS = {"pipeline_ckpt.csv": {"grad_ckpt": {"True"}},
                 "pipeline_lora.csv": {"lora_rank": {"8"}, "dp": {"1", "2"}},
                 "pipeline_lora_ckpt.csv": {"lora_rank": {"8"}, "grad_ckpt": {"True"}, "dp": {"1"}},
                 "pipeline_every_k.csv": {"grad_ckpt": {"True"}, "ckpt_policy": {"every-k:2", "every-k:3"}},
-                "pipeline_tp.csv": {"tp": {"2"}, "dp": {"1"}}}
+                "pipeline_tp.csv": {"tp": {"2"}, "dp": {"1"}},
+                "pipeline_tp_ckpt.csv": {"tp": {"2"}, "grad_ckpt": {"True"}, "dp": {"1"}},
+                "pipeline_tp_lora.csv": {"tp": {"2"}, "lora_rank": {"8"}, "dp": {"1"}}}
 # The 1 % bar, but for pp x tp's interleaved middle rank at pp 4 (+1.075 %): the pipelines' in-flight gradient
 # residue (the estimate's backward candidate under accumulation with one gradient in flight, 33.6 KB here as in
 # pipeline.csv's +0.71 % row), larger relative to a TP rank's smaller total. Over-estimates only.
@@ -308,6 +310,12 @@ def test_cli_lora_every_k_and_tp_under_pp():
                         text=True, timeout=120, cwd=REPO)
     assert tp.returncode == 0, tp.stderr
     assert "TP over 2 ranks inside each stage" in tp.stdout
+    for extra, note in ((["--grad-ckpt"], "every decoder layer of each stage checkpointed"),
+                        (["--lora-rank", "8"], "LoRA r8: each stage's frozen base weights")):
+        tp = subprocess.run([*base, "--method", "tp", "--gpus", "4", "--tp", "2", "--pp", "2", *extra],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert tp.returncode == 0, tp.stderr
+        assert "TP over 2 ranks inside each stage" in tp.stdout and note in tp.stdout
 
 
 def test_cli_pipeline_and_its_errors():
@@ -331,6 +339,10 @@ def test_cli_pipeline_and_its_errors():
                              "selective-ops"], "pp: ckpt_policy is not modelled under pipelining"),
                            (["--method", "fsdp", "--gpus", "8", "--pp", "4", "--grad-ckpt", "--lora-rank", "8"],
                             "pp: LoRA with checkpointing under pp x FSDP2 is not modelled yet"),
+                           (["--method", "tp", "--tp", "2", "--gpus", "8", "--pp", "4", "--grad-ckpt", "--lora-rank",
+                             "8"], "pp: pp x tp with LoRA and checkpointing together is not checked yet"),
+                           (["--method", "tp", "--tp", "2", "--gpus", "8", "--pp", "4", "--grad-ckpt",
+                             "--ckpt-policy", "every-k:2"], "pp: pp x tp with ckpt_policy every-k:2 is not checked"),
                            (["--method", "single", "--gpus", "4", "--pp", "4", "--precision", "mixed_bf16"],
                             "pp: precision mixed_bf16 is modelled as FSDP2's MixedPrecisionPolicy"),
                            (["--method", "fsdp", "--gpus", "8", "--pp", "4", "--precision", "mixed_fp16"],
