@@ -380,7 +380,7 @@ def test_pipeline_layouts_and_their_step_time():
     assert [c.pp for c in pp_layouts(8, 3)] == [2]  # no more stages than decoder layers
     assert [(c.pp, c.grad_ckpt) for c in pp_layouts(4, 32, (False, True))] == [
         (2, False), (2, True), (4, False), (4, True)]
-    shape = SimpleNamespace(hidden_size=4096, trainable=8e9, layers=32, matmul_params=7e9, head_params=5e8)
+    shape = _shape_8b()
     gpu = tput.gpu_perf("h100-80gb")
     eff = tput.load_efficiency(gpu)
     link = tput.resolve_link(gpu, 8, None, None)
@@ -397,6 +397,40 @@ def test_pipeline_layouts_and_their_step_time():
     assert b.tokens_per_s > a.tokens_per_s
 
 
+def _shape_8b():
+    from estimator.planning.shape import ModelShape
+
+    return ModelShape(params=8_000_000_000, matmul_params=7_000_000_000, layers=32, hidden_size=4096,
+                      head_params=500_000_000, replicated_params=1_000_000_000)
+
+
+def test_pp_x_tp_layouts_and_their_step_time():
+    """pp x tp layouts (method tp, pp x tp = the GPUs) for each TP degree the model's heads allow; a stage slot is
+    the stage's compute split tp ways plus TP's all-reduces of its 1 / pp of the layers, as tp alone counts them."""
+    from estimator.models.arch import cached_arch
+    from estimator.planning import throughput as tput
+    from estimator.planning.plan import _stage_tp_degrees, pp_layouts
+
+    assert [(c.method, c.pp, c.tp, c.dp, c.label) for c in pp_layouts(8, 32, tp_degrees=[2, 4])][-2:] == [
+        ("tp", 2, 4, 1, "pp2 x tp4"), ("tp", 4, 2, 1, "pp4 x tp2")]
+    assert [c.tp for c in pp_layouts(8, 3, tp_degrees=[2, 4])] == [1, 4]  # pp 4 would exceed 3 layers
+    assert _stage_tp_degrees(cached_arch(str(CONFIG)), 8) == [2]  # 4 heads, 2 key/value heads: not tp 4
+    shape, gpu = _shape_8b(), tput.gpu_perf("h100-80gb")
+    eff, link = tput.load_efficiency(gpu), tput.resolve_link(gpu, 8, None, None)
+
+    def step(tp: int, ckpt: bool = False):
+        setup = tput.Setup(method="tp" if tp > 1 else "fsdp", world_size=8, tp=tp, pp=4, micro_batch=1,
+                           seq_len=4096, grad_accum=8, precision="bf16", grad_ckpt=ckpt)
+        return setup, tput._pipeline_step_time(shape, setup, gpu, eff, dp_link=link, tp_link=link)
+
+    setup, piped = step(2)
+    assert piped.parts["tp_allreduce"] == pytest.approx((8 + 4 - 1) * tput._tp_all_reduce_s(shape, setup, 4096,
+                                                                                              link) / 4)
+    assert step(2, ckpt=True)[1].parts["tp_allreduce"] == pytest.approx(1.5 * piped.parts["tp_allreduce"])
+    assert piped.parts["compute"] < 0.6 * step(1)[1].parts["compute"]  # each stage's matmuls split 2 ways
+    assert piped.step_s == pytest.approx(sum(v for k, v in piped.parts.items() if k != "pipeline_bubble"))
+
+
 def test_the_plan_weighs_checkpointed_pipelines_and_names_why_mixed_ones_are_not():
     from estimator.models.arch import cached_arch
     from estimator.planning.plan import _pipeline_candidates
@@ -405,7 +439,8 @@ def test_the_plan_weighs_checkpointed_pipelines_and_names_why_mixed_ones_are_not
     covered, note = _pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision="bf16", seq_len=64), 4,
                                          (False, True))
     assert [(c.label, c.grad_ckpt) for c in covered] == [("pp2 x fsdp2", False), ("pp2 x fsdp2", True),
-                                                         ("pp4 1f1b", False), ("pp4 1f1b", True)]
+                                                         ("pp4 1f1b", False), ("pp4 1f1b", True),
+                                                         ("pp2 x tp2", False), ("pp2 x tp2", True)]
     assert note == ""
     covered, note = _pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision="mixed_bf16", seq_len=64), 4,
                                          (False,))
@@ -413,8 +448,9 @@ def test_the_plan_weighs_checkpointed_pipelines_and_names_why_mixed_ones_are_not
 
 
 def test_the_plan_weighs_lora_and_every_k_pipelines():
-    """LoRA pipelines are planned with and without checkpointing, pp x FSDP2 without (LoRA with checkpointing is
-    refused there); a plan with every-k checkpointing weighs its checkpointed pipelines."""
+    """LoRA pipelines are planned with and without checkpointing, pp x FSDP2 and pp x tp without (LoRA with
+    checkpointing is refused there); a plan with every-k checkpointing weighs its checkpointed pipelines (pp x tp
+    refuses the policy)."""
     from estimator.models.arch import cached_arch
     from estimator.planning.plan import _pipeline_candidates
 
@@ -422,10 +458,25 @@ def test_the_plan_weighs_lora_and_every_k_pipelines():
     lora, note = _pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision="bf16", seq_len=64, lora_rank=8), 4,
                                       (False, True))
     assert [(c.label, c.grad_ckpt) for c in lora] == [("pp2 x fsdp2", False), ("pp4 1f1b", False),
-                                                      ("pp4 1f1b", True)] and note == ""
+                                                      ("pp4 1f1b", True), ("pp2 x tp2", False)] and note == ""
     every, note = _pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision="bf16", seq_len=64, grad_ckpt=True,
                                                                        ckpt_policy="every-k:2"), 4, (True,))
     assert [(c.label, c.grad_ckpt) for c in every] == [("pp2 x fsdp2", True), ("pp4 1f1b", True)] and note == ""
+
+
+def test_the_plan_weighs_pp_x_tp_with_tps_all_reduces():
+    """On 4 GPUs the tiny Llama (2 key/value heads) takes tp 2 only: pp2 x tp2 is weighed (tp 4 is not a layout the
+    TP estimate can split), estimated per rank by the pipeline estimate, its step time with TP's all-reduces."""
+    from estimator.planning.plan import plan
+
+    result = plan(str(CONFIG), gpus=4, gpu="h100-80gb", seq_len=64, precision="bf16", methods=["tp"],
+                  ckpt_options=(False,), advise=False)
+    by_label = {r.candidate.label: r for r in result.results}
+    assert by_label["tp"].status == "invalid"
+    piped = by_label["pp2 x tp2"]
+    assert piped.fits and piped.candidate.method == "tp" and piped.candidate.dp == 1
+    assert piped.time.parts["tp_allreduce"] > 0 and piped.time.parts["pipeline_bubble"] > 0
+    assert result.best is piped
 
 
 @pytest.mark.slow
