@@ -355,19 +355,24 @@ def test_cli_pipeline_and_its_errors():
 
 
 @pytest.mark.slow
-def test_the_estimate_matches_torchs_pipelining_on_two_gloo_ranks(tmp_path):
-    """The oracle (benchmarks/pipeline_table.py): the tiny Llama config on 2 gloo ranks under torch's 1F1B, every
-    live storage counted; each rank in a spawned interpreter."""
+@pytest.mark.parametrize("extra, ranks", [([], ["0", "1"]), (["--lora-rank", "8", "--grad-ckpt"], ["0", "1"]),
+                                          (["--tp", "2", "--grad-ckpt"], ["0", "2"])],
+                         ids=["alone", "lora_ckpt", "tp_ckpt"])
+def test_the_estimate_matches_torchs_pipelining_on_gloo_ranks(tmp_path, extra, ranks):
+    """The oracle (benchmarks/pipeline_table.py): the tiny Llama config on 2 pipeline ranks (x tp 2) under torch's
+    1F1B, every live storage counted; each rank in a spawned interpreter. Alone, with LoRA and checkpointing, and
+    pp x tp with checkpointing."""
     import os
 
     out = tmp_path / "pp.csv"
     result = subprocess.run([sys.executable, "benchmarks/pipeline_table.py", "--schedules", "1f1b", "--pp", "2",
-                             "--microbatches", "2", "--points", "1x64", "--csv", str(out)], capture_output=True,
-                            text=True, timeout=600, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                             "--microbatches", "2", "--points", "1x64", *extra, "--csv", str(out)],
+                            capture_output=True, text=True, timeout=600, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stderr[-2000:]
     with out.open() as fh:
         rows = list(csv.DictReader(fh))
-    assert [r["rank"] for r in rows] == ["0", "1"]
+    assert [r["rank"] for r in rows] == ranks
     assert all(abs(float(r["error_pct"])) <= 1.0 for r in rows)
 
 
