@@ -104,6 +104,11 @@ def _kind(name: str, layer: int, kinds: list[bool] | None) -> str:
     return name + CKPT if kinds is not None and kinds[layer] else name
 
 
+def _checkpointed(layer: int, training, kinds: list[bool] | None) -> bool:
+    """Whether decoder ``layer`` runs under checkpointing (every layer, or its every-k kind)."""
+    return kinds[layer] if kinds is not None else training.grad_ckpt
+
+
 def every_k_segments(plain: dict, ckpt: dict, kinds: list[bool]) -> dict:
     """The segments of a pipeline under every-k checkpointing: each decoder layer's from the profile of its kind
     (``kinds``: checkpointed, by global layer index), named as ``long_context.mixed_layers`` names them; the
@@ -135,9 +140,12 @@ def _merge(seq: list[tuple[str, int]]) -> list[tuple[str, int]]:
 
 
 def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_layers: int, hidden: int,
-                  act_bytes: int, pp_rank: int, vocab: int, kinds: list[bool] | None = None) -> PipelineRank:
+                  act_bytes: int, pp_rank: int, vocab: int, kinds: list[bool] | None = None,
+                  events: list | None = None) -> PipelineRank:
     """The peak of ``pp_rank`` over its schedule's actions and the optimizer step. ``kinds``: every-k checkpointing,
-    whether each decoder layer is checkpointed (``segments`` from ``every_k_segments``)."""
+    whether each decoder layer is checkpointed (``segments`` from ``every_k_segments``). ``events``: appended with
+    ``[kind, stage, micro-batch, bytes before, peak within, bytes after]`` per action, the shape of
+    ``benchmarks/pipeline_table.py --trace``'s (the level: resident, gathered, activations, gradients)."""
     par, training = spec.parallel, spec.training
     b, s = training.micro_batch_size, training.seq_len
     pp, virtual, m = par.pp, par.virtual_stages, par.microbatches
@@ -166,7 +174,10 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
         first_layer = splits[stage][0]
         return (poly(segments[_kind("fw_first", first_layer, kinds)]["net_act"], b, s)
                 - poly(segments[_kind("fw", first_layer, kinds)]["net_act"], b, s))
-    frozen_input = training.lora  # the unsplit model's first layer gets an input without gradient
+    # Under checkpointing peft makes the embedding output require a gradient (``enable_input_require_grads``: a
+    # leaf), so layer 0's input is saved by its checkpoint and gets a gradient as a received input does
+    input_leaf = training.lora and training.grad_ckpt
+    frozen_input = training.lora and not input_leaf  # the first layer gets an input without gradient
     if frozen_input:  # a received input does require one (torch's stage marks its receive buffers): saved as under
         # full fine-tuning, one hidden-sized tensor per micro-batch above the generic segments (counted, --trace)
         def received_extra_of(stage: int) -> float:
@@ -205,8 +216,11 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     live = 0
     best = (base, "setup", 0, {})
 
+    action_peak = 0.0
+
     def consider(total: float, phase: str, parts: dict) -> None:
-        nonlocal best
+        nonlocal best, action_peak
+        action_peak = max(action_peak, total)
         if total > best[0]:
             best = (total, phase, live, parts)
 
@@ -219,7 +233,14 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     # until the schedule returns, which full fine-tuning and the other schedules do not (counted with --trace at
     # b x s = 64 and 128: b s h x the activation's element size; origin not found). None: no such tensor.
     lora_kept: bool | None = False if training.lora and par.pp_schedule == "1f1b" else None
+    # 1F1B under pp x tp with checkpointing: the same where a forward follows the first backward (the steady
+    # state), but let go before the rank's last backward (counted with --trace at pp 2 and 4, b x s = 64 and 2 x 32;
+    # origin not found). None: no such tensor.
+    tp_kept: bool | None = False if par.tp > 1 and training.grad_ckpt and par.pp_schedule == "1f1b" else None
+    backward_actions = sum(a.kind == "B" for a in rank_actions(par.pp_schedule, pp_rank, pp, m, virtual))
     for index, action in enumerate(actions):
+        before = base + gathered + act + grads + pending
+        action_peak = before
         st = action.stage
         first, last = st == 0, st == num_stages - 1
         out_bytes = logits if last else boundary
@@ -234,8 +255,17 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
         else:
             seq = _backward_segments(first, last, splits[st], num_layers, kinds)
         accumulating = action.kind == "B" and st in started
+        if tp_kept and action.kind == "B" and sum(backwards.values()) == backward_actions - 1:
+            act -= boundary  # the rank's last backward: the kept tensor has gone
+            tp_kept = None
         phase = f"{'forward' if action.kind == 'F' else 'backward'} of stage {st}, micro-batch {action.microbatch}"
-        for name, reps in seq:
+        # A checkpointed stage's first backward layer leaves its output's gradient alone (the receive buffer,
+        # resident), which the unsplit profile's segment frees: every later level of the backward holds it
+        # (counted, --trace, under LoRA; the plain segments' levels were fitted with it freed: lifting them moved
+        # committed rows of pipeline.csv and pipeline_every_k.csv both ways)
+        incoming = boundary if action.kind == "B" and not last and _checkpointed(splits[st][-1], training,
+                                                                                 kinds) else 0.0
+        for seg_index, (name, reps) in enumerate(seq):
             seg = segments[name]
             net = poly(seg["net_act"], b, s)
             layer_seg = name.removesuffix(CKPT) in LAYER_SEGMENTS
@@ -243,16 +273,17 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
             transient = largest_layer[st] if layer_seg else largest_other[st]
             # mixed: a layer's gradients done in an earlier repetition are its fp32 accumulators (first backward)
             done_grad = seg["net_grad"] * (FP32 / act_bytes if mixed and layer_seg else 1)
-            for k in {0, reps - 1}:
-                for cand_act, cand_grad in seg["candidates"]:
+            for k in {0, min(1, reps - 1), reps - 1}:  # levels are linear in k but for the lift after k = 0
+                lift = incoming if seg_index == 0 and k else 0.0  # later segments: in ``act``
+                for cand_act, cand_grad, fresh_grad in _with_fresh_grads(seg["candidates"]):
                     if mixed:  # every 16-bit gradient of the group stays until its hook: none added in place
                         g = grads + pending + (0 if accumulating else k * done_grad) + cand_grad
                     else:
-                        g = grads + (min(cand_grad, transient) if accumulating else k * done_grad + cand_grad)
-                    consider(base + gathered + act + k * net + poly(cand_act, b, s) + g, phase,
-                             {"activations": act + k * net + poly(cand_act, b, s), "gradients": g,
+                        g = grads + (min(fresh_grad, transient) if accumulating else k * done_grad + cand_grad)
+                    consider(base + gathered + act + lift + k * net + poly(cand_act, b, s) + g, phase,
+                             {"activations": act + lift + k * net + poly(cand_act, b, s), "gradients": g,
                               "gathered_params": gathered})
-            act += reps * net
+            act += reps * net + (incoming if seg_index == 0 else 0.0)
             if mixed and not layer_seg:
                 pending += reps * seg["net_grad"]
             elif not accumulating:
@@ -261,6 +292,9 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
                              phase, {"activations": act, "gradients": grads + pending + reps * done_grad
                                      + last_layer_param[st], "gathered_params": gathered})
                 grads += reps * done_grad
+        act -= incoming
+        if input_leaf and action.kind == "B" and first and backwards[st] < m - 1:
+            act -= 2 * boundary  # the embedding output (a leaf) and its gradient go; the last backward's stay
         if mixed and action.kind == "B" and pending:  # the stage module's hook, when the stage's backward ends
             if not accumulating:
                 upcast = pending * FP32 / act_bytes
@@ -293,8 +327,15 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
             if lora_kept is False and not last:
                 act += boundary  # held from the rank's first backward to the schedule's end (counted, below)
                 lora_kept = True
+            if tp_kept is False and not last and any(a.kind == "F" for a in actions[index + 1:]):
+                act += boundary  # held from the rank's first backward to its last (counted, above)
+                tp_kept = True
             live -= 1
             started.add(st)
+        if events is not None:
+            after = base + gathered + act + grads + pending
+            events.append([action.kind, st, action.microbatch, round(before), round(max(action_peak, after)),
+                           round(after)])
         if action.kind == "B":
             backwards[st] += 1
             if fsdp and backwards[st] == m:  # the stage's reduce-scatter (perform_reduce_grad), group by group in
@@ -336,6 +377,18 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
             out[key] = out.get(key, 0.0) + parts[key]
     return PipelineRank(pp_rank=pp_rank, stages=tuple(mine), parts=out, peak_bytes=total, phase=phase,
                         in_flight=in_flight)
+
+
+def _with_fresh_grads(candidates: list) -> list[tuple]:
+    """Each backward candidate ``(activations, gradients)`` with the gradients made since the one before (in time
+    order): under accumulation the only gradient that can be in flight at a candidate, before autograd adds it in
+    place, is one made since the previous candidate (a candidate after a layer norm's gradient holds no weight
+    gradient in flight; counted, --trace: pp x tp's checkpointed middle rank read one 32 KiB gradient over)."""
+    out, before = [], 0.0
+    for cand_act, cand_grad in candidates:
+        out.append((cand_act, cand_grad, max(0.0, cand_grad - before)))
+        before = cand_grad
+    return out
 
 
 def _fsdp_groups(stage: list[ParamInfo]) -> list[tuple[bool, list[ParamInfo]]]:
@@ -401,14 +454,18 @@ def check_pipeline(spec: RunSpec, model_type: str, tied: bool) -> None:
     if tied:
         raise ValueError("pp: tied input and output embeddings (tie_word_embeddings) would sit on the first and the "
                          "last stage; torch's pipelining does not tie them across stages")
-    if spec.parallel.tp > 1 and (training.lora or training.grad_ckpt):
-        raise ValueError("pp: pp x tp is checked without checkpointing and LoRA; use pp x tp alone")
+    if spec.parallel.tp > 1 and training.lora and training.grad_ckpt:
+        raise ValueError("pp: pp x tp with LoRA and checkpointing together is not checked yet; use one of them")
+    if spec.parallel.tp > 1 and ckpt_every(training.ckpt_policy) is not None:
+        raise ValueError(f"pp: pp x tp with ckpt_policy {training.ckpt_policy} is not checked yet; checkpoint every "
+                         "decoder layer")
+    if training.lora and training.grad_ckpt and fsdp2:
+        raise ValueError("pp: LoRA with checkpointing under pp x FSDP2 is not modelled yet (FSDP2's all-gathers at a "
+                         "stage's first forward set the peak under 1F1B: -1.6 to -1.8 % against torch's run); use "
+                         "pp alone, or LoRA without checkpointing with FSDP2")
     if training.lora and training.precision != "bf16":
         raise ValueError(f"pp: LoRA under pipelining is checked in bf16 only; precision {training.precision} is not "
                          "checked yet")
-    if training.lora and training.grad_ckpt:
-        raise ValueError("pp: LoRA with checkpointing is not modelled under pipelining yet (the stages' recomputed "
-                         "layers with frozen inputs: -3.2 to +3.4 % against torch's run); use one of them")
     for name, on in (("ckpt_policy", training.ckpt_policy == "selective-ops"), ("qlora", training.qlora),
                      ("lora_dropout", bool(training.lora_dropout)),
                      ("grad_accum_steps", training.grad_accum_steps > 1), ("loop", training.loop != "trainer"),

@@ -112,28 +112,51 @@ class Candidate:
             return f"fsdp cp{self.cp}"
         if self.ep > 1:
             return f"fsdp ep{self.ep}"
+        if self.pp > 1 and self.tp > 1:
+            return f"pp{self.pp} x tp{self.tp}"
         if self.pp > 1:
             return f"pp{self.pp} 1f1b" if self.method == "single" else f"pp{self.pp} x fsdp{self.dp}"
         return self.method
 
 
-def pp_layouts(world_size: int, num_layers: int, ckpt_options: Iterable[bool] = (False,)) -> list[Candidate]:
+def pp_layouts(world_size: int, num_layers: int, ckpt_options: Iterable[bool] = (False,),
+               tp_degrees: Iterable[int] = ()) -> list[Candidate]:
     """Pipeline layouts on ``world_size`` GPUs (torch's 1F1B, pp micro-batches): pp alone (single, pp = world
-    size) and pp x FSDP2, each pp >= 2 dividing the GPUs and at most the decoder layers, with and without
-    checkpointing each stage's decoder layers as ``ckpt_options`` says (as torchtitan checkpoints under pp)."""
+    size) and pp x FSDP2, each pp >= 2 dividing the GPUs and at most the decoder layers, then pp x tp (TP inside
+    each stage, pp x tp = the GPUs: method tp) for each of ``tp_degrees`` that leaves such a pp; each with and
+    without checkpointing each stage's decoder layers as ``ckpt_options`` says (as torchtitan checkpoints under
+    pp)."""
     out = []
     for pp in range(2, min(world_size, num_layers) + 1):
         if world_size % pp == 0:
             out += [Candidate("single" if pp == world_size else "fsdp", world_size, grad_ckpt=ckpt, pp=pp)
                     for ckpt in ckpt_options]
+    for tp in sorted(set(tp_degrees), reverse=True):  # the pipeline's degree rising, as above
+        pp = world_size // tp
+        if 1 < tp < world_size and world_size % tp == 0 and pp <= num_layers:
+            out += [Candidate("tp", world_size, tp=tp, grad_ckpt=ckpt, pp=pp) for ckpt in ckpt_options]
+    return out
+
+
+def _stage_tp_degrees(arch: Any, gpus: int) -> list[int]:
+    """The TP degrees of a pp x tp layout on ``gpus`` GPUs that the TP estimate can split ``arch`` by (the
+    attention and key/value heads, the MLP and hidden widths: ``_check_tp``)."""
+    out = []
+    for tp in range(2, gpus):
+        if gpus % tp == 0:
+            try:
+                _check_tp(arch, tp)
+            except ValueError:
+                continue
+            out.append(tp)
     return out
 
 
 def _pipeline_candidates(model: str, arch: Any, training: TrainingSpec, gpus: int,
-                         ckpt_options: tuple[bool, ...]) -> tuple[list[Candidate], str]:
+                         ckpt_options: tuple[bool, ...], with_tp: bool = True) -> tuple[list[Candidate], str]:
     """The pipeline layouts the pipeline estimate covers for ``training`` (bf16 / fp32; Llama-style decoders, untied
-    embeddings, LoRA without checkpointing, every-k checkpointing, ...; checkpointing is each candidate's own, checked
-    with it), and a note naming the first refusal when none is
+    embeddings, LoRA, every-k checkpointing, ...; checkpointing is each candidate's own, checked with it; pp x tp
+    where ``with_tp`` and TP splits the model), and a note naming the first refusal when none is
     covered. mixed_bf16 (estimated for pp x FSDP2) is not planned yet: the plan's step-time rows count a pipeline's
     micro-batches apart from its reported accumulation."""
     from estimator.methods.pipeline_rank import check_pipeline
@@ -142,7 +165,8 @@ def _pipeline_candidates(model: str, arch: Any, training: TrainingSpec, gpus: in
         return [], (f"pipeline layouts not weighed: pp: precision {training.precision} is estimated for pp x FSDP2 "
                     "(--pp with --method fsdp) but not planned yet")
     covered, refusals = [], []
-    for cand in pp_layouts(gpus, arch.num_layers, ckpt_options):
+    tp_degrees = _stage_tp_degrees(arch, gpus) if with_tp else []
+    for cand in pp_layouts(gpus, arch.num_layers, ckpt_options, tp_degrees):
         try:
             staged = dataclasses.replace(training, grad_ckpt=cand.grad_ckpt or training.grad_ckpt)
             check_pipeline(RunSpec(model=model, training=staged, parallel=cand.parallel_spec()),
@@ -848,8 +872,11 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     cands = enumerate_candidates(gpus, ckpt_options, methods, routed_experts(arch.config),
                                  cp_degrees(gpus, training) if epoch is None else ())
     pipeline_note = ""
-    if gpus > 1 and (methods is None or {"single", "fsdp"} & set(methods)):
-        piped, pipeline_note = _pipeline_candidates(model, arch, training, gpus, ckpt_options)
+    if gpus > 1 and (methods is None or {"single", "fsdp", "tp"} & set(methods)):
+        piped, pipeline_note = _pipeline_candidates(model, arch, training, gpus, ckpt_options,
+                                                    with_tp=methods is None or "tp" in methods)
+        if methods is not None and not {"single", "fsdp"} & set(methods):  # pp x tp only
+            piped = [c for c in piped if c.tp > 1]
         cands += piped
     if global_batch is not None and all(global_batch % c.dp for c in cands):
         dps = sorted({c.dp for c in cands}, reverse=True)

@@ -401,6 +401,17 @@ def _sharded_gather_s(shape: ModelShape, setup: Setup, psi: float, grad_elem: fl
         dp_link.time("all_gather", experts / setup.ep, efsdp, shape.moe_layers)
 
 
+def _tp_all_reduce_s(shape: ModelShape, setup: Setup, tokens: int, tp_link: Link) -> float:
+    """TP's all-reduces of one micro-batch over every decoder layer (Megatron pairing: 2 per layer and pass:
+    forward, backward, and a checkpointed layer's recomputed forward), each of the micro-batch's hidden states."""
+    if setup.tp <= 1:
+        return 0.0
+    act_elem = 4.0 if setup.precision == "fp32" else 2.0
+    passes = 3 if setup.grad_ckpt else 2
+    count = 2 * passes * shape.layers
+    return tp_link.time("all_reduce", count * tokens * shape.hidden_size * act_elem, setup.tp, count)
+
+
 def _busiest_rows_factor(shape: ModelShape, setup: Setup) -> float:
     """Rows the busiest EP rank's experts run on relative to balanced routing: the step waits for that rank."""
     return received_rows_factor(setup.moe_imbalance, setup.ep, shape.experts, shape.top_k)
@@ -433,7 +444,7 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
     the expert-parallel group (default: ``dp_link``)."""
     ep_link = ep_link or dp_link
     if setup.pp > 1:
-        return _pipeline_step_time(shape, setup, gpu, eff, dp_link=dp_link)
+        return _pipeline_step_time(shape, setup, gpu, eff, dp_link=dp_link, tp_link=tp_link)
     m, tp, dp, accum = setup.method, setup.tp, setup.dp, setup.grad_accum
     shards = setup.shards
     tokens = setup.micro_batch * setup.seq_len // setup.cp  # this rank's (its share of causal attention too)
@@ -477,10 +488,8 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
     if sharding:
         parts["sharding_overhead"] = sharding * accum
     tp_micro = 0.0
-    if m in ("tp", "dp_tp"):                          # Megatron pairing: 2 all-reduces per layer per pass
-        passes = 3 if setup.grad_ckpt else 2          # forward, backward (+ recomputed forward)
-        count = 2 * passes * shape.layers
-        tp_micro = tp_link.time("all_reduce", count * tokens * shape.hidden_size * act_elem, tp, count)
+    if m in ("tp", "dp_tp"):
+        tp_micro = _tp_all_reduce_s(shape, setup, tokens, tp_link)
         parts["tp_allreduce"] = tp_micro * accum      # on the critical path: nothing hides it
     if setup.cp > 1:  # ring attention: k|v all-gathered per layer and pass; backward rotates fp32 dk|dv cp - 1 times
         passes = 3 if setup.grad_ckpt else 2
@@ -530,32 +539,40 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
                     flops_per_step=flops * accum, tokens_per_s=tokens_per_s, parts=parts)
 
 
-def _pipeline_step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *, dp_link: Link
-                        ) -> StepTime:
+def _pipeline_step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *, dp_link: Link,
+                        tp_link: Link | None = None) -> StepTime:
     """A prior for a pipeline step (``Setup.pp`` stages, ``grad_accum`` micro-batches M): each stage does 1 / pp
     of a micro-batch's FLOPs, and a 1F1B / GPipe step takes (M + pp - 1) stage slots (the bubble); the
     point-to-point activation sends are not counted. Under fsdp the stage's gradients are reduce-scattered and its
-    parameters gathered once per step (torch's stage defers both to the last micro-batch)."""
-    pp, dp, accum = setup.pp, setup.dp, setup.grad_accum
+    parameters gathered once per step (torch's stage defers both to the last micro-batch). Under pp x tp each stage
+    splits its layers' FLOPs tp ways and waits on TP's all-reduces as tp alone does (2 per layer and pass, nothing
+    hides them), for its 1 / pp of the layers: a stage slot is its compute plus that."""
+    pp, dp, tp, accum = setup.pp, setup.dp, setup.tp, setup.grad_accum
     tokens = setup.micro_batch * setup.seq_len
     peak = gpu.flops_for(setup.precision)
     if peak <= 0:
         raise ValueError(f"precision: {gpu.key} has no {setup.precision} tensor throughput")
-    efficiency = eff.at(tokens, shape.hidden_size)
-    flops = micro_batch_flops(shape, tokens, setup.seq_len, grad_ckpt=setup.grad_ckpt, lora=setup.lora)
+    efficiency = eff.at(tokens, shape.hidden_size / tp)
+    flops = micro_batch_flops(shape, tokens, setup.seq_len, grad_ckpt=setup.grad_ckpt, lora=setup.lora, tp=tp)
     stage_micro = flops / pp / (peak * efficiency)
-    compute = (accum + pp - 1) * stage_micro
+    stage_tp = _tp_all_reduce_s(shape, setup, tokens, tp_link or dp_link) / pp
+    slots = accum + pp - 1
+    compute = slots * stage_micro
     grad_elem = 2.0 if setup.precision in _SIXTEEN_BIT else 4.0
-    psi = shape.trainable / pp * grad_elem
+    trainable = shape.trainable_per_rank(tp)
+    psi = trainable / pp * grad_elem
     comm = 0.0
     if setup.method == "fsdp" and dp > 1:
         layers = max(1, shape.layers // pp) + 1
         comm = dp_link.time("reduce_scatter", psi, dp, layers) + dp_link.time("all_gather", psi, dp, layers)
-    local = shape.trainable / pp / (dp if setup.method == "fsdp" else 1)
+    local = trainable / pp / (dp if setup.method == "fsdp" else 1)
     optimizer = local * OPTIMIZER_BYTES_PER_PARAM.get(setup.optimizer, 32.0) / (gpu.memory_bandwidth * HBM_EFFICIENCY)
-    step = compute + comm + optimizer
-    parts = {"compute": compute, "pipeline_bubble": (pp - 1) * stage_micro, "dp_gather_scatter": comm,
+    step = compute + slots * stage_tp + comm + optimizer
+    parts = {"compute": compute, "pipeline_bubble": (pp - 1) * (stage_micro + stage_tp), "dp_gather_scatter": comm,
              "optimizer": optimizer}
+    if stage_tp:
+        parts["tp_allreduce"] = slots * stage_tp
+    comm += slots * stage_tp
     return StepTime(step_s=step, compute_s=compute, comm_s=comm, exposed_comm_s=comm, offload_s=0.0,
                     optimizer_s=optimizer, efficiency=efficiency, flops_per_step=flops * accum,
                     tokens_per_s=dp * setup.micro_batch * accum * setup.seq_len / step, parts=parts)

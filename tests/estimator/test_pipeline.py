@@ -157,8 +157,11 @@ def test_the_estimate_reproduces_committed_oracle_rows(schedule):
 COMBINATIONS = {"pipeline_ckpt.csv": {"grad_ckpt": {"True"}},
                 "pipeline_mixed.csv": {"precision": {"mixed_bf16"}, "dp": {"2"}},
                 "pipeline_lora.csv": {"lora_rank": {"8"}, "dp": {"1", "2"}},
+                "pipeline_lora_ckpt.csv": {"lora_rank": {"8"}, "grad_ckpt": {"True"}, "dp": {"1"}},
                 "pipeline_every_k.csv": {"grad_ckpt": {"True"}, "ckpt_policy": {"every-k:2", "every-k:3"}},
-                "pipeline_tp.csv": {"tp": {"2"}, "dp": {"1"}}}
+                "pipeline_tp.csv": {"tp": {"2"}, "dp": {"1"}},
+                "pipeline_tp_ckpt.csv": {"tp": {"2"}, "grad_ckpt": {"True"}, "dp": {"1"}},
+                "pipeline_tp_lora.csv": {"tp": {"2"}, "lora_rank": {"8"}, "dp": {"1"}}}
 # The 1 % bar, but for pp x tp's interleaved middle rank at pp 4 (+1.075 %): the pipelines' in-flight gradient
 # residue (the estimate's backward candidate under accumulation with one gradient in flight, 33.6 KB here as in
 # pipeline.csv's +0.71 % row), larger relative to a TP rank's smaller total. Over-estimates only.
@@ -254,6 +257,44 @@ def test_lora_under_pp_holds_each_stages_adapter_state_and_frozen_weights():
     assert full["optimizer_states"] > 20 * first["optimizer_states"]
 
 
+def _rank_events(spec: RunSpec, pp_rank: int) -> list[list]:
+    """The estimate's per-action levels of one pipeline rank (the shipped profile, no torch)."""
+    from estimator.api import _param_table, _regime
+    from estimator.methods.pipeline_rank import pipeline_rank
+    from estimator.methods.timeline import loop_segments
+    from estimator.profiler.cache import load_model_profile
+
+    training = spec.training
+    arch, profile = load_model_profile(spec.model, training, spec.parallel.tp, allow_build=False)
+    segments = loop_segments(_regime(profile, training.micro_batch_size, training.seq_len), training.loop,
+                             arch.num_layers)
+    events: list[list] = []
+    pipeline_rank(spec, segments, _param_table(profile, arch.num_layers), arch.num_layers, arch.hidden_size, 2,
+                  pp_rank, arch.vocab_size, events=events)
+    return events
+
+
+def test_lora_with_checkpointing_keeps_the_first_stages_embedding_output():
+    """Under checkpointing peft makes the embedding output require a gradient, so layer 0's checkpoint keeps it:
+    each forward of the first stage holds it and each of its 4 layers' outputs (one hidden-sized tensor each) plus
+    its rotary tables (the prefix less the embedding output), as torch's run does (+90,624 B at b1 s64). Without
+    checkpointing LoRA's first stage lets the embedding output go."""
+    from estimator.api import _regime
+    from estimator.methods.timeline import loop_segments, poly
+    from estimator.profiler.cache import load_model_profile
+
+    par = ParallelSpec(method="single", world_size=2, pp=2, pp_schedule="gpipe", pp_microbatches=4)
+    spec = _tiny(par, lora_rank=8, grad_ckpt=True)
+    hidden_bytes = 1 * 64 * 128 * 2
+    arch, profile = load_model_profile(spec.model, spec.training, allow_build=False)
+    prefix = poly(loop_segments(_regime(profile, 1, 64), "trainer", arch.num_layers)["prefix"]["net_act"], 1, 64)
+    rises = [after - before for kind, _, _, before, _, after in _rank_events(spec, 0) if kind == "F"]
+    assert rises == [5 * hidden_bytes + prefix - hidden_bytes] * 4
+    plain = [after - before for kind, _, _, before, _, after in _rank_events(_tiny(par, lora_rank=8), 0)
+             if kind == "F"]
+    assert all(r > rises[0] for r in plain)  # every layer's activations, less the embedding output
+
+
 def test_cli_lora_every_k_and_tp_under_pp():
     base = [sys.executable, "-m", "estimator", "--model", str(CONFIG), "--precision", "bf16", "--seq-len", "64",
             "--micro-batch-size", "1"]
@@ -269,6 +310,12 @@ def test_cli_lora_every_k_and_tp_under_pp():
                         text=True, timeout=120, cwd=REPO)
     assert tp.returncode == 0, tp.stderr
     assert "TP over 2 ranks inside each stage" in tp.stdout
+    for extra, note in ((["--grad-ckpt"], "every decoder layer of each stage checkpointed"),
+                        (["--lora-rank", "8"], "LoRA r8: each stage's frozen base weights")):
+        tp = subprocess.run([*base, "--method", "tp", "--gpus", "4", "--tp", "2", "--pp", "2", *extra],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert tp.returncode == 0, tp.stderr
+        assert "TP over 2 ranks inside each stage" in tp.stdout and note in tp.stdout
 
 
 def test_cli_pipeline_and_its_errors():
@@ -290,8 +337,12 @@ def test_cli_pipeline_and_its_errors():
                             "pp_microbatches: torch's 1F1B needs"),
                            (["--method", "single", "--gpus", "4", "--pp", "4", "--grad-ckpt", "--ckpt-policy",
                              "selective-ops"], "pp: ckpt_policy is not modelled under pipelining"),
-                           (["--method", "single", "--gpus", "4", "--pp", "4", "--grad-ckpt", "--lora-rank", "8"],
-                            "pp: LoRA with checkpointing is not modelled under pipelining yet"),
+                           (["--method", "fsdp", "--gpus", "8", "--pp", "4", "--grad-ckpt", "--lora-rank", "8"],
+                            "pp: LoRA with checkpointing under pp x FSDP2 is not modelled yet"),
+                           (["--method", "tp", "--tp", "2", "--gpus", "8", "--pp", "4", "--grad-ckpt", "--lora-rank",
+                             "8"], "pp: pp x tp with LoRA and checkpointing together is not checked yet"),
+                           (["--method", "tp", "--tp", "2", "--gpus", "8", "--pp", "4", "--grad-ckpt",
+                             "--ckpt-policy", "every-k:2"], "pp: pp x tp with ckpt_policy every-k:2 is not checked"),
                            (["--method", "single", "--gpus", "4", "--pp", "4", "--precision", "mixed_bf16"],
                             "pp: precision mixed_bf16 is modelled as FSDP2's MixedPrecisionPolicy"),
                            (["--method", "fsdp", "--gpus", "8", "--pp", "4", "--precision", "mixed_fp16"],
@@ -304,19 +355,24 @@ def test_cli_pipeline_and_its_errors():
 
 
 @pytest.mark.slow
-def test_the_estimate_matches_torchs_pipelining_on_two_gloo_ranks(tmp_path):
-    """The oracle (benchmarks/pipeline_table.py): the tiny Llama config on 2 gloo ranks under torch's 1F1B, every
-    live storage counted; each rank in a spawned interpreter."""
+@pytest.mark.parametrize("extra, ranks", [([], ["0", "1"]), (["--lora-rank", "8", "--grad-ckpt"], ["0", "1"]),
+                                          (["--tp", "2", "--grad-ckpt"], ["0", "2"])],
+                         ids=["alone", "lora_ckpt", "tp_ckpt"])
+def test_the_estimate_matches_torchs_pipelining_on_gloo_ranks(tmp_path, extra, ranks):
+    """The oracle (benchmarks/pipeline_table.py): the tiny Llama config on 2 pipeline ranks (x tp 2) under torch's
+    1F1B, every live storage counted; each rank in a spawned interpreter. Alone, with LoRA and checkpointing, and
+    pp x tp with checkpointing."""
     import os
 
     out = tmp_path / "pp.csv"
     result = subprocess.run([sys.executable, "benchmarks/pipeline_table.py", "--schedules", "1f1b", "--pp", "2",
-                             "--microbatches", "2", "--points", "1x64", "--csv", str(out)], capture_output=True,
-                            text=True, timeout=600, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                             "--microbatches", "2", "--points", "1x64", *extra, "--csv", str(out)],
+                            capture_output=True, text=True, timeout=600, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stderr[-2000:]
     with out.open() as fh:
         rows = list(csv.DictReader(fh))
-    assert [r["rank"] for r in rows] == ["0", "1"]
+    assert [r["rank"] for r in rows] == ranks
     assert all(abs(float(r["error_pct"])) <= 1.0 for r in rows)
 
 
@@ -329,7 +385,7 @@ def test_pipeline_layouts_and_their_step_time():
     assert [c.pp for c in pp_layouts(8, 3)] == [2]  # no more stages than decoder layers
     assert [(c.pp, c.grad_ckpt) for c in pp_layouts(4, 32, (False, True))] == [
         (2, False), (2, True), (4, False), (4, True)]
-    shape = SimpleNamespace(hidden_size=4096, trainable=8e9, layers=32, matmul_params=7e9, head_params=5e8)
+    shape = _shape_8b()
     gpu = tput.gpu_perf("h100-80gb")
     eff = tput.load_efficiency(gpu)
     link = tput.resolve_link(gpu, 8, None, None)
@@ -346,6 +402,40 @@ def test_pipeline_layouts_and_their_step_time():
     assert b.tokens_per_s > a.tokens_per_s
 
 
+def _shape_8b():
+    from estimator.planning.shape import ModelShape
+
+    return ModelShape(params=8_000_000_000, matmul_params=7_000_000_000, layers=32, hidden_size=4096,
+                      head_params=500_000_000, replicated_params=1_000_000_000)
+
+
+def test_pp_x_tp_layouts_and_their_step_time():
+    """pp x tp layouts (method tp, pp x tp = the GPUs) for each TP degree the model's heads allow; a stage slot is
+    the stage's compute split tp ways plus TP's all-reduces of its 1 / pp of the layers, as tp alone counts them."""
+    from estimator.models.arch import cached_arch
+    from estimator.planning import throughput as tput
+    from estimator.planning.plan import _stage_tp_degrees, pp_layouts
+
+    assert [(c.method, c.pp, c.tp, c.dp, c.label) for c in pp_layouts(8, 32, tp_degrees=[2, 4])][-2:] == [
+        ("tp", 2, 4, 1, "pp2 x tp4"), ("tp", 4, 2, 1, "pp4 x tp2")]
+    assert [c.tp for c in pp_layouts(8, 3, tp_degrees=[2, 4])] == [1, 4]  # pp 4 would exceed 3 layers
+    assert _stage_tp_degrees(cached_arch(str(CONFIG)), 8) == [2]  # 4 heads, 2 key/value heads: not tp 4
+    shape, gpu = _shape_8b(), tput.gpu_perf("h100-80gb")
+    eff, link = tput.load_efficiency(gpu), tput.resolve_link(gpu, 8, None, None)
+
+    def step(tp: int, ckpt: bool = False):
+        setup = tput.Setup(method="tp" if tp > 1 else "fsdp", world_size=8, tp=tp, pp=4, micro_batch=1,
+                           seq_len=4096, grad_accum=8, precision="bf16", grad_ckpt=ckpt)
+        return setup, tput._pipeline_step_time(shape, setup, gpu, eff, dp_link=link, tp_link=link)
+
+    setup, piped = step(2)
+    assert piped.parts["tp_allreduce"] == pytest.approx((8 + 4 - 1) * tput._tp_all_reduce_s(shape, setup, 4096,
+                                                                                              link) / 4)
+    assert step(2, ckpt=True)[1].parts["tp_allreduce"] == pytest.approx(1.5 * piped.parts["tp_allreduce"])
+    assert piped.parts["compute"] < 0.6 * step(1)[1].parts["compute"]  # each stage's matmuls split 2 ways
+    assert piped.step_s == pytest.approx(sum(v for k, v in piped.parts.items() if k != "pipeline_bubble"))
+
+
 def test_the_plan_weighs_checkpointed_pipelines_and_names_why_mixed_ones_are_not():
     from estimator.models.arch import cached_arch
     from estimator.planning.plan import _pipeline_candidates
@@ -354,7 +444,8 @@ def test_the_plan_weighs_checkpointed_pipelines_and_names_why_mixed_ones_are_not
     covered, note = _pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision="bf16", seq_len=64), 4,
                                          (False, True))
     assert [(c.label, c.grad_ckpt) for c in covered] == [("pp2 x fsdp2", False), ("pp2 x fsdp2", True),
-                                                         ("pp4 1f1b", False), ("pp4 1f1b", True)]
+                                                         ("pp4 1f1b", False), ("pp4 1f1b", True),
+                                                         ("pp2 x tp2", False), ("pp2 x tp2", True)]
     assert note == ""
     covered, note = _pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision="mixed_bf16", seq_len=64), 4,
                                          (False,))
@@ -362,18 +453,35 @@ def test_the_plan_weighs_checkpointed_pipelines_and_names_why_mixed_ones_are_not
 
 
 def test_the_plan_weighs_lora_and_every_k_pipelines():
-    """LoRA pipelines are planned without checkpointing (LoRA with checkpointing is refused under pp); a plan with
-    every-k checkpointing weighs its checkpointed pipelines."""
+    """LoRA pipelines are planned with and without checkpointing, pp x FSDP2 and pp x tp without (LoRA with
+    checkpointing is refused there); a plan with every-k checkpointing weighs its checkpointed pipelines (pp x tp
+    refuses the policy)."""
     from estimator.models.arch import cached_arch
     from estimator.planning.plan import _pipeline_candidates
 
     arch = cached_arch(str(CONFIG))
     lora, note = _pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision="bf16", seq_len=64, lora_rank=8), 4,
                                       (False, True))
-    assert [(c.label, c.grad_ckpt) for c in lora] == [("pp2 x fsdp2", False), ("pp4 1f1b", False)] and note == ""
+    assert [(c.label, c.grad_ckpt) for c in lora] == [("pp2 x fsdp2", False), ("pp4 1f1b", False),
+                                                      ("pp4 1f1b", True), ("pp2 x tp2", False)] and note == ""
     every, note = _pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision="bf16", seq_len=64, grad_ckpt=True,
                                                                        ckpt_policy="every-k:2"), 4, (True,))
     assert [(c.label, c.grad_ckpt) for c in every] == [("pp2 x fsdp2", True), ("pp4 1f1b", True)] and note == ""
+
+
+def test_the_plan_weighs_pp_x_tp_with_tps_all_reduces():
+    """On 4 GPUs the tiny Llama (2 key/value heads) takes tp 2 only: pp2 x tp2 is weighed (tp 4 is not a layout the
+    TP estimate can split), estimated per rank by the pipeline estimate, its step time with TP's all-reduces."""
+    from estimator.planning.plan import plan
+
+    result = plan(str(CONFIG), gpus=4, gpu="h100-80gb", seq_len=64, precision="bf16", methods=["tp"],
+                  ckpt_options=(False,), advise=False)
+    by_label = {r.candidate.label: r for r in result.results}
+    assert by_label["tp"].status == "invalid"
+    piped = by_label["pp2 x tp2"]
+    assert piped.fits and piped.candidate.method == "tp" and piped.candidate.dp == 1
+    assert piped.time.parts["tp_allreduce"] > 0 and piped.time.parts["pipeline_bubble"] > 0
+    assert result.best is piped
 
 
 @pytest.mark.slow
