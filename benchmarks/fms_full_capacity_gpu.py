@@ -2,7 +2,7 @@
 rows were sampled.
 
     PYTHONPATH=<transformers 4.48.1, ...> python3 benchmarks/fms_full_capacity_gpu.py \\
-        [--batches 4,8] [--steps 6] [--cap-gib 79.5] [--snapshot-dir DIR] [--json OUT]
+        [--batches 4,8] [--steps 6] [--cap-gib 79.5] [--lora-rank 16] [--snapshot-dir DIR] [--json OUT]
 
 The rows (data/public, ``fms_acceleration:*:none:Mistral-7B-v0.1:full:x1:b{4,8}:nvml``): Mistral-7B-v0.1 in pure
 bf16 (``torch_dtype=bfloat16``: bf16 weights, gradients and AdamW states), packed rows of 4,096 tokens with no
@@ -15,6 +15,9 @@ with the allocator capped where an A100-80GB's would stop (``--cap-gib``, torch'
 ``set_per_process_memory_fraction``: 80 GiB less a 0.5 GiB context by default), samples the device's used memory
 every second and every 50 ms from a thread (``cudaMemGetInfo``: the device-wide figure nvidia-smi shows), and
 writes the allocator's history (every segment event, with times) so the retry path can be replayed.
+``--lora-rank 16`` runs the rows' single-GPU LoRA instead (``...:lora:x1:b{4,8}:nvml``; needs peft 0.13.2): at
+32,001 vocabulary rows the estimate holds one fp32-logits segment more than those rows publish
+(``benchmarks/fms_lora_loss_segments.py``), and its snapshot tells whether the GPU makes it.
 
 Each point runs in its own interpreter; the peaks are those of the whole process, setup included (the
 Trainer's first reading is before the model reaches the GPU).
@@ -33,7 +36,7 @@ import gzip, json, pickle, sys, threading, time
 import torch
 import transformers
 
-config, b, s, steps, cap_gib, snapshot = json.loads(sys.argv[1])
+config, b, s, steps, cap_gib, snapshot, lora_rank = json.loads(sys.argv[1])
 torch.cuda.init()
 total = torch.cuda.get_device_properties(0).total_memory
 if cap_gib:
@@ -66,8 +69,14 @@ cfg = transformers.MistralConfig(**config)
 with torch.device("cuda"):
     model = transformers.MistralForCausalLM._from_config(cfg, attn_implementation="sdpa", torch_dtype=torch.bfloat16)
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+if lora_rank:  # the rows' LoRA: fms-hf-tuning's q/k/v/o adapters through TRL (fp32 adapters, input grads on)
+    import peft
+    model.enable_input_require_grads()
+    model = peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, lora_alpha=16, lora_dropout=0.1,
+                                                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                                       task_type="CAUSAL_LM"))
 model.train()
-named = list(model.named_parameters())
+named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 groups = [{"params": [p for n, p in named if "bias" not in n and "norm" not in n], "weight_decay": 0.0},
           {"params": [p for n, p in named if "bias" in n or "norm" in n], "weight_decay": 0.0}]
 opt = torch.optim.AdamW(groups, lr=1e-5)
@@ -107,7 +116,8 @@ if snapshot:
         handle.write(data)
     snap_bytes = len(data)
 peak = {f"{k:g}s": max(v for _, v in rows) - first for k, rows in samples.items() if rows}
-print(json.dumps({"batch": b, "seq_len": s, "steps": steps, "cap_gib": cap_gib, "error": error,
+print(json.dumps({"batch": b, "seq_len": s, "steps": steps, "cap_gib": cap_gib, "lora_rank": lora_rank,
+                  "error": error,
                   "device_total_bytes": total, "first_used_bytes": first, "sampled_peak_minus_first_bytes": peak,
                   "sampled_used_timeline": [(round(t - start, 2), u) for t, u in samples[1.0]],
                   "setup_peak_allocated_bytes": setup_peak, "per_step": per_step, "snapshot_bytes": snap_bytes,
@@ -117,9 +127,9 @@ print(json.dumps({"batch": b, "seq_len": s, "steps": steps, "cap_gib": cap_gib, 
 
 
 def run_point(config: dict, batch: int, seq_len: int, steps: int, cap_gib: float | None,
-              snapshot: str | None) -> dict:
-    return run_point_script(_POINT, [config, batch, seq_len, steps, cap_gib, snapshot],
-                            {"batch": batch, "seq_len": seq_len, "cap_gib": cap_gib})
+              snapshot: str | None, lora_rank: int = 0) -> dict:
+    return run_point_script(_POINT, [config, batch, seq_len, steps, cap_gib, snapshot, lora_rank],
+                            {"batch": batch, "seq_len": seq_len, "cap_gib": cap_gib, "lora_rank": lora_rank})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,14 +140,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=MISTRAL_7B["num_hidden_layers"])
     parser.add_argument("--cap-gib", type=float, default=79.5,
                         help="the allocator's limit (GiB; 0: the whole device); default: an A100-80GB less 0.5 GiB")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="the rows' LoRA (q/k/v/o, alpha 16, dropout 0.1; needs peft) instead of full fine-tuning")
     parser.add_argument("--snapshot-dir", help="write each point's allocator history here")
     parser.add_argument("--json", help="append one JSON line per point to this file")
     args = parser.parse_args(argv)
     config = {**MISTRAL_7B, "num_hidden_layers": args.layers}
     print("batch | steps | 1 s sampled peak - first (B) | 50 ms | max allocated | max reserved | retries | s/step")
     for batch in args.batches:
-        snapshot = f"{args.snapshot_dir}/fms_mistral7b_full_b{batch}.snapshot.pickle.gz" if args.snapshot_dir else None
-        point = run_point(config, batch, args.seq_len, args.steps, args.cap_gib or None, snapshot)
+        kind = f"lora{args.lora_rank}" if args.lora_rank else "full"
+        snapshot = (f"{args.snapshot_dir}/fms_mistral7b_{kind}_b{batch}.snapshot.pickle.gz" if args.snapshot_dir
+                    else None)
+        point = run_point(config, batch, args.seq_len, args.steps, args.cap_gib or None, snapshot, args.lora_rank)
         if args.json:
             with open(args.json, "a") as out:
                 out.write(json.dumps(point) + "\n")
