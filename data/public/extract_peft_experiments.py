@@ -188,22 +188,26 @@ def _bnb_version(path: str) -> str:
     return found.group(1) if found else ""
 
 
+def _peak_fields(lines: list[dict], key: str, step_label: str) -> dict:
+    """The row's value: the largest ``key`` over the logged steps, and where it was read (the log's own label)."""
+    top = max(lines, key=lambda line: line[key])
+    return {"source_table": f"{key}, maximum over steps {lines[0]['step']}-{lines[-1]['step']}",
+            "source_key": f"{step_label} {top['step']} | {key}:{top[key]}", "value": top[key]}
+
+
 def _torchtune_rows(entry: dict, path: str, run: dict) -> list[dict]:
     lines = torchtune_lines((SOURCES / SOURCE / entry["file"]).read_text())[SKIP_FIRST:]
     _check_unit(lines, path)
     notes = "; ".join(_assumptions(run, path, lines))
     rows = []
     for quantity, key in QUANTITY_KEYS.items():
-        top = max(lines, key=lambda line: line[key])
         rows.append(row(
             row_id=f"{SOURCE}:{run['key']}:{quantity}", source=SOURCE, source_ref=ref(entry),
-            source_table=f"{key}, maximum over steps {lines[0]['step']}-{lines[-1]['step']}",
-            source_key=f"Step {top['step']} | {key}:{top[key]}", model_hub_id=MODEL_HUB_ID,
+            **_peak_fields(lines, key, "Step"), model_hub_id=MODEL_HUB_ID,
             framework=f"{run['framework']} custom loop (torchtune data and logging)",
             adapter="qlora" if run["qlora"] else "lora", padding="longest", max_length=512,
             seq_len_basis="max_length_cap", lengths="alpaca-cleaned truncated to 512; the allocated peak plateaus at "
-            "the cap", rescore_lengths=False, **VERSIONS, quantity=quantity, scope="per_gpu", value=top[key],
-            unit=UNIT, in_scope=not run["out"], assumptions=notes, bitsandbytes_version=_bnb_version(path),
+            "the cap", rescore_lengths=False, **VERSIONS, quantity=quantity, scope="per_gpu", unit=UNIT, in_scope=not run["out"], assumptions=notes, bitsandbytes_version=_bnb_version(path),
             **_spec(run)))
     return rows
 
@@ -217,11 +221,9 @@ def _answerai_rows(entry: dict, key: str, batch: int, framework: str) -> list[di
              "the loop and after every line; not expressible: QLoRA/QDoRA weights sharded by FSDP1 with CPU offload")
     rows = []
     for quantity, field in QUANTITY_KEYS.items():
-        top = max(lines, key=lambda line: line[field])
         rows.append(row(
             row_id=f"{SOURCE}:{key}:{quantity}", source=SOURCE, source_ref=ref(entry),
-            source_table=f"{field}, maximum over steps {lines[0]['step']}-{lines[-1]['step']}",
-            source_key=f"step {top['step']} | {field}:{top[field]}", model="meta-llama/Llama-2-7b-hf", gpu=GPU,
+            **_peak_fields(lines, field, "step"), model="meta-llama/Llama-2-7b-hf", gpu=GPU,
             method="fsdp1", world_size=2, micro_batch_size=batch, seq_len=512, precision="bf16", optimizer="adamw",
             grad_ckpt=False, attn="sdpa", lora_rank=8, lora_targets="auto", qlora=True, grad_accum_steps=4,
             loop="manual", batch="padded", fsdp1_use_orig_params=False, fsdp1_cpu_offload=True,
@@ -230,7 +232,7 @@ def _answerai_rows(entry: dict, key: str, batch: int, framework: str) -> list[di
             seq_len_basis="max_length_cap", lengths="alpaca_sample truncated to 512",
             rescore_lengths=False, torch_version="2.3.1", transformers_version="e4522fe3 (git)",
             peft_version="22f042a1 (git)", bitsandbytes_version="0.43.3", quantity=quantity, scope="per_gpu",
-            value=top[field], unit=UNIT, in_scope=False, assumptions=notes))
+            unit=UNIT, in_scope=False, assumptions=notes))
     return rows
 
 

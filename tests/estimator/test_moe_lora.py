@@ -43,13 +43,14 @@ def test_the_forward_only_first_layer_is_part_of_the_prefix():
     assert bounds["suffix"] == (at["bw_post:1"], len(signature))
 
 
-def _segments() -> dict:
-    """Segments whose layers keep 10 B (forward) each and hand back 10 B (backward); the prefix 1000 B."""
+def _segments(prefix_bytes: float = 1000.0) -> dict:
+    """Segments whose layers keep 10 B (forward) each and hand back 10 B (backward); the prefix ``prefix_bytes``."""
     def seg(net: float, peak: float, grad: float = 0.0) -> dict:
         return {"net_act": [net, 0, 0, 0, 0, 0], "net_grad": grad, "candidates": [([peak, 0, 0, 0, 0, 0], grad)]}
     out = {name: seg(10.0, 15.0) for name in ("fw_first", "fw", "fw_last")}
     out.update({name: seg(-10.0, 5.0, 2.0) for name in ("bw_first", "bw", "bw_last")})
-    out.update(prefix=seg(1000.0, 1000.0), mid_fw=seg(0.0, 0.0), mid_bw=seg(0.0, 50.0), suffix=seg(0.0, 0.0))
+    out.update(prefix=seg(prefix_bytes, prefix_bytes), mid_fw=seg(0.0, 0.0), mid_bw=seg(0.0, 50.0),
+               suffix=seg(0.0, 0.0))
     return out
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from estimator.models.params import ParamInfo
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
+from tests.estimator.test_moe_lora import _segments as segments_of_ten_byte_layers
 
 ROOT = Path(__file__).resolve().parents[2]
 DEEPSEEK = ROOT / "benchmarks" / "configs" / "deepseek_v2_tiny.json"
@@ -106,12 +107,7 @@ def test_zero3_saves_no_frozen_input_before_the_first_layer_backward_reaches():
 
 
 def _segments() -> dict:
-    def seg(net: float, peak: float, grad: float = 0.0) -> dict:
-        return {"net_act": [net, 0, 0, 0, 0, 0], "net_grad": grad, "candidates": [([peak, 0, 0, 0, 0, 0], grad)]}
-    out = {name: seg(10.0, 15.0) for name in ("fw_first", "fw", "fw_last")}
-    out.update({name: seg(-10.0, 5.0, 2.0) for name in ("bw_first", "bw", "bw_last")})
-    out.update(prefix=seg(100.0, 100.0), mid_fw=seg(0.0, 0.0), mid_bw=seg(0.0, 50.0), suffix=seg(0.0, 0.0))
-    return out
+    return segments_of_ten_byte_layers(prefix_bytes=100.0)
 
 
 def _fsdp_sizes():
