@@ -731,12 +731,10 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     notes += _depth_note(_regime(profile, spec.training.micro_batch_size, spec.training.seq_len))
     notes.append(_reserved_note(spec, profile, worst, conf, arch.num_layers,
                                 sequence if worst.rank == 0 else None))
-    if spec.parallel.method == "fsdp" and spec.training.lora and not spec.training.qlora \
-            and spec.training.precision.startswith("mixed_"):
+    if spec.parallel.method == "fsdp" and adapters_in_16bit(spec.training, spec.parallel.method):
         notes.append("lora: FSDP2's mixed precision all-gathers the adapters in 16 bits (param_dtype), so peft casts "
-                     "no adapter input to fp32; the profile, traced with peft's fp32 adapters, keeps those casts: "
-                     "the activations here are high (measured against FSDPMemTracker: +12 % on small-llama, "
-                     "2 ranks, seq 512; bf16 LoRA is within 1 %)")
+                     "no adapter input to fp32: the profile traced with 16-bit adapters (benchmarks/"
+                     "fsdp_lora_mixed_check.py)")
     if spec.training.qlora:
         notes.append("qlora: traced as transformers + peft run it (bitsandbytes NF4 with double quantization, "
                      "prepare_model_for_kbit_training: other weights and the adapters in fp32)")

@@ -84,9 +84,15 @@ def adapters_in_16bit(training: TrainingSpec, method: str) -> bool:
     adapters included (``engine._cast_module_mixed_precision``); elsewhere peft keeps them fp32
     (``autocast_adapter_dtype``). QLoRA's adapters stay as prepared; fp32 runs have nothing to cast. ZeRO-3
     builds the model under ``zero.Init`` (as the Hugging Face Trainer does), and DeepSpeed skips the cast for a
-    zero-init model: its adapters stay fp32 (docs/error_matrix/README.md Finding 14)."""
-    return (method in ("zero1", "zero2") and training.lora and not training.qlora
-            and training.precision in ("mixed_bf16", "mixed_fp16", "bf16"))
+    zero-init model: its adapters stay fp32 (docs/error_matrix/README.md Finding 14). FSDP2 under mixed precision
+    (``MixedPrecisionPolicy(param_dtype=...)``) all-gathers every floating parameter, the fp32 adapters included,
+    in ``param_dtype`` (``FSDPParam.init_dtype_attrs``): peft's forward (``_cast_input_dtype(x,
+    lora_A.weight.dtype)``) then makes no fp32 copy of the adapter inputs (benchmarks/fsdp_lora_mixed_check.py)."""
+    if not training.lora or training.qlora:
+        return False
+    if method in ("zero1", "zero2"):
+        return training.precision in ("mixed_bf16", "mixed_fp16", "bf16")
+    return method == "fsdp" and training.precision in ("mixed_bf16", "mixed_fp16")
 
 
 def user_cache_dir() -> Path:
