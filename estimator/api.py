@@ -297,12 +297,13 @@ def technique_segments(segments: dict, profile: dict, training: TrainingSpec) ->
     return with_transient(segments, LIGER_MARK, liger_transient_bytes(training.precision, tokens, vocab, hidden))
 
 
-def every_k_profile(model: str, training: TrainingSpec, tp: int, every: int, *, allow_build: bool = True
-                    ) -> tuple[ModelArch, dict]:
+def every_k_profile(model: str, training: TrainingSpec, tp: int, every: int, *, allow_build: bool = True,
+                    adapters_16bit: bool = False) -> tuple[ModelArch, dict]:
     """The profile of every-k checkpointing: each regime's segments mixed layer by layer from the checkpointed
     and the plain profile (``methods.long_context.mixed_layers``). Without an event list: the reserved level
     keeps the prior (``why_not``)."""
-    arch, plain, ckpt = load_plain_and_checkpointed(model, training, tp, allow_build=allow_build)
+    arch, plain, ckpt = load_plain_and_checkpointed(model, training, tp, allow_build=allow_build,
+                                                    adapters_16bit=adapters_16bit)
     regimes = []
     for mine, theirs in zip(plain["regimes"], ckpt["regimes"]):
         mixed = {k: v for k, v in mine.items() if k != "events"}
@@ -649,11 +650,13 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         residuals.load_coefficients(gpu.key, coefficients)
     check_forward_only_layers_before_trace(spec, arch.config)
     every = ckpt_every(spec.training.ckpt_policy)
+    adapters_16bit = adapters_in_16bit(spec.training, spec.parallel.method)
     if every is not None:
-        arch, profile = every_k_profile(spec.model, spec.training, spec.parallel.tp, every, allow_build=allow_build)
+        arch, profile = every_k_profile(spec.model, spec.training, spec.parallel.tp, every, allow_build=allow_build,
+                                        adapters_16bit=adapters_16bit)
     else:
         arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build,
-                                           adapters_16bit=adapters_in_16bit(spec.training, spec.parallel.method))
+                                           adapters_16bit=adapters_16bit)
     check_forward_only_layers(spec, profile)
     last = spec.parallel.world_size - 1
     table = _param_table(profile, arch.num_layers)

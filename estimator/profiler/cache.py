@@ -99,19 +99,22 @@ def _resized_vocab(profile: dict, old_vocab: int, new_vocab: int) -> dict:
     return _RESIZED[key][1]
 
 
-def load_plain_and_checkpointed(model: str, training: TrainingSpec, tp: int = 1, *, allow_build: bool = True
-                                ) -> tuple[ModelArch, dict, dict]:
+def load_plain_and_checkpointed(model: str, training: TrainingSpec, tp: int = 1, *, allow_build: bool = True,
+                                adapters_16bit: bool = False) -> tuple[ModelArch, dict, dict]:
     """(arch, plain profile, checkpointed profile) for every-k checkpointing, both traced with one model code.
     Each profile falls back on its own to the default one when the spec's release (``model_code``) was not traced
     for it; a pair of two releases' code is not one run's step (transformers moves where a small tensor of the
     decoder's prologue is freed between releases, so the two prefixes differ), so then both are the default's."""
+    def load(spec: TrainingSpec) -> tuple[ModelArch, dict]:
+        return load_model_profile(model, spec, tp, allow_build=allow_build, adapters_16bit=adapters_16bit)
+
     full = replace(training, ckpt_policy="")
-    arch, ckpt = load_model_profile(model, full, tp, allow_build=allow_build)
-    _, plain = load_model_profile(model, replace(full, grad_ckpt=False), tp, allow_build=allow_build)
+    arch, ckpt = load(full)
+    _, plain = load(replace(full, grad_ckpt=False))
     if training.model_code and traced_release(plain) != traced_release(ckpt):
         default = replace(full, model_code="")
-        arch, ckpt = load_model_profile(model, default, tp, allow_build=allow_build)
-        _, plain = load_model_profile(model, replace(default, grad_ckpt=False), tp, allow_build=allow_build)
+        arch, ckpt = load(default)
+        _, plain = load(replace(default, grad_ckpt=False))
     return arch, plain, ckpt
 
 

@@ -50,3 +50,4 @@ def test_committed_oracle_rows_meet_the_bar_and_cover_the_matrix():
     assert len({(r["micro_batch_size"], r["seq_len"]) for r in rows}) == 2
     for row in rows:
         assert int(row["measured_bytes"]) == int(row["tracked_bytes"]) - int(row["hook_held_bytes"])
+
