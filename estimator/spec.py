@@ -150,7 +150,7 @@ class TrainingSpec:
     # Rows of the model's embedding (and untied LM head) after the training script resized it
     # (``model.resize_token_embeddings(N)``, e.g. fms-hf-tuning adding a ``<pad>`` token: 32,001 for Mistral-7B);
     # 0 = the config's ``vocab_size``. The parameters, their gradients and optimizer states and every logits-sized
-    # tensor follow it; the profile is that of the resized config (its own fingerprint).
+    # tensor follow it: the configured model's profile, re-sized (``estimator.profiler.vocab``).
     vocab_size: int = 0
 
     def __post_init__(self) -> None:
