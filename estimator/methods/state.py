@@ -449,7 +449,9 @@ def _zero3_gathered(zcfg: ZeroSpec, table: list[ParamInfo], elem: int, checkpoin
     # the input embedding is gathered again in backward only where backward reaches it (trainable) or it is also
     # the output head (tied); a frozen untied one (LoRA) is released after its forward like any module whose
     # parameters the step's trace never uses again (docs/error_matrix/zero_cpu_lora.csv: +0.2 % -> 0.01 %). With
-    # checkpointing the measured peak still holds it (the checkpointed row: -0.19 % when released; not explained)
+    # checkpointing the measured peak still holds it (the checkpointed row: -0.19 % when released): likely because
+    # peft's enable_input_require_grads, on under checkpointing, gives the embedding's output a gradient, so
+    # DeepSpeed's module backward hooks gather it again (not confirmed)
     reused = checkpointed or any(p.trainable or p.tied_names for p in big
                                  if p.layer is None and p.module_kind == "embedding")
     kept_pre = pre if reused else 0.0
