@@ -148,6 +148,7 @@ def test_resized_profile_is_the_trace_of_the_resized_model(family):
             assert mine[key] == theirs[key], key
 
 
+@pytest.mark.slow  # real torch modules in this process: a later fork-isolated harness test hangs after them
 def test_harness_build_is_resize_token_embeddings():
     """The harness builds the resized model from the resized config: the same parameters (and tie) as
     transformers' ``resize_token_embeddings`` leaves, without an old-and-new pair on the device."""
