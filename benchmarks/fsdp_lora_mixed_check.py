@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.table_csv import write_rows  # noqa: E402
 from estimator.api import estimate  # noqa: E402
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
 
@@ -119,10 +119,7 @@ def main() -> int:
     errors = sorted(abs(r["error_pct"]) for r in rows)
     olds = sorted(abs(r["error_fp32_adapters_pct"]) for r in rows)
     if args.csv and rows:
-        with open(args.csv, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows(Path(args.csv), rows)
     print(f"points {len(rows)}  median |error| {errors[len(errors) // 2]:.4f} %  max |error| {errors[-1]:.4f} %  "
           f"(fp32-adapter profile: max {olds[-1]:.4f} %)")
     return 0 if errors[-1] <= 1.0 else 1
