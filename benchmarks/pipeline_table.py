@@ -3,12 +3,12 @@
     PYTHONPATH=. .venv/bin/python benchmarks/pipeline_table.py [--config CONFIG.json] [--schedules gpipe 1f1b
         interleaved_1f1b] [--pp 2 4] [--microbatches 4 8] [--points 1x64 2x32] [--dp 1 2]
         [--precision bf16|fp32|mixed_bf16] [--grad-ckpt [--ckpt-policy every-k:K]] [--lora-rank R]
-        [--tp T] [--csv docs/error_matrix/pipeline.csv] [--trace]
+        [--tp T [--dp D]] [--csv docs/error_matrix/pipeline.csv] [--trace]
     PYTHONPATH=. .venv/bin/python benchmarks/pipeline_table.py --rescore docs/error_matrix/pipeline.csv [CSV ...]
 
-Each point runs ``pp x dp`` gloo ranks in freshly spawned interpreters (``harness.pipeline``: the transformers
+Each point runs ``pp x dp x tp`` gloo ranks in freshly spawned interpreters (``harness.pipeline``: the transformers
 model split into stages, torch's PipelineStage and schedule, AdamW over each rank's stages, FSDP2 over the dp ranks
-of a stage; ``--grad-ckpt``: transformers' non-reentrant checkpointing of every decoder layer, as the harness
+of a stage, with ``--tp`` every decoder layer split over the tp ranks first (mesh (pp, dp, tp), torchtitan's); ``--grad-ckpt``: transformers' non-reentrant checkpointing of every decoder layer, as the harness
 applies it). Every live storage is counted after every operator (``harness.fake.live_storage``, DTensors by their
 local shard; gloo's reduce-scatter clone left out, as in ``benchmarks/moe_ep_table.py``) over two steady steps
 after a warm-up step (which also runs torch's shape inference); each rank's peak is compared with the estimate's
@@ -52,11 +52,13 @@ def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virt
 
         dp = world // (pp * tp)
         tp_mesh = None
-        if tp > 1:  # TP inside each stage, as torchtitan builds pp x tp (mesh (pp, tp); no dp here)
+        if tp > 1:  # TP inside each stage, as torchtitan builds pp x tp (mesh (pp, tp)) and pp x dp x tp (mesh
+            # (pp, dp, tp): FSDP2 over dp of the TP-split stages; dp and tp sub-meshes of one root, as FSDP2 needs)
             from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
-            pp_group, dp_mesh, tp_mesh = mesh.get_group("pp"), None, mesh["tp"]
+            shape, names = ((pp, dp, tp), ("pp", "dp", "tp")) if dp > 1 else ((pp, tp), ("pp", "tp"))
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            pp_group, dp_mesh, tp_mesh = mesh.get_group("pp"), mesh["dp"] if dp > 1 else None, mesh["tp"]
             pp_rank = mesh.get_local_rank("pp")
         elif dp > 1:
             from torch.distributed.device_mesh import init_device_mesh
@@ -95,7 +97,8 @@ def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virt
         del model
         gc.collect()
         params = [p for m in modules for p in m.parameters() if p.requires_grad]
-        if tp_mesh is not None:  # one foreach AdamW per kind (DTensor, plain), as the harness's tp method builds it
+        if tp_mesh is not None and dp_mesh is None:  # one foreach AdamW per kind (DTensor, plain), as the harness's
+            # tp method builds it (under FSDP2 every parameter is a DTensor: one AdamW, as dp_tp builds it)
             from estimator.profiler.tp import build_tp_optimizer
 
             optimizer = build_tp_optimizer(params, training)
@@ -173,13 +176,20 @@ def estimated(path: Path, pp: int, dp: int, schedule: str, microbatches: int, vi
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
     spec = RunSpec(model=str(path), gpu="h100-80gb",
-                   parallel=ParallelSpec(method="tp" if tp > 1 else "fsdp" if dp > 1 else "single",
+                   parallel=ParallelSpec(method=_method(dp, tp),
                                          world_size=pp * dp * tp, pp=pp, tp=tp,
                                          pp_schedule=schedule, pp_microbatches=microbatches, pp_virtual=virtual),
                    training=TrainingSpec(precision=precision, attn="sdpa", micro_batch_size=b, seq_len=s,
                                          grad_ckpt=grad_ckpt, **(variant or {})))
     est = estimate(spec, replay_reserved=False)
     return {r.rank: r.traced_allocated_bytes for r in est.ranks}
+
+
+def _method(dp: int, tp: int) -> str:
+    """The estimate's method of a pipeline layout: pp alone, pp x fsdp, pp x tp or pp x dp x tp."""
+    if tp > 1:
+        return "dp_tp" if dp > 1 else "tp"
+    return "fsdp" if dp > 1 else "single"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grad-ckpt", action="store_true", help="checkpoint every decoder layer")
     parser.add_argument("--ckpt-policy", default="", help="every-k:K: checkpoint every K-th layer (with --grad-ckpt)")
     parser.add_argument("--lora-rank", type=int, default=0, help="peft LoRA of this rank on the frozen model")
-    parser.add_argument("--tp", type=int, default=1, help="TP degree inside each stage (pp x tp, no dp)")
+    parser.add_argument("--tp", type=int, default=1, help="TP degree inside each stage (pp x tp; with --dp 2, pp x dp x tp)")
     parser.add_argument("--csv", type=Path, default=None)
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--rescore", nargs="*", type=Path, default=None)

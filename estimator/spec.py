@@ -317,7 +317,8 @@ class ParallelSpec:
     # ``pp_microbatches`` micro-batches of ``micro_batch_size`` rows per optimizer step in ``pp_schedule``'s order
     # (0 = pp micro-batches); ``pp_virtual`` stages per rank under interleaved 1F1B (0 = 2 there, 1 otherwise).
     # The remaining world_size / pp ranks are data parallel: method ``single`` (none: world_size == pp) or
-    # ``fsdp`` (FSDP2 over the dp ranks of each stage).
+    # ``fsdp`` (FSDP2 over the dp ranks of each stage); method ``tp`` splits each stage over tp ranks, ``dp_tp``
+    # both (torchtitan's mesh (pp, dp, tp): FSDP2 over dp of each stage's TP-split layers).
     pp: int = 1
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0
@@ -337,8 +338,9 @@ class ParallelSpec:
             _fail("tp", f"method 'tp' uses every GPU for tensor parallelism: tp must equal world size "
                         f"{self.world_size}" + (f" / pp {self.pp}" if self.pp > 1 else "")
                   + f", got {self.tp} (use dp_tp for a 2-D split)")
-        if self.method == "dp_tp" and (self.tp < 2 or self.tp == self.world_size):
-            _fail("tp", f"dp_tp needs 1 < tp < world size, got tp={self.tp} on {self.world_size} GPUs")
+        if self.method == "dp_tp" and (self.tp < 2 or self.tp * self.pp >= self.world_size):
+            _fail("tp", "dp_tp needs 1 < tp < world size" + (f" / pp {self.pp}" if self.pp > 1 else "")
+                  + f", got tp={self.tp} on {self.world_size} GPUs")
         if self.method == "fsdp1" and self.world_size % self.fsdp1.shard_size(self.world_size):
             _fail("fsdp1.gpus_per_node", f"HYBRID_SHARD needs whole nodes: world size {self.world_size} is not a "
                                          f"multiple of {self.fsdp1.gpus_per_node} GPUs per node")
@@ -374,19 +376,19 @@ class ParallelSpec:
             if self.pp_schedule != "1f1b" or self.pp_microbatches or self.pp_virtual:
                 _fail("pp", "pipeline settings (pp_schedule, pp_microbatches, pp_virtual) need pp > 1")
             return
-        if self.method == "dp_tp":
-            _fail("pp", "pp x dp x tp is not modelled yet (no counted run of FSDP2 over TP-split pipeline stages "
-                        "has checked it); use pp x tp (method tp, world size = pp x tp), pp alone or pp x fsdp")
-        if self.method not in ("single", "fsdp", "tp"):
+        if self.method not in ("single", "fsdp", "tp", "dp_tp"):
             _fail("pp", f"pipeline parallelism is modelled alone (method single, world size = pp), with FSDP2 "
-                        f"over the remaining ranks (method fsdp) or with TP inside each stage (method tp, world "
-                        f"size = pp x tp), got {self.method!r}")
+                        f"over the remaining ranks (method fsdp), with TP inside each stage (method tp, world "
+                        f"size = pp x tp) or with both (method dp_tp, world size = pp x dp x tp), got {self.method!r}")
         if self.ep > 1:
             _fail("pp", "pp with expert parallelism is not modelled")
         if self.cp > 1:
             _fail("pp", "pp with context parallelism is not modelled")
         if self.world_size % self.pp:
             _fail("pp", f"world size {self.world_size} is not divisible by pp {self.pp}")
+        if self.world_size % (self.pp * self.tp):
+            _fail("pp", f"world size {self.world_size} is not divisible by pp {self.pp} x tp {self.tp} (the mesh "
+                        "(pp, dp, tp))")
         if self.pp_schedule != "interleaved_1f1b" and self.pp_virtual > 1:
             _fail("pp_virtual", f"virtual stages need pp_schedule interleaved_1f1b, got {self.pp_schedule!r}")
         m = self.microbatches

@@ -60,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline-parallel degree (torch.distributed.pipelining; method single: --gpus = pp, "
                         "method fsdp: FSDP2 over gpus / pp ranks per stage, --precision mixed_bf16 as its "
-                        "MixedPrecisionPolicy; with --grad-ckpt every stage's decoder layers are checkpointed, as "
-                        "torchtitan does)")
+                        "MixedPrecisionPolicy, method tp: --gpus = pp x tp, method dp_tp: --gpus = pp x dp x tp "
+                        "(FSDP2 over dp of the TP-split stages); with --grad-ckpt every stage's decoder layers are "
+                        "checkpointed, as torchtitan does)")
     p.add_argument("--pp-schedule", choices=PP_SCHEDULES, default="1f1b", help="pipeline schedule (with --pp)")
     p.add_argument("--pp-microbatches", type=int, default=0,
                    help="pipeline micro-batches of --micro-batch-size rows per optimizer step (default: pp)")
@@ -188,7 +189,7 @@ def spec_from_args(args) -> tuple[RunSpec, bool]:
         raise ValueError("cp: context parallelism runs with FSDP2: name --method fsdp with --cp")
     if method == "all" and args.pp > 1:
         raise ValueError("pp: name the method the pipeline runs with (--method single: --gpus = pp; --method fsdp: "
-                         "FSDP2 over gpus / pp ranks per stage)")
+                         "FSDP2 over gpus / pp ranks per stage; --method tp / dp_tp: TP inside each stage)")
     if method == "all":  # the comparison enumerates methods itself (compare_specs); fsdp1 flags go to its row
         parallel = ParallelSpec(world_size=1, fsdp1=fsdp1_from_args(args, "fsdp1"))
     else:

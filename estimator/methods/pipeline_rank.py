@@ -185,7 +185,7 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
         segments = {**segments, EMBEDDING_RELEASE: {"net_act": _hidden_coeffs(-hidden * act_bytes),
                                                     "net_grad": 0.0, "candidates": []}}
     # resident: weights and optimizer states (FSDP2: this rank's shards), the receive buffers, the step's batch
-    shard = 1.0 / dp if par.method == "fsdp" else 1.0
+    shard = 1.0 / dp if fsdp2_stages(par) else 1.0
     mixed = training.precision.startswith("mixed_")  # FSDP2's MixedPrecisionPolicy (check_pipeline)
     model = _state_model(spec, rank_table, mixed)
     resident = {k: v * shard for k, v in model.resident.items()}
@@ -202,7 +202,7 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     # mixed: the 16-bit gradient a group's upcast holds last, beside every fp32 accumulator of the group
     last_layer_param = {st: float(next((p.nbytes for p in reversed(params[st]) if p.trainable
                                         and p.layer is not None), 0)) for st in mine}
-    fsdp = par.method == "fsdp" and dp > 1
+    fsdp = fsdp2_stages(par)
     act = 0.0           # activations above the resident ones
     grads = 0.0         # gradients held (unsharded under FSDP2 until the end; mixed: the fp32 accumulators)
     pending = 0.0       # mixed: the stage module's own 16-bit gradients, upcast when the stage's backward ends
@@ -425,6 +425,12 @@ def _state_model(spec: RunSpec, rank_table: list[ParamInfo], mixed: bool) -> met
                                           "parallel.pp_virtual": 0}), rank_table)
 
 
+def fsdp2_stages(par) -> bool:
+    """Whether FSDP2 shards each stage over its dp ranks: pp x fsdp, and pp x dp x tp (method ``dp_tp``, torchtitan's
+    mesh (pp, dp, tp): FSDP2 over dp of the TP-local shards, so the TP profile's table sharded dp ways)."""
+    return par.method in ("fsdp", "dp_tp") and par.dp > 1
+
+
 def reported_pp_ranks(pp: int) -> list[int]:
     """First, middle and last pipeline rank."""
     return sorted({0, pp // 2, pp - 1})
@@ -441,7 +447,8 @@ def check_pipeline(spec: RunSpec, model_type: str, tied: bool) -> None:
     training = spec.training
     if spec.parallel.pp == 1:
         return
-    fsdp2 = spec.parallel.method == "fsdp" and spec.parallel.dp > 1
+    check_pp_dp_tp(spec)
+    fsdp2 = fsdp2_stages(spec.parallel)
     if training.precision == PIPELINE_MIXED and not fsdp2:
         raise ValueError(f"pp: precision {PIPELINE_MIXED} is modelled as FSDP2's MixedPrecisionPolicy over the dp "
                          "ranks of each stage (method fsdp, more GPUs than pp); use bf16 or fp32 without FSDP2")
@@ -478,6 +485,19 @@ def check_pipeline(spec: RunSpec, model_type: str, tied: bool) -> None:
                              f"pp: {name} is not modelled under pipelining yet")
 
 
+def check_pp_dp_tp(spec: RunSpec) -> None:
+    """ValueError("pp: ...") for what pp x dp x tp (method dp_tp under pp) has not been checked with against torch's
+    run: FSDP2's mixed precision over TP shards and LoRA (each checked with pp x fsdp and pp x tp apart)."""
+    if spec.parallel.method != "dp_tp":
+        return
+    training = spec.training
+    for name, on in (("precision " + training.precision, training.precision not in PIPELINE_PRECISIONS),
+                     ("LoRA", training.lora), ("ckpt_policy " + training.ckpt_policy, bool(training.ckpt_policy))):
+        if on:
+            raise ValueError(f"pp: pp x dp x tp with {name} is not checked yet; use {', '.join(PIPELINE_PRECISIONS)} "
+                             "full fine-tuning, with or without checkpointing of every decoder layer")
+
+
 def pipeline_notes(spec: RunSpec, num_layers: int) -> list[str]:
     par = spec.parallel
     stages = par.pp * par.virtual_stages
@@ -498,6 +518,10 @@ def pipeline_notes(spec: RunSpec, num_layers: int) -> list[str]:
         dp = (f"; TP over {par.tp} ranks inside each stage (torch's parallelize_module on each decoder layer: its "
               "linears split as the traced TP rank holds them; embedding, norms and head replicated, so each rank of "
               "the last stage holds the full logits; the hidden states sent between stages replicated)")
+        if fsdp2_stages(par):
+            dp += (f", and FSDP2 over {par.dp} ranks per stage (mesh (pp {par.pp}, dp {par.dp}, tp {par.tp}): each "
+                   "TP-local shard sharded dp ways; reshard_after_forward off, gradients reduced after the last "
+                   "micro-batch)")
     if spec.training.lora:
         ckpt += (f"; LoRA r{spec.training.lora_rank}: each stage's frozen base weights, its adapters' gradients and "
                  "Adam states")

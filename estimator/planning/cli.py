@@ -181,7 +181,9 @@ def format_plan(p: Plan) -> str:
     lines = [f"Plan: {p.model} on {p.world_size} x {p.gpu_name}, seq {p.seq_len}, {p.precision}, "
              f"{p.optimizer}{lora}{gb}, {p.loop} loop"
              + (", FSDP gradients reduced on the last micro-batch" if p.grad_sync == "last" else ""), ""]
-    header = (f"{'method':<14}{'tp':>3} {'ckpt':<5}{'fits':<5}{'max mb':>7}{'mb':>6}{'accum':>6}"
+    # the method column widens for the longest layout name (pp x dp x tp's) so the columns stay aligned
+    width = max([14] + [len(r.candidate.label) + 1 for r in p.results])
+    header = (f"{'method':<{width}}{'tp':>3} {'ckpt':<5}{'fits':<5}{'max mb':>7}{'mb':>6}{'accum':>6}"
               f"{'peak GiB':>9}{'bound GiB':>10}{'host GiB':>9}{'tokens/s':>11}  rank / why lost")
     lines += [header, "-" * len(header)]
     order = sorted(p.results, key=lambda r: (r.rank is None, r.rank or 0, r.status != "oom",
@@ -192,7 +194,7 @@ def format_plan(p: Plan) -> str:
         at_least = ">=" if r.peak_lower_bound else ""
         mx = "-" if r.status == "invalid" else (f">={r.max_micro_batch}" if r.max_micro_batch >= planner.MAX_MICRO_BATCH
                                                   else str(r.max_micro_batch))
-        lines.append(f"{c.label:<14}{c.tp:>3} {'yes' if c.grad_ckpt else 'no':<5}"
+        lines.append(f"{c.label:<{width}}{c.tp:>3} {'yes' if c.grad_ckpt else 'no':<5}"
                      f"{'yes' if r.fits else ('-' if r.status == 'invalid' else 'no'):<5}{mx:>7}"
                      f"{r.micro_batch or '-':>6}{r.grad_accum or '-':>6}{at_least + _gib(r.peak_bytes):>9}"
                      f"{at_least + _gib(r.bound_bytes):>10}{_gib(r.host_ram_node_bytes):>9}"

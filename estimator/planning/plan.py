@@ -84,7 +84,8 @@ class Candidate:
     grad_ckpt: bool = False
     ep: int = 1                  # expert parallelism of a MoE model (fsdp only)
     cp: int = 1                  # context parallelism (fsdp only): ring attention over cp ranks
-    pp: int = 1                  # pipeline stages (single: pp = world size; fsdp: FSDP2 over world / pp)
+    pp: int = 1                  # pipeline stages (single: pp = world size; fsdp: FSDP2 over world / pp; tp: TP
+    #                              inside each stage; dp_tp: both, mesh (pp, dp, tp))
 
     @property
     def dp(self) -> int:
@@ -106,6 +107,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
+        if self.pp > 1 and self.method == "dp_tp":
+            return f"pp{self.pp} x dp{self.dp} x tp{self.tp}"
         if self.method == "dp_tp":
             return f"dp_tp {self.dp}x{self.tp}"
         if self.cp > 1:
@@ -138,6 +141,19 @@ def pp_layouts(world_size: int, num_layers: int, ckpt_options: Iterable[bool] = 
     return out
 
 
+def pp_dp_tp_layouts(world_size: int, num_layers: int, ckpt_options: Iterable[bool] = (False,),
+                     tp_degrees: Iterable[int] = ()) -> list[Candidate]:
+    """pp x dp x tp layouts (method dp_tp under pp, torchtitan's mesh (pp, dp, tp)): for each of ``tp_degrees``
+    and each pp >= 2 (at most the decoder layers) with pp x tp dividing the GPUs and leaving dp >= 2, pp rising,
+    then tp falling; each with and without checkpointing as ``ckpt_options`` says."""
+    out = []
+    for pp in range(2, min(world_size, num_layers) + 1):
+        for tp in sorted(set(tp_degrees), reverse=True):
+            if tp > 1 and world_size % (pp * tp) == 0 and world_size // (pp * tp) >= 2:
+                out += [Candidate("dp_tp", world_size, tp=tp, grad_ckpt=ckpt, pp=pp) for ckpt in ckpt_options]
+    return out
+
+
 def _stage_tp_degrees(arch: Any, gpus: int) -> list[int]:
     """The TP degrees of a pp x tp layout on ``gpus`` GPUs that the TP estimate can split ``arch`` by (the
     attention and key/value heads, the MLP and hidden widths: ``_check_tp``)."""
@@ -156,7 +172,7 @@ def _pipeline_candidates(model: str, arch: Any, training: TrainingSpec, gpus: in
                          ckpt_options: tuple[bool, ...], with_tp: bool = True) -> tuple[list[Candidate], str]:
     """The pipeline layouts the pipeline estimate covers for ``training`` (bf16 / fp32; Llama-style decoders, untied
     embeddings, LoRA, every-k checkpointing, ...; checkpointing is each candidate's own, checked with it; pp x tp
-    where ``with_tp`` and TP splits the model), and a note naming the first refusal when none is
+    and pp x dp x tp where ``with_tp`` and TP splits the model), and a note naming the first refusal when none is
     covered. mixed_bf16 (estimated for pp x FSDP2) is not planned yet: the plan's step-time rows count a pipeline's
     micro-batches apart from its reported accumulation."""
     from estimator.methods.pipeline_rank import check_pipeline
@@ -166,7 +182,8 @@ def _pipeline_candidates(model: str, arch: Any, training: TrainingSpec, gpus: in
                     "(--pp with --method fsdp) but not planned yet")
     covered, refusals = [], []
     tp_degrees = _stage_tp_degrees(arch, gpus) if with_tp else []
-    for cand in pp_layouts(gpus, arch.num_layers, ckpt_options, tp_degrees):
+    for cand in pp_layouts(gpus, arch.num_layers, ckpt_options, tp_degrees) + \
+            pp_dp_tp_layouts(gpus, arch.num_layers, ckpt_options, tp_degrees):
         try:
             staged = dataclasses.replace(training, grad_ckpt=cand.grad_ckpt or training.grad_ckpt)
             check_pipeline(RunSpec(model=model, training=staged, parallel=cand.parallel_spec()),
@@ -175,6 +192,16 @@ def _pipeline_candidates(model: str, arch: Any, training: TrainingSpec, gpus: in
         except ValueError as err:
             refusals.append(str(err))
     return covered, "" if covered or not refusals else f"pipeline layouts not weighed: {refusals[0]}"
+
+
+def _pipelines_of_methods(piped: list[Candidate], methods: Iterable[str] | None) -> list[Candidate]:
+    """The pipeline layouts a ``methods`` filter asks for: pp alone and pp x fsdp with single or fsdp, pp x tp with
+    tp, pp x dp x tp with dp_tp (all without a filter)."""
+    if methods is None:
+        return piped
+    wanted = set(methods)
+    return [c for c in piped if (c.method in ("single", "fsdp") and {"single", "fsdp"} & wanted)
+            or (c.method in ("tp", "dp_tp") and c.method in wanted)]
 
 
 def ep_degrees(world_size: int, experts: int | None) -> list[int]:
@@ -872,12 +899,10 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     cands = enumerate_candidates(gpus, ckpt_options, methods, routed_experts(arch.config),
                                  cp_degrees(gpus, training) if epoch is None else ())
     pipeline_note = ""
-    if gpus > 1 and (methods is None or {"single", "fsdp", "tp"} & set(methods)):
+    if gpus > 1 and (methods is None or {"single", "fsdp", "tp", "dp_tp"} & set(methods)):
         piped, pipeline_note = _pipeline_candidates(model, arch, training, gpus, ckpt_options,
-                                                    with_tp=methods is None or "tp" in methods)
-        if methods is not None and not {"single", "fsdp"} & set(methods):  # pp x tp only
-            piped = [c for c in piped if c.tp > 1]
-        cands += piped
+                                                    with_tp=methods is None or bool({"tp", "dp_tp"} & set(methods)))
+        cands += _pipelines_of_methods(piped, methods)
     if global_batch is not None and all(global_batch % c.dp for c in cands):
         dps = sorted({c.dp for c in cands}, reverse=True)
         raise ValueError(f"global_batch: {global_batch} is not divisible by the data-parallel degree of any "

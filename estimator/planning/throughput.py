@@ -546,7 +546,8 @@ def _pipeline_step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Effi
     point-to-point activation sends are not counted. Under fsdp the stage's gradients are reduce-scattered and its
     parameters gathered once per step (torch's stage defers both to the last micro-batch). Under pp x tp each stage
     splits its layers' FLOPs tp ways and waits on TP's all-reduces as tp alone does (2 per layer and pass, nothing
-    hides them), for its 1 / pp of the layers: a stage slot is its compute plus that."""
+    hides them), for its 1 / pp of the layers: a stage slot is its compute plus that. pp x dp x tp (dp_tp) adds the
+    fsdp terms over the TP rank's shards."""
     pp, dp, tp, accum = setup.pp, setup.dp, setup.tp, setup.grad_accum
     tokens = setup.micro_batch * setup.seq_len
     peak = gpu.flops_for(setup.precision)
@@ -562,10 +563,11 @@ def _pipeline_step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Effi
     trainable = shape.trainable_per_rank(tp)
     psi = trainable / pp * grad_elem
     comm = 0.0
-    if setup.method == "fsdp" and dp > 1:
+    sharded = setup.method in ("fsdp", "dp_tp") and dp > 1  # pp x fsdp, pp x dp x tp: FSDP2 over each stage's dp
+    if sharded:
         layers = max(1, shape.layers // pp) + 1
         comm = dp_link.time("reduce_scatter", psi, dp, layers) + dp_link.time("all_gather", psi, dp, layers)
-    local = trainable / pp / (dp if setup.method == "fsdp" else 1)
+    local = trainable / pp / (dp if sharded else 1)
     optimizer = local * OPTIMIZER_BYTES_PER_PARAM.get(setup.optimizer, 32.0) / (gpu.memory_bandwidth * HBM_EFFICIENCY)
     step = compute + slots * stage_tp + comm + optimizer
     parts = {"compute": compute, "pipeline_bubble": (pp - 1) * (stage_micro + stage_tp), "dp_gather_scatter": comm,

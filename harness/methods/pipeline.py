@@ -1,8 +1,9 @@
-"""``parallel.pp > 1`` (methods ``single``, ``fsdp`` and ``tp``): torch.distributed.pipelining on real process groups
+"""``parallel.pp > 1`` (methods ``single``, ``fsdp``, ``tp`` and ``dp_tp``): torch.distributed.pipelining on real process groups
 (``harness.pipeline``: the stage split, torch's PipelineStage and schedule, FSDP2 over the dp ranks of a stage, with
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` over fp32 weights under ``mixed_bf16``; ``grad_ckpt``:
 transformers' per-layer checkpointing of every decoder layer, which the stages keep, as torchtitan checkpoints each
-stage's blocks; method ``tp``: every decoder layer split over the tp ranks (``apply_tp``) before the stage split).
+stage's blocks; method ``tp``: every decoder layer split over the tp ranks (``apply_tp``) before the stage split;
+``dp_tp``: both, on torchtitan's mesh (pp, dp, tp)).
 
 The worker's step is forward / backward / optimizer per micro-batch; a pipeline step runs forward and backward
 of all its micro-batches inside ``schedule.step``. So ``forward`` runs the whole schedule on the micro-batch the
@@ -64,11 +65,14 @@ def wrap(ctx: WrapContext) -> PipelineTrainer:
         raise ValueError("pp: pipeline stages send activations point to point; they need real process groups "
                          "(gloo on CPU, NCCL on GPUs), not the emulated ranks")
     dp, tp_mesh = par.dp, None
-    if par.tp > 1:  # TP inside each stage (method tp, world = pp x tp; the spec refuses dp with it)
+    if par.tp > 1:  # TP inside each stage: method tp (mesh (pp, tp)) or dp_tp (torchtitan's (pp, dp, tp): FSDP2 over
+        # dp of the TP-split stages, the dp and tp sub-meshes of one root as FSDP2 needs for 2-D parameters)
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(ctx.device.type, (par.pp, par.tp), mesh_dim_names=("pp", "tp"))
-        pp_group, dp_mesh, tp_mesh, pp_rank = mesh.get_group("pp"), None, mesh["tp"], mesh.get_local_rank("pp")
+        shape, names = ((par.pp, dp, par.tp), ("pp", "dp", "tp")) if dp > 1 else ((par.pp, par.tp), ("pp", "tp"))
+        mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
+        pp_group, tp_mesh, pp_rank = mesh.get_group("pp"), mesh["tp"], mesh.get_local_rank("pp")
+        dp_mesh = mesh["dp"] if dp > 1 else None
     elif dp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -92,7 +96,8 @@ def wrap(ctx: WrapContext) -> PipelineTrainer:
     config = model.config
     del model
     params = [p for m in modules for p in m.parameters()]
-    if tp_mesh is not None:  # one optimizer per parameter kind (DTensor, plain), as the tp method builds it
+    if tp_mesh is not None and dp_mesh is None:  # one optimizer per parameter kind (DTensor, plain), as the tp
+        # method builds it (under FSDP2 every parameter is a DTensor: one optimizer, as dp_tp builds it)
         from estimator.profiler.tp import build_tp_optimizer
 
         optimizer = build_tp_optimizer([p for p in params if p.requires_grad], training)
