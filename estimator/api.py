@@ -734,7 +734,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     notes += _depth_note(_regime(profile, spec.training.micro_batch_size, spec.training.seq_len))
     notes.append(_reserved_note(spec, profile, worst, conf, arch.num_layers,
                                 sequence if worst.rank == 0 else None))
-    if spec.parallel.method == "fsdp" and adapters_in_16bit(spec.training, spec.parallel.method):
+    if spec.parallel.method in ("fsdp", "dp_tp") and adapters_in_16bit(spec.training, spec.parallel.method):
         notes.append("lora: FSDP2's mixed precision all-gathers the adapters in 16 bits (param_dtype), so peft casts "
                      "no adapter input to fp32: the profile traced with 16-bit adapters (benchmarks/"
                      "fsdp_lora_mixed_check.py)")
