@@ -384,3 +384,17 @@ def test_zero3_lora_is_replayed_where_checked():
     assert why_not_zero3(spec(lora_rank=16, qlora=True)).startswith("zero3 with QLoRA")
     assert why_not_zero3(spec(lora_rank=16, grad_ckpt=True)).startswith("zero3 with LoRA and")
     assert why_not_zero3(spec(lora_rank=16, grad_accum_steps=2)).startswith("zero3 with LoRA and")
+
+
+def test_the_held_inputs_are_found_as_llamas_forward_makes_them():
+    """A layer's forward: the input norm (``.to`` copy 5, output 6), q (7), the post-attention norm (copy 8,
+    output 9), the MLP's product (10, size 2) and down_proj's output (11). With two hidden-size inputs held, both
+    norm outputs' frees are found; with one (the first layer: its input norm reads no gradient), the last norm's;
+    the intermediate-size one is the segment's last tensor of that size it makes and frees."""
+    from estimator.reserved.expand import ALLOC, FREE
+    from estimator.reserved.zero3 import _held_in_segment
+
+    body = [(ALLOC, 5, 0), (ALLOC, 6, 0), (FREE, 5, 0), (ALLOC, 7, 0), (FREE, 6, 0), (ALLOC, 8, 0), (ALLOC, 9, 0),
+            (FREE, 8, 0), (ALLOC, 10, 2), (ALLOC, 11, 0), (FREE, 10, 2), (FREE, 9, 0), (FREE, 7, 0), (FREE, 11, 0)]
+    assert _held_in_segment(body, 0, len(body), [0, 0, 2]) == [4, 11, 10]
+    assert _held_in_segment(body, 0, len(body), [0, 2]) == [11, 10]
