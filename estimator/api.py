@@ -520,10 +520,13 @@ def _reserved_note(spec: RunSpec, profile: dict, worst: RankEstimate, alloc_conf
             emptied = f", empty_cache() every {sequence.empty_cache_every}" if sequence.empty_cache_every else ""
             steps = (f"the {worst.replayed_steps} steps of {len(set(sequence.shapes))} batch shapes in their "
                      f"order{emptied}")
+        from estimator.reserved.zero3 import record_stream_caveat
+
+        caveat = record_stream_caveat(spec)
         return (f"reserved: replayed through the caching-allocator model (setup + {steps}; "
                 f"PYTORCH_CUDA_ALLOC_CONF={alloc_conf or '(defaults)'}; fragmentation "
                 f"at the reserved peak {worst.fragmentation_bytes / GIB:.2f} GiB; "
-                f"{worst.num_alloc_retries} alloc retries{oom})")
+                f"{worst.num_alloc_retries} alloc retries{oom}){f'; {caveat}' if caveat else ''}")
     from estimator.reserved.rank import why_not
 
     regime = _regime(profile, spec.training.micro_batch_size, spec.training.seq_len)
