@@ -436,7 +436,10 @@ def test_pp_x_tp_layouts_and_their_step_time():
     assert piped.step_s == pytest.approx(sum(v for k, v in piped.parts.items() if k != "pipeline_bubble"))
 
 
-def test_the_plan_weighs_checkpointed_pipelines_and_names_why_mixed_ones_are_not():
+def test_the_plan_weighs_checkpointed_pipelines_and_mixed_ones_under_fsdp2():
+    """bf16 pipelines: pp alone, pp x FSDP2 and pp x tp, each with and without checkpointing. mixed_bf16 (the
+    plan's default precision) is FSDP2's MixedPrecisionPolicy: pp x FSDP2 only, and a note saying why when the
+    GPUs leave no dp axis."""
     from estimator.models.arch import cached_arch
     from estimator.planning.plan import _pipeline_candidates
 
@@ -447,9 +450,12 @@ def test_the_plan_weighs_checkpointed_pipelines_and_names_why_mixed_ones_are_not
                                                          ("pp4 1f1b", False), ("pp4 1f1b", True),
                                                          ("pp2 x tp2", False), ("pp2 x tp2", True)]
     assert note == ""
-    covered, note = _pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision="mixed_bf16", seq_len=64), 4,
-                                         (False,))
-    assert covered == [] and note.startswith("pipeline layouts not weighed: pp: precision mixed_bf16 is estimated")
+    mixed = TrainingSpec(precision="mixed_bf16", seq_len=64)
+    covered, note = _pipeline_candidates(str(CONFIG), arch, mixed, 4, (False, True))
+    assert [(c.label, c.grad_ckpt) for c in covered] == [("pp2 x fsdp2", False), ("pp2 x fsdp2", True)]
+    assert note == ""
+    covered, note = _pipeline_candidates(str(CONFIG), arch, mixed, 2, (False,))
+    assert covered == [] and note.startswith("pipeline layouts not weighed: pp: precision mixed_bf16 is modelled as")
 
 
 def test_the_plan_weighs_lora_and_every_k_pipelines():
