@@ -129,3 +129,16 @@ def test_a_cp_rank_s_ring_traffic_is_its_own_heads():
     alone, split = parts("fsdp", 1), parts("dp_tp", 2)
     assert split["cp_ring"] < alone["cp_ring"]
     assert split["tp_allreduce"] > 0
+
+
+def test_the_harness_refuses_cp_x_tp_it_would_not_run():
+    """The GPU harness's dp_tp worker has no context parallelism: a cp x tp spec is refused, not run as dp_tp."""
+    from harness.launch import _check_launch
+    from harness.options import HarnessOptions
+
+    opts = HarnessOptions()
+    opts.backend = "cuda"
+    spec = RunSpec(model="HuggingFaceTB/SmolLM2-135M", parallel=ParallelSpec(method="dp_tp", world_size=4, tp=2, cp=2),
+                   training=TrainingSpec(seq_len=4096, precision="mixed_bf16"))
+    with pytest.raises(ValueError, match="parallel.cp: the harness runs context parallelism with method fsdp only"):
+        _check_launch(spec, opts, None)

@@ -490,6 +490,20 @@ def test_the_plan_weighs_pp_x_tp_with_tps_all_reduces():
     assert result.best is piped
 
 
+def test_a_mixed_precision_plan_weighs_pp_x_fsdp_and_counts_its_micro_batches():
+    """The plan's default precision (mixed_bf16) weighs pp x FSDP2 (FSDP2's MixedPrecisionPolicy) and reports the
+    pipeline's micro-batches as its accumulation, the ones its tokens/s counts."""
+    from estimator.planning.plan import plan
+
+    result = plan(str(CONFIG), gpus=4, gpu="h100-80gb", seq_len=64, methods=["fsdp"], ckpt_options=(False,),
+                  advise=False)
+    assert result.precision == "mixed_bf16"
+    assert not any(n.startswith("pipeline layouts not weighed") for n in result.notes)
+    piped = {r.candidate.label: r for r in result.results}["pp2 x fsdp2"]
+    assert piped.fits and piped.grad_accum == 2
+    assert piped.tokens_per_s == pytest.approx(piped.candidate.dp * piped.micro_batch * 2 * 64 / piped.time.step_s)
+
+
 @pytest.mark.slow
 def test_plan_weighs_pipeline_layouts():
     from estimator.planning.plan import plan
@@ -500,5 +514,6 @@ def test_plan_weighs_pipeline_layouts():
     assert piped and piped[0].candidate.label == "pp2 1f1b" and piped[0].fits and piped[0].time is not None
     assert "pipeline_bubble" in piped[0].time.parts
     mixed = plan(str(CONFIG), gpus=2, gpu="h100-80gb", seq_len=64, methods=["fsdp"], ckpt_options=(False,),
-                 advise=False)
-    assert any(n.startswith("pipeline layouts not weighed: pp: precision mixed_bf16") for n in mixed.notes)
+                 advise=False)  # 2 GPUs leave pp x FSDP2 no dp axis: mixed_bf16 has no pipeline layout
+    assert any(n.startswith("pipeline layouts not weighed: pp: precision mixed_bf16 is modelled as")
+               for n in mixed.notes)
