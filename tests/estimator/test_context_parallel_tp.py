@@ -26,6 +26,12 @@ def test_cp_x_tp_is_a_dp_tp_layout():
     assert RunSpec.from_json(spec.to_json()) == spec
 
 
+def test_lora_under_cp_x_tp_is_refused_until_checked():
+    with pytest.raises(ValueError, match="cp: LoRA under cp x tp is not checked"):
+        RunSpec(parallel=ParallelSpec(method="dp_tp", world_size=4, tp=2, cp=2),
+                training=TrainingSpec(seq_len=4096, precision="bf16", lora_rank=8))
+
+
 def test_ring_ranks_follow_torchtitans_mesh():
     """TP innermost: a cp group is every tp-th rank of a block of cp x tp, as the oracle's process groups are
     built (``harness.fake.context_parallel.cp_group_ranks``); each rank's ring runs its own heads."""
@@ -95,6 +101,7 @@ def test_plan_weighs_cp_x_tp_layouts():
     training = TrainingSpec(seq_len=65536, precision="mixed_bf16")
     assert cp_tp_pairs(8, training, [2, 4]) == [(2, 2), (4, 2), (2, 4)]
     assert cp_tp_pairs(8, TrainingSpec(seq_len=65536, precision="fp32"), [2, 4]) == []
+    assert cp_tp_pairs(8, TrainingSpec(seq_len=65536, precision="bf16", lora_rank=8), [2, 4]) == []
     cands = enumerate_candidates(8, (True,), cp_tps=cp_tp_pairs(8, training, [2]))
     cp4 = [c for c in cands if c.cp == 4]
     assert len(cp4) == 1 and cp4[0].label == "dp1 cp4 tp2" and cp4[0].dp == 1
