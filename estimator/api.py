@@ -642,7 +642,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     check_spec(spec, arch)
     check_pipeline(spec, arch.model_type, arch.tie_word_embeddings)
     check_fsdp1(spec, arch.config)
-    asked, ring = spec, ring_of(spec.parallel.cp, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    asked, ring = spec, ring_of(spec.parallel.cp, arch.num_heads, arch.num_kv_heads, arch.head_dim, spec.parallel.tp)
     if ring is not None and sequence is not None:
         raise ValueError("cp: an epoch of mixed batch shapes under context parallelism is not modelled (estimate "
                          "its longest batch)")
@@ -727,7 +727,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     notes += _batch_note(spec.training, profile)
     notes += _layers_note(profile)
     notes += moe_notes(moe_facts(arch.config, profile["params"], arch.num_layers, total))
-    notes += cp_notes(asked.parallel.cp, spec.parallel.world_size, asked.training.seq_len)
+    notes += cp_notes(asked.parallel.cp, spec.parallel.world_size, asked.training.seq_len, spec.parallel.tp)
     notes += ep_notes(layout, spec.training.micro_batch_size * spec.training.seq_len, spec.training.grad_ckpt)
     if "math" in profile.get("sdpa_backends", ()):
         notes.append("attention: CUDA runs SDPA's math kernel here (no flash or memory-efficient kernel takes these "

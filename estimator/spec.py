@@ -440,7 +440,7 @@ class RunSpec:
             try:
                 check_cp(self.parallel.cp, self.parallel.method, self.parallel.world_size, self.training.seq_len,
                          self.training.precision, self.training.attn, tp=self.parallel.tp, ep=self.parallel.ep,
-                         qlora=self.training.qlora,
+                         qlora=self.training.qlora, lora=self.training.lora,
                          padded=self.training.batch == "padded")
             except ValueError as err:
                 _fail("cp", str(err).removeprefix("cp: "))

@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert-parallel degree of a mixture-of-experts model (method fsdp: transformers' "
                         "DistributedConfig(ep_size=N, fsdp_size=gpus))")
     p.add_argument("--cp", type=int, default=1,
-                   help="context-parallel degree (method fsdp): torch's ring attention over N ranks, each holding "
-                        "seq_len / N tokens; FSDP2 over all gpus (dp x cp), as torchtitan")
+                   help="context-parallel degree (method fsdp, or dp_tp for cp x tp): torch's ring attention over N "
+                        "ranks, each holding seq_len / N tokens; FSDP2 over all gpus (dp x cp) of each TP position, "
+                        "as torchtitan")
     p.add_argument("--moe-imbalance", type=float, default=1.0,
                    help="load of the busiest expert relative to balanced routing (bound for skewed routing under --ep)")
     p.add_argument("--pp", type=int, default=1,
@@ -185,7 +186,7 @@ def spec_from_args(args) -> tuple[RunSpec, bool]:
     method = args.method or ("single" if gpus == 1 and args.model else "all")
     gpu = (args.gpu or (DEFAULT["gpu"] if use_default else "h100-80gb")).lower()
     if method == "all" and args.cp != 1:
-        raise ValueError("cp: context parallelism runs with FSDP2: name --method fsdp with --cp")
+        raise ValueError("cp: context parallelism runs with FSDP2: name --method fsdp (or dp_tp with --tp) with --cp")
     if method == "all" and args.pp > 1:
         raise ValueError("pp: name the method the pipeline runs with (--method single: --gpus = pp; --method fsdp: "
                          "FSDP2 over gpus / pp ranks per stage)")
