@@ -220,6 +220,8 @@ def ds_pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_
     rotary = poly(segments["prefix"]["net_act"], b, s) - boundary - s * INT64
     # what the final segment's backward frees beyond its forward's allocation (pipeline_rank's final_unmatched)
     final_unmatched = -(poly(segments["mid_fw"]["net_act"], b, s) + poly(segments["mid_bw"]["net_act"], b, s))
+    largest_layer = float(max((p.nbytes for p in params if p.trainable and p.layer is not None), default=0))
+    largest_other = float(max((p.nbytes for p in params if p.trainable and p.layer is None), default=0))
     buffers = num_pipe_buffers(stage, pp, m)
     slots = min(buffers, m)   # buffers a step fills
     # what the last stage's buffer keeps from one step to the next: logits, received input and its gradient
@@ -280,13 +282,19 @@ def ds_pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_
             for name in _backward_segments(st, num_layers):
                 seg = segments[name]
                 layer_seg = name in LAYER_BW
-                for cand_act, cand_grad in seg["candidates"]:
-                    # accumulating: each fresh gradient is added into its ``.grad`` in place and let go before the
-                    # activation peak its candidate records (counted, --trace: a middle stage's later backwards peak
-                    # one 64 KiB gradient below its first)
-                    g = grads + (0.0 if accumulating else cand_grad)
-                    consider(base + level + poly(cand_act, b, s) + g, phase,
-                             {"activations": level + poly(cand_act, b, s), "gradients": g})
+                transient = largest_layer if layer_seg else largest_other
+                prev_act, prev_grad = 0.0, 0.0
+                for cand_coeffs, cand_grad in seg["candidates"]:
+                    cand_act = poly(cand_coeffs, b, s)
+                    # accumulating: a fresh gradient is added into its ``.grad`` in place and let go. At a candidate
+                    # where the activations rose (an activation peak) the gradient made before it is gone (counted,
+                    # --trace: a middle stage's later backwards peak one 64 KiB gradient below its first); where they
+                    # did not, the candidate is that gradient's own allocation (the embedding's dense gradient,
+                    # beside its accumulator: the first stage's later backwards at pp 4), at most one tensor's
+                    fresh = min(max(0.0, cand_grad - prev_grad), transient) if cand_act <= prev_act else 0.0
+                    prev_act, prev_grad = cand_act, cand_grad
+                    g = grads + (fresh if accumulating else cand_grad)
+                    consider(base + level + cand_act + g, phase, {"activations": level + cand_act, "gradients": g})
                 level += poly(seg["net_act"], b, s) - (rotary if layer_seg else 0.0)
                 if not accumulating:
                     grads += seg["net_grad"]
