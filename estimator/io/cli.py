@@ -22,6 +22,7 @@ from estimator.spec import (
     LOOPS,
     METHODS,
     OPTIMIZERS,
+    PP_ENGINES,
     PP_SCHEDULES,
     PRECISIONS,
     ParallelSpec,
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline micro-batches of --micro-batch-size rows per optimizer step (default: pp)")
     p.add_argument("--pp-virtual", type=int, default=0,
                    help="stages per pipeline rank under interleaved_1f1b (default 2)")
+    p.add_argument("--pp-engine", choices=PP_ENGINES, default="torch",
+                   help="who runs the pipeline: torch (torch.distributed.pipelining) or deepspeed (PipelineModule + "
+                        "PipelineEngine: layers split by parameter count, TrainSchedule; method single, ZeRO 0)")
     p.add_argument("--micro-batch-size", type=int, help="sequences per GPU per micro-step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--precision", choices=PRECISIONS)
@@ -197,7 +201,7 @@ def spec_from_args(args) -> tuple[RunSpec, bool]:
         parallel = ParallelSpec(method=method, world_size=gpus, tp=tp, fsdp1=fsdp1_from_args(args, method),
                                 ep=args.ep, moe_imbalance=args.moe_imbalance, cp=args.cp, pp=args.pp,
                                 pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
-                                pp_virtual=args.pp_virtual)
+                                pp_virtual=args.pp_virtual, pp_engine=args.pp_engine)
     spec = RunSpec(model=args.model or DEFAULT["model"], parallel=parallel, training=training, gpu=gpu)
     if args.deepspeed:
         from estimator.configs.deepspeed_json import spec_from_deepspeed
@@ -285,6 +289,7 @@ def render_detail(est) -> str:
              + (f" ep {s.parallel.ep}" + (f" (busiest expert {s.parallel.moe_imbalance:g}x balanced)"
                                         if s.parallel.moe_imbalance != 1 else "") if s.parallel.ep > 1 else "")
              + (f" pp {s.parallel.pp} {s.parallel.pp_schedule} x{s.parallel.microbatches} micro-batches"
+                + (" (DeepSpeed's pipeline engine)" if s.parallel.pp_engine == "deepspeed" else "")
                 if s.parallel.pp > 1 else "")
              + f"  on {est.gpu_key}",
              f"micro-batch {t.micro_batch_size}, seq {t.seq_len}, {t.precision}, {t.optimizer}, attn {t.attn}, "
