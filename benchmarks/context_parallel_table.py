@@ -24,7 +24,14 @@ points) of ``LORA_MODELS``; under checkpointing MemTracker's own module hooks ke
 (``tests/oracle/test_memtracker_oracle.py`` finds it in the event log: the instrumented run's, not the real one's),
 so ``measured_bytes`` is the tracker's peak (``tracked_bytes``) less that tensor (``hook_held_bytes``, b x s / cp x
 hidden x 4). ``--rescore CSV ...``: the estimate of every row of committed tables again, against its measured bytes
-(no oracle run): the error before and after. Exit 1 when a point is off by more than 1 %.
+(no oracle run): the error before and after. ``--tp``: cp x tp (method dp_tp, torchtitan's (dp_shard, cp, tp)
+mesh; ``TP_LAYOUTS``: cp 2 and 4 x tp 2, with and without checkpointing, and dp 2 x cp 2 x tp 2; bf16 and
+mixed_bf16; ``TP_MODELS``), against ``harness.fake.context_parallel.tp_peak_bytes``: ``harness.fake.trace_run``'s
+dp_tp rank (TP on the fake process group, FSDP2 over the dp x cp ranks of each TP position) at seq / cp tokens with
+every SDPA call run by torch's ring attention over the rank's cp group. Exit 1 when a point is off by more than 1 %.
+
+    LLMEM_CACHE_DIR=$(mktemp -d) PYTHONPATH=. .venv/bin/python benchmarks/context_parallel_table.py --tp \
+        --csv docs/error_matrix/context_parallel_tp.csv
 
     LLMEM_CACHE_DIR=$(mktemp -d) PYTHONPATH=. .venv/bin/python benchmarks/context_parallel_table.py --lora \
         --csv docs/error_matrix/context_parallel_lora.csv
@@ -83,6 +90,15 @@ LORA_VARIANTS = (("lora8-qkvo", {"lora_rank": 8, "lora_targets": "q_proj,k_proj,
 LORA_MODELS = ("attn-gqa2", "attn-mha")
 
 
+# cp x tp (``--tp``, method dp_tp: torchtitan's (dp_shard, cp, tp) mesh): (world, cp, tp, points, grad_ckpt): cp 2
+# and 4 with tp 2 over cp x tp ranks alone, and cp 2 x tp 2 with two data-parallel groups; bf16 and mixed_bf16.
+TP_POINTS = ((1, 2048), (2, 4096))
+TP_LAYOUTS = tuple((world, cp, 2, TP_POINTS, ckpt) for world, cp in ((4, 2), (8, 4)) for ckpt in (False, True)) + (
+    (8, 2, 2, TP_POINTS[:1], False),)
+TP_PRECISIONS = ("bf16", "mixed_bf16")
+TP_MODELS = ("attn-mha", "attn-gqa2")
+
+
 def _hook_held_bytes(config: dict, fields: dict, b: int, s_local: int, grad_ckpt: bool) -> int:
     """The fp32 adapter input MemTracker's hooks keep alive under checkpointing (0 elsewhere)."""
     return b * s_local * config["hidden_size"] * 4 if grad_ckpt and fields.get("lora_rank") else 0
@@ -118,15 +134,17 @@ def _without_ring_transients():
     return patched()
 
 
-def _ranks(world: int, cp: int) -> list[int]:
-    """cp rank 0, a middle one and the last, of the first cp group, and the last global rank (the ranks the
-    estimate reports)."""
-    return sorted({0, cp // 2, cp - 1, world - 1})
+def _ranks(world: int, cp: int, tp: int = 1) -> list[int]:
+    """cp rank 0, a middle one and the last, of the first cp group (every tp-th rank), and the last global rank
+    (the ranks the estimate reports)."""
+    return sorted({0, cp // 2 * tp, (cp - 1) * tp, world - 1})
 
 
-def _spec(model: str, world: int, cp: int, b: int, s: int, ckpt: bool, precision: str, fields: dict) -> RunSpec:
+def _spec(model: str, world: int, cp: int, b: int, s: int, ckpt: bool, precision: str, fields: dict,
+          tp: int = 1) -> RunSpec:
     training = TrainingSpec(micro_batch_size=b, seq_len=s, precision=precision, grad_ckpt=ckpt, **fields)
-    return RunSpec(model=model, training=training, parallel=ParallelSpec(method="fsdp", world_size=world, cp=cp))
+    parallel = ParallelSpec(method="dp_tp" if tp > 1 else "fsdp", world_size=world, tp=tp, cp=cp)
+    return RunSpec(model=model, training=training, parallel=parallel)
 
 
 def _model_path(name: str, models: dict[str, dict], tmp: str) -> tuple[dict, str]:
@@ -167,9 +185,12 @@ def main() -> int:
                                                      "derived configs)")
     parser.add_argument("--rescore", nargs="+", type=Path, metavar="CSV", help="re-estimate committed rows")
     parser.add_argument("--precision", help="instead of the table's own (mixed_bf16; bf16 for --lora)")
+    parser.add_argument("--tp", action="store_true", help="cp x tp (method dp_tp, TP_LAYOUTS, bf16 and mixed_bf16)")
     args = parser.parse_args()
     if args.rescore:
         return rescore(args.rescore)
+    if args.tp:
+        return _write(tp_rows(args), args.csv)
     rows: list[dict] = []
     models = _models()
     names, variants, precision = _runs(args)
@@ -200,9 +221,14 @@ def main() -> int:
                                "oracle_s": round(time.perf_counter() - started, 1)}
                         rows.append(row)
                         print(" ".join(str(v) for v in row.values()), flush=True)
+    return _write(rows, args.csv)
+
+
+def _write(rows: list[dict], path: str | None) -> int:
+    """The table to ``path`` and its summary; 1 when a point is off by more than 1 %."""
     errors = sorted(abs(r["error_pct"]) for r in rows)
-    if args.csv and rows:
-        with open(args.csv, "w", newline="") as handle:
+    if path and rows:
+        with open(path, "w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
@@ -210,8 +236,42 @@ def main() -> int:
     return 0 if errors[-1] <= 1.0 else 1
 
 
+def tp_rows(args) -> list[dict]:
+    """cp x tp rows: each estimate against ``harness.fake.context_parallel.tp_peak_bytes`` (``trace_run``'s
+    dp_tp with SDPA run as ring attention over the rank's cp group)."""
+    from harness.fake.context_parallel import tp_peak_bytes
+
+    models, rows = _models(), []
+    precisions = (args.precision,) if args.precision else TP_PRECISIONS
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, precision in ((n, p) for n in (args.models or TP_MODELS) for p in precisions):
+            config, model = _model_path(name, models, tmp)
+            for world, cp, tp, points, ckpt in TP_LAYOUTS[:1] if args.quick else TP_LAYOUTS:
+                for b, s in points[:1] if args.quick else points:
+                    spec = _spec(model, world, cp, b, s, ckpt, precision, {}, tp)
+                    predicted = {r.rank: r for r in estimate(spec, replay_reserved=False).ranks}
+                    with _without_ring_transients():
+                        bare = {r.rank: r for r in estimate(spec, replay_reserved=False).ranks}
+                    for rank in _ranks(world, cp, tp):
+                        started = time.perf_counter()
+                        measured = tp_peak_bytes(config, precision, world, cp, tp, rank, b, s, grad_ckpt=ckpt)
+                        got = predicted[rank].traced_allocated_bytes
+                        row = {"model": name, "precision": precision, "world": world, "cp": cp, "tp": tp,
+                               "rank": rank, "cp_rank": rank // tp % cp, "tp_rank": rank % tp, "grad_ckpt": ckpt,
+                               "micro_batch_size": b, "seq_len": s, "predicted_bytes": got,
+                               "measured_bytes": measured,
+                               "ring_at_peak_bytes": got - bare[rank].traced_allocated_bytes,
+                               "error_pct": round(100 * (got - measured) / measured, 4),
+                               "oracle_s": round(time.perf_counter() - started, 1)}
+                        rows.append(row)
+                        print(" ".join(str(v) for v in row.values()), flush=True)
+    return rows
+
+
 def _row_fields(row: dict) -> tuple[str, dict]:
-    """(precision, TrainingSpec fields) of a committed row, from its technique label."""
+    """(precision, TrainingSpec fields) of a committed row, from its precision column or its technique label."""
+    if row.get("precision"):
+        return row["precision"], {}
     label = row.get("technique", "")
     for table, precision in ((LORA_VARIANTS, LORA_PRECISION), (TECHNIQUES, PRECISION)):
         for name, fields in table:
@@ -234,7 +294,8 @@ def rescore(paths: list[Path]) -> int:
                 precision, fields = _row_fields(row)
                 _, model = _model_path(row["model"], models, tmp)
                 spec = _spec(model, int(row["world"]), int(row["cp"]), int(row["micro_batch_size"]),
-                             int(row["seq_len"]), row["grad_ckpt"] == "True", precision, fields)
+                             int(row["seq_len"]), row["grad_ckpt"] == "True", precision, fields,
+                             int(row.get("tp") or 1))
                 got = {r.rank: r for r in estimate(spec, replay_reserved=False).ranks}[int(row["rank"])]
                 measured = int(row["measured_bytes"])
                 before = max(before, abs(float(row["error_pct"])))

@@ -110,6 +110,8 @@ def generated(row: dict, steps: int = 3, replay_refused: bool = False):
     requests = []
     frees = dict(setup.frees_after)
     for i, (_name, nbytes) in enumerate(setup.allocations):
+        if i == setup.empty_cache_before:
+            requests.append(("empty_cache",))
         requests.append(("alloc", ("setup", i), nbytes, 0))
         requests.extend(("free", ("setup", j)) for j in frees.get(i, ()))
     starts = [0, len(requests)]

@@ -520,10 +520,13 @@ def _reserved_note(spec: RunSpec, profile: dict, worst: RankEstimate, alloc_conf
             emptied = f", empty_cache() every {sequence.empty_cache_every}" if sequence.empty_cache_every else ""
             steps = (f"the {worst.replayed_steps} steps of {len(set(sequence.shapes))} batch shapes in their "
                      f"order{emptied}")
+        from estimator.reserved.zero3 import record_stream_caveat
+
+        caveat = record_stream_caveat(spec)
         return (f"reserved: replayed through the caching-allocator model (setup + {steps}; "
                 f"PYTORCH_CUDA_ALLOC_CONF={alloc_conf or '(defaults)'}; fragmentation "
                 f"at the reserved peak {worst.fragmentation_bytes / GIB:.2f} GiB; "
-                f"{worst.num_alloc_retries} alloc retries{oom})")
+                f"{worst.num_alloc_retries} alloc retries{oom}){f'; {caveat}' if caveat else ''}")
     from estimator.reserved.rank import why_not
 
     regime = _regime(profile, spec.training.micro_batch_size, spec.training.seq_len)
@@ -637,9 +640,13 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         raise ValueError(f"gpu: {gpu.key!r} has no known capacity; name the GPU type (see --list-gpus)")
     arch = spec_arch(spec.model, spec.training.vocab_size)
     check_spec(spec, arch)
+    if spec.parallel.pp > 1 and spec.parallel.pp_engine == "deepspeed":  # before any profile is looked up
+        from estimator.methods.ds_pipeline import check_ds_pipeline
+
+        check_ds_pipeline(spec)
     check_pipeline(spec, arch.model_type, arch.tie_word_embeddings)
     check_fsdp1(spec, arch.config)
-    asked, ring = spec, ring_of(spec.parallel.cp, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    asked, ring = spec, ring_of(spec.parallel.cp, arch.num_heads, arch.num_kv_heads, arch.head_dim, spec.parallel.tp)
     if ring is not None and sequence is not None:
         raise ValueError("cp: an epoch of mixed batch shapes under context parallelism is not modelled (estimate "
                          "its longest batch)")
@@ -663,6 +670,8 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     if ring is not None and spec.training.lora:  # a frozen output projection may not keep the ring's output copy
         ring = dataclasses.replace(ring, output_saved=output_projection_saves_input(
             table, spec.training.precision, spec.training.lora_dropout))
+    if spec.parallel.pp > 1 and spec.parallel.pp_engine == "deepspeed":
+        return _ds_pipeline_estimate(spec, arch, profile, table, coeffs, gpu)
     if spec.parallel.pp > 1:
         return _pipeline_estimate(spec, arch, profile, table, coeffs, gpu, allow_build)
     layout = expert_parallel.layout_of(spec, arch, profile)
@@ -724,7 +733,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     notes += _batch_note(spec.training, profile)
     notes += _layers_note(profile)
     notes += moe_notes(moe_facts(arch.config, profile["params"], arch.num_layers, total))
-    notes += cp_notes(asked.parallel.cp, spec.parallel.world_size, asked.training.seq_len)
+    notes += cp_notes(asked.parallel.cp, spec.parallel.world_size, asked.training.seq_len, spec.parallel.tp)
     notes += ep_notes(layout, spec.training.micro_batch_size * spec.training.seq_len, spec.training.grad_ckpt)
     if "math" in profile.get("sdpa_backends", ()):
         notes.append("attention: CUDA runs SDPA's math kernel here (no flash or memory-efficient kernel takes these "
@@ -734,7 +743,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     notes += _depth_note(_regime(profile, spec.training.micro_batch_size, spec.training.seq_len))
     notes.append(_reserved_note(spec, profile, worst, conf, arch.num_layers,
                                 sequence if worst.rank == 0 else None))
-    if spec.parallel.method == "fsdp" and adapters_in_16bit(spec.training, spec.parallel.method):
+    if spec.parallel.method in ("fsdp", "dp_tp") and adapters_in_16bit(spec.training, spec.parallel.method):
         notes.append("lora: FSDP2's mixed precision all-gathers the adapters in 16 bits (param_dtype), so peft casts "
                      "no adapter input to fp32: the profile traced with 16-bit adapters (benchmarks/"
                      "fsdp_lora_mixed_check.py)")
@@ -791,6 +800,43 @@ def _pipeline_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: lis
     notes = pipeline_notes(spec, arch.num_layers) + [versions_note(profile, model_code=training.model_code),
                                                      "reserved: prior allocated x (1 + slack ratio) + slack bytes "
                                                      "(the allocator replay does not cover pipeline schedules)"]
+    notes += residuals.provenance_notes(coeffs)
+    return Estimate(spec=spec, ranks=ranks, worst_rank=worst.rank, capacity_bytes=gpu.capacity_bytes,
+                    upper_bound_bytes=residuals.upper_bound_bytes(worst.peak_device_bytes, coeffs),
+                    host_ram_bytes=0, calibrated=coeffs.calibrated, gpu_key=gpu.key, params=total,
+                    trainable_params=trainable, notes=notes, model_code=traced_release(profile) or "")
+
+
+def _ds_pipeline_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, gpu) -> Estimate:
+    """DeepSpeed's pipeline engine (``methods.ds_pipeline``): the first, middle and last stage (one rank each). The
+    reserved level is the prior."""
+    from estimator.methods import ds_pipeline as dsp
+
+    training = spec.training
+    segments = loop_segments(_regime(profile, training.micro_batch_size, training.seq_len), training.loop,
+                             arch.num_layers)
+    act_bytes = 4 if training.precision == "fp32" else 2
+    workspace = residuals.cublas_workspace_bytes(coeffs)
+    bounds = dsp.ds_stage_bounds(table, arch.num_layers, spec.parallel.pp)
+    ranks = []
+    for stage in reported_pp_ranks(spec.parallel.pp):
+        pr = dsp.ds_pipeline_rank(spec, segments, table, arch.num_layers, arch.hidden_size, act_bytes,
+                                  arch.vocab_size, stage)
+        # each DeepSpeed decoder layer holds its own rotary embedding's buffers
+        buffers = len(dsp.ds_stage(bounds, stage, arch.num_layers).layers) * buffer_bytes(profile["params"], 0)
+        parts = {**pr.parts, "cublas_workspace": workspace, "buffers": buffers}
+        allocated = int(round(pr.peak_bytes + workspace + buffers))
+        reserved = residuals.reserved_from_allocated(allocated, coeffs)
+        ranks.append(RankEstimate(rank=stage, peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
+                                  peak_device_bytes=residuals.device_from_reserved(reserved, coeffs, 1),
+                                  breakdown={k: int(round(v)) for k, v in parts.items() if v},
+                                  phase=f"{pr.phase} ({pr.in_flight} micro-batches in flight)"))
+    worst = max(ranks, key=lambda r: r.peak_device_bytes)
+    total, trainable = param_counts(profile["params"], arch.num_layers)
+    notes = dsp.ds_pipeline_notes(spec, bounds, arch.num_layers) + [
+        versions_note(profile, model_code=training.model_code),
+        "reserved: prior allocated x (1 + slack ratio) + slack bytes (the allocator replay does not cover pipeline "
+        "schedules)"]
     notes += residuals.provenance_notes(coeffs)
     return Estimate(spec=spec, ranks=ranks, worst_rank=worst.rank, capacity_bytes=gpu.capacity_bytes,
                     upper_bound_bytes=residuals.upper_bound_bytes(worst.peak_device_bytes, coeffs),

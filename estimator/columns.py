@@ -18,7 +18,7 @@ from estimator.spec import Fsdp1Spec, ParallelSpec, RunSpec, TrainingSpec, ZeroS
 
 ID_COLUMNS = ["run_id", "spec_id", "campaign", "gpu_key", "rank", "world_size", "run_status", "rank_status",
               "emulated", "measured_by", "memory_source"]
-PP_COLUMNS = ["pp", "pp_schedule", "pp_microbatches", "pp_virtual"]  # ParallelSpec's pipeline fields
+PP_COLUMNS = ["pp", "pp_schedule", "pp_microbatches", "pp_virtual", "pp_engine"]  # ParallelSpec's pipeline fields
 SPEC_COLUMNS = (["model", "gpu", "spec_schema_version", "method", "tp", "dp", "zero_stage", *PP_COLUMNS]
                 + [f.name for f in dataclasses.fields(TrainingSpec)]
                 + [f"zero_{f.name}" for f in dataclasses.fields(ZeroSpec)]

@@ -53,6 +53,7 @@ CES = ("standard", "chunked", "fused_linear")
 CKPT_POLICIES = ("every-k", "selective-ops")
 # torch.distributed.pipelining's schedules (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B).
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PP_ENGINES = ("torch", "deepspeed")  # who runs a pipeline: torch.distributed.pipelining, DeepSpeed's PipelineEngine
 
 
 def ckpt_every(policy: str) -> int | None:
@@ -323,6 +324,10 @@ class ParallelSpec:
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0
     pp_virtual: int = 0
+    # Which engine runs the pipeline: ``torch`` (torch.distributed.pipelining, above) or ``deepspeed`` (DeepSpeed's
+    # PipelineModule + PipelineEngine: its parameter-balanced layer split, TrainSchedule, its buffers; method single,
+    # ZeRO stage 0, pp_schedule 1f1b, the micro-batches its gradient accumulation steps).
+    pp_engine: str = "torch"
 
     def __post_init__(self) -> None:
         _check_choice("method", self.method, METHODS)
@@ -372,9 +377,13 @@ class ParallelSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 _fail(name, f"must be a positive integer (0: the default), got {value!r}")
+        _check_choice("pp_engine", self.pp_engine, PP_ENGINES)
         if self.pp == 1:
-            if self.pp_schedule != "1f1b" or self.pp_microbatches or self.pp_virtual:
-                _fail("pp", "pipeline settings (pp_schedule, pp_microbatches, pp_virtual) need pp > 1")
+            if self.pp_schedule != "1f1b" or self.pp_microbatches or self.pp_virtual or self.pp_engine != "torch":
+                _fail("pp", "pipeline settings (pp_schedule, pp_microbatches, pp_virtual, pp_engine) need pp > 1")
+            return
+        if self.pp_engine == "deepspeed":
+            self._check_deepspeed_pipeline()
             return
         if self.method not in ("single", "fsdp", "tp", "dp_tp"):
             _fail("pp", f"pipeline parallelism is modelled alone (method single, world size = pp), with FSDP2 "
@@ -398,6 +407,16 @@ class ParallelSpec:
         if self.pp_schedule == "interleaved_1f1b" and m % max(1, m // self.pp):
             _fail("pp_microbatches", f"interleaved 1F1B needs the micro-batches to be a multiple of its rounds "
                                      f"(max(1, {m} // pp {self.pp}) = {max(1, m // self.pp)}), got {m}")
+
+    def _check_deepspeed_pipeline(self) -> None:
+        """What DeepSpeed's pipeline engine is modelled with (one line per refusal)."""
+        if self.method != "single":
+            _fail("pp_engine", f"DeepSpeed's pipeline engine is modelled with one rank per stage (method single, "
+                               f"world size = pp, ZeRO stage 0), got method {self.method!r} (DeepSpeed refuses "
+                               "ZeRO-2/3 under pipelines; ZeRO-1 and data parallelism are not modelled yet)")
+        if self.pp_schedule != "1f1b" or self.pp_virtual:
+            _fail("pp_engine", "DeepSpeed's pipeline engine runs its own TrainSchedule (1F1B, no virtual stages): "
+                               "leave pp_schedule at 1f1b and pp_virtual at 0")
 
     @property
     def microbatches(self) -> int:
@@ -442,7 +461,7 @@ class RunSpec:
             try:
                 check_cp(self.parallel.cp, self.parallel.method, self.parallel.world_size, self.training.seq_len,
                          self.training.precision, self.training.attn, tp=self.parallel.tp, ep=self.parallel.ep,
-                         qlora=self.training.qlora,
+                         qlora=self.training.qlora, lora=self.training.lora,
                          padded=self.training.batch == "padded")
             except ValueError as err:
                 _fail("cp", str(err).removeprefix("cp: "))
@@ -466,7 +485,8 @@ class RunSpec:
             data["parallel"].pop("moe_imbalance")
         if self.parallel.cp == 1:
             data["parallel"].pop("cp")
-        for name, default in (("pp", 1), ("pp_schedule", "1f1b"), ("pp_microbatches", 0), ("pp_virtual", 0)):
+        for name, default in (("pp", 1), ("pp_schedule", "1f1b"), ("pp_microbatches", 0), ("pp_virtual", 0),
+                              ("pp_engine", "torch")):
             if data["parallel"][name] == default:
                 data["parallel"].pop(name)
         for name in ("outputs_fp32", "lora_dropout", "model_code", "use_cache", "activation_offload", "ckpt_policy",

@@ -209,6 +209,10 @@ def _check_launch(spec: RunSpec, opts: HarnessOptions, device: DeviceInfo | None
         raise ValueError("parallel.cp: torch's context parallelism runs on GPUs only (on CPU, SDPA's "
                          "_scaled_dot_product_flash_attention_for_cpu has no ring-attention handler nor sharding "
                          "rule); use backend cuda with real ranks")
+    if spec.parallel.cp > 1 and spec.parallel.method != "fsdp":
+        # harness.cp wraps FSDP2 over a (dp, cp) mesh only; the dp_tp worker would run TP and ignore cp
+        raise ValueError("parallel.cp: the harness runs context parallelism with method fsdp only; cp x tp (dp_tp) "
+                         "is checked against fake tensors (benchmarks/context_parallel_table.py --tp)")
     offload = spec.parallel.method == "zero_offload" or spec.parallel.zero.offload_optimizer
     if offload and spec.training.precision == "bf16" and not opts.deepspeed_config:
         # DeepSpeed asserts on bf16 master weights + offload unless the optimizer is its JIT-compiled

@@ -22,6 +22,7 @@ from estimator.spec import (
     LOOPS,
     METHODS,
     OPTIMIZERS,
+    PP_ENGINES,
     PP_SCHEDULES,
     PRECISIONS,
     ParallelSpec,
@@ -53,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert-parallel degree of a mixture-of-experts model (method fsdp: transformers' "
                         "DistributedConfig(ep_size=N, fsdp_size=gpus))")
     p.add_argument("--cp", type=int, default=1,
-                   help="context-parallel degree (method fsdp): torch's ring attention over N ranks, each holding "
-                        "seq_len / N tokens; FSDP2 over all gpus (dp x cp), as torchtitan")
+                   help="context-parallel degree (method fsdp, or dp_tp for cp x tp): torch's ring attention over N "
+                        "ranks, each holding seq_len / N tokens; FSDP2 over all gpus (dp x cp) of each TP position, "
+                        "as torchtitan")
     p.add_argument("--moe-imbalance", type=float, default=1.0,
                    help="load of the busiest expert relative to balanced routing (bound for skewed routing under --ep)")
     p.add_argument("--pp", type=int, default=1,
@@ -68,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline micro-batches of --micro-batch-size rows per optimizer step (default: pp)")
     p.add_argument("--pp-virtual", type=int, default=0,
                    help="stages per pipeline rank under interleaved_1f1b (default 2)")
+    p.add_argument("--pp-engine", choices=PP_ENGINES, default="torch",
+                   help="who runs the pipeline: torch (torch.distributed.pipelining) or deepspeed (PipelineModule + "
+                        "PipelineEngine: layers split by parameter count, TrainSchedule; method single, ZeRO 0)")
     p.add_argument("--micro-batch-size", type=int, help="sequences per GPU per micro-step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--precision", choices=PRECISIONS)
@@ -186,7 +191,7 @@ def spec_from_args(args) -> tuple[RunSpec, bool]:
     method = args.method or ("single" if gpus == 1 and args.model else "all")
     gpu = (args.gpu or (DEFAULT["gpu"] if use_default else "h100-80gb")).lower()
     if method == "all" and args.cp != 1:
-        raise ValueError("cp: context parallelism runs with FSDP2: name --method fsdp with --cp")
+        raise ValueError("cp: context parallelism runs with FSDP2: name --method fsdp (or dp_tp with --tp) with --cp")
     if method == "all" and args.pp > 1:
         raise ValueError("pp: name the method the pipeline runs with (--method single: --gpus = pp; --method fsdp: "
                          "FSDP2 over gpus / pp ranks per stage; --method tp / dp_tp: TP inside each stage)")
@@ -197,7 +202,7 @@ def spec_from_args(args) -> tuple[RunSpec, bool]:
         parallel = ParallelSpec(method=method, world_size=gpus, tp=tp, fsdp1=fsdp1_from_args(args, method),
                                 ep=args.ep, moe_imbalance=args.moe_imbalance, cp=args.cp, pp=args.pp,
                                 pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
-                                pp_virtual=args.pp_virtual)
+                                pp_virtual=args.pp_virtual, pp_engine=args.pp_engine)
     spec = RunSpec(model=args.model or DEFAULT["model"], parallel=parallel, training=training, gpu=gpu)
     if args.deepspeed:
         from estimator.configs.deepspeed_json import spec_from_deepspeed
@@ -285,6 +290,7 @@ def render_detail(est) -> str:
              + (f" ep {s.parallel.ep}" + (f" (busiest expert {s.parallel.moe_imbalance:g}x balanced)"
                                         if s.parallel.moe_imbalance != 1 else "") if s.parallel.ep > 1 else "")
              + (f" pp {s.parallel.pp} {s.parallel.pp_schedule} x{s.parallel.microbatches} micro-batches"
+                + (" (DeepSpeed's pipeline engine)" if s.parallel.pp_engine == "deepspeed" else "")
                 if s.parallel.pp > 1 else "")
              + f"  on {est.gpu_key}",
              f"micro-batch {t.micro_batch_size}, seq {t.seq_len}, {t.precision}, {t.optimizer}, attn {t.attn}, "

@@ -20,6 +20,11 @@ What a rank holds, read off torch's source (``_context_parallel/_attention.py``)
   attention; cuDNN saves the same bytes).
 
 Parameters, gradients and optimizer states are FSDP2's over ``world_size`` ranks (dp x cp), as without cp.
+
+cp x tp (method dp_tp, torchtitan's (dp_shard, cp, tp) mesh, TP innermost): the rank is the TP rank's profile at
+``seq_len / cp`` tokens (its ``heads / tp`` query and ``kv_heads / tp`` key/value heads; what TP replicates, the
+embeddings, norms and full logits, whole at the local length), the ring replayed with that head split, FSDP2 over
+the ``world_size / tp`` dp x cp ranks of each TP position (``Ring.tp``, ``cp_rank``).
 """
 
 from __future__ import annotations
@@ -27,25 +32,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FP32 = 4
-# Methods ring attention is modelled with: FSDP2 over the dp x cp ranks (torchtitan). TP x CP and pipeline
-# stages are not modelled.
-CP_METHODS = ("fsdp",)
+# Methods ring attention is modelled with: FSDP2 over the dp x cp ranks (torchtitan), and dp_tp: torchtitan's
+# (dp_shard, cp, tp) mesh, TP innermost, FSDP2 over the dp x cp ranks of each TP position. Pipeline stages are not
+# modelled.
+CP_METHODS = ("fsdp", "dp_tp")
 CP_PRECISIONS = ("bf16", "fp16", "mixed_bf16", "mixed_fp16", "amp_bf16", "amp_fp16")
 CP_ATTN = ("sdpa", "flash")
 
 
 def check_cp(cp: int, method: str, world_size: int, seq_len: int, precision: str, attn: str, *, tp: int = 1,
-             ep: int = 1, qlora: bool = False, padded: bool = False) -> None:
+             ep: int = 1, qlora: bool = False, padded: bool = False, lora: bool = False) -> None:
     """ValueError("cp: ...") for a layout torch's ring attention or this model does not cover."""
     if cp == 1:
         return
     if method not in CP_METHODS:
         raise ValueError(f"cp: context parallelism is modelled with FSDP2 over the dp x cp ranks (torchtitan): use "
-                         f"method fsdp, got {method!r}")
-    if world_size % cp:
-        raise ValueError(f"cp: world size {world_size} is not divisible by cp {cp}")
-    if tp > 1 or ep > 1:
-        raise ValueError("cp: context parallelism with tensor or expert parallelism is not modelled (use tp 1, ep 1)")
+                         f"method fsdp, or dp_tp for cp x tp, got {method!r}")
+    if world_size % (cp * tp):
+        raise ValueError(f"cp: world size {world_size} is not divisible by cp x tp = {cp * tp}")
+    if ep > 1:
+        raise ValueError("cp: context parallelism with expert parallelism is not modelled (use ep 1)")
+    if tp > 1 and lora:
+        raise ValueError("cp: LoRA under cp x tp is not checked against an oracle yet (context_parallel_tp.csv is "
+                         "full fine-tuning); use cp with method fsdp for LoRA")
     if seq_len % (2 * cp):
         raise ValueError(f"cp: seq_len {seq_len} must be a multiple of 2 x cp = {2 * cp} (torch's head-tail load "
                          f"balancer; without it the causal ring runs unbalanced, not modelled)")
@@ -452,19 +461,23 @@ def cp_segments(segments: dict, regime: dict, rank: int, cp: int, b: int, s_loca
     return out
 
 
-def cp_notes(cp: int, world_size: int, seq_len: int) -> list[str]:
+def cp_notes(cp: int, world_size: int, seq_len: int, tp: int = 1) -> list[str]:
     if cp == 1:
         return []
+    heads = (f"; tp {tp} splits the heads: each rank's ring carries 1/{tp} of the heads' k|v, while what TP "
+             f"replicates (embeddings, norms, the full logits) stays whole at {seq_len // cp} tokens" if tp > 1 else "")
     return [f"cp: torch's ring attention (context_parallel, all-gather rotation, head-tail load balancing) over "
             f"{cp} ranks: each rank's activations are those of {seq_len // cp} tokens, plus the ring's all-gathered "
-            f"k|v, fp32 merge state and fp32 gradient accumulators at each attention call; parameters, gradients "
-            f"and optimizer states FSDP2-sharded over all {world_size} (dp x cp) ranks; reserved level: the prior "
-            f"(the allocator replay has no ring events)"]
+            f"k|v, fp32 merge state and fp32 gradient accumulators at each attention call{heads}; parameters, "
+            f"gradients and optimizer states FSDP2-sharded over all {world_size // tp} (dp x cp) ranks"
+            f"{' of each TP position' if tp > 1 else ''}; reserved level: the prior (the allocator replay has no "
+            f"ring events)"]
 
 
 @dataclass(frozen=True)
 class Ring:
-    """One run's ring attention: the cp degree and the attention call's shape (per token)."""
+    """One run's ring attention: the cp degree and one rank's attention call shape (per token): under tp the
+    rank's own heads (``heads / tp``, ``kv_heads / tp``)."""
 
     cp: int
     heads: int
@@ -473,10 +486,12 @@ class Ring:
     act_bytes: int = 2
     # whether the output projection keeps the attention output it reads (``output_projection_saves_input``)
     output_saved: bool = True
+    tp: int = 1
 
     def cp_rank(self, rank: int) -> int:
-        """torchtitan's mesh (dp_shard, cp): consecutive global ranks form one cp group."""
-        return rank % self.cp
+        """torchtitan's mesh (dp_shard, cp, tp), TP innermost: the tp ranks of one cp position are consecutive,
+        and one cp group is every tp-th rank of a block of cp x tp."""
+        return rank // self.tp % self.cp
 
     def segments(self, segments: dict, regime: dict, rank: int, b: int, s_local: int) -> dict:
         return cp_segments(segments, regime, self.cp_rank(rank), self.cp, b, s_local, self.heads, self.kv_heads,
@@ -485,8 +500,10 @@ class Ring:
     def reported_ranks(self, world_size: int) -> list[int]:
         """Global ranks of cp rank 0, a middle one and the last of the first cp group (they differ in the ring's
         half steps), and the last global rank."""
-        return sorted({0, self.cp // 2, self.cp - 1, world_size - 1})
+        return sorted({0, self.cp // 2 * self.tp, (self.cp - 1) * self.tp, world_size - 1})
 
 
-def ring_of(cp: int, heads: int, kv_heads: int, head_dim: int) -> Ring | None:
-    return Ring(cp, heads, kv_heads, head_dim) if cp > 1 else None
+def ring_of(cp: int, heads: int, kv_heads: int, head_dim: int, tp: int = 1) -> Ring | None:
+    """The ring of a cp run; under tp each rank's attention runs its ``heads / tp`` query and ``kv_heads / tp``
+    key/value heads (``check_tp`` requires both to divide)."""
+    return Ring(cp, heads // tp, kv_heads // tp, head_dim, tp=tp) if cp > 1 else None

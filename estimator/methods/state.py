@@ -366,9 +366,23 @@ def zero3_saved_linear_inputs(table: list[ParamInfo], lora_dropout: float, head:
     ``F.linear`` (the standard cross-entropy)."""
     layers = 1 + max((p.layer for p in table if p.layer is not None), default=-1)
     per_layer = [0.0] * layers
+    head_bytes = 0.0
+    for layer, saved in zero3_saved_linear_input_tensors(table, lora_dropout, head, attention_view):
+        if layer is not None:
+            per_layer[layer] += saved
+        else:
+            head_bytes += saved
+    return per_layer, head_bytes
+
+
+def zero3_saved_linear_input_tensors(table: list[ParamInfo], lora_dropout: float, head: bool, attention_view: bool
+                                     ) -> list[tuple[int | None, float]]:
+    """``zero3_saved_linear_inputs`` tensor by tensor, in forward order: (decoder layer, None for the head;
+    bytes per token) of each input the wrapper holds beyond plain autograd (the reserved replay holds each as
+    a tensor of its own: ``estimator.reserved.zero3``)."""
+    out: list[tuple[int | None, float]] = []
     needs_grad = any(p.trainable for p in table if p.layer is None and p.module_kind == "embedding")
     reached = forward_only_layers(table)  # the first layer backward reaches (routed experts may be its only one)
-    head_bytes = 0.0
     for (layer, _, leaf), group in _input_groups(table).items():
         first = layer is not None and layer <= reached and not needs_grad
         if first:
@@ -377,14 +391,12 @@ def zero3_saved_linear_inputs(table: list[ParamInfo], lora_dropout: float, head:
         if group.saved_plainly(lora_dropout) or (attention_view and leaf in _ATTENTION_OUTPUT):
             continue
         saved = group.weights[0].elem_bytes * group.weights[0].shape[1]
-        if layer is not None:
-            per_layer[layer] += saved
-        elif head:
-            head_bytes += saved
+        if layer is not None or head:
+            out.append((layer, saved))
     for p in table:  # a head tied to the input embedding is that embedding's weight, called through F.linear
         if head and not p.trainable and any(t.endswith("lm_head.weight") for t in p.tied_names):
-            head_bytes += p.elem_bytes * p.shape[1]
-    return per_layer, head_bytes
+            out.append((None, p.elem_bytes * p.shape[1]))
+    return out
 
 
 def _zero3_saved_inputs(table: list[ParamInfo], lora_dropout: float, head: bool, checkpointed: bool,

@@ -87,12 +87,14 @@ def adapters_in_16bit(training: TrainingSpec, method: str) -> bool:
     zero-init model: its adapters stay fp32 (docs/error_matrix/README.md Finding 14). FSDP2 under mixed precision
     (``MixedPrecisionPolicy(param_dtype=...)``) all-gathers every floating parameter, the fp32 adapters included,
     in ``param_dtype`` (``FSDPParam.init_dtype_attrs``): peft's forward (``_cast_input_dtype(x,
-    lora_A.weight.dtype)``) then makes no fp32 copy of the adapter inputs (benchmarks/fsdp_lora_mixed_check.py)."""
+    lora_A.weight.dtype)``) then makes no fp32 copy of the adapter inputs (benchmarks/fsdp_lora_mixed_check.py).
+    dp_tp is FSDP2 over its dp dimension with the same policy: the same holds (``--method dp_tp`` of that check).
+    tp alone keeps peft's fp32 adapters, as single and ddp do: no all-gather casts them (checked the same way)."""
     if not training.lora or training.qlora:
         return False
     if method in ("zero1", "zero2"):
         return training.precision in ("mixed_bf16", "mixed_fp16", "bf16")
-    return method == "fsdp" and training.precision in ("mixed_bf16", "mixed_fp16")
+    return method in ("fsdp", "dp_tp") and training.precision in ("mixed_bf16", "mixed_fp16")
 
 
 def user_cache_dir() -> Path:

@@ -83,7 +83,7 @@ class Candidate:
     tp: int = 1
     grad_ckpt: bool = False
     ep: int = 1                  # expert parallelism of a MoE model (fsdp only)
-    cp: int = 1                  # context parallelism (fsdp only): ring attention over cp ranks
+    cp: int = 1                  # context parallelism (fsdp, dp_tp): ring attention over cp ranks
     pp: int = 1                  # pipeline stages (single: pp = world size; fsdp: FSDP2 over world / pp; tp: TP
     #                              inside each stage; dp_tp: both, mesh (pp, dp, tp))
 
@@ -109,6 +109,8 @@ class Candidate:
     def label(self) -> str:
         if self.pp > 1 and self.method == "dp_tp":
             return f"pp{self.pp} x dp{self.dp} x tp{self.tp}"
+        if self.method == "dp_tp" and self.cp > 1:
+            return f"dp{self.dp} cp{self.cp} tp{self.tp}"
         if self.method == "dp_tp":
             return f"dp_tp {self.dp}x{self.tp}"
         if self.cp > 1:
@@ -170,16 +172,12 @@ def _stage_tp_degrees(arch: Any, gpus: int) -> list[int]:
 
 def _pipeline_candidates(model: str, arch: Any, training: TrainingSpec, gpus: int,
                          ckpt_options: tuple[bool, ...], with_tp: bool = True) -> tuple[list[Candidate], str]:
-    """The pipeline layouts the pipeline estimate covers for ``training`` (bf16 / fp32; Llama-style decoders, untied
-    embeddings, LoRA, every-k checkpointing, ...; checkpointing is each candidate's own, checked with it; pp x tp
-    and pp x dp x tp where ``with_tp`` and TP splits the model), and a note naming the first refusal when none is
-    covered. mixed_bf16 (estimated for pp x FSDP2) is not planned yet: the plan's step-time rows count a pipeline's
-    micro-batches apart from its reported accumulation."""
+    """The pipeline layouts the pipeline estimate covers for ``training`` (bf16 / fp32; mixed_bf16 as FSDP2's
+    MixedPrecisionPolicy, so pp x fsdp only; Llama-style decoders, untied embeddings, LoRA, every-k checkpointing,
+    ...; checkpointing is each candidate's own, checked with it; pp x tp and pp x dp x tp where ``with_tp`` and TP
+    splits the model), and a note naming the first refusal when none is covered."""
     from estimator.methods.pipeline_rank import check_pipeline
 
-    if training.precision.startswith("mixed_"):
-        return [], (f"pipeline layouts not weighed: pp: precision {training.precision} is estimated for pp x FSDP2 "
-                    "(--pp with --method fsdp) but not planned yet")
     covered, refusals = [], []
     tp_degrees = _stage_tp_degrees(arch, gpus) if with_tp else []
     for cand in pp_layouts(gpus, arch.num_layers, ckpt_options, tp_degrees) + \
@@ -228,13 +226,31 @@ def cp_degrees(world_size: int, training: TrainingSpec) -> list[int]:
     return degrees
 
 
+def cp_tp_pairs(world_size: int, training: TrainingSpec, tp_degrees: Iterable[int]) -> list[tuple[int, int]]:
+    """(cp, tp) of the cp x tp layouts (dp_tp: torchtitan's (dp_shard, cp, tp) mesh) torch's ring attention can run
+    for ``training`` on ``world_size`` GPUs, for each TP degree of ``tp_degrees`` (those TP splits the model by)."""
+    from estimator.methods.context_parallel import check_cp
+
+    pairs = []
+    for tp in tp_degrees:
+        for cp in range(2, world_size // tp + 1):
+            try:
+                check_cp(cp, "dp_tp", world_size, training.seq_len, training.precision, training.attn, tp=tp,
+                         qlora=training.qlora, padded=training.batch == "padded", lora=training.lora)
+            except ValueError:
+                continue
+            pairs.append((cp, tp))
+    return pairs
+
+
 def enumerate_candidates(world_size: int, ckpt_options: Iterable[bool] = (False, True),
                          methods: Iterable[str] | None = None, experts: int | None = None,
-                         cps: Iterable[int] = ()) -> list[Candidate]:
+                         cps: Iterable[int] = (), cp_tps: Iterable[tuple[int, int]] = ()) -> list[Candidate]:
     """Every (method, tp, ep, cp, checkpointing) the estimator knows for ``world_size`` GPUs; ``experts``: the
     routed experts of a MoE model (its FSDP2 layouts with expert parallelism join); ``cps``: context-parallel
-    degrees (``cp_degrees``) for FSDP2 layouts. ``methods`` limits them; raises ``ValueError("methods: ...")``
-    when none of the wanted methods has a layout on ``world_size``."""
+    degrees (``cp_degrees``) for FSDP2 layouts; ``cp_tps``: (cp, tp) of cp x tp layouts (``cp_tp_pairs``).
+    ``methods`` limits them; raises ``ValueError("methods: ...")`` when none of the wanted methods has a layout
+    on ``world_size``."""
     if world_size == 1:
         layouts = [("single", 1, 1, 1)]
     else:
@@ -243,6 +259,7 @@ def enumerate_candidates(world_size: int, ckpt_options: Iterable[bool] = (False,
         layouts += [("dp_tp", t, 1, 1) for t in range(2, world_size) if world_size % t == 0]
         layouts += [("fsdp", 1, e, 1) for e in ep_degrees(world_size, experts)]
         layouts += [("fsdp", 1, 1, c) for c in cps if c > 1 and world_size % c == 0]
+        layouts += [("dp_tp", t, 1, c) for c, t in cp_tps if c > 1 and world_size % (c * t) == 0]
     layouts += [(m, 1, 1, 1) for m in OFFLOAD_METHODS]
     wanted = set(methods) if methods is not None else None
     cands = [Candidate(m, world_size, t, ckpt, e, c) for m, t, e, c in layouts for ckpt in ckpt_options
@@ -593,6 +610,8 @@ def _evaluate(ctx: _Context, cand: Candidate, global_batch: int | None) -> Candi
         mb, accum = best, 1
     else:
         mb, accum = micro_batch_for_global(global_batch, cand.dp, best)
+    if cand.pp > 1:  # a pipeline runs its pp micro-batches per step (or the global batch's split): the step's rows
+        accum = max(accum, cand.pp)
     est = ctx.estimate(cand, mb)
     res.micro_batch, res.grad_accum = mb, accum
     res.peak_bytes, res.bound_bytes = int(est.peak_device_bytes), int(est.upper_bound_bytes)
@@ -755,9 +774,10 @@ def _cp_note(results: list, best: CandidateResult | None, seq_len: int) -> list[
     others = [r for r in results if r.fits and r.candidate.cp == 1 and not r.candidate.offload]
     why = "made it fit: no GPU-resident layout without it fits micro-batch 1" if not others else \
         "is the fastest layout that fits"
+    tp = f"; TP {c.tp} inside, splitting each rank's heads and the ring's k|v" if c.tp > 1 else ""
     return [f"long context: context parallelism ({c.label}: torch's ring attention, context_parallel, over "
-            f"{c.cp} ranks, each holding {seq_len // c.cp} of the {seq_len} tokens; FSDP2 over all "
-            f"{c.world_size} GPUs) {why}"]
+            f"{c.cp} ranks, each holding {seq_len // c.cp} of the {seq_len} tokens{tp}; FSDP2 over "
+            f"{c.world_size // c.tp} (dp x cp) GPUs{' of each TP position' if c.tp > 1 else ''}) {why}"]
 
 
 def _default_precision(gpu: tput.GpuPerf) -> str:
@@ -897,7 +917,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
                          f"{ctx.fsdp1.gpus_per_node}")
     # cp layouts for fixed-shape steps only: an epoch of mixed batch shapes under cp is not modelled
     cands = enumerate_candidates(gpus, ckpt_options, methods, routed_experts(arch.config),
-                                 cp_degrees(gpus, training) if epoch is None else ())
+                                 cp_degrees(gpus, training) if epoch is None else (),
+                                 cp_tp_pairs(gpus, training, _stage_tp_degrees(arch, gpus)) if epoch is None else ())
     pipeline_note = ""
     if gpus > 1 and (methods is None or {"single", "fsdp", "tp", "dp_tp"} & set(methods)):
         piped, pipeline_note = _pipeline_candidates(model, arch, training, gpus, ckpt_options,
@@ -1048,7 +1069,8 @@ def _ep_notes(result: Plan, moe_imbalance: float) -> list[str]:
 
 def _grad_sync_notes(ctx: _Context, result: Plan) -> list[str]:
     """What held FSDP gradients cost, where a layout held them (``TrainingSpec.grad_sync``)."""
-    held = [r for r in result.results if r.candidate.method in FSDP_METHODS and r.grad_accum > 1]
+    held = [r for r in result.results if r.candidate.method in FSDP_METHODS and r.grad_accum > 1
+            and r.candidate.pp == 1]  # a pipeline's micro-batches are its schedule's, not grad_sync's
     if ctx.training.grad_sync != "last" or not held:
         return []
     t = ctx.training

@@ -493,10 +493,11 @@ def step_time(shape: ModelShape, setup: Setup, gpu: GpuPerf, eff: Efficiency, *,
         parts["tp_allreduce"] = tp_micro * accum      # on the critical path: nothing hides it
     if setup.cp > 1:  # ring attention: k|v all-gathered per layer and pass; backward rotates fp32 dk|dv cp - 1 times
         passes = 3 if setup.grad_ckpt else 2
-        kv_bytes = 2 * tokens * shape.kv_dim * act_elem   # this rank's k|v
+        kv_bytes = 2 * tokens * shape.kv_dim * act_elem / setup.tp  # this rank's k|v (its kv heads under tp)
         ring = shape.layers * (passes * setup.cp * kv_bytes + (setup.cp - 1) * 2 * kv_bytes)
-        tp_micro += dp_link.time("all_gather", ring, setup.cp, shape.layers * (passes + setup.cp - 1))
-        parts["cp_ring"] = tp_micro * accum           # waited on inside attention: on the critical path
+        ring_micro = dp_link.time("all_gather", ring, setup.cp, shape.layers * (passes + setup.cp - 1))
+        tp_micro += ring_micro
+        parts["cp_ring"] = ring_micro * accum         # waited on inside attention: on the critical path
     if setup.ep > 1 and shape.moe_layers:  # transformers' AllToAllEP waits on each exchange: the critical path
         a2a = _all_to_all_s(shape, setup, tokens, act_elem, ep_link)
         parts["ep_all_to_all"] = a2a * accum

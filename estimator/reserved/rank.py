@@ -8,6 +8,7 @@ import dataclasses
 
 from estimator.allocator import parse_alloc_conf
 from estimator.methods.fsdp1 import fsdp1_sizes
+from estimator.methods.state import attention_output_saved, zero3_saved_linear_input_tensors
 from estimator.models.params import ParamInfo
 from estimator.reserved.ep import ep_method_step, ep_setup, why_not_ep
 from estimator.reserved.every_k import mixed_events
@@ -17,7 +18,13 @@ from estimator.reserved.fsdp1 import fsdp1_setup, fsdp1_step, why_not_fsdp1
 from estimator.reserved.replay import ReservedReplay, replay_rank, replay_sequence
 from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocations
 from estimator.reserved.zero import offloads_optimizer, why_not_zero, zero_setup, zero_step
-from estimator.reserved.zero3 import recomputed_layers, why_not_zero3, zero3_setup, zero3_step
+from estimator.reserved.zero3 import (
+    master_elem_bytes,
+    recomputed_layers,
+    why_not_zero3,
+    zero3_setup,
+    zero3_step,
+)
 from estimator.spec import ckpt_every
 
 # Each with gradient accumulation (estimator.reserved.accumulate): DDP under no_sync accumulates as one GPU does,
@@ -221,7 +228,8 @@ def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, 
     """``spec``: needed for fsdp1 (its unit sizes) and zero3 (its bucket and persistence threshold); ``rank``:
     fsdp1 without use_orig_params, whose short last chunks are padded at setup."""
     method_options = ((spec.parallel.fsdp1, spec.training.precision) if method == "fsdp1"
-                      else spec.parallel.zero if method == "zero3" else spec.parallel.ep if spec is not None else None)
+                      else (spec.parallel.zero, master_elem_bytes(spec.training)) if method == "zero3"
+                      else spec.parallel.ep if spec is not None else None)
     if method in ZERO and spec is not None:  # the offloaded optimizer's setup differs
         method_options = (method_options, offloads_optimizer(spec.parallel))
     rank = rank if method == "fsdp1" and not spec.parallel.fsdp1.use_orig_params else 0
@@ -242,7 +250,8 @@ def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, 
         elif method == "zero3":
             zcfg = spec.parallel.zero
             setup = zero3_setup(table, world, _elem16(table), zcfg.reduce_bucket_size,
-                                zcfg.stage3_param_persistence_threshold, zcfg.offload_optimizer)
+                                zcfg.stage3_param_persistence_threshold, zcfg.offload_optimizer,
+                                master_elem_bytes(spec.training))
         elif method == "fsdp1":
             setup = fsdp1_setup(table, buffer_bytes, num_layers, fsdp1_sizes(spec, table, rank), rank)
         else:
@@ -253,7 +262,7 @@ def _setup(profile: dict, table: list[ParamInfo], num_layers: int, method: str, 
 
 
 def _method_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo], num_layers: int,
-                 base_size_index: int, rank: int = 0) -> tuple[Expansion, list[int]]:
+                 base_size_index: int, rank: int = 0, attention_view: bool = True) -> tuple[Expansion, list[int]]:
     """The rank's step: the expansion itself, or FSDP2's / FSDP1's (their buffers' sizes after
     ``base_size_index``)."""
     if spec.parallel.method == "fsdp1":
@@ -264,11 +273,12 @@ def _method_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo
         training, parallel = spec.training, spec.parallel
         recomputed = recomputed_layers(training, num_layers)
         key = ("zero3", id(expansion), id(table), parallel.world_size, parallel.zero, training.optimizer,
-               base_size_index, recomputed, training.grad_accum_steps)
+               base_size_index, recomputed, training.grad_accum_steps, master_elem_bytes(training), attention_view)
         return _memo_step(key, expansion, table, lambda: zero3_step(
             expansion, table, parallel.world_size, _elem16(table), parallel.zero.reduce_bucket_size,
             training.optimizer, base_size_index, events["polys"], parallel.zero, recomputed,
-            accumulate=training.grad_accum_steps, offload_optimizer=parallel.zero.offload_optimizer))
+            accumulate=training.grad_accum_steps, offload_optimizer=parallel.zero.offload_optimizer,
+            master_elem=master_elem_bytes(training), saved_inputs=_zero3_held_inputs(spec, table, attention_view)))
     if spec.parallel.method not in SHARDED:
         return expansion, []
     training, world = spec.training, _shard_world(spec)
@@ -278,6 +288,17 @@ def _method_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo
     return _memo_step(key, expansion, table, lambda: fsdp_step(
         expansion, table, world, training.precision, training.optimizer, base_size_index, num_layers,
         events["polys"], training.grad_ckpt, no_sync))
+
+
+def _zero3_held_inputs(spec, table: list[ParamInfo], attention_view: bool) -> tuple:
+    """(layer, bytes per token) of the frozen Linear inputs ZeRO-3's memory-efficient linear holds beyond plain
+    autograd (``zero3_saved_linear_input_tensors``; none under full fine-tuning). Only where the allocated level
+    counts them too (``state._zero3_linear_saves``) and without checkpointing (refused under LoRA)."""
+    training = spec.training
+    if training.qlora or training.precision.startswith("amp") or training.ckpt_policy or training.grad_ckpt:
+        return ()
+    return tuple(zero3_saved_linear_input_tensors(table, training.lora_dropout, training.ce == "standard",
+                                                  attention_view))
 
 
 def _fsdp1_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo], num_layers: int,
@@ -328,11 +349,12 @@ def _memo_step(key: tuple, expansion: Expansion, table: list[ParamInfo], build) 
 
 
 def _plan(spec, events: dict, expansion: Expansion, table: list[ParamInfo], num_layers: int, b: int, s: int, *,
-          workspace_bytes: int, workspaces: int, rank: int = 0) -> StepPlan:
+          workspace_bytes: int, workspaces: int, rank: int = 0, attention_view: bool = True) -> StepPlan:
     sizes = step_sizes(events["polys"], b, s)
     sizes += [2 * sizes[poly] for poly in expansion.copy_of]  # an fp32 copy of a 16-bit tensor
     step, extra = (ep_method_step(spec, events, expansion, table, num_layers, len(sizes), b, s)
-                   if spec.parallel.ep > 1 else _method_step(spec, events, expansion, table, num_layers, len(sizes), rank))
+                   if spec.parallel.ep > 1 else _method_step(spec, events, expansion, table, num_layers, len(sizes), rank,
+                                                             attention_view))
     return StepPlan(expansion=step, sizes=sizes + extra, batch_bytes=b * s * INT64, workspace_bytes=workspace_bytes,
                     workspaces=workspaces)
 
@@ -363,7 +385,7 @@ def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[Para
             continue
         if (b, s) not in plans:
             plans[b, s] = _plan(spec, events, expansion, table, depth, b, s, workspace_bytes=workspace_bytes,
-                                workspaces=workspaces, rank=rank)
+                                workspaces=workspaces, rank=rank, attention_view=attention_output_saved(profile))
         sequence.append(plans[b, s])
     if not sequence:
         raise ExpansionError("sequence: no step of the spec's regime")
@@ -399,7 +421,7 @@ def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], n
     expansion = _expansion(events, depth, training.loop, bool(_fp32_copies(training, regime)),
                            head_grad_bytes(table, 2 if training.forward_autocast else None))
     plan = _plan(spec, events, expansion, table, depth, b, s, workspace_bytes=workspace_bytes,
-                 workspaces=workspaces, rank=rank)
+                 workspaces=workspaces, rank=rank, attention_view=attention_output_saved(profile))
     setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"),
                    _shard_world(spec), spec, rank)
     return _capped_then_needed(

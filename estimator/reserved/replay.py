@@ -195,6 +195,10 @@ class _Run:
         frees = dict(setup.frees_after)
         ops = []
         for i, (_name, nbytes) in enumerate(setup.allocations):
+            if i == setup.empty_cache_before:
+                self.run(ops, [], [])
+                self.allocator.empty_cache()
+                ops = []
             ops.append((_NEW_SETUP, i, nbytes))
             ops.extend((_FREE_SETUP, j, setup.allocations[j][1]) for j in frees.get(i, ()))
         self.run(ops, [], [])

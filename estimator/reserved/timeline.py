@@ -37,6 +37,9 @@ class Setup:
     bucket_indices: list[int]
     # (i, indices): right after allocation i, these earlier allocations are freed (FSDP1's flattening)
     frees_after: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # ``torch.cuda.empty_cache()`` before allocation k (DeepSpeed ZeRO-3's ``defragment`` under LoRA: the frozen
+    # tensors' partitions stay where ``zero.Init`` built them, in the segments it left; None: no release)
+    empty_cache_before: int | None = None
 
 
 def model_order(table: list[ParamInfo]) -> list[ParamInfo]:

@@ -26,12 +26,22 @@ requests sit among the default stream's does not change it.
   (``estimator.reserved.zero3_gathers``), placed at the start of each step's ops.
 
 Checked against the four H100 snapshots (2 and 4 ranks, b1 s1024): ``tests/estimator/test_zero3_snapshots.py``.
+
+Under LoRA (peft's adapters; ``bf16`` with DeepSpeed's bf16 masters, or the mixed precisions; no accumulation,
+checkpointing or offload): ``zero.Init``'s construction leaves the frozen tensors' partitions in the setup
+(``_lora_construction``, then ``defragment``'s ``empty_cache``), the flat buffer is the adapters' fp32 and the
+masters take the spec's dtype (``_lora_partitions``, ``master_elem_bytes``), the memory-efficient linear holds the
+frozen Linears' inputs to backward (``_hold_saved_inputs``), the frozen head's backward workspace follows its input
+gradient (``_frozen_head_workspace``), and the coordinator's trace has peft's modules
+(``zero3_gathers.modules_of``). Checked against the H200 run 03ab897ea7873926: both ranks' plain-free replay to
+the byte (``tests/estimator/test_zero3_lora.py``); its measured peaks are 2.5 % / 1.0 % higher by stream-event
+timing (``record_stream_caveat``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from estimator.methods.long_context import checkpointed
 from estimator.methods.state import zero_layout
@@ -41,7 +51,7 @@ from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, Exp
 from estimator.reserved.fsdp import _Builder, method_expansion
 from estimator.reserved.timeline import Setup, model_order
 from estimator.reserved.zero import FP32, FP64, REDUCTION, _backward_ops, _grad_params, _Step
-from estimator.reserved.zero3_gathers import emulate
+from estimator.reserved.zero3_gathers import emulate, is_adapter
 from estimator.spec import ckpt_every
 
 ALLGATHER = 2  # allocator stream of the coordinator's gathers (REDUCTION = 1: the reduce-scatter's)
@@ -55,20 +65,21 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
     zcfg = parallel.zero
     if zcfg.offload_param:
         return "zero3 with parameter offload: not in the replay yet"
+    if training.qlora:
+        return "zero3 with QLoRA: the packed weights are built without zero.Init, not in the replay"
+    if training.lora and (training.grad_accum_steps > 1 or training.grad_ckpt or zcfg.offload_optimizer):
+        return ("zero3 with LoRA and accumulation, checkpointing or optimizer offload: not checked against a run "
+                "yet")
     if zcfg.offload_optimizer and (training.grad_accum_steps > 1 or training.grad_ckpt):
         return "zero3 with optimizer offload and accumulation or checkpointing: not checked against a run yet"
     if not zcfg.overlap_comm_for(3) or not zcfg.contiguous_gradients or not zcfg.reduce_scatter:
         return "zero3 without overlap_comm, contiguous_gradients or reduce_scatter: not in the replay yet"
     if parallel.world_size < 2:
         return "zero3 on one GPU: nothing is gathered"
-    if training.precision not in ("mixed_bf16", "mixed_fp16"):
+    if training.precision not in ("mixed_bf16", "mixed_fp16") and not (training.lora and training.precision == "bf16"):
         return f"zero3 under {training.precision}: not in the replay yet"
     if training.optimizer != "adamw":
         return f"zero3 with {training.optimizer}: only AdamW's step over the partition is checked"
-    if training.lora or training.qlora:
-        return ("zero3 with LoRA: peft's modules in the coordinator's trace, the frozen tensors' partitions and bf16 "
-                "master weights are not in the replay yet (and its allgather stream's record_stream frees wait on "
-                "the default stream's timing: docs/allocator.md)")
     if training.grad_ckpt and training.ckpt_reentrant:
         return ("zero3 with reentrant checkpointing: the recomputation runs as a forward of its own, its fetches "
                 "not in the replay yet")
@@ -85,6 +96,25 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
     return None
 
 
+def record_stream_caveat(spec) -> str | None:
+    """What a ZeRO-3 LoRA replay leaves out (None elsewhere): it takes every ``record_stream`` free when
+    requested, but under LoRA the default stream's backward computes no base-model weight gradients, the CPU runs
+    further ahead, and a gathered copy freed on the allgather stream can wait for the default stream while that
+    stream's next gathers are allocated (docs/allocator.md, ZeRO-3 with LoRA)."""
+    if spec.parallel.method != "zero3" or not spec.training.lora:
+        return None
+    return ("zero3 with LoRA: record_stream frees taken when requested (the plain-free order); the allgather "
+            "stream's can wait on the default stream's kernels: the H200 run 03ab897ea7873926 measured 2.5 % "
+            "(rank 0) and 1.0 % (rank 3) above this replay")
+
+
+def master_elem_bytes(training) -> int:
+    """Element size of DeepSpeed's master weights and optimizer states: pure bf16 runs with
+    ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states`` (``harness/methods/deepspeed.py``), the
+    mixed precisions keep them in fp32."""
+    return 2 if training.precision == "bf16" else FP32
+
+
 def recomputed_layers(training, num_layers: int) -> frozenset[int]:
     """The decoder layers whose forward backward runs again (non-reentrant checkpointing, every layer or
     every-k's), each with its fetches (``zero3_gathers.with_recomputation``)."""
@@ -97,19 +127,31 @@ def recomputed_layers(training, num_layers: int) -> frozenset[int]:
 
 def llama_like(table: list[ParamInfo]) -> bool:
     """Every decoder layer holds ``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj`` and two norms, every
-    module one tensor (no biases): the structure ``zero3_gathers.modules_of`` orders as Llama's forward runs."""
+    module one tensor (no biases), a projection possibly a peft LoRA wrapper (its frozen ``base_layer`` and one
+    ``lora_A`` / ``lora_B`` pair): the structure ``zero3_gathers.modules_of`` orders as Llama's forward runs."""
     layers: dict[int, list[str]] = {}
     for p in table:
         if not p.name.endswith(".weight"):
             return False
-        if p.layer is not None:
-            module = p.name.rsplit(".", 1)[0]
+        if p.layer is not None and not is_adapter(p):
+            module = p.name.rsplit(".", 1)[0].removesuffix(".base_layer")
             layers.setdefault(p.layer, []).append(module.split(f".{p.layer}.", 1)[1])
     if not layers:
         return False
     expected = sorted([f"{block}.{leaf}" for block, leaves in LAYER_BLOCKS.items() for leaf in leaves]
                       + ["input_layernorm", "post_attention_layernorm"])
-    return all(sorted(modules) == expected for modules in layers.values())
+    return all(sorted(modules) == expected for modules in layers.values()) and _adapters_wrap_projections(table)
+
+
+def _adapters_wrap_projections(table: list[ParamInfo]) -> bool:
+    """Each wrapped projection holds one ``lora_A`` / ``lora_B`` pair (one adapter) and its ``base_layer``."""
+    names = {p.name for p in table}
+    for p in table:
+        if ".lora_A." in p.name:
+            projection, adapter = p.name.split(".lora_A.")
+            if {f"{projection}.lora_B.{adapter}", f"{projection}.base_layer.weight"} - names:
+                return False
+    return sum(".lora_A." in p.name for p in table) == sum(".lora_B." in p.name for p in table)
 
 
 def partition_numel(table: list[ParamInfo], world: int) -> int:
@@ -122,25 +164,116 @@ def _aligned_bytes(p: ParamInfo, world: int) -> int:
 
 
 def zero3_setup(table: list[ParamInfo], world: int, elem16: int, bucket_numel: int, persistence: int,
-                offload_optimizer: bool = False) -> Setup:
+                offload_optimizer: bool = False, master_elem: int = FP32) -> Setup:
     """The default stream's allocations before the first step (module docstring). ``offload_optimizer``: the
     fp32 master partition, its gradient and the 16-bit gradient partition (``grad_partitions_flat_buffer``) are
-    made on the host (``self.device`` is the CPU), so only the 16-bit partition and the IPG bucket are the GPU's."""
+    made on the host (``self.device`` is the CPU), so only the 16-bit partition and the IPG bucket are the GPU's.
+    ``master_elem``: the master weights' and optimizer states' element size (2 under DeepSpeed's
+    ``bf16_master_weights_and_grads``). Under LoRA (peft adapters in the table) the frozen tensors' partitions
+    stay on the device: ``_lora_construction``."""
     partition = partition_numel(table, world)
+    build = _SetupBuilder()
+    lora = any(is_adapter(p) for p in table)
+    if lora:
+        _lora_construction(build, table, world, elem16)
+        build.empty_cache_before = len(build.allocations)  # defragment's empty_cache, before the flat buffer
     if offload_optimizer:
-        allocations = [("zero3.fp16_partition", partition * elem16), ("zero3.ipg_bucket", bucket_numel * elem16)]
-        frees: list[tuple[int, tuple[int, ...]]] = []
+        build.alloc("zero3.fp16_partition", partition * elem16)
+        build.alloc("zero3.ipg_bucket", bucket_numel * elem16)
+    elif lora:
+        _lora_partitions(build, table, world, elem16, bucket_numel, master_elem)
     else:
-        allocations = [("zero3.fp16_partition", partition * elem16),
-                       ("zero3.fp32_partition_first", partition * FP32), ("zero3.fp32_partition", partition * FP32),
-                       ("zero3.initial_grad", partition * FP32), ("zero3.ipg_bucket", bucket_numel * elem16),
-                       ("zero3.grad_partition", partition * elem16)]
-        frees = [(2, (1,)), (3, (3,))]
+        build.alloc("zero3.fp16_partition", partition * elem16)
+        first = build.alloc("zero3.fp32_partition_first", partition * FP32)
+        build.alloc("zero3.fp32_partition", partition * FP32)
+        build.free(first)
+        build.free(build.alloc("zero3.initial_grad", partition * FP32))
+        build.alloc("zero3.ipg_bucket", bucket_numel * elem16)
+        build.alloc("zero3.grad_partition", partition * elem16)
     for p in model_order(table):
         if p.trainable and p.numel >= persistence:
-            allocations.append((f"zero3.hook_gather.{p.name}", _aligned_bytes(p, world)))
-            frees.append((len(allocations) - 1, (len(allocations) - 1,)))
-    return Setup(allocations, [], [], tuple(frees))
+            build.free(build.alloc(f"zero3.hook_gather.{p.name}", _aligned_bytes(p, world)))
+    return build.setup()
+
+
+class _SetupBuilder:
+    """A ``Setup`` built in order: each free runs right after the latest allocation."""
+
+    def __init__(self) -> None:
+        self.allocations: list[tuple[str, int]] = []
+        self.frees: dict[int, list[int]] = {}
+        self.empty_cache_before: int | None = None
+
+    def alloc(self, name: str, nbytes: int) -> int:
+        self.allocations.append((name, nbytes))
+        return len(self.allocations) - 1
+
+    def free(self, *indices: int) -> None:
+        self.frees.setdefault(len(self.allocations) - 1, []).extend(indices)
+
+    def setup(self) -> Setup:
+        return Setup(self.allocations, [], [], tuple((at, tuple(ks)) for at, ks in self.frees.items()),
+                     empty_cache_before=self.empty_cache_before)
+
+
+def _lora_construction(build: _SetupBuilder, table: list[ParamInfo], world: int, elem16: int) -> None:
+    """What a peft model under ZeRO-3 leaves on the device before ``defragment`` (H200 run 03ab897ea7873926's
+    trace, every tensor of at least 16 KiB): transformers builds the model under ``zero.Init``, each tensor made
+    whole, partitioned (``ceil(numel / world)`` elements of its own) and the whole freed, in creation order, a
+    tied head made last; loading gathers each tensor whole and frees it, the head's partition freed as the
+    weights are tied. peft then makes the adapters in the model's dtype, casts them to their own (fp32: peft's
+    ``autocast_adapter_dtype``), and the engine partitions them (``_convert_to_zero_parameters``).
+    ``defragment`` moves the trainable partitions to the host (freed here) and empties the cache; the frozen
+    partitions stay, and so do the segments that hold them."""
+    frozen = [p for p in model_order(table) if not is_adapter(p)]
+    tied = [p for p in frozen if p.tied_names]
+    for p in frozen:
+        whole = build.alloc(f"zero3.init.{p.name}", p.numel * p.elem_bytes)
+        build.alloc(f"zero3.frozen_partition.{p.name}", math.ceil(p.numel / world) * p.elem_bytes)
+        build.free(whole)
+    heads = []
+    for p in tied:
+        whole = build.alloc(f"zero3.init.{p.tied_names[0]}", p.numel * p.elem_bytes)
+        heads.append(build.alloc(f"zero3.tied_partition.{p.tied_names[0]}", math.ceil(p.numel / world) * p.elem_bytes))
+        build.free(whole)
+    for p in frozen:
+        build.free(build.alloc(f"zero3.load.{p.name}", _aligned_bytes(p, world)))
+    for p, head in zip(tied, heads):
+        build.free(build.alloc(f"zero3.load.{p.tied_names[0]}", _aligned_bytes(p, world)), head)
+    adapters = [p for p in table if is_adapter(p)]
+    made = [build.alloc(f"zero3.adapter.{p.name}", p.numel * elem16) for p in adapters]
+    if any(p.elem_bytes != elem16 for p in adapters):
+        made = [_cast(build, p, k) for p, k in zip(adapters, made)]
+    partitions = []
+    for p, k in zip(adapters, made):
+        partitions.append(build.alloc(f"zero3.adapter_partition.{p.name}", math.ceil(p.numel / world) * p.elem_bytes))
+        build.free(k)
+    build.free(*partitions)
+
+
+def _cast(build: _SetupBuilder, p: ParamInfo, made: int) -> int:
+    """peft's cast of an adapter made in the model's dtype to its own: the copy made, the original freed."""
+    cast = build.alloc(f"zero3.adapter_cast.{p.name}", p.numel * p.elem_bytes)
+    build.free(made)
+    return cast
+
+
+def _lora_partitions(build: _SetupBuilder, table: list[ParamInfo], world: int, elem16: int, bucket_numel: int,
+                     master_elem: int) -> None:
+    """``_create_fp16_partitions_with_defragmentation``'s flat buffer of the trainable partitions, in their own
+    dtype (peft's fp32 adapters); the master partition (``_create_fp32_partitions``): none when the flat buffer
+    is already in the master dtype, else converted and cloned, the converted copy freed; then as without LoRA the
+    optimizer's initial gradient (made and dropped), the IPG bucket and the gradient partition."""
+    trainable = [p for p in table if p.trainable]
+    partition = partition_numel(table, world)
+    build.alloc("zero3.lp_partition", sum(math.ceil(p.numel / world) * p.elem_bytes for p in trainable))
+    if any(p.elem_bytes != master_elem for p in trainable):
+        converted = build.alloc("zero3.master_converted", partition * master_elem)
+        build.alloc("zero3.master_partition", partition * master_elem)
+        build.free(converted)
+    build.free(build.alloc("zero3.initial_grad", partition * master_elem))
+    build.alloc("zero3.ipg_bucket", bucket_numel * elem16)
+    build.alloc("zero3.grad_partition", partition * elem16)
 
 
 class _Step3(_Step):
@@ -148,10 +281,10 @@ class _Step3(_Step):
     flushes that concatenate on the reduction stream, and stage 3's norm and optimizer step."""
 
     def __init__(self, build: _Builder, table: list[ParamInfo], world: int, elem16: int, bucket: int,
-                 grad_of: dict, first: bool, optimizer: str) -> None:
+                 grad_of: dict, first: bool, optimizer: str, master_elem: int = FP32) -> None:
         super().__init__(build, zero_layout(table, world), 0, 2, elem16, bucket, grad_of, first, optimizer,
                          overlap=True)
-        self.table, self.world = table, world
+        self.table, self.world, self.master_elem = table, world, master_elem
         self.ipg = []  # the IPG bucket is the setup's
 
     def setup_buckets(self, out: list) -> None:
@@ -179,10 +312,12 @@ class _Step3(_Step):
                 self._free(out, self._alloc(out, math.ceil(p.numel / self.world) * FP64))
         partition = partition_numel(self.table, self.world)
         flat = self._alloc(out, partition * self.elem16)
-        grad32 = self._alloc(out, partition * FP32)
-        self._free(out, flat)
-        self.adamw(out, [partition * FP32], self.first, self.optimizer)
-        self._free(out, grad32)
+        grad = flat
+        if self.master_elem != self.elem16:  # _prepare_fp32_grad_for_sub_group's .to(master dtype)
+            grad = self._alloc(out, partition * self.master_elem)
+            self._free(out, flat)
+        self.adamw(out, [partition * self.master_elem], self.first, self.optimizer)
+        self._free(out, grad)
 
 
 class _Step3Offload(_Step3):
@@ -231,17 +366,92 @@ def _last_projection(table: list[ParamInfo], layer: int) -> ParamInfo:
 
 def _stopped_output_size_index(table: list[ParamInfo], polys: list) -> int:
     """The size index of the MLP output projection's output (``b * s * out_features`` 16-bit elements), made
-    by a recomputation before it stops (``_recompute_output_made_then_dropped``). A micro-batch-1 regime's
-    polynomials are in ``s`` alone (``b * s`` folded into ``s``): there the ``s`` term stands for it."""
+    by a recomputation before it stops (``_recompute_output_made_then_dropped``)."""
     layer = next(p.layer for p in table if p.layer is not None)
     down = _last_projection(table, layer)
-    per_token = float(down.shape[0] * down.elem_bytes)
+    index = _per_token_size_index(polys, float(down.shape[0] * down.elem_bytes))
+    if index is None:
+        raise ExpansionError("zero3 with checkpointing: the profile has no tensor of the MLP output's size")
+    return index
+
+
+def _per_token_size_index(polys: list, per_token: float) -> int | None:
+    """The size index of a ``b * s * per_token``-byte tensor (None: the profile has none). A micro-batch-1
+    regime's polynomials are in ``s`` alone (``b * s`` folded into ``s``): there the ``s`` term stands for it."""
     for term in (4, 1):  # c4 * b * s, else c1 * s
         wanted = [per_token if k == term else 0.0 for k in range(6)]
         for index, poly in enumerate(polys):
             if [float(c) for c in poly] == wanted:
                 return index
-    raise ExpansionError("zero3 with checkpointing: the profile has no tensor of the MLP output's size")
+    return None
+
+
+def _hold_saved_inputs(body: list, moved: dict[int, int], marks: tuple, saved: tuple, polys: list) -> None:
+    """DeepSpeed's memory-efficient linear (``LinearFunctionForZeroStage3``, ``zero.Init``'s replacement of
+    ``F.linear``) saves each frozen Linear's input, which plain autograd (the profile's step) frees in forward
+    (``estimator.methods.state.zero3_saved_linear_input_tensors``: under LoRA a layer's norm outputs and
+    down_proj's input, the head's input). So those tensors' frees move from their forward segment to the end
+    of their layer's backward segment (the head's: to the end of ``mid_bw``), the blocks staying where they
+    were made. Found in the segment as Llama's forward makes them (``_held_in_segment``). ``body`` and ``moved``
+    (old op index -> new) are updated in place; ExpansionError where a held tensor is not found."""
+    if not saved:
+        return
+
+    def bounds(prefix: str, layer: int | None) -> tuple[int, int]:
+        """New op indices of the first segment named ``prefix...`` of ``layer``: (start, start of the next one)."""
+        k = next(k for k, (name, at_layer, _at) in enumerate(marks) if name.startswith(prefix) and at_layer == layer)
+        return moved[marks[k][2]], moved[marks[k + 1][2]]
+
+    by_segment: dict[int | None, list[int]] = {}
+    for layer, per_token in saved:
+        size_index = _per_token_size_index(polys, per_token)
+        if size_index is None:
+            raise ExpansionError(f"zero3: the profile has no tensor of a held Linear input's size ({per_token} B "
+                                 "per token)")
+        by_segment.setdefault(layer, []).append(size_index)
+    removed: set[int] = set()
+    inserted: dict[int, list] = {}
+    for layer, sizes in by_segment.items():
+        forward = bounds("mid_fw" if layer is None else "fw", layer)
+        backward_end = bounds("mid_bw" if layer is None else "bw", layer)[1]
+        for at in _held_in_segment(body, *forward, sizes):
+            removed.add(at)
+            inserted.setdefault(backward_end, []).append(body[at])
+    new_at, out = [], []
+    for i, op in enumerate(body):
+        out += inserted.get(i, [])
+        new_at.append(len(out))
+        if i not in removed:
+            out.append(op)
+    out += inserted.get(len(body), [])
+    new_at.append(len(out))
+    body[:] = out
+    for index, at in moved.items():
+        moved[index] = new_at[at]
+
+
+def _held_in_segment(body: list, start: int, end: int, sizes: list[int]) -> list[int]:
+    """Op indices of the frees of the held inputs made in ``body[start:end]`` (a layer's forward segment, or
+    ``mid_fw``), by size: a norm's output (Llama's RMSNorm with a frozen weight: ``.to(dtype)`` then the weight
+    product, the copy freed right after, ``+a +b -a``; the last ones when fewer are held than the segment has
+    norms: the first layer's input norm reads no gradient) or else the last tensor of that size the segment
+    makes and frees (down_proj's input, the activation product)."""
+    ops = body[start:end]
+    freed_at = {op[1]: start + k for k, op in enumerate(ops) if op[0] == FREE}
+    made = [op for op in ops if op[0] == ALLOC and op[1] in freed_at]
+    found: list[int] = []
+    for size_index in dict.fromkeys(sizes):
+        wanted = sizes.count(size_index)
+        norms = [ops[k + 1][1] for k in range(len(ops) - 2)
+                 if ops[k][0] == ALLOC and ops[k + 1][0] == ALLOC and ops[k + 2][0] == FREE
+                 and ops[k][2] == ops[k + 1][2] == size_index and ops[k + 2][1] == ops[k][1]
+                 and ops[k + 1][1] in freed_at]
+        keys = norms[-wanted:] if len(norms) >= wanted else [op[1] for op in made if op[2] == size_index][-wanted:]
+        if len(keys) < wanted:
+            raise ExpansionError("zero3: a frozen Linear's input that the memory-efficient linear holds is not in "
+                                 "the layer's forward")
+        found += [freed_at[key] for key in keys]
+    return found
 
 
 def _recompute_output_made_then_dropped(body: list, moved: dict[int, int], layer: int, table: list[ParamInfo],
@@ -275,11 +485,13 @@ class Zero3Step:
 def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16: int, bucket_numel: int,
                optimizer: str, base_size_index: int, polys: list, zcfg,
                recomputed: frozenset[int] = frozenset(), accumulate: int = 1,
-               offload_optimizer: bool = False) -> Zero3Step:
+               offload_optimizer: bool = False, master_elem: int = FP32, saved_inputs: tuple = ()) -> Zero3Step:
     """The expansion with ZeRO-3's events (module docstring); new tensors' sizes take indices from
     ``base_size_index`` on; ``recomputed``: the checkpointed layers (their recomputation's fetches; the
     expansion holds their recomputed activations); ``accumulate``: micro-steps per optimizer step
-    (``_accumulating``). ExpansionError where the step cannot be built."""
+    (``_accumulating``); ``master_elem``: the master weights' and optimizer states' element size
+    (``master_elem_bytes``); ``saved_inputs``: (layer, bytes per token) of each frozen Linear input DeepSpeed's
+    memory-efficient linear holds (``_hold_saved_inputs``). ExpansionError where the step cannot be built."""
     if not llama_like(table):
         raise ExpansionError("zero3: the coordinator's module trace is modelled on Llama-style decoders only")
     gathers = emulate(table, world, steps=2 * accumulate, prefetch_bucket=zcfg.stage3_prefetch_bucket_size,
@@ -307,8 +519,9 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
         first)."""
         events, marks = (expansion.first, first_marks) if first else (expansion.steady, steady_marks)
         build.next_key = start
-        step = (_Step3Offload if offload_optimizer else _Step3)(build, table, world, elem16, int(bucket_numel), _grad_params(expansion, events.ops, table),
-                      first, optimizer)
+        step = (_Step3Offload if offload_optimizer else _Step3)(
+            build, table, world, elem16, int(bucket_numel), _grad_params(expansion, events.ops, table), first,
+            optimizer, master_elem)
         head: list = []
         tensors: dict[int, object] = {}
         for sign, buffer, nbytes in plain[0 if first else 1] if gathered is None else gathered:
@@ -317,6 +530,7 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
             else:
                 step._free(head, tensors.pop(buffer))
         body, moved, loss = _backward_ops(expansion, events.ops, marks, table, step, polys)
+        _hold_saved_inputs(body, moved, marks, saved_inputs, polys)
         for layer in sorted(recomputed):
             _recompute_output_made_then_dropped(body, moved, layer, table, step.grad_of, stopped_output, build)
         if not first if kept_freed is None else kept_freed:
@@ -336,8 +550,33 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
     first_ops, steady_ops = first_body + first_loss + first_tail, body + loss + tail
     optimizer_at = (len(first_body) + len(first_loss), len(body) + len(loss))
     micro = _accumulating(built, gathers.steps, accumulate, loss) if accumulate > 1 else None
+    expansion = _frozen_head_workspace(expansion, table, polys)
     return Zero3Step(expansion=method_expansion("zero3", expansion, first_ops, steady_ops, max(ends), first_moved,
                                                 optimizer_at, micro=micro), sizes=build.sizes)
+
+
+def _frozen_head_workspace(expansion: Expansion, table: list[ParamInfo], polys: list) -> Expansion:
+    """The backward thread's cuBLAS workspace under a frozen head (LoRA), for a profile traced before
+    ``blas_first`` (``expand._backward_workspace_at`` then puts it at the start of the middle segment, before
+    the loss's backward): the backward's first matmul is the head's input gradient (the loss's backward has
+    none, and a frozen head makes no weight gradient), so the workspace follows the first allocation of the
+    head input's size in the middle segment. Seen in the H200 run 03ab897ea7873926 (both traced ranks, every
+    step): the 32 MiB workspace right after the head's 8 MiB input gradient, past the fp32 logits' frees; where
+    it went before, it took a freed logits block and cost the second step a 1002 MiB segment less than the
+    run made."""
+    first_marks = expansion.marks[0]
+    mid_bw = next((at for name, _layer, at in first_marks if name == "mid_bw"), None)
+    bw_first = next((at for name, _layer, at in first_marks if name.startswith("bw")), None)
+    head = next((p for p in table if p.layer is None and any(n.endswith("lm_head.weight")
+                                                              for n in (p.name, *p.tied_names))), None)
+    if mid_bw is None or bw_first is None or head is None or head.trainable or expansion.workspace_at[1] != mid_bw:
+        return expansion
+    size_index = _per_token_size_index(polys, float(head.shape[1] * head.elem_bytes))
+    found = next((at for at in range(mid_bw, bw_first) if expansion.first.ops[at][0] == ALLOC
+                  and expansion.first.ops[at][2] == size_index), None)
+    if size_index is None or found is None:
+        return expansion
+    return replace(expansion, workspace_at=(expansion.workspace_at[0], found + 1))
 
 
 def _accumulating(built, gathered: list[list], k: int, loss: list) -> MicroSteps:

@@ -63,12 +63,18 @@ class GatherOps:
 def modules_of(table: list[ParamInfo]) -> tuple[list[Module], list[Module]]:
     """(forward, backward) module traces of a Hugging Face decoder, as DeepSpeed's hooks see them: every module
     whose forward runs, parameter-less ones included (each fetch may prefetch). Forward, in pre-forward order: the
-    causal-LM wrapper, the base model, the modules before the layers (the embedding), the rotary embedding; per
-    decoder layer the layer, then its blocks each after its norm (``input_layernorm``, attention with its
-    projections, ``post_attention_layernorm``, MLP with its projections and the activation after the first), the
-    modules after the layers, a tied head. Backward (pre-backward hooks on the outputs that need grad): the
-    reverse of the post-forward order, the rotary embedding left out."""
+    wrappers down to the base model (the causal-LM one; under peft also ``PeftModel`` and ``LoraModel``), the
+    modules before the layers (the embedding), the rotary embedding; per decoder layer the layer, then its blocks
+    each after its norm (``input_layernorm``, attention with its projections, ``post_attention_layernorm``, MLP
+    with its projections and the activation after the first), the modules after the layers, a tied head. A peft
+    LoRA projection is its wrapper, then ``base_layer``, then per adapter ``lora_dropout``, ``lora_A``, ``lora_B``
+    (``LoraLayer.forward``; the ``ModuleDict`` containers never run). Backward (pre-backward hooks, registered only
+    on outputs that require grad: ``parameter_offload._apply_forward_and_backward_to_tensors_only``): the reverse
+    of the post-forward order, less the rotary embedding and the modules whose output needs no gradient (under
+    LoRA: the frozen embedding, and in the first layer what reads its input before an adapter:
+    ``_projection_modules``)."""
     order = model_order(table)
+    trainable = {p.name: p.trainable for p in table}
     direct: dict[str, list[str]] = {}
     seen: list[str] = []
     for p in order:
@@ -77,8 +83,11 @@ def modules_of(table: list[ParamInfo]) -> tuple[list[Module], list[Module]]:
             direct[owner] = []
             seen.append(owner)
         direct[owner].append(p.name)
+
+    def needs_grad(module: str) -> bool:
+        return any(trainable[n] for n in direct.get(module, ()))
+
     tied = [(other.rsplit(".", 1)[0], p.name) for p in order for other in p.tied_names]
-    before = [m for m in seen if not m.split(".")[-2:-1] or not _layer_of(m)]
     layers: dict[int, list[str]] = {}
     for m in seen:
         layer = _layer_of(m)
@@ -87,42 +96,68 @@ def modules_of(table: list[ParamInfo]) -> tuple[list[Module], list[Module]]:
     first_layer_at = next((i for i, m in enumerate(seen) if _layer_of(m) is not None), len(seen))
     head = [m for m in seen[:first_layer_at] if _layer_of(m) is None]
     tail = [m for m in seen[first_layer_at:] if _layer_of(m) is None]
-    del before
-    base = head[0].split(".")[0] if head else "model"
-    forward: list[tuple[str, tuple[str, ...]]] = [("", ()), (base, ())]
+    base = head[0].rsplit(".", 1)[0] if head and "." in head[0] else "model"
+    wrappers = [""] + [".".join(base.split(".")[:k]) for k in range(1, base.count(".") + 2)]
+    forward: list[tuple[str, tuple[str, ...]]] = [(w, ()) for w in wrappers]
     post: list[str] = []
+    no_grad: set[str] = set()
+    flows = False  # whether the hidden states need a gradient (a trainable tensor upstream)
     for m in head:
         forward.append((m, tuple(direct[m])))
         post.append(m)
+        flows = flows or needs_grad(m)
+        if not flows:
+            no_grad.add(m)
     forward.append((f"{base}.rotary_emb", ()))
     post.append(f"{base}.rotary_emb")
     for layer in sorted(layers):
         prefix = layers[layer][0].split(f".{layer}.")[0] + f".{layer}"
         forward.append((prefix, ()))
-        blocks: dict[str, list[str]] = {}
+        blocks: dict[str, dict[str, list[str]]] = {}  # block -> projection -> its modules with parameters
         norms: list[str] = []
         for m in layers[layer]:
             rest = m[len(prefix) + 1:]
             if "." in rest:
-                blocks.setdefault(f"{prefix}.{rest.split('.')[0]}", []).append(m)
+                block, projection = rest.split(".")[:2]
+                blocks.setdefault(f"{prefix}.{block}", {}).setdefault(f"{prefix}.{block}.{projection}", []).append(m)
             else:
                 norms.append(m)
-        for k, (block, leaves) in enumerate(blocks.items()):
+        for k, (block, projections) in enumerate(blocks.items()):
+            block_input = flows
             if k < len(norms):
                 forward.append((norms[k], tuple(direct[norms[k]])))
                 post.append(norms[k])
+                block_input = flows or needs_grad(norms[k])
+                if not block_input:
+                    no_grad.add(norms[k])
             forward.append((block, ()))
-            for j, leaf in enumerate(leaves):
-                forward.append((leaf, tuple(direct[leaf])))
-                post.append(leaf)
-                if j == 0 and len(leaves) == 3:  # gated MLP: act_fn(gate(x)) * up(x)
+            # every projection but the last reads the block's input; the last reads what the others made
+            # (o_proj: the attention of q, k, v; down_proj: act_fn(gate) * up)
+            made = False
+            names = list(projections)
+            for j, projection in enumerate(names):
+                reads = block_input if j < len(names) - 1 else made
+                entries, after, silent, out = _projection_modules(projection, projections[projection], direct,
+                                                                  needs_grad, reads)
+                forward += entries
+                post += after
+                no_grad |= silent
+                made = made or out
+                if j == 0 and len(names) == 3:  # gated MLP: act_fn(gate(x)) * up(x)
                     forward.append((f"{block}.act_fn", ()))
                     post.append(f"{block}.act_fn")
+                    if not out:
+                        no_grad.add(f"{block}.act_fn")
             post.append(block)
+            if not made:
+                no_grad.add(block)
+            flows = flows or made
         for norm in norms[len(blocks):]:
             forward.append((norm, tuple(direct[norm])))
             post.append(norm)
         post.append(prefix)
+        if not flows:
+            no_grad.add(prefix)
     for m in tail:
         forward.append((m, tuple(direct[m])))
         post.append(m)
@@ -130,10 +165,53 @@ def modules_of(table: list[ParamInfo]) -> tuple[list[Module], list[Module]]:
     for owner, name in tied:
         forward.append((owner, (name,)))
         post.append(owner)
-    post.append("")
+    post += list(reversed(wrappers[:-1]))
     params_of = dict(forward)
-    backward = [(m, params_of.get(m, ())) for m in reversed(post) if not m.endswith("rotary_emb")]
+    backward = [(m, params_of.get(m, ())) for m in reversed(post)
+                if not m.endswith("rotary_emb") and m not in no_grad]
     return [Module(n, ps) for n, ps in forward], [Module(n, ps) for n, ps in backward]
+
+
+def _projection_modules(projection: str, owners: list[str], direct: dict, needs_grad, reads_grad: bool
+                        ) -> tuple[list[tuple[str, tuple[str, ...]]], list[str], set[str], bool]:
+    """One projection's (forward entries, post-forward order, modules whose output needs no gradient, whether its
+    output needs one). A plain Linear is one module; a peft LoRA wrapper runs ``base_layer``, then per adapter
+    ``lora_dropout`` (an ``Identity`` at dropout 0: its output is its input), ``lora_A``, ``lora_B``, and sums
+    them; an output needs a gradient when the input does or the module (or what feeds it) is trainable."""
+    if owners == [projection]:
+        out = reads_grad or needs_grad(projection)
+        return [(projection, tuple(direct[projection]))], [projection], set() if out else {projection}, out
+    base = f"{projection}.base_layer"
+    adapters = list(dict.fromkeys(m.split(".lora_A.")[1] for m in owners if ".lora_A." in m))
+    entries: list[tuple[str, tuple[str, ...]]] = [(projection, ()), (base, tuple(direct.get(base, ())))]
+    after = [base]
+    out = reads_grad or needs_grad(base)
+    silent = set() if out else {base}
+    for adapter in adapters:
+        dropout, a, b = (f"{projection}.{part}.{adapter}" for part in ("lora_dropout", "lora_A", "lora_B"))
+        a_out = reads_grad or needs_grad(a)
+        b_out = a_out or needs_grad(b)
+        entries += [(dropout, ()), (a, tuple(direct[a])), (b, tuple(direct[b]))]
+        after += [dropout, a, b]
+        silent |= {m for m, grad in ((dropout, reads_grad), (a, a_out), (b, b_out)) if not grad}
+        out = out or b_out
+    after.append(projection)
+    if not out:
+        silent.add(projection)
+    return entries, after, silent, out
+
+
+def ds_id_order(table: list[ParamInfo]) -> dict[str, int]:
+    """Each parameter's ``ds_id`` rank: ``zero.Init`` numbers the model's tensors as it builds them; peft's
+    adapters, made after the model, are converted when the engine starts (``_convert_to_zero_parameters``), so
+    they come last."""
+    adapters = [p for p in table if is_adapter(p)]
+    return {p.name: i for i, p in enumerate([p for p in table if not is_adapter(p)] + adapters)}
+
+
+def is_adapter(p: ParamInfo) -> bool:
+    """A peft LoRA tensor (``lora_A`` / ``lora_B``)."""
+    return ".lora_A." in p.name or ".lora_B." in p.name
 
 
 def _layer_of(module: str) -> int | None:
@@ -184,7 +262,7 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
     """The allgather stream's allocations and frees of ``steps`` training steps (module docstring);
     ``checkpointed``: the decoder layers recomputed in backward (``with_recomputation``); ``accumulate``: the
     steps are micro-steps, an optimizer step after every that many (``_micro_step_start``)."""
-    index = {p.name: i for i, p in enumerate(table)}  # ds_id order: zero.Init partitions in creation order
+    index = ds_id_order(table)
     params = {p.name: _Param(p.name, p.numel, p.elem_bytes, p.numel < persistence) for p in table}
     forward, backward = modules_of(table)
     backward, moved = with_recomputation(forward, backward, checkpointed)

@@ -5,7 +5,8 @@ torchtitan's ``dp_shard_cp`` mesh; ``harness.fake.memtracker``'s model, loop and
 its ``s / cp`` tokens, every SDPA call run as ``context_parallel`` runs it on the GPU: torch's
 ``_templated_ring_attention`` forward and ``_templated_ring_attention_backward`` over the rank's cp group of the
 fake process group (flash kernel, all-gather rotation, head-tail load balancing), their allocations counted op by
-op.
+op. ``tp_peak_bytes``: cp x tp, ``harness.fake.trace_run``'s dp_tp rank with SDPA run as the same ring over the
+rank's cp group (every tp-th rank, ``cp_group_ranks``).
 
 Two things differ from calling ``context_parallel`` itself, each for a measured reason:
 
@@ -32,6 +33,19 @@ import math
 from collections.abc import Iterator
 
 
+@contextlib.contextmanager
+def _waits_return_input() -> Iterator[None]:
+    """``wait_tensor`` returns its input, as the GPU's does, for the ring's own collectives only (a TP layer's
+    collectives keep the fake tensors' behaviour the TP profile and ``harness.fake.trace_run`` were traced with)."""
+    import torch.distributed._functional_collectives as fc
+
+    saved, fc.wait_tensor = fc.wait_tensor, (lambda tensor: tensor)
+    try:
+        yield
+    finally:
+        fc.wait_tensor = saved
+
+
 def _ring_function(group):
     import torch
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
@@ -41,6 +55,11 @@ def _ring_function(group):
     class RingFlash(torch.autograd.Function):
         @staticmethod
         def forward(ctx, query, key, value, is_causal, scale):
+            with _waits_return_input():
+                return RingFlash._forward(ctx, query, key, value, is_causal, scale)
+
+        @staticmethod
+        def _forward(ctx, query, key, value, is_causal, scale):
             out, lse, *rest = cp_attention._templated_ring_attention(
                 group, 2, aten._scaled_dot_product_flash_attention, query=query, key=key, value=value,
                 is_causal=is_causal, dropout_p=0.0, scale=scale)
@@ -51,6 +70,11 @@ def _ring_function(group):
 
         @staticmethod
         def backward(ctx, grad_out):
+            with _waits_return_input():
+                return RingFlash._backward(ctx, grad_out)
+
+        @staticmethod
+        def _backward(ctx, grad_out):
             query, key, value, out, lse, cum_q, cum_k, seed, offset = ctx.saved_tensors
             max_q, max_k, is_causal, scale = ctx.meta
             dq, dk, dv, *_ = cp_attention._templated_ring_attention_backward(
@@ -95,14 +119,21 @@ def ring_attention(group) -> Iterator[None]:
         cuda_kernels.cuda_sdpa, fc.wait_tensor = saved
 
 
-def cp_group(world: int, cp: int, rank: int):
-    """The fake process group's cp sub-group of ``rank`` (torchtitan's mesh (dp, cp): consecutive ranks)."""
+def cp_group_ranks(world: int, cp: int, tp: int = 1) -> list[list[int]]:
+    """Every cp group of torchtitan's mesh (dp_shard, cp, tp), TP innermost: for each block of cp x tp ranks and
+    each tp position, the cp ranks every tp-th apart (consecutive ranks when tp = 1)."""
+    block = cp * tp
+    return [[start + c * tp + t for c in range(cp)] for start in range(0, world, block) for t in range(tp)]
+
+
+def cp_group(world: int, cp: int, rank: int, tp: int = 1):
+    """The fake process group's cp sub-group of ``rank`` (``cp_group_ranks``)."""
     import torch.distributed as dist
 
     mine = None
-    for start in range(0, world, cp):  # every rank creates every group, as new_group requires
-        group = dist.new_group(list(range(start, start + cp)))
-        if start <= rank < start + cp:
+    for ranks in cp_group_ranks(world, cp, tp):  # every rank creates every group, as new_group requires
+        group = dist.new_group(ranks)
+        if rank in ranks:
             mine = group
     return mine
 
@@ -124,3 +155,36 @@ def peak_bytes(config: dict, precision: str, world: int, cp: int, rank: int, b: 
             return mt.peak_bytes(built, b, s // cp)
     finally:
         mt.close(built)
+
+
+@contextlib.contextmanager
+def _sdpa_as_ring(world: int, cp: int, tp: int, rank: int) -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` runs torch's ring attention over ``rank``'s cp group (entered inside
+    ``harness.fake.trace``'s CUDA kernel patches, so it takes their place)."""
+    import torch.nn.functional as F
+
+    saved, F.scaled_dot_product_attention = F.scaled_dot_product_attention, _ring_function(
+        cp_group(world, cp, rank, tp))
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = saved
+
+
+def tp_peak_bytes(config: dict, precision: str, world: int, cp: int, tp: int, rank: int, b: int, s: int,
+                  grad_ckpt: bool = False) -> int:
+    """cp x tp (torchtitan's (dp_shard, cp, tp) mesh): the steady peak of global ``rank`` as
+    ``harness.fake.trace_run`` counts it for method dp_tp (TP inside each tp group, FSDP2 over the world / tp dp x cp
+    ranks of each TP position), every rank training on its ``s / cp`` tokens with each SDPA call run by torch's
+    ring attention over its cp group (its ``heads / tp`` local heads)."""
+    from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
+    from harness.fake.trace import trace_run
+
+    if s % (2 * cp) or world % (cp * tp):
+        raise ValueError(f"cp: seq_len {s} must be a multiple of 2 x cp and world {world} of cp x tp {cp * tp}")
+    training = TrainingSpec(micro_batch_size=b, seq_len=s // cp, precision=precision, attn="sdpa",
+                            grad_ckpt=grad_ckpt)
+    spec = RunSpec(model="cp-tp", training=training, parallel=ParallelSpec(method="dp_tp", world_size=world, tp=tp))
+    run = trace_run(spec, [rank], config=config,
+                    rank_context=lambda r: _sdpa_as_ring(world, cp, tp, r))
+    return run["per_rank"][rank]["peak_allocated_bytes"]

@@ -170,7 +170,7 @@ def _instrument_one_optimizer(optimizer, counter: StorageCounter) -> None:
 
 
 def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: int, steps: int,
-                fake_tensors: bool = True, kernels: str = "cuda") -> dict[str, Any]:
+                fake_tensors: bool = True, kernels: str = "cuda", rank_context=None) -> dict[str, Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from estimator.profiler.build import (
@@ -208,6 +208,8 @@ def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: i
             if fake_tensors:  # CUDA's kernel choices, or the CPU's to compare with a real CPU run
                 stack.enter_context(as_on_gpu(training.batch) if kernels == "cuda"
                                     else full_length_attention_mask(padded=training.batch != "full"))
+            if rank_context is not None:  # inside the process group and the kernels' patches (ring attention)
+                stack.enter_context(rank_context(rank))
             if method in FSDP2_METHODS:
                 stack.enter_context(_fsdp_tags(counter))
             if method == "fsdp1":
@@ -313,12 +315,14 @@ def _notes(spec: RunSpec, round_to: int) -> list[str]:
 
 
 def trace_run(spec: RunSpec, ranks=None, *, config: dict[str, Any] | None = None, round_to: int = 512,
-              steps: int = 2, fake_tensors: bool = True, kernels: str = "cuda") -> dict[str, Any]:
+              steps: int = 2, fake_tensors: bool = True, kernels: str = "cuda", rank_context=None) -> dict[str, Any]:
     """Per-rank peak allocated bytes of ``steps`` training steps of ``spec`` (see ``harness.fake``).
 
     ``kernels``: "cuda" traces the kernels a GPU runs (``estimator.profiler.cuda_path``), "cpu" the CPU's.
     ``fake_tensors=False`` runs the same program on real CPU tensors (same fake process group, CPU kernels): a
-    validation mode for small configs (it allocates the memory it reports)."""
+    validation mode for small configs (it allocates the memory it reports). ``rank_context(rank)``: a context
+    manager entered around each rank's steps, once its process group and kernel patches are up
+    (``harness.fake.context_parallel.tp_peak_bytes`` runs SDPA as ring attention over the rank's cp group)."""
     from estimator.models.arch import load_config
 
     if config is None:
@@ -330,7 +334,7 @@ def trace_run(spec: RunSpec, ranks=None, *, config: dict[str, Any] | None = None
     per_rank = {}
     for rank in _ranks(spec, ranks):
         per_rank[rank] = _trace_rank(spec, config, rank, round_to=round_to, steps=steps,
-                                     fake_tensors=fake_tensors, kernels=kernels)
+                                     fake_tensors=fake_tensors, kernels=kernels, rank_context=rank_context)
     return {"per_rank": per_rank, "trace_s": round(time.perf_counter() - t0, 3),
             "measured_by": "fake_tensor_trace" if fake_tensors else "cpu_tensor_trace", "notes": _notes(spec, round_to),
             "spec_id": spec.spec_id, "round_to": round_to, "steps": steps}

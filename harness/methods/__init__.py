@@ -37,7 +37,10 @@ WRAPPERS: dict[str, Callable[[WrapContext], Any]] = {
 
 def wrap(ctx: WrapContext) -> Any:
     """The Trainer (forward / backward / step / micro_batch / close) for the spec's method; pipeline parallelism
-    (``parallel.pp > 1``, methods single and fsdp) runs torch's pipelining (``harness.methods.pipeline``)."""
+    (``parallel.pp > 1``, methods single and fsdp) runs torch's pipelining (``harness.methods.pipeline``), or
+    DeepSpeed's pipeline engine with ``parallel.pp_engine=deepspeed`` (``harness.methods.ds_pipeline``)."""
+    if ctx.spec.parallel.pp > 1 and ctx.spec.parallel.pp_engine == "deepspeed":
+        return _lazy("ds_pipeline")(ctx)
     if ctx.spec.parallel.pp > 1:
         return _lazy("pipeline")(ctx)
     return WRAPPERS[ctx.spec.parallel.method](ctx)

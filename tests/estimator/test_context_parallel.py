@@ -36,9 +36,11 @@ def _spec(cp: int = 2, gpus: int = 2, s: int = 4096, **training) -> RunSpec:
 
 @pytest.mark.parametrize("parallel, training, message", [
     ({"method": "ddp", "world_size": 4, "cp": 2}, {}, "cp: context parallelism is modelled with FSDP2"),
-    ({"method": "fsdp", "world_size": 6, "cp": 4}, {}, "cp: world size 6 is not divisible by cp 4"),
+    ({"method": "fsdp", "world_size": 6, "cp": 4}, {}, "cp: world size 6 is not divisible by cp x tp = 4"),
     ({"method": "fsdp", "world_size": 4, "cp": 0}, {}, "cp: must be a positive integer"),
-    ({"method": "fsdp", "world_size": 4, "cp": 2, "ep": 2}, {}, "cp: context parallelism with tensor or expert"),
+    ({"method": "fsdp", "world_size": 4, "cp": 2, "ep": 2}, {}, "cp: context parallelism with expert"),
+    ({"method": "tp", "world_size": 2, "tp": 2, "cp": 2}, {}, "cp: .* or dp_tp for cp x tp, got 'tp'"),
+    ({"method": "dp_tp", "world_size": 6, "tp": 2, "cp": 2}, {}, "cp: world size 6 is not divisible by cp x tp = 4"),
     ({"method": "fsdp", "world_size": 4, "cp": 4}, {"seq_len": 1004}, "cp: seq_len 1004 must be a multiple of 2 x cp"),
     ({"method": "fsdp", "world_size": 4, "cp": 2}, {"attn": "eager"}, "cp: torch's ring attention replaces"),
     ({"method": "fsdp", "world_size": 4, "cp": 2}, {"precision": "fp32"}, "cp: ring attention is modelled for the "

@@ -24,6 +24,9 @@ LORA = {"lora_rank": 8, "lora_targets": "q_proj,v_proj"}
     ("zero3", "mixed_bf16", LORA, False),  # zero.Init: DeepSpeed skips the cast (Finding 14)
     ("ddp", "mixed_bf16", LORA, False),
     ("single", "mixed_bf16", LORA, False),
+    ("dp_tp", "mixed_bf16", LORA, True),  # FSDP2 over the dp axis with the same policy
+    ("dp_tp", "bf16", LORA, False),
+    ("tp", "mixed_bf16", LORA, False),  # no all-gather casts the adapters
 ])
 def test_which_runs_compute_their_adapters_in_16_bits(method, precision, lora, expected):
     training = TrainingSpec(precision=precision, **lora)
@@ -32,8 +35,8 @@ def test_which_runs_compute_their_adapters_in_16_bits(method, precision, lora, e
     assert key.endswith("-a16") is expected
 
 
-def _rows() -> list[dict]:
-    with open(REPO / "docs" / "error_matrix" / "fsdp_lora_mixed.csv") as handle:
+def _rows(name: str = "fsdp_lora_mixed.csv") -> list[dict]:
+    with open(REPO / "docs" / "error_matrix" / name) as handle:
         return list(csv.DictReader(handle))
 
 
@@ -51,3 +54,17 @@ def test_committed_oracle_rows_meet_the_bar_and_cover_the_matrix():
     for row in rows:
         assert int(row["measured_bytes"]) == int(row["tracked_bytes"]) - int(row["hook_held_bytes"])
 
+
+
+def test_committed_dp_tp_rows_meet_the_bar_and_cover_the_matrix():
+    """benchmarks/fsdp_lora_mixed_check.py --method dp_tp: the first and last rank of (world, tp) = (4, 2) and
+    (8, 4) within 1 % of the harness's fake-tensor trace, two models, both adapter sets, with and without
+    checkpointing, two (b, s) points; the fp32-adapter profile (the rule before) was off by more than 5 %."""
+    rows = _rows("dp_tp_lora_mixed.csv")
+    assert max(abs(float(r["error_pct"])) for r in rows) <= 1.0
+    assert max(abs(float(r["error_fp32_adapters_pct"])) for r in rows) > 5.0
+    cover = {(r["model"], r["lora_targets"], r["grad_ckpt"], r["world"], r["tp"]) for r in rows}
+    assert cover == {(m, t, c, w, tp) for m in ("small-llama", "small-opt") for t in ("attn", "all-linear")
+                     for c in ("False", "True") for w, tp in (("4", "2"), ("8", "4"))}
+    assert {(r["world"], r["rank"]) for r in rows} == {("4", "0"), ("4", "3"), ("8", "0"), ("8", "7")}
+    assert len({(r["micro_batch_size"], r["seq_len"]) for r in rows}) == 2

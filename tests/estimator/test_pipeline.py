@@ -443,7 +443,10 @@ def test_pp_x_tp_layouts_and_their_step_time():
     assert piped.step_s == pytest.approx(sum(v for k, v in piped.parts.items() if k != "pipeline_bubble"))
 
 
-def test_the_plan_weighs_checkpointed_pipelines_and_names_why_mixed_ones_are_not():
+def test_the_plan_weighs_checkpointed_pipelines_and_mixed_ones_under_fsdp2():
+    """bf16 pipelines: pp alone, pp x FSDP2 and pp x tp, each with and without checkpointing. mixed_bf16 (the
+    plan's default precision) is FSDP2's MixedPrecisionPolicy: pp x FSDP2 only, and a note saying why when the
+    GPUs leave no dp axis."""
     from estimator.models.arch import cached_arch
     from estimator.planning.plan import _pipeline_candidates
 
@@ -454,9 +457,12 @@ def test_the_plan_weighs_checkpointed_pipelines_and_names_why_mixed_ones_are_not
                                                          ("pp4 1f1b", False), ("pp4 1f1b", True),
                                                          ("pp2 x tp2", False), ("pp2 x tp2", True)]
     assert note == ""
-    covered, note = _pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision="mixed_bf16", seq_len=64), 4,
-                                         (False,))
-    assert covered == [] and note.startswith("pipeline layouts not weighed: pp: precision mixed_bf16 is estimated")
+    mixed = TrainingSpec(precision="mixed_bf16", seq_len=64)
+    covered, note = _pipeline_candidates(str(CONFIG), arch, mixed, 4, (False, True))
+    assert [(c.label, c.grad_ckpt) for c in covered] == [("pp2 x fsdp2", False), ("pp2 x fsdp2", True)]
+    assert note == ""
+    covered, note = _pipeline_candidates(str(CONFIG), arch, mixed, 2, (False,))
+    assert covered == [] and note.startswith("pipeline layouts not weighed: pp: precision mixed_bf16 is modelled as")
 
 
 def test_the_plan_weighs_lora_and_every_k_pipelines():
@@ -491,6 +497,20 @@ def test_the_plan_weighs_pp_x_tp_with_tps_all_reduces():
     assert result.best is piped
 
 
+def test_a_mixed_precision_plan_weighs_pp_x_fsdp_and_counts_its_micro_batches():
+    """The plan's default precision (mixed_bf16) weighs pp x FSDP2 (FSDP2's MixedPrecisionPolicy) and reports the
+    pipeline's micro-batches as its accumulation, the ones its tokens/s counts."""
+    from estimator.planning.plan import plan
+
+    result = plan(str(CONFIG), gpus=4, gpu="h100-80gb", seq_len=64, methods=["fsdp"], ckpt_options=(False,),
+                  advise=False)
+    assert result.precision == "mixed_bf16"
+    assert not any(n.startswith("pipeline layouts not weighed") for n in result.notes)
+    piped = {r.candidate.label: r for r in result.results}["pp2 x fsdp2"]
+    assert piped.fits and piped.grad_accum == 2
+    assert piped.tokens_per_s == pytest.approx(piped.candidate.dp * piped.micro_batch * 2 * 64 / piped.time.step_s)
+
+
 @pytest.mark.slow
 def test_plan_weighs_pipeline_layouts():
     from estimator.planning.plan import plan
@@ -501,8 +521,9 @@ def test_plan_weighs_pipeline_layouts():
     assert piped and piped[0].candidate.label == "pp2 1f1b" and piped[0].fits and piped[0].time is not None
     assert "pipeline_bubble" in piped[0].time.parts
     mixed = plan(str(CONFIG), gpus=2, gpu="h100-80gb", seq_len=64, methods=["fsdp"], ckpt_options=(False,),
-                 advise=False)
-    assert any(n.startswith("pipeline layouts not weighed: pp: precision mixed_bf16") for n in mixed.notes)
+                 advise=False)  # 2 GPUs leave pp x FSDP2 no dp axis: mixed_bf16 has no pipeline layout
+    assert any(n.startswith("pipeline layouts not weighed: pp: precision mixed_bf16 is modelled as")
+               for n in mixed.notes)
 
 
 def test_pp_x_dp_x_tp_spec_is_torchtitans_mesh():

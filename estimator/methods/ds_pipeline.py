@@ -1,0 +1,358 @@
+"""Pipeline parallelism as DeepSpeed's pipeline engine runs it (``deepspeed.pipe.PipelineModule`` +
+``PipelineEngine``, DeepSpeed 0.19), where its memory differs from torch's pipelining (``methods.pipeline_rank``):
+
+- Layers and stages: the model is a flat list of layers (embedding, one per decoder layer, final norm + head), split
+  by ``partition_method="parameters"`` (DeepSpeed's default): ``partition_balanced`` over the trainable parameter
+  count of each layer, so a large vocabulary's embedding and head take the place of decoder layers on the first and
+  last stage (``ds_stage_bounds``, a port of ``deepspeed.runtime.utils.partition_balanced``). Each decoder layer
+  computes the rotary tables of its own input (a layer gets only what the one before returned), so every layer
+  keeps its own cos/sin.
+- Schedule: ``TrainSchedule``, 1F1B with min(stages - stage, M) micro-batches in flight (ported in
+  ``train_schedule_actions``; its order is torch's 1F1B order, and it also runs M < stages).
+- Buffers (``engine.py``): one boundary-sized receive buffer shared by received activations and received
+  gradients (``_allocate_or_extend_buffers(0, ...)``), kept across steps; each received activation cloned into the
+  micro-batch's input buffer, cloned again for the forward, its gradient sent back (``SendGrad``, at the next
+  forward step) before the input buffer is let go; the first stage keeps its ``num_pipe_buffers`` = max(2,
+  min(stages - stage, M)) input-id clones across steps. The last stage's backward is ``engine.backward(loss)``,
+  which never clears ``pipe_buffers['outputs']``: each of its buffers keeps its last logits across steps, and with
+  them (through their autograd graph's ``AccumulateGrad`` node) the received input and its gradient, until the
+  buffer's next forward replaces them.
+- Gradient reduction (``ReduceGrads``, at the step's end, even with one data-parallel rank):
+  ``buffered_allreduce_fallback`` flattens the gradients into buckets of 500 M elements
+  (``MEMORY_OPT_ALLREDUCE_SIZE``) and casts each bucket to the communication dtype (fp32 unless DeepSpeed's
+  fp16/bf16 modes are on): a 16-bit model holds, per bucket, its flat copy and an fp32 copy beside every gradient.
+- The optimizer: with ZeRO stage 0 and no fp16/bf16 section DeepSpeed steps the client optimizer itself (no
+  wrapper): the ``single`` state model of the stage's parameters. ``zero_grad`` sets the gradients to None.
+
+Checked against real CPU runs of the engine on gloo ranks with every storage counted
+(``benchmarks/ds_pipeline_table.py``). Pure standard library: the predict path imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from estimator.methods import state as methods
+from estimator.methods.pipeline import Action
+from estimator.methods.pipeline_rank import PipelineRank
+from estimator.methods.timeline import poly
+from estimator.models.params import ParamInfo
+from estimator.spec import ParallelSpec, RunSpec
+
+INT64 = 8
+FP32 = 4
+ALLREDUCE_BUCKET_NUMEL = 500_000_000  # deepspeed.runtime.engine.MEMORY_OPT_ALLREDUCE_SIZE
+LAYER_BW = ("bw_first", "bw", "bw_last")
+
+
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """``deepspeed.runtime.utils.partition_uniform``: stage bounds of ``num_items`` layers, the first ``residual``
+    stages one more."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    chunk, residual = divmod(num_items, num_parts)
+    parts = [p * chunk for p in range(num_parts + 1)]
+    for i in range(residual):
+        for j in range(i + 1, num_parts + 1):
+            parts[j] += 1
+    return parts
+
+
+def partition_balanced(weights: list[int], num_parts: int) -> list[int]:
+    """``deepspeed.runtime.utils.partition_balanced`` (DeepSpeed 0.19): the linear partition that minimizes the
+    spread (max - min) of the parts' weights, DeepSpeed's dynamic programme and tie-breaking (``>=``: the last
+    split point of equal cost wins) ported as they are."""
+    n, m = len(weights), num_parts
+    if n <= m:
+        return partition_uniform(n, m)
+    inf = float("inf")
+    dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    position = [[0] * (m + 1) for _ in range(n + 1)]
+    prefix = [0.0] * (n + 1)
+    for i, w in enumerate(weights):
+        prefix[i + 1] = prefix[i] + w
+    dp_max[0][0] = 0
+    dp_cost[0][0] = 0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                part = prefix[i] - prefix[k]
+                max_sum = max(dp_max[k][j - 1], part)
+                min_sum = min(dp_min[k][j - 1], part)
+                cost = max_sum - min_sum
+                if dp_cost[i][j] >= cost:
+                    dp_cost[i][j] = cost
+                    dp_max[i][j] = max_sum
+                    dp_min[i][j] = min_sum
+                    position[i][j] = k
+    parts = [n]
+    for i in reversed(range(1, m + 1)):
+        parts.append(position[parts[-1]][i])
+    parts.reverse()
+    return parts
+
+
+def layer_weights(table: list[ParamInfo], num_layers: int) -> list[int]:
+    """Trainable parameters of each DeepSpeed layer: embedding, decoder layers, final norm + head."""
+    embed = sum(p.numel for p in table if p.trainable and p.layer is None and p.module_kind == "embedding")
+    head = sum(p.numel for p in table if p.trainable and p.layer is None and p.module_kind != "embedding")
+    layers = [0] * num_layers
+    for p in table:
+        if p.trainable and p.layer is not None:
+            layers[p.layer] += p.numel
+    return [embed, *layers, head]
+
+
+def ds_stage_bounds(table: list[ParamInfo], num_layers: int, pp: int) -> list[int]:
+    """``PipelineModule.parts`` under ``partition_method="parameters"``: stage s runs DeepSpeed layers
+    parts[s] .. parts[s + 1] - 1 (0 the embedding, 1 .. L the decoder layers, L + 1 the norm + head)."""
+    return partition_balanced(layer_weights(table, num_layers), pp)
+
+
+@dataclass(frozen=True)
+class DsStage:
+    stage: int
+    first: bool            # holds the embedding
+    last: bool             # holds the final norm and head (and computes the loss)
+    layers: range          # decoder layers (model indices)
+
+
+def ds_stage(bounds: list[int], stage: int, num_layers: int) -> DsStage:
+    lo, hi = bounds[stage], bounds[stage + 1]
+    return DsStage(stage=stage, first=lo == 0, last=hi == num_layers + 2,
+                   layers=range(max(lo, 1) - 1, min(hi, num_layers + 1) - 1))
+
+
+def ds_stage_params(table: list[ParamInfo], st: DsStage) -> list[ParamInfo]:
+    out = []
+    for p in table:
+        if p.layer is not None:
+            if p.layer in st.layers:
+                out.append(p)
+        elif p.module_kind == "embedding":
+            if st.first:
+                out.append(p)
+        elif st.last:
+            out.append(p)
+    return out
+
+
+def num_pipe_buffers(stage: int, stages: int, microbatches: int) -> int:
+    """``TrainSchedule.num_pipe_buffers``."""
+    return max(2, min(stages - stage, microbatches))
+
+
+def train_schedule_actions(stage: int, stages: int, microbatches: int) -> list[Action]:
+    """The forward (F) and backward (B) passes of ``stage`` in ``TrainSchedule.steps()``' order (its
+    ``_step_to_micro_batch``, idle steps dropped)."""
+    out = []
+    for step in range(2 * (microbatches + stages - 1)):
+        even_step, even_stage = step % 2 == 0, stage % 2 == 0
+        if even_step and even_stage:
+            forward, mb = True, step // 2 - stage // 2
+        elif not even_step and not even_stage:
+            forward, mb = True, (step - 1) // 2 - stage // 2
+        elif even_step and not even_stage:
+            forward, mb = False, step // 2 - stages + (stage + 1) // 2
+        else:
+            forward, mb = False, (step - 1) // 2 - stages + 1 + stage // 2
+        if 0 <= mb < microbatches:
+            out.append(Action("F" if forward else "B", stage, mb))
+    return out
+
+
+def allreduce_bucket_bytes(params: list[ParamInfo]) -> float:
+    """The largest transient of ``buffered_allreduce_fallback``: per bucket (tensors in ``parameters()`` order until
+    one takes it past 500 M elements), the flat copy in the gradients' dtype and, for 16-bit gradients, its fp32
+    copy (the communication dtype without DeepSpeed's fp16/bf16 modes)."""
+    best = 0.0
+    bucket_numel, bucket_bytes = 0, 0.0
+
+    def transient(numel: int, nbytes: float) -> float:
+        return nbytes + (numel * FP32 if nbytes < numel * FP32 else 0.0)
+
+    for p in params:
+        if not p.trainable:
+            continue
+        bucket_numel += p.numel
+        bucket_bytes += p.nbytes
+        if bucket_numel > ALLREDUCE_BUCKET_NUMEL:
+            best = max(best, transient(bucket_numel, bucket_bytes))
+            bucket_numel, bucket_bytes = 0, 0.0
+    if bucket_numel:
+        best = max(best, transient(bucket_numel, bucket_bytes))
+    return best
+
+
+def _state_model(spec: RunSpec, params: list[ParamInfo]) -> methods.StepModel:
+    """The stage's weights, optimizer states and step on one device: ZeRO stage 0 without DeepSpeed's fp16/bf16
+    modes steps the client optimizer itself, as a single GPU does."""
+    return methods.single(spec.replace(parallel=ParallelSpec()), params)
+
+
+def _backward_segments(st: DsStage, num_layers: int) -> list[str]:
+    seq = ["mid_bw"] if st.last else []
+    for i in reversed(st.layers):
+        seq.append("bw_first" if i == num_layers - 1 else "bw_last" if i == 0 else "bw")
+    if st.first:
+        seq.append("suffix")
+    return seq
+
+
+def ds_pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_layers: int, hidden: int,
+                     act_bytes: int, vocab: int, stage: int) -> PipelineRank:
+    """The peak of pipeline stage ``stage`` over one steady ``train_batch`` (the buffers of the step before held),
+    its gradient reduction and the optimizer step."""
+    par, training = spec.parallel, spec.training
+    b, s = training.micro_batch_size, training.seq_len
+    pp, m = par.pp, par.microbatches
+    bounds = ds_stage_bounds(table, num_layers, pp)
+    st = ds_stage(bounds, stage, num_layers)
+    params = ds_stage_params(table, st)
+    model = _state_model(spec, params)
+    boundary = b * s * hidden * act_bytes
+    logits = b * s * vocab * act_bytes
+    ids = b * s * INT64
+    # each decoder layer's own rotary cos/sin, saved by its attention (the unsplit model's prefix: the embedding
+    # output, the tables once and the position ids, which a DeepSpeed layer lets go)
+    rotary = poly(segments["prefix"]["net_act"], b, s) - boundary - s * INT64
+    # what the final segment's backward frees beyond its forward's allocation (pipeline_rank's final_unmatched)
+    final_unmatched = -(poly(segments["mid_fw"]["net_act"], b, s) + poly(segments["mid_bw"]["net_act"], b, s))
+    largest_layer = float(max((p.nbytes for p in params if p.trainable and p.layer is not None), default=0))
+    largest_other = float(max((p.nbytes for p in params if p.trainable and p.layer is None), default=0))
+    buffers = num_pipe_buffers(stage, pp, m)
+    slots = min(buffers, m)   # buffers a step fills
+    # what the last stage's buffer keeps from one step to the next: logits, received input and its gradient
+    slot_bytes = logits + 2 * boundary
+    resident = dict(model.resident)
+    resident["comm_buffers"] = float(boundary)     # the shared receive buffer
+    resident["activations"] = float(slots * ids * (st.first + st.last)
+                                    + (slots * slot_bytes if st.last and not st.first else 0))
+    base = sum(resident.values())
+
+    forward_net = (ids + boundary if st.first else boundary)  # ids clone + embedding output, or the input clone
+    fw_layer = poly(segments["fw"]["net_act"], b, s) + rotary
+    forward_net += len(st.layers) * fw_layer
+    if st.last:
+        forward_net += poly(segments["mid_fw"]["net_act"], b, s) + logits + final_unmatched
+    # kept when a micro-batch's backward ends: the received input's gradient; the last stage's logits too
+    kept_after_backward = (0.0 if st.first else boundary) + (logits if st.last else 0.0)
+
+    act = 0.0        # above base
+    grads = 0.0
+    best = (base, "setup", 0, {})
+    live = 0
+
+    def consider(total: float, phase: str, parts: dict) -> None:
+        nonlocal best
+        if total > best[0]:
+            best = (total, phase, live, parts)
+
+    pending_send = 0.0   # a received input and its gradient, until SendGrad at the next forward step
+    started = False
+    for action in train_schedule_actions(stage, pp, m):
+        phase = f"{'forward' if action.kind == 'F' else 'backward'} of micro-batch {action.microbatch}"
+        # SendGrad of the previous backward: TrainSchedule alternates forward and backward steps, and the forward
+        # step after a backward sends its input gradient even when it has no micro-batch left to run (cooldown)
+        act -= pending_send
+        pending_send = 0.0
+        if action.kind == "F":
+            live += 1
+            if not st.first:
+                act += boundary
+            level = act + (ids + boundary if st.first else boundary)
+            for _layer in st.layers:
+                for cand_act, _g in segments["fw"]["candidates"]:
+                    consider(base + level + poly(cand_act, b, s) + grads, phase,
+                             {"activations": level + poly(cand_act, b, s), "gradients": grads})
+                level += fw_layer
+            if st.last:
+                for cand_act, _g in segments["mid_fw"]["candidates"]:
+                    consider(base + level + poly(cand_act, b, s) + grads, phase,
+                             {"activations": level + poly(cand_act, b, s), "gradients": grads})
+            act += forward_net
+            consider(base + act + grads, phase, {"activations": act, "gradients": grads})
+            if st.last and not st.first:  # the buffer's previous logits, input and gradient go as it is replaced
+                act -= slot_bytes
+        else:
+            accumulating = started
+            level = act
+            for name in _backward_segments(st, num_layers):
+                seg = segments[name]
+                layer_seg = name in LAYER_BW
+                transient = largest_layer if layer_seg else largest_other
+                prev_act, prev_grad = 0.0, 0.0
+                for cand_coeffs, cand_grad in seg["candidates"]:
+                    cand_act = poly(cand_coeffs, b, s)
+                    # accumulating: a fresh gradient is added into its ``.grad`` in place and let go. At a candidate
+                    # where the activations rose (an activation peak) the gradient made before it is gone (counted,
+                    # --trace: a middle stage's later backwards peak one 64 KiB gradient below its first); where they
+                    # did not, the candidate is that gradient's own allocation (the embedding's dense gradient,
+                    # beside its accumulator: the first stage's later backwards at pp 4), at most one tensor's
+                    fresh = min(max(0.0, cand_grad - prev_grad), transient) if cand_act <= prev_act else 0.0
+                    prev_act, prev_grad = cand_act, cand_grad
+                    g = grads + (fresh if accumulating else cand_grad)
+                    consider(base + level + cand_act + g, phase, {"activations": level + cand_act, "gradients": g})
+                level += poly(seg["net_act"], b, s) - (rotary if layer_seg else 0.0)
+                if not accumulating:
+                    grads += seg["net_grad"]
+            act += kept_after_backward - forward_net
+            if not st.first and not st.last:
+                pending_send = 2 * boundary  # the received input (counted at its receive) and its gradient
+            live -= 1
+            started = True
+            consider(base + act + grads, phase, {"activations": act, "gradients": grads})
+    act -= pending_send  # the step's last SendGrad
+    reduce = allreduce_bucket_bytes(params)
+    consider(base + act + grads + reduce, "gradient reduction (ReduceGrads)",
+             {"activations": act, "gradients": grads, "comm_buffers": reduce})
+    step_total = base + act + model.step_grads + model.step_temp
+    consider(step_total, "optimizer_step", {"activations": act, "gradients": model.step_grads,
+                                            "temporaries": model.step_temp})
+    total, phase, in_flight, parts = best
+    out = dict(resident)
+    out["activations"] = resident["activations"] + parts.get("activations", 0.0)
+    for key in ("gradients", "temporaries", "comm_buffers"):
+        if parts.get(key):
+            out[key] = out.get(key, 0.0) + parts[key]
+    return PipelineRank(pp_rank=stage, stages=(stage,), parts=out, peak_bytes=total, phase=phase,
+                        in_flight=in_flight)
+
+
+# Settings the DeepSpeed pipeline estimate covers (checked on counted CPU runs); the others are refused in one line.
+DS_PIPELINE_PRECISIONS = ("bf16", "fp32")
+
+
+def check_ds_pipeline(spec: RunSpec) -> None:
+    """ValueError("pp_engine: ...") for what the DeepSpeed pipeline estimate does not model (``check_pipeline``,
+    run after, refuses tied embeddings, other model families and the long-context techniques)."""
+    training = spec.training
+    if training.precision not in DS_PIPELINE_PRECISIONS:
+        raise ValueError(f"pp_engine: DeepSpeed's pipeline engine is not modelled in precision {training.precision} "
+                         f"yet: use {' or '.join(DS_PIPELINE_PRECISIONS)} (the client optimizer steps the weights; "
+                         "DeepSpeed's fp16/bf16 modes, its BF16_Optimizer with fp32 masters, are not modelled)")
+    if training.grad_ckpt or training.ckpt_policy:
+        raise ValueError("pp_engine: DeepSpeed's activation checkpointing (pipeline.activation_checkpoint_interval) "
+                         "is not modelled yet")
+    if training.lora or training.qlora:
+        raise ValueError("pp_engine: LoRA under DeepSpeed's pipeline engine is not modelled yet")
+    if training.optimizer not in ("adamw", "adamw_fused", "sgd"):
+        raise ValueError(f"pp_engine: optimizer {training.optimizer} is not checked under DeepSpeed's pipeline "
+                         "engine")
+
+
+def ds_pipeline_notes(spec: RunSpec, bounds: list[int], num_layers: int) -> list[str]:
+    par = spec.parallel
+    split = []
+    for stage in range(par.pp):
+        st = ds_stage(bounds, stage, num_layers)
+        what = (["embedding"] if st.first else []) + ([f"{len(st.layers)} decoder layers"] if st.layers else []) \
+            + (["norm + head + loss"] if st.last else [])
+        split.append(" + ".join(what))
+    return [f"pp: DeepSpeed's pipeline engine, {par.pp} stages split by parameter count (partition_method "
+            f"'parameters'): {'; '.join(split)}; TrainSchedule (1F1B), {par.microbatches} micro-batches of "
+            f"{spec.training.micro_batch_size} rows per train_batch, ZeRO stage 0 with the client optimizer; its "
+            "shared receive buffer, input clones, the last stage's buffered logits (kept across steps) and the "
+            "flattened gradient buckets of ReduceGrads counted"]
