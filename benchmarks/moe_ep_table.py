@@ -1,7 +1,8 @@
 """Expert parallelism against real CPU runs on gloo ranks, with the routing forced balanced and skewed (issue 17).
 
     PYTHONPATH=. .venv/bin/python benchmarks/moe_ep_table.py [--configs CONFIG.json ...] [--layouts 2x2 4x2 4x4]
-        [--points 1x64 2x128] [--precision bf16|mixed_bf16] [--grad-ckpt] [--csv docs/error_matrix/moe_ep.csv]
+        [--points 1x64 2x128] [--precision bf16|mixed_bf16] [--grad-ckpt] [--lora-targets q_proj,v_proj]
+        [--csv docs/error_matrix/moe_ep.csv]
     PYTHONPATH=. .venv/bin/python benchmarks/moe_ep_table.py --rescore docs/error_matrix/moe_ep*.csv
 
 A layout ``WxE`` is W gloo ranks with ep_size E (``harness.ep.distribute``: transformers' own expert sharding and
@@ -13,7 +14,10 @@ receives its own T x top_k rows) or ``skewed`` (every token to experts 0..k-1: r
 rows). The estimate is ``traced_allocated_bytes`` of ``--method fsdp --gpus W --ep E`` with ``--moe-imbalance``
 1 (balanced) or num_experts / top_k (skewed: the busiest expert's load), compared with the busiest rank.
 Each point runs in freshly spawned interpreters (no torch in this process before the estimate). ``--rescore``: the
-committed rows estimated again, their measurements kept.
+committed rows estimated again, their measurements kept. ``--lora-targets``: LoRA rank 8 on those modules, applied as
+the estimator's profiler applies it (``estimator.profiler.build.apply_lora``: fp32 adapters) to the model on the meta
+device before it is sharded, so transformers' ``ep_plan`` still finds the experts (peft renames only what it wraps;
+adapters on the fused experts cannot run under EP at all: docs/error_matrix/README.md, helper moe28).
 """
 
 from __future__ import annotations
@@ -30,10 +34,16 @@ from benchmarks.table_csv import read_rows, write_rows
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 CONFIGS = [HERE / "configs" / f"{name}_tiny.json" for name in ("qwen3_moe", "mixtral", "qwen2_moe")]
+LORA_RANK = 8
+
+
+def lora_column(targets: str) -> dict:
+    """The LoRA targets of a row, a column only in tables run with them (the older tables keep their columns)."""
+    return {"lora_targets": targets} if targets else {}
 
 
 def _rank(rank: int, world: int, ep: int, config: dict, precision: str, b: int, s: int, routing: str, port: int,
-          out: str, grad_ckpt: bool = False) -> None:
+          out: str, grad_ckpt: bool = False, lora_targets: str = "") -> None:
     sys.path.insert(0, str(REPO))
     from benchmarks.gloo_ranks import join, nccl_live_storages_class
 
@@ -54,7 +64,15 @@ def _rank(rank: int, world: int, ep: int, config: dict, precision: str, b: int, 
             model = AutoModelForCausalLM.from_config(hf, dtype=dtype, attn_implementation="eager")
         if grad_ckpt:  # non-reentrant, on every decoder layer, as HF enables it
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        wrapped = None
+        if lora_targets:  # peft wraps the model in place: shard the inner model, train through the wrapper
+            from estimator.profiler.build import apply_lora
+            from estimator.spec import TrainingSpec
+
+            wrapped = apply_lora(model, TrainingSpec(lora_rank=LORA_RANK, lora_targets=lora_targets))
         model = hep.distribute(model, world, ep, precision)
+        if wrapped is not None:
+            model = wrapped
         model.to_empty(device="cpu")
         torch.manual_seed(0)
         with torch.no_grad():
@@ -63,7 +81,7 @@ def _rank(rank: int, world: int, ep: int, config: dict, precision: str, b: int, 
         model.train()
         if not hep.force_routing(model, hep.ROUTINGS[routing]):
             raise ValueError("no top-k router found in the model")
-        optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-5, foreach=True)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
         vocab = int(config["vocab_size"])
 
         def step(bb: int, ss: int) -> None:
@@ -90,27 +108,29 @@ def _rank(rank: int, world: int, ep: int, config: dict, precision: str, b: int, 
 
 
 def measured_bytes(config: dict, world: int, ep: int, precision: str, b: int, s: int, routing: str,
-                   grad_ckpt: bool = False) -> list[int]:
+                   grad_ckpt: bool = False, lora_targets: str = "") -> list[int]:
     """Each rank's peak live bytes."""
     import torch.multiprocessing as mp
 
     from benchmarks.gloo_ranks import free_port
 
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(world, ep, config, precision, b, s, routing, free_port(), out, grad_ckpt),
+        mp.start_processes(_rank, args=(world, ep, config, precision, b, s, routing, free_port(), out, grad_ckpt,
+                                        lora_targets),
                            nprocs=world, start_method="spawn")
         return [json.loads(Path(out, f"rank{r}.json").read_text())["peak_bytes"] for r in range(world)]
 
 
 def estimated_bytes(path: Path, world: int, ep: int, precision: str, b: int, s: int, imbalance: float,
-                    grad_ckpt: bool = False) -> int:
+                    grad_ckpt: bool = False, lora_targets: str = "") -> int:
     from estimator.api import estimate
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
     spec = RunSpec(model=str(path), gpu="h100-80gb",
                    parallel=ParallelSpec(method="fsdp", world_size=world, ep=ep, moe_imbalance=imbalance),
                    training=TrainingSpec(precision=precision, attn="eager", micro_batch_size=b, seq_len=s,
-                                         grad_ckpt=grad_ckpt))
+                                         grad_ckpt=grad_ckpt, lora_rank=LORA_RANK if lora_targets else 0,
+                                         lora_targets=lora_targets or "auto"))
     return int(estimate(spec).traced_allocated_bytes)
 
 
@@ -123,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--points", nargs="*", default=["1x64", "2x128"])
     parser.add_argument("--precision", default="bf16", choices=("bf16", "mixed_bf16"))
     parser.add_argument("--grad-ckpt", action="store_true", help="non-reentrant checkpointing of every layer")
+    parser.add_argument("--lora-targets", default="", help="LoRA rank 8 on these modules (e.g. q_proj,v_proj)")
     parser.add_argument("--csv", type=Path, default=None)
     parser.add_argument("--rescore", nargs="*", type=Path, default=None,
                         help="estimate the rows of committed tables again (their measurements kept), in place")
@@ -141,11 +162,13 @@ def main(argv: list[str] | None = None) -> int:
                 b, s = (int(x) for x in point.split("x"))
                 for routing in ROUTINGS:
                     imbalance = 1.0 if routing == "balanced" else skew_imbalance(experts, top_k)
-                    predicted = estimated_bytes(path, world, ep, args.precision, b, s, imbalance, args.grad_ckpt)
-                    ranks = measured_bytes(config, world, ep, args.precision, b, s, routing, args.grad_ckpt)
+                    predicted = estimated_bytes(path, world, ep, args.precision, b, s, imbalance, args.grad_ckpt,
+                                                args.lora_targets)
+                    ranks = measured_bytes(config, world, ep, args.precision, b, s, routing, args.grad_ckpt,
+                                           args.lora_targets)
                     measured = max(ranks)
                     rows.append({"family": config["model_type"], "config": path.name, "precision": args.precision,
-                                 "grad_ckpt": args.grad_ckpt,
+                                 "grad_ckpt": args.grad_ckpt, **lora_column(args.lora_targets),
                                  "world_size": world, "ep": ep, "micro_batch_size": b, "seq_len": s,
                                  "routing": routing, "moe_imbalance": imbalance,
                                  "measured_ranks_bytes": " ".join(map(str, ranks)), "measured_bytes": measured,
@@ -167,7 +190,7 @@ def rescore(paths: list[Path]) -> int:
         for row in rows:
             est = estimated_bytes(HERE / "configs" / row["config"], int(row["world_size"]), int(row["ep"]),
                                   row["precision"], int(row["micro_batch_size"]), int(row["seq_len"]),
-                                  float(row["moe_imbalance"]), row["grad_ckpt"] == "True")
+                                  float(row["moe_imbalance"]), row["grad_ckpt"] == "True", row.get("lora_targets", ""))
             got = int(row["measured_bytes"])
             row["estimate_bytes"], row["error_pct"] = est, round(100 * (est - got) / got, 4)
         write_rows(path, rows)

@@ -61,6 +61,7 @@ from estimator.models.params import ParamInfo, largest_layer
 from estimator.spec import Fsdp1Spec, RunSpec, model_code_release
 
 FP32 = 4
+HALF = 2
 ALIGN_BYTES = 16
 BUFFERS = ("root_params", "layer_params", "low_precision_shard", "flat_grad", "reduce", "kept_inputs")
 GRADS = ("root_grads", "layer_grads", "grad_shards", "held_grads")
@@ -555,7 +556,9 @@ def fsdp1_sizes(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> Fsdp1Si
                          "sharded strategies without LoRA; use grad_sync every, or fsdp")
 
     def unit(params: list[ParamInfo], name: str) -> FlatUnit:
-        compute = _uniform_elem(params, name)
+        # mixed_*: built in fp32, so one dtype per unit whatever the model keeps in fp32 at 16 bits (DeepSeek's
+        # router), and MixedPrecision gathers the whole flat parameter in 16 bits
+        compute = HALF if mixed else _uniform_elem(params, name)
         param_elem = FP32 if mixed else compute
         reduce = FP32 if mixed else compute
         return flat_unit(params, world, rank % world, compute, param_elem, reduce, options.use_orig_params)

@@ -209,17 +209,64 @@ def forward_only_refusal(spec, frozen: int) -> str | None:
             "cp or ep, add a target those layers have (e.g. attention) for other layouts")
 
 
+# The per-expert projection names peft (>= 0.18, transformers 5) turns into ``target_parameters`` on each family's
+# fused routed experts (``peft.utils.transformers_weight_conversion``; Qwen2-MoE's names also match its shared
+# expert's Linear modules, so the trace decides there). Read before a trace; after one, the parameter table says.
+_FUSED_EXPERT_NAMES = {"mixtral": {"w1", "w2", "w3"},
+                       **{family: {"gate_proj", "up_proj", "down_proj"}
+                          for family in ("deepseek_v2", "deepseek_v3", "qwen3_moe", "glm4_moe")}}
+
+
+def fused_expert_adapters_refusal(spec, adapted: bool) -> str | None:
+    """Why LoRA on the fused routed experts (peft's ``ParamWrapper``: it reads its ``lora_A`` / ``lora_B`` weights
+    directly and adds their product, one delta per expert of the whole layer, to the experts' 3-D tensor while
+    they run) cannot run under this spec's parallelism, found by running it (docs/error_matrix/README.md, helper
+    moe28); None where it runs or ``adapted`` is false."""
+    if not adapted:
+        return None
+    what = "lora_targets: LoRA on the fused routed experts (peft's target_parameters) "
+    if spec.parallel.ep > 1:
+        return (what + "cannot run under expert parallelism with transformers 5.24 and peft 0.18: peft adds one delta "
+                "for all of a layer's experts to a rank's share of them, a DTensor (baddbmm: mixed Tensor and "
+                "DTensor), and applied before the sharding its renamed experts match no ep_plan rule (nothing is "
+                "split); use ep 1, or adapters on attention only")
+    if spec.parallel.method == "fsdp1":
+        return (what + "cannot run under fsdp1: peft's fsdp_auto_wrap_policy makes each adapter Linear an FSDP1 "
+                "unit, gathered only when it is called, and the experts' wrapper reads those weights without "
+                "calling them (it gets the flat shard: shape '[E, -1, N]' is invalid); use fsdp (FSDP2)")
+    return None
+
+
+def predicted_fused_expert_adapters(training, config: dict) -> bool:
+    """Whether LoRA's targets name the routed experts' projections of a family peft fuses them for (before a
+    trace; False where it cannot say)."""
+    names = _FUSED_EXPERT_NAMES.get(config.get("model_type"), set())
+    targets = {t.strip() for t in training.lora_targets.split(",")}
+    return bool(training.lora and names & targets)
+
+
+def adapts_fused_experts(profile: dict) -> bool:
+    """Whether the traced parameter table has trainable routed-expert tensors in a LoRA profile (peft's adapters
+    on the fused experts: ``mlp.experts.lora_A.default.weight``)."""
+    params = profile["params"]
+    kinds = params.get("layer_kinds", {}).get("rows", [])  # each kind of layer's rows (a dense first one)
+    rows = [*params.get("per_layer", ()), *(r for kind in kinds for r in kind)]
+    return any(r.get("trainable") and "lora_" in r["name"] and is_routed_expert(r["name"]) for r in rows)
+
+
 def check_forward_only_layers(spec, profile: dict) -> None:
     """Forward-only first layers (``frozen_layers``, as the profile traced them) under a layout whose replay does
-    not split the layers there: refused in one line. (every-k checkpointing is full fine-tuning only: the spec
+    not split the layers there, and adapters on the fused experts where they cannot run: refused in one line. (every-k checkpointing is full fine-tuning only: the spec
     refuses it with LoRA.)"""
-    reason = forward_only_refusal(spec, profile["params"].get("frozen_layers", 0))
+    reason = fused_expert_adapters_refusal(spec, spec.training.lora and adapts_fused_experts(profile)) \
+        or forward_only_refusal(spec, profile["params"].get("frozen_layers", 0))
     if reason:
         raise ValueError(reason)
 
 
 def check_forward_only_layers_before_trace(spec, config: dict) -> None:
-    """The same refusal where the config states the dense first layers, before a profile is loaded or traced."""
-    reason = forward_only_refusal(spec, predicted_forward_only_layers(spec.training, config))
+    """The same refusals where the config and the targets state them, before a profile is loaded or traced."""
+    reason = fused_expert_adapters_refusal(spec, predicted_fused_expert_adapters(spec.training, config)) \
+        or forward_only_refusal(spec, predicted_forward_only_layers(spec.training, config))
     if reason:
         raise ValueError(reason)

@@ -1,7 +1,8 @@
 """LoRA on the routed experts past dense first layers under the multi-rank methods (issue 17): the forward-only
 first layers run in the prefix under ddp, ZeRO-1/2/3 and FSDP2 too. Sharded states count every layer's
 parameters; ZeRO-3 and FSDP2 gather each forward-only layer in the prefix and never again; the refusal that stays
-(tp, pp, cp, ep, FSDP1) comes from the config, before any trace. No torch: tables and segments built here."""
+(tp, pp, cp) comes from the config, before any trace; adapters on the fused experts cannot run at all under ep or
+FSDP1 (peft's wrapper), refused for that. No torch: tables and segments built here."""
 
 from __future__ import annotations
 
@@ -243,7 +244,41 @@ def test_a_layout_left_refuses_before_any_profile_is_loaded(tmp_path, monkeypatc
     monkeypatch.setattr(api, "load_model_profile", traced)
     spec = RunSpec(model=str(DEEPSEEK), parallel=ParallelSpec(method="fsdp", world_size=2, ep=2),
                    training=TrainingSpec(precision="bf16", lora_rank=8, lora_targets=EXPERTS))
-    with pytest.raises(ValueError, match="backward never reaches the first 1 decoder layer"):
-        api.estimate(spec)
-    with pytest.raises(AssertionError, match="a profile was loaded"):  # attention adapters: layer 0 is reached
-        api.estimate(spec.replace(**{"training.lora_targets": "q_proj," + EXPERTS}))
+    # the experts' adapters cannot run under ep or FSDP1 at all (attention adapters or not): refused for that
+    for parallel in (spec.parallel, ParallelSpec(method="fsdp1", world_size=2)):
+        for targets in (EXPERTS, "q_proj," + EXPERTS):
+            with pytest.raises(ValueError, match="fused routed experts .* cannot run under"):
+                api.estimate(spec.replace(parallel=parallel, **{"training.lora_targets": targets}))
+    with pytest.raises(AssertionError, match="a profile was loaded"):  # attention adapters only: estimated
+        api.estimate(spec.replace(**{"training.lora_targets": "q_proj,v_proj"}))
+
+
+@pytest.mark.parametrize("parallel, runs", [
+    (ParallelSpec(method="fsdp", world_size=2, ep=2), False), (ParallelSpec(method="fsdp1", world_size=2), False),
+    (ParallelSpec(method="fsdp", world_size=2), True), (ParallelSpec(method="zero3", world_size=2), True)])
+def test_adapters_on_the_fused_experts_are_refused_where_peft_cannot_run_them(parallel, runs):
+    """peft's expert wrapper under transformers' EP (one delta for every expert on a rank's DTensor share) and under
+    FSDP1 (the adapter units never gathered: their Linear modules are not called): refused, from the targets
+    before a trace and from the traced table after one; attention adapters are not refused for it."""
+    from estimator.models.moe import (
+        adapts_fused_experts,
+        fused_expert_adapters_refusal,
+        predicted_fused_expert_adapters,
+    )
+
+    spec = RunSpec(model="x", parallel=parallel, training=TrainingSpec(lora_rank=8, lora_targets="w1,w2,w3"))
+    mixtral = json.loads((ROOT / "benchmarks" / "configs" / "mixtral_tiny.json").read_text())
+    assert predicted_fused_expert_adapters(spec.training, mixtral)
+    assert (fused_expert_adapters_refusal(spec, True) is None) is runs
+    assert fused_expert_adapters_refusal(spec, False) is None
+    attention = TrainingSpec(lora_rank=8, lora_targets="q_proj,v_proj")
+    assert not predicted_fused_expert_adapters(attention, mixtral)
+    assert not predicted_fused_expert_adapters(TrainingSpec(lora_targets="w1,w2,w3"), mixtral)  # full fine-tuning
+    assert predicted_fused_expert_adapters(TrainingSpec(lora_rank=8, lora_targets=EXPERTS),
+                                           json.loads(DEEPSEEK.read_text()))
+    row = {"name": "mlp.experts.lora_A.default.weight", "trainable": True}
+    assert adapts_fused_experts({"params": {"per_layer": [row]}})
+    shared = {"name": "mlp.shared_expert.gate_proj.lora_A.default.weight", "trainable": True}
+    assert not adapts_fused_experts({"params": {"per_layer": [shared, {**row, "trainable": False}]}})
+    kinds = {"rows": [[shared], [row]], "of_layer": [0, 1]}
+    assert adapts_fused_experts({"params": {"per_layer": [shared], "layer_kinds": kinds}})
