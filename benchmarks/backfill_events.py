@@ -7,7 +7,7 @@ each thread's cuBLAS workspace is made) and autograd's gradient sums in place (`
 harness table, ``data/measurements/<gpu>/gpu_*.csv``; no RUN_ID: every row with status ok) the profile the
 estimator takes for its spec is traced with the sums as fake tensors make them; when those event lists equal the
 shipped ones (but for ``blas_first``), they replace the shipped ones (``--sums-in-place``: a trace with the sums in
-place does, an experiment: not every sum a GPU makes is in place). The segment
+place where torch's rule makes them so does: never into an autograd view, docs/allocator.md, helper sums). The segment
 summaries stay as they were traced, so the allocated estimate cannot move. A profile whose event lists differ is
 reported and left alone: it needs a full re-trace (``estimator.profiler.ship``), which may move other numbers."""
 
@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                              "another use that release's profiles (``_tf<release>``), traced only when it is the "
                              "installed one (PYTHONPATH to an unpacked wheel)")
     parser.add_argument("--sums-in-place", action="store_true",
-                        help="trace autograd's gradient sums in place (experimental: see docs/allocator.md, session 25)")
+                        help="trace autograd's gradient sums in place where torch's rule makes them so "
+                             "(docs/allocator.md, helper sums)")
     args = parser.parse_args(argv)
     installed = model_code_release(installed_version("transformers") or "")
     estimator_release = model_code_release(args.estimator_transformers or "") or installed

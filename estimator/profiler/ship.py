@@ -3,6 +3,8 @@
     python -m estimator.profiler.ship [--models NAME ...] [--variants KEY ...] [--tp 1 2 4 ...] [--events]
                                       [--out DIR]
     python -m estimator.profiler.ship --rows data/public/measurements.csv [--models NAME ...] [--out DIR]
+    python -m estimator.profiler.ship ... --sums-in-place   (autograd's sums as a GPU makes them; into an empty --out
+                                                              re-traces everything: docs/allocator.md, helper sums)
 
 Variants are TrainingSpec field sets; a profile already present (current schema) is skipped, so the command resumes.
 ``--rows``: the profiles a measurement table's rows ask for with ``model_code`` equal to the transformers release
@@ -176,8 +178,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="a measurement table (data/public/measurements.csv, or a harness table such as "
                              "data/measurements/h200-141gb/gpu_single.csv): trace the profiles its rows ask for "
                              "with the model code of the installed transformers release (with --models: only theirs)")
+    parser.add_argument("--sums-in-place", action="store_true",
+                        help="trace autograd's gradient sums in place where torch's rule makes them so "
+                             "(StorageRecorder.fold_engine_sums; docs/allocator.md, helper sums)")
     args = parser.parse_args(argv)
     from estimator.profiler.profile import build_profile
+    from estimator.profiler.trace import StorageRecorder
+
+    if args.sums_in_place:
+        StorageRecorder.fold_engine_sums_default = True
 
     out = args.out or Path(str(resources.files("estimator") / "profiles"))
     if args.rows is not None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch._guards import active_fake_mode
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
@@ -49,8 +50,9 @@ BLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", 
 
 
 class StorageRecorder(TorchDispatchMode):
-    # on: autograd's gradient sums in place (``_engine_sum``), as a GPU makes some of them; off (the default): as
-    # fake tensors make them. Not on by default: a GPU run keeps some sums out of place (docs/allocator.md, s. 25)
+    # on: autograd's gradient sums in place where torch's rule makes them so (``_engine_sum_candidate``: not into an
+    # autograd view); off (the default): every sum out of place, as fake tensors make them. The shipped profiles are
+    # traced with it off (docs/allocator.md, helper sums: switching it on means re-tracing them all)
     fold_engine_sums_default = False
     def __init__(self) -> None:
         super().__init__()
@@ -92,21 +94,37 @@ class StorageRecorder(TorchDispatchMode):
         self._refs[sid] = weakref.ref(storage, lambda _ref, sid=sid: (events.append(("f", alias.get(sid, sid))),
                                                                      self._refs.pop(sid, None)))
 
-    def _engine_sum(self, func, args: tuple, kwargs: dict | None, out, first_new: int) -> None:
-        """Autograd's input buffer sums two gradients of one input as ``old + new`` on traced tensors, but on a
-        GPU's plain tensors as ``old.add_(new)`` when it holds ``old``'s only reference and its storage's
-        (``InputBuffer::accumulate``: ``can_accumulate_inplace(old_var)`` and ``new`` no tensor subclass; a fake
-        tensor is subclass-like). Only the buffer's own ``old`` is ever the target: a dense ``new`` is never
-        summed into, whoever holds it (``var.add_(old_var)`` is for a sparse ``old`` only). Such a sum (an add
-        inside the engine, no grad mode, two dense inputs of the output's shape) is noted here; ``_settle_sums``
-        folds it once the frees that follow it are known."""
+    def _engine_sum_candidate(self, func, args: tuple, kwargs: dict | None) -> bool:
+        """Whether ``func`` is autograd's input-buffer sum of two gradients of one input (an add inside the
+        engine, no grad mode) that a GPU may make in place: ``InputBuffer::accumulate`` sums ``old.add_(new)``
+        only when ``can_accumulate_inplace(old)``: ``old`` dense, no tensor subclass, the buffer holding the only
+        reference to it *and to its storage*. An autograd view never passes: its ``ViewInfo`` keeps its base,
+        which shares the storage (``linear`` on a 3-D input returns ``ViewBackward0``'s ``grad.view(...)``, the
+        residual ``AddBackward0`` passes it on), so such a sum makes a new tensor on the GPU (real CPU tensors
+        show the same: docs/allocator.md, helper sums). ``new`` may be anything of ``old``'s shape."""
         if (func is not torch.ops.aten.add.Tensor or not self.fold_engine_sums or torch.is_grad_enabled()
-                or torch._C._current_graph_task_id() == -1 or self._next_sid != first_new + 1 or len(args) != 2
-                or (kwargs or {}).get("alpha", 1) != 1 or not isinstance(out, torch.Tensor)):
+                or torch._C._current_graph_task_id() == -1 or len(args) != 2
+                or (kwargs or {}).get("alpha", 1) != 1):
+            return False
+        old, new = args
+        return (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and old.shape == new.shape
+                and old.dtype == new.dtype and not old._is_view() and is_non_overlapping_and_dense_or_false(old)
+                and old.untyped_storage().nbytes() == old.numel() * old.element_size())
+
+    @staticmethod
+    def _sum_in_first_layout(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """``old + new`` in ``old``'s strides: what ``old.add_(new)`` leaves (a folded sum is ``old`` itself; the
+        traced add may pick another layout, and a later ``transpose(...).contiguous()`` would copy)."""
+        out = torch.empty_strided(old.shape, old.stride(), dtype=old.dtype, device=old.device)
+        return torch.ops.aten.add.out(old, new, out=out)
+
+    def _engine_sum(self, args: tuple, out, first_new: int) -> None:
+        """Note a candidate sum (``_engine_sum_candidate``) that made one new storage; ``_settle_sums`` folds it
+        once the frees that follow it are known (the traced ``buffer[pos] = old + new`` dropping the buffer's
+        last reference to ``old`` frees its storage right after the sum)."""
+        if self._next_sid != first_new + 1 or not isinstance(out, torch.Tensor):
             return
-        if not all(isinstance(a, torch.Tensor) and a.shape == out.shape and a.dtype == out.dtype
-                   and a.is_contiguous() and a.untyped_storage().nbytes() == out.untyped_storage().nbytes()
-                   for a in args):
+        if out.untyped_storage().nbytes() != args[0].untyped_storage().nbytes():
             return
         inputs = [self.sid(a.untyped_storage()) for a in args]
         if None not in inputs:
@@ -161,10 +179,13 @@ class StorageRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, _dtensor_type()) for t in types):
             return NotImplemented  # DTensor desugars into ops on its local tensors, which come back here
+        engine_sum = False
         if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode() is not None:
             out = args[0]  # the fake impl returns a new tensor; on a GPU wait_tensor returns its input
         elif self._fills_fresh_zeros(func, args, kwargs or {}):
             out = _IN_PLACE_FILL[func](*args, **(kwargs or {}))
+        elif (engine_sum := not self._paused and self._engine_sum_candidate(func, args, kwargs)):
+            out = self._sum_in_first_layout(*args)
         else:
             out = func(*args, **(kwargs or {}))
         if not self._paused:
@@ -174,7 +195,8 @@ class StorageRecorder(TorchDispatchMode):
                     self.track(item)
             if self._next_sid > before and func.namespace == "aten" and func.overloadpacket.__name__ in BLAS_OPS:
                 self.timeline.blas_outputs.append(before)
-            self._engine_sum(func, args, kwargs, out, before)
+            if engine_sum:
+                self._engine_sum(args, out, before)
             if self.inherit_layers and self._next_sid > before:
                 self._inherit_layer(args, out)
                 self._note_scalars(args, kwargs, out)
