@@ -162,7 +162,9 @@ COMBINATIONS = {"pipeline_ckpt.csv": {"grad_ckpt": {"True"}},
                 "pipeline_tp.csv": {"tp": {"2"}, "dp": {"1"}},
                 "pipeline_tp_ckpt.csv": {"tp": {"2"}, "grad_ckpt": {"True"}, "dp": {"1"}},
                 "pipeline_tp_lora.csv": {"tp": {"2"}, "lora_rank": {"8"}, "dp": {"1"}},
-                "pipeline_fsdp_lora_ckpt.csv": {"lora_rank": {"8"}, "grad_ckpt": {"True"}, "dp": {"2"}}}
+                "pipeline_fsdp_lora_ckpt.csv": {"lora_rank": {"8"}, "grad_ckpt": {"True"}, "dp": {"2"}},
+                "pipeline_tp_lora_ckpt.csv": {"tp": {"2"}, "lora_rank": {"8"}, "grad_ckpt": {"True"},
+                                              "dp": {"1"}}}
 # The 1 % bar, but for pp x tp's interleaved middle rank at pp 4 (+1.075 %): the pipelines' in-flight gradient
 # residue (the estimate's backward candidate under accumulation with one gradient in flight, 33.6 KB here as in
 # pipeline.csv's +0.71 % row), larger relative to a TP rank's smaller total. Over-estimates only.
