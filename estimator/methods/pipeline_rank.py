@@ -519,9 +519,6 @@ def check_pipeline(spec: RunSpec, model_type: str, tied: bool) -> None:
     if tied:
         raise ValueError("pp: tied input and output embeddings (tie_word_embeddings) would sit on the first and the "
                          "last stage; torch's pipelining does not tie them across stages")
-    if spec.parallel.tp > 1 and ckpt_every(training.ckpt_policy) is not None:
-        raise ValueError(f"pp: pp x tp with ckpt_policy {training.ckpt_policy} is not checked yet; checkpoint every "
-                         "decoder layer")
     if training.lora and training.precision != "bf16":
         raise ValueError(f"pp: LoRA under pipelining is checked in bf16 only; precision {training.precision} is not "
                          "checked yet")
