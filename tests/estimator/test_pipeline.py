@@ -394,12 +394,13 @@ def test_cli_pipeline_and_its_errors():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra, ranks", [([], ["0", "1"]), (["--lora-rank", "8", "--grad-ckpt"], ["0", "1"]),
-                                          (["--tp", "2", "--grad-ckpt"], ["0", "2"])],
-                         ids=["alone", "lora_ckpt", "tp_ckpt"])
+                                          (["--tp", "2", "--grad-ckpt"], ["0", "2"]),
+                                          (["--dp", "2", "--lora-rank", "8", "--grad-ckpt"], ["0", "2"])],
+                         ids=["alone", "lora_ckpt", "tp_ckpt", "fsdp_lora_ckpt"])
 def test_the_estimate_matches_torchs_pipelining_on_gloo_ranks(tmp_path, extra, ranks):
     """The oracle (benchmarks/pipeline_table.py): the tiny Llama config on 2 pipeline ranks (x tp 2) under torch's
-    1F1B, every live storage counted; each rank in a spawned interpreter. Alone, with LoRA and checkpointing, and
-    pp x tp with checkpointing."""
+    1F1B, every live storage counted; each rank in a spawned interpreter. Alone, with LoRA and checkpointing,
+    pp x tp with checkpointing, and pp x FSDP2 with LoRA and checkpointing (the peak in stage 0's gathering forward)."""
     import os
 
     out = tmp_path / "pp.csv"
