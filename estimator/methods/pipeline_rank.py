@@ -16,7 +16,12 @@ with ``reshard_after_forward=False`` under pp: from its first forward on, a stag
 from its first backward on its gradients too, until the stage's reduce-scatter. The interleaved schedule runs torch's
 multi-stage runtime, which adds FSDP actions of its own (``_add_unshard_reshard``, ``_add_reduce_grad``): before each
 compute action the next ``MAX_ACTIVE_STAGES`` stages the rank computes are unsharded (the others resharded), and a
-stage's gradients are reduce-scattered right after its last backward, not when the schedule ends.
+stage's gradients are reduce-scattered right after its last backward, not when the schedule ends. A stage's first
+forward of the step gathers its parameters: under GPipe and 1F1B at each FSDP2 group's pre-forward, where a group's
+all-gather output lives until the next group's copy-out (the last one's until the stage module's post-forward), so at
+a layer's copy-out two outputs and the layer's new unsharded parameters sit on the activations so far (the peak of
+1F1B's first rank under LoRA with checkpointing, where little else is held); the multi-stage runtime issues a stage's
+all-gathers in its UNSHARD action and frees each output right after its copy-out (``_gathering_forward_lifts``).
 FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (precision ``mixed_bf16``): fp32 shards are
 the master weights (Adam steps them: no separate masters), the unsharded parameters are their 16-bit all-gathers, and
 without gradient sync each parameter group's post-backward hook upcasts its fresh 16-bit gradients to fp32
@@ -73,7 +78,8 @@ EMBEDDING_RELEASE = "embedding_release"  # a pseudo-segment: the first stage let
 
 
 def _forward_segments(first: bool, last: bool, layers: range, num_layers: int,
-                      frozen_input: bool = False, kinds: list[bool] | None = None) -> list[tuple[str, int]]:
+                      frozen_input: bool = False, kinds: list[bool] | None = None,
+                      merge: bool = True) -> list[tuple[str, int]]:
     # The unsplit model's first-layer segment holds a hidden-sized tensor more than a generic layer's; the first
     # stage's forward, counted, is the prefix (embedding, rotary) and generic layers (benchmarks/pipeline_table.py
     # --trace), so layer 0 takes the generic segment here. Under LoRA (``frozen_input``) layer 0's input needs no
@@ -86,7 +92,7 @@ def _forward_segments(first: bool, last: bool, layers: range, num_layers: int,
     # the last layer's segment holds the same tensor more (``received_extra`` below): generic here too
     if last:
         seq.append(("mid_fw", 1))
-    return _merge(seq)
+    return _merge(seq) if merge else seq
 
 
 def _backward_segments(first: bool, last: bool, layers: range, num_layers: int,
@@ -209,6 +215,7 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     gathered = 0.0      # FSDP2: unsharded parameters held
     started: set[int] = set()     # stages whose first backward has run
     unsharded: set[int] = set()   # FSDP2: stages whose parameters were gathered
+    computed: set[int] = set()    # stages that ran an action
     backwards = dict.fromkeys(mine, 0)   # each stage's backwards so far (its reduce follows the last)
     reduce_bytes = FP32 if mixed else None  # the reduce dtype (None: the parameter's own)
     actions = rank_actions(par.pp_schedule, pp_rank, pp, m, virtual)
@@ -232,11 +239,13 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     # 1F1B under LoRA: every stage but the last keeps one hidden-sized tensor per rank more from its first backward
     # until the schedule returns, which full fine-tuning and the other schedules do not (counted with --trace at
     # b x s = 64 and 128: b s h x the activation's element size; origin not found). None: no such tensor.
-    lora_kept: bool | None = False if training.lora and par.pp_schedule == "1f1b" else None
     # 1F1B under pp x tp with checkpointing: the same where a forward follows the first backward (the steady
     # state), but let go before the rank's last backward (counted with --trace at pp 2 and 4, b x s = 64 and 2 x 32;
     # origin not found). None: no such tensor.
     tp_kept: bool | None = False if par.tp > 1 and training.grad_ckpt and par.pp_schedule == "1f1b" else None
+    # Under pp x tp with LoRA and checkpointing there is one such tensor, with pp x tp's lifetime, not LoRA's (counted,
+    # --trace: 1F1B pp 2 rank 0 read +0.86 % with both)
+    lora_kept: bool | None = False if training.lora and par.pp_schedule == "1f1b" and tp_kept is None else None
     backward_actions = sum(a.kind == "B" for a in rank_actions(par.pp_schedule, pp_rank, pp, m, virtual))
     for index, action in enumerate(actions):
         before = base + gathered + act + grads + pending
@@ -244,12 +253,24 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
         st = action.stage
         first, last = st == 0, st == num_stages - 1
         out_bytes = logits if last else boundary
+        # FSDP2 gathers a stage's parameters in its first forward of the step (gpipe, 1F1B: at each group's
+        # pre-forward; the multi-stage runtime: its UNSHARD action's all-gathers, waited for group by group here)
+        gathering = fsdp and action.kind == "F" and st not in (computed if multi_stage else unsharded)
+        computed.add(st)
         if fsdp:
             unsharded = set(_next_stages(actions[index:], MAX_ACTIVE_STAGES)) if multi_stage else unsharded | {st}
             gathered = sum(weights_of[x] for x in unsharded)
+        lifts = None  # FSDP2's all-gather outputs per forward segment (``_gathering_forward_lifts``)
         if action.kind == "F":
             live += 1
-            seq = _forward_segments(first, last, splits[st], num_layers, frozen_input, kinds)
+            seq = _forward_segments(first, last, splits[st], num_layers, frozen_input, kinds,
+                                    merge=not (gathering and not multi_stage))
+            if gathering and not multi_stage:
+                lifts = _gathering_forward_lifts(seq, params[st], dp)
+            elif gathering:  # outside the forward state each group's output goes right after its copy-out, while
+                # the issued outputs of the later groups stand where their unsharded parameters will be
+                consider(base + gathered + act + grads + pending + _largest_gather(params[st], dp), phase_of(action),
+                         {"activations": act, "gradients": grads + pending, "gathered_params": gathered})
             if not first:  # every stage computes its own rotary cos/sin and positions (the prefix less the embedding),
                 act += rotary + received_extra_of(st)  # and holds one hidden-sized tensor more than its generic layers
         else:
@@ -258,7 +279,7 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
         if tp_kept and action.kind == "B" and sum(backwards.values()) == backward_actions - 1:
             act -= boundary  # the rank's last backward: the kept tensor has gone
             tp_kept = None
-        phase = f"{'forward' if action.kind == 'F' else 'backward'} of stage {st}, micro-batch {action.microbatch}"
+        phase = phase_of(action)
         # A checkpointed stage's first backward layer leaves its output's gradient alone (the receive buffer,
         # resident), which the unsplit profile's segment frees: every later level of the backward holds it
         # (counted, --trace, under LoRA; the plain segments' levels were fitted with it freed: lifting them moved
@@ -268,6 +289,10 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
         for seg_index, (name, reps) in enumerate(seq):
             seg = segments[name]
             net = poly(seg["net_act"], b, s)
+            at_start, within = lifts[seg_index] if lifts else (0.0, 0.0)
+            if at_start:  # a layer group's copy-out, before the layer runs
+                consider(base + gathered + act + grads + pending + at_start, phase,
+                         {"activations": act, "gradients": grads + pending, "gathered_params": gathered + at_start})
             layer_seg = name.removesuffix(CKPT) in LAYER_SEGMENTS
             # under accumulation one gradient at a time is in flight before autograd adds it in place
             transient = largest_layer[st] if layer_seg else largest_other[st]
@@ -280,9 +305,9 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
                         g = grads + pending + (0 if accumulating else k * done_grad) + cand_grad
                     else:
                         g = grads + (min(fresh_grad, transient) if accumulating else k * done_grad + cand_grad)
-                    consider(base + gathered + act + lift + k * net + poly(cand_act, b, s) + g, phase,
+                    consider(base + gathered + within + act + lift + k * net + poly(cand_act, b, s) + g, phase,
                              {"activations": act + lift + k * net + poly(cand_act, b, s), "gradients": g,
-                              "gathered_params": gathered})
+                              "gathered_params": gathered + within})
             act += reps * net + (incoming if seg_index == 0 else 0.0)
             if mixed and not layer_seg:
                 pending += reps * seg["net_grad"]
@@ -402,6 +427,46 @@ def _fsdp_groups(stage: list[ParamInfo]) -> list[tuple[bool, list[ParamInfo]]]:
     return ([(True, own)] if own else []) + [(False, layers[i]) for i in sorted(layers)]
 
 
+def _gathering_forward_lifts(seq: list[tuple[str, int]], stage: list[ParamInfo], dp: int
+                              ) -> list[tuple[float, float]]:
+    """What FSDP2's all-gathers add, per segment of a stage's forward that gathers its parameters (``seq``
+    unmerged, one entry per layer), to a level that counts the whole stage gathered from the start: ``(at the
+    segment's start, within it)``. Torch 2.13 (``FSDPParamGroup.unshard`` / ``wait_for_unshard``, forward state):
+    the stage module's own group is gathered at its pre-forward, each layer's at its own; a group's all-gather
+    output (padded, ``_fsdp_group_sizes``) outlives its copy-out until the next group's copy-out, the last one's
+    until the stage module's post-forward (after the head, on the last stage). So at layer j's copy-out the
+    previous group's output, layer j's output and its unsharded parameters are live, the later layers' not yet."""
+    groups = _fsdp_groups(stage)
+    gather = [methods._fsdp_group_sizes(group, dp, lambda p: p.elem_bytes)[1] for _, group in groups]
+    own = gather[0] if groups and groups[0][0] else 0.0
+    layer_gathers = gather[1:] if own else gather
+    out: list[tuple[float, float]] = []
+    j = -1  # the layer the walk is in
+    for name, _ in seq:
+        if name.removesuffix(CKPT) in LAYER_SEGMENTS:
+            j += 1
+            later = sum(layer_gathers[j + 1:])
+            previous = layer_gathers[j - 1] if j else own
+            out.append((previous + layer_gathers[j] - later, layer_gathers[j] - later))
+        elif name == "mid_fw":  # the last layer's output is freed at the stage module's post-forward
+            out.append((0.0, layer_gathers[-1] if layer_gathers else own))
+        elif j < 0:  # the prefix: only the stage module's own group gathered (its output held)
+            out.append((0.0, own - sum(layer_gathers)))
+        else:  # within layer j (the embedding release)
+            out.append((0.0, layer_gathers[j] - sum(layer_gathers[j + 1:])))
+    return out
+
+
+def phase_of(action: Action) -> str:
+    return f"{'forward' if action.kind == 'F' else 'backward'} of stage {action.stage}, micro-batch {action.microbatch}"
+
+
+def _largest_gather(stage: list[ParamInfo], dp: int) -> float:
+    """The largest all-gather output among a stage's FSDP2 groups (padded)."""
+    return max((methods._fsdp_group_sizes(group, dp, lambda p: p.elem_bytes)[1] for _, group in _fsdp_groups(stage)),
+               default=0.0)
+
+
 def _next_stages(actions: list[Action], count: int) -> list[int]:
     """The first ``count`` distinct stages the actions compute (torch's ``next_stage_indices``)."""
     out: list[int] = []
@@ -461,15 +526,6 @@ def check_pipeline(spec: RunSpec, model_type: str, tied: bool) -> None:
     if tied:
         raise ValueError("pp: tied input and output embeddings (tie_word_embeddings) would sit on the first and the "
                          "last stage; torch's pipelining does not tie them across stages")
-    if spec.parallel.tp > 1 and training.lora and training.grad_ckpt:
-        raise ValueError("pp: pp x tp with LoRA and checkpointing together is not checked yet; use one of them")
-    if spec.parallel.tp > 1 and ckpt_every(training.ckpt_policy) is not None:
-        raise ValueError(f"pp: pp x tp with ckpt_policy {training.ckpt_policy} is not checked yet; checkpoint every "
-                         "decoder layer")
-    if training.lora and training.grad_ckpt and fsdp2:
-        raise ValueError("pp: LoRA with checkpointing under pp x FSDP2 is not modelled yet (FSDP2's all-gathers at a "
-                         "stage's first forward set the peak under 1F1B: -1.6 to -1.8 % against torch's run); use "
-                         "pp alone, or LoRA without checkpointing with FSDP2")
     if training.lora and training.precision != "bf16":
         raise ValueError(f"pp: LoRA under pipelining is checked in bf16 only; precision {training.precision} is not "
                          "checked yet")
