@@ -91,13 +91,16 @@ def refresh_cached_profiles(rows: list[dict], *, allow_build: bool = True) -> li
         if r["quantity"] == "max_allocated" or training.qlora or training.grad_accum_steps > 1 or spec.parallel.tp > 1:
             continue
         arch = cached_arch(spec.model)  # the configured model's profile (a resized vocabulary is derived from it)
-        key = profiles.profile_key(arch.config_sha, training)
+        adapters_16bit = profiles.adapters_in_16bit(training, spec.parallel.method)
+        key = profiles.profile_key(arch.config_sha, training, adapters_16bit=adapters_16bit)
         found = profiles.find_profile(key)
         if key in done or found is None or profiles.has_events(found):
             continue
+        from estimator.profiler.build import lora_adapters_16bit
         from estimator.profiler.profile import build_profile
 
-        profiles.save_profile(key, build_profile(arch.config, training))
+        with lora_adapters_16bit(adapters_16bit):
+            profiles.save_profile(key, build_profile(arch.config, training))
         done.append(key)
     return done
 

@@ -26,9 +26,10 @@ SPEC = ["model", "gpu", "method", "world_size", "tp", "micro_batch_size", "seq_l
         "zero_stage3_max_live_parameters", "zero_stage3_max_reuse_distance", "zero_sub_group_size",
         "zero_offload_optimizer", "zero_offload_param", "zero_pin_memory", "fsdp1_sharding_strategy",
         "fsdp1_use_orig_params", "fsdp1_cpu_offload", "fsdp1_backward_prefetch", "fsdp1_forward_prefetch",
-        "fsdp1_limit_all_gathers", "fsdp1_gpus_per_node", "pp", "pp_schedule", "pp_microbatches", "pp_virtual"]
+        "fsdp1_limit_all_gathers", "fsdp1_gpus_per_node", "pp", "pp_schedule", "pp_microbatches", "pp_virtual",
+        "pp_engine"]
 # no published row pipelines: torch's defaults with pp 1
-PP_DEFAULTS = {"pp": 1, "pp_schedule": "1f1b", "pp_microbatches": 0, "pp_virtual": 0}
+PP_DEFAULTS = {"pp": 1, "pp_schedule": "1f1b", "pp_microbatches": 0, "pp_virtual": 0, "pp_engine": "torch"}
 ZERO_DEFAULTS = {"zero_reduce_bucket_size": 500_000_000, "zero_allgather_bucket_size": 500_000_000,
                  "zero_overlap_comm": "", "zero_contiguous_gradients": True, "zero_reduce_scatter": True,
                  "zero_stage3_prefetch_bucket_size": 50_000_000, "zero_stage3_param_persistence_threshold": 100_000,
