@@ -795,11 +795,17 @@ def _pipeline_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: lis
                                   peak_device_bytes=residuals.device_from_reserved(reserved, coeffs, communicators),
                                   breakdown={k: int(round(v)) for k, v in parts.items() if v},
                                   phase=f"{pr.phase} ({pr.in_flight} micro-batches in flight)"))
+    return _pipeline_result(spec, ranks, arch, profile, coeffs, gpu, pipeline_notes(spec, arch.num_layers))
+
+
+def _pipeline_result(spec: RunSpec, ranks: list[RankEstimate], arch: ModelArch, profile: dict, coeffs, gpu,
+                     layout_notes: list[str]) -> Estimate:
+    """A pipeline's Estimate from its reported ranks (torch's schedules and DeepSpeed's engine alike)."""
     worst = max(ranks, key=lambda r: r.peak_device_bytes)
     total, trainable = param_counts(profile["params"], arch.num_layers)
-    notes = pipeline_notes(spec, arch.num_layers) + [versions_note(profile, model_code=training.model_code),
-                                                     "reserved: prior allocated x (1 + slack ratio) + slack bytes "
-                                                     "(the allocator replay does not cover pipeline schedules)"]
+    notes = layout_notes + [versions_note(profile, model_code=spec.training.model_code),
+                            "reserved: prior allocated x (1 + slack ratio) + slack bytes (the allocator replay does "
+                            "not cover pipeline schedules)"]
     notes += residuals.provenance_notes(coeffs)
     return Estimate(spec=spec, ranks=ranks, worst_rank=worst.rank, capacity_bytes=gpu.capacity_bytes,
                     upper_bound_bytes=residuals.upper_bound_bytes(worst.peak_device_bytes, coeffs),
@@ -831,14 +837,5 @@ def _ds_pipeline_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: 
                                   peak_device_bytes=residuals.device_from_reserved(reserved, coeffs, 1),
                                   breakdown={k: int(round(v)) for k, v in parts.items() if v},
                                   phase=f"{pr.phase} ({pr.in_flight} micro-batches in flight)"))
-    worst = max(ranks, key=lambda r: r.peak_device_bytes)
-    total, trainable = param_counts(profile["params"], arch.num_layers)
-    notes = dsp.ds_pipeline_notes(spec, bounds, arch.num_layers) + [
-        versions_note(profile, model_code=training.model_code),
-        "reserved: prior allocated x (1 + slack ratio) + slack bytes (the allocator replay does not cover pipeline "
-        "schedules)"]
-    notes += residuals.provenance_notes(coeffs)
-    return Estimate(spec=spec, ranks=ranks, worst_rank=worst.rank, capacity_bytes=gpu.capacity_bytes,
-                    upper_bound_bytes=residuals.upper_bound_bytes(worst.peak_device_bytes, coeffs),
-                    host_ram_bytes=0, calibrated=coeffs.calibrated, gpu_key=gpu.key, params=total,
-                    trainable_params=trainable, notes=notes, model_code=traced_release(profile) or "")
+    return _pipeline_result(spec, ranks, arch, profile, coeffs, gpu,
+                            dsp.ds_pipeline_notes(spec, bounds, arch.num_layers))
