@@ -915,10 +915,12 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     if gpus % ctx.fsdp1.shard_size(gpus):
         raise ValueError(f"gpus_per_node: HYBRID_SHARD needs whole nodes: {gpus} GPUs is not a multiple of "
                          f"{ctx.fsdp1.gpus_per_node}")
-    # cp layouts for fixed-shape steps only: an epoch of mixed batch shapes under cp is not modelled
+    # cp layouts for fixed-shape steps only: an epoch of mixed batch shapes under cp is not modelled; cp x tp is a
+    # dp_tp layout, so its TP degrees are worked out only where dp_tp is weighed
+    with_cp_tp = epoch is None and (methods is None or "dp_tp" in methods)
     cands = enumerate_candidates(gpus, ckpt_options, methods, routed_experts(arch.config),
                                  cp_degrees(gpus, training) if epoch is None else (),
-                                 cp_tp_pairs(gpus, training, _stage_tp_degrees(arch, gpus)) if epoch is None else ())
+                                 cp_tp_pairs(gpus, training, _stage_tp_degrees(arch, gpus)) if with_cp_tp else ())
     pipeline_note = ""
     if gpus > 1 and (methods is None or {"single", "fsdp", "tp", "dp_tp"} & set(methods)):
         piped, pipeline_note = _pipeline_candidates(model, arch, training, gpus, ckpt_options,
