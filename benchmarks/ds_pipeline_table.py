@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", nargs="*", type=int, default=[2, 4])
     parser.add_argument("--microbatches", nargs="*", type=int, default=[4, 8])
     parser.add_argument("--points", nargs="*", default=["1x64", "2x32"])
-    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32", "mixed_bf16"))
     parser.add_argument("--csv", type=Path, default=None)
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--measure-only", action="store_true", help="print the measurements, no estimate")
