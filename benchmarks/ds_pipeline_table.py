@@ -50,6 +50,12 @@ def _rank(rank: int, world: int, pp: int, microbatches: int, config: dict, preci
         from harness.methods.deepspeed import patch_deepspeed
 
         patch_deepspeed(fake_pg=False)
+        if precision == "mixed_fp16":
+            # DeepSpeed's CPU accelerator allows fp16 only where oneDNN has fp16 kernels; torch's CPU fp16 ops run
+            # without them (slower), and the engine's allocations do not depend on it
+            from deepspeed.accelerator import get_accelerator
+
+            get_accelerator().is_fp16_supported = lambda: True
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
         fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
         hf = AutoConfig.for_model(config["model_type"], **fields)
@@ -164,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", nargs="*", type=int, default=[2, 4])
     parser.add_argument("--microbatches", nargs="*", type=int, default=[4, 8])
     parser.add_argument("--points", nargs="*", default=["1x64", "2x32"])
-    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32", "mixed_bf16"))
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32", "mixed_bf16", "mixed_fp16"))
     parser.add_argument("--csv", type=Path, default=None)
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--measure-only", action="store_true", help="print the measurements, no estimate")

@@ -163,15 +163,15 @@ def train_schedule_actions(stage: int, stages: int, microbatches: int) -> list[A
     return out
 
 
-def allreduce_bucket_bytes(params: list[ParamInfo]) -> float:
+def allreduce_bucket_bytes(params: list[ParamInfo], comm_elem_bytes: int = FP32) -> float:
     """The largest transient of ``buffered_allreduce_fallback``: per bucket (tensors in ``parameters()`` order until
-    one takes it past 500 M elements), the flat copy in the gradients' dtype and, for 16-bit gradients, its fp32
-    copy (the communication dtype without DeepSpeed's fp16/bf16 modes)."""
+    one takes it past 500 M elements), the flat copy in the gradients' dtype and, where it differs, its copy in the
+    communication dtype (fp32 without DeepSpeed's fp16/bf16 modes, fp16 in its fp16 mode)."""
     best = 0.0
     bucket_numel, bucket_bytes = 0, 0.0
 
     def transient(numel: int, nbytes: float) -> float:
-        return nbytes + (numel * FP32 if nbytes < numel * FP32 else 0.0)
+        return nbytes + (numel * comm_elem_bytes if nbytes != numel * comm_elem_bytes else 0.0)
 
     for p in params:
         if not p.trainable:
@@ -219,11 +219,31 @@ def _bf16_optimizer_model(spec: RunSpec, params: list[ParamInfo]) -> methods.Ste
                              accumulated_grad_bytes=lp_grads, largest_grad_bytes=0.0)
 
 
+def _fp16_unfused_model(spec: RunSpec, params: list[ParamInfo]) -> methods.StepModel:
+    """DeepSpeed's fp16 mode around a client optimizer that is not its FusedAdam (``FP16_UnfusedOptimizer``,
+    ``runtime/fp16/unfused_optimizer.py``): an fp32 clone of each trainable tensor is what the client optimizer
+    steps, its states made at setup (``initialize_optimizer_states``). The step converts every 16-bit gradient to an
+    fp32 one on its master before the client optimizer runs (the 16-bit ones are still held), then drops them."""
+    training = spec.training
+    trainable = [p for p in params if p.trainable]
+    resident = {"weights": methods.weights_bytes(params),
+                "optimizer_states": methods.optimizer_state_bytes(params, training.optimizer, True),
+                "master_weights": methods.master_bytes(params)}
+    lp_grads = methods.grad_bytes(params)
+    fp32_grads = float(sum(FP32 * p.numel for p in trainable))
+    return methods.StepModel(resident=resident, grad_policy=methods._full, segment_extra=None,
+                             step_grads=lp_grads + fp32_grads,
+                             step_temp=methods.step_temp_bytes(params, training.optimizer, True),
+                             accumulated_grad_bytes=lp_grads, largest_grad_bytes=0.0)
+
+
 def _state_model(spec: RunSpec, params: list[ParamInfo]) -> methods.StepModel:
     """The stage's weights, optimizer states and step on one device: ZeRO stage 0 without DeepSpeed's fp16/bf16
     modes steps the client optimizer itself, as a single GPU does; DeepSpeed's bf16 mode wraps BF16_Optimizer."""
     if spec.training.precision == "mixed_bf16":
         return _bf16_optimizer_model(spec, params)
+    if spec.training.precision == "mixed_fp16":
+        return _fp16_unfused_model(spec, params)
     return methods.single(spec.replace(parallel=ParallelSpec()), params)
 
 
@@ -232,7 +252,7 @@ def _reduce_bytes(spec: RunSpec, params: list[ParamInfo]) -> float:
     the bucket: flattening a single tensor is a view of it, and the communication dtype is its own (bf16)."""
     if spec.training.precision == "mixed_bf16":
         return 0.0
-    return allreduce_bucket_bytes(params)
+    return allreduce_bucket_bytes(params, 2 if spec.training.precision == "mixed_fp16" else FP32)
 
 
 def _backward_segments(st: DsStage, num_layers: int) -> list[str]:
@@ -421,8 +441,8 @@ def check_ds_pipeline(spec: RunSpec) -> None:
     training = spec.training
     if training.precision not in DS_PIPELINE_PRECISIONS:
         raise ValueError(f"pp_engine: DeepSpeed's pipeline engine is not modelled in precision {training.precision} "
-                         f"yet: use {' or '.join(DS_PIPELINE_PRECISIONS)} (the client optimizer steps the weights; "
-                         "DeepSpeed's fp16/bf16 modes, its BF16_Optimizer with fp32 masters, are not modelled)")
+                         f"yet: use {', '.join(DS_PIPELINE_PRECISIONS)} (bf16 / fp32: the client optimizer steps "
+                         "the weights; mixed_bf16: DeepSpeed's bf16 mode; its fp16 mode is not modelled)")
     if training.grad_ckpt or training.ckpt_policy:
         raise ValueError("pp_engine: DeepSpeed's activation checkpointing (pipeline.activation_checkpoint_interval) "
                          "is not modelled yet")
@@ -431,6 +451,22 @@ def check_ds_pipeline(spec: RunSpec) -> None:
     if training.optimizer not in ("adamw", "adamw_fused", "sgd"):
         raise ValueError(f"pp_engine: optimizer {training.optimizer} is not checked under DeepSpeed's pipeline "
                          "engine")
+
+
+def torch_pipeline_twin(spec: RunSpec) -> RunSpec:
+    """The spec ``check_pipeline`` (torch's pipelining) reads for what both engines share (model family, tied
+    embeddings, long-context techniques): DeepSpeed's bf16 mode, which ``check_ds_pipeline`` has let through, read as
+    the bf16 model it runs."""
+    if spec.training.precision in ("mixed_bf16", "mixed_fp16"):
+        return spec.replace(**{"training.precision": "bf16"})
+    return spec
+
+
+def _optimizer_words(spec: RunSpec) -> str:
+    if spec.training.precision == "mixed_bf16":
+        return ("DeepSpeed's bf16 mode (BF16_Optimizer: flat bf16 weights, fp32 masters and optimizer states, a bf16 "
+                "gradient accumulation buffer)")
+    return "the client optimizer"
 
 
 def ds_pipeline_notes(spec: RunSpec, bounds: list[int], num_layers: int) -> list[str]:
@@ -443,6 +479,6 @@ def ds_pipeline_notes(spec: RunSpec, bounds: list[int], num_layers: int) -> list
         split.append(" + ".join(what))
     return [f"pp: DeepSpeed's pipeline engine, {par.pp} stages split by parameter count (partition_method "
             f"'parameters'): {'; '.join(split)}; TrainSchedule (1F1B), {par.microbatches} micro-batches of "
-            f"{spec.training.micro_batch_size} rows per train_batch, ZeRO stage 0 with the client optimizer; its "
+            f"{spec.training.micro_batch_size} rows per train_batch, ZeRO stage 0 with {_optimizer_words(spec)}; its "
             "shared receive buffer, input clones, the last stage's buffered logits (kept across steps) and the "
             "flattened gradient buckets of ReduceGrads counted"]
