@@ -432,7 +432,7 @@ def ds_pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_
 
 
 # Settings the DeepSpeed pipeline estimate covers (checked on counted CPU runs); the others are refused in one line.
-DS_PIPELINE_PRECISIONS = ("bf16", "fp32", "mixed_bf16")
+DS_PIPELINE_PRECISIONS = ("bf16", "fp32", "mixed_bf16", "mixed_fp16")
 
 
 def check_ds_pipeline(spec: RunSpec) -> None:
@@ -442,7 +442,7 @@ def check_ds_pipeline(spec: RunSpec) -> None:
     if training.precision not in DS_PIPELINE_PRECISIONS:
         raise ValueError(f"pp_engine: DeepSpeed's pipeline engine is not modelled in precision {training.precision} "
                          f"yet: use {', '.join(DS_PIPELINE_PRECISIONS)} (bf16 / fp32: the client optimizer steps "
-                         "the weights; mixed_bf16: DeepSpeed's bf16 mode; its fp16 mode is not modelled)")
+                         "the weights; mixed_bf16 / mixed_fp16: DeepSpeed's bf16 / fp16 modes)")
     if training.grad_ckpt or training.ckpt_policy:
         raise ValueError("pp_engine: DeepSpeed's activation checkpointing (pipeline.activation_checkpoint_interval) "
                          "is not modelled yet")
@@ -466,6 +466,9 @@ def _optimizer_words(spec: RunSpec) -> str:
     if spec.training.precision == "mixed_bf16":
         return ("DeepSpeed's bf16 mode (BF16_Optimizer: flat bf16 weights, fp32 masters and optimizer states, a bf16 "
                 "gradient accumulation buffer)")
+    if spec.training.precision == "mixed_fp16":
+        return ("DeepSpeed's fp16 mode (FP16_UnfusedOptimizer around torch's AdamW: fp32 masters and optimizer "
+                "states per tensor, dynamic loss scaling)")
     return "the client optimizer"
 
 

@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "benchmarks" / "configs" / "llama_pp_tiny.json"
 TABLE = REPO / "docs" / "error_matrix" / "pipeline_deepspeed.csv"
 BF16_MODE_TABLE = REPO / "docs" / "error_matrix" / "pipeline_deepspeed_bf16_mode.csv"  # DeepSpeed's bf16 mode
+FP16_MODE_TABLE = REPO / "docs" / "error_matrix" / "pipeline_deepspeed_fp16_mode.csv"  # its fp16 mode
 TINY_WEIGHTS = [262144] + [147712] * 8 + [262272]  # llama_pp_tiny: embedding, 8 decoder layers, norm + head
 
 
@@ -129,6 +130,22 @@ def test_bf16_mode_holds_fp32_masters_and_a_bf16_accumulation_buffer_beside_the_
     assert _reduce_bytes(spec.replace(**{"training.precision": "bf16"}), params) == 2 * 3001 + 4 * 3001
 
 
+def test_fp16_mode_holds_fp32_masters_per_tensor_and_reduces_the_fp16_gradients_uncast():
+    """DeepSpeed's fp16 mode around torch's AdamW (FP16_UnfusedOptimizer): fp32 masters and Adam states per tensor
+    (no padding); the step holds the fp16 gradients and their fp32 copies beside AdamW's sqrt; ReduceGrads'
+    bucket is a flat fp16 copy (the communication dtype is fp16)."""
+    from estimator.methods.ds_pipeline import _reduce_bytes, _state_model
+
+    params = [_param(1001, 2), _param(2000, 2)]
+    spec = RunSpec(model=str(CONFIG), parallel=ParallelSpec(method="single", world_size=2, pp=2,
+                                                            pp_engine="deepspeed"),
+                   training=TrainingSpec(precision="mixed_fp16"))
+    model = _state_model(spec, params)
+    assert model.resident == {"weights": 2 * 3001, "master_weights": 4 * 3001, "optimizer_states": 8 * 3001}
+    assert (model.step_grads, model.step_temp) == (2 * 3001 + 4 * 3001, 4 * 3001)
+    assert _reduce_bytes(spec, params) == 2 * 3001
+
+
 def _rows() -> list[dict]:
     return read_rows(TABLE)
 
@@ -142,7 +159,7 @@ def _row_spec(row: dict) -> RunSpec:
                                          micro_batch_size=int(row["micro_batch_size"]), seq_len=int(row["seq_len"])))
 
 
-@pytest.mark.parametrize("table", [TABLE, BF16_MODE_TABLE])
+@pytest.mark.parametrize("table", [TABLE, BF16_MODE_TABLE, FP16_MODE_TABLE])
 def test_the_committed_table_covers_its_points_and_is_within_1_pct(table):
     rows = read_rows(table)
     assert {int(r["pp"]) for r in rows} == {2, 4}
@@ -157,6 +174,7 @@ def test_the_estimate_reproduces_every_committed_row():
     row's estimate as committed, within 1 % of its measurement."""
     assert assert_rows_reproduced(TABLE, _row_spec) == 40
     assert assert_rows_reproduced(BF16_MODE_TABLE, _row_spec) == 30
+    assert assert_rows_reproduced(FP16_MODE_TABLE, _row_spec) == 20
 
 
 def test_cli_deepspeed_pipeline_and_its_refusals():
