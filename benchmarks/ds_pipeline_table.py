@@ -33,7 +33,7 @@ CONFIG = HERE / "configs" / "llama_pp_tiny.json"
 
 
 def _rank(rank: int, world: int, pp: int, microbatches: int, config: dict, precision: str, b: int, s: int,
-          port: int, out: str, trace: bool) -> None:
+          port: int, out: str, trace: bool, ckpt_interval: int = 0) -> None:
     sys.path.insert(0, str(REPO))
     import gc
 
@@ -50,13 +50,20 @@ def _rank(rank: int, world: int, pp: int, microbatches: int, config: dict, preci
         from harness.methods.deepspeed import patch_deepspeed
 
         patch_deepspeed(fake_pg=False)
+        if precision == "mixed_fp16":
+            # DeepSpeed's CPU accelerator allows fp16 only where oneDNN has fp16 kernels; torch's CPU fp16 ops run
+            # without them (slower), and the engine's allocations do not depend on it
+            from deepspeed.accelerator import get_accelerator
+
+            get_accelerator().is_fp16_supported = lambda: True
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
         fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
         hf = AutoConfig.for_model(config["model_type"], **fields)
         hf._attn_implementation = "sdpa"
         vocab = int(config["vocab_size"])
         torch.manual_seed(0)
-        engine, module = dsp.build_engine(hf, pp, precision, b, microbatches, dp=world // pp)
+        engine, module = dsp.build_engine(hf, pp, precision, b, microbatches, dp=world // pp,
+                                          ckpt_interval=ckpt_interval)
         optimizer = engine.optimizer
         gc.collect()
         generator = torch.Generator().manual_seed(1)  # the same batches on every rank of the pipeline
@@ -132,7 +139,7 @@ def _trace(engine, mode, events: list) -> None:
 
 
 def measured(config: dict, pp: int, microbatches: int, precision: str, b: int, s: int,
-             trace: bool = False) -> list[dict]:
+             trace: bool = False, ckpt_interval: int = 0) -> list[dict]:
     """Each rank's peak live bytes (and, with ``trace``, its per-instruction events)."""
     import torch.multiprocessing as mp
 
@@ -140,7 +147,8 @@ def measured(config: dict, pp: int, microbatches: int, precision: str, b: int, s
 
     world = pp
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(world, pp, microbatches, config, precision, b, s, free_port(), out, trace),
+        mp.start_processes(_rank, args=(world, pp, microbatches, config, precision, b, s, free_port(), out, trace,
+                                                 ckpt_interval),
                            nprocs=world, start_method="spawn")
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -164,9 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", nargs="*", type=int, default=[2, 4])
     parser.add_argument("--microbatches", nargs="*", type=int, default=[4, 8])
     parser.add_argument("--points", nargs="*", default=["1x64", "2x32"])
-    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32", "mixed_bf16", "mixed_fp16"))
     parser.add_argument("--csv", type=Path, default=None)
     parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--ckpt-interval", type=int, default=0,
+                        help="PipelineModule's activation_checkpoint_interval (measure-only: not estimated)")
     parser.add_argument("--measure-only", action="store_true", help="print the measurements, no estimate")
     parser.add_argument("--rescore", type=Path, default=None, help="re-estimate a committed table in place")
     args = parser.parse_args(argv)
@@ -179,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         for m in args.microbatches:
             for point in args.points:
                 b, s = (int(x) for x in point.split("x"))
-                ranks = measured(config, pp, m, args.precision, b, s, args.trace)
-                predicted = ({r: None for r in range(pp)} if args.measure_only
+                ranks = measured(config, pp, m, args.precision, b, s, args.trace, args.ckpt_interval)
+                predicted = ({r: None for r in range(pp)} if args.measure_only or args.ckpt_interval
                              else estimated(args.config, pp, m, args.precision, b, s))
                 for rank, est in sorted(predicted.items()):
                     got = ranks[rank]["peak_bytes"]

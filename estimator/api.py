@@ -641,11 +641,13 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         raise ValueError(f"gpu: {gpu.key!r} has no known capacity; name the GPU type (see --list-gpus)")
     arch = spec_arch(spec.model, spec.training.vocab_size)
     check_spec(spec, arch)
+    pipeline_checked = spec
     if spec.parallel.pp > 1 and spec.parallel.pp_engine == "deepspeed":  # before any profile is looked up
-        from estimator.methods.ds_pipeline import check_ds_pipeline
+        from estimator.methods.ds_pipeline import check_ds_pipeline, torch_pipeline_twin
 
         check_ds_pipeline(spec)
-    check_pipeline(spec, arch.model_type, arch.tie_word_embeddings)
+        pipeline_checked = torch_pipeline_twin(spec)
+    check_pipeline(pipeline_checked, arch.model_type, arch.tie_word_embeddings)
     check_fsdp1(spec, arch.config)
     asked, ring = spec, ring_of(spec.parallel.cp, arch.num_heads, arch.num_kv_heads, arch.head_dim, spec.parallel.tp)
     if ring is not None and sequence is not None:

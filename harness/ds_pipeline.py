@@ -77,19 +77,29 @@ def pipe_layers(config) -> list:
             + [LayerSpec(HeadPipe, config)])
 
 
-def ds_pipe_config(micro_batch_size: int, microbatches: int, dp: int, zero_stage: int, ckpt_interval: int) -> dict:
-    """The DeepSpeed config of a pipeline run: the engine's micro-batches are its gradient accumulation steps. No
-    ``bf16`` section: a model built in bf16 is stepped in bf16 by the client optimizer (DeepSpeed wraps no
-    optimizer around it), the estimator's pure ``bf16``."""
+def ds_pipe_config(micro_batch_size: int, microbatches: int, dp: int, zero_stage: int, ckpt_interval: int,
+                   precision: str = "bf16") -> dict:
+    """The DeepSpeed config of a pipeline run: the engine's micro-batches are its gradient accumulation steps.
+    ``bf16`` / ``fp32``: no precision section, a model built in bf16 is stepped in bf16 by the client optimizer
+    (DeepSpeed wraps no optimizer around it), the estimator's pure ``bf16``. ``mixed_bf16``: ``bf16.enabled``,
+    DeepSpeed's bf16 mode (its ``BF16_Optimizer`` with fp32 master weights around the client optimizer).
+    ``mixed_fp16``: ``fp16.enabled`` (``FP16_UnfusedOptimizer`` around torch's AdamW: per-tensor fp32 masters,
+    dynamic loss scaling)."""
     config = {"train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": microbatches,
               "train_batch_size": micro_batch_size * microbatches * dp, "steps_per_print": 10**9,
               "zero_optimization": {"stage": zero_stage},
               "pipeline": {"activation_checkpoint_interval": ckpt_interval, "use_reentrant": False}}
+    if precision == "mixed_bf16":
+        config["bf16"] = {"enabled": True}
+    if precision == "mixed_fp16":
+        # dynamic loss scale starting at 1 (harness.methods.deepspeed's reason: a skipped update has no optimizer
+        # temporaries, and 2**16 on a random model can skip the measured steps)
+        config["fp16"] = {"enabled": True, "initial_scale_power": 0}
     return config
 
 
 def build_engine(hf_config, pp: int, precision: str, micro_batch_size: int, microbatches: int, dp: int = 1,
-                 optimizer_fn=None):
+                 optimizer_fn=None, ckpt_interval: int = 0):
     """(engine, module): the decoder as a ``PipelineModule`` of ``pp`` stages (``partition_method="parameters"``),
     its layers built in the model's dtype (bf16 or fp32), and ``deepspeed.initialize`` with the client optimizer
     (``optimizer_fn(params)``; default torch's foreach AdamW) under ZeRO stage 0. ``deepspeed.init_distributed``
@@ -106,9 +116,9 @@ def build_engine(hf_config, pp: int, precision: str, micro_batch_size: int, micr
         return ForCausalLMLoss(logits, labels, vocab_size=vocab)
 
     # pure bf16: the layers built in bf16 and no ``bf16`` section, so the client optimizer steps the bf16 weights;
-    # DeepSpeed's bf16 mode (BF16_Optimizer, fp32 masters) is another precision, not run here
+    # mixed_bf16: built in bf16 too, DeepSpeed's bf16 mode wraps BF16_Optimizer (fp32 masters) around the client
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if precision == "bf16" else torch.float32)
+    torch.set_default_dtype({"fp32": torch.float32, "mixed_fp16": torch.float16}.get(precision, torch.bfloat16))
     try:
         module = PipelineModule(pipe_layers(hf_config), num_stages=pp, loss_fn=loss_fn,
                                 partition_method="parameters")
@@ -117,5 +127,6 @@ def build_engine(hf_config, pp: int, precision: str, micro_batch_size: int, micr
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = optimizer_fn(params) if optimizer_fn else torch.optim.AdamW(params, lr=1e-5, foreach=True)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
-                                           config=ds_pipe_config(micro_batch_size, microbatches, dp, 0, 0))
+                                           config=ds_pipe_config(micro_batch_size, microbatches, dp, 0,
+                                                                         ckpt_interval, precision))
     return engine, module

@@ -163,15 +163,15 @@ def train_schedule_actions(stage: int, stages: int, microbatches: int) -> list[A
     return out
 
 
-def allreduce_bucket_bytes(params: list[ParamInfo]) -> float:
+def allreduce_bucket_bytes(params: list[ParamInfo], comm_elem_bytes: int = FP32) -> float:
     """The largest transient of ``buffered_allreduce_fallback``: per bucket (tensors in ``parameters()`` order until
-    one takes it past 500 M elements), the flat copy in the gradients' dtype and, for 16-bit gradients, its fp32
-    copy (the communication dtype without DeepSpeed's fp16/bf16 modes)."""
+    one takes it past 500 M elements), the flat copy in the gradients' dtype and, where it differs, its copy in the
+    communication dtype (fp32 without DeepSpeed's fp16/bf16 modes, fp16 in its fp16 mode)."""
     best = 0.0
     bucket_numel, bucket_bytes = 0, 0.0
 
     def transient(numel: int, nbytes: float) -> float:
-        return nbytes + (numel * FP32 if nbytes < numel * FP32 else 0.0)
+        return nbytes + (numel * comm_elem_bytes if nbytes != numel * comm_elem_bytes else 0.0)
 
     for p in params:
         if not p.trainable:
@@ -186,10 +186,73 @@ def allreduce_bucket_bytes(params: list[ParamInfo]) -> float:
     return best
 
 
+BF16_ALIGNMENT_ELEMS = 2  # BF16_Optimizer.nccl_start_alignment_factor (x the data-parallel ranks, 1 here)
+
+
+def _padded_numel(params: list[ParamInfo], alignment: int) -> int:
+    """Elements of ``BF16_Optimizer``'s flat group: the trainable parameters, padded to ``alignment``."""
+    numel = sum(p.numel for p in params if p.trainable)
+    return numel + (-numel) % alignment
+
+
+def _bf16_optimizer_model(spec: RunSpec, params: list[ParamInfo]) -> methods.StepModel:
+    """DeepSpeed's bf16 mode (``bf16.enabled``, ZeRO stage 0: ``BF16_Optimizer``, ``runtime/bf16_optimizer.py``).
+    The weights are flattened into one 16-bit group (views into it); an fp32 master copy of the group is what the
+    client optimizer steps (its states in fp32); gradients are accumulated into a flat buffer in the gradient
+    accumulation dtype, bf16 under a pipeline (``_do_optimizer_sanity_check``), held across steps. The module's own
+    ``.grad`` tensors accumulate over the micro-batches as without the wrapper (``clear_lp_grads`` zeroes them in
+    place) and are let go after the step (``zero_grad``). The step casts the flat buffer to an fp32 gradient of the
+    masters, beside the optimizer's temporaries."""
+    training = spec.training
+    numel = _padded_numel(params, BF16_ALIGNMENT_ELEMS)
+    pad_bytes = (numel - sum(p.numel for p in params if p.trainable)) * 2
+    flat = [ParamInfo(name="fp32_groups_flat_partition", shape=(numel,), numel=numel, elem_bytes=FP32,
+                      trainable=True, module_kind="other", layer=None)]
+    resident = {"weights": methods.weights_bytes(params) + pad_bytes,
+                "master_weights": float(FP32 * numel),
+                "optimizer_states": methods.optimizer_state_bytes(flat, training.optimizer, True),
+                "gradients": float(2 * numel)}   # the flat accumulation buffer (fp32_groups_gradients_flat)
+    lp_grads = methods.grad_bytes(params)
+    return methods.StepModel(resident=resident, grad_policy=methods._full, segment_extra=None,
+                             step_grads=lp_grads + FP32 * numel,
+                             step_temp=methods.step_temp_bytes(flat, training.optimizer, True),
+                             accumulated_grad_bytes=lp_grads, largest_grad_bytes=0.0)
+
+
+def _fp16_unfused_model(spec: RunSpec, params: list[ParamInfo]) -> methods.StepModel:
+    """DeepSpeed's fp16 mode around a client optimizer that is not its FusedAdam (``FP16_UnfusedOptimizer``,
+    ``runtime/fp16/unfused_optimizer.py``): an fp32 clone of each trainable tensor is what the client optimizer
+    steps, its states made at setup (``initialize_optimizer_states``). The step converts every 16-bit gradient to an
+    fp32 one on its master before the client optimizer runs (the 16-bit ones are still held), then drops them."""
+    training = spec.training
+    trainable = [p for p in params if p.trainable]
+    resident = {"weights": methods.weights_bytes(params),
+                "optimizer_states": methods.optimizer_state_bytes(params, training.optimizer, True),
+                "master_weights": methods.master_bytes(params)}
+    lp_grads = methods.grad_bytes(params)
+    fp32_grads = float(sum(FP32 * p.numel for p in trainable))
+    return methods.StepModel(resident=resident, grad_policy=methods._full, segment_extra=None,
+                             step_grads=lp_grads + fp32_grads,
+                             step_temp=methods.step_temp_bytes(params, training.optimizer, True),
+                             accumulated_grad_bytes=lp_grads, largest_grad_bytes=0.0)
+
+
 def _state_model(spec: RunSpec, params: list[ParamInfo]) -> methods.StepModel:
     """The stage's weights, optimizer states and step on one device: ZeRO stage 0 without DeepSpeed's fp16/bf16
-    modes steps the client optimizer itself, as a single GPU does."""
+    modes steps the client optimizer itself, as a single GPU does; DeepSpeed's bf16 mode wraps BF16_Optimizer."""
+    if spec.training.precision == "mixed_bf16":
+        return _bf16_optimizer_model(spec, params)
+    if spec.training.precision == "mixed_fp16":
+        return _fp16_unfused_model(spec, params)
     return methods.single(spec.replace(parallel=ParallelSpec()), params)
+
+
+def _reduce_bytes(spec: RunSpec, params: list[ParamInfo]) -> float:
+    """The transient of ``ReduceGrads``. In bf16 mode (``_bf16_reduce_grads``) the one flat accumulation buffer is
+    the bucket: flattening a single tensor is a view of it, and the communication dtype is its own (bf16)."""
+    if spec.training.precision == "mixed_bf16":
+        return 0.0
+    return allreduce_bucket_bytes(params, 2 if spec.training.precision == "mixed_fp16" else FP32)
 
 
 def _backward_segments(st: DsStage, num_layers: int) -> list[str]:
@@ -201,117 +264,164 @@ def _backward_segments(st: DsStage, num_layers: int) -> list[str]:
     return seq
 
 
-def ds_pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_layers: int, hidden: int,
-                     act_bytes: int, vocab: int, stage: int) -> PipelineRank:
-    """The peak of pipeline stage ``stage`` over one steady ``train_batch`` (the buffers of the step before held),
-    its gradient reduction and the optimizer step."""
-    par, training = spec.parallel, spec.training
-    b, s = training.micro_batch_size, training.seq_len
-    pp, m = par.pp, par.microbatches
-    bounds = ds_stage_bounds(table, num_layers, pp)
-    st = ds_stage(bounds, stage, num_layers)
-    params = ds_stage_params(table, st)
-    model = _state_model(spec, params)
+@dataclass(frozen=True)
+class _StageSizes:
+    """Bytes of the tensors one micro-batch moves through a stage."""
+    boundary: float            # one hidden state between stages
+    logits: float
+    ids: float                 # one micro-batch's input ids (int64)
+    rotary: float              # one decoder layer's own rotary cos/sin
+    fw_layer: float            # what one decoder layer's forward keeps, its rotary tables included
+    final_unmatched: float     # what the final segment's backward frees beyond its forward's allocation
+    largest_layer: float       # the largest trainable tensor of a decoder layer / of the others on the stage
+    largest_other: float
+    slot_bytes: float          # what the last stage's buffer keeps across steps: logits, input and its gradient
+    forward_net: float         # what one forward leaves allocated
+    kept_after_backward: float  # what stays when a micro-batch's backward ends (input gradient, last logits)
+
+
+def _stage_sizes(spec: RunSpec, segments: dict, st: DsStage, params: list[ParamInfo], hidden: int, act_bytes: int,
+                 vocab: int) -> _StageSizes:
+    b, s = spec.training.micro_batch_size, spec.training.seq_len
     boundary = b * s * hidden * act_bytes
     logits = b * s * vocab * act_bytes
     ids = b * s * INT64
     # each decoder layer's own rotary cos/sin, saved by its attention (the unsplit model's prefix: the embedding
     # output, the tables once and the position ids, which a DeepSpeed layer lets go)
     rotary = poly(segments["prefix"]["net_act"], b, s) - boundary - s * INT64
-    # what the final segment's backward frees beyond its forward's allocation (pipeline_rank's final_unmatched)
     final_unmatched = -(poly(segments["mid_fw"]["net_act"], b, s) + poly(segments["mid_bw"]["net_act"], b, s))
-    largest_layer = float(max((p.nbytes for p in params if p.trainable and p.layer is not None), default=0))
-    largest_other = float(max((p.nbytes for p in params if p.trainable and p.layer is None), default=0))
-    buffers = num_pipe_buffers(stage, pp, m)
-    slots = min(buffers, m)   # buffers a step fills
-    # what the last stage's buffer keeps from one step to the next: logits, received input and its gradient
-    slot_bytes = logits + 2 * boundary
-    resident = dict(model.resident)
-    resident["comm_buffers"] = float(boundary)     # the shared receive buffer
-    resident["activations"] = float(slots * ids * (st.first + st.last)
-                                    + (slots * slot_bytes if st.last and not st.first else 0))
-    base = sum(resident.values())
-
-    forward_net = (ids + boundary if st.first else boundary)  # ids clone + embedding output, or the input clone
     fw_layer = poly(segments["fw"]["net_act"], b, s) + rotary
-    forward_net += len(st.layers) * fw_layer
+    # ids clone + embedding output, or the input clone; the layers; the last stage's head and logits
+    forward_net = (ids + boundary if st.first else boundary) + len(st.layers) * fw_layer
     if st.last:
         forward_net += poly(segments["mid_fw"]["net_act"], b, s) + logits + final_unmatched
-    # kept when a micro-batch's backward ends: the received input's gradient; the last stage's logits too
-    kept_after_backward = (0.0 if st.first else boundary) + (logits if st.last else 0.0)
+    return _StageSizes(
+        boundary=boundary, logits=logits, ids=ids, rotary=rotary, fw_layer=fw_layer, final_unmatched=final_unmatched,
+        largest_layer=float(max((p.nbytes for p in params if p.trainable and p.layer is not None), default=0)),
+        largest_other=float(max((p.nbytes for p in params if p.trainable and p.layer is None), default=0)),
+        slot_bytes=logits + 2 * boundary, forward_net=forward_net,
+        kept_after_backward=(0.0 if st.first else boundary) + (logits if st.last else 0.0))
 
-    act = 0.0        # above base
-    grads = 0.0
-    best = (base, "setup", 0, {})
-    live = 0
 
-    def consider(total: float, phase: str, parts: dict) -> None:
-        nonlocal best
-        if total > best[0]:
-            best = (total, phase, live, parts)
+class _StageWalk:
+    """The live bytes of one stage over ``TrainSchedule``'s passes (above the resident ``base``), and their
+    peak."""
 
-    pending_send = 0.0   # a received input and its gradient, until SendGrad at the next forward step
-    started = False
-    for action in train_schedule_actions(stage, pp, m):
-        phase = f"{'forward' if action.kind == 'F' else 'backward'} of micro-batch {action.microbatch}"
+    def __init__(self, segments: dict, st: DsStage, sizes: _StageSizes, num_layers: int, b: int, s: int,
+                 base: float) -> None:
+        self.segments, self.st, self.sizes, self.num_layers, self.b, self.s = segments, st, sizes, num_layers, b, s
+        self.base = base
+        self.act = 0.0          # activations above base
+        self.grads = 0.0
+        self.live = 0           # micro-batches in flight
+        self.pending_send = 0.0  # a received input and its gradient, until SendGrad at the next forward step
+        self.started = False    # a backward has run this step: later ones accumulate into .grad
+        self.best: tuple[float, str, int, dict] = (base, "setup", 0, {})
+
+    def consider(self, total: float, phase: str, parts: dict) -> None:
+        if total > self.best[0]:
+            self.best = (total, phase, self.live, parts)
+
+    def _consider_segment(self, name: str, level: float, phase: str) -> None:
+        for cand_act, _g in self.segments[name]["candidates"]:
+            a = level + poly(cand_act, self.b, self.s)
+            self.consider(self.base + a + self.grads, phase, {"activations": a, "gradients": self.grads})
+
+    def run(self, action: Action) -> None:
         # SendGrad of the previous backward: TrainSchedule alternates forward and backward steps, and the forward
         # step after a backward sends its input gradient even when it has no micro-batch left to run (cooldown)
-        act -= pending_send
-        pending_send = 0.0
+        self.act -= self.pending_send
+        self.pending_send = 0.0
+        phase = f"{'forward' if action.kind == 'F' else 'backward'} of micro-batch {action.microbatch}"
         if action.kind == "F":
-            live += 1
-            if not st.first:
-                act += boundary
-            level = act + (ids + boundary if st.first else boundary)
-            for _layer in st.layers:
-                for cand_act, _g in segments["fw"]["candidates"]:
-                    consider(base + level + poly(cand_act, b, s) + grads, phase,
-                             {"activations": level + poly(cand_act, b, s), "gradients": grads})
-                level += fw_layer
-            if st.last:
-                for cand_act, _g in segments["mid_fw"]["candidates"]:
-                    consider(base + level + poly(cand_act, b, s) + grads, phase,
-                             {"activations": level + poly(cand_act, b, s), "gradients": grads})
-            act += forward_net
-            consider(base + act + grads, phase, {"activations": act, "gradients": grads})
-            if st.last and not st.first:  # the buffer's previous logits, input and gradient go as it is replaced
-                act -= slot_bytes
+            self.forward(phase)
         else:
-            accumulating = started
-            level = act
-            for name in _backward_segments(st, num_layers):
-                seg = segments[name]
-                layer_seg = name in LAYER_BW
-                transient = largest_layer if layer_seg else largest_other
-                prev_act, prev_grad = 0.0, 0.0
-                for cand_coeffs, cand_grad in seg["candidates"]:
-                    cand_act = poly(cand_coeffs, b, s)
-                    # accumulating: a fresh gradient is added into its ``.grad`` in place and let go. At a candidate
-                    # where the activations rose (an activation peak) the gradient made before it is gone (counted,
-                    # --trace: a middle stage's later backwards peak one 64 KiB gradient below its first); where they
-                    # did not, the candidate is that gradient's own allocation (the embedding's dense gradient,
-                    # beside its accumulator: the first stage's later backwards at pp 4), at most one tensor's
-                    fresh = min(max(0.0, cand_grad - prev_grad), transient) if cand_act <= prev_act else 0.0
-                    prev_act, prev_grad = cand_act, cand_grad
-                    g = grads + (fresh if accumulating else cand_grad)
-                    consider(base + level + cand_act + g, phase, {"activations": level + cand_act, "gradients": g})
-                level += poly(seg["net_act"], b, s) - (rotary if layer_seg else 0.0)
-                if not accumulating:
-                    grads += seg["net_grad"]
-            act += kept_after_backward - forward_net
-            if not st.first and not st.last:
-                pending_send = 2 * boundary  # the received input (counted at its receive) and its gradient
-            live -= 1
-            started = True
-            consider(base + act + grads, phase, {"activations": act, "gradients": grads})
-    act -= pending_send  # the step's last SendGrad
-    reduce = allreduce_bucket_bytes(params)
-    consider(base + act + grads + reduce, "gradient reduction (ReduceGrads)",
-             {"activations": act, "gradients": grads, "comm_buffers": reduce})
-    step_total = base + act + model.step_grads + model.step_temp
-    consider(step_total, "optimizer_step", {"activations": act, "gradients": model.step_grads,
-                                            "temporaries": model.step_temp})
-    total, phase, in_flight, parts = best
+            self.backward(phase)
+
+    def forward(self, phase: str) -> None:
+        st, z = self.st, self.sizes
+        self.live += 1
+        if not st.first:
+            self.act += z.boundary
+        level = self.act + (z.ids + z.boundary if st.first else z.boundary)
+        for _layer in st.layers:
+            self._consider_segment("fw", level, phase)
+            level += z.fw_layer
+        if st.last:
+            self._consider_segment("mid_fw", level, phase)
+        self.act += z.forward_net
+        self.consider(self.base + self.act + self.grads, phase, {"activations": self.act, "gradients": self.grads})
+        if st.last and not st.first:  # the buffer's previous logits, input and gradient go as it is replaced
+            self.act -= z.slot_bytes
+
+    def backward(self, phase: str) -> None:
+        st, z, b, s = self.st, self.sizes, self.b, self.s
+        accumulating = self.started
+        level = self.act
+        for name in _backward_segments(st, self.num_layers):
+            seg = self.segments[name]
+            layer_seg = name in LAYER_BW
+            transient = z.largest_layer if layer_seg else z.largest_other
+            prev_act, prev_grad = 0.0, 0.0
+            for cand_coeffs, cand_grad in seg["candidates"]:
+                cand_act = poly(cand_coeffs, b, s)
+                # accumulating: a fresh gradient is added into its ``.grad`` in place and let go. At a candidate
+                # where the activations rose (an activation peak) the gradient made before it is gone (counted,
+                # --trace: a middle stage's later backwards peak one 64 KiB gradient below its first); where they
+                # did not, the candidate is that gradient's own allocation (the embedding's dense gradient,
+                # beside its accumulator: the first stage's later backwards at pp 4), at most one tensor's
+                fresh = min(max(0.0, cand_grad - prev_grad), transient) if cand_act <= prev_act else 0.0
+                prev_act, prev_grad = cand_act, cand_grad
+                g = self.grads + (fresh if accumulating else cand_grad)
+                self.consider(self.base + level + cand_act + g, phase,
+                              {"activations": level + cand_act, "gradients": g})
+            level += poly(seg["net_act"], b, s) - (z.rotary if layer_seg else 0.0)
+            if not accumulating:
+                self.grads += seg["net_grad"]
+        self.act += z.kept_after_backward - z.forward_net
+        if not st.first and not st.last:
+            self.pending_send = 2 * z.boundary  # the received input (counted at its receive) and its gradient
+        self.live -= 1
+        self.started = True
+        self.consider(self.base + self.act + self.grads, phase, {"activations": self.act, "gradients": self.grads})
+
+    def finish(self, reduce_bytes: float, model: methods.StepModel) -> None:
+        """The step's last SendGrad, the gradient reduction and the optimizer step."""
+        self.act -= self.pending_send
+        self.pending_send = 0.0
+        self.consider(self.base + self.act + self.grads + reduce_bytes, "gradient reduction (ReduceGrads)",
+                      {"activations": self.act, "gradients": self.grads, "comm_buffers": reduce_bytes})
+        self.consider(self.base + self.act + model.step_grads + model.step_temp, "optimizer_step",
+                      {"activations": self.act, "gradients": model.step_grads, "temporaries": model.step_temp})
+
+
+def _stage_resident(model: methods.StepModel, st: DsStage, sizes: _StageSizes, slots: int) -> dict[str, float]:
+    """The stage's weights and optimizer states, the shared receive buffer, the first stage's input-id clones and
+    the last stage's buffered logits (with their input and its gradient) kept across steps."""
+    resident = dict(model.resident)
+    resident["comm_buffers"] = float(sizes.boundary)
+    resident["activations"] = float(slots * sizes.ids * (st.first + st.last)
+                                    + (slots * sizes.slot_bytes if st.last and not st.first else 0))
+    return resident
+
+
+def ds_pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_layers: int, hidden: int,
+                     act_bytes: int, vocab: int, stage: int) -> PipelineRank:
+    """The peak of pipeline stage ``stage`` over one steady ``train_batch`` (the buffers of the step before held),
+    its gradient reduction and the optimizer step."""
+    par, training = spec.parallel, spec.training
+    st = ds_stage(ds_stage_bounds(table, num_layers, par.pp), stage, num_layers)
+    params = ds_stage_params(table, st)
+    model = _state_model(spec, params)
+    sizes = _stage_sizes(spec, segments, st, params, hidden, act_bytes, vocab)
+    slots = min(num_pipe_buffers(stage, par.pp, par.microbatches), par.microbatches)   # buffers a step fills
+    resident = _stage_resident(model, st, sizes, slots)
+    walk = _StageWalk(segments, st, sizes, num_layers, training.micro_batch_size, training.seq_len,
+                      sum(resident.values()))
+    for action in train_schedule_actions(stage, par.pp, par.microbatches):
+        walk.run(action)
+    walk.finish(_reduce_bytes(spec, params), model)
+    total, phase, in_flight, parts = walk.best
     out = dict(resident)
     out["activations"] = resident["activations"] + parts.get("activations", 0.0)
     for key in ("gradients", "temporaries", "comm_buffers"):
@@ -322,7 +432,7 @@ def ds_pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_
 
 
 # Settings the DeepSpeed pipeline estimate covers (checked on counted CPU runs); the others are refused in one line.
-DS_PIPELINE_PRECISIONS = ("bf16", "fp32")
+DS_PIPELINE_PRECISIONS = ("bf16", "fp32", "mixed_bf16", "mixed_fp16")
 
 
 def check_ds_pipeline(spec: RunSpec) -> None:
@@ -331,8 +441,8 @@ def check_ds_pipeline(spec: RunSpec) -> None:
     training = spec.training
     if training.precision not in DS_PIPELINE_PRECISIONS:
         raise ValueError(f"pp_engine: DeepSpeed's pipeline engine is not modelled in precision {training.precision} "
-                         f"yet: use {' or '.join(DS_PIPELINE_PRECISIONS)} (the client optimizer steps the weights; "
-                         "DeepSpeed's fp16/bf16 modes, its BF16_Optimizer with fp32 masters, are not modelled)")
+                         f"yet: use {', '.join(DS_PIPELINE_PRECISIONS)} (bf16 / fp32: the client optimizer steps "
+                         "the weights; mixed_bf16 / mixed_fp16: DeepSpeed's bf16 / fp16 modes)")
     if training.grad_ckpt or training.ckpt_policy:
         raise ValueError("pp_engine: DeepSpeed's activation checkpointing (pipeline.activation_checkpoint_interval) "
                          "is not modelled yet")
@@ -341,6 +451,25 @@ def check_ds_pipeline(spec: RunSpec) -> None:
     if training.optimizer not in ("adamw", "adamw_fused", "sgd"):
         raise ValueError(f"pp_engine: optimizer {training.optimizer} is not checked under DeepSpeed's pipeline "
                          "engine")
+
+
+def torch_pipeline_twin(spec: RunSpec) -> RunSpec:
+    """The spec ``check_pipeline`` (torch's pipelining) reads for what both engines share (model family, tied
+    embeddings, long-context techniques): DeepSpeed's bf16 mode, which ``check_ds_pipeline`` has let through, read as
+    the bf16 model it runs."""
+    if spec.training.precision in ("mixed_bf16", "mixed_fp16"):
+        return spec.replace(**{"training.precision": "bf16"})
+    return spec
+
+
+def _optimizer_words(spec: RunSpec) -> str:
+    if spec.training.precision == "mixed_bf16":
+        return ("DeepSpeed's bf16 mode (BF16_Optimizer: flat bf16 weights, fp32 masters and optimizer states, a bf16 "
+                "gradient accumulation buffer)")
+    if spec.training.precision == "mixed_fp16":
+        return ("DeepSpeed's fp16 mode (FP16_UnfusedOptimizer around torch's AdamW: fp32 masters and optimizer "
+                "states per tensor, dynamic loss scaling)")
+    return "the client optimizer"
 
 
 def ds_pipeline_notes(spec: RunSpec, bounds: list[int], num_layers: int) -> list[str]:
@@ -353,6 +482,6 @@ def ds_pipeline_notes(spec: RunSpec, bounds: list[int], num_layers: int) -> list
         split.append(" + ".join(what))
     return [f"pp: DeepSpeed's pipeline engine, {par.pp} stages split by parameter count (partition_method "
             f"'parameters'): {'; '.join(split)}; TrainSchedule (1F1B), {par.microbatches} micro-batches of "
-            f"{spec.training.micro_batch_size} rows per train_batch, ZeRO stage 0 with the client optimizer; its "
+            f"{spec.training.micro_batch_size} rows per train_batch, ZeRO stage 0 with {_optimizer_words(spec)}; its "
             "shared receive buffer, input clones, the last stage's buffered logits (kept across steps) and the "
             "flattened gradient buckets of ReduceGrads counted"]

@@ -52,7 +52,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--ckpt", choices=("both", "on", "off"), default="both",
                         help="gradient checkpointing candidates (default: both)")
     parser.add_argument("--methods", default=None,
-                        help="comma-separated subset of methods to consider (default: all)")
+                        help="comma-separated subset of methods to consider (default: all; ds_pipeline, DeepSpeed's "
+                             "pipeline engine with one stage per GPU, is weighed only when named)")
     parser.add_argument("--interconnect", choices=("nvlink", "pcie", "infiniband"), default=None,
                         help="link for collectives (default: the GPU's own within a node, InfiniBand beyond 8 GPUs)")
     parser.add_argument("--bandwidth", type=float, default=None, metavar="GB/S",
@@ -105,9 +106,10 @@ def _methods(text: str | None) -> list[str] | None:
     if text is None:
         return None
     chosen = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in chosen if m not in planner.METHOD_ORDER]
+    names = planner.METHOD_ORDER + planner.FILTER_ONLY
+    unknown = [m for m in chosen if m not in names]
     if unknown or not chosen:
-        raise ValueError(f"methods: {', '.join(unknown) or repr(text)} not among {', '.join(planner.METHOD_ORDER)}")
+        raise ValueError(f"methods: {', '.join(unknown) or repr(text)} not among {', '.join(names)}")
     return chosen
 
 

@@ -34,6 +34,10 @@ METHOD_ORDER = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp1", "tp
                 "zero3_offload", "zero_infinity")
 METHOD_RANK = {m: i for i, m in enumerate(METHOD_ORDER)}   # simpler first, for ties
 OFFLOAD_METHODS = ("zero_offload", "zero3_offload", "zero_infinity")
+# Layouts a methods filter names that are weighed only when named: DeepSpeed's pipeline engine (one rank per stage,
+# ZeRO stage 0; its candidates are method single with pp_engine deepspeed)
+DS_PIPELINE = "ds_pipeline"
+FILTER_ONLY = (DS_PIPELINE,)
 # What each layout is, in the terms of the framework that runs it (printed with the recommendation).
 RUN_AS = {
     "single": "one GPU, plain PyTorch",
@@ -55,6 +59,9 @@ EstimateFn = Callable[[RunSpec], Any]
 
 def run_as(cand: Candidate) -> str:
     """What the layout is, in the terms of the framework that runs it (``RUN_AS``, plus context parallelism)."""
+    if cand.pp_engine == "deepspeed":
+        return ("DeepSpeed's pipeline engine (PipelineModule split by parameter count, PipelineEngine's TrainSchedule), "
+                "ZeRO stage 0")
     text = RUN_AS[cand.method]
     return text + (f" + torch context_parallel (ring attention) over groups of {cand.cp} ranks" if cand.cp > 1
                    else "")
@@ -86,6 +93,7 @@ class Candidate:
     cp: int = 1                  # context parallelism (fsdp, dp_tp): ring attention over cp ranks
     pp: int = 1                  # pipeline stages (single: pp = world size; fsdp: FSDP2 over world / pp; tp: TP
     #                              inside each stage; dp_tp: both, mesh (pp, dp, tp))
+    pp_engine: str = "torch"     # torch's pipelining, or DeepSpeed's pipeline engine (method single, pp = world)
 
     @property
     def dp(self) -> int:
@@ -103,10 +111,12 @@ class Candidate:
             zero = ZeroSpec(offload_optimizer=True, offload_param=self.method == "zero_infinity")
             return ParallelSpec(method="zero3", world_size=self.world_size, zero=zero)
         return ParallelSpec(method=self.method, world_size=self.world_size, tp=self.tp, ep=self.ep, cp=self.cp,
-                            pp=self.pp)
+                            pp=self.pp, pp_engine=self.pp_engine)
 
     @property
     def label(self) -> str:
+        if self.pp_engine == "deepspeed":
+            return f"pp{self.pp} deepspeed"
         if self.pp > 1 and self.method == "dp_tp":
             return f"pp{self.pp} x dp{self.dp} x tp{self.tp}"
         if self.method == "dp_tp" and self.cp > 1:
@@ -190,6 +200,31 @@ def _pipeline_candidates(model: str, arch: Any, training: TrainingSpec, gpus: in
         except ValueError as err:
             refusals.append(str(err))
     return covered, "" if covered or not refusals else f"pipeline layouts not weighed: {refusals[0]}"
+
+
+def ds_pipeline_candidates(model: str, arch: Any, training: TrainingSpec, gpus: int,
+                            ckpt_options: tuple[bool, ...]) -> tuple[list[Candidate], str]:
+    """DeepSpeed's pipeline engine on ``gpus`` GPUs, one stage each (the estimate covers ZeRO stage 0 with one rank
+    per stage: pp = the GPUs, at most the decoder layers), where the DeepSpeed pipeline estimate covers
+    ``training`` (``check_ds_pipeline``: no checkpointing, LoRA, ...); else a note naming the refusal."""
+    from estimator.methods.ds_pipeline import check_ds_pipeline, torch_pipeline_twin
+    from estimator.methods.pipeline_rank import check_pipeline
+
+    if not 2 <= gpus <= arch.num_layers:
+        return [], f"{DS_PIPELINE} not weighed: one stage per GPU needs 2 .. {arch.num_layers} GPUs, not {gpus}"
+    refusals = []
+    for ckpt in ckpt_options:
+        cand = Candidate("single", gpus, grad_ckpt=ckpt, pp=gpus, pp_engine="deepspeed")
+        spec = RunSpec(model=model, training=dataclasses.replace(training, grad_ckpt=ckpt or training.grad_ckpt),
+                       parallel=cand.parallel_spec())
+        try:
+            check_ds_pipeline(spec)
+            check_pipeline(torch_pipeline_twin(spec), getattr(arch, "model_type", ""),
+                           bool(getattr(arch, "tie_word_embeddings", False)))
+            return [cand], ""
+        except ValueError as err:
+            refusals.append(str(err))
+    return [], f"{DS_PIPELINE} not weighed: {refusals[0]}"
 
 
 def _pipelines_of_methods(piped: list[Candidate], methods: Iterable[str] | None) -> list[Candidate]:
@@ -838,9 +873,9 @@ def _default_estimate(allow_build: bool = True, alloc_conf: str | None = None) -
 
 def _check_options(methods: Iterable[str] | None, ckpt_options: tuple[bool, ...], host_ram_gb: Any) -> None:
     if methods is not None:
-        unknown = [m for m in methods if m not in METHOD_RANK]
+        unknown = [m for m in methods if m not in METHOD_RANK and m not in FILTER_ONLY]
         if unknown:
-            raise ValueError(f"methods: {unknown[0]!r} is not one of {', '.join(METHOD_ORDER)}")
+            raise ValueError(f"methods: {unknown[0]!r} is not one of {', '.join(METHOD_ORDER + FILTER_ONLY)}")
     if not ckpt_options or any(not isinstance(c, bool) for c in ckpt_options):
         raise ValueError(f"ckpt_options: need a non-empty set of true/false, got {ckpt_options!r}")
     if host_ram_gb is not None and (isinstance(host_ram_gb, bool) or not isinstance(host_ram_gb, (int, float))
@@ -918,14 +953,22 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     # cp layouts for fixed-shape steps only: an epoch of mixed batch shapes under cp is not modelled; cp x tp is a
     # dp_tp layout, so its TP degrees are worked out only where dp_tp is weighed
     with_cp_tp = epoch is None and (methods is None or "dp_tp" in methods)
-    cands = enumerate_candidates(gpus, ckpt_options, methods, routed_experts(arch.config),
+    layout_methods = None if methods is None else [m for m in methods if m not in FILTER_ONLY]
+    cands = enumerate_candidates(gpus, ckpt_options, layout_methods, routed_experts(arch.config),
                                  cp_degrees(gpus, training) if epoch is None else (),
-                                 cp_tp_pairs(gpus, training, _stage_tp_degrees(arch, gpus)) if with_cp_tp else ())
+                                 cp_tp_pairs(gpus, training, _stage_tp_degrees(arch, gpus)) if with_cp_tp else ()) \
+        if layout_methods != [] else []
     pipeline_note = ""
     if gpus > 1 and (methods is None or {"single", "fsdp", "tp", "dp_tp"} & set(methods)):
         piped, pipeline_note = _pipeline_candidates(model, arch, training, gpus, ckpt_options,
                                                     with_tp=methods is None or bool({"tp", "dp_tp"} & set(methods)))
         cands += _pipelines_of_methods(piped, methods)
+    if methods is not None and DS_PIPELINE in methods:
+        ds_piped, ds_note = ds_pipeline_candidates(model, arch, training, gpus, ckpt_options)
+        cands += ds_piped
+        pipeline_note = "; ".join(n for n in (pipeline_note, ds_note) if n)
+        if not cands:
+            raise ValueError(f"methods: {ds_note}")
     if global_batch is not None and all(global_batch % c.dp for c in cands):
         dps = sorted({c.dp for c in cands}, reverse=True)
         raise ValueError(f"global_batch: {global_batch} is not divisible by the data-parallel degree of any "
@@ -957,7 +1000,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
         result.notes.append(pipeline_note)
     elif best is not None and best.candidate.pp > 1:
         others = any(r.fits for r in results if r.candidate.pp == 1)
-        result.notes.append(f"pp: {best.candidate.label} (torch's 1F1B, {best.candidate.pp} micro-batches per step "
+        schedule = "DeepSpeed's TrainSchedule" if best.candidate.pp_engine == "deepspeed" else "torch's 1F1B"
+        result.notes.append(f"pp: {best.candidate.label} ({schedule}, {best.candidate.pp} micro-batches per step "
                             "or the global batch's split) " + ("is the fastest that fits" if others else
                             "made the run fit: no layout without pipeline parallelism fits")
                             + "; its step time is a prior (the 1F1B bubble, point-to-point sends not counted)")

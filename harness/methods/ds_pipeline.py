@@ -1,7 +1,7 @@
 """``parallel.pp > 1`` with ``parallel.pp_engine=deepspeed`` (method ``single``): DeepSpeed's pipeline engine on real
 process groups (``harness.ds_pipeline``: the decoder as a ``PipelineModule`` of LayerSpecs split by parameter count,
 ZeRO stage 0, torch's foreach AdamW as the client optimizer, the model in bf16 or fp32 with no DeepSpeed fp16/bf16
-mode).
+mode; ``mixed_bf16``: DeepSpeed's bf16 mode, BF16_Optimizer with fp32 masters around the client optimizer).
 
 ``engine.train_batch`` runs the whole step: the forward and backward of its ``pp_microbatches`` micro-batches
 (DeepSpeed's gradient accumulation steps), the gradient reduction and the optimizer step. So ``forward`` runs it on
@@ -44,6 +44,9 @@ class DsPipelineTrainer:
         self.engine = None
 
 
+RUN_PRECISIONS = ("bf16", "fp32", "mixed_bf16")
+
+
 def wrap(ctx: WrapContext) -> DsPipelineTrainer:
     import deepspeed
     from transformers import AutoConfig
@@ -55,9 +58,9 @@ def wrap(ctx: WrapContext) -> DsPipelineTrainer:
     if ctx.fake_pg:
         raise ValueError("pp_engine: DeepSpeed's pipeline stages send activations point to point; they need real "
                          "process groups (gloo on CPU, NCCL on GPUs), not the emulated ranks")
-    if spec.training.precision not in ("bf16", "fp32"):
-        raise ValueError(f"pp_engine: the DeepSpeed pipeline is run with the model in bf16 or fp32, not "
-                         f"{spec.training.precision}")
+    if spec.training.precision not in RUN_PRECISIONS:
+        raise ValueError(f"pp_engine: the DeepSpeed pipeline is run in {', '.join(RUN_PRECISIONS)} (mixed_bf16: "
+                         f"DeepSpeed's bf16 mode), not {spec.training.precision}")
     patch_deepspeed(fake_pg=False)
     deepspeed.init_distributed(dist_backend=ctx.dist.backend, auto_mpi_discovery=False)
     fields = {k: v for k, v in ctx.config.items() if k not in ("architectures", "model_type")}

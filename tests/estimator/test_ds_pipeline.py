@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.table_csv import read_rows
 from estimator.methods.ds_pipeline import (
     allreduce_bucket_bytes,
     ds_stage,
@@ -21,10 +22,13 @@ from estimator.methods.ds_pipeline import (
 from estimator.methods.pipeline import rank_actions
 from estimator.models.params import ParamInfo
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
+from tests.estimator.oracle_rows import assert_rows_reproduced
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "benchmarks" / "configs" / "llama_pp_tiny.json"
 TABLE = REPO / "docs" / "error_matrix" / "pipeline_deepspeed.csv"
+BF16_MODE_TABLE = REPO / "docs" / "error_matrix" / "pipeline_deepspeed_bf16_mode.csv"  # DeepSpeed's bf16 mode
+FP16_MODE_TABLE = REPO / "docs" / "error_matrix" / "pipeline_deepspeed_fp16_mode.csv"  # its fp16 mode
 TINY_WEIGHTS = [262144] + [147712] * 8 + [262272]  # llama_pp_tiny: embedding, 8 decoder layers, norm + head
 
 
@@ -107,9 +111,43 @@ def test_reduce_grads_buckets_cast_16_bit_gradients_to_fp32():
     assert allreduce_bucket_bytes(big) == 600_000_000 * 6  # the first two close a bucket; the last is small
 
 
+def test_bf16_mode_holds_fp32_masters_and_a_bf16_accumulation_buffer_beside_the_weights():
+    """DeepSpeed's bf16 mode (BF16_Optimizer under a pipeline): the flat group padded to 2 elements; fp32 masters
+    and Adam states over it, the bf16 accumulation buffer; the step holds the module's bf16 gradients, the fp32 cast
+    of the buffer and foreach AdamW's sqrt temporary; ReduceGrads reduces the flat buffer in place."""
+    from estimator.methods.ds_pipeline import _reduce_bytes, _state_model
+
+    params = [_param(1001, 2), _param(2000, 2)]
+    spec = RunSpec(model=str(CONFIG), parallel=ParallelSpec(method="single", world_size=2, pp=2,
+                                                            pp_engine="deepspeed"),
+                   training=TrainingSpec(precision="mixed_bf16"))
+    model = _state_model(spec, params)
+    flat = 3002  # 3001 elements padded to BF16_Optimizer's alignment of 2
+    assert model.resident == {"weights": 2 * 3001 + 2, "master_weights": 4 * flat, "optimizer_states": 8 * flat,
+                              "gradients": 2 * flat}
+    assert (model.step_grads, model.step_temp) == (2 * 3001 + 4 * flat, 4 * flat)
+    assert _reduce_bytes(spec, params) == 0.0
+    assert _reduce_bytes(spec.replace(**{"training.precision": "bf16"}), params) == 2 * 3001 + 4 * 3001
+
+
+def test_fp16_mode_holds_fp32_masters_per_tensor_and_reduces_the_fp16_gradients_uncast():
+    """DeepSpeed's fp16 mode around torch's AdamW (FP16_UnfusedOptimizer): fp32 masters and Adam states per tensor
+    (no padding); the step holds the fp16 gradients and their fp32 copies beside AdamW's sqrt; ReduceGrads'
+    bucket is a flat fp16 copy (the communication dtype is fp16)."""
+    from estimator.methods.ds_pipeline import _reduce_bytes, _state_model
+
+    params = [_param(1001, 2), _param(2000, 2)]
+    spec = RunSpec(model=str(CONFIG), parallel=ParallelSpec(method="single", world_size=2, pp=2,
+                                                            pp_engine="deepspeed"),
+                   training=TrainingSpec(precision="mixed_fp16"))
+    model = _state_model(spec, params)
+    assert model.resident == {"weights": 2 * 3001, "master_weights": 4 * 3001, "optimizer_states": 8 * 3001}
+    assert (model.step_grads, model.step_temp) == (2 * 3001 + 4 * 3001, 4 * 3001)
+    assert _reduce_bytes(spec, params) == 2 * 3001
+
+
 def _rows() -> list[dict]:
-    with TABLE.open() as fh:
-        return list(csv.DictReader(fh))
+    return read_rows(TABLE)
 
 
 def _row_spec(row: dict) -> RunSpec:
@@ -121,8 +159,9 @@ def _row_spec(row: dict) -> RunSpec:
                                          micro_batch_size=int(row["micro_batch_size"]), seq_len=int(row["seq_len"])))
 
 
-def test_the_committed_table_covers_its_points_and_is_within_1_pct():
-    rows = _rows()
+@pytest.mark.parametrize("table", [TABLE, BF16_MODE_TABLE, FP16_MODE_TABLE])
+def test_the_committed_table_covers_its_points_and_is_within_1_pct(table):
+    rows = read_rows(table)
     assert {int(r["pp"]) for r in rows} == {2, 4}
     assert len({r["microbatches"] for r in rows}) >= 2
     assert len({(r["micro_batch_size"], r["seq_len"]) for r in rows}) >= 2
@@ -133,17 +172,9 @@ def test_the_committed_table_covers_its_points_and_is_within_1_pct():
 def test_the_estimate_reproduces_every_committed_row():
     """The tiny Llama config's shipped profile (no torch) against the counted runs of DeepSpeed's engine: every
     row's estimate as committed, within 1 % of its measurement."""
-    from estimator.api import estimate
-
-    estimates: dict[str, dict[int, int]] = {}
-    for row in _rows():
-        spec = _row_spec(row)
-        if spec.spec_id not in estimates:
-            est = estimate(spec, replay_reserved=False, allow_build=False)
-            estimates[spec.spec_id] = {r.rank: r.traced_allocated_bytes for r in est.ranks}
-        got = estimates[spec.spec_id][int(row["rank"])]
-        assert got == int(row["estimate_bytes"]), row
-        assert abs(got - int(row["measured_bytes"])) <= 0.01 * int(row["measured_bytes"])
+    assert assert_rows_reproduced(TABLE, _row_spec) == 40
+    assert assert_rows_reproduced(BF16_MODE_TABLE, _row_spec) == 30
+    assert assert_rows_reproduced(FP16_MODE_TABLE, _row_spec) == 20
 
 
 def test_cli_deepspeed_pipeline_and_its_refusals():
@@ -153,9 +184,13 @@ def test_cli_deepspeed_pipeline_and_its_refusals():
     assert ok.returncode == 0, ok.stderr
     assert "(DeepSpeed's pipeline engine)" in ok.stdout
     assert "split by parameter count" in ok.stdout and "embedding + 7 decoder layers" in ok.stdout
+    mixed = subprocess.run([*base, "--pp-microbatches", "2", "--precision", "mixed_bf16"], capture_output=True,
+                           text=True, timeout=120, cwd=REPO)
+    assert mixed.returncode == 0, mixed.stderr
+    assert "DeepSpeed's bf16 mode (BF16_Optimizer" in mixed.stdout
     for extra, message in ((["--grad-ckpt"], "pp_engine: DeepSpeed's activation checkpointing"),
-                           (["--precision", "mixed_bf16"], "pp_engine: DeepSpeed's pipeline engine is not modelled "
-                                                           "in precision mixed_bf16 yet"),
+                           (["--precision", "amp_bf16"], "pp_engine: DeepSpeed's pipeline engine is not modelled "
+                                                         "in precision amp_bf16 yet"),
                            (["--pp-schedule", "gpipe"], "pp_engine: DeepSpeed's pipeline engine runs its own")):
         result = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=120, cwd=REPO)
         assert result.returncode == 2, result.stderr
@@ -231,3 +266,41 @@ def test_the_harness_runs_deepspeeds_pipeline_on_cpu(tmp_path):
         assert record["memory_source"] == "counted-cpu"
         got = record["peak_allocated_bytes"]
         assert abs(est[rank] - got) <= 0.01 * got, (rank, est[rank], got)
+
+
+def test_the_plan_weighs_deepspeed_pipelines_only_when_the_methods_filter_names_them():
+    """``methods=["ds_pipeline"]``: one stage per GPU, without checkpointing (refused), in bf16 and DeepSpeed's bf16
+    mode; the default plan weighs none; a refused setting leaves a one-line note."""
+    from estimator.models.arch import cached_arch
+    from estimator.planning.plan import ds_pipeline_candidates, plan
+
+    arch = cached_arch(str(CONFIG))
+    for precision in ("bf16", "mixed_bf16"):
+        cands, note = ds_pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision=precision, seq_len=64), 4,
+                                             (False, True))
+        assert [(c.label, c.pp, c.world_size, c.grad_ckpt) for c in cands] == [("pp4 deepspeed", 4, 4, False)]
+        assert note == ""
+    assert cands[0].parallel_spec().pp_engine == "deepspeed"
+    cands, note = ds_pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision="bf16", seq_len=64), 4, (True,))
+    assert cands == [] and note.startswith("ds_pipeline not weighed: pp_engine: DeepSpeed's activation checkpointing")
+    lora, note = ds_pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision="bf16", seq_len=64, lora_rank=8), 4,
+                                        (False,))
+    assert lora == [] and "LoRA" in note and "\n" not in note
+    with pytest.raises(ValueError, match="^methods: ds_pipeline not weighed: pp_engine: DeepSpeed's activation"):
+        plan(str(CONFIG), gpus=2, gpu="h100-80gb", seq_len=64, precision="bf16", methods=["ds_pipeline"],
+             ckpt_options=(True,), advise=False)
+
+
+@pytest.mark.slow
+def test_a_plan_naming_ds_pipeline_estimates_it_beside_torchs_pipelines():
+    from estimator.planning.plan import plan
+
+    result = plan(str(CONFIG), gpus=2, gpu="h100-80gb", seq_len=64, precision="bf16",
+                  methods=["ds_pipeline", "fsdp", "single"], ckpt_options=(False,), advise=False)
+    by_label = {r.candidate.label: r for r in result.results}
+    assert {"pp2 deepspeed", "pp2 1f1b", "fsdp"} <= set(by_label)
+    piped = by_label["pp2 deepspeed"]
+    assert piped.fits and piped.time is not None and piped.grad_accum == 2
+    default = plan(str(CONFIG), gpus=2, gpu="h100-80gb", seq_len=64, precision="bf16", methods=["fsdp", "single"],
+                   ckpt_options=(False,), advise=False)
+    assert all(r.candidate.pp_engine == "torch" for r in default.results)

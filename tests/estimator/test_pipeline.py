@@ -11,8 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from benchmarks.table_csv import read_rows
 from estimator.methods.pipeline import Action, max_in_flight, rank_actions, stage_layers, stages_of_rank
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
+from tests.estimator.oracle_rows import assert_rows_reproduced
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "benchmarks" / "configs" / "llama_pp_tiny.json"
@@ -108,8 +110,7 @@ def test_in_flight_counts():
 
 
 def _rows(table: Path = TABLE) -> list[dict]:
-    with table.open() as fh:
-        return list(csv.DictReader(fh))
+    return read_rows(table)
 
 
 def _row_spec(row: dict) -> RunSpec:
@@ -192,17 +193,7 @@ def test_the_estimate_reproduces_every_committed_combination_row(table):
     """pp with checkpointing (every layer, every k-th), pp x FSDP2 with mixed precision, LoRA under pp and pp x
     FSDP2 (the shipped profiles, no torch) against the counted runs committed in docs/error_matrix: every row's
     estimate as committed and within 1 % of its measurement."""
-    from estimator.api import estimate
-
-    estimates: dict[str, dict[int, int]] = {}
-    for row in _rows(ERROR_MATRIX / table):
-        spec = _row_spec(row)
-        if spec.spec_id not in estimates:
-            est = estimate(spec, replay_reserved=False, allow_build=False)
-            estimates[spec.spec_id] = {r.rank: r.traced_allocated_bytes for r in est.ranks}
-        got = estimates[spec.spec_id][int(row["rank"])]
-        assert got == int(row["estimate_bytes"]), row
-        assert abs(got - int(row["measured_bytes"])) <= BAR_PCT / 100 * int(row["measured_bytes"]), row
+    assert assert_rows_reproduced(ERROR_MATRIX / table, _row_spec, BAR_PCT)
 
 
 def test_checkpointing_keeps_only_each_layers_input_in_flight():
