@@ -674,7 +674,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         return _ds_pipeline_estimate(spec, arch, profile, table, coeffs, gpu)
     if spec.parallel.pp > 1:
         return _pipeline_estimate(spec, arch, profile, table, coeffs, gpu, allow_build)
-    layout = expert_parallel.layout_of(spec, arch, profile)
+    layout = expert_parallel.layout_of(spec, arch, profile, table)
     ep_recompute = None
     if layout is not None and spec.training.grad_ckpt:  # the recomputed MoE layer's all-to-all path
         b, s = spec.training.micro_batch_size, spec.training.seq_len
