@@ -658,7 +658,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         conf = None  # the allocator replay has no ring events: the reserved prior
     coeffs = coefficients if isinstance(coefficients, residuals.Coefficients) else \
         residuals.load_coefficients(gpu.key, coefficients)
-    check_forward_only_layers_before_trace(spec, arch.config)
+    check_forward_only_layers_before_trace(asked, arch.config)  # the asked layout (a cp rank's spec has cp 1)
     every = ckpt_every(spec.training.ckpt_policy)
     adapters_16bit = adapters_in_16bit(spec.training, spec.parallel.method)
     if every is not None:
@@ -667,7 +667,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     else:
         arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build,
                                            adapters_16bit=adapters_16bit)
-    check_forward_only_layers(spec, profile)
+    check_forward_only_layers(asked, profile)
     last = spec.parallel.world_size - 1
     table = _param_table(profile, arch.num_layers)
     if ring is not None and spec.training.lora:  # a frozen output projection may not keep the ring's output copy
@@ -677,7 +677,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         return _ds_pipeline_estimate(spec, arch, profile, table, coeffs, gpu)
     if spec.parallel.pp > 1:
         return _pipeline_estimate(spec, arch, profile, table, coeffs, gpu, allow_build)
-    layout = expert_parallel.layout_of(spec, arch, profile)
+    layout = expert_parallel.layout_of(spec, arch, profile, table)
     ep_recompute = None
     if layout is not None and spec.training.grad_ckpt:  # the recomputed MoE layer's all-to-all path
         b, s = spec.training.micro_batch_size, spec.training.seq_len

@@ -15,14 +15,20 @@ from estimator.models.params import param_counts
 from estimator.spec import RunSpec, TrainingSpec
 
 
-def layout_of(spec: RunSpec, arch: ModelArch, profile: dict) -> EpLayout | None:
+def layout_of(spec: RunSpec, arch: ModelArch, profile: dict, table: list) -> EpLayout | None:
     """The expert-parallel layout of ``spec`` (None without EP); ValueError("ep: ...") for one transformers
     refuses (a dense model, experts that do not split evenly)."""
     if spec.parallel.ep == 1:
         return None
     total, _ = param_counts(profile["params"], arch.num_layers)
     facts = moe_facts(arch.config, profile["params"], arch.num_layers, total)
-    return ep_layout(arch.config, facts, spec.parallel.world_size, spec.parallel.ep, spec.parallel.moe_imbalance)
+    return ep_layout(arch.config, facts, spec.parallel.world_size, spec.parallel.ep, spec.parallel.moe_imbalance,
+                     experts_trainable(table))
+
+
+def experts_trainable(table: list) -> bool:
+    """Whether any routed expert gets a gradient (not under LoRA on other modules)."""
+    return any(p.trainable and is_routed_expert(p.name) for p in table)
 
 
 def grads_before_experts(params: dict, table: list) -> dict[int, float]:
@@ -73,18 +79,23 @@ def ep_segments(segments: dict, regime: dict, table: list, layout: EpLayout, tra
     path adds (``EpLayout.layer_saved_bytes``) from its forward to its experts' backward, and each backward MoE
     segment gets, where the profile has an event list (``fsdp_replay.experts_levels``), the activation level at
     which the experts' FSDP2 post-backward runs and the level of the un-permute's backward, just before the
-    experts' first gradient (``EpLayout.unpermute_bump``)."""
+    experts' first gradient (``EpLayout.unpermute_bump``). Frozen experts (LoRA elsewhere: no expert gradient to
+    place the stages by) keep their extra until the layer's first gradient, and its backward's highest moment before
+    that gradient holds the extra rows' backward (``EpLayout.backward_bumps``); not under checkpointing, where the
+    trace's recomputation is kept as it is."""
     traced: dict[int, float] = {}
     for p in table:
-        if p.trainable and p.layer is not None and is_routed_expert(p.name):
-            traced[p.layer] = traced.get(p.layer, 0.0) + p.nbytes
+        if p.layer is not None and is_routed_expert(p.name):  # frozen experts (LoRA elsewhere): 0 bytes
+            traced[p.layer] = traced.get(p.layer, 0.0) + (p.nbytes if p.trainable else 0.0)
+    if training.grad_ckpt:  # frozen experts' recomputation in backward: not modelled beyond the trace
+        traced = {layer: nbytes for layer, nbytes in traced.items() if nbytes}
     before = grads_before_experts(profile_params, table)
     extra = layout.layer_saved_bytes(b * s, expert_act_bytes(training))
     bumps = layout.backward_bumps(b * s, expert_act_bytes(training))
     layer_of = traced_layer_of(num_layers)
     out = dict(segments)
     for name, index in layer_of.items():
-        if not traced.get(index):
+        if index not in traced:
             continue
         seg = dict(segments[name])
         if name.startswith("bw"):

@@ -21,7 +21,10 @@ What a rank holds, read from the framework's code:
   (ep x T x min(top_k, experts per rank)): ``EpLayout.received_rows_factor``. It keeps each extra row's activations
   in its experts (the routed row, the gate/up projection, its activation and their product, its routing weight, its
   sort indices and mask: ``EpLayout.row_bytes``), and its experts' forward and backward run on those rows
-  (``forward_transient_bytes``, ``backward_bumps``).
+  (``forward_transient_bytes``, ``backward_bumps``). Frozen experts (LoRA on other modules) keep less per row:
+  ``grouped_mm`` saves its input only for its weight's gradient, so the routed row and the product are not kept;
+  the experts function still holds the routed rows in forward until it returns, and backward makes the product's
+  gradient without having saved it (``experts_trainable``).
 
 Where it enters the estimate: ``estimator.methods.state.fsdp`` (the expert shard, sharded over efsdp ranks; the
 experts' own FSDP2 unit, ``fsdp_replay.ExpertsUnit``: gathered with the layer, resharded and reduce-scattered when
@@ -58,6 +61,7 @@ class EpLayout:
     hidden: int
     expert_ffn: int             # one expert's intermediate size
     imbalance: float = 1.0
+    experts_trainable: bool = True  # False: frozen experts (LoRA on other modules)
 
     @property
     def experts_per_rank(self) -> int:
@@ -77,8 +81,12 @@ class EpLayout:
         EP): the routed row (saved by the up grouped_mm), the gate/up projection (2 x ffn: its halves saved by the
         activation and the product), the activation (ffn, saved by the product), the product (ffn, saved by the
         down grouped_mm), the row's unit weight, the int64 gather and un-permute indices, the bool sentinel
-        mask."""
-        return act_bytes * (self.hidden + 4 * self.expert_ffn + 1) + 2 * INT64 + BOOL
+        mask.
+
+        Frozen experts (``experts_trainable`` False): ``grouped_mm`` saves its input only when its weight needs a
+        gradient (autograd's ``GroupedMmBackward0``), so neither the routed row nor the product is kept."""
+        kept = self.hidden + 4 * self.expert_ffn if self.experts_trainable else 3 * self.expert_ffn
+        return act_bytes * (kept + 1) + 2 * INT64 + BOOL
 
     def skew_bytes(self, tokens: int, act_bytes: int) -> float:
         """What the busiest rank keeps through backward above balanced routing, every MoE layer."""
@@ -107,10 +115,18 @@ class EpLayout:
           itself freed: 2 ffn a), the un-permute indices and unit weights released (int64 + a);
         * with both: the up projection's backward, whose row gradients replace what the rows saved (the indices
           and unit weights released: - (int64 + a)).
+
+        Frozen experts make no gradient, so backward has no expert moment to tell these stages apart: the first
+        bump is their highest, the down projection's backward (the gradient of its output and of its input) or
+        the product's (the gradient of the product, never saved, and of both factors: 3 ffn a), the indices and
+        unit weights released. The one-device trace's down-projection output is released by then too.
         """
         extra_rows = (self.received_rows_factor() - 1.0) * tokens * self.top_k
         h, f, a = self.hidden, self.expert_ffn, act_bytes
         released = INT64 + a
+        if not self.experts_trainable:
+            during = extra_rows * (max(h + f, 3 * f) * a - released)
+            return (during, during, -extra_rows * released)
         sent = tokens * self.top_k
         return (-sent * h * a, extra_rows * (max(h + f, 2 * f) * a - released), -extra_rows * released)
 
@@ -174,11 +190,15 @@ class EpLayout:
         * the combine's per-token sum: the received rows and the experts' output (2 R h a), the received expert ids
           and unit weights, the returned rows twice (the collective's output and its autograd wrapper) and the
           routing-weighted product (3 S h a).
+
+        Frozen experts: at the first moment the routed rows (``selected_hidden_states_g``) are still held by the
+        experts function, though nothing saved them (``row_bytes``): R h a more; gone by the combine.
         """
         rows = self.received_rows_factor() * tokens * self.top_k
         sent = tokens * self.top_k
         h, a = self.hidden, act_bytes
-        experts = 4 * rows * h * a + rows * (3 * INT64 + 4 + a) - (sent + tokens) * h * a
+        routed = 0 if self.experts_trainable else rows * h * a
+        experts = 4 * rows * h * a + routed + rows * (3 * INT64 + 4 + a) - (sent + tokens) * h * a
         combine = 2 * rows * h * a + rows * (INT64 + a) + 3 * sent * h * a
         return max(experts, combine)
 
@@ -191,8 +211,11 @@ class EpLayout:
 _FFN_KEYS = ("moe_intermediate_size", "intermediate_size")
 
 
-def ep_layout(config: dict, facts, world: int, ep: int, imbalance: float) -> EpLayout:
-    """``facts``: ``estimator.models.moe.MoeFacts``. Raises ValueError (one line) for a layout transformers refuses."""
+def ep_layout(config: dict, facts, world: int, ep: int, imbalance: float, experts_trainable: bool = True
+              ) -> EpLayout:
+    """``facts``: ``estimator.models.moe.MoeFacts``; ``experts_trainable``: whether the routed experts get
+    gradients (False under LoRA on other modules). Raises ValueError (one line) for a layout transformers
+    refuses."""
     if facts is None:
         raise ValueError("ep: expert parallelism needs a mixture-of-experts model; this one has no routed experts")
     if facts.experts % ep:
@@ -201,7 +224,8 @@ def ep_layout(config: dict, facts, world: int, ep: int, imbalance: float) -> EpL
         raise ValueError(f"ep: world size {world} is not divisible by ep {ep}")
     ffn = next((config[k] for k in _FFN_KEYS if isinstance(config.get(k), int)), 0)
     return EpLayout(ep=ep, world=world, experts=facts.experts, top_k=facts.top_k or 1, moe_layers=facts.moe_layers,
-                    hidden=int(config["hidden_size"]), expert_ffn=int(ffn), imbalance=float(imbalance))
+                    hidden=int(config["hidden_size"]), expert_ffn=int(ffn), imbalance=float(imbalance),
+                    experts_trainable=experts_trainable)
 
 
 def ep_notes(layout: EpLayout | None, tokens: int, grad_ckpt: bool = False) -> list[str]:

@@ -436,7 +436,7 @@ _STEPS: dict[tuple, tuple] = {}
 def spec_ep_bytes(spec, table: list[ParamInfo], b: int, s: int) -> EpBytes:
     """The all-to-all path's bytes of ``spec`` at (b, s), its layout from the model's config
     (``estimator.models.moe_ep.ep_layout``) and the table's MoE layers."""
-    from estimator.methods.expert_parallel import expert_act_bytes
+    from estimator.methods.expert_parallel import expert_act_bytes, experts_trainable
     from estimator.models.arch import spec_arch
     from estimator.models.moe import _EXPERT_COUNT_KEYS, _TOP_K_KEYS, MoeFacts, _first_int
     from estimator.models.moe_ep import ep_layout
@@ -446,7 +446,8 @@ def spec_ep_bytes(spec, table: list[ParamInfo], b: int, s: int) -> EpBytes:
     moe_layers = len({p.layer for p in table if p.layer is not None and is_routed_expert(p.name)})
     facts = MoeFacts(experts=experts, top_k=top_k, shared="", moe_layers=moe_layers, num_layers=0,
                      expert_params=0, total_params=0)
-    layout = ep_layout(config, facts, spec.parallel.world_size, spec.parallel.ep, spec.parallel.moe_imbalance)
+    layout = ep_layout(config, facts, spec.parallel.world_size, spec.parallel.ep, spec.parallel.moe_imbalance,
+                       experts_trainable(table))
     return ep_bytes(layout, b * s, expert_act_bytes(spec.training))
 
 

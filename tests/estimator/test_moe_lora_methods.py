@@ -282,3 +282,16 @@ def test_adapters_on_the_fused_experts_are_refused_where_peft_cannot_run_them(pa
     assert not adapts_fused_experts({"params": {"per_layer": [shared, {**row, "trainable": False}]}})
     kinds = {"rows": [[shared], [row]], "of_layer": [0, 1]}
     assert adapts_fused_experts({"params": {"per_layer": [shared], "layer_kinds": kinds}})
+
+
+def test_cp_refuses_expert_lora_past_dense_first_layers_before_a_trace():
+    """The cp rank is estimated as FSDP2 at its local sequence (``parallel.cp`` set to 1 for it), but the
+    forward-only first layers are checked against the asked layout: refused in one line, as under tp, pp, ep."""
+    from estimator.api import estimate
+
+    spec = RunSpec(model=str(ROOT / "benchmarks" / "configs" / "qwen3_moe_tiny.json"),
+                   parallel=ParallelSpec(method="fsdp", world_size=2, cp=2),
+                   training=TrainingSpec(precision="bf16", attn="sdpa", seq_len=256, lora_rank=8,
+                                         lora_targets=EXPERTS))
+    with pytest.raises(ValueError, match="backward never reaches the first 1 decoder layer"):
+        estimate(spec, allow_build=False)
