@@ -91,7 +91,7 @@ def refresh_cached_profiles(rows: list[dict], *, allow_build: bool = True) -> li
         if r["quantity"] == "max_allocated" or training.qlora or training.grad_accum_steps > 1 or spec.parallel.tp > 1:
             continue
         arch = cached_arch(spec.model)  # the configured model's profile (a resized vocabulary is derived from it)
-        adapters_16bit = profiles.adapters_in_16bit(training, spec.parallel.method)
+        adapters_16bit = profiles.adapters_in_16bit(training, spec.parallel.method, spec.parallel.fsdp1.lora_wrap)
         key = profiles.profile_key(arch.config_sha, training, adapters_16bit=adapters_16bit)
         found = profiles.find_profile(key)
         if key in done or found is None or profiles.has_events(found):
