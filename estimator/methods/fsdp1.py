@@ -184,6 +184,16 @@ class Fsdp1Sizes:
             return unit.unsharded_bytes + sum(a.unsharded_bytes for a in self.adapters)
         return unit.unsharded_bytes
 
+    def keeps_grad_shard(self, unit: FlatUnit) -> bool:
+        """Whether a unit's sharded gradient survives to the next micro-batch. With ``use_orig_params`` the
+        gradient is exposed as views for the original tensors, ``None`` for frozen ones and for those outside this
+        rank's shard (``_use_sharded_grad_views``), and the next pre-forward drops the flat gradient when every
+        view is ``None`` (``_reset_flat_param_grad_info_if_needed``): a rank whose shard of the unit holds no
+        trainable element starts each micro-batch without it (seen on real CPU runs of LoRA inside the layer
+        units, benchmarks/fsdp1_lora_layer_wrap.py)."""
+        return unit.trainable and not (self.options.use_orig_params and self.sharded
+                                       and unit.local_trainable_numel == 0)
+
     def low_precision_shard_bytes(self, unit: FlatUnit) -> float:
         return float(unit.shard_numel * unit.compute_elem) if self.mixed and self.sharded else 0.0
 
@@ -243,7 +253,7 @@ def _post_backward(sz: Fsdp1Sizes, unit: FlatUnit, params_part: str, grads_part:
     if kept != new_shard:  # cast to the parameters' dtype: a new tensor, the reduced one freed
         events += [set_part("grad_shards", lambda st: st["grad_shards"] + kept),
                    set_part("grad_shards", lambda st: st["grad_shards"] - new_shard)]
-    if accumulating:  # added in place into the saved shard
+    if accumulating and sz.keeps_grad_shard(unit):  # added in place into the saved shard
         events.append(set_part("grad_shards", lambda st: st["grad_shards"] - kept))
     if micro == SYNCED_LAST and unit.param_elem != unit.compute_elem:
         events.append(set_part("held_grads", lambda st: st["held_grads"] - unit.flat_grad_bytes))
@@ -451,10 +461,10 @@ def replay_fsdp1(segments: dict, num_layers: int, b: int, s: int, sizes: Fsdp1Si
                                + sizes.root.flat_grad_bytes * sizes.root.trainable)
     accumulating = micro == LATER
     if accumulating:
-        state["grad_shards"] = (sum((u.shard_numel if sizes.sharded else u.numel) * u.param_elem * u.trainable
-                                    for u in layer_units)
+        state["grad_shards"] = (sum((u.shard_numel if sizes.sharded else u.numel) * u.param_elem
+                                    * sizes.keeps_grad_shard(u) for u in layer_units)
                                 + (sizes.root.shard_numel if sizes.sharded else sizes.root.numel)
-                                * sizes.root.param_elem * sizes.root.trainable
+                                * sizes.root.param_elem * sizes.keeps_grad_shard(sizes.root)
                                 + num_layers * sizes.adapter_kept_bytes)
     layer_grad_bytes = _layer_grad_bytes(segments, num_layers, bool(sizes.layers))
     schedule = _mixed_schedule(segments, num_layers, sizes, layer_grad_bytes, micro) if segments.get("sequence") \
