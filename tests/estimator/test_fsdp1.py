@@ -257,7 +257,6 @@ def test_layer_wrap_under_no_sync_holds_every_layers_unsharded_gradient(tmp_path
     pytest.importorskip("torch")
     from estimator.api import estimate
     from estimator.methods.fsdp1 import fsdp1_sizes
-    from estimator.models.arch import resolve_arch
     from estimator.models.params import param_table
     from estimator.profiler.cache import load_model_profile
 
