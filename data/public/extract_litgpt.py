@@ -39,7 +39,12 @@ lm_head_chunk_size=128)``) bound through backward and take ``F.cross_entropy`` o
 log-softmax saved per chunk), and ``finetune/full.py`` computes the whole head, slices off the last position (a
 copy) and cross-entropies 128-row pieces of it; torchtune's loss applies the head inside the loss, upcasts each
 chunk to fp32 (an fp32 log-softmax saved per chunk) and binds no logits in the output, and the estimator models
-it for full fine-tuning only. Standard library only.
+it for full fine-tuning only. What each holds from the loss to its backward is the same size (LitGPT: the bf16
+head outputs + a bf16 log-softmax, 2 + 2 bytes per token and vocabulary entry; torchtune: one fp32 log-softmax, 4
+bytes), the chunks' transients differ (LitGPT: 128-token bf16 pieces; torchtune: ``ce_chunks`` fp32 pieces), but
+``ce`` is refused with LoRA (``TrainingSpec``: the long-context techniques are modelled for full fine-tuning
+only), so the LoRA rows cannot carry it; nor does peft's LoRA (fp32 adapters, q/k/v apart) trace LitGPT's (bf16
+adapters on the fused QKV, ``zero_pad`` of the adapter output). Standard library only.
 """
 
 from __future__ import annotations
