@@ -321,10 +321,11 @@ def test_cli_reads_the_fsdp1_flags(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIG))
     out = _cli("--model", str(path), "--method", "fsdp1", "--gpus", "4", "--seq-len", "32", "--fsdp-sharding",
-               "shard_grad_op", "--fsdp-use-orig-params", "false", "--json")
+               "shard_grad_op", "--fsdp-use-orig-params", "false", "--fsdp-lora-wrap", "layer", "--json")
     assert out.returncode == 0, out.stderr
     fsdp1 = json.loads(out.stdout)["spec"]["parallel"]["fsdp1"]
     assert fsdp1["sharding_strategy"] == "SHARD_GRAD_OP" and fsdp1["use_orig_params"] is False
+    assert fsdp1["lora_wrap"] == "layer"
 
 
 @pytest.mark.parametrize("args", [("--method", "fsdp", "--fsdp-sharding", "NO_SHARD"),
