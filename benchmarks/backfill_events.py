@@ -43,14 +43,14 @@ def _key_of(spec) -> str:
 
 def _trace(spec) -> tuple[dict, float]:
     from estimator.models.arch import resolve_arch
-    from estimator.models.profiles import adapters_in_16bit
+    from estimator.models.profiles import run_adapters_in_16bit
     from estimator.profiler.build import lora_adapters_16bit
     from estimator.profiler.profile import build_profile
 
     arch = resolve_arch(spec.model)
     started = time.perf_counter()
     training = dataclasses.replace(spec.training, micro_batch_size=1, seq_len=512, grad_accum_steps=1)
-    with lora_adapters_16bit(adapters_in_16bit(spec.training, spec.parallel.method)):
+    with lora_adapters_16bit(run_adapters_in_16bit(spec)):
         profile = build_profile(arch.config, training, tp=spec.parallel.tp)
     return profile, time.perf_counter() - started
 

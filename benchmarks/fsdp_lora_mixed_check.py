@@ -66,8 +66,8 @@ def _fp32_adapters():
     import estimator.api as api
 
     saved = api.adapters_in_16bit
-    api.adapters_in_16bit = lambda training, method: (False if method in ("fsdp", "dp_tp")
-                                                      else saved(training, method))
+    api.adapters_in_16bit = lambda training, method, *wrap: (False if method in ("fsdp", "dp_tp")
+                                                             else saved(training, method, *wrap))
     api._STEP_MODELS.clear()
     try:
         yield

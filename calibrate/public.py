@@ -91,7 +91,7 @@ def refresh_cached_profiles(rows: list[dict], *, allow_build: bool = True) -> li
         if r["quantity"] == "max_allocated" or training.qlora or training.grad_accum_steps > 1 or spec.parallel.tp > 1:
             continue
         arch = cached_arch(spec.model)  # the configured model's profile (a resized vocabulary is derived from it)
-        adapters_16bit = profiles.adapters_in_16bit(training, spec.parallel.method)
+        adapters_16bit = profiles.adapters_in_16bit(training, spec.parallel.method, spec.parallel.fsdp1.lora_wrap)
         key = profiles.profile_key(arch.config_sha, training, adapters_16bit=adapters_16bit)
         found = profiles.find_profile(key)
         if key in done or found is None or profiles.has_events(found):
@@ -230,12 +230,10 @@ DIAGNOSES = [
      "mechanism: LitGPT's QLoRA is not peft's (every Linear incl. the LM head in NF4, the rest bf16, PagedAdamW "
      "states in managed memory, LoRA dropout on bf16 inputs) and its model code chunks the LM head; the estimator "
      "traces peft's recipe (fp32 activations around the adapters, an fp32 dropped input per adapted module)"),
-    (lambda r, s: _litgpt(r) and r["method"] == "fsdp",
-     "mechanism: not a training-step peak. Lightning's FSDP1 (LitGPT 8641822, torch 2.1) LoRA runs publish about "
-     "the whole bf16 model plus this rank's shard (Llama-2-7B on 2 GPUs: 13.5 + 6.7 = 20.2 GB, published "
-     "20.7-21.8; Llama-2-13B on 4: 26.0 + 6.5 = 32.5 GB, published 33.1), more than the same model's single-GPU "
-     "peak: the unsharded model existed on every GPU beside the shards, which the estimator's FSDP step (sharded "
-     "frozen weights, one unit gathered at a time) never holds"),
+    (lambda r, s: _litgpt(r) and r["method"] == "fsdp1",
+     "mechanism: Lightning's FSDP1 over LitGPT's Blocks (fsdp1_lora_wrap layer, grad_sync last) is modelled: "
+     "every frozen weight gets a gradient and no_backward_sync holds them unsharded; what is left is LitGPT's "
+     "own model code (bf16 adapters on fused QKV, 128-token LM-head chunks)"),
     (lambda r, s: _litgpt(r) and s.err_pct < 0 and _tied(r),
      "mechanism: LitGPT's Llama-3.2 config has no weight tying, so it holds a separate bf16 LM head "
      "(vocab x hidden) that transformers ties to the embedding"),

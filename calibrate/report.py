@@ -107,12 +107,12 @@ def _baselines(spec, coeffs: Coefficients | None) -> dict[str, float]:
     """The published estimators' per-GPU totals for one spec (NaN where one does not cover the method)."""
     from estimator.baselines import equations as B
     from estimator.models.params import expand_params
-    from estimator.models.profiles import adapters_in_16bit
+    from estimator.models.profiles import run_adapters_in_16bit
     from estimator.profiler.cache import load_model_profile
 
     # the profile the estimate has just read (16-bit adapters where the method computes them so), never a build
     arch, profile = load_model_profile(spec.model, spec.training, allow_build=False,
-                                       adapters_16bit=adapters_in_16bit(spec.training, spec.parallel.method))
+                                       adapters_16bit=run_adapters_in_16bit(spec))
     params = expand_params(profile["params"], arch.num_layers)
     calls = {"llmem": lambda: B.llmem(arch, params, spec, coefficients=coeffs),
              "deepspeed": lambda: B.deepspeed_model_states(params, spec),

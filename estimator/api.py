@@ -51,7 +51,7 @@ from estimator.models.moe import (
 )
 from estimator.models.moe_ep import EpLayout, ep_notes
 from estimator.models.params import buffer_bytes, expand_params, param_counts
-from estimator.models.profiles import adapters_in_16bit, traced_release, versions_note
+from estimator.models.profiles import adapters_in_16bit, run_adapters_in_16bit, traced_release, versions_note
 from estimator.models.tp_plans import check_tp
 from estimator.profiler.cache import load_model_profile, load_plain_and_checkpointed
 from estimator.spec import FSDP_METHODS, ParallelSpec, RunSpec, TrainingSpec, ckpt_every
@@ -660,7 +660,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         residuals.load_coefficients(gpu.key, coefficients)
     check_forward_only_layers_before_trace(asked, arch.config)  # the asked layout (a cp rank's spec has cp 1)
     every = ckpt_every(spec.training.ckpt_policy)
-    adapters_16bit = adapters_in_16bit(spec.training, spec.parallel.method)
+    adapters_16bit = run_adapters_in_16bit(spec)
     if every is not None:
         arch, profile = every_k_profile(spec.model, spec.training, spec.parallel.tp, every, allow_build=allow_build,
                                         adapters_16bit=adapters_16bit)

@@ -25,6 +25,12 @@ QLORA_UNSUPPORTED_METHODS = ("fsdp", "fsdp1", "tp", "dp_tp")
 FSDP1_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 # torch.distributed.fsdp.BackwardPrefetch names, "NONE" for backward_prefetch=None.
 FSDP1_BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NONE")
+# Where FSDP1's auto-wrap policy puts the LoRA adapters: "adapter" (peft's ``fsdp_auto_wrap_policy``, what the HF
+# Trainer gives a PEFT model: each adapter Linear a unit of its own inside the decoder-layer units) or "layer" (the
+# decoder-layer policy alone, e.g. Lightning's ``FSDPStrategy(auto_wrap_policy={Block})``: the adapters share
+# their layer's flat parameter, so they must be in its dtype, and with ``use_orig_params`` that flat parameter
+# needs a gradient: every frozen weight of the layer gets one, as torch's FSDP docs warn).
+FSDP1_LORA_WRAPS = ("adapter", "layer")
 PRECISIONS = ("fp32", "bf16", "amp_bf16", "amp_fp16", "mixed_bf16", "mixed_fp16")
 OPTIMIZERS = ("adamw", "adamw_fused", "sgd", "adamw_8bit")
 ATTENTIONS = ("eager", "sdpa", "flash")
@@ -267,7 +273,8 @@ class ZeroSpec:
 class Fsdp1Spec:
     """FSDP1 (``FullyShardedDataParallel``) settings for method ``fsdp1``: torch's defaults, except
     ``use_orig_params`` (on in accelerate, the Trainer and torchtune, which is how most FSDP1 runs are launched).
-    ``gpus_per_node``: the shard group of HYBRID_SHARD (FSDP1 shards within a node)."""
+    ``gpus_per_node``: the shard group of HYBRID_SHARD (FSDP1 shards within a node). ``lora_wrap``: which units
+    hold the LoRA adapters (``FSDP1_LORA_WRAPS``)."""
 
     sharding_strategy: str = "FULL_SHARD"
     use_orig_params: bool = True
@@ -276,9 +283,11 @@ class Fsdp1Spec:
     forward_prefetch: bool = False
     limit_all_gathers: bool = True
     gpus_per_node: int = 8
+    lora_wrap: str = "adapter"
 
     def __post_init__(self) -> None:
         _check_choice("fsdp1.sharding_strategy", self.sharding_strategy, FSDP1_SHARDING)
+        _check_choice("fsdp1.lora_wrap", self.lora_wrap, FSDP1_LORA_WRAPS)
         _check_choice("fsdp1.backward_prefetch", self.backward_prefetch, FSDP1_BACKWARD_PREFETCH)
         for name in ("use_orig_params", "cpu_offload", "forward_prefetch", "limit_all_gathers"):
             if not isinstance(getattr(self, name), bool):
@@ -473,12 +482,14 @@ class RunSpec:
         return dataclasses.asdict(self)
 
     def _canonical_dict(self) -> dict[str, Any]:
-        """to_dict without the settings of a method not used, nor settings added later at their default (FSDP1's,
-        ``ep``, ``moe_imbalance``, ``cp``, ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``, ``use_cache``,
+        """to_dict without the settings of a method not used, nor settings added later at their default (FSDP1's
+        ``lora_wrap``, ``ep``, ``moe_imbalance``, ``cp``, ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``, ``use_cache``,
         the long-context techniques, ``ckpt_reentrant``, ``vocab_size``): ids stay as they were."""
         data = self.to_dict()
         if self.parallel.method != "fsdp1":
             data["parallel"].pop("fsdp1")
+        elif self.parallel.fsdp1.lora_wrap == "adapter":
+            data["parallel"]["fsdp1"].pop("lora_wrap")
         if self.parallel.ep == 1:
             data["parallel"].pop("ep")
         if self.parallel.moe_imbalance == 1:

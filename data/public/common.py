@@ -26,7 +26,7 @@ SPEC = ["model", "gpu", "method", "world_size", "tp", "micro_batch_size", "seq_l
         "zero_stage3_max_live_parameters", "zero_stage3_max_reuse_distance", "zero_sub_group_size",
         "zero_offload_optimizer", "zero_offload_param", "zero_pin_memory", "fsdp1_sharding_strategy",
         "fsdp1_use_orig_params", "fsdp1_cpu_offload", "fsdp1_backward_prefetch", "fsdp1_forward_prefetch",
-        "fsdp1_limit_all_gathers", "fsdp1_gpus_per_node", "pp", "pp_schedule", "pp_microbatches", "pp_virtual",
+        "fsdp1_limit_all_gathers", "fsdp1_gpus_per_node", "fsdp1_lora_wrap", "pp", "pp_schedule", "pp_microbatches", "pp_virtual",
         "pp_engine"]
 # no published row pipelines: torch's defaults with pp 1
 PP_DEFAULTS = {"pp": 1, "pp_schedule": "1f1b", "pp_microbatches": 0, "pp_virtual": 0, "pp_engine": "torch"}
@@ -40,7 +40,7 @@ ZERO_DEFAULTS = {"zero_reduce_bucket_size": 500_000_000, "zero_allgather_bucket_
 # extractor says so.
 FSDP1_DEFAULTS = {"fsdp1_sharding_strategy": "FULL_SHARD", "fsdp1_use_orig_params": True, "fsdp1_cpu_offload": False,
                   "fsdp1_backward_prefetch": "BACKWARD_PRE", "fsdp1_forward_prefetch": False,
-                  "fsdp1_limit_all_gathers": True, "fsdp1_gpus_per_node": 8}
+                  "fsdp1_limit_all_gathers": True, "fsdp1_gpus_per_node": 8, "fsdp1_lora_wrap": "adapter"}
 IDENTITY = ["row_id", "source", "source_ref", "source_table", "source_key"]
 CONTEXT = ["model_hub_id", "framework", "adapter", "padding", "max_length", "seq_len_basis", "lengths",
            "rescore_lengths"]

@@ -9,6 +9,17 @@ Two tables, each read with the code of the LitGPT commit that produced it:
   per tokenizer), one GPU: no checkpointing; several GPUs: FSDP (full shard) with activation checkpointing of every
   Block; gradient accumulation ``batch_size // micro_batch_size`` = 128 // micro-batch (not divided by the device
   count); ``Memory used`` = ``torch.cuda.max_memory_allocated() / 1e9`` (GB).
+  Several GPUs (Lightning at 71aed751, the commit LitGPT 8641822's requirements.txt pins; the page says 2.1.0.rc0;
+  torch 2.1): ``finetune/lora.py:83-85`` ``FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy=
+  {Block})``: FSDP1, one unit per Block with its LoRA tensors inside (``fsdp1_lora_wrap=layer``; bf16-true builds
+  them in bf16), ``lightning/fabric/strategies/fsdp.py:175`` ``use_orig_params=True``, ``:756`` non-reentrant
+  checkpoint wrappers inside the units, torch's default BACKWARD_PRE and FULL_SHARD; ``lora.py:215``
+  ``fabric.no_backward_sync(model, enabled=is_accumulating)`` = ``module.no_sync()`` (``fsdp.py:773``) on every
+  micro-batch but the last (``grad_sync=last``). With ``use_orig_params`` a Block's flat parameter requires a
+  gradient (its adapters do), so every frozen weight gets one: under ``no_sync`` each rank holds the whole layer
+  stack's unsharded bf16 gradients (about the whole model) beside its weight shard. The model is built on the
+  meta device (``lora.py:128`` ``init_module(empty_init=True)``, ``fsdp.py:339-343``) and materialized one unit at
+  a time by FSDP, and ``load_raw`` unshards one unit at a time (FULL_STATE_DICT load hooks): no setup peak.
 * ``config_hub/finetune/README.md`` (the config files next to it, LitGPT commit 00af8b0d, A10G): the YAML gives
   LoRA rank/targets, quantization, devices, micro-batch, max_seq_length 512, AdamW; ``litgpt/finetune/*.py`` at
   that commit: FSDP with activation checkpointing when devices > 1, batches padded to their longest sample and
@@ -28,7 +39,12 @@ lm_head_chunk_size=128)``) bound through backward and take ``F.cross_entropy`` o
 log-softmax saved per chunk), and ``finetune/full.py`` computes the whole head, slices off the last position (a
 copy) and cross-entropies 128-row pieces of it; torchtune's loss applies the head inside the loss, upcasts each
 chunk to fp32 (an fp32 log-softmax saved per chunk) and binds no logits in the output, and the estimator models
-it for full fine-tuning only. Standard library only.
+it for full fine-tuning only. What each holds from the loss to its backward is the same size (LitGPT: the bf16
+head outputs + a bf16 log-softmax, 2 + 2 bytes per token and vocabulary entry; torchtune: one fp32 log-softmax, 4
+bytes), the chunks' transients differ (LitGPT: 128-token bf16 pieces; torchtune: ``ce_chunks`` fp32 pieces), but
+``ce`` is refused with LoRA (``TrainingSpec``: the long-context techniques are modelled for full fine-tuning
+only), so the LoRA rows cannot carry it; nor does peft's LoRA (fp32 adapters, q/k/v apart) trace LitGPT's (bf16
+adapters on the fused QKV, ``zero_pad`` of the adapter output). Standard library only.
 """
 
 from __future__ import annotations
@@ -132,8 +148,10 @@ def _resource_rows(entry: dict, text: str) -> list[dict]:
             if quant != "None":
                 notes.append(QLORA_NOTE.format(kind=quant))
             if multi:
-                notes.append("FSDP1 (Lightning FSDPStrategy, full shard, flat parameters), activation "
-                             "checkpointing of every Block; the estimator models FSDP2")
+                notes.append("FSDP1 (Lightning FSDPStrategy(auto_wrap_policy={Block}), full shard, use_orig_params): "
+                             "the LoRA tensors inside each Block's unit, so every frozen weight gets a gradient; "
+                             "non-reentrant checkpointing of every Block; no_backward_sync on all micro-batches but "
+                             "the last (unsharded gradients held)")
             out = [] if model else [f"{hub} is not in the estimator's catalogue"]
             if quant == "bnb.nf4":
                 out.append("NF4 without double quantization")
@@ -142,11 +160,12 @@ def _resource_rows(entry: dict, text: str) -> list[dict]:
                        f":{quant}:mb{cells['Microbatch size']}:x{world}".replace(" ", ""),
                 source=SOURCE, source_ref=ref(entry), source_table=heading,
                 source_key=" | ".join(cells.values()), model=model or hub, gpu="a100-40gb",
-                method="fsdp" if multi else "single", world_size=world,
+                method="fsdp1" if multi else "single", world_size=world,
                 micro_batch_size=int(cells["Microbatch size"]), seq_len=longest, precision="bf16",
                 optimizer="adamw", grad_ckpt=multi, attn="sdpa", lora_rank=8, lora_targets="q_proj,v_proj",
                 lora_dropout=RESOURCE_LORA_DROPOUT,
                 grad_accum_steps=RESOURCE_BATCH // int(cells["Microbatch size"]),
+                grad_sync="last" if multi else "every", fsdp1_lora_wrap="layer" if multi else "adapter",
                 qlora=quant != "None", model_hub_id=hub, framework="litgpt 8641822 (Lightning Fabric)",
                 adapter="qlora" if quant != "None" else "lora", loop="manual", padding="longest",
                 max_length="", seq_len_basis="longest_sample", lengths="Alpaca (52k), longest sample stated",
@@ -185,8 +204,9 @@ def _confighub_rows(entry: dict, text: str, configs: dict[str, tuple[dict, dict]
             if quant:
                 notes.append(QLORA_NOTE.format(kind=quant))
             if devices > 1:
-                notes.append("FSDP1 (Lightning FSDPStrategy, full shard), activation checkpointing of every Block; "
-                             "the estimator models FSDP2")
+                notes.append("FSDP1 (Lightning FSDPStrategy(auto_wrap_policy={Block}), full shard, use_orig_params), "
+                             "activation checkpointing of every Block; no_backward_sync on all micro-batches but the "
+                             "last (litgpt/finetune/*.py at 00af8b0d)")
             out = [] if model else [f"{hub} is not in the estimator's catalogue"]
             if quant == "bnb.nf4":
                 out.append("NF4 without double quantization")
@@ -198,7 +218,8 @@ def _confighub_rows(entry: dict, text: str, configs: dict[str, tuple[dict, dict]
             rows.append(row(
                 row_id=f"{SOURCE}:config-hub:{cells['Config']}:{machine}", source=SOURCE, source_ref=ref(entry),
                 source_table=heading, source_key=" | ".join(list(cells.values())[:9]), model=model or hub,
-                gpu=GPUS[machine.split("x", 1)[1]], method="fsdp" if devices > 1 else "single",
+                gpu=GPUS[machine.split("x", 1)[1]], method="fsdp1" if devices > 1 else "single",
+                grad_sync="last" if devices > 1 else "every", fsdp1_lora_wrap="layer" if devices > 1 else "adapter",
                 world_size=devices, micro_batch_size=mb, seq_len=int(config["train.max_seq_length"]),
                 precision="bf16", optimizer="adamw", grad_ckpt=devices > 1, attn="sdpa", lora_rank=lora_rank,
                 lora_targets=_targets(config) if lora_rank else "auto",

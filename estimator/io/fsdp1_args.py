@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from estimator.spec import FSDP1_BACKWARD_PREFETCH, FSDP1_SHARDING, Fsdp1Spec
+from estimator.spec import FSDP1_BACKWARD_PREFETCH, FSDP1_LORA_WRAPS, FSDP1_SHARDING, Fsdp1Spec
 
 FLAG_FIELDS = {"fsdp_sharding": "sharding_strategy", "fsdp_backward_prefetch": "backward_prefetch",
           "fsdp_use_orig_params": "use_orig_params", "fsdp_offload": "cpu_offload",
           "fsdp_forward_prefetch": "forward_prefetch", "fsdp_limit_all_gathers": "limit_all_gathers",
-          "gpus_per_node": "gpus_per_node"}
+          "gpus_per_node": "gpus_per_node", "fsdp_lora_wrap": "lora_wrap"}
 # Fsdp1Spec field -> its flag as typed.
 FSDP1_FLAGS = {field: flag.replace("_", "-") for flag, field in FLAG_FIELDS.items()}
 
@@ -46,6 +46,9 @@ def add_fsdp1_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fsdp-limit-all-gathers", type=_bool, metavar="BOOL",
                        help="limit_all_gathers (default true; changes reserved, not allocated memory)")
     group.add_argument("--gpus-per-node", type=int, metavar="N", help="HYBRID_SHARD's shard group (default 8)")
+    group.add_argument("--fsdp-lora-wrap", choices=FSDP1_LORA_WRAPS,
+                       help="LoRA adapters' units: adapter (peft's fsdp_auto_wrap_policy, default) or layer (inside "
+                            "the decoder layer's flat parameter, as Lightning's auto_wrap_policy={Block} puts them)")
 
 
 def fsdp1_from_args(args: argparse.Namespace, method: str, base: Fsdp1Spec | None = None) -> Fsdp1Spec:

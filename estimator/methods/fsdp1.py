@@ -35,6 +35,15 @@ keeps the layer's. Prefetching follows the units' post-forward order (each layer
 previous layer is gathered by this layer's first adapter near the end of its backward: placed at the layer
 boundary (docs/error_matrix/README.md, Finding 13). Not modelled: mixed_* (FSDP1's MixedPrecision would cast the
 adapters to 16 bits, which changes what they save for backward) and prefetching other than BACKWARD_PRE.
+
+LoRA with ``lora_wrap`` "layer" (the decoder-layer policy alone: Lightning's ``FSDPStrategy(auto_wrap_policy=
+{Block})``, LitGPT's scripts): the adapters are flattened with their layer's frozen weights (one dtype: built in
+16 bits). With ``use_orig_params`` a flat parameter with any trainable tensor requires a gradient, and in forward
+the tensors are its views, frozen ones included, so autograd makes every frozen weight's gradient too: the unit
+then behaves as full fine-tuning's (full-size flat gradient, reduce-scatter, a sharded gradient of the whole
+shard, held unsharded under ``no_sync``), while the optimizer steps only the adapters' pieces of the shard. The
+frozen weights' gradients are placed at the end of their layer's backward, beside the flat gradient they are
+concatenated into.
 """
 
 from __future__ import annotations
@@ -79,6 +88,13 @@ class FlatUnit:
     trainable: bool
     local_trainable_numel: int  # elements of trainable tensors inside this rank's shard (optimizer state)
     world: int                  # shard group size
+    # Elements of frozen tensors in a unit that has trainable ones: with ``use_orig_params`` their views of the
+    # flat parameter require a gradient, so autograd makes one for each (``frozen_grad_bytes``).
+    frozen_numel: int = 0
+
+    @property
+    def frozen_grad_bytes(self) -> float:
+        return float(self.frozen_numel * self.compute_elem)
 
     @property
     def unsharded_bytes(self) -> float:
@@ -121,9 +137,10 @@ def flat_unit(params: list[ParamInfo], world: int, rank: int, compute_elem: int,
     offsets, _paddings, total = flat_layout(params, world, compute_elem, aligned)
     shard = math.ceil(total / world) if total else 0
     local = sum(n for n, p in zip(shard_pieces(params, offsets, shard, rank), params) if p.trainable)
+    trainable = any(p.trainable for p in params)
     return FlatUnit(numel=total, shard_numel=shard, param_elem=param_elem, compute_elem=compute_elem,
-                    reduce_elem=reduce_elem, trainable=any(p.trainable for p in params),
-                    local_trainable_numel=local, world=world)
+                    reduce_elem=reduce_elem, trainable=trainable, local_trainable_numel=local, world=world,
+                    frozen_numel=sum(p.numel for p in params if not p.trainable) if trainable else 0)
 
 
 @dataclass(frozen=True)
@@ -167,6 +184,16 @@ class Fsdp1Sizes:
             return unit.unsharded_bytes + sum(a.unsharded_bytes for a in self.adapters)
         return unit.unsharded_bytes
 
+    def keeps_grad_shard(self, unit: FlatUnit) -> bool:
+        """Whether a unit's sharded gradient survives to the next micro-batch. With ``use_orig_params`` the
+        gradient is exposed as views for the original tensors, ``None`` for frozen ones and for those outside this
+        rank's shard (``_use_sharded_grad_views``), and the next pre-forward drops the flat gradient when every
+        view is ``None`` (``_reset_flat_param_grad_info_if_needed``): a rank whose shard of the unit holds no
+        trainable element starts each micro-batch without it (seen on real CPU runs of LoRA inside the layer
+        units, benchmarks/fsdp1_lora_layer_wrap.py)."""
+        return unit.trainable and not (self.options.use_orig_params and self.sharded
+                                       and unit.local_trainable_numel == 0)
+
     def low_precision_shard_bytes(self, unit: FlatUnit) -> float:
         return float(unit.shard_numel * unit.compute_elem) if self.mixed and self.sharded else 0.0
 
@@ -197,8 +224,10 @@ def _post_backward(sz: Fsdp1Sizes, unit: FlatUnit, params_part: str, grads_part:
     if not unit.trainable:
         events = _adapters_post_backward(sz, grads_part, grad_bytes, accumulating) if unit is not sz.root else []
         return events + _free(sz, unit, params_part) + prefetched
-    drop = (lambda st: 0.0) if grad_bytes is None else (lambda st: max(st[grads_part] - grad_bytes, 0.0))
-    events = [set_part("flat_grad", lambda st: unit.flat_grad_bytes), set_part(grads_part, drop)]
+    frozen = unit.frozen_grad_bytes  # the frozen tensors' gradients, made in the unit's backward (placed at its end)
+    drop = (lambda st: 0.0) if grad_bytes is None else (lambda st: max(st[grads_part] - grad_bytes - frozen, 0.0))
+    events = [set_part(grads_part, lambda st: st[grads_part] + frozen)] if frozen else []
+    events += [set_part("flat_grad", lambda st: unit.flat_grad_bytes), set_part(grads_part, drop)]
     if micro in (UNSYNCED_FIRST, UNSYNCED_LATER, SYNCED_LAST):
         events += _held_flat_grad(unit, micro)
     events += _free(sz, unit, params_part) + prefetched
@@ -224,7 +253,7 @@ def _post_backward(sz: Fsdp1Sizes, unit: FlatUnit, params_part: str, grads_part:
     if kept != new_shard:  # cast to the parameters' dtype: a new tensor, the reduced one freed
         events += [set_part("grad_shards", lambda st: st["grad_shards"] + kept),
                    set_part("grad_shards", lambda st: st["grad_shards"] - new_shard)]
-    if accumulating:  # added in place into the saved shard
+    if accumulating and sz.keeps_grad_shard(unit):  # added in place into the saved shard
         events.append(set_part("grad_shards", lambda st: st["grad_shards"] - kept))
     if micro == SYNCED_LAST and unit.param_elem != unit.compute_elem:
         events.append(set_part("held_grads", lambda st: st["held_grads"] - unit.flat_grad_bytes))
@@ -432,10 +461,10 @@ def replay_fsdp1(segments: dict, num_layers: int, b: int, s: int, sizes: Fsdp1Si
                                + sizes.root.flat_grad_bytes * sizes.root.trainable)
     accumulating = micro == LATER
     if accumulating:
-        state["grad_shards"] = (sum((u.shard_numel if sizes.sharded else u.numel) * u.param_elem * u.trainable
-                                    for u in layer_units)
+        state["grad_shards"] = (sum((u.shard_numel if sizes.sharded else u.numel) * u.param_elem
+                                    * sizes.keeps_grad_shard(u) for u in layer_units)
                                 + (sizes.root.shard_numel if sizes.sharded else sizes.root.numel)
-                                * sizes.root.param_elem * sizes.root.trainable
+                                * sizes.root.param_elem * sizes.keeps_grad_shard(sizes.root)
                                 + num_layers * sizes.adapter_kept_bytes)
     layer_grad_bytes = _layer_grad_bytes(segments, num_layers, bool(sizes.layers))
     schedule = _mixed_schedule(segments, num_layers, sizes, layer_grad_bytes, micro) if segments.get("sequence") \
@@ -539,11 +568,15 @@ def fsdp1_sizes(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> Fsdp1Si
     root, layers = _units(table)
     largest = largest_layer(table)
     layer = next((params for params in layers if params[0].layer == largest), [])
-    adapters = [p for p in layer if p.trainable] if training.lora else []
+    in_layer = training.lora and options.lora_wrap == "layer"
+    if in_layer and not options.use_orig_params:
+        raise ValueError("parallel.fsdp1.lora_wrap: layer puts frozen and trainable tensors in one flat parameter, "
+                         "which FSDP1 allows only with use_orig_params true")
+    adapters = [p for p in layer if p.trainable] if training.lora and not in_layer else []
     if adapters and (options.forward_prefetch or options.backward_prefetch != "BACKWARD_PRE"):
         raise ValueError("method: fsdp1 with LoRA is modelled with the default prefetching only (BACKWARD_PRE, no "
                          "forward prefetch): the adapters' units change what each prefetch gathers")
-    if adapters and mixed:
+    if (adapters or in_layer) and mixed:
         raise ValueError("method: fsdp1 with LoRA under mixed_* is not modelled (FSDP1's MixedPrecision casts the "
                          "adapters to 16 bits, which changes what they keep for backward); use bf16, fp32, amp_* "
                          "or fsdp")
@@ -553,7 +586,7 @@ def fsdp1_sizes(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> Fsdp1Si
     if training.grad_accum_steps > 1 and training.grad_sync == "last" and (
             adapters or options.sharding_strategy == "NO_SHARD"):
         raise ValueError("grad_sync: fsdp1 holding its gradients between micro-batches (no_sync) is modelled for "
-                         "sharded strategies without LoRA; use grad_sync every, or fsdp")
+                         "sharded strategies without LoRA or with lora_wrap layer; use grad_sync every, or fsdp")
 
     def unit(params: list[ParamInfo], name: str) -> FlatUnit:
         # mixed_*: built in fp32, so one dtype per unit whatever the model keeps in fp32 at 16 bits (DeepSeek's
@@ -590,6 +623,9 @@ def fsdp1(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> StepModel:
     states = optimizer_state_bytes(stepped, training.optimizer, False)
     temp = step_temp_bytes(stepped, training.optimizer, False)
     adapters = ", each LoRA adapter weight its own unit (peft's fsdp_auto_wrap_policy)" if sizes.adapters else ""
+    if training.lora and options.lora_wrap == "layer":
+        adapters = (", the LoRA adapters inside their layer's unit: every frozen weight of a layer gets a gradient "
+                    "(use_orig_params), held and reduced as full fine-tuning's")
     notes = [f"fsdp1: FullyShardedDataParallel per decoder layer then the root{adapters} "
              f"({options.sharding_strategy}, use_orig_params={options.use_orig_params}, backward_prefetch="
              f"{options.backward_prefetch}); limit_all_gathers changes reserved, not allocated memory"]

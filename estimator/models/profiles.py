@@ -79,7 +79,7 @@ def profile_key(config_sha: str, training: TrainingSpec, tp: int = 1, adapters_1
             + (f"_tf{release}" if release else ""))
 
 
-def adapters_in_16bit(training: TrainingSpec, method: str) -> bool:
+def adapters_in_16bit(training: TrainingSpec, method: str, lora_wrap: str = "adapter") -> bool:
     """Whether a run's LoRA adapters are 16-bit: DeepSpeed casts the whole model to its mixed-precision dtype,
     adapters included (``engine._cast_module_mixed_precision``); elsewhere peft keeps them fp32
     (``autocast_adapter_dtype``). QLoRA's adapters stay as prepared; fp32 runs have nothing to cast. ZeRO-3
@@ -89,12 +89,22 @@ def adapters_in_16bit(training: TrainingSpec, method: str) -> bool:
     in ``param_dtype`` (``FSDPParam.init_dtype_attrs``): peft's forward (``_cast_input_dtype(x,
     lora_A.weight.dtype)``) then makes no fp32 copy of the adapter inputs (benchmarks/fsdp_lora_mixed_check.py).
     dp_tp is FSDP2 over its dp dimension with the same policy: the same holds (``--method dp_tp`` of that check).
-    tp alone keeps peft's fp32 adapters, as single and ddp do: no all-gather casts them (checked the same way)."""
+    tp alone keeps peft's fp32 adapters, as single and ddp do: no all-gather casts them (checked the same way).
+    FSDP1 with the adapters inside their decoder layer's unit (``lora_wrap`` "layer") flattens them with the
+    layer's weights, one dtype per flat parameter: a bf16 run built its adapters in bf16 (Lightning's
+    ``bf16-true`` builds the whole model in it)."""
     if not training.lora or training.qlora:
         return False
+    if method == "fsdp1" and lora_wrap == "layer":
+        return training.precision == "bf16"
     if method in ("zero1", "zero2"):
         return training.precision in ("mixed_bf16", "mixed_fp16", "bf16")
     return method in ("fsdp", "dp_tp") and training.precision in ("mixed_bf16", "mixed_fp16")
+
+
+def run_adapters_in_16bit(spec) -> bool:
+    """``adapters_in_16bit`` of a whole run spec (its method and FSDP1's adapter wrap)."""
+    return adapters_in_16bit(spec.training, spec.parallel.method, spec.parallel.fsdp1.lora_wrap)
 
 
 def user_cache_dir() -> Path:

@@ -26,10 +26,10 @@ from pathlib import Path
 from estimator.columns import spec_from_columns
 from estimator.models.arch import catalogue_models, resolve_arch
 from estimator.models.profiles import (
-    adapters_in_16bit,
     has_events,
     installed_version,
     profile_key,
+    run_adapters_in_16bit,
     save_profile,
 )
 from estimator.models.tp_plans import check_tp
@@ -118,7 +118,7 @@ def _traced_specs(spec: RunSpec) -> list[RunSpec]:
 
 def _row_profile_key(spec: RunSpec, config_sha: str) -> str:
     return profile_key(config_sha, spec.training, spec.parallel.tp,
-                       adapters_in_16bit(spec.training, spec.parallel.method))
+                       run_adapters_in_16bit(spec))
 
 
 def catalogue_name(arch) -> str:
@@ -147,7 +147,7 @@ def ship_rows(rows_csv: Path, out: Path, models: list[str] | None = None) -> int
         started = time.perf_counter()
         training = dataclasses.replace(spec.training, micro_batch_size=1, seq_len=512, grad_accum_steps=1)
         try:
-            with lora_adapters_16bit(adapters_in_16bit(spec.training, spec.parallel.method)):
+            with lora_adapters_16bit(run_adapters_in_16bit(spec)):
                 profile = build_profile(arch.config, training, tp=spec.parallel.tp)
         except Exception as err:  # noqa: BLE001 - one variant this release cannot trace must not stop the others
             print(f"{arch.name:<55}{key.split('_', 1)[1]:<48}failed: {type(err).__name__}: {err}".splitlines()[0])

@@ -278,14 +278,14 @@ def mixed_events(spec, regime: dict, num_layers: int) -> dict:
     """The merged event list of an every-k spec's (mixed) regime: the plain and the checkpointed profile's event
     lists of the regime with the same bounds, loaded as ``estimator.api.every_k_profile`` loads them (memoized per
     pair). ExpansionError: no replay (the reason)."""
-    from estimator.models.profiles import adapters_in_16bit
+    from estimator.models.profiles import run_adapters_in_16bit
     from estimator.profiler.cache import load_plain_and_checkpointed
 
     every = ckpt_every(spec.training.ckpt_policy)
     try:
         _, plain, ckpt = load_plain_and_checkpointed(
             spec.model, spec.training, spec.parallel.tp, allow_build=False,
-            adapters_16bit=adapters_in_16bit(spec.training, spec.parallel.method))
+            adapters_16bit=run_adapters_in_16bit(spec))
     except ValueError as err:
         raise ExpansionError(f"every-k: {err}") from None
     pair = []

@@ -173,12 +173,14 @@ def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: i
                 fake_tensors: bool = True, kernels: str = "cuda", rank_context=None) -> dict[str, Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from estimator.models.profiles import run_adapters_in_16bit
     from estimator.profiler.build import (
         HeldOutputs,
         as_on_gpu,
         build_model,
         forward_backward,
         full_length_attention_mask,
+        lora_adapters_16bit,
         materialize_fake,
         synthetic_batch,
     )
@@ -189,6 +191,8 @@ def _trace_rank(spec: RunSpec, config: dict[str, Any], rank: int, *, round_to: i
     built = build_training(spec)
     t0 = time.perf_counter()
     with contextlib.ExitStack() as pg:
+        # FSDP1 flattening the adapters with their 16-bit layer (lora_wrap "layer") needs them built in 16 bits
+        pg.enter_context(lora_adapters_16bit(method == "fsdp1" and run_adapters_in_16bit(spec)))
         cache_key = (rank, n, method, spec.parallel.tp)
         if n > 1:
             pg.enter_context(fake_process_group(rank, n, cache_key))

@@ -152,7 +152,8 @@ def fsdp1_mixed_precision(training: TrainingSpec):
 def apply_fsdp1(model: nn.Module, spec: RunSpec, mesh, model_type: str, device: torch.device | str) -> nn.Module:
     """FSDP1 as accelerate's TRANSFORMER_BASED_WRAP builds it: one FSDP unit (one flat parameter) per decoder
     layer, the root unit holding everything else; with LoRA peft's ``fsdp_auto_wrap_policy`` (the same, and each
-    adapter Linear its own unit); ``spec.parallel.fsdp1`` for the rest."""
+    adapter Linear its own unit), or with ``lora_wrap`` "layer" the decoder-layer policy alone (the adapters in
+    their layer's unit, as Lightning's ``auto_wrap_policy={Block}``); ``spec.parallel.fsdp1`` for the rest."""
     from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -160,7 +161,7 @@ def apply_fsdp1(model: nn.Module, spec: RunSpec, mesh, model_type: str, device: 
     from estimator.profiler.tp import decoder_layers
 
     options = spec.parallel.fsdp1
-    if spec.training.lora:  # what the HF Trainer gives a PEFT model: each adapter Linear a unit of its own
+    if spec.training.lora and options.lora_wrap == "adapter":  # the HF Trainer's: each adapter Linear its own unit
         from peft.utils.other import fsdp_auto_wrap_policy
 
         policy = fsdp_auto_wrap_policy(model)

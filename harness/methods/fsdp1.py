@@ -13,6 +13,8 @@ What the estimator needs to know, exactly:
   as it flattens and shards (``device_id``), so no rank holds the whole model on the GPU: what accelerate and
   the Trainer do with a CPU-loaded model. The optimizer is built after wrapping, on the flat (or, with
   ``use_orig_params``, the original-shaped view) parameters.
+* LoRA: peft's ``fsdp_auto_wrap_policy`` (each adapter Linear its own unit), or with ``lora_wrap`` "layer" the
+  adapters inside their layer's unit, built in the layer's 16-bit dtype (Lightning's bf16-true LitGPT runs).
 * Gradient accumulation: every micro-batch reduce-scatters, or with ``training.grad_sync=last`` only the last
   (``no_sync()`` on the others, as the HF Trainer runs it: unsharded flat gradients held in between).
 """
@@ -21,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from estimator.profiler.build import build_model, build_optimizer
+from estimator.models.profiles import run_adapters_in_16bit
+from estimator.profiler.build import build_model, build_optimizer, lora_adapters_16bit
 from harness.fake.wrap import build_training, make_mesh, wrap_model
 from harness.methods.base import TorchTrainer, WrapContext, unsynced_micro_batch
 
@@ -29,7 +32,8 @@ from harness.methods.base import TorchTrainer, WrapContext, unsynced_micro_batch
 def wrap(ctx: WrapContext) -> TorchTrainer:
     training = build_training(ctx.spec)  # fp32 weights for mixed_* (the flat shards are the masters)
     torch.manual_seed(ctx.options.seed)  # equal replicas on every rank (FSDP1 does not broadcast by default)
-    model = build_model(ctx.config, training, "cpu")
+    with lora_adapters_16bit(run_adapters_in_16bit(ctx.spec)):  # adapters inside a 16-bit layer unit: 16-bit
+        model = build_model(ctx.config, training, "cpu")
     if ctx.options.model.pretrained:
         from harness.weights import load_pretrained
 

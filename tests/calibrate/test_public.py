@@ -173,6 +173,16 @@ def test_litgpt_rows_carry_accumulation_and_refuse_runs_below_their_model_states
         assert not row["complete"] and "below the model states" in row["missing"]
 
 
+def test_litgpt_fsdp_rows_run_fsdp1_over_blocks_holding_gradients_under_no_sync():
+    """finetune/lora.py at 8641822: FSDPStrategy(auto_wrap_policy={Block}) and no_backward_sync on every
+    micro-batch but the last; single-GPU rows keep the defaults."""
+    rows = {r["row_id"]: r for r in _load("public_litgpt", "extract_litgpt.py").extract()}
+    multi = rows["litgpt:resource-tables:multi:Llama2-7B:None:mb1:x2"]
+    assert (multi["method"], multi["grad_sync"], multi["fsdp1_lora_wrap"]) == ("fsdp1", "last", "layer")
+    single = rows["litgpt:resource-tables:single:Llama2-7B:None:mb1:x1"]
+    assert (single["method"], single["grad_sync"], single["fsdp1_lora_wrap"]) == ("single", "every", "adapter")
+
+
 def test_universal_trainer_bf16_loss_path_is_out_of_scope_and_qlora_is_not():
     rows = {r["row_id"]: r for r in _load("public_universal", "extract_universal_llm_trainer.py").extract()}
     assert not rows["universal_llm_trainer:H100:llm_llama3.1_lora"]["in_scope"]

@@ -1,6 +1,7 @@
 """The fsdp1 method (FSDP1, FullyShardedDataParallel): flat-parameter arithmetic, the estimate against two
 independent oracles on fake tensors (the harness's tracer and torch's MemTracker), the spec and the CLI."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -72,6 +73,12 @@ CASES = [
     (TrainingSpec(precision="bf16", micro_batch_size=2, seq_len=64, lora_rank=8), 2, {"use_orig_params": False}),
     (TrainingSpec(precision="fp32", micro_batch_size=1, seq_len=32, attn="eager", lora_rank=4,
                   lora_targets="all-linear"), 3, {"sharding_strategy": "SHARD_GRAD_OP"}),
+    # LoRA inside the decoder-layer units (Lightning's auto_wrap_policy={Block}): every frozen weight gets a gradient
+    (TrainingSpec(precision="bf16", micro_batch_size=2, seq_len=32, lora_rank=4, grad_ckpt=True, lora_dropout=0.05),
+     2, {"lora_wrap": "layer"}),
+    pytest.param(TrainingSpec(precision="bf16", micro_batch_size=2, seq_len=32, lora_rank=4, grad_ckpt=True,
+                              grad_accum_steps=2, grad_sync="last"), 2, {"lora_wrap": "layer"},
+                 marks=pytest.mark.slow),
 ]
 
 
@@ -235,7 +242,49 @@ def test_shard_grad_op_holds_every_layer_from_forward_to_backward(tmp_path):
     assert grad_op > full
 
 
+def test_flat_parameter_counts_the_frozen_tensors_of_a_trainable_unit_only():
+    """use_orig_params: a unit with any trainable tensor makes a gradient for its frozen ones too."""
+    mixed = flat_unit([_param("w", 64, 2, False), _param("lora_A", 8, 2)], world=2, rank=0, compute_elem=2,
+                      param_elem=2, reduce_elem=2, aligned=True)
+    frozen = flat_unit([_param("w", 64, 2, False)], world=2, rank=0, compute_elem=2, param_elem=2, reduce_elem=2,
+                       aligned=True)
+    assert (mixed.frozen_numel, mixed.frozen_grad_bytes, frozen.frozen_numel) == (64, 128, 0)
+
+
+def test_layer_wrap_under_no_sync_holds_every_layers_unsharded_gradient(tmp_path):
+    """LitGPT's FSDP LoRA (Block units with their adapters, no_backward_sync): each rank holds the unsharded bf16
+    gradient of every layer unit, frozen weights included, where reducing every micro-batch keeps its shard."""
+    pytest.importorskip("torch")
+    from estimator.api import estimate
+    from estimator.methods.fsdp1 import fsdp1_sizes
+    from estimator.models.params import param_table
+    from estimator.profiler.cache import load_model_profile
+
+    training = TrainingSpec(precision="bf16", micro_batch_size=1, seq_len=32, lora_rank=4, grad_ckpt=True,
+                            grad_accum_steps=4)
+    every = estimate(_spec(tmp_path, training, 2, lora_wrap="layer"))
+    last = _spec(tmp_path, dataclasses.replace(training, grad_sync="last"), 2, lora_wrap="layer")
+    held = estimate(last)
+    arch, profile = load_model_profile(last.model, last.training, adapters_16bit=True)
+    layer = fsdp1_sizes(last, param_table(arch, profile)).layer
+    # no_sync holds each layer's whole flat gradient where reducing every micro-batch keeps this rank's shard
+    extra = CONFIG["num_hidden_layers"] * (layer.flat_grad_bytes - layer.shard_numel * layer.param_elem)
+    assert layer.trainable and layer.frozen_numel > 0
+    assert abs(held.peak_allocated_bytes - every.peak_allocated_bytes - extra) < 0.05 * extra
+
+
+def test_layer_wrap_needs_use_orig_params(tmp_path):
+    from estimator.api import estimate
+
+    spec = _spec(tmp_path, TrainingSpec(precision="bf16", micro_batch_size=1, seq_len=32, lora_rank=4), 2,
+                 lora_wrap="layer", use_orig_params=False)
+    with pytest.raises(ValueError, match="^parallel.fsdp1.lora_wrap: layer .*use_orig_params true"):
+        estimate(spec)
+
+
 def test_spec_validates_fsdp1_settings():
+    with pytest.raises(ValueError, match="fsdp1.lora_wrap"):
+        Fsdp1Spec(lora_wrap="module")
     with pytest.raises(ValueError, match="fsdp1.sharding_strategy"):
         Fsdp1Spec(sharding_strategy="ZERO3")
     with pytest.raises(ValueError, match="fsdp1.gpus_per_node"):
@@ -251,6 +300,8 @@ def test_other_methods_keep_their_spec_ids():
     changed = RunSpec(parallel=ParallelSpec(method="fsdp1", world_size=2, fsdp1=Fsdp1Spec(use_orig_params=False)))
     assert fsdp1.spec_id != changed.spec_id
     assert RunSpec.from_json(changed.to_json()) == changed
+    layer = RunSpec(parallel=ParallelSpec(method="fsdp1", world_size=2, fsdp1=Fsdp1Spec(lora_wrap="layer")))
+    assert layer.spec_id != fsdp1.spec_id and RunSpec.from_json(layer.to_json()) == layer
 
 
 def test_columns_round_trip_and_old_tables_read_the_defaults():
@@ -270,10 +321,11 @@ def test_cli_reads_the_fsdp1_flags(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIG))
     out = _cli("--model", str(path), "--method", "fsdp1", "--gpus", "4", "--seq-len", "32", "--fsdp-sharding",
-               "shard_grad_op", "--fsdp-use-orig-params", "false", "--json")
+               "shard_grad_op", "--fsdp-use-orig-params", "false", "--fsdp-lora-wrap", "layer", "--json")
     assert out.returncode == 0, out.stderr
     fsdp1 = json.loads(out.stdout)["spec"]["parallel"]["fsdp1"]
     assert fsdp1["sharding_strategy"] == "SHARD_GRAD_OP" and fsdp1["use_orig_params"] is False
+    assert fsdp1["lora_wrap"] == "layer"
 
 
 @pytest.mark.parametrize("args", [("--method", "fsdp", "--fsdp-sharding", "NO_SHARD"),

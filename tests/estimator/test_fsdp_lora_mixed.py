@@ -35,6 +35,16 @@ def test_which_runs_compute_their_adapters_in_16_bits(method, precision, lora, e
     assert key.endswith("-a16") is expected
 
 
+@pytest.mark.parametrize("wrap, precision, expected", [
+    ("layer", "bf16", True),  # flattened with the 16-bit layer: built in 16 bits (Lightning's bf16-true)
+    ("layer", "fp32", False),
+    ("adapter", "bf16", False),  # peft's wrap: fp32 adapters in units of their own
+])
+def test_fsdp1_adapters_inside_the_layer_unit_are_16_bit(wrap, precision, expected):
+    training = TrainingSpec(precision=precision, **LORA)
+    assert adapters_in_16bit(training, "fsdp1", wrap) is expected
+
+
 def _rows(name: str = "fsdp_lora_mixed.csv") -> list[dict]:
     with open(REPO / "docs" / "error_matrix" / name) as handle:
         return list(csv.DictReader(handle))
