@@ -3,7 +3,8 @@
     PYTHONPATH=. .venv/bin/python benchmarks/pipeline_table.py [--config CONFIG.json] [--schedules gpipe 1f1b
         interleaved_1f1b] [--pp 2 4] [--microbatches 4 8] [--points 1x64 2x32] [--dp 1 2]
         [--precision bf16|fp32|mixed_bf16] [--grad-ckpt [--ckpt-policy every-k:K]] [--lora-rank R]
-        [--tp T [--dp D]] [--csv docs/error_matrix/pipeline.csv] [--trace]
+        [--tp T [--dp D]] [--csv docs/error_matrix/pipeline.csv] [--trace [--ops "B 6 1" ...]
+        [--drop-waited-sends]]
     PYTHONPATH=. .venv/bin/python benchmarks/pipeline_table.py --rescore docs/error_matrix/pipeline.csv [CSV ...]
 
 Each point runs ``pp x dp x tp`` gloo ranks in freshly spawned interpreters (``harness.pipeline``: the transformers
@@ -13,7 +14,10 @@ applies it). Every live storage is counted after every operator (``harness.fake.
 local shard; gloo's reduce-scatter clone left out, as in ``benchmarks/moe_ep_table.py``) over two steady steps
 after a warm-up step (which also runs torch's shape inference); each rank's peak is compared with the estimate's
 ``traced_allocated_bytes`` for that rank (first, middle and last pipeline rank). ``--trace`` prints each rank's
-live bytes around every forward and backward action (to find what a model leaves out). ``--rescore``: the
+live bytes around every forward and backward action (to find what a model leaves out); ``--ops KIND STAGE MB``
+also prints every operator's live bytes inside those actions (``"B 6 1"``: stage 6's backward of micro-batch 1), and
+``--drop-waited-sends`` (a diagnostic, not torch's behaviour) clears each list of works the schedule waits, to show
+what its send works keep. ``--rescore``: the
 estimate of every row of committed tables again (the measurements as they are; no run), written back in place and
 merged into the ``--csv`` file when one is given.
 """
@@ -36,7 +40,7 @@ CONFIG = HERE / "configs" / "llama_pp_tiny.json"
 
 def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virtual: int, config: dict,
           precision: str, b: int, s: int, port: int, out: str, trace: bool, grad_ckpt: bool,
-          variant: dict, tp: int = 1) -> None:
+          variant: dict, tp: int = 1, probe: dict | None = None) -> None:
     sys.path.insert(0, str(REPO))
     import gc
 
@@ -116,14 +120,17 @@ def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virt
 
         step()  # warm-up: torch's shape inference and the recv buffers; optimizer states from here on
         gc.collect()
-        mode = nccl_live_storages_class()()
+        probe = probe or {}
+        if probe.get("drop_waited_sends"):
+            _drop_waited_sends()
+        mode = (_operator_log(nccl_live_storages_class()) if probe.get("ops") else nccl_live_storages_class())()
         for obj in gc.get_objects():  # parameters (local shards), optimizer states, recv buffers
             if isinstance(obj, torch.Tensor) and not obj.is_meta:
                 mode.add(obj)
         mode.peak_bytes = mode.live_bytes()
         events: list = []
         if trace:
-            _trace(runner, mode, events)
+            _trace(runner, mode, events, set(probe.get("ops") or ()))
         with mode:
             step()
             step()
@@ -133,9 +140,10 @@ def _rank(rank: int, world: int, pp: int, schedule: str, microbatches: int, virt
         dist.destroy_process_group()
 
 
-def _trace(runner, mode, events: list) -> None:
+def _trace(runner, mode, events: list, ops: set[str] = frozenset()) -> None:
     """Record live bytes before and after, and the peak within, each stage's forward, backward and gradient
-    reduction (F, B, P)."""
+    reduction (F, B, P); for the actions named in ``ops`` (``"KIND STAGE MB"``) also every operator's live bytes
+    (an event ``["ops", action, [[operator, live bytes], ...]]`` after the action's own)."""
     stages = getattr(runner, "_stages", None) or [runner._stage]
     for stage in stages:
         for name in ("forward_one_chunk", "backward_one_chunk", "perform_reduce_grad"):
@@ -145,19 +153,57 @@ def _trace(runner, mode, events: list) -> None:
                 # chunk: the micro-batch (perform_reduce_grad: its gradient scale factor)
                 before = mode.live_bytes()
                 mode.peak_bytes, outer = before, mode.peak_bytes
+                action = f"{_name[0].upper()} {_stage} {chunk}"
+                if action in ops:
+                    mode.op_log = []
                 result = _original(chunk, *args, **kwargs)
                 events.append([_name[0].upper(), _stage, chunk, before, mode.peak_bytes, mode.live_bytes()])
+                if action in ops:
+                    events.append(["ops", action, mode.op_log])
+                    mode.op_log = None
                 mode.peak_bytes = max(outer, mode.peak_bytes)
                 return result
 
             setattr(stage, name, wrapped)
 
 
+def _operator_log(cls):
+    """``cls`` (a live-storage counter) that also appends ``[operator, live bytes]`` to ``op_log`` when it is a
+    list."""
+
+    class OperatorLog(cls):
+        op_log: list | None = None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if self.op_log is not None:
+                self.op_log.append([str(func), self.live_bytes()])
+            return out
+
+    return OperatorLog
+
+
+def _drop_waited_sends() -> None:
+    """Diagnostic: torch's schedules wait a list of works (``_wait_batch_p2p(send_work)``) and keep the list; a gloo
+    send work holds the tensor it sent. Clearing each waited list shows what those works keep."""
+    from torch.distributed.pipelining import schedules
+
+    wait = schedules._wait_batch_p2p
+
+    def wait_and_drop(works):
+        wait(works)
+        if isinstance(works, list):
+            works.clear()
+
+    schedules._wait_batch_p2p = wait_and_drop
+
+
 def measured(config: dict, pp: int, dp: int, schedule: str, microbatches: int, virtual: int, precision: str,
              b: int, s: int, trace: bool = False, grad_ckpt: bool = False, variant: dict | None = None,
-             tp: int = 1) -> list[dict]:
+             tp: int = 1, probe: dict | None = None) -> list[dict]:
     """Each rank's peak live bytes (and, with ``trace``, its per-action events). ``variant``: TrainingSpec fields
-    beyond precision and checkpointing (``lora_rank``, ``ckpt_policy``)."""
+    beyond precision and checkpointing (``lora_rank``, ``ckpt_policy``). ``probe``: ``ops`` (actions whose
+    operators ``trace`` logs), ``drop_waited_sends`` (``_drop_waited_sends``)."""
     import torch.multiprocessing as mp
 
     from benchmarks.gloo_ranks import free_port
@@ -165,7 +211,8 @@ def measured(config: dict, pp: int, dp: int, schedule: str, microbatches: int, v
     world = pp * dp * tp
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_rank, args=(world, pp, schedule, microbatches, virtual, config, precision, b, s,
-                                        free_port(), out, trace, grad_ckpt, variant or {}, tp), nprocs=world, start_method="spawn")
+                                        free_port(), out, trace, grad_ckpt, variant or {}, tp, probe), nprocs=world,
+                           start_method="spawn")
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -208,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=1, help="TP degree inside each stage (pp x tp; with --dp 2, pp x dp x tp)")
     parser.add_argument("--csv", type=Path, default=None)
     parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--ops", nargs="*", default=[], help='with --trace: actions ("B 6 1") whose operators to log')
+    parser.add_argument("--drop-waited-sends", action="store_true",
+                        help="diagnostic: clear each list of works the schedule waits (what its send works keep)")
     parser.add_argument("--rescore", nargs="*", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.rescore:
@@ -226,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                         predicted = estimated(args.config, pp, dp, schedule, m, virtual, args.precision, b, s,
                                               args.grad_ckpt, variant, args.tp)
                         ranks = measured(config, pp, dp, schedule, m, virtual, args.precision, b, s, args.trace,
-                                         args.grad_ckpt, variant, args.tp)
+                                         args.grad_ckpt, variant, args.tp,
+                                         {"ops": args.ops, "drop_waited_sends": args.drop_waited_sends})
                         for rank, est in sorted(predicted.items()):
                             got = ranks[rank]["peak_bytes"]
                             rows.append({"config": args.config.name, "precision": args.precision,
@@ -241,7 +292,12 @@ def main(argv: list[str] | None = None) -> int:
                                   f"estimate {est:>11} {rows[-1]['error_pct']:+8.3f} %", flush=True)
                             if args.trace:
                                 for event in ranks[rank]["events"]:
-                                    print("    ", event)
+                                    if event[0] != "ops":
+                                        print("    ", event)
+                                        continue
+                                    start = event[2][0][1] if event[2] else 0
+                                    for op, live in event[2]:
+                                        print(f"         {event[1]}: {live - start:+9d} {op}")
     errors = sorted(abs(r["error_pct"]) for r in rows)
     print(f"rows {len(rows)}  median |error| {errors[len(errors) // 2]:.3f} %  max {errors[-1]:.3f} %  "
           f"elapsed {time.perf_counter() - started:.0f} s")

@@ -35,6 +35,7 @@ from estimator.methods.pipeline_rank import (
     pipeline_notes,
     pipeline_rank,
     reported_pp_ranks,
+    with_accumulating_candidates,
 )
 from estimator.methods.router_unit import router_segments
 from estimator.methods.timeline import Replay, at_depth, loop_segments, poly, replay, replayed_depth
@@ -760,6 +761,13 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
                     experts_breakdown=experts_breakdown(table, worst.breakdown))
 
 
+def _pipeline_segments(profile: dict, training: TrainingSpec, arch: ModelArch) -> dict:
+    """A profile's segments as a pipeline stage replays them: the training loop's, each backward segment with its
+    candidates under gradient accumulation (``pipeline_rank.with_accumulating_candidates``)."""
+    regime = _regime(profile, training.micro_batch_size, training.seq_len)
+    return with_accumulating_candidates(loop_segments(regime, training.loop, arch.num_layers), regime)
+
+
 def _pipeline_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, gpu,
                        allow_build: bool = True) -> Estimate:
     """Pipeline parallelism (``methods.pipeline_rank``): the first, middle and last pipeline rank, each the lowest
@@ -769,15 +777,12 @@ def _pipeline_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: lis
     if every is not None:  # each stage's layers from the plain or the checkpointed profile by their global index
         kinds = checkpointed(arch.num_layers, every)
         full = dataclasses.replace(training, ckpt_policy="")
-        plain, ckpt = (loop_segments(_regime(load_model_profile(spec.model, t, spec.parallel.tp,
-                                                                allow_build=allow_build)[1],
-                                             training.micro_batch_size, training.seq_len),
-                                     training.loop, arch.num_layers)
+        plain, ckpt = (_pipeline_segments(load_model_profile(spec.model, t, spec.parallel.tp,
+                                                             allow_build=allow_build)[1], training, arch)
                        for t in (dataclasses.replace(full, grad_ckpt=False), full))
         segments = every_k_segments(plain, ckpt, kinds)
     else:
-        segments = loop_segments(_regime(profile, training.micro_batch_size, training.seq_len), training.loop,
-                                 arch.num_layers)
+        segments = _pipeline_segments(profile, training, arch)
     act_bytes = 4 if training.precision == "fp32" else 2
     workspace = residuals.cublas_workspace_bytes(coeffs)
     buffers = buffer_bytes(profile["params"], 0)  # the rotary embedding's, on every stage (llama-style: no per-layer ones)

@@ -9,7 +9,14 @@ What torch's ``PipelineStage`` holds besides the model's own tensors (torch 2.13
 - the stage output in ``fwd_cache`` until the micro-batch's backward (the last stage's: its logits, which the loss
   reads and the unsplit model's trainer loop would drop), then as long as the schedule's loop variable or a send
   work holds it;
-- the step's whole batch of input ids on the first stage and of labels on the last.
+- the step's whole batch of input ids on the first stage and of labels on the last;
+- under 1F1B, the output of the warmup's last fired forward send (micro-batch w - 2 of w warmup forwards): the
+  schedule waits its ``send_work`` list without dropping it and gloo's send work holds its tensor, so the output
+  outlives its backward until the 1B1F loop ends (``warmup_send_kept``).
+From a stage's second micro-batch on its backward accumulates into the gradients the first one left: autograd's
+``AccumulateGrad`` adds each new gradient in place and drops it right after the node that made it returns, so only
+that node's other outputs sit beside it (``accumulating_candidates``, from the profile's event list), not the
+moments after it that the first backward's candidates record with the gradient kept.
 FSDP2 over the dp ranks of a stage (method ``fsdp``): torch's stage turns off resharding and gradient reduction until
 the last micro-batch's backward (``backward_maybe_with_nosync``, ``perform_reduce_grad``), and torchtitan shards
 with ``reshard_after_forward=False`` under pp: from its first forward on, a stage's parameters stay unsharded, and
@@ -130,6 +137,61 @@ def every_k_segments(plain: dict, ckpt: dict, kinds: list[bool]) -> dict:
     return out
 
 
+BACKWARD_SEGMENTS = ("mid_bw", "bw_first", "bw", "bw_last", "suffix")
+ACCUMULATING = "accumulating"  # a backward segment's candidates when its parameters' gradients already exist
+
+
+def with_accumulating_candidates(segments: dict, regime: dict) -> dict:
+    """``segments`` with each backward segment's ``accumulating`` candidates, re-walked from the regime's event
+    list (``accumulating_candidates``); a profile without events, or a segment whose candidates the depth changes
+    (``per_layer_act``), keeps none (``pipeline_rank`` then bounds the gradient in flight by the largest one)."""
+    events = regime.get("events")
+    if not events:
+        return segments
+    out = dict(segments)
+    for name in BACKWARD_SEGMENTS:
+        if name in segments and name in events["segments"] and "per_layer_act" not in segments[name]:
+            out[name] = {**segments[name], ACCUMULATING: accumulating_candidates(events["segments"][name], events)}
+    return out
+
+
+def accumulating_candidates(codes: list[int], events: dict) -> list[tuple[list[float], float]]:
+    """The peak candidates ``(activation polynomial, gradient bytes in flight)`` of a backward segment run again
+    on parameters whose gradients exist (a stage's later micro-batches: torch's pipelining accumulates them, no
+    reduction until the last). The profile traced the first backward, where autograd's ``AccumulateGrad`` steals
+    each new gradient as the parameter's ``.grad``; from the second on it adds the new one in place
+    (``variable_grad += new_grad``) and drops it. The engine runs an ``AccumulateGrad`` node before any other
+    ready node (its sequence number is the largest) and so right after the node that made the gradient returns:
+    a new gradient is in flight only at the end of the run of allocations that made it (that node's outputs:
+    the weight's gradient beside the input's, ``_segment_summary``'s hook moment) and gone before the next
+    allocation. Counted on a real gloo pipeline (``benchmarks/pipeline_table.py --trace --ops``): a Llama
+    layer's accumulating backward peaks at ``down_proj``'s two matmuls (its 64 KiB weight gradient and its
+    32 KiB input gradient), not, as the first backward does, at the ``mul`` backward after them, where that
+    gradient is already added."""
+    polys, size, grads = events["polys"], events["size"], set(events["grads"])
+    act = [0.0] * 6
+    fresh = 0.0
+    found: list[tuple[list[float], float]] = []
+    for i, code in enumerate(codes):
+        alloc = code >= 0
+        tid = code if alloc else ~code
+        coeffs = polys[size[tid]]
+        sign = 1 if alloc else -1
+        if tid in grads:
+            fresh += sign * coeffs[0]
+        else:
+            act = [a + sign * x for a, x in zip(act, coeffs)]
+        nxt = codes[i + 1] if i + 1 < len(codes) else None
+        if alloc and (nxt is None or nxt < 0):  # the end of a run of allocations: the node has returned
+            found.append((list(act), max(fresh, 0.0)))
+            fresh = 0.0  # its AccumulateGrad adds each new gradient in place and drops it
+    found.append((list(act), 0.0))
+    # every monomial is positive, so a candidate with no larger coefficient nor gradient than another is dropped
+    return [c for k, c in enumerate(found)
+            if not any(j != k and o[1] >= c[1] and all(x >= y for x, y in zip(o[0], c[0])) and (o != c or j < k)
+                       for j, o in enumerate(found))]
+
+
 def _hidden_coeffs(bytes_per_token: float) -> list[float]:
     """The polynomial (``timeline.poly``'s monomials) of a tensor of ``bytes_per_token`` per token: b x s x that."""
     return [0.0, 0.0, 0.0, 0.0, float(bytes_per_token), 0.0]
@@ -236,17 +298,12 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     held: tuple[int, int] | None = None   # (stage, micro-batch) of the output the loop variable holds
     popped: set[tuple[int, int]] = set()
     grad_sent = False  # 1F1B: an input gradient's send work is pending
-    # 1F1B under LoRA: every stage but the last keeps one hidden-sized tensor per rank more from its first backward
-    # until the schedule returns, which full fine-tuning and the other schedules do not (counted with --trace at
-    # b x s = 64 and 128: b s h x the activation's element size; origin not found). None: no such tensor.
-    # 1F1B under pp x tp with checkpointing: the same where a forward follows the first backward (the steady
-    # state), but let go before the rank's last backward (counted with --trace at pp 2 and 4, b x s = 64 and 2 x 32;
-    # origin not found). None: no such tensor.
-    tp_kept: bool | None = False if par.tp > 1 and training.grad_ckpt and par.pp_schedule == "1f1b" else None
-    # Under pp x tp with LoRA and checkpointing there is one such tensor, with pp x tp's lifetime, not LoRA's (counted,
-    # --trace: 1F1B pp 2 rank 0 read +0.86 % with both)
-    lora_kept: bool | None = False if training.lora and par.pp_schedule == "1f1b" and tp_kept is None else None
-    backward_actions = sum(a.kind == "B" for a in rank_actions(par.pp_schedule, pp_rank, pp, m, virtual))
+    # 1F1B's warmup fires each forward's send but its last into ``send_work`` and waits that list before the
+    # next forward without dropping it; gloo's send work keeps the tensor it sends, so the list keeps the output
+    # of micro-batch w - 2 (w: the stage's warmup forwards) past its backward, until the 1B1F loop ends (after
+    # micro-batch M - w's backward) and the first send of the cooldown rebinds ``send_work``
+    # (``warmup_send_kept``; counted: clearing each waited list takes exactly that tensor off, below)
+    kept_from, kept_until = warmup_send_kept(par.pp_schedule, mine[0], num_stages, m)
     for index, action in enumerate(actions):
         before = base + gathered + act + grads + pending
         action_peak = before
@@ -276,9 +333,6 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
         else:
             seq = _backward_segments(first, last, splits[st], num_layers, kinds)
         accumulating = action.kind == "B" and st in started
-        if tp_kept and action.kind == "B" and sum(backwards.values()) == backward_actions - 1:
-            act -= boundary  # the rank's last backward: the kept tensor has gone
-            tp_kept = None
         phase = phase_of(action)
         # A checkpointed stage's first backward layer leaves its output's gradient alone (the receive buffer,
         # resident), which the unsplit profile's segment frees: every later level of the backward holds it
@@ -300,9 +354,11 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
             done_grad = seg["net_grad"] * (FP32 / act_bytes if mixed and layer_seg else 1)
             for k in {0, min(1, reps - 1), reps - 1}:  # levels are linear in k but for the lift after k = 0
                 lift = incoming if seg_index == 0 and k else 0.0  # later segments: in ``act``
-                for cand_act, cand_grad, fresh_grad in _with_fresh_grads(seg["candidates"]):
+                for cand_act, cand_grad, fresh_grad in _candidates(seg, accumulating and not mixed):
                     if mixed:  # every 16-bit gradient of the group stays until its hook: none added in place
                         g = grads + pending + (0 if accumulating else k * done_grad) + cand_grad
+                    elif accumulating and ACCUMULATING in seg:  # the gradient the node just made, before
+                        g = grads + fresh_grad  # AccumulateGrad adds it in place (``accumulating_candidates``)
                     else:
                         g = grads + (min(fresh_grad, transient) if accumulating else k * done_grad + cand_grad)
                     consider(base + gathered + within + act + lift + k * net + poly(cand_act, b, s) + g, phase,
@@ -349,12 +405,10 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
             if (held == (st, action.microbatch) or sends_held) and not last:
                 # still bound: by the loop variable, or by its send work
                 act += out_bytes
-            if lora_kept is False and not last:
-                act += boundary  # held from the rank's first backward to the schedule's end (counted, below)
-                lora_kept = True
-            if tp_kept is False and not last and any(a.kind == "F" for a in actions[index + 1:]):
-                act += boundary  # held from the rank's first backward to its last (counted, above)
-                tp_kept = True
+            if action.microbatch == kept_from:  # its output stays in the warmup's send work
+                act += boundary
+            if action.microbatch == kept_until:  # the 1B1F loop ends: ``send_work`` is rebound
+                act -= boundary
             live -= 1
             started.add(st)
         if events is not None:
@@ -387,7 +441,6 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
         if held is not None:
             act -= logits if held[0] == num_stages - 1 else boundary
         act -= boundary if grad_sent else 0.0
-        act -= boundary if lora_kept else 0.0
     # the optimizer step: gradients (FSDP2: reduce-scattered to shards, parameters resharded), leftovers
     step_grads = (model.step_grads * shard) if fsdp else model.step_grads
     step_total = base + act + step_grads + model.step_temp * shard
@@ -402,6 +455,33 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
             out[key] = out.get(key, 0.0) + parts[key]
     return PipelineRank(pp_rank=pp_rank, stages=tuple(mine), parts=out, peak_bytes=total, phase=phase,
                         in_flight=in_flight)
+
+
+def warmup_send_kept(schedule: str, stage: int, num_stages: int, m: int) -> tuple[int | None, int | None]:
+    """The micro-batches after whose backward a 1F1B stage's warmup send work starts and stops being the last
+    holder of a stage output: torch's ``Schedule1F1B._step_microbatches`` fires the send of each warmup forward
+    but the last (``send_work = _batch_p2p(fwd_sends)``), waits it before the next forward and keeps the list
+    (``_wait_batch_p2p`` drops nothing), and a gloo send work holds its tensor: the output of micro-batch w - 2
+    (w = min(M, stages - stage) warmup forwards) lives on after its backward pops it from ``fwd_cache``, until
+    the 1B1F loop breaks after micro-batch M - w's backward and ``send_work`` is rebound to the cooldown's first
+    gradient send. (None, None) where no output outlives its backward so: other schedules (GPipe and the
+    interleaved runtime hold every send to the end, counted apart), the last stage (one warmup forward, never
+    fired), and a stage whose loop ends by then (w - 2 >= M - w)."""
+    if schedule != "1f1b":
+        return None, None
+    warmup = min(m, num_stages - stage)
+    if warmup < 2 or warmup - 2 >= m - warmup:
+        return None, None
+    return warmup - 2, m - warmup
+
+
+def _candidates(seg: dict, accumulating: bool) -> list[tuple]:
+    """A segment's candidates ``(activations, gradients, gradient in flight under accumulation)``: the
+    ``accumulating`` ones where the segment has them and its gradients are accumulated, else
+    ``_with_fresh_grads``'s bound."""
+    if accumulating and ACCUMULATING in seg:
+        return [(cand_act, 0.0, fresh) for cand_act, fresh in seg[ACCUMULATING]]
+    return _with_fresh_grads(seg["candidates"])
 
 
 def _with_fresh_grads(candidates: list) -> list[tuple]:

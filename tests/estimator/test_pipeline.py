@@ -176,15 +176,7 @@ COMBINATIONS = {"pipeline_ckpt.csv": {"grad_ckpt": {"True"}},
                 "pipeline_dp_tp_mixed.csv": {"tp": {"2"}, "dp": {"2"}, "precision": {"mixed_bf16"}},
                 "pipeline_dp_tp_every_k.csv": {"tp": {"2"}, "dp": {"2"}, "grad_ckpt": {"True"},
                                                "ckpt_policy": {"every-k:2"}}}
-# The 1 % bar, but for pp x tp's interleaved middle rank at pp 4 (+1.075 %): the pipelines' in-flight gradient
-# residue (the estimate's backward candidate under accumulation with one gradient in flight, 33.6 KB here as in
-# pipeline.csv's +0.71 % row), larger relative to a TP rank's smaller total. Over-estimates only.
-# pp x dp x tp's same row (+1.127 %) is the same residue to within 32 B (+33,564 B; the peak at the same action),
-# against a rank total dp 2 has cut by half its states.
-BAR_PCT = {"pipeline_tp.csv": 1.1, "pipeline_dp_tp.csv": 1.15,
-           # every-k:2 at interleaved pp 4 leaves the middle rank's two one-layer stages (layers 2 and 6) plain: the
-           # same run and estimate as pipeline_tp.csv's +1.075 % row, byte for byte
-           "pipeline_tp_every_k.csv": 1.1}
+BAR_PCT = 1.0  # every table, every row (issue 18's bar)
 
 
 @pytest.mark.parametrize("table", sorted(COMBINATIONS))
@@ -197,9 +189,7 @@ def test_each_combination_table_covers_every_schedule_and_is_within_its_bar(tabl
     assert {(r["micro_batch_size"], r["seq_len"]) for r in rows} >= {("1", "64"), ("2", "32")}
     # first, middle and last pipeline rank (each the lowest global rank of its stage's dp x tp group)
     assert {int(r["rank"]) // (int(r["dp"]) * int(r.get("tp") or 1)) for r in rows if r["pp"] == "4"} == {0, 2, 3}
-    bar = BAR_PCT.get(table, 1.0)
-    assert max(abs(float(r["error_pct"])) for r in rows) <= bar
-    assert sum(abs(float(r["error_pct"])) > 1.0 for r in rows) <= (1 if bar > 1.0 else 0)
+    assert max(abs(float(r["error_pct"])) for r in rows) <= BAR_PCT
 
 
 @pytest.mark.parametrize("table", sorted(COMBINATIONS))
@@ -217,7 +207,7 @@ def test_the_estimate_reproduces_every_committed_combination_row(table):
             estimates[spec.spec_id] = {r.rank: r.traced_allocated_bytes for r in est.ranks}
         got = estimates[spec.spec_id][int(row["rank"])]
         assert got == int(row["estimate_bytes"]), row
-        assert abs(got - int(row["measured_bytes"])) <= BAR_PCT.get(table, 1.0) / 100 * int(row["measured_bytes"]), row
+        assert abs(got - int(row["measured_bytes"])) <= BAR_PCT / 100 * int(row["measured_bytes"]), row
 
 
 def test_checkpointing_keeps_only_each_layers_input_in_flight():
@@ -278,15 +268,13 @@ def test_lora_under_pp_holds_each_stages_adapter_state_and_frozen_weights():
 
 def _rank_events(spec: RunSpec, pp_rank: int) -> list[list]:
     """The estimate's per-action levels of one pipeline rank (the shipped profile, no torch)."""
-    from estimator.api import _param_table, _regime
+    from estimator.api import _param_table, _pipeline_segments
     from estimator.methods.pipeline_rank import pipeline_rank
-    from estimator.methods.timeline import loop_segments
     from estimator.profiler.cache import load_model_profile
 
     training = spec.training
     arch, profile = load_model_profile(spec.model, training, spec.parallel.tp, allow_build=False)
-    segments = loop_segments(_regime(profile, training.micro_batch_size, training.seq_len), training.loop,
-                             arch.num_layers)
+    segments = _pipeline_segments(profile, training, arch)
     events: list[list] = []
     pipeline_rank(spec, segments, _param_table(profile, arch.num_layers), arch.num_layers, arch.hidden_size, 2,
                   pp_rank, arch.vocab_size, events=events)
@@ -342,6 +330,61 @@ def test_lora_with_checkpointing_under_pp_x_fsdp2_peaks_at_the_first_forwards_la
     kind, stage, micro, before, peak, _ = max(events, key=lambda e: e[4])
     assert (kind, stage, micro) == ("F", 0, 0)
     assert peak - before == 3464036 - 1006948  # the run's rise over the action
+
+
+def test_accumulating_candidates_hold_a_new_gradient_only_at_the_end_of_its_nodes_run():
+    """Under accumulation autograd's AccumulateGrad adds a new gradient in place and drops it right after the node
+    that made it returns: a node making a weight's gradient (64 B) and its input's (32 B), then a run of two
+    32-B products after a saved tensor goes. The first backward keeps the gradient (it becomes ``.grad``) under
+    the products (64 + 64 B); a later one holds it only beside the input's gradient (32 + 64 B), not under the
+    products (64 B)."""
+    from estimator.methods.pipeline_rank import accumulating_candidates
+
+    events = {"polys": [[64, 0, 0, 0, 0, 0], [32, 0, 0, 0, 0, 0]], "size": [0, 1, 1, 1, 1], "grads": [0]}
+    codes = [0, 1, ~2, 3, 4, ~1]  # weight grad, input grad | a saved tensor freed | two products | input grad freed
+    assert accumulating_candidates(codes, events) == [([32.0, 0, 0, 0, 0, 0], 64.0), ([64.0, 0, 0, 0, 0, 0], 0.0)]
+
+
+@pytest.mark.parametrize("schedule, stage, first, later", [("interleaved_1f1b", 6, 0, 1), ("1f1b", 2, 0, 1)])
+def test_an_accumulating_backward_rises_as_torchs_run_counts_it(schedule, stage, first, later):
+    """pp 4, M 4, b1 s64, the middle rank (benchmarks/pipeline_table.py --trace, and an operator-level count of
+    the same run): a stage's first backward rises 196,608 B (its layer's 64 KiB ``down_proj`` gradient kept under
+    the ``mul`` backward's two 32 KiB products), each later one 98,304 B (``down_proj``'s 64 KiB weight gradient
+    beside its 32 KiB input gradient, before AccumulateGrad adds it in place; the products come after). The
+    estimate read 131,072 there (the products' level with the gradient still in flight): the interleaved middle
+    rank's +0.71 % (pp), +1.075 % (pp x tp) and +1.127 % (pp x dp x tp)."""
+    par = ParallelSpec(method="single", world_size=4, pp=4, pp_schedule=schedule, pp_microbatches=4)
+    rises = {(kind, st, micro): peak - before for kind, st, micro, before, peak, _ in _rank_events(_tiny(par), 2)}
+    assert rises[("B", stage, first)] == 196608
+    assert rises[("B", stage, later)] == 98304
+
+
+@pytest.mark.parametrize("stages, m, expected", [
+    (4, 4, [(None, None), (None, None), (0, 2), (None, None)]),
+    (2, 4, [(0, 2), (None, None)]),
+    (4, 8, [(2, 4), (1, 5), (0, 6), (None, None)]),
+    (2, 2, [(None, None), (None, None)]),
+])
+def test_1f1b_warmup_send_keeps_one_output_until_its_loop_ends(stages, m, expected):
+    """torch's Schedule1F1B fires every warmup forward's send but the last into ``send_work`` and waits the list
+    without dropping it: a gloo send work holds its tensor, so micro-batch w - 2's output (w warmup forwards)
+    outlives its backward until the 1B1F loop ends after micro-batch M - w's backward; not at all where the loop
+    ends first, nor on the last stage (one warmup forward) nor under the other schedules."""
+    from estimator.methods.pipeline_rank import warmup_send_kept
+
+    assert [warmup_send_kept("1f1b", st, stages, m) for st in range(stages)] == expected
+    assert warmup_send_kept("gpipe", 0, 2, 4) == warmup_send_kept("interleaved_1f1b", 0, 4, 8) == (None, None)
+
+
+def test_1f1b_middle_rank_keeps_the_warmup_sent_output_through_its_loop():
+    """pp 4 1F1B, M 4, the middle rank (stage 2: w = 2): micro-batch 0's output stays in the warmup's send work
+    from its backward to the end of the 1B1F loop (after micro-batch 2's backward): the level before the loop's
+    last forward is one hidden-sized tensor (b s h bf16 = 16,384 B) above the level before the cooldown's
+    backward, as in torch's run (3,179,724 and 3,163,340 B, --trace); clearing each waited list in the run takes
+    exactly that tensor off its peak (3,928,268 -> 3,911,884 B)."""
+    par = ParallelSpec(method="single", world_size=4, pp=4, pp_schedule="1f1b", pp_microbatches=4)
+    before = {(kind, micro): level for kind, _, micro, level, _, _ in _rank_events(_tiny(par), 2)}
+    assert before[("F", 3)] - before[("B", 3)] == 3179724 - 3163340 == 64 * 128 * 2
 
 
 def test_cli_lora_every_k_and_tp_under_pp():
@@ -428,6 +471,30 @@ def test_the_estimate_matches_torchs_pipelining_on_gloo_ranks(tmp_path, extra, r
         rows = list(csv.DictReader(fh))
     assert [r["rank"] for r in rows] == ranks
     assert all(abs(float(r["error_pct"])) <= 1.0 for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, extra, middle", [("interleaved_1f1b", [], "2"),
+                                                     ("interleaved_1f1b", ["--tp", "2"], "4"),
+                                                     ("1f1b", [], "2")],
+                         ids=["interleaved", "interleaved_tp", "1f1b"])
+def test_the_pp4_middle_rank_matches_torchs_run(tmp_path, schedule, extra, middle):
+    """The middle rank of pp 4 (M 4, b1 s64) on real gloo ranks, every live storage counted: the interleaved
+    runtime's accumulating backwards (pp, and pp x tp, which read +0.71 % and +1.075 % with a gradient assumed in
+    flight past its AccumulateGrad) and 1F1B's warmup send work keeping one stage output through the 1B1F loop,
+    each within 0.1 % (a ~2 KB resident residue is left)."""
+    import os
+
+    out = tmp_path / "pp4.csv"
+    result = subprocess.run([sys.executable, "benchmarks/pipeline_table.py", "--schedules", schedule, "--pp", "4",
+                             "--microbatches", "4", "--points", "1x64", *extra, "--csv", str(out)],
+                            capture_output=True, text=True, timeout=600, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    with out.open() as fh:
+        rows = {r["rank"]: r for r in csv.DictReader(fh)}
+    assert abs(float(rows[middle]["error_pct"])) <= 0.1
+    assert all(abs(float(r["error_pct"])) <= 1.0 for r in rows.values())
 
 
 def test_pipeline_layouts_and_their_step_time():
