@@ -623,15 +623,14 @@ def check_pipeline(spec: RunSpec, model_type: str, tied: bool) -> None:
 
 def check_pp_dp_tp(spec: RunSpec) -> None:
     """ValueError("pp: ...") for what pp x dp x tp (method dp_tp under pp) has not been checked with against torch's
-    run: FSDP2's mixed precision over TP shards and LoRA (each checked with pp x fsdp and pp x tp apart)."""
-    if spec.parallel.method != "dp_tp":
-        return
+    run (``docs/error_matrix/pipeline_dp_tp*.csv``): FSDP2's mixed precision over TP shards is checked without
+    checkpointing only (LoRA, LoRA with checkpointing and every-k are checked in bf16; LoRA with every-k is refused
+    everywhere)."""
     training = spec.training
-    for name, on in (("precision " + training.precision, training.precision not in PIPELINE_PRECISIONS),
-                     ("LoRA", training.lora), ("ckpt_policy " + training.ckpt_policy, bool(training.ckpt_policy))):
-        if on:
-            raise ValueError(f"pp: pp x dp x tp with {name} is not checked yet; use {', '.join(PIPELINE_PRECISIONS)} "
-                             "full fine-tuning, with or without checkpointing of every decoder layer")
+    if spec.parallel.method == "dp_tp" and training.precision == PIPELINE_MIXED and \
+            (training.grad_ckpt or training.ckpt_policy):
+        raise ValueError(f"pp: pp x dp x tp with precision {PIPELINE_MIXED} and checkpointing is not checked yet; use "
+                         f"{PIPELINE_MIXED} without checkpointing, or bf16 with it")
 
 
 def pipeline_notes(spec: RunSpec, num_layers: int) -> list[str]:
@@ -640,9 +639,10 @@ def pipeline_notes(spec: RunSpec, num_layers: int) -> list[str]:
     sizes = sorted({len(r) for r in stage_layers(num_layers, stages)})
     dp = f"; FSDP2 over {par.dp} ranks per stage (reshard_after_forward off, gradients reduced after the last " \
          "micro-batch)" if par.method == "fsdp" and par.dp > 1 else ""
-    if dp and spec.training.precision == PIPELINE_MIXED:
-        dp += " with MixedPrecisionPolicy(param bf16, reduce fp32): fp32 shards stepped by Adam, bf16 all-gathers, " \
-              "each layer's gradients accumulated in fp32 across the micro-batches"
+    mixed = " with MixedPrecisionPolicy(param bf16, reduce fp32): fp32 shards stepped by Adam, bf16 all-gathers, " \
+            "each layer's gradients accumulated in fp32 across the micro-batches" \
+        if spec.training.precision == PIPELINE_MIXED else ""
+    dp += mixed if dp else ""
     every = ckpt_every(spec.training.ckpt_policy)
     ckpt = "; every decoder layer of each stage checkpointed (a micro-batch's forward keeps each layer's input, " \
            "its backward recomputes the layer)" if spec.training.grad_ckpt and every is None else ""
@@ -657,7 +657,7 @@ def pipeline_notes(spec: RunSpec, num_layers: int) -> list[str]:
         if fsdp2_stages(par):
             dp += (f", and FSDP2 over {par.dp} ranks per stage (mesh (pp {par.pp}, dp {par.dp}, tp {par.tp}): each "
                    "TP-local shard sharded dp ways; reshard_after_forward off, gradients reduced after the last "
-                   "micro-batch)")
+                   f"micro-batch){mixed}")
     if spec.training.lora:
         ckpt += (f"; LoRA r{spec.training.lora_rank}: each stage's frozen base weights, its adapters' gradients and "
                  "Adam states")

@@ -183,9 +183,9 @@ def _stage_tp_degrees(arch: Any, gpus: int) -> list[int]:
 def _pipeline_candidates(model: str, arch: Any, training: TrainingSpec, gpus: int,
                          ckpt_options: tuple[bool, ...], with_tp: bool = True) -> tuple[list[Candidate], str]:
     """The pipeline layouts the pipeline estimate covers for ``training`` (bf16 / fp32; mixed_bf16 as FSDP2's
-    MixedPrecisionPolicy, so pp x fsdp only; Llama-style decoders, untied embeddings, LoRA, every-k checkpointing,
-    ...; checkpointing is each candidate's own, checked with it; pp x tp and pp x dp x tp where ``with_tp`` and TP
-    splits the model), and a note naming the first refusal when none is covered."""
+    MixedPrecisionPolicy, so pp x fsdp and pp x dp x tp only; Llama-style decoders, untied embeddings, LoRA, every-k
+    checkpointing, ...; checkpointing is each candidate's own, checked with it; pp x tp and pp x dp x tp where
+    ``with_tp`` and TP splits the model), and a note naming the first refusal when none is covered."""
     from estimator.methods.pipeline_rank import check_pipeline
 
     covered, refusals = [], []

@@ -171,7 +171,12 @@ COMBINATIONS = {"pipeline_ckpt.csv": {"grad_ckpt": {"True"}},
                 "pipeline_tp_lora_ckpt.csv": {"tp": {"2"}, "lora_rank": {"8"}, "grad_ckpt": {"True"},
                                               "dp": {"1"}},
                 "pipeline_tp_every_k.csv": {"tp": {"2"}, "grad_ckpt": {"True"}, "ckpt_policy": {"every-k:2"},
-                                            "dp": {"1"}}}
+                                            "dp": {"1"}},
+                "pipeline_dp_tp_lora.csv": {"tp": {"2"}, "dp": {"2"}, "lora_rank": {"8"}},
+                "pipeline_dp_tp_lora_ckpt.csv": {"tp": {"2"}, "dp": {"2"}, "lora_rank": {"8"}, "grad_ckpt": {"True"}},
+                "pipeline_dp_tp_mixed.csv": {"tp": {"2"}, "dp": {"2"}, "precision": {"mixed_bf16"}},
+                "pipeline_dp_tp_every_k.csv": {"tp": {"2"}, "dp": {"2"}, "grad_ckpt": {"True"},
+                                               "ckpt_policy": {"every-k:2"}}}
 BAR_PCT = 1.0  # every table, every row (issue 18's bar)
 
 
@@ -436,13 +441,15 @@ def test_cli_pipeline_and_its_errors():
 @pytest.mark.parametrize("extra, ranks", [([], ["0", "1"]), (["--lora-rank", "8", "--grad-ckpt"], ["0", "1"]),
                                           (["--tp", "2", "--grad-ckpt"], ["0", "2"]),
                                           (["--tp", "2", "--dp", "2"], ["0", "4"]),
-                                          (["--dp", "2", "--lora-rank", "8", "--grad-ckpt"], ["0", "2"])],
-                         ids=["alone", "lora_ckpt", "tp_ckpt", "dp_tp", "fsdp_lora_ckpt"])
+                                          (["--dp", "2", "--lora-rank", "8", "--grad-ckpt"], ["0", "2"]),
+                                          (["--tp", "2", "--dp", "2", "--lora-rank", "8"], ["0", "4"]),
+                                          (["--tp", "2", "--dp", "2", "--precision", "mixed_bf16"], ["0", "4"])],
+                         ids=["alone", "lora_ckpt", "tp_ckpt", "dp_tp", "fsdp_lora_ckpt", "dp_tp_lora", "dp_tp_mixed"])
 def test_the_estimate_matches_torchs_pipelining_on_gloo_ranks(tmp_path, extra, ranks):
     """The oracle (benchmarks/pipeline_table.py): the tiny Llama config on 2 pipeline ranks (x tp 2) under torch's
     1F1B, every live storage counted; each rank in a spawned interpreter. Alone, with LoRA and checkpointing,
-    pp x tp with checkpointing, pp x dp x tp (8 ranks, mesh (pp, dp, tp)), and pp x FSDP2 with LoRA and
-    checkpointing (the peak in stage 0's gathering forward)."""
+    pp x tp with checkpointing, pp x dp x tp (8 ranks, mesh (pp, dp, tp); also with LoRA and with FSDP2's mixed
+    precision), and pp x FSDP2 with LoRA and checkpointing (the peak in stage 0's gathering forward)."""
     import os
 
     out = tmp_path / "pp.csv"
@@ -633,20 +640,24 @@ def test_pp_x_dp_x_tp_spec_is_torchtitans_mesh():
     assert RunSpec.from_dict(spec.to_dict()) == spec
 
 
-def _pp_tp_estimate(method: str, world_size: int, **training):
+def _pp_tp_estimate(method: str, world_size: int, precision: str = "bf16", **training):
     from estimator.api import estimate
 
     spec = RunSpec(model=str(CONFIG), parallel=ParallelSpec(method=method, world_size=world_size, tp=2, pp=2,
                                                             pp_microbatches=4),
-                   training=TrainingSpec(precision="bf16", micro_batch_size=1, seq_len=64, **training))
+                   training=TrainingSpec(precision=precision, micro_batch_size=1, seq_len=64, **training))
     return estimate(spec, replay_reserved=False, allow_build=False)
 
 
-def test_pp_x_dp_x_tp_shards_each_tp_stage_over_dp():
-    """Each rank of pp x dp x tp holds its stage's TP-local states sharded dp ways (FSDP2), gathers them whole
-    for the schedule (reshard_after_forward off under pp) and keeps pp x tp's activations and unsharded gradients
-    until the stage's reduce-scatter; rank ids are the lowest of each stage's dp x tp group (mesh (pp, dp, tp))."""
-    piped_tp, piped_3d = _pp_tp_estimate("tp", 4), _pp_tp_estimate("dp_tp", 8)
+@pytest.mark.parametrize("training", [{}, dict(lora_rank=8), dict(lora_rank=8, grad_ckpt=True),
+                                      dict(grad_ckpt=True, ckpt_policy="every-k:2")],
+                         ids=["full", "lora", "lora_ckpt", "every_k"])
+def test_pp_x_dp_x_tp_shards_each_tp_stage_over_dp(training):
+    """Each rank of pp x dp x tp holds its stage's TP-local states sharded dp ways (FSDP2; under LoRA the frozen base
+    weights too), gathers them whole for the schedule (reshard_after_forward off under pp) and keeps pp x tp's
+    activations and unsharded gradients until the stage's reduce-scatter; rank ids are the lowest of each stage's
+    dp x tp group (mesh (pp, dp, tp))."""
+    piped_tp, piped_3d = _pp_tp_estimate("tp", 4, **training), _pp_tp_estimate("dp_tp", 8, **training)
     assert [r.rank for r in piped_tp.ranks] == [0, 2] and [r.rank for r in piped_3d.ranks] == [0, 4]
     for alone, sharded in zip(piped_tp.ranks, piped_3d.ranks):
         tp_parts, parts = alone.breakdown, sharded.breakdown
@@ -657,24 +668,31 @@ def test_pp_x_dp_x_tp_shards_each_tp_stage_over_dp():
     assert any("FSDP2 over 2 ranks per stage (mesh (pp 2, dp 2, tp 2)" in n for n in piped_3d.notes)
 
 
-@pytest.mark.parametrize("training, message", [
-    (dict(lora_rank=8), "pp: pp x dp x tp with LoRA is not checked yet"),
-    (dict(grad_ckpt=True, ckpt_policy="every-k:2"), "pp: pp x dp x tp with ckpt_policy every-k:2 is not checked"),
+def test_pp_x_dp_x_tp_mixed_precision_keeps_fp32_shards_and_gathers_bf16():
+    """mixed_bf16 under pp x dp x tp is FSDP2's MixedPrecisionPolicy over the TP-local shards: fp32 shards and Adam
+    states (twice bf16's), the same bf16 all-gathers and activations, gradients accumulated in fp32."""
+    bf16, mixed = _pp_tp_estimate("dp_tp", 8), _pp_tp_estimate("dp_tp", 8, "mixed_bf16")
+    for plain, policy in zip(bf16.ranks, mixed.ranks):
+        assert policy.breakdown["weights"] == 2 * plain.breakdown["weights"]
+        assert policy.breakdown["optimizer_states"] == 2 * plain.breakdown["optimizer_states"]
+        assert policy.breakdown["gathered_params"] == plain.breakdown["gathered_params"]
+        assert policy.breakdown["activations"] == plain.breakdown["activations"]
+        assert policy.breakdown["gradients"] > plain.breakdown["gradients"]
+    assert any("tp 2): each TP-local shard sharded dp ways" in n and "MixedPrecisionPolicy(param bf16" in n
+               for n in mixed.notes)
+
+
+@pytest.mark.parametrize("precision, training, message", [
+    ("mixed_bf16", dict(grad_ckpt=True), "pp: pp x dp x tp with precision mixed_bf16 and checkpointing is not checked"),
+    ("mixed_bf16", dict(grad_ckpt=True, ckpt_policy="every-k:2"),
+     "pp: pp x dp x tp with precision mixed_bf16 and checkpointing is not checked"),
 ])
-def test_pp_x_dp_x_tp_refuses_what_no_run_checked(training, message):
+def test_pp_x_dp_x_tp_refuses_what_no_run_checked(precision, training, message):
+    """Mixed precision, LoRA and every-k are each checked under pp x dp x tp (pipeline_dp_tp_*.csv); mixed precision
+    with checkpointing is not."""
     with pytest.raises(ValueError) as err:
-        _pp_tp_estimate("dp_tp", 8, **training)
+        _pp_tp_estimate("dp_tp", 8, precision, **training)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
-
-
-def test_pp_x_dp_x_tp_refuses_fsdp2_mixed_precision_over_tp():
-    from estimator.methods.pipeline_rank import check_pipeline
-
-    spec = RunSpec(model=str(CONFIG), parallel=ParallelSpec(method="dp_tp", world_size=8, tp=2, pp=2),
-                   training=TrainingSpec(precision="mixed_bf16", seq_len=64))
-    with pytest.raises(ValueError, match="^pp: pp x dp x tp with precision mixed_bf16 is not checked yet"):
-        check_pipeline(spec, "llama", False)
-    check_pipeline(spec.replace(**{"training.precision": "bf16"}), "llama", False)  # bf16: covered
 
 
 def test_cli_pp_x_dp_x_tp():
@@ -712,3 +730,15 @@ def test_the_plan_weighs_pp_x_dp_x_tp():
     parts = piped.time.parts
     assert parts["tp_allreduce"] > 0 and parts["pipeline_bubble"] > 0 and parts["dp_gather_scatter"] > 0
     assert all(r.candidate.method == "dp_tp" for r in result.results)
+
+
+def test_the_plan_weighs_pp_x_dp_x_tp_with_mixed_precision():
+    """mixed_bf16 (FSDP2's MixedPrecisionPolicy over the TP-local shards) under pp x dp x tp is checked
+    (pipeline_dp_tp_mixed.csv): the plan weighs pp2 x dp2 x tp2 there like the bf16 layouts."""
+    from estimator.planning.plan import plan
+
+    result = plan(str(CONFIG), gpus=8, gpu="h100-80gb", seq_len=64, precision="mixed_bf16", methods=["dp_tp"],
+                  ckpt_options=(False,), advise=False)
+    piped = {r.candidate.label: r for r in result.results}["pp2 x dp2 x tp2"]
+    assert piped.fits and piped.candidate.pp == 2 and piped.time is not None
+    assert piped.time.parts["dp_gather_scatter"] > 0
