@@ -29,8 +29,8 @@ def replayed(config: Path, world: int, ep: int, precision: str, b: int, s: int, 
              ) -> tuple[int, int] | str:
     """(requested peak less the batch, reserved peak) of the rank's replay, or why there is none."""
     from estimator import api
+    from estimator.profiler.expand import ExpansionError
     from estimator.reserved import rank as reserved_rank
-    from estimator.reserved.expand import ExpansionError
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
     spec = RunSpec(model=str(config), gpu="h100-80gb", parallel=ParallelSpec(method="fsdp", world_size=world, ep=ep,

@@ -489,7 +489,7 @@ def _replayed(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs
     (``estimator.reserved.rank.why_not``). The allocator may use the GPU's memory less the CUDA context and the
     NCCL buffers. ``sequence``: the steps' shapes in order (an epoch of mixed batch shapes), not identical
     steps of the spec's shape. ``decide_fit``: stop once the reserved level proves the spec does not fit."""
-    from estimator.reserved.expand import ExpansionError
+    from estimator.profiler.expand import ExpansionError
     from estimator.reserved.rank import replay_reserved, replay_reserved_sequence, why_not
 
     if alloc_conf is None or why_not(spec, regime, arch.num_layers, table) is not None:

@@ -100,6 +100,46 @@ def model_code_release(version: str) -> str | None:
     return f"{int(parts[0])}.{int(minor)}" if minor else None
 
 
+
+# Methods ring attention is modelled with: FSDP2 over the dp x cp ranks (torchtitan), and dp_tp: torchtitan's
+# (dp_shard, cp, tp) mesh, TP innermost, FSDP2 over the dp x cp ranks of each TP position. Pipeline stages are not
+# modelled.
+CP_METHODS = ("fsdp", "dp_tp")
+CP_PRECISIONS = ("bf16", "fp16", "mixed_bf16", "mixed_fp16", "amp_bf16", "amp_fp16")
+CP_ATTN = ("sdpa", "flash")
+
+
+def check_cp(cp: int, method: str, world_size: int, seq_len: int, precision: str, attn: str, *, tp: int = 1,
+             ep: int = 1, qlora: bool = False, padded: bool = False, lora: bool = False) -> None:
+    """ValueError("cp: ...") for a layout torch's ring attention or this model does not cover."""
+    if cp == 1:
+        return
+    if method not in CP_METHODS:
+        raise ValueError(f"cp: context parallelism is modelled with FSDP2 over the dp x cp ranks (torchtitan): use "
+                         f"method fsdp, or dp_tp for cp x tp, got {method!r}")
+    if world_size % (cp * tp):
+        raise ValueError(f"cp: world size {world_size} is not divisible by cp x tp = {cp * tp}")
+    if ep > 1:
+        raise ValueError("cp: context parallelism with expert parallelism is not modelled (use ep 1)")
+    if tp > 1 and lora:
+        raise ValueError("cp: LoRA under cp x tp is not checked against an oracle yet (context_parallel_tp.csv is "
+                         "full fine-tuning); use cp with method fsdp for LoRA")
+    if seq_len % (2 * cp):
+        raise ValueError(f"cp: seq_len {seq_len} must be a multiple of 2 x cp = {2 * cp} (torch's head-tail load "
+                         f"balancer; without it the causal ring runs unbalanced, not modelled)")
+    if attn not in CP_ATTN:
+        raise ValueError(f"cp: torch's ring attention replaces scaled_dot_product_attention; attn {attn!r} does not "
+                         f"call it (use sdpa)")
+    if precision not in CP_PRECISIONS:
+        raise ValueError(f"cp: ring attention is modelled for the flash kernel (16-bit attention); {precision} "
+                         f"attention runs the memory-efficient kernel (use {', '.join(CP_PRECISIONS)})")
+    if qlora:
+        raise ValueError("cp: QLoRA under context parallelism is not modelled (FSDP2 cannot shard 4-bit weights; "
+                         "use LoRA)")
+    if padded:
+        raise ValueError("cp: ring attention takes no attention mask: full rows or packed sequences only (batch full)")
+
+
 @dataclass(frozen=True)
 class TrainingSpec:
     """What one optimizer step looks like on one data-parallel rank."""
@@ -371,8 +411,6 @@ class ParallelSpec:
             _fail("moe_imbalance", f"must be a number >= 1 (1 = balanced routing), got {self.moe_imbalance!r}")
         _check_positive_int("cp", self.cp)
         if self.cp > 1:
-            from estimator.methods.context_parallel import check_cp
-
             try:
                 check_cp(self.cp, self.method, self.world_size, 2 * self.cp, "bf16", "sdpa", tp=self.tp, ep=self.ep)
             except ValueError as err:
@@ -465,8 +503,6 @@ class RunSpec:
         if self.training.ce != "standard" and self.parallel.tp > 1:
             _fail("ce", "a chunked or fused loss over a tensor-parallel head is not modelled (use tp 1)")
         if self.parallel.cp > 1:
-            from estimator.methods.context_parallel import check_cp
-
             try:
                 check_cp(self.parallel.cp, self.parallel.method, self.parallel.world_size, self.training.seq_len,
                          self.training.precision, self.training.attn, tp=self.parallel.tp, ep=self.parallel.ep,

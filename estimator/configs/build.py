@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from estimator.configs.reading import SETTINGS, Reading, Setting
-from estimator.io.fsdp1_args import FSDP1_FLAGS
+from estimator.options.fsdp1_args import FSDP1_FLAGS
 from estimator.spec import FSDP_METHODS, Fsdp1Spec, ParallelSpec, RunSpec, TrainingSpec
 
 SHARDED = ("fsdp", "fsdp1", "deepspeed")

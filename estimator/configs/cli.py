@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from estimator.configs import ConfigReport, spec_from_configs
-from estimator.io.fsdp1_args import FLAG_FIELDS
+from estimator.options.fsdp1_args import FLAG_FIELDS
 from estimator.spec import RunSpec
 
 # CLI destination -> config setting (flags of either command; a flag a command lacks is simply absent).

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from estimator.batching.cli_args import add_batching_arguments, batching_from_args
-from estimator.io.fsdp1_args import add_fsdp1_arguments, fsdp1_from_args
-from estimator.io.technique_args import add_technique_arguments, technique_fields, technique_label
+from estimator.options.fsdp1_args import add_fsdp1_arguments, fsdp1_from_args
+from estimator.options.technique_args import add_technique_arguments, technique_fields, technique_label
 from estimator.spec import (
     ATTENTIONS,
     BATCHES,
@@ -321,7 +321,7 @@ def render_detail(est) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "plan":
-        from estimator.planning.cli import main as plan_main
+        from estimator.io.plan_cli import main as plan_main
 
         return plan_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -248,7 +248,7 @@ def ep_degrees(world_size: int, experts: int | None) -> list[int]:
 def cp_degrees(world_size: int, training: TrainingSpec) -> list[int]:
     """The context-parallel degrees torch's ring attention can run for ``training`` on ``world_size`` GPUs (cp
     dividing the GPUs, the sequence in 2 cp load-balanced chunks; ``estimator.methods.context_parallel``)."""
-    from estimator.methods.context_parallel import check_cp
+    from estimator.spec import check_cp
 
     degrees = []
     for cp in range(2, world_size + 1):
@@ -264,7 +264,7 @@ def cp_degrees(world_size: int, training: TrainingSpec) -> list[int]:
 def cp_tp_pairs(world_size: int, training: TrainingSpec, tp_degrees: Iterable[int]) -> list[tuple[int, int]]:
     """(cp, tp) of the cp x tp layouts (dp_tp: torchtitan's (dp_shard, cp, tp) mesh) torch's ring attention can run
     for ``training`` on ``world_size`` GPUs, for each TP degree of ``tp_degrees`` (those TP splits the model by)."""
-    from estimator.methods.context_parallel import check_cp
+    from estimator.spec import check_cp
 
     pairs = []
     for tp in tp_degrees:

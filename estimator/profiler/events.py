@@ -13,7 +13,7 @@ first step's optimizer step (``first_optimizer``: where Adam creates its states)
 * ``held``: ``[ordinal, saved]`` of the output object's storages besides the loss (what a manual loop keeps
   bound until the next forward).
 
-``estimator.reserved.expand`` turns it into the full-depth request list.
+``estimator.profiler.expand`` turns it into the full-depth request list.
 """
 
 from __future__ import annotations

@@ -684,7 +684,7 @@ def _check_depth(config: dict, training: TrainingSpec, regime: dict, fitted: dic
 def _check_events(deeper: _Model, events: dict, b: int, s: int) -> dict:
     """``events_first_mismatch`` (steady step) and ``events_first_optimizer_mismatch``: None when the expansion
     to the deeper model's depth equals its trace; ``events_steady``: how many events were compared."""
-    from estimator.reserved.expand import FREE, ExpansionError, expand, first_mismatch, step_sizes
+    from estimator.profiler.expand import FREE, ExpansionError, expand, first_mismatch, step_sizes
 
     timeline = deeper.recorder.timeline
 

@@ -110,7 +110,7 @@ def _dominated(candidates: list[tuple[list, Fraction, list, bool]], interval: li
 
 def _per_layer_events(events: list[tuple], layer_of: dict[int, int]) -> frozenset[int]:
     """Positions of an outer segment's events on the generic layer's tensors that every layer repeats: a run of
-    them flanked by the first and the last layer's (``estimator.reserved.expand._repeated``, the same rule the
+    them flanked by the first and the last layer's (``estimator.profiler.expand._repeated``, the same rule the
     event replay expands by); a generic tensor touched alone (the output of layer L - 2, kept as the last
     layer's input) exists once."""
     runs: list[tuple[int | None, list[int]]] = []

@@ -40,7 +40,7 @@ class Timeline:
     # to them): host tensors on a GPU unless the optimizer is fused or capturable.
     scalars: set[int] = field(default_factory=set)
     # sids of the first new storage of each cuBLAS op (a matmul's output), in order: a thread's first cuBLAS call
-    # allocates that thread's workspace right after its output (``estimator.reserved.expand``, ``blas_first``)
+    # allocates that thread's workspace right after its output (``estimator.profiler.expand``, ``blas_first``)
     blas_outputs: list[int] = field(default_factory=list)
 
 

@@ -1,7 +1,7 @@
 """Gradient accumulation as the allocator sees it: an optimizer step every ``k`` micro-batches.
 
 The profile traces one step (forward, backward, ``optimizer.step()``, ``zero_grad``). A cycle of ``k`` micro-steps
-is built from it, each micro-step with its own keys (``estimator.reserved.expand``):
+is built from it, each micro-step with its own keys (``estimator.profiler.expand``):
 
 * the cycle's first micro-step runs the step's forward and backward: every gradient is allocated and kept (autograd
   steals the fresh gradient into ``.grad``);
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from estimator.reserved.expand import FREE, Expansion, ExpansionError, stream_of
+from estimator.profiler.expand import FREE, Expansion, ExpansionError, stream_of
 
 FREE_CYCLE = 3  # free a gradient the cycle's first micro-step allocated
 # free a tensor the previous cycle's first micro-step allocated: FSDP1's sharded gradients, which the next cycle's

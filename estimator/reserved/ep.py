@@ -50,7 +50,7 @@ import dataclasses
 from estimator.methods.state import fp32_kept_params
 from estimator.models.moe import is_routed_expert
 from estimator.models.params import ParamInfo
-from estimator.reserved.expand import ALLOC, FREE, Expansion, ExpansionError
+from estimator.profiler.expand import ALLOC, FREE, Expansion, ExpansionError
 from estimator.reserved.fsdp import (
     ALL_GATHER,
     FP32,

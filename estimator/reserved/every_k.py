@@ -27,7 +27,7 @@ checkpoint's frame lets them go, after an MLP of either kind).
 from __future__ import annotations
 
 from estimator.methods.long_context import checkpointed
-from estimator.reserved.expand import CKPT, LAYER_SEGMENTS, RELEASE, ExpansionError, _decode, _Layout
+from estimator.profiler.expand import CKPT, LAYER_SEGMENTS, RELEASE, ExpansionError, _decode, _Layout
 from estimator.spec import ckpt_every
 
 _BEFORE_BACKWARD = ("prefix", "mid_fw", "mid_bw")

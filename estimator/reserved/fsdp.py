@@ -1,5 +1,5 @@
 """An FSDP2 rank's step as the caching allocator sees it: the single-GPU step at full depth
-(``estimator.reserved.expand``) with FSDP2's buffers added at the layer boundaries, on their own streams.
+(``estimator.profiler.expand``) with FSDP2's buffers added at the layer boundaries, on their own streams.
 
 ``fully_shard`` per decoder layer, then the root (everything else), torch 2.13
 (``torch.distributed.fsdp._fully_shard``); the same boundaries as ``estimator.methods.fsdp_replay``, whose
@@ -32,8 +32,7 @@ import math
 from dataclasses import dataclass, replace
 
 from estimator.models.params import ParamInfo
-from estimator.reserved.accumulate import FREE_CYCLE, KeyedBuilds, MicroSteps, accumulating_backward
-from estimator.reserved.expand import (
+from estimator.profiler.expand import (
     ALLOC,
     FREE,
     FREE_PREVIOUS,
@@ -43,6 +42,7 @@ from estimator.reserved.expand import (
     alloc_on,
     check_step,
 )
+from estimator.reserved.accumulate import FREE_CYCLE, KeyedBuilds, MicroSteps, accumulating_backward
 from estimator.reserved.timeline import Setup, model_order, to_empty_tied_copies
 
 DEFAULT, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2  # allocator streams

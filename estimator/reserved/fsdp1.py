@@ -1,5 +1,5 @@
 """An FSDP1 rank's step as the caching allocator sees it: the single-GPU step at full depth
-(``estimator.reserved.expand``) with FSDP1's flat-parameter buffers added at the unit boundaries, on FSDP1's
+(``estimator.profiler.expand``) with FSDP1's flat-parameter buffers added at the unit boundaries, on FSDP1's
 streams.
 
 ``FullyShardedDataParallel`` per decoder layer, then the root (everything else), as ``estimator.methods.fsdp1``
@@ -68,8 +68,7 @@ from dataclasses import dataclass
 
 from estimator.methods.fsdp1 import FlatUnit, Fsdp1Sizes, flat_layout, shard_pieces
 from estimator.models.params import ParamInfo
-from estimator.reserved.accumulate import FREE_CYCLE, FREE_PREVIOUS_CYCLE, KeyedBuilds, MicroSteps
-from estimator.reserved.expand import (
+from estimator.profiler.expand import (
     ALLOC,
     FREE,
     FREE_PREVIOUS,
@@ -77,6 +76,7 @@ from estimator.reserved.expand import (
     ExpansionError,
     alloc_on,
 )
+from estimator.reserved.accumulate import FREE_CYCLE, FREE_PREVIOUS_CYCLE, KeyedBuilds, MicroSteps
 from estimator.reserved.fsdp import (
     OPTIMIZERS,
     BufferOps,

@@ -10,9 +10,9 @@ from estimator.allocator import parse_alloc_conf
 from estimator.methods.fsdp1 import fsdp1_sizes
 from estimator.methods.state import attention_output_saved, zero3_saved_linear_input_tensors
 from estimator.models.params import ParamInfo
+from estimator.profiler.expand import Expansion, ExpansionError, expand, step_sizes
 from estimator.reserved.ep import ep_method_step, ep_setup, why_not_ep
 from estimator.reserved.every_k import mixed_events
-from estimator.reserved.expand import Expansion, ExpansionError, expand, step_sizes
 from estimator.reserved.fsdp import fsdp_setup, fsdp_step
 from estimator.reserved.fsdp1 import fsdp1_setup, fsdp1_step, why_not_fsdp1
 from estimator.reserved.replay import ReservedReplay, replay_rank, replay_sequence

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from estimator.allocator import CachingAllocator, OutOfMemory
 from estimator.models.memo import memo_by_owner
+from estimator.profiler.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, StepEvents, stream_of
 from estimator.reserved.accumulate import FREE_PREVIOUS_CYCLE, micro_steps
-from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, StepEvents, stream_of
 from estimator.reserved.timeline import BATCH_TENSORS, Setup, StepPlan
 
 MAX_STEPS = 8

@@ -6,7 +6,7 @@ decoder layers, the layers, the rest; a tied tensor once), the module buffers (o
 for the rest: the profile keeps their bytes, not their tensors), DDP's gradient buckets (its constructor), the
 fp32 master copies of a mixed-precision optimizer (its constructor). Then each step: the batch (input ids,
 attention mask, labels: int64, allocated before the previous step's are dropped), and the step's own events
-(``estimator.reserved.expand``): the first step's optimizer step creates Adam's states, every cuBLAS workspace
+(``estimator.profiler.expand``): the first step's optimizer step creates Adam's states, every cuBLAS workspace
 is allocated at its thread's first matmul (the forward's first layer; the backward's start), and DDP rebuilds
 its buckets at the second step's forward in the order backward produced the gradients.
 """
@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from estimator.models.params import ParamInfo
+from estimator.profiler.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, stream_of
 from estimator.reserved.accumulate import FREE_PREVIOUS_CYCLE, MicroSteps, micro_steps
-from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, stream_of
 
 MIB = 1024 * 1024
 DDP_FIRST_BUCKET_BYTES = 1 * MIB   # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES

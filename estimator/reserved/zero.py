@@ -1,5 +1,5 @@
 """A DeepSpeed ZeRO-1/2 rank's timeline as the caching allocator sees it: the single-GPU step at full depth
-(``estimator.reserved.expand``) with DeepSpeed 0.19's own tensors (``deepspeed/runtime/zero/stage_1_and_2.py``),
+(``estimator.profiler.expand``) with DeepSpeed 0.19's own tensors (``deepspeed/runtime/zero/stage_1_and_2.py``),
 contiguous gradients; with ``overlap_comm`` (off by default below stage 3; on in the Hugging Face examples' configs)
 the reductions run on DeepSpeed's reduction stream.
 
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 from estimator.methods.state import ZeroLayout, zero_layout
 from estimator.models.params import ParamInfo
+from estimator.profiler.expand import ALLOC, FREE, Expansion, ExpansionError
 from estimator.reserved.accumulate import FREE_CYCLE, MicroSteps, accumulating_backward
-from estimator.reserved.expand import ALLOC, FREE, Expansion, ExpansionError
 from estimator.reserved.fsdp import (
     BufferOps,
     Tensor,

@@ -11,7 +11,7 @@ requests sit among the default stream's does not change it.
   ``initialize_optimizer_states``' fp32 gradient made and dropped, the IPG bucket (``reduce_bucket_size``
   16-bit elements) and the 16-bit gradient partition; then ``create_reduce_and_remove_grad_hooks`` gathers every
   non-persistent trainable tensor once, one at a time, each freed at once.
-* **Default stream, each step**: the single-GPU forward and backward at full depth (``estimator.reserved.expand``;
+* **Default stream, each step**: the single-GPU forward and backward at full depth (``estimator.profiler.expand``;
   the parameters are the gathered ones, on the allgather stream; with checkpointing, each recomputation's
   stopped MLP output: ``_recompute_output_made_then_dropped``); each gradient copied into the IPG bucket at its
   hook and freed (a flush first when it would overflow the bucket); after backward the norm's fp64 copy of each
@@ -46,8 +46,8 @@ from dataclasses import dataclass, replace
 from estimator.methods.long_context import checkpointed
 from estimator.methods.state import zero_layout
 from estimator.models.params import ParamInfo
+from estimator.profiler.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, ExpansionError
 from estimator.reserved.accumulate import MicroSteps
-from estimator.reserved.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, ExpansionError
 from estimator.reserved.fsdp import _Builder, method_expansion
 from estimator.reserved.timeline import Setup, model_order
 from estimator.reserved.zero import FP32, FP64, REDUCTION, _backward_ops, _grad_params, _Step

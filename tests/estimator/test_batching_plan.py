@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from estimator.batching.epoch import EpochOptions, EpochSource
-from estimator.planning.cli import run_plan
+from estimator.io.plan_cli import run_plan
 from tests.estimator.test_plan import MODEL, _cli_args, fake_model, make_fake, run  # noqa: F401 (fixture)
 
 

@@ -8,7 +8,7 @@ import pathlib
 import pandas as pd
 
 from estimator.models.profiles import _shipped_path
-from estimator.reserved.expand import ALLOC, expand
+from estimator.profiler.expand import ALLOC, expand
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LORA_KEY = "9560701ea61efa23_mixed_bf16_sdpa_nockpt_lora16-auto"  # Qwen2.5-0.5B, LoRA r16, the H200 row's

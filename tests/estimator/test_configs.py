@@ -316,7 +316,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, content, suffix, exp
 
 
 def test_plan_reads_configs(capsys):
-    from estimator.planning.cli import main as plan_main
+    from estimator.io.plan_cli import main as plan_main
 
     argv = ["--config", str(EXAMPLES / "accelerate_fsdp2.yaml"), "--model", "facebook/opt-125m",
             "--methods", "fsdp,ddp", "--ckpt", "on", "--json"]
@@ -342,7 +342,7 @@ def test_reading_configs_stays_on_the_pure_path():
 
 
 def test_plan_gives_its_fsdp1_row_the_configs_fsdp1_settings_and_the_flags_over_them(monkeypatch):
-    from estimator.planning import cli as plan_cli
+    from estimator.io import plan_cli
 
     seen = {}
 

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from estimator.io.plan_cli import add_plan_arguments, format_plan, run_plan
 from estimator.models.arch import arch_from_config
 from estimator.planning import plan as P
 from estimator.planning import throughput as T
-from estimator.planning.cli import add_plan_arguments, format_plan, run_plan
 
 GIB = 1024**3
 MODEL = "fake/llama-1b"
@@ -545,7 +545,7 @@ def test_the_plan_says_whether_efficiency_is_a_prior_or_fitted(tmp_path, monkeyp
 
 
 def test_cli_bad_inputs_are_one_line_exit_2(capsys):
-    from estimator.planning.cli import main
+    from estimator.io.plan_cli import main
     for argv in (["--gpus", "0"], ["--gpus", "-2"], ["--gpus", "2.5"], ["--gpus", "four"], ["--gpus", "4", "--seq-len", "0"],
                  ["--gpus", "4", "--global-batch", "-8"], ["--gpus", "4", "--host-ram", "x"]):
         with pytest.raises(SystemExit) as exit_:

@@ -8,9 +8,9 @@ import pytest
 from estimator import api
 from estimator.hardware.residuals import load_coefficients
 from estimator.models.moe import is_routed_expert
+from estimator.profiler.expand import ALLOC, stream_of
 from estimator.reserved import rank as reserved_rank
 from estimator.reserved.ep import EXPERTS, ep_setup, group_of, local_table, why_not_ep
-from estimator.reserved.expand import ALLOC, stream_of
 from estimator.reserved.fsdp import ALL_GATHER, REDUCE_SCATTER
 from estimator.reserved.timeline import INT64
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
@@ -199,8 +199,8 @@ def test_a_one_rank_unit_as_a_real_run_makes_it(mixed):
     replay's ``_EpStep`` makes the same requests in the same order."""
     from benchmarks.gloo_ranks import free_port
     from estimator.models.params import ParamInfo
+    from estimator.profiler.expand import FREE
     from estimator.reserved.ep import EpBytes, _EpStep
-    from estimator.reserved.expand import FREE
     from estimator.reserved.fsdp import _Builder, _group
     from tests.estimator._ep_one_rank import SHAPES, one_rank_events
     from tests.estimator.test_reserved import _in_fresh_process

@@ -12,9 +12,9 @@ pytest.importorskip("torch")
 
 from estimator import api  # noqa: E402
 from estimator.hardware.residuals import load_coefficients  # noqa: E402
+from estimator.profiler.expand import ExpansionError, expand, step_sizes  # noqa: E402
 from estimator.reserved import rank as reserved_rank  # noqa: E402
 from estimator.reserved.every_k import mixed_events  # noqa: E402
-from estimator.reserved.expand import ExpansionError, expand, step_sizes  # noqa: E402
 from estimator.reserved.timeline import INT64, StepPlan, step_requests  # noqa: E402
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
 from tests.estimator.test_reserved import (  # noqa: E402

@@ -10,8 +10,8 @@ pytest.importorskip("torch")
 
 from estimator import api  # noqa: E402
 from estimator.hardware.residuals import load_coefficients  # noqa: E402
+from estimator.profiler.expand import ALLOC, stream_of  # noqa: E402
 from estimator.reserved import rank as reserved_rank  # noqa: E402
-from estimator.reserved.expand import ALLOC, stream_of  # noqa: E402
 from estimator.reserved.fsdp import ALL_GATHER, REDUCE_SCATTER, shard_numel  # noqa: E402
 from estimator.reserved.timeline import INT64, run_requests  # noqa: E402
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ckpt_every  # noqa: E402
@@ -425,7 +425,7 @@ def test_fsdp_buffers_live_on_their_streams(llama_path):
     # a side stream's freed blocks serve only that stream: the same requests on one stream reserve less
     import dataclasses
 
-    from estimator.reserved.expand import StepEvents
+    from estimator.profiler.expand import StepEvents
     from estimator.reserved.replay import replay_rank
 
     def one_stream(events: StepEvents) -> StepEvents:

@@ -6,8 +6,8 @@ import pytest
 
 from estimator.methods.fsdp1 import Fsdp1Sizes, flat_unit
 from estimator.models.params import ParamInfo
+from estimator.profiler.expand import ALLOC, FREE, ExpansionError
 from estimator.reserved import fsdp1
-from estimator.reserved.expand import ALLOC, FREE, ExpansionError
 from estimator.spec import Fsdp1Spec
 
 ELEM = 2  # bf16

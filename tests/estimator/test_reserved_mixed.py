@@ -1,6 +1,6 @@
 """The reserved replay of decoder stacks whose first layer is of another kind (a dense MLP before mixture-of-experts
 layers: DeepSeek-V2/V3's ``first_k_dense_replace``, Qwen3-MoE's ``mlp_only_layers``): the event list expands with
-layer 0's events from the traced layer 0 and the generic expert layer's repeated (``estimator.reserved.expand``),
+layer 0's events from the traced layer 0 and the generic expert layer's repeated (``estimator.profiler.expand``),
 its requested peak equals the analytic allocated estimate, and its expansion to 4 layers equals a 4-layer trace."""
 
 import json
@@ -13,8 +13,8 @@ pytest.importorskip("torch")
 from estimator import api  # noqa: E402
 from estimator.hardware.residuals import load_coefficients  # noqa: E402
 from estimator.methods.state import fp32_kept_params  # noqa: E402
+from estimator.profiler.expand import ExpansionError, expand  # noqa: E402
 from estimator.reserved import rank as reserved_rank  # noqa: E402
-from estimator.reserved.expand import ExpansionError, expand  # noqa: E402
 from estimator.reserved.timeline import INT64  # noqa: E402
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec  # noqa: E402
 

@@ -8,9 +8,9 @@ import pytest
 from estimator import api
 from estimator.allocator import CachingAllocator, OutOfMemory
 from estimator.hardware.residuals import load_coefficients
+from estimator.profiler.expand import step_sizes
 from estimator.reserved import rank as reserved_rank
 from estimator.reserved.accumulate import micro_steps
-from estimator.reserved.expand import step_sizes
 from estimator.reserved.replay import ReservedReplay, _segments, replay_rank
 from estimator.reserved.timeline import BATCH_TENSORS, INT64, StepPlan, micro_step_requests, step_requests
 from estimator.spec import TrainingSpec

@@ -13,7 +13,7 @@ from estimator.hardware.residuals import load_coefficients
 from estimator.models.params import ParamInfo
 from estimator.models.profiles import traced_release
 from estimator.profiler.cache import load_plain_and_checkpointed
-from estimator.reserved.expand import ALLOC, expand
+from estimator.profiler.expand import ALLOC, expand
 from estimator.reserved.rank import head_grad_bytes
 from estimator.reserved.timeline import to_empty_tied_copies
 from estimator.spec import TrainingSpec

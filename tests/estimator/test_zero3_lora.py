@@ -391,7 +391,7 @@ def test_the_held_inputs_are_found_as_llamas_forward_makes_them():
     output 9), the MLP's product (10, size 2) and down_proj's output (11). With two hidden-size inputs held, both
     norm outputs' frees are found; with one (the first layer: its input norm reads no gradient), the last norm's;
     the intermediate-size one is the segment's last tensor of that size it makes and frees."""
-    from estimator.reserved.expand import ALLOC, FREE
+    from estimator.profiler.expand import ALLOC, FREE
     from estimator.reserved.zero3 import _held_in_segment
 
     body = [(ALLOC, 5, 0), (ALLOC, 6, 0), (FREE, 5, 0), (ALLOC, 7, 0), (FREE, 6, 0), (ALLOC, 8, 0), (ALLOC, 9, 0),

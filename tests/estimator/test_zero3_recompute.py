@@ -124,7 +124,7 @@ def test_the_stopped_recomputations_output_goes_before_the_layers_first_gradient
     before the layer's first gradient (the recomputation's last activation, the projection's input), whatever
     frees come between; the op indices after it move by two. Its size: the ``b * s`` polynomial of
     ``hidden x 2`` bytes, or in a micro-batch-1 regime the ``s`` one."""
-    from estimator.reserved.expand import ALLOC, FREE
+    from estimator.profiler.expand import ALLOC, FREE
     from estimator.reserved.fsdp import _Builder
     from estimator.reserved.zero3 import _recompute_output_made_then_dropped, _stopped_output_size_index
 

@@ -1,4 +1,5 @@
-"""``python -m estimator plan``: argument parsing and printing for :mod:`estimator.planning.plan`.
+"""``python -m estimator plan``: argument parsing and printing for :mod:`estimator.planning.plan` (here, above
+the planner and the LLMem selection baseline it compares with).
 
 Exit codes: 0 for a plan (also when nothing fits: the advice says what would), 2 for invalid input
 (one line on stderr).
@@ -11,8 +12,8 @@ import json
 import sys
 
 from estimator.batching.cli_args import add_batching_arguments, batching_from_args
-from estimator.io.fsdp1_args import add_fsdp1_arguments, fsdp1_from_args
-from estimator.io.technique_args import add_technique_arguments
+from estimator.options.fsdp1_args import add_fsdp1_arguments, fsdp1_from_args
+from estimator.options.technique_args import add_technique_arguments
 from estimator.planning import plan as planner
 from estimator.planning.plan import Plan
 from estimator.spec import ATTENTIONS, BATCHES, GRAD_SYNCS, LOOPS, OPTIMIZERS, PRECISIONS
@@ -31,7 +32,7 @@ def _positive_int(text: str) -> int:
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Arguments of the ``plan`` subcommand (also used standalone by ``python -m estimator.planning.cli``)."""
+    """Arguments of the ``plan`` subcommand (also used standalone by ``python -m estimator.io.plan_cli``)."""
     parser.add_argument("--model", help="catalogue name, config.json path or hub id (required without --config)")
     parser.add_argument("--gpus", type=_positive_int, help="number of GPUs (N; required without --config)")
     parser.add_argument("--gpu", help="GPU key, e.g. h100-80gb (see --list-gpus; required without --config)")
