@@ -215,7 +215,7 @@ def _lora_points(work: Path, args, argv: list[str] | None) -> int:
         for world in args.worlds:
             for precision in args.precisions:
                 for accum in args.accum:
-                    for ckpt in (False, True):
+                    for ckpt in (mode == "ckpt" for mode in args.ckpt):
                         r = _streams_point(work, hidden, world, b, s, ckpt, precision, accum, args.offload)
                         label = (f"h{hidden} x{world} {precision} k{accum} {'ckpt' if ckpt else 'plain'}"
                                  f"{' offload' if args.offload else ''}")
@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accum", nargs="*", type=int, default=[1, 2])
     parser.add_argument("--precisions", nargs="*", default=["mixed_bf16", "bf16"])
     parser.add_argument("--offload", action="store_true", help="with offload_optimizer")
+    parser.add_argument("--ckpt", nargs="*", choices=["plain", "ckpt"], default=["plain", "ckpt"])
     parser.add_argument("--csv", help="write the LoRA points here")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
