@@ -99,7 +99,14 @@ def test_the_accumulating_lora_run_replays_as_generated(tmp_path, precision, wor
     makes it on: replayed on the three streams it reserves what the generated stream reserves; its reduction
     stream is the generated one request for request, and the steps make as many requests as generated."""
     pytest.importorskip("deepspeed")
-    from benchmarks.zero3_ckpt_replay import _config, _record, _spec, first_differences, generated_steps, recorded_steps
+    from benchmarks.zero3_ckpt_replay import (
+        _config,
+        _record,
+        _spec,
+        first_differences,
+        generated_steps,
+        recorded_steps,
+    )
     from estimator.allocator.requests import simulate
 
     config = _config(64)
