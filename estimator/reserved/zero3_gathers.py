@@ -387,7 +387,8 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
         within max_reuse elements of the trace uses again stays, and what another running module holds. The
         elements released."""
         names = trace[module].params
-        keep = {n for n in names if fetched_for.get(n, -10**10) > now or held(n, module, False)}
+        holding = {n for n in names if held(n, module, False)}  # every holder dropped, whatever stays
+        keep = {n for n in names if fetched_for.get(n, -10**10) > now} | holding
         traversed = 0
         for later in trace[now:]:
             if traversed >= max_reuse:
