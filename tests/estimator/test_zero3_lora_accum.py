@@ -118,6 +118,7 @@ def test_the_accumulating_lora_run_replays_as_generated(tmp_path, precision, wor
     flat = [[r for part in parts for r in part] for parts in (recorded, generated)]
     assert simulate(flat[0])["peak_reserved_bytes"] == simulate(flat[1])["peak_reserved_bytes"]
     # after the first optimizer step (whose first forward gathers each lora_A on the default stream, not generated)
-    assert [len(p) for p in recorded[2:]] == [len(p) for p in generated[2:]]
+    allocations = [[sum(r[0] == "alloc" for r in p) for p in parts[2:]] for parts in (recorded, generated)]
+    assert allocations[0] == allocations[1]  # (the recording's last step ends with the engine's teardown frees)
     assert all(at is None for stream, step, at, _ in first_differences(recorded, generated)
                if stream == 1 or (stream == 2 and step > 0))
