@@ -2,6 +2,13 @@
 the prior it replaces, beside real DeepSpeed runs on CPU of tiny Llamas.
 
     PYTHONPATH=. .venv/bin/python benchmarks/zero3_ckpt_replay.py [--worlds 2 4] [--llama-1b]
+    PYTHONPATH=. .venv/bin/python benchmarks/zero3_ckpt_replay.py --lora [--accum 1 2 4] [--precisions ...] \
+        [--csv PATH]
+
+``--lora`` (peft LoRA r8 on q/v; ``--accum``: micro-steps per optimizer step, each with and without full
+non-reentrant checkpointing): the recording marks each allocation's stream as a GPU run makes it
+(``test_reserved_zero._StreamMarks``), so both streams are also replayed on DeepSpeed's three streams, and each
+stream's requests are compared in order, step by step (``first_differences``).
 
 Per point (tiny Llama, hidden 64 or 256, 4 layers, mixed_bf16, 3 steps; norms persistent, a prefetch about a
 layer): rank 0 of a real run on CPU (torch's fake process group, every storage recorded:
@@ -32,7 +39,7 @@ from tests.estimator import test_reserved_zero as t
 from estimator.spec import RunSpec
 config, spec, out = json.loads(sys.argv[1]), RunSpec.from_json(sys.argv[2]), sys.argv[3]
 t.B, t.S = spec.training.micro_batch_size, spec.training.seq_len
-json.dump(t._real_zero_events(config, spec, 0), open(out, "w"))
+json.dump(t._real_zero_events(config, spec, 0, marked=len(sys.argv) > 4), open(out, "w"))
 """
 
 
@@ -43,14 +50,17 @@ def _config(hidden: int) -> dict:
             "tie_word_embeddings": True}
 
 
-def _spec(path: str, config: dict, world: int, b: int, s: int, ckpt: bool):
+def _spec(path: str, config: dict, world: int, b: int, s: int, ckpt: bool, precision: str = "mixed_bf16",
+          accum: int = 1, lora: bool = False, offload: bool = False):
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
 
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     layer_numel = 2 * hidden * hidden + 2 * hidden * hidden // 2 + 3 * hidden * inter
     zero = ZeroSpec(reduce_bucket_size=20_000, allgather_bucket_size=20_000,
-                    stage3_prefetch_bucket_size=int(0.8 * layer_numel), stage3_param_persistence_threshold=hidden + 1)
-    training = TrainingSpec(precision="mixed_bf16", attn="eager", micro_batch_size=b, seq_len=s, grad_ckpt=ckpt)
+                    stage3_prefetch_bucket_size=int(0.8 * layer_numel), stage3_param_persistence_threshold=hidden + 1,
+                    offload_optimizer=offload)
+    training = TrainingSpec(precision=precision, attn="eager", micro_batch_size=b, seq_len=s, grad_ckpt=ckpt,
+                            grad_accum_steps=accum, lora_rank=8 if lora else 0, lora_targets="q_proj,v_proj" if lora else "auto")
     return RunSpec(model=path, training=training, parallel=ParallelSpec(method="zero3", world_size=world, zero=zero))
 
 
@@ -79,6 +89,157 @@ def _tiny_point(work: Path, hidden: int, world: int, b: int, s: int, ckpt: bool)
             "prior": prior.peak_reserved_bytes}
 
 
+def _record(work: Path, config: dict, spec, marked: bool) -> list[tuple]:
+    """Rank 0's events of a real run on CPU, in a subprocess (``marked``: with steps and streams)."""
+    out = work / "events.json"
+    subprocess.run([sys.executable, "-c", _RECORD, json.dumps(config), spec.to_json(), str(out)]
+                   + (["marked"] if marked else []), cwd=ROOT, check=True, capture_output=True, text=True)
+    return [tuple(e) for e in json.loads(out.read_text())]
+
+
+def recorded_steps(events: list[tuple]) -> list[list[tuple]]:
+    """A marked recording's requests (each allocation on the stream a GPU run makes it on): the setup, then one
+    list per optimizer step."""
+    parts: list[list[tuple]] = [[]]
+    for event in events:
+        if event == ("step",):
+            parts.append([])
+        else:
+            parts[-1].append(("alloc", event[1], event[2], event[3]) if event[0] else ("free", event[1]))
+    return parts
+
+
+def generated_steps(spec, b: int, s: int, steps: int) -> list[list[tuple]]:
+    """The estimator's requests for the same spec on its three streams, split as ``recorded_steps``: the setup
+    (module buffers left out, as the recorder leaves them), then each optimizer step's micro-steps; scalars
+    (under 512 B: the loss and its kin, which the recorder leaves out too) dropped."""
+    from estimator import api
+    from estimator.models.profiles import adapters_in_16bit
+    from estimator.reserved import rank as reserved_rank
+    from estimator.reserved.timeline import micro_step_requests, micro_steps, step_requests
+    from tests.estimator.test_reserved_zero import SCALAR_BYTES
+
+    training, accum = spec.training, spec.training.grad_accum_steps
+    arch, profile = api.load_model_profile(spec.model, training, 1,
+                                           adapters_16bit=adapters_in_16bit(training, spec.parallel.method))
+    table, regime = api._param_table(profile, arch.num_layers), api._regime(profile, b, s)
+    expansion = reserved_rank._expansion(regime["events"], arch.num_layers, training.loop)
+    plan = reserved_rank._plan(spec, regime["events"], expansion, table, arch.num_layers, b, s,
+                               workspace_bytes=8 << 20, workspaces=0, rank=0)
+    setup = reserved_rank._setup(profile, table, arch.num_layers, "zero3", False, spec.parallel.world_size, spec)
+    frees = dict(setup.frees_after)
+    parts: list[list[tuple]] = [[]]
+    for i, (name, n) in enumerate(setup.allocations):
+        if not name.startswith("buffers"):
+            parts[0].append(("alloc", ("setup", i), n, 0))
+        parts[0].extend(("free", ("setup", j)) for j in frees.get(i, ()))
+    micro = micro_steps(plan.expansion) if accum > 1 else None
+    for step in range(steps):
+        parts.append([r for m in range(step * accum, (step + 1) * accum)
+                      for r in (micro_step_requests(plan, micro, accum, m, 0) if micro else step_requests(plan, m, 0))])
+    scalars: set = set()
+    kept = []
+    for part in parts:
+        kept.append([])
+        for r in part:
+            if r[0] == "alloc" and r[2] < SCALAR_BYTES:
+                scalars.add(r[1])
+            elif r[0] == "alloc" or r[1] not in scalars:
+                kept[-1].append(r)
+    return kept
+
+
+def on_one_stream(requests: list[tuple]) -> list[tuple]:
+    return [(*r[:3], 0) if r[0] == "alloc" else r for r in requests]
+
+
+def first_differences(recorded: list[list[tuple]], generated: list[list[tuple]]) -> list[tuple]:
+    """Per stream (0 default, 1 reduction, 2 allgather) and step (the setup left out: a CPU run keeps
+    ``zero.Init``'s construction partitions there), the index of the first request whose kind or size differs,
+    with the two requests (None: the step's requests agree on that stream)."""
+    out = []
+    for stream in (0, 1, 2):
+        for step, (rec, gen) in enumerate(zip(recorded[1:], generated[1:])):
+            a, b = _sized(rec, stream), _sized(gen, stream)
+            at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else
+                      min(len(a), len(b)))
+            out.append((stream, step, at, None if at is None else (a[at:at + 1], b[at:at + 1])))
+    return out
+
+
+def _sized(requests: list[tuple], stream: int) -> list[tuple]:
+    """One stream's requests as (kind, bytes)."""
+    size: dict = {}
+    out = []
+    for r in requests:
+        if r[0] == "alloc":
+            size[r[1]] = (r[2], r[3])
+            if r[3] == stream:
+                out.append(("a", r[2]))
+        elif r[1] in size and size[r[1]][1] == stream:
+            out.append(("f", size[r[1]][0]))
+    return out
+
+
+def _streams_point(work: Path, hidden: int, world: int, b: int, s: int, ckpt: bool, precision: str, accum: int,
+                   offload: bool) -> dict:
+    from estimator.allocator.requests import simulate
+    from estimator.api import estimate
+
+    config = _config(hidden)
+    path = work / f"config_h{hidden}.json"
+    path.write_text(json.dumps(config))
+    spec = _spec(str(path), config, world, b, s, ckpt, precision, accum, lora=True, offload=offload)
+    recorded = recorded_steps(_record(work, config, spec, True))
+    generated = generated_steps(spec, b, s, len(recorded) - 1)
+    flat_rec, flat_gen = [r for p in recorded for r in p], [r for p in generated for r in p]
+    replayed, prior = estimate(spec).ranks[0], estimate(spec, replay_reserved=False).ranks[0]
+    return {"recorded_one_stream": simulate(on_one_stream(flat_rec))["peak_reserved_bytes"],
+            "recorded_three_streams": simulate(flat_rec)["peak_reserved_bytes"],
+            "generated_one_stream": simulate(on_one_stream(flat_gen))["peak_reserved_bytes"],
+            "generated_three_streams": simulate(flat_gen)["peak_reserved_bytes"],
+            "estimate": replayed.peak_reserved_bytes, "source": replayed.reserved_source,
+            "prior": prior.peak_reserved_bytes, "differences": first_differences(recorded, generated)}
+
+
+COLUMNS = ("point", "recorded_one_stream", "recorded_three_streams", "generated_one_stream",
+           "generated_three_streams", "estimate", "source", "prior", "first_differences")
+
+
+def _lora_points(work: Path, args, argv: list[str] | None) -> int:
+    rows = []
+    print(f"{'point':<36} {'recorded 1/3 streams':>21} {'generated 1/3 streams':>22} {'estimate':>9} {'prior':>8}"
+          "  (MiB)  first differences")
+    for hidden in args.hidden:
+        b, s = (2, 64) if hidden == 64 else (2, 256)
+        for world in args.worlds:
+            for precision in args.precisions:
+                for accum in args.accum:
+                    for ckpt in (mode == "ckpt" for mode in args.ckpt):
+                        r = _streams_point(work, hidden, world, b, s, ckpt, precision, accum, args.offload)
+                        label = (f"h{hidden} x{world} {precision} k{accum} {'ckpt' if ckpt else 'plain'}"
+                                 f"{' offload' if args.offload else ''}")
+                        diffs = "; ".join(f"s{st} step{step} @{at} {pair[0]} vs {pair[1]}"
+                                          for st, step, at, pair in r["differences"] if at is not None)
+                        rows.append({"point": label, **{k: r[k] for k in COLUMNS[1:-1]},
+                                     "first_differences": diffs or "none"})
+                        print(f"{label:<36} {r['recorded_one_stream'] / MIB:>9.2f} / {r['recorded_three_streams'] / MIB:<9.2f}"
+                              f" {r['generated_one_stream'] / MIB:>10.2f} / {r['generated_three_streams'] / MIB:<9.2f}"
+                              f" {r['estimate'] / MIB:>9.2f} {r['prior'] / MIB:>8.2f}  {diffs or 'none'}", flush=True)
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write("# PYTHONPATH=. .venv/bin/python benchmarks/zero3_ckpt_replay.py "
+                    + " ".join(argv if argv is not None else sys.argv[1:]) + "\n")
+            f.write("# bytes; rank 0 of a real DeepSpeed run on CPU (fake process group) vs the estimator's generated "
+                    "stream; one stream / three streams replayed through the allocator model; the estimate's own "
+                    "three-stream level; the prior (allocated x 1.1 + 64 MiB); each stream's first differing "
+                    "request per step (s0 default, s1 reduction, s2 allgather)\n")
+            f.write(",".join(COLUMNS) + "\n")
+            for row in rows:
+                f.write(",".join(str(row[c]).replace(",", " ") for c in COLUMNS) + "\n")
+    return 0
+
+
 def _llama_1b(b: int, ckpt: bool) -> tuple:
     from estimator.api import estimate
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
@@ -96,9 +257,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", nargs="*", type=int, default=[2, 4])
     parser.add_argument("--hidden", nargs="*", type=int, default=[64, 256])
     parser.add_argument("--llama-1b", action="store_true")
+    parser.add_argument("--lora", action="store_true", help="LoRA points, compared stream by stream")
+    parser.add_argument("--accum", nargs="*", type=int, default=[1, 2])
+    parser.add_argument("--precisions", nargs="*", default=["mixed_bf16", "bf16"])
+    parser.add_argument("--offload", action="store_true", help="with offload_optimizer")
+    parser.add_argument("--ckpt", nargs="*", choices=["plain", "ckpt"], default=["plain", "ckpt"])
+    parser.add_argument("--csv", help="write the LoRA points here")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     work = Path(tempfile.mkdtemp())
+    if args.lora:
+        return _lora_points(work, args, argv)
     print(f"{'point':<28} {'recorded req/1-stream':>22} {'generated req/1-stream':>23} {'estimate (3 streams)':>21} "
           f"{'prior':>8}  (MiB)")
     for hidden in args.hidden:

@@ -27,15 +27,18 @@ requests sit among the default stream's does not change it.
 
 Checked against the four H100 snapshots (2 and 4 ranks, b1 s1024): ``tests/estimator/test_zero3_snapshots.py``.
 
-Under LoRA (peft's adapters; ``bf16`` with DeepSpeed's bf16 masters, or the mixed precisions; no accumulation,
-checkpointing or offload): ``zero.Init``'s construction leaves the frozen tensors' partitions in the setup
+Under LoRA (peft's adapters; ``bf16`` with DeepSpeed's bf16 masters, or the mixed precisions; no checkpointing or
+offload): ``zero.Init``'s construction leaves the frozen tensors' partitions in the setup
 (``_lora_construction``, then ``defragment``'s ``empty_cache``), the flat buffer is the adapters' fp32 and the
 masters take the spec's dtype (``_lora_partitions``, ``master_elem_bytes``), the memory-efficient linear holds the
 frozen Linears' inputs to backward (``_hold_saved_inputs``), the frozen head's backward workspace follows its input
 gradient (``_frozen_head_workspace``), and the coordinator's trace has peft's modules
-(``zero3_gathers.modules_of``). Checked against the H200 run 03ab897ea7873926: both ranks' plain-free replay to
-the byte (``tests/estimator/test_zero3_lora.py``); its measured peaks are 2.5 % / 1.0 % higher by stream-event
-timing (``record_stream_caveat``).
+(``zero3_gathers.modules_of``, with each wrapper's ``lora_A`` an external parameter of it:
+``zero3_gathers.external_params``). Checked against the H200 run 03ab897ea7873926: both ranks' plain-free replay
+to the byte (``tests/estimator/test_zero3_lora.py``); its measured peaks are 2.5 % / 1.0 % higher by stream-event
+timing (``record_stream_caveat``). With gradient accumulation (``_accumulating``, as under full fine-tuning): real
+CPU runs of tiny Llamas, each allocation on the stream a GPU run makes it on, replayed on the three streams equal
+the generated stream's (``benchmarks/zero3_ckpt_replay.py --lora``, ``docs/error_matrix/zero3_lora_accum_cpu.csv``).
 """
 
 from __future__ import annotations
@@ -67,9 +70,11 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
         return "zero3 with parameter offload: not in the replay yet"
     if training.qlora:
         return "zero3 with QLoRA: the packed weights are built without zero.Init, not in the replay"
-    if training.lora and (training.grad_accum_steps > 1 or training.grad_ckpt or zcfg.offload_optimizer):
-        return ("zero3 with LoRA and accumulation, checkpointing or optimizer offload: not checked against a run "
-                "yet")
+    if training.lora and training.grad_ckpt:
+        return ("zero3 with LoRA and checkpointing: the frozen weights a recomputation gathers are held for the "
+                "backward module that triggered it (update_recompute_parameters), not in the replay yet")
+    if training.lora and zcfg.offload_optimizer:
+        return "zero3 with LoRA and optimizer offload: not checked against a run yet"
     if zcfg.offload_optimizer and (training.grad_accum_steps > 1 or training.grad_ckpt):
         return "zero3 with optimizer offload and accumulation or checkpointing: not checked against a run yet"
     if not zcfg.overlap_comm_for(3) or not zcfg.contiguous_gradients or not zcfg.reduce_scatter:

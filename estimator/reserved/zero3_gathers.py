@@ -4,10 +4,11 @@ over the modules that hold parameters, in forward order and then in reverse for 
 
 * Each module's fetch gathers its parameters that are not available in one call (``__all_gather_params``) on
   the allgather stream: one parameter into its own padded storage (``_all_gather_sequential``: the parameter is a
-  view of it), several into one flat tensor of ``partition numel x world`` elements each
-  (``_all_gather_coalesced``). At the first wait for any of a flat tensor's parameters, every one of them is copied
-  out into storage of its own (``AllGatherCoalescedHandle.wait``: ``torch.cat`` of its partitions, under the
-  allgather stream); the flat tensor goes once the last of its parameters has been waited for.
+  view of it), several into one flat tensor per dtype of ``partition numel x world`` elements each
+  (``_all_gather_coalesced``; peft's fp32 adapters beside 16-bit base weights make two). At the first wait for any
+  of the call's parameters, every one of them is copied out into storage of its own
+  (``AllGatherCoalescedHandle.wait``: ``torch.cat`` of its partitions, under the allgather stream); the flat
+  tensors go once the last of the call's parameters has been waited for.
 * The first step records the module trace (every module whose forward runs, parameter-less ones too, then the
   backward's): nothing is prefetched and every parameter is released after its module, persistent ones
   (``stage3_param_persistence_threshold``) included; from then on those stay gathered.
@@ -201,6 +202,46 @@ def _projection_modules(projection: str, owners: list[str], direct: dict, needs_
     return entries, after, silent, out
 
 
+def external_params(forward: list[Module]) -> dict[str, tuple[str, ...]]:
+    """Per peft LoRA wrapper, the adapter weights its forward reads before their modules run: ``LoraLayer``'s
+    forward casts its input to ``lora_A.weight.dtype``; in the first forward that read finds the weight not
+    gathered, and ``ZeROOrderedDict.__getitem__`` gathers it at once (``param.all_gather()``, on the default
+    stream) and registers it as an external parameter of the running module, the wrapper. From then on the
+    wrapper's fetch gathers it, and it stays gathered until the wrapper's release."""
+    out: dict[str, tuple[str, ...]] = {}
+    for m in forward:
+        if ".lora_A." in m.name and m.params:
+            wrapper = m.name.split(".lora_A.")[0]
+            out[wrapper] = out.get(wrapper, ()) + m.params
+    return out
+
+
+def _wrappers_released_last(releases_after: dict[int, list[int]], trace: list[Module], backward_at: int,
+                            external: dict[str, tuple[str, ...]]) -> None:
+    """A wrapper's post-backward release (``PostBackwardFunctionModule`` on its inputs) runs once its input's
+    gradient is complete, after its children's backward (the last: ``base_layer``); it matters only where the
+    wrapper holds parameters (``external_params``)."""
+    for at in range(backward_at, len(trace)):
+        name = trace[at].name
+        if name not in external or at not in releases_after.get(at, ()):
+            continue
+        end = at
+        while end + 1 < len(trace) and trace[end + 1].name.startswith(name + "."):
+            end += 1
+        releases_after[at].remove(at)
+        releases_after.setdefault(end, []).append(at)
+
+
+def _with_external(modules: list[Module], external: dict[str, tuple[str, ...]]) -> list[Module]:
+    return [Module(m.name, m.params + external.get(m.name, ())) for m in modules]
+
+
+def _dtype_name(elem_bytes: int) -> str:
+    """The ``str`` of a parameter dtype of this size, as ``sort_dtypes`` orders a coalesced gather's groups
+    (one 16-bit dtype per model)."""
+    return {1: "torch.int8", 2: "torch.bfloat16", 4: "torch.float32", 8: "torch.float64"}[elem_bytes]
+
+
 def ds_id_order(table: list[ParamInfo]) -> dict[str, int]:
     """Each parameter's ``ds_id`` rank: ``zero.Init`` numbers the model's tensors as it builds them; peft's
     adapters, made after the model, are converted when the engine starts (``_convert_to_zero_parameters``), so
@@ -265,14 +306,19 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
     index = ds_id_order(table)
     params = {p.name: _Param(p.name, p.numel, p.elem_bytes, p.numel < persistence) for p in table}
     forward, backward = modules_of(table)
-    backward, moved = with_recomputation(forward, backward, checkpointed)
-    trace = forward + backward
+    external = external_params(forward)
+    backward, moved = with_recomputation(_with_external(forward, external), _with_external(backward, external),
+                                         checkpointed)
+    first_trace = forward + backward  # the first forward registers the external parameters
+    trace = _with_external(forward, external) + backward
+    holders: dict[str, set[int]] = {n: set() for ps in external.values() for n in ps}  # ds_active_sub_modules
     releases_after: dict[int, list[int]] = {}
     for at in range(len(trace)):
         if at not in moved:
             releases_after.setdefault(at, []).append(at)
         elif moved[at] is not None:
             releases_after.setdefault(moved[at], []).append(at)
+    _wrappers_released_last(releases_after, trace, len(forward), external)
     ops = GatherOps()
     next_buffer = [0]
     state: dict[str, str] = {n: "none" for n in params}  # none | inflight | available
@@ -290,36 +336,42 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
 
     def gather(out: list, names: list[str]) -> None:
         """``__all_gather_params``: one parameter gathers into its own (padded) storage
-        (``_all_gather_sequential``), several into one flat tensor (``_all_gather_coalesced``)."""
+        (``_all_gather_sequential``), several into one flat tensor per dtype (``_all_gather_coalesced``:
+        ``_all_gather_dtype`` for each, in ``sort_dtypes`` order, one parameter alone too)."""
         todo = sorted((n for n in dict.fromkeys(names) if state[n] == "none"), key=index.__getitem__)
         if not todo:
             return
         calls.append(("G", tuple(todo)))
         if len(todo) == 1:
             storage[todo[0]] = alloc(out, aligned_bytes(todo[0]))
-            handle = {"params": todo, "flat": None, "complete": False}
+            handle = {"groups": [(todo, None)], "complete": False}
         else:
-            handle = {"params": todo, "flat": alloc(out, sum(aligned_bytes(n) for n in todo)), "complete": False}
+            groups = [[n for n in todo if params[n].elem_bytes == e]
+                      for e in sorted({params[n].elem_bytes for n in todo}, key=_dtype_name)]
+            handle = {"groups": [(group, alloc(out, sum(aligned_bytes(n) for n in group))) for group in groups],
+                      "complete": False}
         for n in todo:
             state[n], registry[n] = "inflight", handle
 
     def wait(out: list, names) -> None:
-        """``AllGatherCoalescedHandle.wait`` at the first of the handle's parameters a module needs: every
-        parameter of the handle copied out of the flat tensor (``torch.cat`` of its partitions, its own
-        storage); the flat tensor goes when the last of its parameters leaves the registry."""
+        """``MultipleAllGatherHandles.wait`` at the first of the handle's parameters a module needs: each dtype's
+        ``AllGatherCoalescedHandle.wait`` in turn copies its parameters out of its flat tensor (``torch.cat`` of
+        their partitions, storage of their own, under the allgather stream); the flat tensors go, in dtype
+        order, once the last of the handle's parameters has been waited for."""
         for n in names:
             handle = registry.pop(n, None)
             if handle is None:
                 continue
             if not handle["complete"]:
                 handle["complete"] = True
-                for m in handle["params"]:
-                    if handle["flat"] is not None:
-                        storage[m] = alloc(out, params[m].numel * params[m].elem_bytes)
-                    state[m] = "available"
-            if handle["flat"] is not None and not any(registry.get(m) is handle for m in handle["params"]):
-                out.append((-1, *handle["flat"]))
-                handle["flat"] = None
+                for group, flat in handle["groups"]:
+                    for m in group:
+                        if flat is not None:
+                            storage[m] = alloc(out, params[m].numel * params[m].elem_bytes)
+                        state[m] = "available"
+            if not any(registry.get(m) is handle for group, _ in handle["groups"] for m in group):
+                out.extend((-1, *flat) for _, flat in handle["groups"] if flat is not None)
+                handle["groups"] = [(group, None) for group, _ in handle["groups"]]
 
     def release(out: list, name: str) -> bool:
         if state[name] != "available":
@@ -330,10 +382,13 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
             out.append((-1, *storage.pop(name)))
         return True
 
-    def release_module(out: list, names: tuple[str, ...], now: int) -> int:
-        """A module's release at ``now`` (the step id, past the latest fetch): what it or a module within
-        max_reuse elements of the trace uses again stays. The elements released."""
-        keep = {n for n in names if fetched_for.get(n, -10**10) > now}
+    def release_module(out: list, module: int, now: int) -> int:
+        """The release of ``trace[module]`` at ``now`` (the step id, past the latest fetch): what it or a module
+        within max_reuse elements of the trace uses again stays, and what another running module holds. The
+        elements released."""
+        names = trace[module].params
+        holding = {n for n in names if held(n, module, False)}  # every holder dropped, whatever stays
+        keep = {n for n in names if fetched_for.get(n, -10**10) > now} | holding
         traversed = 0
         for later in trace[now:]:
             if traversed >= max_reuse:
@@ -346,14 +401,31 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
         return sum(params[n].numel for n in names
                    if n not in keep and not params[n].persistent and release(out, n))
 
-    # step 1: the trace is recorded, nothing prefetched, every parameter released after its module
+    def held(name: str, module: int, fetched: bool) -> bool:
+        """Whether an external parameter stays gathered for another module still running (``__release_param``
+        releases only a parameter no active module holds); ``fetched``: ``module`` fetched it, else releases."""
+        if name not in holders:
+            return False
+        (holders[name].add if fetched else holders[name].discard)(module)
+        return not fetched and bool(holders[name])
+
+    # step 1: the trace is recorded, nothing prefetched, every parameter released after its module; an adapter
+    # the wrapper reads before its own fetch is gathered on the default stream (``estimator.reserved.zero3``)
     out: list = []
     calls: list = []
-    for at, m in enumerate(trace):
+    read_early = {n for ps in external.values() for n in ps}
+    for at, m in enumerate(first_trace):
+        if at < len(forward):
+            for n in read_early.intersection(m.params):
+                state[n] = "available"
         gather(out, list(m.params))
         wait(out, m.params)
-        for n in (n for released in releases_after.get(at, ()) for n in trace[released].params):
-            release(out, n)
+        for n in m.params:
+            held(n, at, True)
+        for released in releases_after.get(at, ()):
+            for n in first_trace[released].params:
+                if not held(n, released, False):
+                    release(out, n)
     ops.steps.append(out)
     ops.calls.append(calls)
     queue_order = [(n, step_id) for step_id, m in enumerate(trace) for n in m.params]
@@ -370,6 +442,8 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
             gather(out, names)
             n_available += before
             wait(out, names)
+            for n in names:
+                held(n, step_id, True)
             not_yet = {n for n in names if fetched_for.get(n, -10**10) < step_id}
             discarded: set[str] = set()
             while queue and len(discarded) < len(not_yet):
@@ -389,11 +463,13 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
                 gather(out, prefetch)
                 n_available += numel
             for released in releases_after.get(step_id, ()):
-                n_available -= release_module(out, trace[released].params, step_id + 1)
+                n_available -= release_module(out, released, step_id + 1)
         if (micro + 1) % accumulate == 0:  # the optimizer step's release_and_reset_all, right after backward
             for n in params:
                 wait(out, [n])
                 release(out, n)
+            for modules in holders.values():
+                modules.clear()
         ops.steps.append(out)
         ops.calls.append(calls)
     return ops

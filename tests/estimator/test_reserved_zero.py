@@ -63,9 +63,10 @@ def generated_requests(setup, plan, training: TrainingSpec) -> list[tuple]:
     return out + run_requests(plan, STEPS, training.grad_accum_steps)
 
 
-def _real_zero_events(config: dict, spec: RunSpec, rank: int) -> list[tuple]:
+def _real_zero_events(config: dict, spec: RunSpec, rank: int, marked: bool = False) -> list[tuple]:
     """Rank ``rank`` of a real DeepSpeed run on CPU (fake process group): setup and ``STEPS`` steps; storages on
-    the meta device (DeepSpeed's shape bookkeeping) and the module buffers left out."""
+    the meta device (DeepSpeed's shape bookkeeping) and the module buffers left out. ``marked``: a ``("step",)``
+    event before each step, and each allocation's stream as a GPU run would make it (``_StreamMarks``)."""
     import torch
     from transformers import masking_utils
 
@@ -91,6 +92,7 @@ def _real_zero_events(config: dict, spec: RunSpec, rank: int) -> list[tuple]:
         return model
 
     ds_method.build_on_device = built_then_marked
+    streams = _StreamMarks(lambda label: rec.mark(label)) if marked else None
     world = spec.parallel.world_size
     device = torch.device("cpu")
     dist_ctx = distributed.init(method=spec.parallel.method, rank=rank, world_size=world, local_rank=0,
@@ -100,8 +102,8 @@ def _real_zero_events(config: dict, spec: RunSpec, rank: int) -> list[tuple]:
         with rec:
             trainer = ds_method.wrap(WrapContext(spec=spec, options=HarnessOptions(), dist=dist_ctx, config=config))
             buffers = {rec.sid(b.untyped_storage()) for b in trainer.engine.module.buffers()}
-            rec.mark("steps")
             for _ in range(STEPS):
+                rec.mark("step")
                 for _micro in range(spec.training.grad_accum_steps):
                     batch = build.synthetic_batch(B, S, config["vocab_size"])
                     loss = trainer.forward(batch)
@@ -110,6 +112,8 @@ def _real_zero_events(config: dict, spec: RunSpec, rank: int) -> list[tuple]:
                 trainer.step()
             trainer.close()
     finally:
+        if streams is not None:
+            streams.restore()
         masking_utils._ignore_causal_mask_sdpa = orig
         ds_method.build_on_device = build_on_device
         distributed.teardown()
@@ -120,11 +124,52 @@ def _real_zero_events(config: dict, spec: RunSpec, rank: int) -> list[tuple]:
     # setup's business (tests/estimator/test_reserved.py), not DeepSpeed's.
     built = rec.timeline.events.index(("m", "built"))
     small |= {event[1] for event in rec.timeline.events[:built] if event[0] == "f"}
+    stream = 0
     for event in rec.timeline.events:
+        if event[0] == "m" and event[1] == "step" and marked:
+            out.append(("step",))
+        if event[0] == "m" and event[1].startswith("stream:"):
+            stream = int(event[1].split(":")[1])
         if event[0] == "m" or event[1] in small:
             continue
-        out.append((True, event[1], event[2]) if event[0] == "a" else (False, event[1], sizes[event[1]]))
+        if event[0] == "a":
+            out.append((True, event[1], event[2], stream) if marked else (True, event[1], event[2]))
+        else:
+            out.append((False, event[1], sizes[event[1]]))
     return out
+
+
+class _StreamMarks:
+    """DeepSpeed's ``with get_accelerator().stream(s)`` blocks marked in the recording, by call site (the CPU
+    accelerator has no streams: every ``s`` is None): stage 3's reduce-and-partition stream (1, as
+    ``estimator.reserved.zero.REDUCTION``) and the parameter coordinator's allgather stream (2, as
+    ``estimator.reserved.zero3.ALLGATHER``); ``stream:0`` when the block ends."""
+
+    FILES = {"stage3.py": 1, "partitioned_param_coordinator.py": 2}
+
+    def __init__(self, mark) -> None:
+        import contextlib
+        import sys
+
+        from deepspeed.accelerator import get_accelerator
+
+        self.cls = type(get_accelerator())
+        self.original = self.cls.stream
+        files = self.FILES
+
+        @contextlib.contextmanager
+        def stream(_self, _stream):
+            caller = sys._getframe(2).f_code.co_filename.rsplit("/", 1)[-1]
+            mark(f"stream:{files.get(caller, 0)}")
+            try:
+                yield
+            finally:
+                mark("stream:0")
+
+        self.cls.stream = stream
+
+    def restore(self) -> None:
+        self.cls.stream = self.original
 
 
 def _requests(stream: list[tuple], generated: bool) -> list[tuple]:
