@@ -230,6 +230,12 @@ def test_cli_deepspeed_pipeline_and_its_refusals():
                            text=True, timeout=120, cwd=REPO)
     assert mixed.returncode == 0, mixed.stderr
     assert "DeepSpeed's bf16 mode (BF16_Optimizer" in mixed.stdout
+    replicated = [*base[:base.index("--method")], "--method", "ddp", "--gpus", "8", "--pp", "4", "--pp-engine",
+                  "deepspeed", "--pp-microbatches", "2", "--precision", "mixed_bf16"]
+    dp = subprocess.run(replicated, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert dp.returncode == 0, dp.stderr
+    assert "split over the 2 data-parallel ranks of each stage" in dp.stdout
+    assert [line.split()[0] for line in dp.stdout.splitlines() if line[:1].isdigit()] == ["0", "4", "6"]
     for extra, message in ((["--grad-ckpt"], "pp_engine: DeepSpeed's activation checkpointing"),
                            (["--precision", "amp_bf16"], "pp_engine: DeepSpeed's pipeline engine is not modelled "
                                                          "in precision amp_bf16 yet"),
