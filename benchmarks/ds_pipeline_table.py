@@ -33,7 +33,7 @@ CONFIG = HERE / "configs" / "llama_pp_tiny.json"
 
 
 def _rank(rank: int, world: int, pp: int, microbatches: int, config: dict, precision: str, b: int, s: int,
-          port: int, out: str, trace: bool, ckpt_interval: int = 0) -> None:
+          port: int, out: str, trace: bool, ckpt_interval: int = 0, zero_stage: int = 0) -> None:
     sys.path.insert(0, str(REPO))
     import gc
 
@@ -63,7 +63,7 @@ def _rank(rank: int, world: int, pp: int, microbatches: int, config: dict, preci
         vocab = int(config["vocab_size"])
         torch.manual_seed(0)
         engine, module = dsp.build_engine(hf, pp, precision, b, microbatches, dp=world // pp,
-                                          ckpt_interval=ckpt_interval)
+                                          ckpt_interval=ckpt_interval, zero_stage=zero_stage)
         optimizer = engine.optimizer
         gc.collect()
         generator = torch.Generator().manual_seed(1)  # the same batches on every rank of the pipeline
@@ -139,31 +139,39 @@ def _trace(engine, mode, events: list) -> None:
 
 
 def measured(config: dict, pp: int, microbatches: int, precision: str, b: int, s: int,
-             trace: bool = False, ckpt_interval: int = 0) -> list[dict]:
-    """Each rank's peak live bytes (and, with ``trace``, its per-instruction events)."""
+             trace: bool = False, ckpt_interval: int = 0, dp: int = 1, zero_stage: int = 0) -> list[dict]:
+    """Each rank's peak live bytes (and, with ``trace``, its per-instruction events), over world = pp x dp ranks
+    (DeepSpeed's ``PipeDataParallelTopology``: global rank = stage x dp + data-parallel rank)."""
     import torch.multiprocessing as mp
 
     from benchmarks.gloo_ranks import free_port
 
-    world = pp
+    world = pp * dp
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_rank, args=(world, pp, microbatches, config, precision, b, s, free_port(), out, trace,
-                                                 ckpt_interval),
+                                                 ckpt_interval, zero_stage),
                            nprocs=world, start_method="spawn")
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def estimated(path: Path, pp: int, microbatches: int, precision: str, b: int, s: int) -> dict[int, int]:
-    """The estimate's traced allocated bytes per reported rank."""
+def estimated(path: Path, pp: int, microbatches: int, precision: str, b: int, s: int, dp: int = 1,
+              zero_stage: int = 0) -> dict[int, int]:
+    """The estimate's traced allocated bytes per pipeline stage (its reported ranks are the stages)."""
     from estimator.api import estimate
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
     spec = RunSpec(model=str(path), gpu="h100-80gb",
-                   parallel=ParallelSpec(method="single", world_size=pp, pp=pp, pp_engine="deepspeed",
+                   parallel=ParallelSpec(method=_method(dp, zero_stage), world_size=pp * dp, pp=pp,
+                                         pp_engine="deepspeed",
                                          pp_microbatches=microbatches),
                    training=TrainingSpec(precision=precision, attn="sdpa", micro_batch_size=b, seq_len=s))
     est = estimate(spec, replay_reserved=False)
     return {r.rank: r.traced_allocated_bytes for r in est.ranks}
+
+
+def _method(dp: int, zero_stage: int) -> str:
+    """The estimator's method of a DeepSpeed pipeline over ``dp`` data-parallel ranks per stage."""
+    return "zero1" if zero_stage else ("ddp" if dp > 1 else "single")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", nargs="*", type=int, default=[4, 8])
     parser.add_argument("--points", nargs="*", default=["1x64", "2x32"])
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32", "mixed_bf16", "mixed_fp16"))
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks per stage (world = pp x dp)")
+    parser.add_argument("--zero-stage", type=int, default=0, choices=(0, 1))
     parser.add_argument("--csv", type=Path, default=None)
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--ckpt-interval", type=int, default=0,
@@ -189,14 +199,20 @@ def main(argv: list[str] | None = None) -> int:
         for m in args.microbatches:
             for point in args.points:
                 b, s = (int(x) for x in point.split("x"))
-                ranks = measured(config, pp, m, args.precision, b, s, args.trace, args.ckpt_interval)
-                predicted = ({r: None for r in range(pp)} if args.measure_only or args.ckpt_interval
-                             else estimated(args.config, pp, m, args.precision, b, s))
+                ranks = measured(config, pp, m, args.precision, b, s, args.trace, args.ckpt_interval, args.dp,
+                                 args.zero_stage)
+                # keyed by global rank: the first data-parallel rank of each reported stage
+                predicted = ({stage * args.dp: None for stage in range(pp)}
+                             if args.measure_only or args.ckpt_interval
+                             else estimated(args.config, pp, m, args.precision, b, s, args.dp, args.zero_stage))
                 for rank, est in sorted(predicted.items()):
+                    if args.dp > 1:
+                        print(f"    stage {rank // args.dp} data-parallel ranks' peaks "
+                              f"{[ranks[rank + d]['peak_bytes'] for d in range(args.dp)]}")
                     got = ranks[rank]["peak_bytes"]
                     err = None if est is None else round(100 * (est - got) / got, 4)
                     rows.append({"config": args.config.name, "precision": args.precision, "engine": "deepspeed",
-                                 "pp": pp, "microbatches": m, "micro_batch_size": b, "seq_len": s, "rank": rank,
+                                 "pp": pp, "dp": args.dp, "zero_stage": args.zero_stage, "microbatches": m, "micro_batch_size": b, "seq_len": s, "rank": rank,
                                  "measured_bytes": got, "estimate_bytes": est, "error_pct": err})
                     print(f"pp{pp} M{m:<3}b{b} s{s:<5}rank {rank} parts {ranks[rank]['parts']}: measured {got:>11} "
                           f"estimate {est} {err} %", flush=True)
@@ -218,10 +234,11 @@ def rescore(path: Path) -> int:
     cache: dict[tuple, dict[int, int]] = {}
     for row in rows:
         key = (row["config"], int(row["pp"]), int(row["microbatches"]), row["precision"],
-               int(row["micro_batch_size"]), int(row["seq_len"]))
+               int(row["micro_batch_size"]), int(row["seq_len"]), int(row.get("dp") or 1),
+               int(row.get("zero_stage") or 0))
         if key not in cache:
-            config, pp, m, precision, b, s = key
-            cache[key] = estimated(HERE / "configs" / config, pp, m, precision, b, s)
+            config, pp, m, precision, b, s, dp, zero_stage = key
+            cache[key] = estimated(HERE / "configs" / config, pp, m, precision, b, s, dp, zero_stage)
         est, got = cache[key][int(row["rank"])], int(row["measured_bytes"])
         row["estimate_bytes"], row["error_pct"] = est, round(100 * (est - got) / got, 4)
     write_rows(path, rows)

@@ -821,8 +821,8 @@ def _pipeline_result(spec: RunSpec, ranks: list[RankEstimate], arch: ModelArch, 
 
 
 def _ds_pipeline_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, gpu) -> Estimate:
-    """DeepSpeed's pipeline engine (``methods.ds_pipeline``): the first, middle and last stage (one rank each). The
-    reserved level is the prior."""
+    """DeepSpeed's pipeline engine (``methods.ds_pipeline``): the first, middle and last stage (the first of each
+    stage's data-parallel ranks). The reserved level is the prior."""
     from estimator.methods import ds_pipeline as dsp
 
     training = spec.training
@@ -840,7 +840,9 @@ def _ds_pipeline_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: 
         parts = {**pr.parts, "cublas_workspace": workspace, "buffers": buffers}
         allocated = int(round(pr.peak_bytes + workspace + buffers))
         reserved = residuals.reserved_from_allocated(allocated, coeffs)
-        ranks.append(RankEstimate(rank=stage, peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
+        # DeepSpeed's PipeDataParallelTopology: global rank = stage x dp + data-parallel rank (the stage's dp ranks
+        # hold the same bytes under ZeRO stage 0: each all-reduces its full gradients)
+        ranks.append(RankEstimate(rank=stage * spec.parallel.dp, peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
                                   peak_device_bytes=residuals.device_from_reserved(reserved, coeffs, 1),
                                   breakdown={k: int(round(v)) for k, v in parts.items() if v},
                                   phase=f"{pr.phase} ({pr.in_flight} micro-batches in flight)"))

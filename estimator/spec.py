@@ -375,7 +375,8 @@ class ParallelSpec:
     pp_virtual: int = 0
     # Which engine runs the pipeline: ``torch`` (torch.distributed.pipelining, above) or ``deepspeed`` (DeepSpeed's
     # PipelineModule + PipelineEngine: its parameter-balanced layer split, TrainSchedule, its buffers; method single,
-    # ZeRO stage 0, pp_schedule 1f1b, the micro-batches its gradient accumulation steps).
+    # or ddp over world_size / pp data-parallel ranks per stage, ZeRO stage 0, pp_schedule 1f1b, the micro-batches
+    # its gradient accumulation steps).
     pp_engine: str = "torch"
 
     def __post_init__(self) -> None:
@@ -457,10 +458,13 @@ class ParallelSpec:
 
     def _check_deepspeed_pipeline(self) -> None:
         """What DeepSpeed's pipeline engine is modelled with (one line per refusal)."""
-        if self.method != "single":
-            _fail("pp_engine", f"DeepSpeed's pipeline engine is modelled with one rank per stage (method single, "
-                               f"world size = pp, ZeRO stage 0), got method {self.method!r} (DeepSpeed refuses "
-                               "ZeRO-2/3 under pipelines; ZeRO-1 and data parallelism are not modelled yet)")
+        if self.method not in ("single", "ddp"):
+            _fail("pp_engine", f"DeepSpeed's pipeline engine is modelled with ZeRO stage 0: one rank per stage "
+                               f"(method single, world size = pp) or data parallel over each stage's ranks (method "
+                               f"ddp, world size = pp x dp), got method {self.method!r} (DeepSpeed refuses ZeRO-2/3 "
+                               "under pipelines; ZeRO-1 is not modelled yet)")
+        if self.world_size % self.pp:
+            _fail("pp", f"world size {self.world_size} is not divisible by pp {self.pp}")
         if self.pp_schedule != "1f1b" or self.pp_virtual:
             _fail("pp_engine", "DeepSpeed's pipeline engine runs its own TrainSchedule (1F1B, no virtual stages): "
                                "leave pp_schedule at 1f1b and pp_virtual at 0")

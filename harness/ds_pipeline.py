@@ -99,10 +99,11 @@ def ds_pipe_config(micro_batch_size: int, microbatches: int, dp: int, zero_stage
 
 
 def build_engine(hf_config, pp: int, precision: str, micro_batch_size: int, microbatches: int, dp: int = 1,
-                 optimizer_fn=None, ckpt_interval: int = 0):
+                 optimizer_fn=None, ckpt_interval: int = 0, zero_stage: int = 0):
     """(engine, module): the decoder as a ``PipelineModule`` of ``pp`` stages (``partition_method="parameters"``),
     its layers built in the model's dtype (bf16 or fp32), and ``deepspeed.initialize`` with the client optimizer
-    (``optimizer_fn(params)``; default torch's foreach AdamW) under ZeRO stage 0. ``deepspeed.init_distributed``
+    (``optimizer_fn(params)``; default torch's foreach AdamW) under ``zero_stage`` (0 or 1: DeepSpeed's pipelines
+    refuse 2 and 3) over the ``dp`` data-parallel ranks of each stage. ``deepspeed.init_distributed``
     must have run. ``hf_config``: a transformers config; the loss is transformers' ``ForCausalLMLoss``."""
     import deepspeed
     from deepspeed.pipe import PipelineModule
@@ -127,6 +128,6 @@ def build_engine(hf_config, pp: int, precision: str, micro_batch_size: int, micr
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = optimizer_fn(params) if optimizer_fn else torch.optim.AdamW(params, lr=1e-5, foreach=True)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
-                                           config=ds_pipe_config(micro_batch_size, microbatches, dp, 0,
+                                           config=ds_pipe_config(micro_batch_size, microbatches, dp, zero_stage,
                                                                          ckpt_interval, precision))
     return engine, module

@@ -23,6 +23,10 @@
   fp16/bf16 modes are on): a 16-bit model holds, per bucket, its flat copy and an fp32 copy beside every gradient.
 - The optimizer: with ZeRO stage 0 and no fp16/bf16 section DeepSpeed steps the client optimizer itself (no
   wrapper): the ``single`` state model of the stage's parameters. ``zero_grad`` sets the gradients to None.
+- Data parallelism (method ddp, world = pp x dp; ``PipeDataParallelTopology``: global rank = stage x dp + dp rank):
+  at ZeRO stage 0 every rank of a stage holds what a lone stage holds (``buffered_allreduce_fallback`` runs the same
+  buckets with one rank or several), except in bf16 mode, whose ``BF16_Optimizer`` cuts the flat group into dp
+  partitions and keeps fp32 masters and optimizer states of its own partition only.
 
 Checked against real CPU runs of the engine on gloo ranks with every storage counted
 (``benchmarks/ds_pipeline_table.py``). Pure standard library: the predict path imports no torch.
@@ -186,7 +190,7 @@ def allreduce_bucket_bytes(params: list[ParamInfo], comm_elem_bytes: int = FP32)
     return best
 
 
-BF16_ALIGNMENT_ELEMS = 2  # BF16_Optimizer.nccl_start_alignment_factor (x the data-parallel ranks, 1 here)
+BF16_ALIGNMENT_ELEMS = 2  # BF16_Optimizer.nccl_start_alignment_factor (x the stage's data-parallel ranks)
 
 
 def _padded_numel(params: list[ParamInfo], alignment: int) -> int:
@@ -197,24 +201,27 @@ def _padded_numel(params: list[ParamInfo], alignment: int) -> int:
 
 def _bf16_optimizer_model(spec: RunSpec, params: list[ParamInfo]) -> methods.StepModel:
     """DeepSpeed's bf16 mode (``bf16.enabled``, ZeRO stage 0: ``BF16_Optimizer``, ``runtime/bf16_optimizer.py``).
-    The weights are flattened into one 16-bit group (views into it); an fp32 master copy of the group is what the
-    client optimizer steps (its states in fp32); gradients are accumulated into a flat buffer in the gradient
-    accumulation dtype, bf16 under a pipeline (``_do_optimizer_sanity_check``), held across steps. The module's own
-    ``.grad`` tensors accumulate over the micro-batches as without the wrapper (``clear_lp_grads`` zeroes them in
-    place) and are let go after the step (``zero_grad``). The step casts the flat buffer to an fp32 gradient of the
-    masters, beside the optimizer's temporaries."""
-    training = spec.training
-    numel = _padded_numel(params, BF16_ALIGNMENT_ELEMS)
+    The weights are flattened into one 16-bit group (views into it), padded to 2 x dp elements and cut into dp
+    equal partitions: the fp32 master copy of this rank's partition is what the client optimizer steps (its states
+    in fp32), so masters and states are split over the stage's data-parallel ranks even at ZeRO stage 0; gradients
+    are accumulated into a flat buffer of the whole group in the gradient accumulation dtype, bf16 under a pipeline
+    (``_do_optimizer_sanity_check``), held across steps. The module's own ``.grad`` tensors accumulate over the
+    micro-batches as without the wrapper (``clear_lp_grads`` zeroes them in place) and are let go after the step
+    (``zero_grad``). The step casts the buffer's partition to an fp32 gradient of the masters, beside the
+    optimizer's temporaries; the updated partitions are all-gathered into the flat weights in place."""
+    training, dp = spec.training, spec.parallel.dp
+    numel = _padded_numel(params, BF16_ALIGNMENT_ELEMS * dp)
+    part = numel // dp
     pad_bytes = (numel - sum(p.numel for p in params if p.trainable)) * 2
-    flat = [ParamInfo(name="fp32_groups_flat_partition", shape=(numel,), numel=numel, elem_bytes=FP32,
+    flat = [ParamInfo(name="fp32_groups_flat_partition", shape=(part,), numel=part, elem_bytes=FP32,
                       trainable=True, module_kind="other", layer=None)]
     resident = {"weights": methods.weights_bytes(params) + pad_bytes,
-                "master_weights": float(FP32 * numel),
+                "master_weights": float(FP32 * part),
                 "optimizer_states": methods.optimizer_state_bytes(flat, training.optimizer, True),
                 "gradients": float(2 * numel)}   # the flat accumulation buffer (fp32_groups_gradients_flat)
     lp_grads = methods.grad_bytes(params)
     return methods.StepModel(resident=resident, grad_policy=methods._full, segment_extra=None,
-                             step_grads=lp_grads + FP32 * numel,
+                             step_grads=lp_grads + FP32 * part,
                              step_temp=methods.step_temp_bytes(flat, training.optimizer, True),
                              accumulated_grad_bytes=lp_grads, largest_grad_bytes=0.0)
 
@@ -472,6 +479,15 @@ def _optimizer_words(spec: RunSpec) -> str:
     return "the client optimizer"
 
 
+def _dp_words(spec: RunSpec) -> str:
+    dp = spec.parallel.dp
+    if dp == 1:
+        return ""
+    split = (f", its fp32 masters and optimizer states split over the {dp} data-parallel ranks of each stage"
+             if spec.training.precision == "mixed_bf16" else "")
+    return f", each stage replicated over {dp} data-parallel ranks (its gradients all-reduced at ReduceGrads){split}"
+
+
 def ds_pipeline_notes(spec: RunSpec, bounds: list[int], num_layers: int) -> list[str]:
     par = spec.parallel
     split = []
@@ -482,6 +498,7 @@ def ds_pipeline_notes(spec: RunSpec, bounds: list[int], num_layers: int) -> list
         split.append(" + ".join(what))
     return [f"pp: DeepSpeed's pipeline engine, {par.pp} stages split by parameter count (partition_method "
             f"'parameters'): {'; '.join(split)}; TrainSchedule (1F1B), {par.microbatches} micro-batches of "
-            f"{spec.training.micro_batch_size} rows per train_batch, ZeRO stage 0 with {_optimizer_words(spec)}; its "
+            f"{spec.training.micro_batch_size} rows per train_batch, ZeRO stage 0 with {_optimizer_words(spec)}"
+            f"{_dp_words(spec)}; its "
             "shared receive buffer, input clones, the last stage's buffered logits (kept across steps) and the "
             "flattened gradient buckets of ReduceGrads counted"]

@@ -34,8 +34,8 @@ METHOD_ORDER = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp1", "tp
                 "zero3_offload", "zero_infinity")
 METHOD_RANK = {m: i for i, m in enumerate(METHOD_ORDER)}   # simpler first, for ties
 OFFLOAD_METHODS = ("zero_offload", "zero3_offload", "zero_infinity")
-# Layouts a methods filter names that are weighed only when named: DeepSpeed's pipeline engine (one rank per stage,
-# ZeRO stage 0; its candidates are method single with pp_engine deepspeed)
+# Layouts a methods filter names that are weighed only when named: DeepSpeed's pipeline engine (ZeRO stage 0; its
+# candidates are method single, one rank per stage, or ddp over each stage's data-parallel ranks, pp_engine deepspeed)
 DS_PIPELINE = "ds_pipeline"
 FILTER_ONLY = (DS_PIPELINE,)
 # What each layout is, in the terms of the framework that runs it (printed with the recommendation).
@@ -116,7 +116,7 @@ class Candidate:
     @property
     def label(self) -> str:
         if self.pp_engine == "deepspeed":
-            return f"pp{self.pp} deepspeed"
+            return f"pp{self.pp} deepspeed" if self.dp == 1 else f"pp{self.pp} x dp{self.dp} deepspeed"
         if self.pp > 1 and self.method == "dp_tp":
             return f"pp{self.pp} x dp{self.dp} x tp{self.tp}"
         if self.method == "dp_tp" and self.cp > 1:
@@ -204,24 +204,28 @@ def _pipeline_candidates(model: str, arch: Any, training: TrainingSpec, gpus: in
 
 def ds_pipeline_candidates(model: str, arch: Any, training: TrainingSpec, gpus: int,
                             ckpt_options: tuple[bool, ...]) -> tuple[list[Candidate], str]:
-    """DeepSpeed's pipeline engine on ``gpus`` GPUs, one stage each (the estimate covers ZeRO stage 0 with one rank
-    per stage: pp = the GPUs, at most the decoder layers), where the DeepSpeed pipeline estimate covers
-    ``training`` (``check_ds_pipeline``: no checkpointing, LoRA, ...); else a note naming the refusal."""
+    """DeepSpeed's pipeline engine on ``gpus`` GPUs at ZeRO stage 0: every pp of 2 .. the decoder layers that divides
+    them, the gpus / pp data-parallel ranks of each stage replicas of it (method ddp; single at one rank per
+    stage), where the DeepSpeed pipeline estimate covers ``training`` (``check_ds_pipeline``: no checkpointing,
+    LoRA, ...); else a note naming the refusal."""
     from estimator.methods.ds_pipeline import check_ds_pipeline, torch_pipeline_twin
     from estimator.methods.pipeline_rank import check_pipeline
 
-    if not 2 <= gpus <= arch.num_layers:
-        return [], f"{DS_PIPELINE} not weighed: one stage per GPU needs 2 .. {arch.num_layers} GPUs, not {gpus}"
+    stage_counts = [pp for pp in range(2, min(gpus, arch.num_layers) + 1) if gpus % pp == 0]
+    if not stage_counts:
+        return [], (f"{DS_PIPELINE} not weighed: a pipeline of 2 .. {arch.num_layers} stages needs a number of GPUs "
+                    f"they divide, not {gpus}")
     refusals = []
     for ckpt in ckpt_options:
-        cand = Candidate("single", gpus, grad_ckpt=ckpt, pp=gpus, pp_engine="deepspeed")
+        cands = [Candidate("single" if pp == gpus else "ddp", gpus, grad_ckpt=ckpt, pp=pp, pp_engine="deepspeed")
+                 for pp in stage_counts]
         spec = RunSpec(model=model, training=dataclasses.replace(training, grad_ckpt=ckpt or training.grad_ckpt),
-                       parallel=cand.parallel_spec())
+                       parallel=cands[0].parallel_spec())
         try:
             check_ds_pipeline(spec)
             check_pipeline(torch_pipeline_twin(spec), getattr(arch, "model_type", ""),
                            bool(getattr(arch, "tie_word_embeddings", False)))
-            return [cand], ""
+            return cands, ""
         except ValueError as err:
             refusals.append(str(err))
     return [], f"{DS_PIPELINE} not weighed: {refusals[0]}"

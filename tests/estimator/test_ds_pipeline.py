@@ -29,12 +29,16 @@ CONFIG = REPO / "benchmarks" / "configs" / "llama_pp_tiny.json"
 TABLE = REPO / "docs" / "error_matrix" / "pipeline_deepspeed.csv"
 BF16_MODE_TABLE = REPO / "docs" / "error_matrix" / "pipeline_deepspeed_bf16_mode.csv"  # DeepSpeed's bf16 mode
 FP16_MODE_TABLE = REPO / "docs" / "error_matrix" / "pipeline_deepspeed_fp16_mode.csv"  # its fp16 mode
+DP_TABLE = REPO / "docs" / "error_matrix" / "pipeline_deepspeed_dp.csv"  # 2 data-parallel ranks per stage
 TINY_WEIGHTS = [262144] + [147712] * 8 + [262272]  # llama_pp_tiny: embedding, 8 decoder layers, norm + head
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(method="fsdp", world_size=8, pp=4, pp_engine="deepspeed"), "pp_engine: DeepSpeed's pipeline engine is "
-                                                                      "modelled with one rank per stage"),
+                                                                      "modelled with ZeRO stage 0"),
+    (dict(method="zero1", world_size=8, pp=4, pp_engine="deepspeed"), "pp_engine: DeepSpeed's pipeline engine is "
+                                                                       "modelled with ZeRO stage 0"),
+    (dict(method="ddp", world_size=6, pp=4, pp_engine="deepspeed"), "pp: world size 6 is not divisible by pp 4"),
     (dict(method="single", world_size=4, pp=4, pp_engine="deepspeed", pp_schedule="gpipe"),
      "pp_engine: DeepSpeed's pipeline engine runs its own TrainSchedule"),
     (dict(method="single", pp_engine="deepspeed"), "pp: pipeline settings"),
@@ -151,8 +155,8 @@ def _rows() -> list[dict]:
 
 
 def _row_spec(row: dict) -> RunSpec:
-    pp = int(row["pp"])
-    par = ParallelSpec(method="single", world_size=pp, pp=pp, pp_engine="deepspeed",
+    pp, dp = int(row["pp"]), int(row.get("dp") or 1)
+    par = ParallelSpec(method="ddp" if dp > 1 else "single", world_size=pp * dp, pp=pp, pp_engine="deepspeed",
                        pp_microbatches=int(row["microbatches"]))
     return RunSpec(model=str(REPO / "benchmarks" / "configs" / row["config"]), parallel=par,
                    training=TrainingSpec(precision=row["precision"], attn="sdpa",
@@ -177,6 +181,44 @@ def test_the_estimate_reproduces_every_committed_row():
     assert assert_rows_reproduced(FP16_MODE_TABLE, _row_spec) == 20
 
 
+def _tiny_spec(precision: str, dp: int) -> RunSpec:
+    par = ParallelSpec(method="ddp" if dp > 1 else "single", world_size=2 * dp, pp=2, pp_engine="deepspeed",
+                       pp_microbatches=4)
+    return RunSpec(model=str(CONFIG), parallel=par, training=TrainingSpec(precision=precision, attn="sdpa",
+                                                                          micro_batch_size=1, seq_len=64))
+
+
+def test_data_parallel_stages_hold_a_lone_stages_bytes_except_bf16_modes_split_masters():
+    """ZeRO stage 0 over 2 data-parallel ranks per stage: every rank all-reduces its full gradients in the same
+    buckets, so each stage's first rank (global rank stage x dp) holds what the stage holds alone; in DeepSpeed's
+    bf16 mode BF16_Optimizer keeps fp32 masters and Adam states of its half of the flat group only."""
+    from estimator.api import estimate
+
+    def ranks(precision: str, dp: int) -> dict:
+        est = estimate(_tiny_spec(precision, dp), replay_reserved=False, allow_build=False)
+        return {r.rank: r for r in est.ranks}
+
+    alone, replicated = ranks("bf16", 1), ranks("bf16", 2)
+    assert list(alone) == [0, 1] and list(replicated) == [0, 2]
+    assert [r.traced_allocated_bytes for r in alone.values()] == \
+        [r.traced_allocated_bytes for r in replicated.values()]
+    alone, split = ranks("mixed_bf16", 1), ranks("mixed_bf16", 2)
+    for stage in (0, 1):
+        a, s = alone[stage].breakdown, split[2 * stage].breakdown
+        for key in ("master_weights", "optimizer_states"):
+            assert abs(s[key] - a[key] / 2) <= 2 * 4 * 3, (key, a[key], s[key])  # half, padded to 2 x dp elements
+        assert s["weights"] == a["weights"] and split[2 * stage].peak_allocated_bytes < \
+            alone[stage].peak_allocated_bytes
+
+
+def test_the_data_parallel_table_covers_first_middle_and_last_stages():
+    rows = read_rows(DP_TABLE)
+    assert {r["dp"] for r in rows} == {"2"} and {"bf16", "mixed_bf16"} <= {r["precision"] for r in rows}
+    assert {r["rank"] for r in rows if r["pp"] == "4"} == {"0", "4", "6"}  # first, middle, last stage
+    assert max(abs(float(r["error_pct"])) for r in rows) <= 1.0
+    assert assert_rows_reproduced(DP_TABLE, _row_spec) == len(rows)
+
+
 def test_cli_deepspeed_pipeline_and_its_refusals():
     base = [sys.executable, "-m", "estimator", "--model", "meta-llama/Llama-3.1-8B", "--precision", "bf16",
             "--seq-len", "4096", "--method", "single", "--gpus", "4", "--pp", "4", "--pp-engine", "deepspeed"]
@@ -188,6 +230,12 @@ def test_cli_deepspeed_pipeline_and_its_refusals():
                            text=True, timeout=120, cwd=REPO)
     assert mixed.returncode == 0, mixed.stderr
     assert "DeepSpeed's bf16 mode (BF16_Optimizer" in mixed.stdout
+    replicated = [*base[:base.index("--method")], "--method", "ddp", "--gpus", "8", "--pp", "4", "--pp-engine",
+                  "deepspeed", "--pp-microbatches", "2", "--precision", "mixed_bf16"]
+    dp = subprocess.run(replicated, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert dp.returncode == 0, dp.stderr
+    assert "split over the 2 data-parallel ranks of each stage" in dp.stdout
+    assert [line.split()[0] for line in dp.stdout.splitlines() if line[:1].isdigit()] == ["0", "4", "6"]
     for extra, message in ((["--grad-ckpt"], "pp_engine: DeepSpeed's activation checkpointing"),
                            (["--precision", "amp_bf16"], "pp_engine: DeepSpeed's pipeline engine is not modelled "
                                                          "in precision amp_bf16 yet"),
@@ -239,6 +287,24 @@ def test_the_estimate_matches_deepspeeds_engine_on_gloo_ranks(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_estimate_matches_deepspeeds_engine_with_data_parallel_stages(tmp_path):
+    """The oracle with 2 data-parallel ranks per stage (world 4) in DeepSpeed's bf16 mode: both ranks of a stage
+    measure the same, and the first of each is within 1 % of the estimate (masters and states split)."""
+    import os
+
+    out = tmp_path / "ds_pp_dp.csv"
+    result = subprocess.run([sys.executable, "benchmarks/ds_pipeline_table.py", "--pp", "2", "--dp", "2",
+                             "--microbatches", "2", "--points", "1x64", "--precision", "mixed_bf16", "--csv",
+                             str(out)], capture_output=True, text=True, timeout=900, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    with out.open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["rank"] for r in rows] == ["0", "2"]
+    assert all(abs(float(r["error_pct"])) <= 1.0 for r in rows)
+
+
+@pytest.mark.slow
 def test_the_harness_runs_deepspeeds_pipeline_on_cpu(tmp_path):
     """``python -m harness ... parallel.pp_engine=deepspeed backend=cpu``: 2 gloo ranks (torchrun), the allocated
     level counted from live storages in 512-byte blocks, each rank within 1 % of ``--from-run``'s estimate (less the
@@ -269,8 +335,9 @@ def test_the_harness_runs_deepspeeds_pipeline_on_cpu(tmp_path):
 
 
 def test_the_plan_weighs_deepspeed_pipelines_only_when_the_methods_filter_names_them():
-    """``methods=["ds_pipeline"]``: one stage per GPU, without checkpointing (refused), in bf16 and DeepSpeed's bf16
-    mode; the default plan weighs none; a refused setting leaves a one-line note."""
+    """``methods=["ds_pipeline"]``: every stage count dividing the GPUs (the rest data parallel), without
+    checkpointing (refused), in bf16 and DeepSpeed's bf16 mode; the default plan weighs none; a refused setting
+    leaves a one-line note."""
     from estimator.models.arch import cached_arch
     from estimator.planning.plan import ds_pipeline_candidates, plan
 
@@ -278,9 +345,10 @@ def test_the_plan_weighs_deepspeed_pipelines_only_when_the_methods_filter_names_
     for precision in ("bf16", "mixed_bf16"):
         cands, note = ds_pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision=precision, seq_len=64), 4,
                                              (False, True))
-        assert [(c.label, c.pp, c.world_size, c.grad_ckpt) for c in cands] == [("pp4 deepspeed", 4, 4, False)]
+        assert [(c.label, c.method, c.pp, c.world_size, c.grad_ckpt) for c in cands] == [
+            ("pp2 x dp2 deepspeed", "ddp", 2, 4, False), ("pp4 deepspeed", "single", 4, 4, False)]
         assert note == ""
-    assert cands[0].parallel_spec().pp_engine == "deepspeed"
+    assert [c.parallel_spec().pp_engine for c in cands] == ["deepspeed", "deepspeed"]
     cands, note = ds_pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision="bf16", seq_len=64), 4, (True,))
     assert cands == [] and note.startswith("ds_pipeline not weighed: pp_engine: DeepSpeed's activation checkpointing")
     lora, note = ds_pipeline_candidates(str(CONFIG), arch, TrainingSpec(precision="bf16", seq_len=64, lora_rank=8), 4,
