@@ -28,13 +28,18 @@ hidden x 4). ``--rescore CSV ...``: the estimate of every row of committed table
 mesh; ``TP_LAYOUTS``: cp 2 and 4 x tp 2, with and without checkpointing, and dp 2 x cp 2 x tp 2; bf16 and
 mixed_bf16; ``TP_MODELS``), against ``harness.fake.context_parallel.tp_peak_bytes``: ``harness.fake.trace_run``'s
 dp_tp rank (TP on the fake process group, FSDP2 over the dp x cp ranks of each TP position) at seq / cp tokens with
-every SDPA call run by torch's ring attention over the rank's cp group. Exit 1 when a point is off by more than 1 %.
+every SDPA call run by torch's ring attention over the rank's cp group. ``--tp --lora``: LoRA under cp x tp
+(``LORA_VARIANTS``, bf16, ``TP_LAYOUTS`` of ``TP_MODELS``; ``estimator.profiler.tp`` splits a colwise linear's
+``lora_B`` and a rowwise one's ``lora_A`` with it, the other adapter replicated; ``trace_run``'s counter has no
+module hooks, so no ``hook_held_bytes``). Exit 1 when a point is off by more than 1 %.
 
     LLMEM_CACHE_DIR=$(mktemp -d) PYTHONPATH=. .venv/bin/python benchmarks/context_parallel_table.py --tp \
         --csv docs/error_matrix/context_parallel_tp.csv
 
     LLMEM_CACHE_DIR=$(mktemp -d) PYTHONPATH=. .venv/bin/python benchmarks/context_parallel_table.py --lora \
         --csv docs/error_matrix/context_parallel_lora.csv
+    LLMEM_CACHE_DIR=$(mktemp -d) PYTHONPATH=. .venv/bin/python benchmarks/context_parallel_table.py --tp --lora \
+        --csv docs/error_matrix/context_parallel_tp_lora.csv
     LLMEM_CACHE_DIR=$(mktemp -d) PYTHONPATH=. .venv/bin/python benchmarks/context_parallel_table.py \
         --rescore docs/error_matrix/context_parallel*.csv
 """
@@ -174,8 +179,6 @@ def _layouts(args, name: str) -> tuple:
 
 
 def main() -> int:
-    from harness.fake.context_parallel import peak_bytes
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="the first layout's first point only")
     parser.add_argument("--csv")
@@ -189,39 +192,65 @@ def main() -> int:
     args = parser.parse_args()
     if args.rescore:
         return rescore(args.rescore)
-    if args.tp:
-        return _write(tp_rows(args), args.csv)
-    rows: list[dict] = []
-    models = _models()
+    return _write(table_rows(args), args.csv)
+
+
+def _plan(args) -> list[tuple]:
+    """(model, label, fields, precision, world, cp, tp, b, s, grad_ckpt) of every point of the table asked for."""
     names, variants, precision = _runs(args)
-    precision = args.precision or precision
+    if args.tp:
+        names = list(args.models or TP_MODELS)
+        precisions = (args.precision,) if args.precision else (LORA_PRECISION,) if args.lora else TP_PRECISIONS
+    else:
+        precisions = (args.precision or precision,)
+    points = []
+    for name, precision, (label, fields) in ((n, p, v) for n in names for p in precisions for v in variants):
+        layouts = TP_LAYOUTS if args.tp else tuple((w, cp, 1, pts, ck) for w, cp, pts, ck in _layouts(args, name))
+        for world, cp, tp, pts, ckpt in layouts[:1] if args.quick else layouts:
+            for b, s in pts[:1] if args.quick else pts:
+                points.append((name, label, fields, precision, world, cp, tp, b, s, ckpt))
+    return points
+
+
+def _measure(config: dict, precision: str, world: int, cp: int, tp: int, rank: int, b: int, s: int, ckpt: bool,
+             fields: dict) -> tuple[int, int]:
+    """(tracked bytes, bytes MemTracker's hooks hold) of one rank: FSDPMemTracker under cp alone,
+    ``trace_run``'s dp_tp (its own counter, no hooks) under cp x tp."""
+    from harness.fake.context_parallel import peak_bytes, tp_peak_bytes
+
+    if tp > 1:
+        return tp_peak_bytes(config, precision, world, cp, tp, rank, b, s, grad_ckpt=ckpt, **fields), 0
+    tracked = peak_bytes(config, precision, world, cp, rank, b, s, grad_ckpt=ckpt, **fields)
+    return tracked, _hook_held_bytes(config, fields, b, s // cp, ckpt)
+
+
+def table_rows(args) -> list[dict]:
+    """Every point's estimate of each reported rank against the oracle (``_measure``), one row per rank."""
+    models, rows = _models(), []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (label, fields) in ((n, t) for n in names for t in variants):
+        for name, label, fields, precision, world, cp, tp, b, s, ckpt in _plan(args):
             config, model = _model_path(name, models, tmp)
-            layouts = _layouts(args, name)
-            for world, cp, points, ckpt in layouts[:1] if args.quick else layouts:
-                for b, s in points[:1] if args.quick else points:
-                    spec = _spec(model, world, cp, b, s, ckpt, precision, fields)
-                    predicted = {r.rank: r for r in estimate(spec, replay_reserved=False).ranks}
-                    with _without_ring_transients():
-                        bare = {r.rank: r for r in estimate(spec, replay_reserved=False).ranks}
-                    for rank in _ranks(world, cp):
-                        started = time.perf_counter()
-                        tracked = peak_bytes(config, precision, world, cp, rank, b, s, grad_ckpt=ckpt, **fields)
-                        held = _hook_held_bytes(config, fields, b, s // cp, ckpt)
-                        measured = tracked - held
-                        got = predicted[rank].traced_allocated_bytes
-                        row = {"model": name, **({"technique": label} if label else {}), "world": world, "cp": cp,
-                               "rank": rank, "cp_rank": rank % cp, "grad_ckpt": ckpt, "micro_batch_size": b,
-                               "seq_len": s, "predicted_bytes": got,
-                               **({"tracked_bytes": tracked, "hook_held_bytes": held} if args.lora else {}),
-                               "measured_bytes": measured,
-                               "ring_at_peak_bytes": got - bare[rank].traced_allocated_bytes,
-                               "error_pct": round(100 * (got - measured) / measured, 4),
-                               "oracle_s": round(time.perf_counter() - started, 1)}
-                        rows.append(row)
-                        print(" ".join(str(v) for v in row.values()), flush=True)
-    return _write(rows, args.csv)
+            spec = _spec(model, world, cp, b, s, ckpt, precision, fields, tp)
+            predicted = {r.rank: r for r in estimate(spec, replay_reserved=False).ranks}
+            with _without_ring_transients():
+                bare = {r.rank: r for r in estimate(spec, replay_reserved=False).ranks}
+            for rank in _ranks(world, cp, tp):
+                started = time.perf_counter()
+                tracked, held = _measure(config, precision, world, cp, tp, rank, b, s, ckpt, fields)
+                measured = tracked - held
+                got = predicted[rank].traced_allocated_bytes
+                row = {"model": name, **({"precision": precision} if args.tp else {}),
+                       **({"technique": label} if label else {}), "world": world, "cp": cp,
+                       **({"tp": tp} if args.tp else {}), "rank": rank, "cp_rank": rank // tp % cp,
+                       **({"tp_rank": rank % tp} if args.tp else {}), "grad_ckpt": ckpt, "micro_batch_size": b,
+                       "seq_len": s, "predicted_bytes": got,
+                       **({"tracked_bytes": tracked, "hook_held_bytes": held} if args.lora and not args.tp else {}),
+                       "measured_bytes": measured, "ring_at_peak_bytes": got - bare[rank].traced_allocated_bytes,
+                       "error_pct": round(100 * (got - measured) / measured, 4),
+                       "oracle_s": round(time.perf_counter() - started, 1)}
+                rows.append(row)
+                print(" ".join(str(v) for v in row.values()), flush=True)
+    return rows
 
 
 def _write(rows: list[dict], path: str | None) -> int:
@@ -236,50 +265,16 @@ def _write(rows: list[dict], path: str | None) -> int:
     return 0 if errors[-1] <= 1.0 else 1
 
 
-def tp_rows(args) -> list[dict]:
-    """cp x tp rows: each estimate against ``harness.fake.context_parallel.tp_peak_bytes`` (``trace_run``'s
-    dp_tp with SDPA run as ring attention over the rank's cp group)."""
-    from harness.fake.context_parallel import tp_peak_bytes
-
-    models, rows = _models(), []
-    precisions = (args.precision,) if args.precision else TP_PRECISIONS
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, precision in ((n, p) for n in (args.models or TP_MODELS) for p in precisions):
-            config, model = _model_path(name, models, tmp)
-            for world, cp, tp, points, ckpt in TP_LAYOUTS[:1] if args.quick else TP_LAYOUTS:
-                for b, s in points[:1] if args.quick else points:
-                    spec = _spec(model, world, cp, b, s, ckpt, precision, {}, tp)
-                    predicted = {r.rank: r for r in estimate(spec, replay_reserved=False).ranks}
-                    with _without_ring_transients():
-                        bare = {r.rank: r for r in estimate(spec, replay_reserved=False).ranks}
-                    for rank in _ranks(world, cp, tp):
-                        started = time.perf_counter()
-                        measured = tp_peak_bytes(config, precision, world, cp, tp, rank, b, s, grad_ckpt=ckpt)
-                        got = predicted[rank].traced_allocated_bytes
-                        row = {"model": name, "precision": precision, "world": world, "cp": cp, "tp": tp,
-                               "rank": rank, "cp_rank": rank // tp % cp, "tp_rank": rank % tp, "grad_ckpt": ckpt,
-                               "micro_batch_size": b, "seq_len": s, "predicted_bytes": got,
-                               "measured_bytes": measured,
-                               "ring_at_peak_bytes": got - bare[rank].traced_allocated_bytes,
-                               "error_pct": round(100 * (got - measured) / measured, 4),
-                               "oracle_s": round(time.perf_counter() - started, 1)}
-                        rows.append(row)
-                        print(" ".join(str(v) for v in row.values()), flush=True)
-    return rows
-
-
 def _row_fields(row: dict) -> tuple[str, dict]:
-    """(precision, TrainingSpec fields) of a committed row, from its precision column or its technique label."""
-    if row.get("precision"):
-        return row["precision"], {}
+    """(precision, TrainingSpec fields) of a committed row, from its precision column and its technique label."""
     label = row.get("technique", "")
     for table, precision in ((LORA_VARIANTS, LORA_PRECISION), (TECHNIQUES, PRECISION)):
         for name, fields in table:
             if name == label:
-                return precision, fields
+                return row.get("precision") or precision, fields
     if label:
         raise ValueError(f"rescore: unknown technique {label!r}")
-    return PRECISION, {}
+    return row.get("precision") or PRECISION, {}
 
 
 def rescore(paths: list[Path]) -> int:

@@ -110,7 +110,7 @@ CP_ATTN = ("sdpa", "flash")
 
 
 def check_cp(cp: int, method: str, world_size: int, seq_len: int, precision: str, attn: str, *, tp: int = 1,
-             ep: int = 1, qlora: bool = False, padded: bool = False, lora: bool = False) -> None:
+             ep: int = 1, qlora: bool = False, padded: bool = False) -> None:
     """ValueError("cp: ...") for a layout torch's ring attention or this model does not cover."""
     if cp == 1:
         return
@@ -121,9 +121,6 @@ def check_cp(cp: int, method: str, world_size: int, seq_len: int, precision: str
         raise ValueError(f"cp: world size {world_size} is not divisible by cp x tp = {cp * tp}")
     if ep > 1:
         raise ValueError("cp: context parallelism with expert parallelism is not modelled (use ep 1)")
-    if tp > 1 and lora:
-        raise ValueError("cp: LoRA under cp x tp is not checked against an oracle yet (context_parallel_tp.csv is "
-                         "full fine-tuning); use cp with method fsdp for LoRA")
     if seq_len % (2 * cp):
         raise ValueError(f"cp: seq_len {seq_len} must be a multiple of 2 x cp = {2 * cp} (torch's head-tail load "
                          f"balancer; without it the causal ring runs unbalanced, not modelled)")
@@ -510,7 +507,7 @@ class RunSpec:
             try:
                 check_cp(self.parallel.cp, self.parallel.method, self.parallel.world_size, self.training.seq_len,
                          self.training.precision, self.training.attn, tp=self.parallel.tp, ep=self.parallel.ep,
-                         qlora=self.training.qlora, lora=self.training.lora,
+                         qlora=self.training.qlora,
                          padded=self.training.batch == "padded")
             except ValueError as err:
                 _fail("cp", str(err).removeprefix("cp: "))

@@ -275,7 +275,7 @@ def cp_tp_pairs(world_size: int, training: TrainingSpec, tp_degrees: Iterable[in
         for cp in range(2, world_size // tp + 1):
             try:
                 check_cp(cp, "dp_tp", world_size, training.seq_len, training.precision, training.attn, tp=tp,
-                         qlora=training.qlora, padded=training.batch == "padded", lora=training.lora)
+                         qlora=training.qlora, padded=training.batch == "padded")
             except ValueError:
                 continue
             pairs.append((cp, tp))

@@ -172,18 +172,19 @@ def _sdpa_as_ring(world: int, cp: int, tp: int, rank: int) -> Iterator[None]:
 
 
 def tp_peak_bytes(config: dict, precision: str, world: int, cp: int, tp: int, rank: int, b: int, s: int,
-                  grad_ckpt: bool = False) -> int:
+                  grad_ckpt: bool = False, **fields) -> int:
     """cp x tp (torchtitan's (dp_shard, cp, tp) mesh): the steady peak of global ``rank`` as
     ``harness.fake.trace_run`` counts it for method dp_tp (TP inside each tp group, FSDP2 over the world / tp dp x cp
     ranks of each TP position), every rank training on its ``s / cp`` tokens with each SDPA call run by torch's
-    ring attention over its cp group (its ``heads / tp`` local heads)."""
+    ring attention over its cp group (its ``heads / tp`` local heads). ``fields``: more ``TrainingSpec`` fields
+    (peft's LoRA: ``lora_rank``, ``lora_targets``)."""
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
     from harness.fake.trace import trace_run
 
     if s % (2 * cp) or world % (cp * tp):
         raise ValueError(f"cp: seq_len {s} must be a multiple of 2 x cp and world {world} of cp x tp {cp * tp}")
     training = TrainingSpec(micro_batch_size=b, seq_len=s // cp, precision=precision, attn="sdpa",
-                            grad_ckpt=grad_ckpt)
+                            grad_ckpt=grad_ckpt, **fields)
     spec = RunSpec(model="cp-tp", training=training, parallel=ParallelSpec(method="dp_tp", world_size=world, tp=tp))
     run = trace_run(spec, [rank], config=config,
                     rank_context=lambda r: _sdpa_as_ring(world, cp, tp, r))

@@ -615,3 +615,15 @@ def test_reentrant_checkpointing_goes_to_the_checkpointed_layouts_only():
     plain: list = []
     run(estimate_fn=make_fake(calls=plain), lora_rank=16, methods=["fsdp1"])
     assert not any(s.training.ckpt_reentrant for s in plain)
+
+
+
+def test_a_lora_plan_weighs_cp_x_tp_layouts():
+    """LoRA under cp x tp is checked (docs/error_matrix/context_parallel_tp_lora.csv): a LoRA plan weighs the
+    dp_tp layouts with cp a full fine-tuning plan weighs."""
+    def cp_tp_labels(lora_rank: int) -> set[str]:
+        result = run(gpus=8, seq_len=4096, precision="bf16", lora_rank=lora_rank, advise=False,
+                     try_techniques=False)
+        return {r.candidate.label for r in result.results if r.candidate.cp > 1 and r.candidate.tp > 1}
+
+    assert {"dp2 cp2 tp2", "dp1 cp4 tp2"} <= cp_tp_labels(8) == cp_tp_labels(0)
