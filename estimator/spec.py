@@ -252,7 +252,7 @@ class TrainingSpec:
         if self.ce != "standard" and self.outputs_fp32:
             _fail("ce", "a loss outside the model under accelerate's fp32 output wrapper (outputs_fp32) is not "
                         "modelled")
-        if (self.ce != "standard" or self.activation_offload or self.ckpt_policy) and (self.lora or self.qlora):
+        if (self.ce != "standard" or self.activation_offload or self.ckpt_policy) and self.qlora:
             _fail("ce" if self.ce != "standard" else "activation_offload" if self.activation_offload
                   else "ckpt_policy", "the long-context techniques are modelled for full fine-tuning only")
 
