@@ -57,10 +57,10 @@ def with_transient(segments: dict, mark: str, transient_bytes: float) -> dict:
 
 def head_shape(params: dict) -> tuple[int, int]:
     """(vocab, hidden) of the output projection, from the profile's parameter table (the head, or the embedding
-    it is tied to)."""
+    it is tied to; names as the traced model spells them, peft's ``base_model.model.`` prefix included)."""
     rows = params["non_layer"]
     for row in rows:
-        if row["name"].endswith("lm_head.weight") or "lm_head.weight" in row.get("tied", ()):
+        if any(name.endswith("lm_head.weight") for name in (row["name"], *row.get("tied", ()))):
             return int(row["shape"][0]), int(row["shape"][1])
     raise ValueError("ce: the profile names no output projection (lm_head) to fuse with the loss")
 

@@ -301,7 +301,7 @@ def test_lora_counted_cpu_run_matches(tmp_path, label, precision):
 
 # --- CLI and plan -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv", [
-    ["--model", "facebook/opt-125m", "--ckpt-policy", "every-k:2", "--lora-rank", "8"],
+    ["--model", "facebook/opt-125m", "--ckpt-policy", "selective-ops", "--lora-rank", "8"],
     ["--model", "facebook/opt-125m", "--ckpt-policy", "every-k:x"],
     ["--model", "facebook/opt-125m", "--ce", "chunked", "--ce-chunks", "0"],
     ["--model", "facebook/opt-125m", "--ce", "chunked", "--lora-rank", "8", "--qlora"],
