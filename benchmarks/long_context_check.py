@@ -2,14 +2,15 @@
 
     .venv/bin/python benchmarks/long_context_check.py [--quick]
         [--oracles memtracker fsdp2-memtracker fsdp2-every-k fsdp1-every-k counted-cpu] [--techniques LABEL ...]
-        [--csv FILE]
+        [--precisions P ...] [--models M ...] [--lora-rank R [--lora-targets T]] [--csv FILE]
 
 The committed tables: ``--oracles memtracker --csv docs/error_matrix/long_context_memtracker.csv``,
 ``--oracles fsdp2-memtracker --csv docs/error_matrix/long_context_fsdp2.csv``, ``--oracles fsdp2-every-k --csv
 docs/error_matrix/long_context_fsdp2_every_k.csv``, ``--oracles fsdp1-every-k --csv
 docs/error_matrix/long_context_fsdp1_every_k.csv``, ``--oracles counted-cpu --csv
 docs/error_matrix/long_context_counted_cpu.csv`` (``LLMEM_CACHE_DIR`` set to a fresh directory traces the
-variants' profiles first). Exit 1 when a point is off by more than 1 %.
+variants' profiles first). Exit 1 when a point is off by more than 1 %. ``--lora-rank`` runs every point with peft's
+adapters (the LoRA tables: ``long_context_lora_*.csv``, commands in docs/error_matrix/README.md).
 
 Techniques: torchtune's chunked cross-entropy (``--ce chunked --ce-chunks 8``), Liger's fused linear
 cross-entropy (``--ce fused_linear``: a pure-torch re-implementation of its CUDA path's allocations, since Liger
