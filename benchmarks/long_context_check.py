@@ -2,14 +2,15 @@
 
     .venv/bin/python benchmarks/long_context_check.py [--quick]
         [--oracles memtracker fsdp2-memtracker fsdp2-every-k fsdp1-every-k counted-cpu] [--techniques LABEL ...]
-        [--csv FILE]
+        [--precisions P ...] [--models M ...] [--lora-rank R [--lora-targets T]] [--csv FILE]
 
 The committed tables: ``--oracles memtracker --csv docs/error_matrix/long_context_memtracker.csv``,
 ``--oracles fsdp2-memtracker --csv docs/error_matrix/long_context_fsdp2.csv``, ``--oracles fsdp2-every-k --csv
 docs/error_matrix/long_context_fsdp2_every_k.csv``, ``--oracles fsdp1-every-k --csv
 docs/error_matrix/long_context_fsdp1_every_k.csv``, ``--oracles counted-cpu --csv
 docs/error_matrix/long_context_counted_cpu.csv`` (``LLMEM_CACHE_DIR`` set to a fresh directory traces the
-variants' profiles first). Exit 1 when a point is off by more than 1 %.
+variants' profiles first). Exit 1 when a point is off by more than 1 %. ``--lora-rank`` runs every point with peft's
+adapters (the LoRA tables: ``long_context_lora_*.csv``, commands in docs/error_matrix/README.md).
 
 Techniques: torchtune's chunked cross-entropy (``--ce chunked --ce-chunks 8``), Liger's fused linear
 cross-entropy (``--ce fused_linear``: a pure-torch re-implementation of its CUDA path's allocations, since Liger
@@ -83,12 +84,22 @@ def _config(name: str) -> dict:
     return load_model_config(name)
 
 
+# LoRA (``--lora-rank``, ``--lora-targets``): TrainingSpec fields every point adds (empty: full fine-tuning); the
+# oracles apply the same adapters with peft's own ``get_peft_model`` (``harness.fake.memtracker.Variant``).
+LORA: dict = {}
+
+
+def _training(**fields) -> TrainingSpec:
+    return TrainingSpec(**fields, **LORA)
+
+
 def _variant(training: TrainingSpec, kernels: str = "cuda"):
     from harness.fake.memtracker import Variant
 
     return Variant(training.precision, training.attn, training.grad_ckpt, kernels, ce=training.ce,
                    ce_chunks=training.ce_chunks, activation_offload=training.activation_offload,
-                   ckpt_policy=training.ckpt_policy)
+                   ckpt_policy=training.ckpt_policy, lora_rank=training.lora_rank,
+                   lora_targets=training.lora_targets)
 
 
 def _memtracker_peak(config: dict, training: TrainingSpec, world: int = 1, rank: int = 0, fsdp1: bool = False
@@ -119,6 +130,8 @@ def _counted_peak(config: dict, fields: dict) -> int:
 
 def _row(oracle: str, model: str, label: str, training: TrainingSpec, predicted: int, measured: int,
          seconds: float) -> dict:
+    if training.lora:
+        label = f"{label} lora{training.lora_rank}:{training.lora_targets}"
     return {"oracle": oracle, "model": model, "technique": label, "precision": training.precision,
             "micro_batch_size": training.micro_batch_size, "seq_len": training.seq_len,
             "predicted_bytes": predicted, "measured_bytes": measured,
@@ -130,7 +143,7 @@ def every_k_fsdp2_predicted(config_path: str, label: str, precision: str, b: int
     """The estimate of one ``fsdp2-every-k`` (``fsdp1``: ``fsdp1-every-k``) row (``tests/estimator/
     test_long_context.py`` re-estimates the committed tables with it)."""
     fields = dict(TECHNIQUES)[label]
-    training = TrainingSpec(micro_batch_size=b, seq_len=s, precision=precision, **fields)
+    training = _training(micro_batch_size=b, seq_len=s, precision=precision, **fields)
     parallel = ParallelSpec(method="fsdp1", world_size=world, fsdp1=Fsdp1Spec(use_orig_params=False)) if fsdp1 \
         else ParallelSpec(method="fsdp", world_size=world)
     spec = RunSpec(model=config_path, training=training, parallel=parallel)
@@ -152,8 +165,8 @@ def _every_k_fsdp2_rows(techniques, quick: bool, fsdp1: bool = False):
                 for precision in EVERY_K_PRECISIONS:
                     for b, s in EVERY_K_POINTS[:1] if quick else EVERY_K_POINTS:
                         for world in EVERY_K_WORLDS:
-                            training = TrainingSpec(micro_batch_size=b, seq_len=s, precision=precision,
-                                                    **dict(TECHNIQUES)[label])
+                            training = _training(micro_batch_size=b, seq_len=s, precision=precision,
+                                                 **dict(TECHNIQUES)[label])
                             for rank in (0, world - 1):
                                 predicted = every_k_fsdp2_predicted(str(path), label, precision, b, s, world, rank,
                                                                     fsdp1)
@@ -164,14 +177,27 @@ def _every_k_fsdp2_rows(techniques, quick: bool, fsdp1: bool = False):
                                 yield {**row, "technique": f"{label} rank {rank}/{world}"}
 
 
+def _precisions(args, defaults: tuple[str, ...], label: str) -> tuple[str, ...]:
+    """``--precisions``, else the first default (all of them for Liger's fused loss, whose fp32 path differs)."""
+    if args.precisions:
+        return tuple(args.precisions)
+    return defaults if label == "fused_linear" else defaults[:1]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one point per model and oracle")
     parser.add_argument("--oracles", nargs="*",
                         default=["memtracker", "fsdp2-memtracker", "fsdp2-every-k", "fsdp1-every-k", "counted-cpu"])
     parser.add_argument("--techniques", nargs="*", help="labels of TECHNIQUES (default: all)")
+    parser.add_argument("--precisions", nargs="*", help="in place of bf16 (and fp32 for the fused loss)")
+    parser.add_argument("--models", nargs="*", help="of FAKE_RUNS / REAL_MODELS (default: all)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+    parser.add_argument("--lora-targets", default="auto", help="auto | all-linear | comma-separated module names")
     parser.add_argument("--csv")
     args = parser.parse_args()
+    if args.lora_rank:
+        LORA.update(lora_rank=args.lora_rank, lora_targets=args.lora_targets)
     techniques = [t for t in TECHNIQUES if not args.techniques or t[0] in args.techniques]
     rows: list[dict] = []
 
@@ -181,10 +207,12 @@ def main() -> int:
 
     if "memtracker" in args.oracles:
         for model, points, precisions in FAKE_RUNS:
+            if args.models and model not in args.models:
+                continue
             for b, s in points[:1] if args.quick else points:
                 for label, fields in techniques:
-                    for precision in precisions[:1] if label != "fused_linear" else precisions:
-                        training = TrainingSpec(micro_batch_size=b, seq_len=s, precision=precision, **fields)
+                    for precision in _precisions(args, precisions, label):
+                        training = _training(micro_batch_size=b, seq_len=s, precision=precision, **fields)
                         predicted = estimate(RunSpec(model=model, training=training)).traced_allocated_bytes
                         started = time.perf_counter()
                         measured = _memtracker_peak(_config(model), training)
@@ -199,7 +227,7 @@ def main() -> int:
                 for label, fields in techniques:
                     if "every-k" in fields.get("ckpt_policy", ""):
                         continue
-                    training = TrainingSpec(micro_batch_size=4, seq_len=512, precision="mixed_bf16", **fields)
+                    training = _training(micro_batch_size=4, seq_len=512, precision="mixed_bf16", **fields)
                     spec = RunSpec(model=str(path), training=training,
                                    parallel=ParallelSpec(method="fsdp", world_size=FSDP_WORLD))
                     ranks = {r.rank: r for r in estimate(spec).ranks}
@@ -220,18 +248,20 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp, \
                 concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
             for model in REAL_MODELS:
+                if args.models and model not in args.models:
+                    continue
                 config = _config(model)
                 path = Path(tmp) / f"{model}.json"
                 path.write_text(json.dumps(config))
                 for b, s in REAL_POINTS[:1] if args.quick else REAL_POINTS:
                     for label, fields in techniques:
-                        for precision in PRECISIONS[:1] if label != "fused_linear" else PRECISIONS:
-                            training = TrainingSpec(micro_batch_size=b, seq_len=s, precision=precision,
-                                                    attn="eager", **fields)
+                        for precision in _precisions(args, PRECISIONS, label):
+                            training = _training(micro_batch_size=b, seq_len=s, precision=precision,
+                                                 attn="eager", **fields)
                             predicted = estimate(RunSpec(model=str(path), training=training)).traced_allocated_bytes
                             started = time.perf_counter()
                             measured = pool.submit(_counted_peak, config, {
-                                **fields, "micro_batch_size": b, "seq_len": s, "precision": precision,
+                                **fields, **LORA, "micro_batch_size": b, "seq_len": s, "precision": precision,
                                 "attn": "eager"}).result()
                             report(_row("counted-cpu", model, label, training, predicted, measured,
                                         time.perf_counter() - started))

@@ -295,7 +295,8 @@ def technique_segments(segments: dict, profile: dict, training: TrainingSpec) ->
         return segments
     vocab, hidden = head_shape(profile["params"])
     tokens = training.micro_batch_size * training.seq_len
-    return with_transient(segments, LIGER_MARK, liger_transient_bytes(training.precision, tokens, vocab, hidden))
+    return with_transient(segments, LIGER_MARK, liger_transient_bytes(training.precision, tokens, vocab, hidden,
+                                                                      head_trains=not training.lora))
 
 
 def every_k_profile(model: str, training: TrainingSpec, tp: int, every: int, *, allow_build: bool = True,
@@ -326,7 +327,7 @@ def _technique_notes(training: TrainingSpec, profile: dict, num_layers: int) -> 
         vocab, hidden = head_shape(profile["params"])
         tokens = training.micro_batch_size * training.seq_len
         rows = liger_chunk_rows(tokens, vocab, hidden)
-        buffer = liger_transient_bytes(training.precision, tokens, vocab, hidden)
+        buffer = liger_transient_bytes(training.precision, tokens, vocab, hidden, head_trains=not training.lora)
         notes.append(f"ce: fused_linear — Liger's fused linear cross-entropy on its CUDA path (modelled from its "
                      f"source; Triton does not run here): chunks of {rows} tokens, a {buffer / GIB:.2f} GiB "
                      "transient; the hidden states' and the head's gradients made in the forward and held until "

@@ -174,7 +174,7 @@ def _read_unmodelled(reading: Reading, data: dict[str, Any]) -> None:
                              "once; estimated with all gradients held (an over-estimate)")
     loss = _component(data.get("loss") or {})
     section = data.get("loss") or {}
-    lora = "lora_rank" in reading.settings  # the techniques are modelled for full fine-tuning only
+    lora = "lora_rank" in reading.settings  # LoRA with the techniques is checked (spec) but not read from recipes yet
     if loss.endswith(".LinearCrossEntropyLoss") and not lora:
         reading.set("ce", "chunked", "loss._component_")
         chunks = section.get("num_output_chunks", 8) if isinstance(section, dict) else 8

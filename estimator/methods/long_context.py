@@ -29,15 +29,16 @@ def liger_chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
     return min(_next_power_of_2(-(-tokens // inc_factor)), tokens)
 
 
-def liger_transient_bytes(precision: str, tokens: int, vocab: int, hidden: int) -> int:
+def liger_transient_bytes(precision: str, tokens: int, vocab: int, hidden: int, head_trains: bool = True) -> int:
     """What Liger's chunk loop holds above its start: the logits buffer ``(chunk, V)`` in the hidden states' dtype
     (CUDA's ``use_mm_out`` path: allocated once, reused by every chunk; the cross-entropy kernel writes the
     gradient over it in place and the two projections write into ``grad_input`` / ``grad_weight`` with ``out=``),
-    plus, for an fp32 weight, the fallback's ``mm(grad_logits.T, input)`` of the weight's size per chunk (the
-    in-place ``addmm`` paths are for 16-bit accumulators and fp32 accumulators of 16-bit logits)."""
+    plus, for an fp32 weight that trains, the fallback's ``mm(grad_logits.T, input)`` of the weight's size per
+    chunk (the in-place ``addmm`` paths are for 16-bit accumulators and fp32 accumulators of 16-bit logits). A
+    frozen head (LoRA: peft freezes every base weight) has no ``grad_weight``: Liger skips that projection."""
     elem = ACT_BYTES[precision]
     buffer = liger_chunk_rows(tokens, vocab, hidden) * vocab * elem
-    return buffer + (vocab * hidden * 4 if elem == 4 else 0)
+    return buffer + (vocab * hidden * 4 if elem == 4 and head_trains else 0)
 
 
 def with_transient(segments: dict, mark: str, transient_bytes: float) -> dict:
@@ -56,10 +57,10 @@ def with_transient(segments: dict, mark: str, transient_bytes: float) -> dict:
 
 def head_shape(params: dict) -> tuple[int, int]:
     """(vocab, hidden) of the output projection, from the profile's parameter table (the head, or the embedding
-    it is tied to)."""
+    it is tied to; names as the traced model spells them, peft's ``base_model.model.`` prefix included)."""
     rows = params["non_layer"]
     for row in rows:
-        if row["name"].endswith("lm_head.weight") or "lm_head.weight" in row.get("tied", ()):
+        if any(name.endswith("lm_head.weight") for name in (row["name"], *row.get("tied", ()))):
             return int(row["shape"][0]), int(row["shape"][1])
     raise ValueError("ce: the profile names no output projection (lm_head) to fuse with the loss")
 

@@ -256,8 +256,8 @@ def adapts_fused_experts(profile: dict) -> bool:
 
 def check_forward_only_layers(spec, profile: dict) -> None:
     """Forward-only first layers (``frozen_layers``, as the profile traced them) under a layout whose replay does
-    not split the layers there, and adapters on the fused experts where they cannot run: refused in one line. (every-k checkpointing is full fine-tuning only: the spec
-    refuses it with LoRA.)"""
+    not split the layers there, and adapters on the fused experts where they cannot run: refused in one line. (every-k checkpointing with LoRA is checked on dense
+    models only: docs/error_matrix/README.md.)"""
     reason = fused_expert_adapters_refusal(spec, spec.training.lora and adapts_fused_experts(profile)) \
         or forward_only_refusal(spec, profile["params"].get("frozen_layers", 0))
     if reason:

@@ -75,7 +75,7 @@ def _liger_function():
             v = w.shape[0]
             chunk = _liger_rows(bt, v, h)
             grad_input = torch.zeros_like(x)
-            grad_weight = torch.zeros_like(w)
+            grad_weight = torch.zeros_like(w) if w.requires_grad else None  # a frozen head (LoRA): none
             loss_1d = torch.zeros(bt, dtype=torch.float32)
             target_mask = target != IGNORE
             storage = torch.empty((chunk, v), dtype=x.dtype)
@@ -93,14 +93,16 @@ def _liger_function():
                 logits.scatter_add_(1, idx, torch.full_like(idx, -1, dtype=logits.dtype))
                 logits.mul_((ok.unsqueeze(1) / n).to(logits.dtype))
                 torch.mm(logits, w, out=grad_input[lo:hi])
-                if grad_weight.dtype == torch.float32:  # Liger's fallback: a weight-sized mm, then +=
+                if grad_weight is None:
+                    pass
+                elif grad_weight.dtype == torch.float32:  # Liger's fallback: a weight-sized mm, then +=
                     grad_weight += torch.mm(logits.t(), xc).float()
                 else:
                     grad_weight.addmm_(logits.t(), xc)
                 del xc, tc, logits
             del storage, target_mask
             loss = torch.sum(loss_1d)
-            ctx.save_for_backward(grad_input.detach(), grad_weight.detach())
+            ctx.save_for_backward(grad_input.detach(), None if grad_weight is None else grad_weight.detach())
             return loss
 
         @staticmethod
