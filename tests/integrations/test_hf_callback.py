@@ -205,7 +205,7 @@ def test_the_guard_reads_fsdp1_settings_from_the_live_units():
     assert method == "fsdp1"
     assert settings == {"sharding_strategy": "NO_SHARD", "use_orig_params": False, "cpu_offload": False,
                         "backward_prefetch": "BACKWARD_POST", "forward_prefetch": True, "limit_all_gathers": True,
-                        "gpus_per_node": 8}
+                        "gpus_per_node": 8, "lora_wrap": "adapter"}
 
 
 _ACCELERATE_LIVE = r"""
