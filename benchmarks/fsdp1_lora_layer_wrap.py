@@ -23,7 +23,6 @@ next pre-forward: ``Fsdp1Sizes.keeps_grad_shard``, +17.9 % before it was modelle
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from table_csv import write_rows  # noqa: E402
 from zero_cpu_check import compare, run_point  # noqa: E402
 
 LORA = ["training.lora_rank=8", "training.lora_targets='q_proj,v_proj'", "training.lora_dropout=0.05",
@@ -68,10 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"({row['error_pct']:+.2f} %), phases {row['measured_phase']} / {row['estimated_phase']}",
                       flush=True)
     if args.csv and rows:
-        with args.csv.open("w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows(args.csv, rows)
     return 0
 
 
