@@ -168,3 +168,23 @@ def test_ship_lists_the_plain_and_checkpointed_profiles_of_an_every_k_row(tmp_pa
     tokens = [set(_row_profile_key(s, sha).split("_")) for s in specs]
     assert len(specs) == 2 and {"ckpt"} <= tokens[1] and {"nockpt"} <= tokens[0]
     assert all(not s.training.ckpt_policy for s in specs)
+
+
+@pytest.mark.parametrize("training", [
+    TrainingSpec(precision="mixed_bf16", attn="sdpa", grad_ckpt=True, micro_batch_size=16, seq_len=2048),
+    TrainingSpec(precision="mixed_fp16", attn="eager", grad_ckpt=True, micro_batch_size=32, seq_len=512),
+], ids=["mixed_bf16-sdpa", "mixed_fp16-eager"])
+def test_checkpointed_codegen_under_5_17_has_its_own_profile(training):
+    """CodeGen's attention differs by release: 5.17's ``_attn`` has no SDPA path (fp32 scores, the mask sum, then
+    the division), 5.24 runs SDPA or an eager path that scales first. The H200's checkpointed CodeGen rows ran
+    5.17; their estimates must not fall back to the 5.24 profile (reserved -29 % at mb16 s2048 with SDPA's
+    profile, +18 % for LLMem's mb32 point with the 5.24 eager one). Shipped profiles: no torch needed."""
+    from estimator.api import estimate
+
+    spec = RunSpec(model="Salesforce/codegen-350M-nl", gpu="h200-141gb",
+                   training=dataclasses.replace(training, model_code="5.17.0"))
+    est = estimate(spec, allow_build=False)
+    default = estimate(dataclasses.replace(spec, training=training), allow_build=False)
+    assert est.model_code == "5.17" and not any("no profile of transformers" in n for n in est.notes)
+    assert any("has no sdpa path; estimated as eager" in n for n in est.notes) == (training.attn == "sdpa")
+    assert est.peak_reserved_bytes != default.peak_reserved_bytes

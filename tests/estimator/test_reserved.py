@@ -23,6 +23,11 @@ LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_s
 OPT = {"model_type": "opt", "architectures": ["OPTForCausalLM"], "hidden_size": 64, "ffn_dim": 256,
        "num_hidden_layers": 6, "num_attention_heads": 4, "vocab_size": 1000, "max_position_embeddings": 512,
        "word_embed_proj_dim": 64}
+# CodeGen's eager attention multiplies query and key upcast to fp32: (b, heads, s, s) fp32 scores, mask sum, scaled
+# copy and softmax, then a 16-bit copy, all made again in each checkpointed layer's recompute; rotary on a slice
+CODEGEN = {"model_type": "codegen", "architectures": ["CodeGenForCausalLM"], "n_embd": 64, "n_layer": 4, "n_head": 4,
+           "rotary_dim": 8, "n_positions": 512, "n_ctx": 512, "vocab_size": 1000, "activation_function": "gelu_new",
+           "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": False}
 B, S = 2, 64
 
 
@@ -106,8 +111,8 @@ def _in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def _real_cpu_events(training: TrainingSpec, steps: int, accum: int = 1):
-    """A real CPU run (real tensors) of the tiny Llama: the model moved to the device (``to_empty``), the
+def _real_cpu_events(training: TrainingSpec, steps: int, accum: int = 1, config: dict = LLAMA):
+    """A real CPU run (real tensors) of the tiny model (Llama unless ``config``): the model moved to the device (``to_empty``), the
     optimizer, ``steps`` steps with a new batch each; every storage recorded. Left out: the module buffers (the
     profile keeps their bytes, not their tensors), Adam's host-side step counters and the scalar it adds to them
     (CPU tensors on a GPU), and, by the same patch the profiler uses, transformers' data-dependent mask check."""
@@ -118,7 +123,7 @@ def _real_cpu_events(training: TrainingSpec, steps: int, accum: int = 1):
     from estimator.profiler.trace import StorageRecorder
 
     torch.manual_seed(0)
-    model = build.build_model(LLAMA, training, meta=True)
+    model = build.build_model(config, training, meta=True)
     rec = StorageRecorder()
     orig = masking_utils._ignore_causal_mask_sdpa
     masking_utils._ignore_causal_mask_sdpa = lambda padding_mask, *a, **k: orig(None, *a, **k)
@@ -134,7 +139,7 @@ def _real_cpu_events(training: TrainingSpec, steps: int, accum: int = 1):
             batch = None
             for _ in range(steps):
                 for _micro in range(accum):
-                    batch = build.synthetic_batch(B, S, 1000)
+                    batch = build.synthetic_batch(B, S, config["vocab_size"])
                     build.forward_backward(model, batch, training)  # the detached loss is dropped at once
                 rec.mark("step")
                 opt.step()
@@ -179,6 +184,29 @@ def test_generated_stream_equals_a_real_cpu_run(llama_path, variant):
         generated += step_requests(plan, step, len(setup.allocations))
     assert not any(r[1] < len(names) and names[r[1]].startswith("buffers") for r in generated)
     real = _in_fresh_process(_real_cpu_events, spec.training, 3)
+    assert_same_stream(generated, real)
+
+
+@pytest.mark.slow
+def test_checkpointed_fp32_attention_stream_equals_a_real_cpu_run(tmp_path):
+    """CodeGen's eager attention with checkpointing (the H200's transformers 5.17 rows ran this path, 5.24 runs it
+    for attn="eager"): every recomputed layer's fp32 scores, their sum with the mask, the scaled copy, the softmax
+    and its 16-bit copy, allocated while the layer above's gradients are alive, in the real order and freed with
+    the real tensor."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CODEGEN))
+    training = TrainingSpec(precision="mixed_bf16", attn="eager", grad_ckpt=True, micro_batch_size=B, seq_len=S)
+    arch, profile, table, regime = _profile(str(path), training)
+    assert profile["attn_effective"] == "eager"
+    setup = reserved_rank._setup(profile, table, arch.num_layers, "single", True)
+    plan = StepPlan(expand(regime["events"], arch.num_layers), step_sizes(regime["events"]["polys"], B, S),
+                    B * S * INT64, 0, 0)
+    generated = [("alloc", i, n, 0) for i, (name, n) in enumerate(setup.allocations) if not name.startswith("buffers")]
+    for step in range(2):
+        generated += step_requests(plan, step, len(setup.allocations))
+    scores = 4 * B * CODEGEN["n_head"] * S * S
+    assert sum(g[0] == "alloc" and g[2] == scores for g in generated) >= 3 * 2 * CODEGEN["n_layer"]
+    real = _in_fresh_process(_real_cpu_events, training, 2, 1, CODEGEN)
     assert_same_stream(generated, real)
 
 
