@@ -49,10 +49,10 @@ def test_the_real_run_makes_the_estimates_fifth_logits_segment(monkeypatch, batc
     five logits-sized segments (the SliceBackward zero-fill's included), and the reserved peaks agree."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from fms_full_stream import generated
-    from fms_lora_loss_segments import logits_min_bytes, loss_region, recorded_stream
+    from fms_lora_loss_segments import logits_min_bytes, loss_region, modern_slicing, recorded_stream
 
     min_bytes = logits_min_bytes(batch, 4096, 32001)
-    estimate = loss_region(*generated(_row(batch), 32001), min_bytes)
+    estimate = loss_region(*generated(modern_slicing(_row(batch)), 32001), min_bytes)  # the H200 run's torch 2.11
     real = loss_region(*recorded_stream(batch), min_bytes)
     assert len(estimate[0]) == 16
     assert _shape(estimate[0]) == _shape(real[0])
@@ -60,3 +60,37 @@ def test_the_real_run_makes_the_estimates_fifth_logits_segment(monkeypatch, batc
     assert abs(estimate[3] - real[3]) / real[3] * 100 < RESERVED_TOLERANCE_PCT
     fifth = next(line for line in _shape(real[0]) if " #4 " in line)
     assert fifth.startswith(f"A {batch * 4096 * 32001 * 4 / MIB:.3f}MiB")  # the zero-filled b x s x V fp32 gradient
+
+
+def test_the_loss_slice_rewrite_inserts_the_vocabulary_slices_node():
+    """An allocation of c x b x s bytes followed by the free of a c x b x s - c x b storage gets, before it, a new
+    storage of the freed one's size (the vocabulary dimension's zero-fill), freed after it; nothing else moves."""
+    from estimator.reserved.torch_slices import with_full_range_slices
+
+    polys = [[0, 0, 0, 0, 8, 0], [0, 0, 0, -8, 8, 0], [0, 0, 0, 0, 2, 0]]  # over (1, s, s^2, b, b*s, b*s^2)
+    events = {"polys": polys, "size": [1, 1, 0, 2],
+              "segments": {"mid_bw": [0, 1, ~0, 2, ~1, 3, ~2, ~3], "fw": [3, ~3]}}
+    sliced = with_full_range_slices(events)
+    assert sliced["segments"]["mid_bw"] == [0, 1, ~0, 4, ~1, 2, ~4, 3, ~2, ~3]
+    assert sliced["size"] == [1, 1, 0, 2, 1] and sliced["segments"]["fw"] == [3, ~3]
+    assert with_full_range_slices(events) is sliced and events["size"] == [1, 1, 0, 2]
+
+
+@pytest.mark.parametrize("row_id", ["fms_acceleration:9239802cc91a:none:Mistral-7B-v0.1:lora:x1:b8:nvml",
+                                    "fms_acceleration:24bdadb228e2:none:Mistral-7B-v0.1:lora:x1:b4:nvml"])
+def test_torch_24s_slices_make_one_logits_segment_less(monkeypatch, row_id):
+    """The estimator's event rewrite (``full_range_slices``, the rows' torch 2.4.1) replays to the reserved peak of
+    the request-level rewrite of the benchmark, one logits-sized segment (4002 MiB at b8, 2002 at b4) below the
+    estimate with torch 2.11's slicing."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from fms_full_stream import generated, through
+    from fms_lora_loss_segments import HIDDEN, modern_slicing, with_full_range_slices
+
+    with open(ROOT / "data" / "public" / "measurements.csv") as handle:
+        row = next(r for r in csv.DictReader(handle) if r["row_id"] == row_id)
+    assert row["full_range_slices"] == "True" and row["torch_version"] == "2.4.1"
+    batch = int(row["micro_batch_size"])
+    modern = generated(modern_slicing(row), 32001)
+    stated = through(generated(row, 32001)[0], None)[0]
+    assert stated == through(with_full_range_slices(*modern, batch, 4096, 32001, HIDDEN)[0], None)[0]
+    assert through(modern[0], None)[0] - stated == (4002 if batch == 8 else 2002) * MIB
