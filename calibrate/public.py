@@ -248,17 +248,6 @@ DIAGNOSES = [
      "(ckpt_reentrant: the Trainer's reentrant checkpoint around each FSDP1 unit, transformers before 4.52, keeps "
      "every recomputed layer's input and its gradient to the end of backward; the same runs' max_allocated rows "
      "are within 1 %), but the reserved replay does not hold those tensors yet, so these rows take the prior"),
-    (lambda r, s: r["source"] == "fms_acceleration" and r["method"] == "single" and r["lora_rank"] not in ("", "0")
-     and r.get("vocab_size") not in (None, "", "0") and s.err_pct > 0,
-     "mechanism (not found, located): with fms-hf-tuning's 32,001 vocabulary rows step 1's SliceBackward of the "
-     "shifted logits zero-fills a full b x s x V fp32 gradient (2 MiB larger than the shifted copies' segments) while "
-     "the fp32 upcast's segment holds the log-softmax gradient, so the replay makes one more logits-sized segment "
-     "(+1.96 GiB at b4, +3.92 at b8); the H200 full fine-tuning re-run records that order and segment exactly. The "
-     "9239802 / 97fc3c1 LoRA runs cannot have held it (live before the loss + two MLP outputs + those segments "
-     "exceed the published level with no CUDA context; benchmarks/fms_lora_loss_segments.py, docs/allocator.md), "
-     "so their loss region differed from full fine-tuning's in a way not found in the pinned transformers / peft / "
-     "trl / torch code; "
-     "QLoRA rows take the same segment and were +5.4 % already at 32,000 rows"),
     (lambda r, s: _bf16_loss_in_model(r) and s.err_pct > 0 and not _own_release(r, s),
      "version: the source's transformers (4.45, 4.48) GPTBigCode forward takes the cross-entropy of its bf16 "
      "logits (a shifted bf16 copy, bf16 log-softmax, no fp32 upcast); transformers 5, which the estimator traces, "

@@ -196,6 +196,12 @@ class TrainingSpec:
     # 0 = the config's ``vocab_size``. The parameters, their gradients and optimizer states and every logits-sized
     # tensor follow it: the configured model's profile, re-sized (``estimator.profiler.vocab``).
     vocab_size: int = 0
+    # The run's torch records a ``SliceBackward`` for a full-range basic slice (``:``) in Python indexing: torch
+    # 2.4's ``applySlice`` elides a slice only when its stop equals the dimension, and ``:`` passes INT64_MAX
+    # (2.11 and 2.13 elide any stop at or past it; the release between that changed it is not located). The
+    # causal-LM loss's ``logits[..., :-1, :]`` then zero-fills a b x (s-1) x V fp32 gradient in backward before
+    # the b x s x V one (``estimator.reserved.torch_slices``). Traced profiles (torch 2.13) have neither.
+    full_range_slices: bool = False
 
     def __post_init__(self) -> None:
         _check_positive_int("micro_batch_size", self.micro_batch_size)
@@ -244,6 +250,8 @@ class TrainingSpec:
         if self.ckpt_reentrant and (not self.grad_ckpt or self.ckpt_policy):
             _fail("ckpt_reentrant", "reentrant checkpointing is the model's own checkpointing of every layer: it "
                                     "needs --grad-ckpt and no --ckpt-policy")
+        if not isinstance(self.full_range_slices, bool):
+            _fail("full_range_slices", f"must be true or false, got {self.full_range_slices!r}")
         if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 0:
             _fail("vocab_size", f"must be a positive integer (0: the config's vocabulary), got {self.vocab_size!r}")
         if self.ce != "standard" and self.outputs_fp32:
@@ -536,7 +544,8 @@ class RunSpec:
     def _canonical_dict(self) -> dict[str, Any]:
         """to_dict without the settings of a method not used, nor settings added later at their default (FSDP1's
         ``lora_wrap``, ``ep``, ``moe_imbalance``, ``cp``, ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``, ``use_cache``,
-        the long-context techniques, ``ckpt_reentrant``, ``vocab_size``): ids stay as they were."""
+        the long-context techniques, ``ckpt_reentrant``, ``vocab_size``, ``full_range_slices``): ids stay as they
+        were."""
         data = self.to_dict()
         if self.parallel.method != "fsdp1":
             data["parallel"].pop("fsdp1")
@@ -553,7 +562,7 @@ class RunSpec:
             if data["parallel"][name] == default:
                 data["parallel"].pop(name)
         for name in ("outputs_fp32", "lora_dropout", "model_code", "use_cache", "activation_offload", "ckpt_policy",
-                     "ckpt_reentrant", "vocab_size"):
+                     "ckpt_reentrant", "vocab_size", "full_range_slices"):
             if not getattr(self.training, name):
                 data["training"].pop(name)
         if self.training.ce == "standard":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import re
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -20,7 +21,7 @@ SOURCES = HERE / "sources"
 SPEC = ["model", "gpu", "method", "world_size", "tp", "micro_batch_size", "seq_len", "precision", "optimizer",
         "grad_ckpt", "attn", "lora_rank", "lora_targets", "lora_dropout", "qlora", "grad_accum_steps", "loop",
         "batch", "outputs_fp32", "grad_sync", "model_code", "use_cache", "ce", "ce_chunks", "activation_offload",
-        "ckpt_policy", "ckpt_reentrant", "vocab_size", "zero_reduce_bucket_size", "zero_allgather_bucket_size", "zero_overlap_comm",
+        "ckpt_policy", "ckpt_reentrant", "vocab_size", "full_range_slices", "zero_reduce_bucket_size", "zero_allgather_bucket_size", "zero_overlap_comm",
         "zero_contiguous_gradients",
         "zero_reduce_scatter", "zero_stage3_prefetch_bucket_size", "zero_stage3_param_persistence_threshold",
         "zero_stage3_max_live_parameters", "zero_stage3_max_reuse_distance", "zero_sub_group_size",
@@ -70,6 +71,8 @@ def row(**fields) -> dict:
     out.update(fields)
     if not out["model_code"]:  # the model code the run executed is its transformers release's
         out["model_code"] = out["transformers_version"]
+    if out["full_range_slices"] == "":
+        out["full_range_slices"] = records_full_range_slices(out["torch_version"])
     if out["quantity"] not in QUANTITIES or out["scope"] not in SCOPES or out["loop"] not in LOOPS:
         raise ValueError(f"{out['row_id']}: bad quantity/scope/loop {out['quantity']}/{out['scope']}/{out['loop']}")
     if out["padding"] not in PADDINGS:
@@ -79,6 +82,13 @@ def row(**fields) -> dict:
     if not out["complete"] and not out["missing"]:
         raise ValueError(f"{out['row_id']}: an incomplete row must say what is missing")
     return out
+
+
+def records_full_range_slices(torch_version: str) -> bool:
+    """Whether a torch release records a ``SliceBackward`` for a full-range ``:`` (``TrainingSpec.full_range_slices``):
+    2.4 and before (checked on 2.4.1; 2.11 and 2.13 elide it; the releases between are not checked: false)."""
+    parts = re.match(r"(\d+)\.(\d+)", torch_version or "")
+    return bool(parts) and (int(parts[1]), int(parts[2])) <= (2, 4)
 
 
 def manifest(source: str) -> dict[str, dict]:

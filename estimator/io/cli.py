@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows of the embedding (and untied LM head) after the training script resizes it "
                         "(model.resize_token_embeddings(N), e.g. a tokenizer's added <pad> token); default: the "
                         "model config's vocab_size")
+    p.add_argument("--full-range-slices", action="store_true", default=None,
+                   help="the run's torch records a SliceBackward for a full-range ':' (torch 2.4 and before; not "
+                        "2.11 or 2.13): the causal-LM loss's logits[..., :-1, :] then zero-fills one more "
+                        "b x (s-1) x V fp32 gradient in backward, which can change the reserved level by a segment")
     p.add_argument("--batch", choices=BATCHES, help="'full' (default: every row full length, or packed: no "
                    "attention mask) or 'padded' (some rows padded: transformers builds the 4-D mask; with "
                    "--lengths it is set per batch)")
@@ -157,7 +161,8 @@ def _training(args, base: TrainingSpec) -> TrainingSpec:
                         model_code=pick(args.model_code, base.model_code),
                         use_cache=pick(args.use_cache, base.use_cache),
                         ckpt_reentrant=pick(args.ckpt_reentrant, base.ckpt_reentrant),
-                        vocab_size=pick(args.vocab_size, base.vocab_size))
+                        vocab_size=pick(args.vocab_size, base.vocab_size),
+                        full_range_slices=pick(args.full_range_slices, base.full_range_slices))
 
 
 # CPU runs and fake-tensor traces carry gpu "cpu": their allocated level is a GPU's minus the cuBLAS workspace,
@@ -254,6 +259,7 @@ def _loop_label(t) -> str:
     return (f", {t.loop} loop" + (", fp32 outputs" if t.outputs_fp32 else "")
             + (", key/value cache on" if t.use_cache else "") + (f", vocabulary {t.vocab_size:,}" if t.vocab_size else "")
             + (", reentrant checkpointing" if t.ckpt_reentrant else "")
+            + (", full-range slices recorded (torch 2.4)" if t.full_range_slices else "")
             + sync + technique_label(t))
 
 

@@ -17,6 +17,7 @@ from estimator.reserved.fsdp import fsdp_setup, fsdp_step
 from estimator.reserved.fsdp1 import fsdp1_setup, fsdp1_step, why_not_fsdp1
 from estimator.reserved.replay import ReservedReplay, replay_rank, replay_sequence
 from estimator.reserved.timeline import INT64, Setup, StepPlan, setup_allocations
+from estimator.reserved.torch_slices import with_full_range_slices
 from estimator.reserved.zero import offloads_optimizer, why_not_zero, zero_setup, zero_step
 from estimator.reserved.zero3 import (
     master_elem_bytes,
@@ -166,10 +167,15 @@ def event_layers(regime: dict, num_layers: int) -> int:
 
 def _events(spec, regime: dict, num_layers: int) -> dict | None:
     """The regime's event list; every-k's: the plain and the checkpointed profile's merged
-    (``estimator.reserved.every_k``; ExpansionError when they cannot be)."""
+    (``estimator.reserved.every_k``; ExpansionError when they cannot be); with torch 2.4's full-range slices in
+    the loss's backward where the run's torch records them (``estimator.reserved.torch_slices``)."""
     if ckpt_every(spec.training.ckpt_policy) is None or num_layers < 2:
-        return regime.get("events")
-    return mixed_events(spec, regime, num_layers)
+        events = regime.get("events")
+    else:
+        events = mixed_events(spec, regime, num_layers)
+    if events is not None and spec.training.full_range_slices:
+        events = with_full_range_slices(events)
+    return events
 
 
 def _fp32_copies(training, regime: dict) -> bool | None:

@@ -496,3 +496,13 @@ def test_device_rows_are_predicted_at_the_level_the_steps_hold_after_a_retry():
     b8 = estimate(P.spec_from_columns(rows[f"{head}:b8:nvml"]), allow_build=False)
     assert b8.peak_allocated_bytes < b8.held_device_bytes < b8.capacity_bytes
     assert abs(scored[f"{head}:b8:nvml"].err_pct) < P.OUTLIER_PCT
+
+
+def test_full_range_slices_follow_the_rows_torch_release():
+    """torch 2.4 and before record a SliceBackward for a full-range ``:`` (TrainingSpec.full_range_slices)."""
+    common = _common()
+    assert common.records_full_range_slices("2.4.1") and common.records_full_range_slices("2.1.0+cu121")
+    assert not common.records_full_range_slices("2.11.0+cu130") and not common.records_full_range_slices("")
+    with open(PUBLIC / "measurements.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert all(r["full_range_slices"] == str(common.records_full_range_slices(r["torch_version"])) for r in rows)
