@@ -35,8 +35,8 @@ ENV_COLUMNS = ["gpu_name", "compute_capability", "driver_version", "cuda_version
                "transformers_version", "deepspeed_version", "alloc_conf", "git_sha", "git_dirty", "hostname"]
 # Spec fields added after tables were first written; a table without the column means the field's default.
 ADDED_SPEC_FIELDS = ("loop", "batch", "outputs_fp32", "lora_dropout", "grad_sync", "model_code", "use_cache", "ce",
-                     "ce_chunks", "activation_offload", "ckpt_policy", "ckpt_reentrant", "vocab_size", *PP_COLUMNS,
-                     *(f"fsdp1_{f.name}" for f in dataclasses.fields(Fsdp1Spec)))
+                     "ce_chunks", "activation_offload", "ckpt_policy", "ckpt_reentrant", "vocab_size", "lora_dtype",
+                     *PP_COLUMNS, *(f"fsdp1_{f.name}" for f in dataclasses.fields(Fsdp1Spec)))
 COLUMNS = ID_COLUMNS + SPEC_COLUMNS + MEASURE_COLUMNS + RUN_COLUMNS + ENV_COLUMNS
 # Columns spec_from_columns reads (``world_size`` is an identity column; ``dp``/``zero_stage`` are derived).
 SPEC_INPUT_COLUMNS = ["model", "gpu", "method", "world_size", "tp"] + [
