@@ -227,9 +227,14 @@ DIAGNOSES = [
      "which keeps (b, heads, s, s) fp32 probabilities per layer (b2 x 32 heads x 8192^2 x 4 B = 17.2 GB): the "
      "estimate is for today's stack (transformers 5, torch 2.13), not the source's"),
     (lambda r, s: _litgpt(r) and r["qlora"] == "True",
-     "mechanism: LitGPT's QLoRA is not peft's (every Linear incl. the LM head in NF4, the rest bf16, PagedAdamW "
-     "states in managed memory, LoRA dropout on bf16 inputs) and its model code chunks the LM head; the estimator "
-     "traces peft's recipe (fp32 activations around the adapters, an fp32 dropped input per adapted module)"),
+     "mechanism: LitGPT's QLoRA is not peft's and is not expressible (lora_dtype model is refused with QLoRA): "
+     "Lightning's BitsandbytesPrecision quantizes every Linear incl. the LM head to NF4, leaves the rest and the "
+     "adapters bf16 (no fp32 cast), PagedAdamW states live in managed memory; bitsandbytes 0.41.1 MatMul4Bit keeps "
+     "each quantized Linear's bf16 input (ctx.tensors). From the same table's LoRA row (Llama-2-7B b1 s1304: "
+     "19.84 GiB) less the Linears' bf16 weights over NF4 double-quant (6.61e9 x (2 - 0.516) B = 9.13 GiB) plus "
+     "the inputs MatMul4Bit keeps that LoRA does not (the two norm outputs, the o and down inputs: "
+     "(3 x 4,096 + 11,008) x 2 B x 32 layers x 1,304 tokens = 1.81 GiB) gives 12.52 GiB against 12.89 measured; "
+     "the estimator traces peft's recipe (embedding, norms and head in fp32, an fp32 residual stream)"),
     (lambda r, s: _litgpt(r) and r["method"] == "fsdp1",
      "mechanism: Lightning's FSDP1 over LitGPT's Blocks (fsdp1_lora_wrap layer, grad_sync last) is modelled: "
      "every frozen weight gets a gradient and no_backward_sync holds them unsharded; what is left is LitGPT's "
@@ -241,8 +246,9 @@ DIAGNOSES = [
      "mechanism: LitGPT's own model code, not transformers: it evaluates the LM head in 128-token chunks with a "
      "chunked bf16 cross-entropy, so the fp32 logits, fp32 log-softmax and their fp32 gradient that the "
      "estimator's transformers trace holds never exist (TinyLlama b8 s512: up to 3 x 8 x 512 x 32,000 x 4 B = "
-     "1.5 GiB); and its LoRA (dropout 0.05, no checkpointing) keeps each dropped input in bf16, once per fused "
-     "QKV, where peft's fp32 adapters keep an fp32 dropped input per adapted projection (q, k and v apart)"),
+     "1.5 GiB); and its LoRA (dropout 0.05, adapters bf16: lora_dtype model) keeps one dropped bf16 input per "
+     "fused QKV where peft keeps one per adapted projection (q, k and v apart: 2 x hidden x 3 B more per token "
+     "and layer with all three)"),
     (lambda r, s: r["method"] == "fsdp1" and r["lora_rank"] not in ("", "0") and r["source"] == "fms_acceleration",
      "mechanism: the reserved level is the prior (allocated x 1.1 + 64 MiB). The allocated peak is modelled "
      "(ckpt_reentrant: the Trainer's reentrant checkpoint around each FSDP1 unit, transformers before 4.52, keeps "

@@ -52,6 +52,7 @@ GRAD_SYNCS = ("every", "last")
 # sequence chunk at a time, ``ce_chunks`` chunks) or "fused_linear" (Liger's LigerFusedLinearCrossEntropyFunction:
 # the gradients of the hidden states and the head's weight computed chunk by chunk inside the forward).
 CES = ("standard", "chunked", "fused_linear")
+LORA_DTYPES = ("auto", "model")
 # Which decoder layers are checkpointed when ``grad_ckpt`` is on: "" every layer (HF, full AC); "every-k:K" every
 # K-th layer (torchtitan/torchtune's selective layer AC: layers K-1, 2K-1, ...); "selective-ops" every layer with
 # torchtitan's op policy (torch's create_selective_checkpoint_contexts: matmul and attention outputs saved,
@@ -156,6 +157,12 @@ class TrainingSpec:
     # peft's LoraConfig.lora_dropout: above zero, each adapted module keeps a dropout mask and the dropped input
     # for backward (how much depends only on whether it is above zero, not on its value).
     lora_dropout: float = 0.0
+    # The LoRA adapters' dtype. "auto": as the method leaves them (peft builds them in fp32,
+    # ``autocast_adapter_dtype``; DeepSpeed's and FSDP's casts below); "model": built in the model's own dtype,
+    # as Lightning's ``bf16-true`` builds a LitGPT model with its adapters (``fabric.init_module``) and as
+    # ``get_peft_model(..., autocast_adapter_dtype=False)`` leaves them: a 16-bit run then feeds each adapter
+    # its 16-bit input (no fp32 copy, no fp32 dropped input) and keeps 16-bit adapter states.
+    lora_dtype: str = "auto"
     qlora: bool = False
     grad_accum_steps: int = 1
     loop: str = "trainer"
@@ -220,6 +227,10 @@ class TrainingSpec:
             _fail("lora_dropout", f"must be a probability in [0, 1), got {self.lora_dropout!r}")
         if self.lora_dropout and self.lora_rank == 0:
             _fail("lora_dropout", "LoRA dropout needs a LoRA rank (--lora-rank R)")
+        _check_choice("lora_dtype", self.lora_dtype, LORA_DTYPES)
+        if self.lora_dtype == "model" and (self.lora_rank == 0 or self.qlora):
+            _fail("lora_dtype", "adapters in the model's dtype need LoRA (--lora-rank R) without QLoRA (QLoRA's "
+                                "adapters are peft's prepare_model_for_kbit_training recipe)")
         if not isinstance(self.lora_targets, str) or not self.lora_targets.strip():
             _fail("lora_targets", f"must be 'auto', 'all-linear' or module names, got {self.lora_targets!r}")
         _check_positive_int("grad_accum_steps", self.grad_accum_steps)
@@ -544,8 +555,8 @@ class RunSpec:
     def _canonical_dict(self) -> dict[str, Any]:
         """to_dict without the settings of a method not used, nor settings added later at their default (FSDP1's
         ``lora_wrap``, ``ep``, ``moe_imbalance``, ``cp``, ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``, ``use_cache``,
-        the long-context techniques, ``ckpt_reentrant``, ``vocab_size``, ``full_range_slices``): ids stay as they
-        were."""
+        the long-context techniques, ``ckpt_reentrant``, ``vocab_size``, ``full_range_slices``, ``lora_dtype``):
+        ids stay as they were."""
         data = self.to_dict()
         if self.parallel.method != "fsdp1":
             data["parallel"].pop("fsdp1")
@@ -567,6 +578,8 @@ class RunSpec:
                 data["training"].pop(name)
         if self.training.ce == "standard":
             data["training"].pop("ce")
+        if self.training.lora_dtype == "auto":
+            data["training"].pop("lora_dtype")
         if self.training.ce != "chunked":
             data["training"].pop("ce_chunks")
         if self.training.grad_sync == "every":

@@ -43,8 +43,12 @@ it for full fine-tuning only. What each holds from the loss to its backward is t
 head outputs + a bf16 log-softmax, 2 + 2 bytes per token and vocabulary entry; torchtune: one fp32 log-softmax, 4
 bytes), the chunks' transients differ (LitGPT: 128-token bf16 pieces; torchtune: ``ce_chunks`` fp32 pieces), but
 ``ce`` is refused with LoRA (``TrainingSpec``: the long-context techniques are modelled for full fine-tuning
-only), so the LoRA rows cannot carry it; nor does peft's LoRA (fp32 adapters, q/k/v apart) trace LitGPT's (bf16
-adapters on the fused QKV, ``zero_pad`` of the adapter output). Standard library only.
+only), so the LoRA rows cannot carry it. LitGPT's LoRA tensors are made under ``fabric.init_module``, so
+``bf16-true`` builds them in bf16: the LoRA rows carry ``lora_dtype=model`` (the adapters' inputs, dropped inputs
+and states in bf16, not peft's fp32). Left unmodelled: LitGPT drops the input once per fused QKV where peft's
+q/k/v adapters each keep one, and ``zero_pad`` (``lora.py`` at 00af8b0d) pads the adapter output to the qkv width
+with ``new_zeros`` + ``index_copy_``, which saves no tensor for backward (a forward transient only). QLoRA rows
+keep peft's recipe (not LitGPT's: every Linear incl. the head NF4, bf16 elsewhere). Standard library only.
 """
 
 from __future__ import annotations
@@ -121,6 +125,13 @@ def _below_states(hub: str, kind: str, value_gb: float) -> str:
             "config (devices, optimizer or precision) in a way the page does not say")
 
 
+def _lora_dtype(quantized: bool) -> str:
+    """LitGPT's LoRA tensors are created with the model under ``fabric.init_module`` (finetune/lora.py at both
+    commits), so ``bf16-true`` builds them in bf16: ``model``. QLoRA keeps ``auto``: the estimator's QLoRA is
+    peft's recipe, whose adapters ``prepare_model_for_kbit_training`` sets (LitGPT's QLoRA is not expressible)."""
+    return "auto" if quantized else "model"
+
+
 def _targets(config: dict) -> str:
     names = [m for key, mods in LORA_MODULES.items() if config.get(key) == "true" for m in mods]
     return ",".join(sorted(names))
@@ -163,7 +174,7 @@ def _resource_rows(entry: dict, text: str) -> list[dict]:
                 method="fsdp1" if multi else "single", world_size=world,
                 micro_batch_size=int(cells["Microbatch size"]), seq_len=longest, precision="bf16",
                 optimizer="adamw", grad_ckpt=multi, attn="sdpa", lora_rank=8, lora_targets="q_proj,v_proj",
-                lora_dropout=RESOURCE_LORA_DROPOUT,
+                lora_dropout=RESOURCE_LORA_DROPOUT, lora_dtype=_lora_dtype(quant != "None"),
                 grad_accum_steps=RESOURCE_BATCH // int(cells["Microbatch size"]),
                 grad_sync="last" if multi else "every", fsdp1_lora_wrap="layer" if multi else "adapter",
                 qlora=quant != "None", model_hub_id=hub, framework="litgpt 8641822 (Lightning Fabric)",
@@ -223,7 +234,8 @@ def _confighub_rows(entry: dict, text: str, configs: dict[str, tuple[dict, dict]
                 world_size=devices, micro_batch_size=mb, seq_len=int(config["train.max_seq_length"]),
                 precision="bf16", optimizer="adamw", grad_ckpt=devices > 1, attn="sdpa", lora_rank=lora_rank,
                 lora_targets=_targets(config) if lora_rank else "auto",
-                lora_dropout=float(config.get("lora_dropout") or 0) if lora_rank else 0.0, qlora=bool(quant), grad_accum_steps=accum,
+                lora_dropout=float(config.get("lora_dropout") or 0) if lora_rank else 0.0, qlora=bool(quant),
+                lora_dtype=_lora_dtype(bool(quant)) if lora_rank else "auto", grad_accum_steps=accum,
                 model_hub_id=hub, framework="litgpt 00af8b0d (Lightning Fabric)",
                 adapter={"full": "full", "lora": "lora", "qlora": "qlora"}[kind], loop="manual", padding="longest",
                 max_length=int(config["train.max_seq_length"]), seq_len_basis="max_length_cap",

@@ -20,6 +20,7 @@ from estimator.spec import (
     BATCHES,
     GRAD_SYNCS,
     LOOPS,
+    LORA_DTYPES,
     METHODS,
     OPTIMIZERS,
     PP_ENGINES,
@@ -83,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-targets", default="auto", help="auto | all-linear | comma-separated module names")
     p.add_argument("--lora-dropout", type=float, default=None, metavar="P",
                    help="peft's lora_dropout (default 0): above 0 each adapted module keeps a dropout mask")
+    p.add_argument("--lora-dtype", choices=LORA_DTYPES, default=None,
+                   help="LoRA adapters' dtype: auto (as the method leaves them; peft: fp32) or model (built in the "
+                        "model's dtype: Lightning bf16-true / LitGPT, peft autocast_adapter_dtype=False)")
     p.add_argument("--qlora", action="store_true", help="4-bit base weights (needs --lora-rank)")
     p.add_argument("--grad-accum-steps", type=int, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--grad-sync", choices=GRAD_SYNCS, help="FSDP under gradient accumulation: reduce the gradients "
@@ -154,6 +158,7 @@ def _training(args, base: TrainingSpec) -> TrainingSpec:
                         lora_rank=args.lora_rank or base.lora_rank,
                         lora_targets=args.lora_targets if args.lora_targets != "auto" else base.lora_targets,
                         lora_dropout=pick(args.lora_dropout, base.lora_dropout), qlora=args.qlora or base.qlora,
+                        lora_dtype=pick(args.lora_dtype, base.lora_dtype),
                         loop=pick(args.loop, base.loop),
                         batch=pick(args.batch, base.batch), outputs_fp32=pick(args.outputs_fp32, base.outputs_fp32),
                         grad_accum_steps=pick(args.grad_accum_steps, base.grad_accum_steps),
@@ -250,7 +255,8 @@ def _gib(value: float) -> str:
 
 def _lora_label(t) -> str:
     dropout = f" dropout {t.lora_dropout:g}" if t.lora_dropout else ""
-    return f", {'QLoRA' if t.qlora else 'LoRA'} r={t.lora_rank}{dropout}" if t.lora else ""
+    dtype = " adapters in the model's dtype" if t.lora_dtype == "model" else ""
+    return f", {'QLoRA' if t.qlora else 'LoRA'} r={t.lora_rank}{dropout}{dtype}" if t.lora else ""
 
 
 def _loop_label(t) -> str:

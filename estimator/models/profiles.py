@@ -92,9 +92,13 @@ def adapters_in_16bit(training: TrainingSpec, method: str, lora_wrap: str = "ada
     tp alone keeps peft's fp32 adapters, as single and ddp do: no all-gather casts them (checked the same way).
     FSDP1 with the adapters inside their decoder layer's unit (``lora_wrap`` "layer") flattens them with the
     layer's weights, one dtype per flat parameter: a bf16 run built its adapters in bf16 (Lightning's
-    ``bf16-true`` builds the whole model in it)."""
+    ``bf16-true`` builds the whole model in it). ``lora_dtype`` "model": built in the model's dtype whatever the
+    method (Lightning's ``bf16-true``, ``autocast_adapter_dtype=False``): 16-bit in a pure bf16 run (amp_* and
+    mixed_* keep fp32 weights, so adapters in the model's dtype are fp32 there)."""
     if not training.lora or training.qlora:
         return False
+    if training.lora_dtype == "model":
+        return training.precision == "bf16"
     if method == "fsdp1" and lora_wrap == "layer":
         return training.precision == "bf16"
     if method in ("zero1", "zero2"):

@@ -183,6 +183,25 @@ def test_litgpt_fsdp_rows_run_fsdp1_over_blocks_holding_gradients_under_no_sync(
     assert (single["method"], single["grad_sync"], single["fsdp1_lora_wrap"]) == ("single", "every", "adapter")
 
 
+def test_litgpt_lora_rows_build_their_adapters_in_bf16_and_qlora_rows_keep_peft_recipe():
+    """finetune/lora.py at both commits makes the LoRA tensors under ``fabric.init_module``: ``bf16-true`` builds
+    them in bf16 (``lora_dtype`` model); the estimator's QLoRA is peft's recipe, so QLoRA rows keep ``auto``."""
+    from estimator.columns import spec_from_columns
+    from estimator.models.profiles import run_adapters_in_16bit
+
+    rows = {r["row_id"]: r for r in _load("public_litgpt", "extract_litgpt.py").extract()}
+    tiny = rows["litgpt:config-hub:tiny-llama/lora.yaml:1xA10G"]
+    assert (tiny["lora_dtype"], tiny["lora_rank"], tiny["lora_dropout"]) == ("model", 32, 0.05)
+    assert tiny["lora_targets"] == "down_proj,gate_proj,k_proj,lm_head,o_proj,q_proj,up_proj,v_proj"
+    for row_id in ("litgpt:resource-tables:single:Llama2-7B:None:mb1:x1",
+                   "litgpt:resource-tables:multi:Llama2-7B:None:mb1:x2"):
+        assert rows[row_id]["lora_dtype"] == "model"
+    assert rows["litgpt:resource-tables:single:Llama2-7B:bnb.nf4-dq:mb1:x1"]["lora_dtype"] == "auto"
+    assert rows["litgpt:config-hub:tiny-llama/full.yaml:1xA10G"]["lora_dtype"] == "auto"
+    as_read = {k: "" if v is None else str(v) for k, v in tiny.items()}  # measurements.csv's strings
+    assert run_adapters_in_16bit(spec_from_columns(as_read))
+
+
 def test_universal_trainer_bf16_loss_path_is_out_of_scope_and_qlora_is_not():
     rows = {r["row_id"]: r for r in _load("public_universal", "extract_universal_llm_trainer.py").extract()}
     assert not rows["universal_llm_trainer:H100:llm_llama3.1_lora"]["in_scope"]
