@@ -93,11 +93,27 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
     if training.grad_ckpt and training.activation_offload:
         return "zero3 with activation checkpointing and offload: not checked against a run yet"
     if table is not None:
-        if not llama_like(table):
-            return ("zero3: the coordinator's module trace is modelled on Llama-style decoders (one tensor per "
-                    "module, a gated MLP, two norms per layer)")
+        reason = _why_not_module_trace(table, training)
+        if reason is not None:
+            return reason
         if partition_numel(table, parallel.world_size) > zcfg.sub_group_size:
             return "zero3 with more than one optimizer sub-group: not in the replay yet"
+    return None
+
+
+def _why_not_module_trace(table: list[ParamInfo], training) -> str | None:
+    """Why the coordinator's module trace is not known for this table (None: it is): Llama-style decoders'
+    is derived from the table (``zero3_gathers.modules_of``); other architectures' is the profile's recorded one
+    (``ParamTable.module_trace``), without LoRA and checkpointing (their additions are modelled on Llama's
+    structure: peft's wrappers, the recomputation's stopped MLP output)."""
+    if llama_like(table):
+        return None
+    if getattr(table, "module_trace", None) is None:
+        return ("zero3: the coordinator's module trace is derived for Llama-style decoders, or recorded in the "
+                "profile (this one was traced without it)")
+    if training.lora or training.grad_ckpt:
+        return ("zero3 with LoRA or checkpointing: modelled on Llama-style decoders only (peft's wrappers, the "
+                "recomputation's stopped MLP output)")
     return None
 
 
@@ -497,8 +513,9 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
     (``_accumulating``); ``master_elem``: the master weights' and optimizer states' element size
     (``master_elem_bytes``); ``saved_inputs``: (layer, bytes per token) of each frozen Linear input DeepSpeed's
     memory-efficient linear holds (``_hold_saved_inputs``). ExpansionError where the step cannot be built."""
-    if not llama_like(table):
-        raise ExpansionError("zero3: the coordinator's module trace is modelled on Llama-style decoders only")
+    if not llama_like(table) and (getattr(table, "module_trace", None) is None or recomputed or saved_inputs):
+        raise ExpansionError("zero3: the coordinator's module trace is derived for Llama-style decoders, or "
+                             "recorded in the profile")
     gathers = emulate(table, world, steps=2 * accumulate, prefetch_bucket=zcfg.stage3_prefetch_bucket_size,
                       max_live=zcfg.stage3_max_live_parameters, max_reuse=zcfg.stage3_max_reuse_distance,
                       persistence=zcfg.stage3_param_persistence_threshold, checkpointed=recomputed,

@@ -73,7 +73,13 @@ def modules_of(table: list[ParamInfo]) -> tuple[list[Module], list[Module]]:
     on outputs that require grad: ``parameter_offload._apply_forward_and_backward_to_tensors_only``): the reverse
     of the post-forward order, less the rotary embedding and the modules whose output needs no gradient (under
     LoRA: the frozen embedding, and in the first layer what reads its input before an adapter:
-    ``_projection_modules``)."""
+    ``_projection_modules``).
+
+    A table whose profile recorded the model's module trace (``ParamTable.module_trace``) and that is not
+    Llama's structure takes that trace instead (``recorded_modules``)."""
+    recorded = getattr(table, "module_trace", None)
+    if recorded is not None and not any(is_adapter(p) for p in table) and not _llama_structure(table):
+        return recorded_modules(recorded)
     order = model_order(table)
     trainable = {p.name: p.trainable for p in table}
     direct: dict[str, list[str]] = {}
@@ -171,6 +177,22 @@ def modules_of(table: list[ParamInfo]) -> tuple[list[Module], list[Module]]:
     backward = [(m, params_of.get(m, ())) for m in reversed(post)
                 if not m.endswith("rotary_emb") and m not in no_grad]
     return [Module(n, ps) for n, ps in forward], [Module(n, ps) for n, ps in backward]
+
+
+def recorded_modules(recorded: tuple) -> tuple[list[Module], list[Module]]:
+    """(forward, backward) module traces from a profile's recorded trace at full depth
+    (``estimator.models.modules.module_trace_at_depth``): every module in pre-forward order with its direct
+    parameters, then each pre-backward hook as backward ran it (a module whose output needs no gradient, such
+    as a rotary embedding, has none), each fetching the module's direct parameters."""
+    forward, backward = recorded
+    params_of = dict(forward)
+    return [Module(n, ps) for n, ps in forward], [Module(n, params_of.get(n, ())) for n in backward]
+
+
+def _llama_structure(table: list[ParamInfo]) -> bool:
+    from estimator.reserved.zero3 import llama_like
+
+    return llama_like(table)
 
 
 def _projection_modules(projection: str, owners: list[str], direct: dict, needs_grad, reads_grad: bool
