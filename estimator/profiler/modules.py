@@ -12,7 +12,7 @@ expands it to full depth (``estimator.models.modules.module_trace_at_depth``) in
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

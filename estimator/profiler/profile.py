@@ -20,9 +20,9 @@ from fractions import Fraction
 import torch
 
 from estimator.models.profiles import MONOMIALS, PROFILE_SCHEMA_VERSION
-from estimator.profiler.modules import record_module_trace
 from estimator.profiler import build
 from estimator.profiler.events import compact_events, first_optimizer_events
+from estimator.profiler.modules import record_module_trace
 from estimator.profiler.summary import (  # noqa: F401 - tests and carry read them here
     TECHNIQUE_MARKS,
     _dominated,
