@@ -17,7 +17,7 @@ def _stretched(entries: list[list], layer_prefix: str, num_layers: int, generic:
     for e in entries[first:last + 1]:
         if per_layer and e[0] != list(per_layer)[-1] and e[0] in per_layer:
             return None  # a layer's modules not together
-        per_layer.setdefault(e[0], []).append(tuple(e[1:]))
+        per_layer.setdefault(e[0], []).append(tuple(_hashable(v) for v in e[1:]))
     order = list(per_layer)
     if order not in (sorted(order), sorted(order, reverse=True)) or generic not in per_layer:
         return None
@@ -32,7 +32,7 @@ def _stretched(entries: list[list], layer_prefix: str, num_layers: int, generic:
         name = row[0] if layer is None else full(layer, row[0])
         if not params:
             return (name, ())
-        return (name, tuple(row[1]) if layer is None else tuple(full(layer, n) for n in row[1]))
+        return (name, tuple(row[1]) if layer is None else tuple(full(layer, n) for n in row[1]), row[2])
 
     layers = range(num_layers) if order == sorted(order) else range(num_layers - 1, -1, -1)
     return ([entry(None, tuple(e[1:])) for e in entries[:first]]
@@ -40,9 +40,14 @@ def _stretched(entries: list[list], layer_prefix: str, num_layers: int, generic:
             + [entry(None, tuple(e[1:])) for e in entries[last + 1:]])
 
 
+def _hashable(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
 def module_trace_at_depth(trace: dict, layer_prefix: str, num_layers: int, generic: int = 1
-                          ) -> tuple[list[tuple[str, tuple[str, ...]]], list[str]] | None:
-    """(forward: (module, its direct parameters) in pre-forward order; backward: modules in pre-backward order)
+                          ) -> tuple[list[tuple[str, tuple[str, ...], int]], list[str]] | None:
+    """(forward: (module, its direct parameters, its positional inputs that need a gradient) in pre-forward
+    order; backward: modules in pre-backward order)
     of the recorded trace for a model of ``num_layers`` decoder layers: the modules before the traced layers,
     the ``generic`` traced layer's modules once per layer, the modules after them; full names. None where the
     traced layers do not run alike one after another (a module outside them between two, or layers that

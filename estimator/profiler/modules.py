@@ -35,6 +35,17 @@ class _Mark(torch.autograd.Function):
         return grad, None, None
 
 
+def _needing_grad(value) -> int:
+    """Tensors in ``value`` (tuples, lists, dicts) that need a gradient."""
+    if isinstance(value, torch.Tensor):
+        return int(value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        return sum(_needing_grad(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_needing_grad(v) for v in value.values())
+    return 0
+
+
 def _marked(value, entry: list, record: list):
     """``apply_to_tensors_only``: every tensor in tuples, lists and dicts (in place) through ``_Mark``."""
     if isinstance(value, torch.Tensor):
@@ -50,9 +61,11 @@ def _marked(value, entry: list, record: list):
 
 def record_module_trace(top: torch.nn.Module, table_model: torch.nn.Module, layers: torch.nn.ModuleList,
                         step: Callable[[], None]) -> dict:
-    """``{"forward": [[layer, name, [parameter names]], ...], "backward": [[layer, name], ...]}`` over one
-    ``step()``: each module of ``top`` in pre-forward order with its direct parameters (``_parameters``: what the
-    coordinator fetches for it), then each pre-backward hook as backward runs it (every output tensor of every
+    """``{"forward": [[layer, name, [parameter names], grad inputs], ...], "backward": [[layer, name], ...]}``
+    over one ``step()``: each module of ``top`` in pre-forward order with its direct parameters (``_parameters``:
+    what the coordinator fetches for it) and how many of its positional inputs need a gradient (DeepSpeed's
+    post-backward release hangs on those: ``PostBackwardFunctionModule``; with none, as an embedding's, the
+    module is not released in backward), then each pre-backward hook as backward runs it (every output tensor of every
     module marked as DeepSpeed marks it, ``_Mark``; one entry per marked tensor backward reaches). ``layer``: the
     traced decoder layer a module sits in (its name and its parameters' relative to the layer; the layer itself
     ``""``), None for the others (named as in ``table_model``, the model the parameter table names; modules above
@@ -75,11 +88,12 @@ def record_module_trace(top: torch.nn.Module, table_model: torch.nn.Module, laye
     backward: list[list] = []
     recording = [True]
 
-    def pre_hook(module, _inputs):
+    def pre_hook(module, inputs):
         if recording[0] and not backward:  # a checkpointed layer's recomputation: not the recorded forward
             layer, name = place(module_names[id(module)])
             params = [param_names[id(p)] for p in module._parameters.values() if p is not None]
-            forward.append([layer, name, [place(n)[1] if layer is not None else n for n in params]])
+            forward.append([layer, name, [place(n)[1] if layer is not None else n for n in params],
+                            _needing_grad(inputs)])
 
     def post_hook(module, _inputs, output):
         if recording[0] and not backward:

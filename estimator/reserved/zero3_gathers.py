@@ -50,6 +50,9 @@ class _Param:
 class Module:
     name: str
     params: tuple[str, ...]
+    # whether backward releases it (its post-backward hook hangs on inputs that need a gradient; an embedding's
+    # parameters stay to release_and_reset_all): known from a recorded trace (``recorded_modules``)
+    released_in_backward: bool = True
 
 
 @dataclass
@@ -183,10 +186,13 @@ def recorded_modules(recorded: tuple) -> tuple[list[Module], list[Module]]:
     """(forward, backward) module traces from a profile's recorded trace at full depth
     (``estimator.models.modules.module_trace_at_depth``): every module in pre-forward order with its direct
     parameters, then each pre-backward hook as backward ran it (a module whose output needs no gradient, such
-    as a rotary embedding, has none), each fetching the module's direct parameters."""
+    as a rotary embedding, has none), each fetching the module's direct parameters; a backward module none of
+    whose inputs needs a gradient is not released there (``Module.released_in_backward``)."""
     forward, backward = recorded
-    params_of = dict(forward)
-    return [Module(n, ps) for n, ps in forward], [Module(n, params_of.get(n, ())) for n in backward]
+    params_of = {n: ps for n, ps, _ in forward}
+    grad_inputs = {n: k for n, _, k in forward}
+    return ([Module(n, ps) for n, ps, _ in forward],
+            [Module(n, params_of.get(n, ()), grad_inputs.get(n, 0) > 0) for n in backward])
 
 
 def _llama_structure(table: list[ParamInfo]) -> bool:
@@ -255,7 +261,7 @@ def _wrappers_released_last(releases_after: dict[int, list[int]], trace: list[Mo
 
 
 def _with_external(modules: list[Module], external: dict[str, tuple[str, ...]]) -> list[Module]:
-    return [Module(m.name, m.params + external.get(m.name, ())) for m in modules]
+    return [Module(m.name, m.params + external.get(m.name, ()), m.released_in_backward) for m in modules]
 
 
 def _dtype_name(elem_bytes: int) -> str:
@@ -336,6 +342,8 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
     holders: dict[str, set[int]] = {n: set() for ps in external.values() for n in ps}  # ds_active_sub_modules
     releases_after: dict[int, list[int]] = {}
     for at in range(len(trace)):
+        if at >= len(forward) and not trace[at].released_in_backward:
+            continue  # released by release_and_reset_all, at backward's end
         if at not in moved:
             releases_after.setdefault(at, []).append(at)
         elif moved[at] is not None:
@@ -431,6 +439,17 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
         (holders[name].add if fetched else holders[name].discard)(module)
         return not fetched and bool(holders[name])
 
+    def reset_all(out: list) -> None:
+        """The optimizer step's ``release_and_reset_all``, right after backward: every parameter still gathered
+        (in the trace-recording step only those backward does not release: ``Module.released_in_backward``),
+        in ``model.parameters()`` order."""
+        for n in reset_order:
+            wait(out, [n])
+            release(out, n)
+        for modules in holders.values():
+            modules.clear()
+
+    reset_order = [p.name for p in model_order(table)]
     # step 1: the trace is recorded, nothing prefetched, every parameter released after its module; an adapter
     # the wrapper reads before its own fetch is gathered on the default stream (``estimator.reserved.zero3``)
     out: list = []
@@ -448,6 +467,8 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
             for n in first_trace[released].params:
                 if not held(n, released, False):
                     release(out, n)
+    if accumulate == 1:
+        reset_all(out)
     ops.steps.append(out)
     ops.calls.append(calls)
     queue_order = [(n, step_id) for step_id, m in enumerate(trace) for n in m.params]
@@ -486,12 +507,8 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
                 n_available += numel
             for released in releases_after.get(step_id, ()):
                 n_available -= release_module(out, released, step_id + 1)
-        if (micro + 1) % accumulate == 0:  # the optimizer step's release_and_reset_all, right after backward
-            for n in params:
-                wait(out, [n])
-                release(out, n)
-            for modules in holders.values():
-                modules.clear()
+        if (micro + 1) % accumulate == 0:
+            reset_all(out)
         ops.steps.append(out)
         ops.calls.append(calls)
     return ops
