@@ -3,7 +3,7 @@ trace recorded in the profile, ``estimator.profiler.modules``) beside real DeepS
 built from config, request by request on each of DeepSpeed's three streams.
 
     PYTHONPATH=. .venv/bin/python benchmarks/zero3_arch_replay.py [--archs opt gpt_neox bloom gpt2] \
-        [--worlds 2 4] [--csv docs/error_matrix/zero3_arch_cpu.csv]
+        [--worlds 2 4] [--csv docs/error_matrix/zero3_arch_cpu.csv]   # llama: the control
 
 Per point (mixed_bf16, micro-batch 2, seq 64, 3 steps, eager attention; stage-3 knobs scaled to the tiny model: a
 prefetch of 0.8 of a layer's elements, the tensors of at most ``hidden`` elements persistent, 20,000-element
@@ -29,6 +29,10 @@ from zero3_ckpt_replay import _record, first_differences, generated_steps, recor
 MIB = 2**20
 B, S = 2, 64
 ARCHS = {
+    # the control: Llama's trace is derived from its table (zero3_gathers.modules_of), checked on H100 snapshots
+    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+              "intermediate_size": 160, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 1000, "max_position_embeddings": 512, "tie_word_embeddings": True},
     "opt": {"model_type": "opt", "architectures": ["OPTForCausalLM"], "hidden_size": 64, "ffn_dim": 256,
             "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 1000, "max_position_embeddings": 512,
             "word_embed_proj_dim": 64, "do_layer_norm_before": True, "tie_word_embeddings": True},

@@ -39,6 +39,13 @@ to the byte (``tests/estimator/test_zero3_lora.py``); its measured peaks are 2.5
 timing (``record_stream_caveat``). With gradient accumulation (``_accumulating``, as under full fine-tuning): real
 CPU runs of tiny Llamas, each allocation on the stream a GPU run makes it on, replayed on the three streams equal
 the generated stream's (``benchmarks/zero3_ckpt_replay.py --lora``, ``docs/error_matrix/zero3_lora_accum_cpu.csv``).
+
+Other architectures (full fine-tuning without checkpointing): the coordinator's module trace is the one the
+profile recorded (``estimator.profiler.modules``: every module's pre-forward hook with its direct parameters, every
+pre-backward hook as backward ran it), stretched to full depth (``ParamTable.module_trace``,
+``zero3_gathers.recorded_modules``); a profile traced without it keeps the prior (``why_not_zero3``). Checked
+against real CPU runs of tiny OPT, GPT-NeoX, BLOOM and GPT-2 (``benchmarks/zero3_arch_replay.py``,
+``docs/error_matrix/zero3_arch_cpu.csv``).
 """
 
 from __future__ import annotations
