@@ -620,7 +620,7 @@ def build_profile(config: dict, training: TrainingSpec, *, check: bool = True, t
                                 grad_hook_order(model.model, table_model, model.layers, model.warm_step)]
         if frozen:
             params["frozen_layers"] = frozen
-        else:  # DeepSpeed ZeRO-3's parameter coordinator follows it (estimator.reserved.zero3_gathers)
+        elif tp <= 1:  # DeepSpeed ZeRO-3's parameter coordinator follows it (estimator.reserved.zero3_gathers)
             params["module_trace"] = record_module_trace(model.model, table_model, model.layers, model.warm_step)
         attn = build.effective_attn(model.base)
         del model

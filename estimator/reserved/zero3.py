@@ -108,6 +108,12 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
     return None
 
 
+def recorded_trace(table: list[ParamInfo]) -> tuple | None:
+    """The profile's recorded module trace where it stands for the derived one (``zero3_gathers.modules_of``):
+    for tables that are not Llama's structure (None: derive it, or there is none)."""
+    return None if llama_like(table) else getattr(table, "module_trace", None)
+
+
 def _why_not_module_trace(table: list[ParamInfo], training) -> str | None:
     """Why the coordinator's module trace is not known for this table (None: it is): Llama-style decoders'
     is derived from the table (``zero3_gathers.modules_of``); other architectures' is the profile's recorded one
@@ -115,9 +121,9 @@ def _why_not_module_trace(table: list[ParamInfo], training) -> str | None:
     structure: peft's wrappers, the recomputation's stopped MLP output)."""
     if llama_like(table):
         return None
-    if getattr(table, "module_trace", None) is None:
+    if recorded_trace(table) is None:
         return ("zero3: the coordinator's module trace is derived for Llama-style decoders, or recorded in the "
-                "profile (this one was traced without it)")
+                "profile (not in this one, or its layers do not run alike)")
     if training.lora or training.grad_ckpt:
         return ("zero3 with LoRA or checkpointing: modelled on Llama-style decoders only (peft's wrappers, the "
                 "recomputation's stopped MLP output)")
@@ -520,13 +526,14 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
     (``_accumulating``); ``master_elem``: the master weights' and optimizer states' element size
     (``master_elem_bytes``); ``saved_inputs``: (layer, bytes per token) of each frozen Linear input DeepSpeed's
     memory-efficient linear holds (``_hold_saved_inputs``). ExpansionError where the step cannot be built."""
-    if not llama_like(table) and (getattr(table, "module_trace", None) is None or recomputed or saved_inputs):
+    recorded = recorded_trace(table)
+    if not llama_like(table) and (recorded is None or recomputed or saved_inputs):
         raise ExpansionError("zero3: the coordinator's module trace is derived for Llama-style decoders, or "
                              "recorded in the profile")
     gathers = emulate(table, world, steps=2 * accumulate, prefetch_bucket=zcfg.stage3_prefetch_bucket_size,
                       max_live=zcfg.stage3_max_live_parameters, max_reuse=zcfg.stage3_max_reuse_distance,
                       persistence=zcfg.stage3_param_persistence_threshold, checkpointed=recomputed,
-                      accumulate=accumulate)
+                      accumulate=accumulate, recorded=recorded)
     if accumulate > 1:
         gathers.steps = _within_each_step(gathers.steps)
         # the plain steps' gathers: a step after an optimizer step that ends with one (a cycle's last micro-step

@@ -64,7 +64,7 @@ class GatherOps:
     calls: list[list[tuple]] = field(default_factory=list)
 
 
-def modules_of(table: list[ParamInfo]) -> tuple[list[Module], list[Module]]:
+def modules_of(table: list[ParamInfo], recorded: tuple | None = None) -> tuple[list[Module], list[Module]]:
     """(forward, backward) module traces of a Hugging Face decoder, as DeepSpeed's hooks see them: every module
     whose forward runs, parameter-less ones included (each fetch may prefetch). Forward, in pre-forward order: the
     wrappers down to the base model (the causal-LM one; under peft also ``PeftModel`` and ``LoraModel``), the
@@ -78,10 +78,9 @@ def modules_of(table: list[ParamInfo]) -> tuple[list[Module], list[Module]]:
     LoRA: the frozen embedding, and in the first layer what reads its input before an adapter:
     ``_projection_modules``).
 
-    A table whose profile recorded the model's module trace (``ParamTable.module_trace``) and that is not
-    Llama's structure takes that trace instead (``recorded_modules``)."""
-    recorded = getattr(table, "module_trace", None)
-    if recorded is not None and not any(is_adapter(p) for p in table) and not _llama_structure(table):
+    ``recorded``: a profile's recorded module trace at full depth (``ParamTable.module_trace``), taken instead
+    (``recorded_modules``; ``estimator.reserved.zero3.recorded_trace`` says when)."""
+    if recorded is not None:
         return recorded_modules(recorded)
     order = model_order(table)
     trainable = {p.name: p.trainable for p in table}
@@ -193,12 +192,6 @@ def recorded_modules(recorded: tuple) -> tuple[list[Module], list[Module]]:
     grad_inputs = {n: k for n, _, k in forward}
     return ([Module(n, ps) for n, ps, _ in forward],
             [Module(n, params_of.get(n, ()), grad_inputs.get(n, 0) > 0) for n in backward])
-
-
-def _llama_structure(table: list[ParamInfo]) -> bool:
-    from estimator.reserved.zero3 import llama_like
-
-    return llama_like(table)
 
 
 def _projection_modules(projection: str, owners: list[str], direct: dict, needs_grad, reads_grad: bool
@@ -327,13 +320,15 @@ def with_recomputation(forward: list[Module], backward: list[Module], checkpoint
 
 def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket: int = 50_000_000,
             max_live: int = 1_000_000_000, max_reuse: int = 1_000_000_000, persistence: int = 100_000,
-            checkpointed: frozenset[int] = frozenset(), accumulate: int = 1) -> GatherOps:
+            checkpointed: frozenset[int] = frozenset(), accumulate: int = 1, recorded: tuple | None = None
+            ) -> GatherOps:
     """The allgather stream's allocations and frees of ``steps`` training steps (module docstring);
     ``checkpointed``: the decoder layers recomputed in backward (``with_recomputation``); ``accumulate``: the
-    steps are micro-steps, an optimizer step after every that many (``_micro_step_start``)."""
+    steps are micro-steps, an optimizer step after every that many (``_micro_step_start``); ``recorded``: the
+    profile's module trace, where it stands for the derived one (``modules_of``)."""
     index = ds_id_order(table)
     params = {p.name: _Param(p.name, p.numel, p.elem_bytes, p.numel < persistence) for p in table}
-    forward, backward = modules_of(table)
+    forward, backward = modules_of(table, recorded)
     external = external_params(forward)
     backward, moved = with_recomputation(_with_external(forward, external), _with_external(backward, external),
                                          checkpointed)

@@ -15,6 +15,7 @@ import math
 import pytest
 
 from estimator.models.modules import module_trace_at_depth
+from estimator.reserved.zero3 import recorded_trace
 from estimator.reserved.zero3_gathers import emulate, modules_of
 
 TRAINING = {"precision": "mixed_bf16", "micro_batch_size": 2, "seq_len": 1024}
@@ -68,7 +69,7 @@ def test_the_recorded_trace_has_each_architectures_module_order(model):
     backward;
     the head fetches the embedding where it is tied."""
     arch, table = _table(model)
-    forward, backward = modules_of(table)
+    forward, backward = modules_of(table, recorded_trace(table))
     layer_forward, layer_backward = LAYERS[model]
     before, after, head = ENDS[model]
     prefix = forward[len(before)].name
@@ -96,8 +97,8 @@ def test_the_trace_recording_step_gathers_each_module_alone(model):
     _, table = _table(model)
     world = 8
     by_name = {p.name: p for p in table}
-    forward, _ = modules_of(table)
-    ops = emulate(table, world, steps=1)
+    forward, _ = modules_of(table, recorded_trace(table))
+    ops = emulate(table, world, steps=1, recorded=recorded_trace(table))
     gathers = [c[1] for c in ops.calls[0] if c[0] == "G"]
     assert gathers[:len([m for m in forward if m.params])] == [tuple(sorted(
         m.params, key=[p.name for p in table].index)) for m in forward if m.params]
