@@ -3,7 +3,7 @@
 gathers' emulation (``estimator.reserved.zero3_gathers.recorded_modules``).
 
 The fast tests read the shipped profiles of OPT-1.3b, Pythia-1b and BLOOM-1b1 (their traces added with
-``python -m estimator.profiler.modules facebook/opt-1.3b EleutherAI/pythia-1b bigscience/bloom-1b1``); the slow
+``python -m estimator.profiler.add_module_trace facebook/opt-1.3b EleutherAI/pythia-1b bigscience/bloom-1b1``); the slow
 ones record a tiny Llama's trace against the derived one, and compare the generated allgather stream with real
 DeepSpeed runs on CPU (``benchmarks/zero3_arch_replay.py``, ``docs/error_matrix/zero3_arch_cpu.csv``).
 """
@@ -153,7 +153,7 @@ def test_a_tiny_llamas_recorded_trace_is_the_derived_one():
     """The trace recorded from a tiny Llama's step (fake tensors) is the one ``modules_of`` derives from its
     parameter table, forward and backward."""
     from estimator.models.params import expand_params
-    from estimator.profiler.modules import trace_for
+    from estimator.profiler.add_module_trace import trace_for
     from estimator.profiler.profile import PROFILE_LAYERS, _Model, param_table
     from estimator.reserved.zero3_gathers import recorded_modules
     from estimator.spec import TrainingSpec
