@@ -50,6 +50,14 @@ def is_tp_table(params: dict) -> bool:
     return any(row.get("dtensor") for row in params["non_layer"] + params["per_layer"])
 
 
+class ParamTable(list):
+    """The expanded parameter table (a list of ``ParamInfo``) with, where the profile recorded it, the model's
+    module trace at full depth (``estimator.models.modules.module_trace_at_depth``: the order DeepSpeed
+    ZeRO-3's hooks fetch modules in; None otherwise)."""
+
+    module_trace: tuple | None = None
+
+
 def expand_params(params: dict, num_layers: int) -> list[ParamInfo]:
     """Non-layer tensors in profile order, then every decoder layer's tensors (a TP profile: as one rank holds
     them, local shards, with the DTensor / plain optimizer split in ``opt_group``). Profiles that record them also
@@ -64,7 +72,12 @@ def expand_params(params: dict, num_layers: int) -> list[ParamInfo]:
     for layer, rows in enumerate(layer_rows(params, num_layers)):
         table.extend(_info(row, f"{prefix}.{layer}.{row['name']}", layer, tp,
                            backward_index=order.get((layer, row["name"]))) for row in rows)
-    return table
+    out = ParamTable(table)
+    if "module_trace" in params:
+        from estimator.models.modules import module_trace_at_depth
+
+        out.module_trace = module_trace_at_depth(params["module_trace"], prefix, num_layers)
+    return out
 
 
 def layer_rows(params: dict, num_layers: int) -> list[list[dict]]:

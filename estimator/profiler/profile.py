@@ -22,6 +22,7 @@ import torch
 from estimator.models.profiles import MONOMIALS, PROFILE_SCHEMA_VERSION
 from estimator.profiler import build
 from estimator.profiler.events import compact_events, first_optimizer_events
+from estimator.profiler.modules import record_module_trace
 from estimator.profiler.summary import (  # noqa: F401 - tests and carry read them here
     TECHNIQUE_MARKS,
     _dominated,
@@ -619,6 +620,8 @@ def build_profile(config: dict, training: TrainingSpec, *, check: bool = True, t
                                 grad_hook_order(model.model, table_model, model.layers, model.warm_step)]
         if frozen:
             params["frozen_layers"] = frozen
+        elif tp <= 1:  # DeepSpeed ZeRO-3's parameter coordinator follows it (estimator.reserved.zero3_gathers)
+            params["module_trace"] = record_module_trace(model.model, table_model, model.layers, model.warm_step)
         attn = build.effective_attn(model.base)
         del model
     import transformers

@@ -39,6 +39,13 @@ to the byte (``tests/estimator/test_zero3_lora.py``); its measured peaks are 2.5
 timing (``record_stream_caveat``). With gradient accumulation (``_accumulating``, as under full fine-tuning): real
 CPU runs of tiny Llamas, each allocation on the stream a GPU run makes it on, replayed on the three streams equal
 the generated stream's (``benchmarks/zero3_ckpt_replay.py --lora``, ``docs/error_matrix/zero3_lora_accum_cpu.csv``).
+
+Other architectures (full fine-tuning without checkpointing): the coordinator's module trace is the one the
+profile recorded (``estimator.profiler.modules``: every module's pre-forward hook with its direct parameters, every
+pre-backward hook as backward ran it), stretched to full depth (``ParamTable.module_trace``,
+``zero3_gathers.recorded_modules``); a profile traced without it keeps the prior (``why_not_zero3``). Checked
+against real CPU runs of tiny OPT, GPT-NeoX, BLOOM and GPT-2 (``benchmarks/zero3_arch_replay.py``,
+``docs/error_matrix/zero3_arch_cpu.csv``).
 """
 
 from __future__ import annotations
@@ -93,11 +100,33 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
     if training.grad_ckpt and training.activation_offload:
         return "zero3 with activation checkpointing and offload: not checked against a run yet"
     if table is not None:
-        if not llama_like(table):
-            return ("zero3: the coordinator's module trace is modelled on Llama-style decoders (one tensor per "
-                    "module, a gated MLP, two norms per layer)")
+        reason = _why_not_module_trace(table, training)
+        if reason is not None:
+            return reason
         if partition_numel(table, parallel.world_size) > zcfg.sub_group_size:
             return "zero3 with more than one optimizer sub-group: not in the replay yet"
+    return None
+
+
+def recorded_trace(table: list[ParamInfo]) -> tuple | None:
+    """The profile's recorded module trace where it stands for the derived one (``zero3_gathers.modules_of``):
+    for tables that are not Llama's structure (None: derive it, or there is none)."""
+    return None if llama_like(table) else getattr(table, "module_trace", None)
+
+
+def _why_not_module_trace(table: list[ParamInfo], training) -> str | None:
+    """Why the coordinator's module trace is not known for this table (None: it is): Llama-style decoders'
+    is derived from the table (``zero3_gathers.modules_of``); other architectures' is the profile's recorded one
+    (``ParamTable.module_trace``), without LoRA and checkpointing (their additions are modelled on Llama's
+    structure: peft's wrappers, the recomputation's stopped MLP output)."""
+    if llama_like(table):
+        return None
+    if recorded_trace(table) is None:
+        return ("zero3: the coordinator's module trace is derived for Llama-style decoders, or recorded in the "
+                "profile (not in this one, or its layers do not run alike)")
+    if training.lora or training.grad_ckpt:
+        return ("zero3 with LoRA or checkpointing: modelled on Llama-style decoders only (peft's wrappers, the "
+                "recomputation's stopped MLP output)")
     return None
 
 
@@ -497,12 +526,14 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
     (``_accumulating``); ``master_elem``: the master weights' and optimizer states' element size
     (``master_elem_bytes``); ``saved_inputs``: (layer, bytes per token) of each frozen Linear input DeepSpeed's
     memory-efficient linear holds (``_hold_saved_inputs``). ExpansionError where the step cannot be built."""
-    if not llama_like(table):
-        raise ExpansionError("zero3: the coordinator's module trace is modelled on Llama-style decoders only")
+    recorded = recorded_trace(table)
+    if not llama_like(table) and (recorded is None or recomputed or saved_inputs):
+        raise ExpansionError("zero3: the coordinator's module trace is derived for Llama-style decoders, or "
+                             "recorded in the profile")
     gathers = emulate(table, world, steps=2 * accumulate, prefetch_bucket=zcfg.stage3_prefetch_bucket_size,
                       max_live=zcfg.stage3_max_live_parameters, max_reuse=zcfg.stage3_max_reuse_distance,
                       persistence=zcfg.stage3_param_persistence_threshold, checkpointed=recomputed,
-                      accumulate=accumulate)
+                      accumulate=accumulate, recorded=recorded)
     if accumulate > 1:
         gathers.steps = _within_each_step(gathers.steps)
         # the plain steps' gathers: a step after an optimizer step that ends with one (a cycle's last micro-step

@@ -50,6 +50,9 @@ class _Param:
 class Module:
     name: str
     params: tuple[str, ...]
+    # whether backward releases it (its post-backward hook hangs on inputs that need a gradient; an embedding's
+    # parameters stay to release_and_reset_all): known from a recorded trace (``recorded_modules``)
+    released_in_backward: bool = True
 
 
 @dataclass
@@ -61,7 +64,7 @@ class GatherOps:
     calls: list[list[tuple]] = field(default_factory=list)
 
 
-def modules_of(table: list[ParamInfo]) -> tuple[list[Module], list[Module]]:
+def modules_of(table: list[ParamInfo], recorded: tuple | None = None) -> tuple[list[Module], list[Module]]:
     """(forward, backward) module traces of a Hugging Face decoder, as DeepSpeed's hooks see them: every module
     whose forward runs, parameter-less ones included (each fetch may prefetch). Forward, in pre-forward order: the
     wrappers down to the base model (the causal-LM one; under peft also ``PeftModel`` and ``LoraModel``), the
@@ -73,7 +76,12 @@ def modules_of(table: list[ParamInfo]) -> tuple[list[Module], list[Module]]:
     on outputs that require grad: ``parameter_offload._apply_forward_and_backward_to_tensors_only``): the reverse
     of the post-forward order, less the rotary embedding and the modules whose output needs no gradient (under
     LoRA: the frozen embedding, and in the first layer what reads its input before an adapter:
-    ``_projection_modules``)."""
+    ``_projection_modules``).
+
+    ``recorded``: a profile's recorded module trace at full depth (``ParamTable.module_trace``), taken instead
+    (``recorded_modules``; ``estimator.reserved.zero3.recorded_trace`` says when)."""
+    if recorded is not None:
+        return recorded_modules(recorded)
     order = model_order(table)
     trainable = {p.name: p.trainable for p in table}
     direct: dict[str, list[str]] = {}
@@ -173,6 +181,19 @@ def modules_of(table: list[ParamInfo]) -> tuple[list[Module], list[Module]]:
     return [Module(n, ps) for n, ps in forward], [Module(n, ps) for n, ps in backward]
 
 
+def recorded_modules(recorded: tuple) -> tuple[list[Module], list[Module]]:
+    """(forward, backward) module traces from a profile's recorded trace at full depth
+    (``estimator.models.modules.module_trace_at_depth``): every module in pre-forward order with its direct
+    parameters, then each pre-backward hook as backward ran it (a module whose output needs no gradient, such
+    as a rotary embedding, has none), each fetching the module's direct parameters; a backward module none of
+    whose inputs needs a gradient is not released there (``Module.released_in_backward``)."""
+    forward, backward = recorded
+    params_of = {n: ps for n, ps, _ in forward}
+    grad_inputs = {n: k for n, _, k in forward}
+    return ([Module(n, ps) for n, ps, _ in forward],
+            [Module(n, params_of.get(n, ()), grad_inputs.get(n, 0) > 0) for n in backward])
+
+
 def _projection_modules(projection: str, owners: list[str], direct: dict, needs_grad, reads_grad: bool
                         ) -> tuple[list[tuple[str, tuple[str, ...]]], list[str], set[str], bool]:
     """One projection's (forward entries, post-forward order, modules whose output needs no gradient, whether its
@@ -233,7 +254,7 @@ def _wrappers_released_last(releases_after: dict[int, list[int]], trace: list[Mo
 
 
 def _with_external(modules: list[Module], external: dict[str, tuple[str, ...]]) -> list[Module]:
-    return [Module(m.name, m.params + external.get(m.name, ())) for m in modules]
+    return [Module(m.name, m.params + external.get(m.name, ()), m.released_in_backward) for m in modules]
 
 
 def _dtype_name(elem_bytes: int) -> str:
@@ -299,13 +320,15 @@ def with_recomputation(forward: list[Module], backward: list[Module], checkpoint
 
 def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket: int = 50_000_000,
             max_live: int = 1_000_000_000, max_reuse: int = 1_000_000_000, persistence: int = 100_000,
-            checkpointed: frozenset[int] = frozenset(), accumulate: int = 1) -> GatherOps:
+            checkpointed: frozenset[int] = frozenset(), accumulate: int = 1, recorded: tuple | None = None
+            ) -> GatherOps:
     """The allgather stream's allocations and frees of ``steps`` training steps (module docstring);
     ``checkpointed``: the decoder layers recomputed in backward (``with_recomputation``); ``accumulate``: the
-    steps are micro-steps, an optimizer step after every that many (``_micro_step_start``)."""
+    steps are micro-steps, an optimizer step after every that many (``_micro_step_start``); ``recorded``: the
+    profile's module trace, where it stands for the derived one (``modules_of``)."""
     index = ds_id_order(table)
     params = {p.name: _Param(p.name, p.numel, p.elem_bytes, p.numel < persistence) for p in table}
-    forward, backward = modules_of(table)
+    forward, backward = modules_of(table, recorded)
     external = external_params(forward)
     backward, moved = with_recomputation(_with_external(forward, external), _with_external(backward, external),
                                          checkpointed)
@@ -314,6 +337,8 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
     holders: dict[str, set[int]] = {n: set() for ps in external.values() for n in ps}  # ds_active_sub_modules
     releases_after: dict[int, list[int]] = {}
     for at in range(len(trace)):
+        if at >= len(forward) and not trace[at].released_in_backward:
+            continue  # released by release_and_reset_all, at backward's end
         if at not in moved:
             releases_after.setdefault(at, []).append(at)
         elif moved[at] is not None:
@@ -409,6 +434,17 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
         (holders[name].add if fetched else holders[name].discard)(module)
         return not fetched and bool(holders[name])
 
+    def reset_all(out: list) -> None:
+        """The optimizer step's ``release_and_reset_all``, right after backward: every parameter still gathered
+        (in the trace-recording step only those backward does not release: ``Module.released_in_backward``),
+        in ``model.parameters()`` order."""
+        for n in reset_order:
+            wait(out, [n])
+            release(out, n)
+        for modules in holders.values():
+            modules.clear()
+
+    reset_order = [p.name for p in model_order(table)]
     # step 1: the trace is recorded, nothing prefetched, every parameter released after its module; an adapter
     # the wrapper reads before its own fetch is gathered on the default stream (``estimator.reserved.zero3``)
     out: list = []
@@ -426,6 +462,8 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
             for n in first_trace[released].params:
                 if not held(n, released, False):
                     release(out, n)
+    if accumulate == 1:
+        reset_all(out)
     ops.steps.append(out)
     ops.calls.append(calls)
     queue_order = [(n, step_id) for step_id, m in enumerate(trace) for n in m.params]
@@ -464,12 +502,8 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
                 n_available += numel
             for released in releases_after.get(step_id, ()):
                 n_available -= release_module(out, released, step_id + 1)
-        if (micro + 1) % accumulate == 0:  # the optimizer step's release_and_reset_all, right after backward
-            for n in params:
-                wait(out, [n])
-                release(out, n)
-            for modules in holders.values():
-                modules.clear()
+        if (micro + 1) % accumulate == 0:
+            reset_all(out)
         ops.steps.append(out)
         ops.calls.append(calls)
     return ops

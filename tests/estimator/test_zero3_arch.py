@@ -1,0 +1,190 @@
+"""ZeRO-3's parameter coordinator on architectures other than Llama: the module trace recorded in the profile
+(``estimator.profiler.modules``), stretched to full depth (``estimator.models.modules``) and followed by the
+gathers' emulation (``estimator.reserved.zero3_gathers.recorded_modules``).
+
+The fast tests read the shipped profiles of OPT-1.3b, Pythia-1b and BLOOM-1b1 (their traces added with
+``python -m estimator.profiler.add_module_trace facebook/opt-1.3b EleutherAI/pythia-1b bigscience/bloom-1b1``); the slow
+ones record a tiny Llama's trace against the derived one, and compare the generated allgather stream with real
+DeepSpeed runs on CPU (``benchmarks/zero3_arch_replay.py``, ``docs/error_matrix/zero3_arch_cpu.csv``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from estimator.models.modules import module_trace_at_depth
+from estimator.reserved.zero3 import recorded_trace
+from estimator.reserved.zero3_gathers import emulate, modules_of
+
+TRAINING = {"precision": "mixed_bf16", "micro_batch_size": 2, "seq_len": 1024}
+# per decoder layer, the modules' pre-forward order (each with its direct parameters' count) and the backward's
+LAYERS = {
+    "facebook/opt-1.3b": (
+        [("", 0), ("self_attn_layer_norm", 2), ("self_attn", 0), ("self_attn.q_proj", 2), ("self_attn.k_proj", 2),
+         ("self_attn.v_proj", 2), ("self_attn.out_proj", 2), ("final_layer_norm", 2), ("fc1", 2),
+         ("activation_fn", 0), ("fc2", 2)],
+        ["", "fc2", "activation_fn", "fc1", "final_layer_norm", "self_attn", "self_attn.out_proj",
+         "self_attn.v_proj", "self_attn.k_proj", "self_attn.q_proj", "self_attn_layer_norm"]),
+    "EleutherAI/pythia-1b": (  # parallel residual: the MLP reads the layer's input through its own norm
+        [("", 0), ("input_layernorm", 2), ("attention", 0), ("attention.query_key_value", 2),
+         ("attention.dense", 2), ("post_attention_dropout", 0), ("post_attention_layernorm", 2), ("mlp", 0),
+         ("mlp.dense_h_to_4h", 2), ("mlp.act", 0), ("mlp.dense_4h_to_h", 2), ("post_mlp_dropout", 0)],
+        ["", "post_mlp_dropout", "mlp", "mlp.dense_4h_to_h", "mlp.act", "mlp.dense_h_to_4h",
+         "post_attention_layernorm", "post_attention_dropout", "attention", "attention.dense",
+         "attention.query_key_value", "input_layernorm"]),
+    "bigscience/bloom-1b1": (
+        [("", 0), ("input_layernorm", 2), ("self_attention", 0), ("self_attention.query_key_value", 2),
+         ("self_attention.attention_dropout", 0), ("self_attention.dense", 2), ("post_attention_layernorm", 2),
+         ("mlp", 0), ("mlp.dense_h_to_4h", 2), ("mlp.gelu_impl", 0), ("mlp.dense_4h_to_h", 2)],
+        ["", "mlp", "mlp.dense_4h_to_h", "mlp.gelu_impl", "mlp.dense_h_to_4h", "post_attention_layernorm",
+         "self_attention", "self_attention.dense", "self_attention.attention_dropout",
+         "self_attention.query_key_value", "input_layernorm"]),
+}
+# the modules before the layers (forward), after them, and the head's parameter (tied: the embedding's)
+ENDS = {
+    "facebook/opt-1.3b": (["", "model.decoder", "model.decoder.embed_tokens", "model.decoder.embed_positions"],
+                          ["model.decoder.final_layer_norm", "lm_head"], "model.decoder.embed_tokens.weight"),
+    "EleutherAI/pythia-1b": (["", "gpt_neox", "gpt_neox.embed_in", "gpt_neox.emb_dropout", "gpt_neox.rotary_emb"],
+                             ["gpt_neox.final_layer_norm", "lm_head"], "lm_head.weight"),
+    "bigscience/bloom-1b1": (["", "transformer", "transformer.word_embeddings",
+                              "transformer.word_embeddings_layernorm"],
+                             ["transformer.ln_f", "lm_head"], "transformer.word_embeddings.weight"),
+}
+
+
+def _table(model: str):
+    from estimator import api
+    from estimator.spec import TrainingSpec
+
+    arch, profile = api.load_model_profile(model, TrainingSpec(**TRAINING), 1, allow_build=False)
+    return arch, api._param_table(profile, arch.num_layers)
+
+
+@pytest.mark.parametrize("model", list(LAYERS))
+def test_the_recorded_trace_has_each_architectures_module_order(model):
+    """Every decoder layer's modules in the order their hooks fire, forward and backward, with their direct
+    parameters (biases included); the embeddings, whose positional inputs need no gradient, are not released in
+    backward;
+    the head fetches the embedding where it is tied."""
+    arch, table = _table(model)
+    forward, backward = modules_of(table, recorded_trace(table))
+    layer_forward, layer_backward = LAYERS[model]
+    before, after, head = ENDS[model]
+    prefix = forward[len(before)].name
+    assert prefix.endswith(".0")
+    base = prefix[:-2]
+    per_layer = [(f"{base}.{i}" + (f".{n}" if n else ""), k) for i in range(arch.num_layers)
+                 for n, k in layer_forward]
+    assert [m.name for m in forward] == before + [n for n, _ in per_layer] + after
+    assert [len(m.params) for m in forward[len(before):-len(after)]] == [k for _, k in per_layer]
+    assert forward[-1].params == (head,)
+    layers_back = [m.name for m in backward if m.name.startswith(f"{base}.")]
+    assert layers_back == [f"{base}.{i}" + (f".{n}" if n else "") for i in reversed(range(arch.num_layers))
+                           for n in layer_backward]
+    assert [m.name for m in backward[:2]] == ["", "lm_head"]
+    assert not backward[-1].released_in_backward and backward[-1].name == before[2]
+    # (a module called with keyword inputs only, as OPT's attention, is not released either: it holds none)
+    assert all(m.released_in_backward for m in backward if m.name.startswith(f"{base}.") and m.params)
+
+
+@pytest.mark.parametrize("model", list(LAYERS))
+def test_the_trace_recording_step_gathers_each_module_alone(model):
+    """The first step (no prefetch) gathers each module's direct parameters in one call: one tensor into its own
+    padded storage, a weight and its bias into one flat tensor of both padded partitions; the embeddings are
+    released only at backward's end."""
+    _, table = _table(model)
+    world = 8
+    by_name = {p.name: p for p in table}
+    forward, _ = modules_of(table, recorded_trace(table))
+    ops = emulate(table, world, steps=1, recorded=recorded_trace(table))
+    gathers = [c[1] for c in ops.calls[0] if c[0] == "G"]
+    assert gathers[:len([m for m in forward if m.params])] == [tuple(sorted(
+        m.params, key=[p.name for p in table].index)) for m in forward if m.params]
+    made = [nbytes for sign, _, nbytes in ops.steps[0] if sign > 0]
+    first = next(m for m in forward if m.params)
+    embedding = by_name[first.params[0]]
+    assert made[0] == math.ceil(embedding.numel / world) * world * embedding.elem_bytes
+    released = [c[1] for c in ops.calls[0] if c[0] == "R"]
+    assert released[-1] in (first.params[0], *(n for m in forward[:4] for n in m.params))
+
+
+def test_a_trace_stretches_to_full_depth_or_not_at_all():
+    """The generic traced layer repeated for every layer (forward ascending, backward descending), the modules
+    outside the layers kept where they ran; a module outside the layers between two of them, or layers that
+    differ, leave no trace (the replay refuses)."""
+    def layer(i):
+        return [[i, "", [], 1], [i, "fc", ["fc.weight"], 1]]
+
+    trace = {"forward": [[None, "embed", ["embed.weight"], 0]] + layer(0) + layer(1) + layer(2)
+             + [[None, "head", ["head.weight"], 1]],
+             "backward": [[None, "head"]] + [[i, n] for i in (2, 1, 0) for n in ("", "fc")] + [[None, "embed"]]}
+    forward, backward = module_trace_at_depth(trace, "layers", 4)
+    assert forward == [("embed", ("embed.weight",), 0)] + [
+        (f"layers.{i}" + s, ((f"layers.{i}.fc.weight",) if s else ()), 1) for i in range(4) for s in ("", ".fc")
+    ] + [("head", ("head.weight",), 1)]
+    assert backward == ["head"] + [f"layers.{i}{s}" for i in (3, 2, 1, 0) for s in ("", ".fc")] + ["embed"]
+    between = {**trace, "forward": layer(0) + [[None, "norm", [], 1]] + layer(1) + layer(2)}
+    assert module_trace_at_depth(between, "layers", 4) is None
+    differing = {**trace, "forward": layer(0) + layer(1) + [[2, "", [], 1]]}
+    assert module_trace_at_depth(differing, "layers", 4) is None
+
+
+def test_zero3_refuses_a_non_llama_table_without_a_trace_and_with_lora_or_checkpointing():
+    from estimator.models.params import ParamTable
+    from estimator.reserved.zero3 import why_not_zero3
+    from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
+
+    def spec(**training) -> RunSpec:
+        return RunSpec(model="facebook/opt-1.3b", training=TrainingSpec(**{**TRAINING, **training}),
+                       parallel=ParallelSpec(method="zero3", world_size=2))
+
+    _, table = _table("facebook/opt-1.3b")
+    assert why_not_zero3(spec(), table) is None
+    assert why_not_zero3(spec(), list(table)).startswith("zero3: the coordinator's module trace")
+    assert why_not_zero3(spec(grad_ckpt=True), table).startswith("zero3 with LoRA or checkpointing")
+    untraced = ParamTable(table)
+    assert why_not_zero3(spec(), untraced).startswith("zero3: the coordinator's module trace")
+
+
+@pytest.mark.slow
+def test_a_tiny_llamas_recorded_trace_is_the_derived_one():
+    """The trace recorded from a tiny Llama's step (fake tensors) is the one ``modules_of`` derives from its
+    parameter table, forward and backward."""
+    from estimator.models.params import expand_params
+    from estimator.profiler.add_module_trace import trace_for
+    from estimator.profiler.profile import PROFILE_LAYERS, _Model, param_table
+    from estimator.reserved.zero3_gathers import recorded_modules
+    from estimator.spec import TrainingSpec
+    from tests.estimator.test_zero3_recompute import LLAMA
+
+    training = TrainingSpec(precision="mixed_bf16", attn="sdpa")
+    model = _Model(LLAMA, training, PROFILE_LAYERS)
+    params = param_table(model.base, model.layers, PROFILE_LAYERS)
+    params["module_trace"] = trace_for(LLAMA, training)
+    table = expand_params(params, LLAMA["num_hidden_layers"])
+    derived_forward, derived_backward = modules_of(list(table))
+    recorded_forward, recorded_backward = recorded_modules(table.module_trace)
+    assert [(m.name, m.params) for m in recorded_forward] == [(m.name, m.params) for m in derived_forward]
+    assert [(m.name, m.params) for m in recorded_backward] == [(m.name, m.params) for m in derived_backward]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["opt", "gpt_neox", "bloom", "gpt2"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_allgather_stream_is_a_real_runs(tmp_path, arch, world):
+    """A real DeepSpeed ZeRO-3 run on CPU of a tiny model built from config (rank 0, three steps, each storage on
+    the stream a GPU run makes it on): the generated allgather stream is the run's, request by request, in every
+    step. (The default and reduction streams differ by the memory-efficient linear's bias gradients:
+    ``docs/error_matrix/zero3_arch_cpu.csv``.)"""
+    pytest.importorskip("deepspeed")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import zero3_arch_replay
+
+    row = zero3_arch_replay.point(tmp_path, arch, world)
+    assert row["source"] == "replayed"
+    assert [d for d in __import__("json").loads(row["first_differences"]) if d[0] == 2] == []
