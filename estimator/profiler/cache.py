@@ -79,10 +79,27 @@ def load_model_profile(model: str, training: TrainingSpec, tp: int = 1, *, allow
     configured = replace(training, vocab_size=0)
     profile = get_profile(arch.config, arch.config_sha, configured, allow_build=allow_build, tp=tp,
                           adapters_16bit=adapters_16bit)
-    profile = with_layer_kinds_at_depth(profile, arch, configured, allow_build=allow_build)
+    profile = with_layer_kinds_at_depth(_with_hook_moments(profile), arch, configured, allow_build=allow_build)
     if not resized:
         return arch, profile
     return spec_arch(model, training.vocab_size), _resized_vocab(profile, arch.vocab_size, training.vocab_size)
+
+
+# id of a loaded profile -> (that profile, kept so its id stays its own; its copy with today's hook moments)
+_HOOKED: dict[int, tuple[dict, dict]] = {}
+
+
+def _with_hook_moments(profile: dict) -> dict:
+    """``estimator.profiler.vocab.with_hook_moments`` once per loaded profile (a profile summarised by an older
+    rule for gradients' hook moments, as every shipped one is, summarised again from its events)."""
+    if not any("events" in regime for regime in profile.get("regimes", ())):
+        return profile
+    from estimator.profiler.vocab import with_hook_moments
+
+    key = id(profile)
+    if key not in _HOOKED or _HOOKED[key][0] is not profile:
+        _HOOKED[key] = (profile, with_hook_moments(profile))
+    return _HOOKED[key][1]
 
 
 # (id of the configured profile, rows) -> (that profile, kept so its id stays its own; the re-sized copy)

@@ -51,7 +51,7 @@ def _segment_summary(events: list[tuple], coeffs: list[list[Fraction]], grads: l
             if i in per_layer_at:
                 per_layer = [a + sign * x for a, x in zip(per_layer, c)]
         nxt = events[i + 1][0] if i + 1 < len(events) else "end"
-        if kind == "a" and nxt != "a":
+        if (kind == "a" and nxt != "a") or i in hooks_at:
             candidates.append((list(act), grad, list(per_layer), i in hooks_at))
     candidates.append((list(act), grad, list(per_layer), len(events) in hooks_at))
     kept, kept_per_layer, hooks = [], [], []
@@ -74,24 +74,40 @@ def _segment_summary(events: list[tuple], coeffs: list[list[Fraction]], grads: l
 
 
 def _hook_moments(events: list[tuple], grads: list[str | None]) -> set[int]:
-    """Positions in ``events`` where a gradient's hook is counted: the end of the run of allocations that holds
-    the gradient's (the autograd node's outputs), before the frees that follow. The engine runs the
-    ``AccumulateGrad`` node (and DeepSpeed's hook) once the node has returned, but the real runs show the level
-    of this moment there in places: small-opt's fp32 ZeRO-2 rank flushed into its new partition buffer with 2 MiB
-    the profile frees right after the gradient still alive; DeepSeek-V2's final norm had freed its 32 KiB first
-    (this moment is then an upper bound by those). (``len(events)``: a segment that ends in the run.)"""
+    """Positions in ``events`` where a gradient's hook is counted. The engine runs the ``AccumulateGrad`` node (and
+    DeepSpeed's hook) once the node that made the gradient has returned and released its inputs and saved tensors
+    (``evaluate_function``: ``release_variables`` before the outputs are dispatched), before any other node. So
+    the hook comes after the run of allocations that holds the gradient (the node's outputs) and the frees that
+    follow it (the node's releases): an untied head's gradient is hooked once its node freed the vocabulary-sized
+    logits gradient. Where one of those frees is of a tensor allocated in that run, a later node made or freed it
+    (a node that releases nothing merges its run with the next node's: small-opt's fc2 ``AddmmBackward`` with the
+    ReLU's backward); the hook is then counted at the end of the allocation run, an upper bound by the next
+    node's allocations (DeepSeek-V2's and small-opt's real runs show both)."""
     moments: set[int] = set()
-    pending = False
+    run: set[int] = set()  # ordinals allocated in the current allocation run
     for i, event in enumerate(events):
-        if event[0] == "a" and grads[event[1]] is not None:
-            pending = True
+        if event[0] != "a":
+            continue
+        run.add(event[1])
         nxt = events[i + 1][0] if i + 1 < len(events) else "end"
-        if pending and event[0] == "a" and nxt != "a":
-            moments.add(i)
-            pending = False
-    if pending:
-        moments.add(len(events))
+        if nxt != "a":
+            if any(grads[ordinal] is not None for ordinal in run):
+                moments.add(_after_releases(events, i, run))
+            run = set()
     return moments
+
+
+def _after_releases(events: list[tuple], end: int, run: set[int]) -> int:
+    """The hook moment of a gradient whose allocation run ends at ``end`` (``_hook_moments``): the last of the
+    frees that follow, or ``end`` itself when there are none or one frees a tensor of the run."""
+    last = end
+    for j in range(end + 1, len(events)):
+        if events[j][0] != "f":
+            break
+        if events[j][1] in run:
+            return end
+        last = j
+    return last
 
 
 def _dominated(candidates: list[tuple[list, Fraction, list, bool]], interval: list[int], k: int) -> bool:

@@ -87,20 +87,39 @@ def _resized_regime(regime: dict, old: int, new: int) -> dict:
 
 def _rederived(found: dict, stored: dict, segments: bool) -> bool:
     """Whether the summaries worked out from the events are the stored ones: equal, or (a profile summarised
-    before hook moments were kept, ``summary._hook_moments``) the same but for the hook moments the older rule
-    dropped as dominated, which change no peak outside ZeRO: then the re-summary is what a trace today gives."""
+    before hook moments were kept or placed after the node's releases, ``summary._hook_moments``) the same but for
+    the hook moments, which change no peak outside ZeRO: then the re-summary is what a trace today gives. A
+    stored candidate that is not one of its hook moments is one the re-summary keeps too."""
     if found == stored or not segments:
         return found == stored
     for name, segment in stored.items():
         now = found.get(name, {})
         if segment == now:
             continue
-        if "hooks" in segment or {k: v for k, v in now.items() if k not in ("hooks", "candidates")} != \
-                {k: v for k, v in segment.items() if k != "candidates"}:
+        if {k: v for k, v in now.items() if k not in ("hooks", "candidates")} != \
+                {k: v for k, v in segment.items() if k not in ("hooks", "candidates")}:
             return False
-        if any(candidate not in now["candidates"] for candidate in segment["candidates"]):
+        hooks = set(segment.get("hooks", ()))
+        if any(candidate not in now["candidates"] for k, candidate in enumerate(segment["candidates"])
+               if k not in hooks):
             return False
     return set(found) == set(stored)
+
+
+def with_hook_moments(profile: dict) -> dict:
+    """``profile`` with its backward segments summarised again from its events where they were summarised by an
+    older rule for gradients' hook moments (none kept: the shipped profiles; or placed before the node's
+    releases), so that ZeRO's gradient hooks fall where ``summary._hook_moments`` places them today. A regime
+    whose stored summaries the events do not give back (``_rederived``: a carried-over summary) is kept as it is.
+    The profile itself is not changed."""
+    regimes = []
+    for regime in profile["regimes"]:
+        found = summaries_from_events(regime) if "events" in regime and "segments" in regime else None
+        if found is not None and all(_rederived(found[name], regime[name], True)
+                                     for name in ("segments", "segments_manual") if name in regime):
+            regime = {**regime, **{name: found[name] for name in ("segments", "segments_manual") if name in regime}}
+        regimes.append(regime)
+    return {**profile, "regimes": regimes}
 
 
 def _coeffs(events: dict) -> list[list[Fraction]]:

@@ -260,3 +260,61 @@ def test_the_profile_keeps_a_gradients_hook_moment_that_a_later_moment_outweighs
     assert summary["hooks"] == [0]
     forward = _segment_summary([("a", 0), ("f", 0)], coeffs, grads)
     assert "hooks" not in forward  # no gradient: nothing a ZeRO policy reads
+
+
+def _summary_of(sizes: list[int], grads: list[str | None], events: list[tuple]) -> dict:
+    from fractions import Fraction
+
+    from estimator.profiler.profile import _segment_summary
+
+    coeffs = [[Fraction(n)] + [Fraction(0)] * 5 for n in sizes]
+    return _segment_summary(events, coeffs, grads)
+
+
+def test_a_gradients_hook_comes_after_its_node_released_its_inputs():
+    # An untied head's backward (Pythia's embed_out): the bf16 logits gradient (0) is made and the fp32 one (5)
+    # freed; the head's node makes the weight's gradient (1) and the hidden state's (2), then releases its input
+    # (0) and its saved hidden state (3, from forward). The engine runs the weight's AccumulateGrad, and
+    # DeepSpeed's hook (the IPG bucket), only then: the hook moment holds neither the logits gradient nor the
+    # saved state. The final norm's backward (4) follows.
+    sizes = [100, 50, 8, 4, 8, 200]
+    grads = [None, "head.weight", None, None, None, None]
+    events = [("a", 0), ("f", 5), ("a", 1), ("a", 2), ("f", 0), ("f", 3), ("a", 4), ("f", 4)]
+    summary = _summary_of(sizes, grads, events)
+    assert [(act[0], grad) for act, grad in summary["candidates"]] == [
+        (100.0, 0.0), (-92.0, 50.0), (-196.0, 50.0), (-188.0, 50.0)]
+    assert summary["hooks"] == [2]  # after the node's frees, not at its allocations (-92)
+
+
+def test_a_gradients_hook_before_the_next_nodes_allocations_stays_at_the_allocation_run():
+    # small-opt's fc2 (AddmmBackward) releases nothing: its allocations (the input's gradient 0, the weight's and
+    # the bias's 1, 2) run on into the ReLU's backward (3), which frees the input's gradient it consumed (0) and
+    # the saved output (4). A free of a tensor made in the run shows that a later node ran: the hook is counted
+    # at the end of the allocation run (an upper bound by the later node's allocation), not after those frees.
+    sizes = [16, 40, 1, 16, 16]
+    grads = [None, "fc2.weight", "fc2.bias", None, None]
+    events = [("a", 0), ("a", 1), ("a", 2), ("a", 3), ("f", 0), ("f", 4)]
+    summary = _summary_of(sizes, grads, events)
+    assert [(act[0], grad) for act, grad in summary["candidates"]] == [(32.0, 41.0), (0.0, 41.0)]
+    assert summary["hooks"] == [0]
+
+
+def test_a_profile_summarised_before_hook_moments_is_summarised_again_at_load():
+    # The shipped profiles carry no hook moments; loaded, their backward segments are re-derived from their events
+    # (the stored summaries otherwise kept), so ZeRO's hooks fall after the node's releases.
+    from estimator.models.profiles import find_profile, profile_key
+    from estimator.profiler.cache import cached_arch, load_model_profile
+    from estimator.profiler.vocab import with_hook_moments
+    from estimator.spec import TrainingSpec
+
+    training = TrainingSpec(precision="mixed_bf16", attn="sdpa", micro_batch_size=2, seq_len=1024)
+    stored = find_profile(profile_key(cached_arch("EleutherAI/pythia-1b").config_sha, training, 1, False))
+    assert not any("hooks" in segment for r in stored["regimes"] for segment in r["segments"].values())
+    _, profile = load_model_profile("EleutherAI/pythia-1b", training, allow_build=False)
+    regime, before = profile["regimes"][-1], stored["regimes"][-1]
+    assert "hooks" in regime["segments"]["mid_bw"] and "hooks" in regime["segments_manual"]["bw"]
+    for name in ("prefix", "fw", "mid_fw"):  # no gradient: as stored
+        assert regime["segments"][name] == before["segments"][name]
+    assert regime["segments"]["mid_bw"]["net_act"] == before["segments"]["mid_bw"]["net_act"]
+    again = with_hook_moments(profile)
+    assert again["regimes"][-1]["segments"] == regime["segments"]  # today's summaries: a fixed point
