@@ -70,9 +70,9 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
         return "zero3 with parameter offload: not in the replay yet"
     if training.qlora:
         return "zero3 with QLoRA: the packed weights are built without zero.Init, not in the replay"
-    if training.lora and training.grad_ckpt:
-        return ("zero3 with LoRA and checkpointing: the frozen weights a recomputation gathers are held for the "
-                "backward module that triggered it (update_recompute_parameters), not in the replay yet")
+    if training.lora and training.grad_ckpt and training.ckpt_policy:
+        return ("zero3 with LoRA and every-k checkpointing: checked against runs with every layer checkpointed "
+                "only")
     if training.lora and zcfg.offload_optimizer:
         return "zero3 with LoRA and optimizer offload: not checked against a run yet"
     if zcfg.offload_optimizer and (training.grad_accum_steps > 1 or training.grad_ckpt):
@@ -418,7 +418,8 @@ def _hold_saved_inputs(body: list, moved: dict[int, int], marks: tuple, saved: t
     inserted: dict[int, list] = {}
     for layer, sizes in by_segment.items():
         forward = bounds("mid_fw" if layer is None else "fw", layer)
-        backward_end = bounds("mid_bw" if layer is None else "bw", layer)[1]
+        backward = bounds("mid_bw" if layer is None else "bw", layer)
+        backward_end = backward[1] if layer is not None else _after_head_backward(body, *backward, sizes)
         for at in _held_in_segment(body, *forward, sizes):
             removed.add(at)
             inserted.setdefault(backward_end, []).append(body[at])
@@ -433,6 +434,12 @@ def _hold_saved_inputs(body: list, moved: dict[int, int], marks: tuple, saved: t
     body[:] = out
     for index, at in moved.items():
         moved[index] = new_at[at]
+
+
+def _after_head_backward(body: list, start: int, end: int, sizes: list[int]) -> int:
+    """Where the head's held input goes: its backward frees it once it has made the input's gradient (the first
+    tensor of the input's size in ``mid_bw``), before the loss's tensors go (the segment's end where none)."""
+    return next((k + 1 for k in range(start, end) if body[k][0] == ALLOC and body[k][2] in sizes), end)
 
 
 def _held_in_segment(body: list, start: int, end: int, sizes: list[int]) -> list[int]:
