@@ -3,12 +3,14 @@ the prior it replaces, beside real DeepSpeed runs on CPU of tiny Llamas.
 
     PYTHONPATH=. .venv/bin/python benchmarks/zero3_ckpt_replay.py [--worlds 2 4] [--llama-1b]
     PYTHONPATH=. .venv/bin/python benchmarks/zero3_ckpt_replay.py --lora [--accum 1 2 4] [--precisions ...] \
-        [--csv PATH]
+        [--ckpt plain ckpt] [--recordings DIR] [--csv PATH]
 
 ``--lora`` (peft LoRA r8 on q/v; ``--accum``: micro-steps per optimizer step, each with and without full
 non-reentrant checkpointing): the recording marks each allocation's stream as a GPU run makes it
 (``test_reserved_zero._StreamMarks``), so both streams are also replayed on DeepSpeed's three streams, and each
-stream's requests are compared in order, step by step (``first_differences``).
+stream's requests are compared in order, step by step (``first_differences``; each run of frees as a set).
+``--ckpt ckpt``: the checkpointed points only (docs/error_matrix/zero3_lora_ckpt_cpu.csv); ``--recordings``: keep
+each point's recorded events there and reuse them (the generated side is rebuilt every time).
 
 Per point (tiny Llama, hidden 64 or 256, 4 layers, mixed_bf16, 3 steps; norms persistent, a prefetch about a
 layer): rank 0 of a real run on CPU (torch's fake process group, every storage recorded:

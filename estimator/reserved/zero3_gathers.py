@@ -14,7 +14,9 @@ over the modules that hold parameters, in forward order and then in reverse for 
   (``stage3_param_persistence_threshold``) included; from then on those stay gathered.
 * Checkpointed layers (``with_recomputation``): backward's first fetch in the layer (the MLP's last projection)
   triggers the recomputation, whose forward modules are fetched, released and traced like forward's; it stops
-  early, so that projection stays gathered until its backward release.
+  early, so that projection stays gathered until its backward release. The frozen parameters it fetches are
+  held for that projection and released with its backward release (``update_recompute_parameters``); a
+  trainable one it releases keeps its storage to its module's backward (the checkpoint saved a detached alias).
 * Later steps prefetch: after each fetch, parameters are popped off the trace's queue (those of the module just
   fetched, then up to ``stage3_prefetch_bucket_size`` elements, within ``stage3_max_live_parameters``) and
   gathered in one call; a release keeps what a module within ``stage3_max_reuse_distance`` elements of the trace
@@ -277,8 +279,8 @@ def with_recomputation(forward: list[Module], backward: list[Module], checkpoint
     calls the checkpoint from the layer's ``__call__``), so the coordinator fetches and releases each module as in
     forward and records them in the trace. It stops early (``torch.utils.checkpoint``'s early stop) once that last
     module has packed its inputs: its forward release never runs, and the projection stays gathered until its
-    backward release, after the recomputation. Frozen tensors' recompute attribution does not arise (full
-    fine-tuning)."""
+    backward release, after the recomputation. Frozen parameters the recomputation fetches are tied to that
+    first module (``emulate``'s ``tie``: ``recompute_owners``)."""
     if not checkpointed:
         return backward, {}
     out: list[Module] = []
