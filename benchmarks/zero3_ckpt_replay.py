@@ -3,12 +3,14 @@ the prior it replaces, beside real DeepSpeed runs on CPU of tiny Llamas.
 
     PYTHONPATH=. .venv/bin/python benchmarks/zero3_ckpt_replay.py [--worlds 2 4] [--llama-1b]
     PYTHONPATH=. .venv/bin/python benchmarks/zero3_ckpt_replay.py --lora [--accum 1 2 4] [--precisions ...] \
-        [--csv PATH]
+        [--ckpt plain ckpt] [--recordings DIR] [--csv PATH]
 
 ``--lora`` (peft LoRA r8 on q/v; ``--accum``: micro-steps per optimizer step, each with and without full
 non-reentrant checkpointing): the recording marks each allocation's stream as a GPU run makes it
 (``test_reserved_zero._StreamMarks``), so both streams are also replayed on DeepSpeed's three streams, and each
-stream's requests are compared in order, step by step (``first_differences``).
+stream's requests are compared in order, step by step (``first_differences``; each run of frees as a set).
+``--ckpt ckpt``: the checkpointed points only (docs/error_matrix/zero3_lora_ckpt_cpu.csv); ``--recordings``: keep
+each point's recorded events there and reuse them (the generated side is rebuilt every time).
 
 Per point (tiny Llama, hidden 64 or 256, 4 layers, mixed_bf16, 3 steps; norms persistent, a prefetch about a
 layer): rank 0 of a real run on CPU (torch's fake process group, every storage recorded:
@@ -89,9 +91,12 @@ def _tiny_point(work: Path, hidden: int, world: int, b: int, s: int, ckpt: bool)
             "prior": prior.peak_reserved_bytes}
 
 
-def _record(work: Path, config: dict, spec, marked: bool) -> list[tuple]:
-    """Rank 0's events of a real run on CPU, in a subprocess (``marked``: with steps and streams)."""
-    out = work / "events.json"
+def _record(work: Path, config: dict, spec, marked: bool, keep: Path | None = None) -> list[tuple]:
+    """Rank 0's events of a real run on CPU, in a subprocess (``marked``: with steps and streams); ``keep``: a
+    file to reuse the events from (or to write them to)."""
+    if keep is not None and keep.exists():
+        return [tuple(e) for e in json.loads(keep.read_text())]
+    out = keep or work / "events.json"
     subprocess.run([sys.executable, "-c", _RECORD, json.dumps(config), spec.to_json(), str(out)]
                    + (["marked"] if marked else []), cwd=ROOT, check=True, capture_output=True, text=True)
     return [tuple(e) for e in json.loads(out.read_text())]
@@ -168,7 +173,9 @@ def first_differences(recorded: list[list[tuple]], generated: list[list[tuple]])
 
 
 def _sized(requests: list[tuple], stream: int) -> list[tuple]:
-    """One stream's requests as (kind, bytes)."""
+    """One stream's requests as (kind, bytes), each run of frees between two allocations sorted: DeepSpeed
+    releases a module's parameters in the order of a Python set of tensors (``release_sub_module``), which
+    follows their ids, and frees in a row leave the pool the same in any order."""
     size: dict = {}
     out = []
     for r in requests:
@@ -178,11 +185,25 @@ def _sized(requests: list[tuple], stream: int) -> list[tuple]:
                 out.append(("a", r[2]))
         elif r[1] in size and size[r[1]][1] == stream:
             out.append(("f", size[r[1]][0]))
+    return _frees_sorted(out)
+
+
+def _frees_sorted(sized: list[tuple]) -> list[tuple]:
+    out: list[tuple] = []
+    run: list[tuple] = []
+    for r in sized + [("a", None)]:
+        if r[0] == "f":
+            run.append(r)
+            continue
+        out += sorted(run)
+        run = []
+        if r[1] is not None:
+            out.append(r)
     return out
 
 
 def _streams_point(work: Path, hidden: int, world: int, b: int, s: int, ckpt: bool, precision: str, accum: int,
-                   offload: bool) -> dict:
+                   offload: bool, keep: Path | None = None) -> dict:
     from estimator.allocator.requests import simulate
     from estimator.api import estimate
 
@@ -190,7 +211,7 @@ def _streams_point(work: Path, hidden: int, world: int, b: int, s: int, ckpt: bo
     path = work / f"config_h{hidden}.json"
     path.write_text(json.dumps(config))
     spec = _spec(str(path), config, world, b, s, ckpt, precision, accum, lora=True, offload=offload)
-    recorded = recorded_steps(_record(work, config, spec, True))
+    recorded = recorded_steps(_record(work, config, spec, True, keep))
     generated = generated_steps(spec, b, s, len(recorded) - 1)
     flat_rec, flat_gen = [r for p in recorded for r in p], [r for p in generated for r in p]
     replayed, prior = estimate(spec).ranks[0], estimate(spec, replay_reserved=False).ranks[0]
@@ -216,9 +237,10 @@ def _lora_points(work: Path, args, argv: list[str] | None) -> int:
             for precision in args.precisions:
                 for accum in args.accum:
                     for ckpt in (mode == "ckpt" for mode in args.ckpt):
-                        r = _streams_point(work, hidden, world, b, s, ckpt, precision, accum, args.offload)
                         label = (f"h{hidden} x{world} {precision} k{accum} {'ckpt' if ckpt else 'plain'}"
                                  f"{' offload' if args.offload else ''}")
+                        keep = Path(args.recordings) / f"{label.replace(' ', '_')}.json" if args.recordings else None
+                        r = _streams_point(work, hidden, world, b, s, ckpt, precision, accum, args.offload, keep)
                         diffs = "; ".join(f"s{st} step{step} @{at} {pair[0]} vs {pair[1]}"
                                           for st, step, at, pair in r["differences"] if at is not None)
                         rows.append({"point": label, **{k: r[k] for k in COLUMNS[1:-1]},
@@ -263,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offload", action="store_true", help="with offload_optimizer")
     parser.add_argument("--ckpt", nargs="*", choices=["plain", "ckpt"], default=["plain", "ckpt"])
     parser.add_argument("--csv", help="write the LoRA points here")
+    parser.add_argument("--recordings", help="a folder to keep each LoRA point's recorded events in (reused)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     work = Path(tempfile.mkdtemp())

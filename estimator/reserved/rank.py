@@ -299,9 +299,10 @@ def _method_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo
 def _zero3_held_inputs(spec, table: list[ParamInfo], attention_view: bool) -> tuple:
     """(layer, bytes per token) of the frozen Linear inputs ZeRO-3's memory-efficient linear holds beyond plain
     autograd (``zero3_saved_linear_input_tensors``; none under full fine-tuning). Only where the allocated level
-    counts them too (``state._zero3_linear_saves``) and without checkpointing (refused under LoRA)."""
+    counts them too (``state._zero3_linear_saves``); a checkpointed layer's are made by its recomputation
+    (``zero3._hold_saved_inputs``)."""
     training = spec.training
-    if training.qlora or training.precision.startswith("amp") or training.ckpt_policy or training.grad_ckpt:
+    if training.qlora or training.precision.startswith("amp") or training.ckpt_policy:
         return ()
     return tuple(zero3_saved_linear_input_tensors(table, training.lora_dropout, training.ce == "standard",
                                                   attention_view))

@@ -27,8 +27,8 @@ requests sit among the default stream's does not change it.
 
 Checked against the four H100 snapshots (2 and 4 ranks, b1 s1024): ``tests/estimator/test_zero3_snapshots.py``.
 
-Under LoRA (peft's adapters; ``bf16`` with DeepSpeed's bf16 masters, or the mixed precisions; no checkpointing or
-offload): ``zero.Init``'s construction leaves the frozen tensors' partitions in the setup
+Under LoRA (peft's adapters; ``bf16`` with DeepSpeed's bf16 masters, or the mixed precisions; no offload, and
+checkpointing only full and non-reentrant): ``zero.Init``'s construction leaves the frozen tensors' partitions in the setup
 (``_lora_construction``, then ``defragment``'s ``empty_cache``), the flat buffer is the adapters' fp32 and the
 masters take the spec's dtype (``_lora_partitions``, ``master_elem_bytes``), the memory-efficient linear holds the
 frozen Linears' inputs to backward (``_hold_saved_inputs``), the frozen head's backward workspace follows its input
@@ -39,6 +39,10 @@ to the byte (``tests/estimator/test_zero3_lora.py``); its measured peaks are 2.5
 timing (``record_stream_caveat``). With gradient accumulation (``_accumulating``, as under full fine-tuning): real
 CPU runs of tiny Llamas, each allocation on the stream a GPU run makes it on, replayed on the three streams equal
 the generated stream's (``benchmarks/zero3_ckpt_replay.py --lora``, ``docs/error_matrix/zero3_lora_accum_cpu.csv``).
+With checkpointing: the recomputation's frozen weights tied to the module that triggered it, recomputed adapters'
+storage kept to their backward (``zero3_gathers.emulate``), the embedding in backward
+(``enable_input_require_grads``), the held inputs made by the recomputation (``_hold_saved_inputs``);
+``docs/error_matrix/zero3_lora_ckpt_cpu.csv``.
 
 Other architectures (full fine-tuning without checkpointing): the coordinator's module trace is the one the
 profile recorded (``estimator.profiler.modules``: every module's pre-forward hook with its direct parameters, every
@@ -77,9 +81,9 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
         return "zero3 with parameter offload: not in the replay yet"
     if training.qlora:
         return "zero3 with QLoRA: the packed weights are built without zero.Init, not in the replay"
-    if training.lora and training.grad_ckpt:
-        return ("zero3 with LoRA and checkpointing: the frozen weights a recomputation gathers are held for the "
-                "backward module that triggered it (update_recompute_parameters), not in the replay yet")
+    if training.lora and training.grad_ckpt and training.ckpt_policy:
+        return ("zero3 with LoRA and every-k checkpointing: checked against runs with every layer checkpointed "
+                "only")
     if training.lora and zcfg.offload_optimizer:
         return "zero3 with LoRA and optimizer offload: not checked against a run yet"
     if zcfg.offload_optimizer and (training.grad_accum_steps > 1 or training.grad_ckpt):
@@ -420,14 +424,18 @@ def _per_token_size_index(polys: list, per_token: float) -> int | None:
     return None
 
 
-def _hold_saved_inputs(body: list, moved: dict[int, int], marks: tuple, saved: tuple, polys: list) -> None:
+def _hold_saved_inputs(body: list, moved: dict[int, int], marks: tuple, saved: tuple, polys: list,
+                       recomputation_end=None) -> None:
     """DeepSpeed's memory-efficient linear (``LinearFunctionForZeroStage3``, ``zero.Init``'s replacement of
     ``F.linear``) saves each frozen Linear's input, which plain autograd (the profile's step) frees in forward
     (``estimator.methods.state.zero3_saved_linear_input_tensors``: under LoRA a layer's norm outputs and
     down_proj's input, the head's input). So those tensors' frees move from their forward segment to the end
     of their layer's backward segment (the head's: to the end of ``mid_bw``), the blocks staying where they
     were made. Found in the segment as Llama's forward makes them (``_held_in_segment``). ``body`` and ``moved``
-    (old op index -> new) are updated in place; ExpansionError where a held tensor is not found."""
+    (old op index -> new) are updated in place; ExpansionError where a held tensor is not found. A checkpointed
+    layer's forward saves nothing: its recomputation (``recomputation_end(layer, start)``: the index in ``body``
+    where it ends, None for a layer not recomputed) makes the held tensors, kept likewise to the layer's
+    backward end."""
     if not saved:
         return
 
@@ -447,7 +455,11 @@ def _hold_saved_inputs(body: list, moved: dict[int, int], marks: tuple, saved: t
     inserted: dict[int, list] = {}
     for layer, sizes in by_segment.items():
         forward = bounds("mid_fw" if layer is None else "fw", layer)
-        backward_end = bounds("mid_bw" if layer is None else "bw", layer)[1]
+        backward = bounds("mid_bw" if layer is None else "bw", layer)
+        end = None if layer is None or recomputation_end is None else recomputation_end(layer, backward[0])
+        if end is not None:
+            forward = (backward[0], end)
+        backward_end = backward[1] if layer is not None else _after_head_backward(body, *backward, sizes)
         for at in _held_in_segment(body, *forward, sizes):
             removed.add(at)
             inserted.setdefault(backward_end, []).append(body[at])
@@ -462,6 +474,12 @@ def _hold_saved_inputs(body: list, moved: dict[int, int], marks: tuple, saved: t
     body[:] = out
     for index, at in moved.items():
         moved[index] = new_at[at]
+
+
+def _after_head_backward(body: list, start: int, end: int, sizes: list[int]) -> int:
+    """Where the head's held input goes: its backward frees it once it has made the input's gradient (the first
+    tensor of the input's size in ``mid_bw``), before the loss's tensors go (the segment's end where none)."""
+    return next((k + 1 for k in range(start, end) if body[k][0] == ALLOC and body[k][2] in sizes), end)
 
 
 def _held_in_segment(body: list, start: int, end: int, sizes: list[int]) -> list[int]:
@@ -486,6 +504,16 @@ def _held_in_segment(body: list, start: int, end: int, sizes: list[int]) -> list
                                  "the layer's forward")
         found += [freed_at[key] for key in keys]
     return found
+
+
+def _first_gradient(body: list, layer: int, table: list[ParamInfo], grad_of: dict, start: int) -> int:
+    """The index in ``body`` of the layer's first parameter gradient from ``start`` on: its recomputation ends
+    before it."""
+    grads = {grad_of[id(p)][0] for p in table if p.layer == layer and id(p) in grad_of}
+    at = next((i for i in range(start, len(body)) if body[i][0] == ALLOC and body[i][1] in grads), None)
+    if at is None:
+        raise ExpansionError(f"zero3 with checkpointing: layer {layer} has no gradient after its recomputation")
+    return at
 
 
 def _recompute_output_made_then_dropped(body: list, moved: dict[int, int], layer: int, table: list[ParamInfo],
@@ -566,7 +594,9 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
             else:
                 step._free(head, tensors.pop(buffer))
         body, moved, loss = _backward_ops(expansion, events.ops, marks, table, step, polys)
-        _hold_saved_inputs(body, moved, marks, saved_inputs, polys)
+        _hold_saved_inputs(body, moved, marks, saved_inputs, polys,
+                           lambda layer, start: _first_gradient(body, layer, table, step.grad_of, start)
+                           if layer in recomputed else None)
         for layer in sorted(recomputed):
             _recompute_output_made_then_dropped(body, moved, layer, table, step.grad_of, stopped_output, build)
         if not first if kept_freed is None else kept_freed:

@@ -14,7 +14,9 @@ over the modules that hold parameters, in forward order and then in reverse for 
   (``stage3_param_persistence_threshold``) included; from then on those stay gathered.
 * Checkpointed layers (``with_recomputation``): backward's first fetch in the layer (the MLP's last projection)
   triggers the recomputation, whose forward modules are fetched, released and traced like forward's; it stops
-  early, so that projection stays gathered until its backward release.
+  early, so that projection stays gathered until its backward release. The frozen parameters it fetches are
+  held for that projection and released with its backward release (``update_recompute_parameters``); a
+  trainable one it releases keeps its storage to its module's backward (the checkpoint saved a detached alias).
 * Later steps prefetch: after each fetch, parameters are popped off the trace's queue (those of the module just
   fetched, then up to ``stage3_prefetch_bucket_size`` elements, within ``stage3_max_live_parameters``) and
   gathered in one call; a release keeps what a module within ``stage3_max_reuse_distance`` elements of the trace
@@ -44,6 +46,7 @@ class _Param:
     numel: int
     elem_bytes: int
     persistent: bool
+    trainable: bool = True
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,8 @@ class GatherOps:
     calls: list[list[tuple]] = field(default_factory=list)
 
 
-def modules_of(table: list[ParamInfo], recorded: tuple | None = None) -> tuple[list[Module], list[Module]]:
+def modules_of(table: list[ParamInfo], recorded: tuple | None = None, inputs_need_grad: bool = False
+               ) -> tuple[list[Module], list[Module]]:
     """(forward, backward) module traces of a Hugging Face decoder, as DeepSpeed's hooks see them: every module
     whose forward runs, parameter-less ones included (each fetch may prefetch). Forward, in pre-forward order: the
     wrappers down to the base model (the causal-LM one; under peft also ``PeftModel`` and ``LoraModel``), the
@@ -76,7 +80,9 @@ def modules_of(table: list[ParamInfo], recorded: tuple | None = None) -> tuple[l
     on outputs that require grad: ``parameter_offload._apply_forward_and_backward_to_tensors_only``): the reverse
     of the post-forward order, less the rotary embedding and the modules whose output needs no gradient (under
     LoRA: the frozen embedding, and in the first layer what reads its input before an adapter:
-    ``_projection_modules``).
+    ``_projection_modules``). ``inputs_need_grad``: the embedding's output requires a gradient whatever the
+    embedding's own (transformers' ``enable_input_require_grads``, which peft turns on under checkpointing), so
+    every module from it on is in backward.
 
     ``recorded``: a profile's recorded module trace at full depth (``ParamTable.module_trace``), taken instead
     (``recorded_modules``; ``estimator.reserved.zero3.recorded_trace`` says when)."""
@@ -114,7 +120,7 @@ def modules_of(table: list[ParamInfo], recorded: tuple | None = None) -> tuple[l
     for m in head:
         forward.append((m, tuple(direct[m])))
         post.append(m)
-        flows = flows or needs_grad(m)
+        flows = flows or needs_grad(m) or inputs_need_grad
         if not flows:
             no_grad.add(m)
     forward.append((f"{base}.rotary_emb", ()))
@@ -295,8 +301,8 @@ def with_recomputation(forward: list[Module], backward: list[Module], checkpoint
     calls the checkpoint from the layer's ``__call__``), so the coordinator fetches and releases each module as in
     forward and records them in the trace. It stops early (``torch.utils.checkpoint``'s early stop) once that last
     module has packed its inputs: its forward release never runs, and the projection stays gathered until its
-    backward release, after the recomputation. Frozen tensors' recompute attribution does not arise (full
-    fine-tuning)."""
+    backward release, after the recomputation. Frozen parameters the recomputation fetches are tied to that
+    first module (``emulate``'s ``tie``: ``recompute_owners``)."""
     if not checkpointed:
         return backward, {}
     out: list[Module] = []
@@ -318,6 +324,17 @@ def with_recomputation(forward: list[Module], backward: list[Module], checkpoint
     return out, moved
 
 
+def recompute_owners(moved: dict[int, int | None]) -> dict[int, int]:
+    """{a recomputation's fetch: the backward fetch that triggered the recomputation}, from
+    ``with_recomputation``'s moved releases (the trigger's release moves to the recomputation's last fetch, whose
+    own release never runs)."""
+    out: dict[int, int] = {}
+    for first, last in moved.items():
+        if last is not None and last in moved and moved[last] is None:
+            out.update({at: first for at in range(first + 1, last + 1)})
+    return out
+
+
 def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket: int = 50_000_000,
             max_live: int = 1_000_000_000, max_reuse: int = 1_000_000_000, persistence: int = 100_000,
             checkpointed: frozenset[int] = frozenset(), accumulate: int = 1, recorded: tuple | None = None
@@ -327,8 +344,8 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
     steps are micro-steps, an optimizer step after every that many (``_micro_step_start``); ``recorded``: the
     profile's module trace, where it stands for the derived one (``modules_of``)."""
     index = ds_id_order(table)
-    params = {p.name: _Param(p.name, p.numel, p.elem_bytes, p.numel < persistence) for p in table}
-    forward, backward = modules_of(table, recorded)
+    params = {p.name: _Param(p.name, p.numel, p.elem_bytes, p.numel < persistence, p.trainable) for p in table}
+    forward, backward = modules_of(table, recorded, inputs_need_grad=bool(checkpointed))
     external = external_params(forward)
     backward, moved = with_recomputation(_with_external(forward, external), _with_external(backward, external),
                                          checkpointed)
@@ -344,6 +361,27 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
         elif moved[at] is not None:
             releases_after.setdefault(moved[at], []).append(at)
     _wrappers_released_last(releases_after, trace, len(forward), external)
+    owner_of = recompute_owners(moved)
+    tied: dict[int, dict[str, None]] = {}  # owner's fetch -> the frozen parameters tied to it (ds_recompute_parameters)
+    tied_to: dict[str, set[int]] = {}     # parameter -> the owners holding it (in ds_active_sub_modules)
+
+    def tie(at: int, names) -> None:
+        """``update_recompute_parameters``: a frozen parameter a recomputation fetches is held for the backward
+        module that triggered it (the latest active one), trainable ones are not."""
+        if at in owner_of:
+            for n in names:
+                if not params[n].trainable:
+                    tied.setdefault(owner_of[at], {})[n] = None
+                    tied_to.setdefault(n, set()).add(owner_of[at])
+
+    def untie(owner: int) -> list[str]:
+        """The owner's backward release drops its hold on every tied parameter and releases the non-persistent
+        ones, however soon the trace uses them again (``release_sub_module``: ``ds_recompute_parameters``)."""
+        names = list(tied.pop(owner, {}))
+        for n in names:
+            tied_to[n].discard(owner)
+        return [n for n in names if not params[n].persistent]
+
     ops = GatherOps()
     next_buffer = [0]
     state: dict[str, str] = {n: "none" for n in params}  # none | inflight | available
@@ -398,21 +436,45 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
                 out.extend((-1, *flat) for _, flat in handle["groups"] if flat is not None)
                 handle["groups"] = [(group, None) for group, _ in handle["groups"]]
 
+    releasing = [-1]  # the trace index of the module whose release runs (-1: a step's start or end)
+    saved: dict[str, tuple[int, int]] = {}  # trainable parameters' gathered storage a recomputation saved
+
     def release(out: list, name: str) -> bool:
+        """``__release_param``. A trainable parameter released by a recomputed module keeps its gathered storage:
+        the recomputation saved it for backward as a detached alias (``torch.utils.checkpoint``'s pack hook
+        detaches what requires grad; a frozen parameter is saved as itself and follows its release)."""
         if state[name] != "available":
             return False
         state[name] = "none"
         calls.append(("R", name))
         if name in storage:
-            out.append((-1, *storage.pop(name)))
+            if releasing[0] in owner_of and params[name].trainable:
+                saved[name] = storage.pop(name)
+            else:
+                out.append((-1, *storage.pop(name)))
         return True
+
+    def free_saved(out: list, module: int) -> None:
+        """A backward module's saved tensors go once its backward ran, right before its release."""
+        releasing[0] = module
+        if module >= len(forward) and module not in owner_of:
+            for n in trace[module].params:
+                if n in saved:
+                    out.append((-1, *saved.pop(n)))
+
+    def step_end(out: list) -> None:
+        releasing[0] = -1
+        for n in list(saved):
+            out.append((-1, *saved.pop(n)))
 
     def release_module(out: list, module: int, now: int) -> int:
         """The release of ``trace[module]`` at ``now`` (the step id, past the latest fetch): what it or a module
         within max_reuse elements of the trace uses again stays, and what another running module holds. The
         elements released."""
         names = trace[module].params
+        forced = untie(module)
         holding = {n for n in names if held(n, module, False)}  # every holder dropped, whatever stays
+        holding |= {n for n in (*names, *forced) if tied_to.get(n)}
         keep = {n for n in names if fetched_for.get(n, -10**10) > now} | holding
         traversed = 0
         for later in trace[now:]:
@@ -423,8 +485,9 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
                 traversed += params[n].numel
         # __params_to_release leaves ds_persist parameters out: gathered by a fetch, they stay to the next
         # release_and_reset_all (a micro-step after one without an optimizer step fetches them: _micro_step_start)
-        return sum(params[n].numel for n in names
-                   if n not in keep and not params[n].persistent and release(out, n))
+        chosen = [n for n in names if n not in keep and not params[n].persistent]
+        chosen += [n for n in forced if n not in holding and n not in chosen]
+        return sum(params[n].numel for n in chosen if release(out, n))
 
     def held(name: str, module: int, fetched: bool) -> bool:
         """Whether an external parameter stays gathered for another module still running (``__release_param``
@@ -458,11 +521,15 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
         wait(out, m.params)
         for n in m.params:
             held(n, at, True)
+        tie(at, m.params)
         for released in releases_after.get(at, ()):
-            for n in first_trace[released].params:
-                if not held(n, released, False):
+            free_saved(out, released)
+            forced = untie(released)
+            for n in dict.fromkeys((*first_trace[released].params, *forced)):
+                if not held(n, released, False) and not tied_to.get(n):
                     release(out, n)
-    if accumulate == 1:
+    step_end(out)
+    if accumulate == 1:  # the optimizer step's release_and_reset_all (what the recomputation ties kept too)
         reset_all(out)
     ops.steps.append(out)
     ops.calls.append(calls)
@@ -482,6 +549,7 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
             wait(out, names)
             for n in names:
                 held(n, step_id, True)
+            tie(step_id, names)
             not_yet = {n for n in names if fetched_for.get(n, -10**10) < step_id}
             discarded: set[str] = set()
             while queue and len(discarded) < len(not_yet):
@@ -501,7 +569,10 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
                 gather(out, prefetch)
                 n_available += numel
             for released in releases_after.get(step_id, ()):
+                free_saved(out, released)
                 n_available -= release_module(out, released, step_id + 1)
+            releasing[0] = -1
+        step_end(out)
         if (micro + 1) % accumulate == 0:
             reset_all(out)
         ops.steps.append(out)

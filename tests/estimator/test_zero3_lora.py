@@ -382,7 +382,7 @@ def test_zero3_lora_is_replayed_where_checked():
     assert why_not_zero3(spec("mixed_bf16", lora_rank=16)) is None
     assert why_not_zero3(spec()).startswith("zero3 under bf16")
     assert why_not_zero3(spec(lora_rank=16, qlora=True)).startswith("zero3 with QLoRA")
-    assert why_not_zero3(spec(lora_rank=16, grad_ckpt=True)).startswith("zero3 with LoRA and checkpointing")
+    assert why_not_zero3(spec(lora_rank=16, grad_ckpt=True)) is None  # tests/estimator/test_zero3_lora_ckpt.py
     assert why_not_zero3(spec(lora_rank=16, grad_accum_steps=2)) is None  # tests/estimator/test_zero3_lora_accum.py
 
 

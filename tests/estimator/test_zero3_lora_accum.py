@@ -76,7 +76,7 @@ def test_a_coalesced_gather_makes_one_flat_tensor_per_dtype():
         assert allocations[at + 1] == fp32
 
 
-def test_zero3_lora_with_accumulation_is_replayed_and_checkpointing_is_not():
+def test_zero3_lora_with_accumulation_or_checkpointing_is_replayed():
     from estimator.reserved.zero3 import why_not_zero3
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
 
@@ -88,7 +88,7 @@ def test_zero3_lora_with_accumulation_is_replayed_and_checkpointing_is_not():
                                              zero=ZeroSpec(offload_optimizer=offload)))
 
     assert why_not_zero3(spec(grad_accum_steps=4)) is None
-    assert "update_recompute_parameters" in why_not_zero3(spec(grad_ckpt=True))
+    assert why_not_zero3(spec(grad_ckpt=True)) is None  # tests/estimator/test_zero3_lora_ckpt.py
     assert "optimizer offload" in why_not_zero3(spec(offload=True, grad_accum_steps=2))
 
 

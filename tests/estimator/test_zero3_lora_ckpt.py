@@ -1,0 +1,128 @@
+"""ZeRO-3 with LoRA and non-reentrant checkpointing: the allgather stream's recomputation
+(``estimator.reserved.zero3_gathers``: ``update_recompute_parameters`` ties the frozen weights a recomputation
+fetches to the backward module that triggered it; a trainable weight the recomputation saved keeps its gathered
+storage until its backward; ``enable_input_require_grads`` puts the embedding and the first layer in backward),
+against real DeepSpeed 0.19 runs on CPU whose allocations are marked with the stream a GPU run makes them on
+(``benchmarks/zero3_ckpt_replay.py --lora --ckpt ckpt``; the table: docs/error_matrix/zero3_lora_ckpt_cpu.csv).
+The fast tests build a 2-layer peft Llama table (no torch); the slow one runs DeepSpeed."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from estimator.reserved.zero3_gathers import emulate, modules_of
+from tests.estimator.test_zero3_lora import _peft_llama
+
+WORLD = 4
+BOTH = frozenset({0, 1})
+
+
+def _layer(name: str) -> str:
+    return f"base_model.model.model.layers.1.{name}"
+
+
+def _gathered(ops, step: int) -> Counter:
+    return Counter(n for c in ops.calls[step] if c[0] == "G" for n in c[1])
+
+
+def test_checkpointing_puts_the_embedding_and_the_first_layer_in_backward():
+    """peft turns on ``enable_input_require_grads`` under checkpointing: the frozen embedding's output needs a
+    gradient, so DeepSpeed hooks its backward and that of what reads it (the first layer's input norm, k_proj,
+    q's and v's base layers)."""
+    table = _peft_llama()
+    plain = {m.name for m in modules_of(table)[1]}
+    hooked = {m.name for m in modules_of(table, inputs_need_grad=True)[1]}
+    first = "base_model.model.model.layers.0."
+    wanted = {"base_model.model.model.embed_tokens", first + "input_layernorm", first + "self_attn.k_proj",
+              first + "self_attn.q_proj.base_layer"}
+    assert wanted <= hooked - plain
+    assert plain <= hooked
+
+
+def test_a_recomputation_ties_its_frozen_weights_to_the_module_that_triggered_it():
+    """From the second step forward keeps every weight to its backward (``stage3_max_reuse_distance``); under
+    checkpointing the trigger's (down_proj's) backward release drops every frozen weight the layer's
+    recomputation fetched, so each one but down_proj's is gathered again for its own backward: twice per step,
+    the trainable adapters once."""
+    table = _peft_llama()
+    plain, ckpt = (_gathered(emulate(table, WORLD, steps=2, persistence=0, checkpointed=c), 1)
+                   for c in (frozenset(), BOTH))
+    frozen = [p.name for p in table if p.layer == 1 and not p.trainable]
+    assert all(plain[n] == 1 for n in frozen)
+    assert {n: ckpt[n] for n in frozen} == {n: 1 if "down_proj" in n else 2 for n in frozen}
+    assert all(ckpt[p.name] == 1 for p in table if p.layer == 1 and p.trainable)
+
+
+def test_the_tie_releases_at_the_triggers_backward_release():
+    """The tied weights are released right after the recomputation ends (down_proj's backward release), before
+    the next backward module (up_proj) fetches anything."""
+    ops = emulate(_peft_llama(), WORLD, steps=2, persistence=0, checkpointed=BOTH)
+    calls = ops.calls[1]
+    down = calls.index(("R", _layer("mlp.down_proj.weight")))
+    regather = next(k for k, c in enumerate(calls) if c == ("G", (_layer("mlp.up_proj.weight"),)))
+    released = {c[1] for c in calls[down:regather] if c[0] == "R"}
+    assert {_layer("self_attn.k_proj.weight"), _layer("mlp.gate_proj.weight"),
+            _layer("self_attn.q_proj.base_layer.weight")} <= released
+
+
+def test_a_recomputed_adapter_keeps_its_storage_until_its_backward():
+    """In the trace-recording step every module releases its weights after its forward, the recomputation's too;
+    a trainable weight's gathered storage stays though (the checkpoint saved a detached alias of it), freed at
+    its module's backward, after its backward gather: lora_B's recomputed copy and its backward copy live
+    together."""
+    ops = emulate(_peft_llama(), WORLD, steps=2, persistence=0, checkpointed=BOTH)
+    b_bytes = next(-(-p.numel // WORLD) * WORLD * p.elem_bytes for p in _peft_llama()
+                   if p.name == _layer("self_attn.v_proj.lora_B.default.weight"))
+    live, most = set(), 0
+    for sign, buffer, nbytes in ops.steps[0]:
+        if nbytes != b_bytes:
+            continue
+        (live.add if sign > 0 else live.discard)(buffer)
+        most = max(most, len(live))
+    plain = emulate(_peft_llama(), WORLD, steps=2, persistence=0)
+    assert most >= 2
+    assert len(ops.steps[0]) > len(plain.steps[0])
+
+
+def test_zero3_lora_with_checkpointing_refusals():
+    from estimator.reserved.zero3 import why_not_zero3
+    from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
+
+    def spec(offload: bool = False, **training) -> RunSpec:
+        return RunSpec(model="meta-llama/Llama-3.2-1B",
+                       training=TrainingSpec(precision="bf16", micro_batch_size=2, seq_len=1024, lora_rank=16,
+                                             **training),
+                       parallel=ParallelSpec(method="zero3", world_size=4,
+                                             zero=ZeroSpec(offload_optimizer=offload)))
+
+    assert "reentrant" in why_not_zero3(spec(grad_ckpt=True, ckpt_reentrant=True))
+    assert "optimizer offload" in why_not_zero3(spec(offload=True, grad_ckpt=True))
+
+
+@pytest.mark.slow
+def test_the_checkpointed_lora_runs_allgather_stream_is_generated(tmp_path):
+    """A real run (tiny Llama hidden 64, LoRA r8 on q/v, full non-reentrant checkpointing, three optimizer steps),
+    each allocation on the stream a GPU run makes it on: the allgather and reduction streams are the generated
+    ones request for request (each run of frees as a set), every step."""
+    pytest.importorskip("deepspeed")
+    from benchmarks.zero3_ckpt_replay import (
+        _config,
+        _record,
+        _sized,
+        _spec,
+        first_differences,
+        generated_steps,
+        recorded_steps,
+    )
+
+    config = _config(64)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    spec = _spec(str(path), config, 2, 2, 64, True, "mixed_bf16", 1, lora=True)
+    recorded = recorded_steps(_record(tmp_path, config, spec, True))
+    generated = generated_steps(spec, 2, 64, len(recorded) - 1)
+    assert [len(_sized(p, 2)) for p in recorded[1:]] == [len(_sized(p, 2)) for p in generated[1:]]
+    assert all(at is None for stream, _step, at, _ in first_differences(recorded, generated) if stream in (1, 2))
