@@ -197,6 +197,24 @@ def trajectory(requests, conf=None):
     return reserved, segments, allocator.peak_reserved_bytes
 
 
+def capped_peak(requests, cap_bytes: int) -> tuple[int, int]:
+    """(reserved peak, num_alloc_retries) of ``requests`` through the model with the simulated driver under an
+    allocator cap (``set_per_process_memory_fraction``: a new segment past it first releases the cached blocks and
+    retries); the estimate itself knows no such cap (no spec field)."""
+    from estimator.allocator.model import CachingAllocator
+
+    allocator = CachingAllocator(capacity_bytes=cap_bytes)
+    addr = {}
+    for request in requests:
+        if request[0] == "alloc":
+            addr[request[1]] = allocator.malloc(request[2], request[3])
+        elif request[0] == "free":
+            allocator.free(addr.pop(request[1]))
+        elif request[0] == "empty_cache":
+            allocator.empty_cache()
+    return allocator.peak_reserved_bytes, allocator.num_alloc_retries
+
+
 def placements(requests, lo: int, hi: int, min_segment_bytes: int) -> list[str]:
     """Requests ``lo:hi`` whose block lies in a segment of at least ``min_segment_bytes`` (through the model with
     the simulated driver): index, alloc / free, size, the segment (its creation order and size) and the offset in
@@ -293,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{row['run_id']} {row['model']} {row['precision']} b{b} s{s}: measured reserved "
           f"{int(row['peak_reserved_bytes']):,}  estimate {result[1].peak_reserved_bytes:,}")
     print(f"recorded stream, simulated driver: {rec_peak:,}  generated stream, simulated driver: {gen_peak:,}")
+    if row.get("memory_cap_bytes"):
+        cap = int(float(row["memory_cap_bytes"]))
+        (rec_capped, rec_retries), (gen_capped, gen_retries) = capped_peak(rec, cap), capped_peak(gen, cap)
+        print(f"under the run's allocator cap {cap:,} (retries measured {row.get('num_alloc_retries')}): recorded "
+              f"stream {rec_capped:,} ({rec_retries} retries), generated stream {gen_capped:,} ({gen_retries})")
     names = ["setup", "step1", "step2", "step3"]
     for p, name in enumerate(names):
         g_lo, g_hi = gen_starts[p], gen_starts[p + 1]

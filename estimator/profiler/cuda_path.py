@@ -23,6 +23,14 @@ and the tensors the chosen kernel keeps for backward differ (docs/error_matrix/R
   gradient per input). The meta kernel accepts only bf16, so other dtypes are traced through
   ``_GroupedMMFallback``, which allocates what the fallback allocates.
 
+* ``softmax`` / ``log_softmax`` with ``dtype=torch.float32`` on an fp16 input (eager attention's
+  ``softmax(scores, dtype=torch.float32)``; CUDA autocast's fp32-result policy gives every fp16 softmax that
+  dtype): CUDA runs one kernel that reads fp16 and writes fp32 (``at::_softmax(input, dim, half_to_float=true)``,
+  aten/src/ATen/native/SoftMax.cpp; fp16 only, not bf16), and its backward (``_softmax_backward_data`` with
+  ``input_dtype`` fp16) returns the fp16 gradient directly. The CPU composite casts the input to fp32 first: a
+  scores-sized fp32 copy in forward, and in backward an fp32 gradient then its fp16 cast. ``cuda_softmax()``
+  registers the CUDA branch for the duration.
+
 * Autocast: CUDA's op lists (aten/src/ATen/autocast_mode.h, ``AT_FORALL_FP32`` and
   ``AT_FORALL_FP32_SET_OPT_DTYPE``) run layer_norm, group_norm, exp, log, pow, rsqrt, the losses and logsumexp in
   fp32, and softmax, log_softmax, sum, cumsum and prod with an fp32 result; CPU autocast's lists leave most of
@@ -349,17 +357,44 @@ def cuda_autocast_lists() -> Iterator[None]:
         library._destroy()
 
 
+def _softmax_policy(op):
+    """``softmax.int`` / ``log_softmax.int`` as CUDA's composite runs them (see the module doc)."""
+    def kernel(input, dim, dtype=None):
+        half_to_float = input.dtype == torch.float16 and dtype == torch.float32
+        converted = input if half_to_float or dtype is None else input.to(dtype)
+        return op(converted, dim, half_to_float)
+    return kernel
+
+
+@contextlib.contextmanager
+def cuda_softmax() -> Iterator[None]:
+    """fp16 -> fp32 softmax and log_softmax in one kernel, as on CUDA, for the duration: a registration at
+    AutogradCPU, which takes precedence over the composite's (fake tensors only: the CPU kernel refuses
+    ``half_to_float``)."""
+    import warnings
+
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():  # the composite's kernel is overridden, and the dispatcher says so
+            warnings.simplefilter("ignore")
+            library.impl("softmax.int", _softmax_policy(torch.ops.aten._softmax.default), "AutogradCPU")
+            library.impl("log_softmax.int", _softmax_policy(torch.ops.aten._log_softmax.default), "AutogradCPU")
+        yield
+    finally:
+        library._destroy()
+
+
 @contextlib.contextmanager
 def cuda_composites() -> Iterator[None]:
-    """``F.scaled_dot_product_attention``, ``F.dropout`` and grouped matmuls run CUDA's kernels, and autocast
-    CUDA's op lists, for the duration (fake tensors)."""
+    """``F.scaled_dot_product_attention``, ``F.dropout``, grouped matmuls and fp16 -> fp32 softmax run CUDA's
+    kernels, and autocast CUDA's op lists, for the duration (fake tensors)."""
     originals = F.scaled_dot_product_attention, F.dropout, getattr(F, "grouped_mm", None), torch._grouped_mm
     F.scaled_dot_product_attention, F.dropout = sdpa_as_on_cuda, dropout_as_on_cuda
     torch._grouped_mm = grouped_mm_as_on_cuda
     if originals[2] is not None:
         F.grouped_mm = grouped_mm_as_on_cuda
     try:
-        with cuda_autocast_lists():
+        with cuda_autocast_lists(), cuda_softmax():
             yield
     finally:
         F.scaled_dot_product_attention, F.dropout = originals[:2]

@@ -20,6 +20,11 @@ A trace on fake *CPU* tensors runs the CPU choices of two composite ops whose CU
   CUDA's rule to the Python functions a model calls (they are replaced for the duration), while CPU autocast
   is on.
 
+* ``softmax`` / ``log_softmax`` of an fp16 input with ``dtype=torch.float32`` (eager attention asks for it; CUDA's
+  autocast gives every fp16 softmax that dtype): CUDA's composite (aten/src/ATen/native/SoftMax.cpp) runs
+  ``_softmax(input, dim, half_to_float=True)``, one kernel from fp16 to fp32 whose backward returns the fp16
+  gradient; the CPU composite casts the input to fp32 first. fp16 only, not bf16.
+
 ``cuda_kernels()`` replaces both functions for the duration with the CUDA choice, calling the CUDA ops
 (``_scaled_dot_product_flash_attention``, ``_scaled_dot_product_efficient_attention``, ``native_dropout``),
 whose meta kernels give on fake tensors exactly the tensors the CUDA kernels return and autograd saves
@@ -157,6 +162,41 @@ def _fp32_result(fn):
     return run
 
 
+_HALF_TO_FLOAT = [(owner, name) for name in ("softmax", "log_softmax") for owner in (F, torch, _T)]
+
+
+def _half_to_float(fn, name: str):
+    """``fn`` (a softmax or log_softmax) as CUDA's composite runs an fp16 input asked for an fp32 result."""
+    op = torch.ops.aten._softmax if name == "softmax" else torch.ops.aten._log_softmax
+
+    def run(*args, **kwargs):
+        tensor, rest = args[0], list(args[1:])
+        dim = kwargs["dim"] if "dim" in kwargs else (rest[0] if rest else None)
+        dtype = kwargs.get("dtype") or next((a for a in rest if isinstance(a, torch.dtype)), None)
+        if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float16 and dtype == torch.float32 \
+                and isinstance(dim, int):
+            return op(tensor, dim, True)
+        return fn(*args, **kwargs)
+    return run
+
+
+@contextlib.contextmanager
+def cuda_softmax_functions() -> Iterator[None]:
+    """fp16 -> fp32 softmax and log_softmax in one kernel, as on CUDA, for the duration (functions replaced)."""
+    patched = [(owner, name, owner.__dict__.get(name), _half_to_float(getattr(owner, name), name))
+               for owner, name in _HALF_TO_FLOAT]
+    for owner, name, _, replacement in patched:
+        setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        for owner, name, original, _ in reversed(patched):
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
 @contextlib.contextmanager
 def cuda_autocast_functions() -> Iterator[None]:
     """While CPU autocast is on, the functions CUDA's autocast runs in fp32 (or gives an fp32 result) do so: the
@@ -178,12 +218,12 @@ def cuda_autocast_functions() -> Iterator[None]:
 
 @contextlib.contextmanager
 def cuda_kernels() -> Iterator[None]:
-    """``F.scaled_dot_product_attention`` and ``F.dropout`` take their CUDA path, and autocast CUDA's fp32
-    rules, for the duration."""
+    """``F.scaled_dot_product_attention``, ``F.dropout`` and fp16 -> fp32 softmax take their CUDA path, and
+    autocast CUDA's fp32 rules, for the duration."""
     saved = F.scaled_dot_product_attention, F.dropout
     F.scaled_dot_product_attention, F.dropout = cuda_sdpa, cuda_dropout
     try:
-        with cuda_autocast_functions():
+        with cuda_softmax_functions(), cuda_autocast_functions():
             yield
     finally:
         F.scaled_dot_product_attention, F.dropout = saved
