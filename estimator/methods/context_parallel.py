@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from estimator.methods.timeline import event_walk, poly
+
 FP32 = 4
 
 
@@ -278,7 +280,6 @@ def _attention_moments(codes: list[int], events: dict, shape: AttentionShape, b:
     ``codes``, "forward" | "backward"). A flash forward allocates its output (b, s, h d) in the
     activation dtype, then its fp32 logsumexp (b, h, s); a flash backward allocates dq (b, s, h d), then dk and dv
     (b, s, h_kv d). Sizes are compared at this (b, s): the profile's polynomials are exact there."""
-    from estimator.methods.timeline import poly
 
     polys, size = events["polys"], events["size"]
     e = shape.act_bytes
@@ -360,7 +361,6 @@ def _layer_segment(codes: list[int], events: dict, at: dict[int, str], extra: di
     until the backward call (the output projection's backward, just before it, releases it). ``copy_live``: the
     segment starts with its layer's copy saved (a backward segment without checkpointing); ``copy_in_net``: a
     copy made here stays in the segment's net change (a forward segment without checkpointing)."""
-    polys, size, grads = events["polys"], events["size"], set(events["grads"])
     act = [0.0] * 6
     grad = 0.0
     shift = 0.0  # the copy, relative to the segment's start
@@ -369,26 +369,21 @@ def _layer_segment(codes: list[int], events: dict, at: dict[int, str], extra: di
         return [act[0] + shift + plus] + act[1:]
 
     candidates: list[tuple[list[float], float]] = []
-    for i, code in enumerate(codes):
+    for i, is_grad, signed, run_ends in event_walk(codes, events):
         kind = at.get(i)
         if kind == "backward" and copy_live:
             shift -= copy_bytes
             copy_live = False
         if kind:
             candidates.append((state(extra[kind]), grad))
-        alloc = code >= 0
-        tid = code if alloc else ~code
-        coeffs = polys[size[tid]]
-        sign = 1 if alloc else -1
-        if tid in grads:
-            grad += sign * coeffs[0]
+        if is_grad:
+            grad += signed[0]
         else:
-            act = [a + sign * x for a, x in zip(act, coeffs)]
+            act = [a + x for a, x in zip(act, signed)]
         if at.get(i - 1) == "forward":  # this was the call's logsumexp: the output exists and is copied
             shift += copy_bytes
             copy_live = True
-        nxt = codes[i + 1] if i + 1 < len(codes) else None
-        if alloc and (nxt is None or nxt < 0):
+        if run_ends:
             candidates.append((state(), grad))
     candidates.append((state(), grad))
     net = state(-copy_bytes if copy_live and not copy_in_net else 0.0)

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from estimator.methods import state as methods
 from estimator.methods.long_context import CKPT
 from estimator.methods.pipeline import Action, rank_actions, stage_layers, stages_of_rank
-from estimator.methods.timeline import poly
+from estimator.methods.timeline import event_walk, poly
 from estimator.models.params import ParamInfo
 from estimator.spec import RunSpec, ckpt_every
 
@@ -168,21 +168,15 @@ def accumulating_candidates(codes: list[int], events: dict) -> list[tuple[list[f
     layer's accumulating backward peaks at ``down_proj``'s two matmuls (its 64 KiB weight gradient and its
     32 KiB input gradient), not, as the first backward does, at the ``mul`` backward after them, where that
     gradient is already added."""
-    polys, size, grads = events["polys"], events["size"], set(events["grads"])
     act = [0.0] * 6
     fresh = 0.0
     found: list[tuple[list[float], float]] = []
-    for i, code in enumerate(codes):
-        alloc = code >= 0
-        tid = code if alloc else ~code
-        coeffs = polys[size[tid]]
-        sign = 1 if alloc else -1
-        if tid in grads:
-            fresh += sign * coeffs[0]
+    for _i, is_grad, signed, run_ends in event_walk(codes, events):
+        if is_grad:
+            fresh += signed[0]
         else:
-            act = [a + sign * x for a, x in zip(act, coeffs)]
-        nxt = codes[i + 1] if i + 1 < len(codes) else None
-        if alloc and (nxt is None or nxt < 0):  # the end of a run of allocations: the node has returned
+            act = [a + x for a, x in zip(act, signed)]
+        if run_ends:  # the end of a run of allocations: the node has returned
             found.append((list(act), max(fresh, 0.0)))
             fresh = 0.0  # its AccumulateGrad adds each new gradient in place and drops it
     found.append((list(act), 0.0))

@@ -9,7 +9,7 @@ steps (a ZeRO-1/2 rank's gradient buffer appearing mid-stack): the repetitions a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 FORWARD_SEGMENTS = ("prefix", "fw_first", "fw", "fw_last", "mid_fw")
@@ -21,6 +21,21 @@ GradPolicy = Callable[[float, float], float]
 def poly(coeffs: list[float], b: int, s: int) -> float:
     c0, c1, c2, c3, c4, c5 = coeffs
     return c0 + s * (c1 + c2 * s) + b * (c3 + s * (c4 + c5 * s))
+
+
+def event_walk(codes: list[int], events: dict) -> Iterator[tuple[int, bool, list[float], bool]]:
+    """A segment's event list walked in order (``codes``: tensor ``t``'s allocation is ``t``, its free ``~t``;
+    ``events``: the profile's ``polys``, ``size`` and ``grads``): per event ``(index, whether the tensor is a
+    parameter gradient, its polynomial signed (+ allocated, - freed), whether it ends a run of allocations)``.
+    The end of a run (an allocation followed by a free, or the last event) is ``_segment_summary``'s candidate
+    moment: the node that allocated the run has returned."""
+    polys, size, grads = events["polys"], events["size"], set(events["grads"])
+    for i, code in enumerate(codes):
+        alloc = code >= 0
+        tid = code if alloc else ~code
+        sign = 1 if alloc else -1
+        run_ends = alloc and (i + 1 == len(codes) or codes[i + 1] < 0)
+        yield i, tid in grads, [sign * x for x in polys[size[tid]]], run_ends
 
 
 def segment_sequence(num_layers: int) -> list[tuple[str, int]]:

@@ -21,7 +21,7 @@ import gc
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from harness.fake import memtracker as mt
@@ -36,10 +36,13 @@ class LiveStorages(TorchDispatchMode):
         self.peak_bytes = 0
 
     def add(self, tensor: torch.Tensor) -> None:
-        # a DTensor (FSDP2's sharded parameters, expert shards) wraps its rank's local tensor: count that one, not
-        # the wrapper, whose storage reports the global size and holds nothing
-        while hasattr(tensor, "_local_tensor"):
-            tensor = tensor._local_tensor
+        # a wrapper subclass holds no memory of its own: a DTensor (FSDP2's sharded parameters, expert shards) wraps
+        # its rank's local tensor, the functional collectives' AsyncCollectiveTensor the collective's output; their
+        # own storages report a size (the global one, or the inner tensor's) and hold nothing: count the inner ones
+        if is_traceable_wrapper_subclass(tensor):
+            for inner in inner_tensors(tensor):
+                self.add(inner)
+            return
         if tensor.device.type != "cpu":
             return
         storage = tensor.untyped_storage()
@@ -57,6 +60,13 @@ class LiveStorages(TorchDispatchMode):
                 self.add(item)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes())
         return out
+
+
+def inner_tensors(wrapper: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a traceable wrapper subclass holds (those of its ``__tensor_flatten__`` attributes that are
+    tensors): a DTensor's ``_local_tensor`` (not its ``device_mesh``), an AsyncCollectiveTensor's ``elem``."""
+    names, _context = wrapper.__tensor_flatten__()
+    return [inner for name in names if isinstance(inner := getattr(wrapper, name), torch.Tensor)]
 
 
 def peak_bytes(built: mt.Built, b: int, s: int, loop: str = "trainer", batch: str = "full") -> int:
