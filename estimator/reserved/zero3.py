@@ -107,6 +107,9 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
         reason = _why_not_module_trace(table, training)
         if reason is not None:
             return reason
+        if training.lora and training.grad_ckpt and any(p.trainable and ".mlp." in p.name for p in table):
+            return ("zero3 with LoRA on the MLP and checkpointing: checked with attention adapters only (the "
+                    "recomputation stops at the MLP output)")
         if partition_numel(table, parallel.world_size) > zcfg.sub_group_size:
             return "zero3 with more than one optimizer sub-group: not in the replay yet"
     return None
@@ -399,7 +402,8 @@ class _Step3Offload(_Step3):
 
 def _last_projection(table: list[ParamInfo], layer: int) -> ParamInfo:
     """The layer's MLP output projection: the last module its forward runs, the first its backward reaches."""
-    return next(p for p in table if p.layer == layer and p.name.endswith(f"mlp.{LAYER_BLOCKS['mlp'][-1]}.weight"))
+    suffix = f"mlp.{LAYER_BLOCKS['mlp'][-1]}.weight"
+    return next(p for p in table if p.layer == layer and p.name.replace(".base_layer", "").endswith(suffix))
 
 
 def _stopped_output_size_index(table: list[ParamInfo], polys: list) -> int:

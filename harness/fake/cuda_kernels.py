@@ -181,29 +181,8 @@ def _half_to_float(fn, name: str):
 
 
 @contextlib.contextmanager
-def cuda_softmax_functions() -> Iterator[None]:
-    """fp16 -> fp32 softmax and log_softmax in one kernel, as on CUDA, for the duration (functions replaced)."""
-    patched = [(owner, name, owner.__dict__.get(name), _half_to_float(getattr(owner, name), name))
-               for owner, name in _HALF_TO_FLOAT]
-    for owner, name, _, replacement in patched:
-        setattr(owner, name, replacement)
-    try:
-        yield
-    finally:
-        for owner, name, original, _ in reversed(patched):
-            if original is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-
-
-@contextlib.contextmanager
-def cuda_autocast_functions() -> Iterator[None]:
-    """While CPU autocast is on, the functions CUDA's autocast runs in fp32 (or gives an fp32 result) do so: the
-    functions themselves are replaced (not a function mode, which backward's recomputation would not see)."""
-    patched = [(owner, name, owner.__dict__.get(name), wrap(getattr(owner, name)))
-               for pairs, wrap in ((_CUDA_FP32, _in_fp32), (_CUDA_FP32_RESULT, _fp32_result))
-               for owner, name in pairs]
+def _functions_replaced(patched: list[tuple]) -> Iterator[None]:
+    """Each (owner, name, original or None when inherited, replacement) set for the duration."""
     for owner, name, _, replacement in patched:
         setattr(owner, name, replacement)
     try:
@@ -214,6 +193,24 @@ def cuda_autocast_functions() -> Iterator[None]:
                 delattr(owner, name)  # inherited: uncover the base class's again
             else:
                 setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def cuda_softmax_functions() -> Iterator[None]:
+    """fp16 -> fp32 softmax and log_softmax in one kernel, as on CUDA, for the duration (functions replaced)."""
+    with _functions_replaced([(owner, name, owner.__dict__.get(name), _half_to_float(getattr(owner, name), name))
+                              for owner, name in _HALF_TO_FLOAT]):
+        yield
+
+
+@contextlib.contextmanager
+def cuda_autocast_functions() -> Iterator[None]:
+    """While CPU autocast is on, the functions CUDA's autocast runs in fp32 (or gives an fp32 result) do so: the
+    functions themselves are replaced (not a function mode, which backward's recomputation would not see)."""
+    with _functions_replaced([(owner, name, owner.__dict__.get(name), wrap(getattr(owner, name)))
+                              for pairs, wrap in ((_CUDA_FP32, _in_fp32), (_CUDA_FP32_RESULT, _fp32_result))
+                              for owner, name in pairs]):
+        yield
 
 
 @contextlib.contextmanager

@@ -304,6 +304,16 @@ def test_each_stream_of_the_replay_is_the_runs():
     assert (pools[0], pools[2], pools[1]) == (recorded[0], recorded[1], recorded[2])
 
 
+
+def lora_zero3_spec(offload: bool = False, **training):
+    """Llama-3.2-1B under ZeRO-3 x 4 with bf16 LoRA r16 (mb 2, seq 1024): the refusal tests' spec."""
+    from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
+
+    return RunSpec(model="meta-llama/Llama-3.2-1B",
+                   training=TrainingSpec(precision="bf16", micro_batch_size=2, seq_len=1024, lora_rank=16, **training),
+                   parallel=ParallelSpec(method="zero3", world_size=4, zero=ZeroSpec(offload_optimizer=offload)))
+
+
 def _peft_llama(layers: int = 2) -> list:
     from estimator.models.params import ParamInfo
 

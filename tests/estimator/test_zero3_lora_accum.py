@@ -11,7 +11,7 @@ import json
 import pytest
 
 from estimator.reserved.zero3_gathers import emulate, external_params, modules_of
-from tests.estimator.test_zero3_lora import _peft_llama
+from tests.estimator.test_zero3_lora import _peft_llama, lora_zero3_spec
 
 WORLD = 4
 
@@ -78,15 +78,7 @@ def test_a_coalesced_gather_makes_one_flat_tensor_per_dtype():
 
 def test_zero3_lora_with_accumulation_or_checkpointing_is_replayed():
     from estimator.reserved.zero3 import why_not_zero3
-    from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
-
-    def spec(offload: bool = False, **training) -> RunSpec:
-        return RunSpec(model="meta-llama/Llama-3.2-1B",
-                       training=TrainingSpec(precision="bf16", micro_batch_size=2, seq_len=1024, lora_rank=16,
-                                             **training),
-                       parallel=ParallelSpec(method="zero3", world_size=4,
-                                             zero=ZeroSpec(offload_optimizer=offload)))
-
+    spec = lora_zero3_spec
     assert why_not_zero3(spec(grad_accum_steps=4)) is None
     assert why_not_zero3(spec(grad_ckpt=True)) is None  # tests/estimator/test_zero3_lora_ckpt.py
     assert "optimizer offload" in why_not_zero3(spec(offload=True, grad_accum_steps=2))

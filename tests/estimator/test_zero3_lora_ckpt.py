@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from estimator.reserved.zero3_gathers import emulate, modules_of
-from tests.estimator.test_zero3_lora import _peft_llama
+from tests.estimator.test_zero3_lora import _peft_llama, lora_zero3_spec
 
 WORLD = 4
 BOTH = frozenset({0, 1})
@@ -89,15 +89,7 @@ def test_a_recomputed_adapter_keeps_its_storage_until_its_backward():
 
 def test_zero3_lora_with_checkpointing_refusals():
     from estimator.reserved.zero3 import why_not_zero3
-    from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
-
-    def spec(offload: bool = False, **training) -> RunSpec:
-        return RunSpec(model="meta-llama/Llama-3.2-1B",
-                       training=TrainingSpec(precision="bf16", micro_batch_size=2, seq_len=1024, lora_rank=16,
-                                             **training),
-                       parallel=ParallelSpec(method="zero3", world_size=4,
-                                             zero=ZeroSpec(offload_optimizer=offload)))
-
+    spec = lora_zero3_spec
     assert "reentrant" in why_not_zero3(spec(grad_ckpt=True, ckpt_reentrant=True))
     assert "optimizer offload" in why_not_zero3(spec(offload=True, grad_ckpt=True))
 
@@ -126,3 +118,23 @@ def test_the_checkpointed_lora_runs_allgather_stream_is_generated(tmp_path):
     generated = generated_steps(spec, 2, 64, len(recorded) - 1)
     assert [len(_sized(p, 2)) for p in recorded[1:]] == [len(_sized(p, 2)) for p in generated[1:]]
     assert all(at is None for stream, _step, at, _ in first_differences(recorded, generated) if stream in (1, 2))
+
+
+def test_zero3_lora_on_the_mlp_with_checkpointing_keeps_the_prior():
+    """The replay was checked with attention adapters (q/v); an adapter on the MLP changes where the
+    recomputation stops (its output projection is then peft's wrapper, ``down_proj.base_layer``): those specs keep
+    the prior, with the reason, rather than a replay nobody checked (or a lookup that cannot find the layer's
+    plain ``down_proj``)."""
+    import dataclasses
+
+    from estimator.reserved.zero3 import _last_projection, why_not_zero3
+
+    table = _peft_llama()
+    assert why_not_zero3(lora_zero3_spec(grad_ckpt=True), table) is None
+    down = _last_projection(table, 0)
+    on_mlp = [dataclasses.replace(p, name=p.name.replace("down_proj.", "down_proj.base_layer.")) if p is down else p
+              for p in table]
+    on_mlp += [dataclasses.replace(p, name=p.name.replace("self_attn.q_proj", "mlp.down_proj"))
+               for p in table if p.trainable and p.layer == 0 and "self_attn.q_proj" in p.name]
+    assert _last_projection(on_mlp, 0).name.endswith("mlp.down_proj.base_layer.weight")
+    assert "MLP" in why_not_zero3(lora_zero3_spec(grad_ckpt=True), on_mlp)
