@@ -14,6 +14,7 @@ import common  # noqa: E402
 import extract_answerai_fsdp_qlora  # noqa: E402
 import extract_deepspeed_chat  # noqa: E402
 import extract_fms_acceleration  # noqa: E402
+import extract_liger_kernel  # noqa: E402
 import extract_litgpt  # noqa: E402
 import extract_ms_swift_benchmark  # noqa: E402
 import extract_peft_accelerate_docs  # noqa: E402
@@ -21,7 +22,8 @@ import extract_peft_experiments  # noqa: E402
 import extract_peft_metamathqa  # noqa: E402
 import extract_universal_llm_trainer  # noqa: E402
 
-EXTRACTORS = [extract_answerai_fsdp_qlora, extract_deepspeed_chat, extract_fms_acceleration, extract_litgpt, extract_ms_swift_benchmark, extract_peft_accelerate_docs,
+EXTRACTORS = [extract_answerai_fsdp_qlora, extract_deepspeed_chat, extract_fms_acceleration, extract_liger_kernel,
+              extract_litgpt, extract_ms_swift_benchmark, extract_peft_accelerate_docs,
               extract_peft_experiments, extract_peft_metamathqa, extract_universal_llm_trainer]
 
 
