@@ -29,7 +29,7 @@ import json
 import subprocess
 import sys
 
-_POINT = r"""
+_HEAD = r"""
 import functools, gc, json, sys, weakref
 import torch
 import torch.distributed as dist
@@ -84,16 +84,9 @@ if world > 1:
                  sharding_strategy=ShardingStrategy.FULL_SHARD, backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
                  forward_prefetch=False, limit_all_gathers=True, device_id=torch.device("cpu"))
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+"""
 
-
-def step(ids):
-    out = model(input_ids=ids, labels=ids)
-    loss = out["loss"]
-    del out
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
+_TAIL = r"""
 
 ids = torch.randint(0, cfg.vocab_size, (b, s))
 step(ids)
@@ -111,7 +104,9 @@ print(mode.peak)
 
 
 def peak_bytes(config: dict, world: int, batch: int, seq_len: int, reentrant: bool) -> int:
-    done = subprocess.run([sys.executable, "-c", _POINT, json.dumps([config, world, batch, seq_len, reentrant])],
+    from training_step_source import with_training_step  # its sibling, as in main
+
+    done = subprocess.run([sys.executable, "-c", with_training_step(_HEAD, _TAIL), json.dumps([config, world, batch, seq_len, reentrant])],
                           capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"point world={world} b={batch} failed: {done.stderr.strip().splitlines()[-1]}")
