@@ -300,7 +300,9 @@ def render_compare(results: list[tuple[str, object, str]], spec: RunSpec, gpus: 
                      f"{_gib(est.headroom_bytes):>10}  {est.phase:<28}{host:>9}")
         notes.extend(n for n in est.notes if n not in notes)
     if capacity:
-        lines.append(f"\ncapacity {capacity / GIB:.2f} GiB per GPU; peaks are per rank (worst rank).")
+        capped = (f" (allocator cap {t.memory_cap_bytes / GIB:.2f} GiB + context)"
+                  if t.memory_cap_bytes and capacity < get_capacity_bytes(spec.gpu) else "")
+        lines.append(f"\ncapacity {capacity / GIB:.2f} GiB per GPU{capped}; peaks are per rank (worst rank).")
     lines.extend(f"note: {n}" for n in notes)
     return "\n".join(lines)
 
