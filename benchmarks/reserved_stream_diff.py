@@ -200,7 +200,8 @@ def trajectory(requests, conf=None):
 def capped_peak(requests, cap_bytes: int) -> tuple[int, int]:
     """(reserved peak, num_alloc_retries) of ``requests`` through the model with the simulated driver under an
     allocator cap (``set_per_process_memory_fraction``: a new segment past it first releases the cached blocks and
-    retries); the estimate itself knows no such cap (no spec field)."""
+    retries); the estimate replays under the same cap where the spec carries it (``training.memory_cap_bytes``,
+    read from the row)."""
     from estimator.allocator.model import CachingAllocator
 
     allocator = CachingAllocator(capacity_bytes=cap_bytes)

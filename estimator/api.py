@@ -76,8 +76,10 @@ class RankEstimate:
     # estimator.reserved) or "prior" (allocated x (1 + reserved_slack_ratio) + reserved_slack_bytes).
     reserved_source: str = "prior"
     fragmentation_bytes: int | None = None     # replayed: reserved - allocated at the reserved peak
-    num_alloc_retries: int | None = None       # replayed: cache flushes and retries under the GPU's capacity
-    allocator_oom: bool = False                # replayed: the allocator runs out of memory under that capacity
+    # replayed: cache flushes and retries under the allowance (the GPU's memory less the context, or the allocator
+    # cap ``training.memory_cap_bytes`` where smaller)
+    num_alloc_retries: int | None = None
+    allocator_oom: bool = False                # replayed: the allocator runs out of memory under that allowance
     replayed_steps: int | None = None          # replayed: steps until the cache repeated
     # replayed with decide_fit: stopped once the reserved level proved the spec does not fit, so the reserved and
     # device levels are lower bounds (what the rank had reserved by then)
@@ -153,6 +155,11 @@ class Estimate:
         return self._worst().reserved_source
 
     @property
+    def memory_cap_bytes(self) -> int | None:
+        """The allocator cap the spec sets (``training.memory_cap_bytes``), None without one."""
+        return self.spec.training.memory_cap_bytes or None
+
+    @property
     def fits(self) -> bool:
         return self.upper_bound_bytes <= self.capacity_bytes and not any(r.allocator_oom for r in self.ranks)
 
@@ -168,7 +175,8 @@ class Estimate:
             "peak_device_bytes": self.peak_device_bytes, "upper_bound_bytes": self.upper_bound_bytes,
             "traced_allocated_bytes": self.traced_allocated_bytes,
             "reserved_source": self.reserved_source, "alloc_conf": self.alloc_conf,
-            "capacity_bytes": self.capacity_bytes, "fits": self.fits, "headroom_bytes": self.headroom_bytes,
+            "capacity_bytes": self.capacity_bytes, "memory_cap_bytes": self.memory_cap_bytes,
+            "fits": self.fits, "headroom_bytes": self.headroom_bytes,
             "host_ram_bytes": self.host_ram_bytes, "phase": self.phase, "worst_rank": self.worst_rank,
             "breakdown": self.breakdown, "experts_breakdown": self.experts_breakdown,
             "ranks": [asdict(r) for r in self.ranks],
@@ -443,7 +451,7 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
     parts["outputs_held"] = held + fp32_copies
     parts["buffers"] = buffers
     parts["cublas_workspace"] = workspace
-    communicators = 0 if spec.parallel.world_size == 1 else (2 if spec.parallel.method == "dp_tp" else 1)
+    communicators = _communicators(spec)
     replayed = _replayed(spec, arch, profile, table, coeffs, regime, communicators, alloc_conf, sequence, rank,
                          decide_fit)
     flush = 0.0
@@ -483,6 +491,45 @@ def _zero_flush_bytes(spec: RunSpec, replayed, step_model_bytes: float) -> float
     return max(0.0, replayed.peak_requested_bytes - batch - step_model_bytes)
 
 
+def _communicators(spec: RunSpec) -> int:
+    """NCCL communicators whose buffers a rank holds outside the allocator (dp_tp: the dp and the tp group)."""
+    return 0 if spec.parallel.world_size == 1 else (2 if spec.parallel.method == "dp_tp" else 1)
+
+
+def capacity_under_cap_bytes(spec: RunSpec, gpu_capacity_bytes: int, worst: RankEstimate) -> int:
+    """The device level a rank may reach: the GPU's memory, or with an allocator cap (``training.memory_cap_bytes``)
+    the cap plus what the allocator does not own (the worst rank's device less reserved level: CUDA context, NCCL
+    buffers), where smaller. The fit verdict and the headroom are against it."""
+    cap = spec.training.memory_cap_bytes
+    if not cap:
+        return gpu_capacity_bytes
+    return min(gpu_capacity_bytes, cap + worst.peak_device_bytes - worst.peak_reserved_bytes)
+
+
+def cap_notes(spec: RunSpec, gpu_capacity_bytes: int, worst: RankEstimate) -> list[str]:
+    """What the allocator cap does to the run: nothing (above what the allocator can get), a fit only through
+    release-and-retry, or an out-of-memory the GPU alone would not cause."""
+    cap = spec.training.memory_cap_bytes
+    if not cap:
+        return []
+    head = f"memory cap: the caching allocator is capped at {cap / GIB:.2f} GiB ({cap:,} B; set_per_process_memory_fraction)"
+    if cap + worst.peak_device_bytes - worst.peak_reserved_bytes >= gpu_capacity_bytes:
+        return [f"{head}, at or above what the GPU leaves it: no effect"]
+    if worst.reserved_source != "replayed":
+        verdict = "fits under it" if worst.peak_reserved_bytes <= cap else "does NOT fit under it"
+        return [f"{head}; the reserved level is the prior (no replay), {worst.peak_reserved_bytes / GIB:.2f} GiB: "
+                f"the run {verdict} (release-and-retry is not modelled without the replay)"]
+    if worst.allocator_oom:
+        return [f"{head}; the allocator runs OUT OF MEMORY under the cap after {worst.num_alloc_retries} "
+                f"release-and-retries (reserved levels above are what the run needs uncapped: "
+                f"{worst.peak_reserved_bytes / GIB:.2f} GiB)"]
+    if worst.num_alloc_retries:
+        return [f"{head}; the replayed steps fit only through release-and-retry: the allocator reaches the cap, releases its "
+                f"cached blocks and retries {worst.num_alloc_retries} time(s) (torch.cuda.memory_stats "
+                f"num_alloc_retries; slower steps), reserved peak {worst.peak_reserved_bytes / GIB:.2f} GiB"]
+    return [f"{head}; the replay never reaches it (no retry)"]
+
+
 def _replayed(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs, regime: dict,
               communicators: int, alloc_conf: str | None, sequence: StepSequence | None = None, rank: int = 0,
               decide_fit: bool = False):
@@ -497,6 +544,9 @@ def _replayed(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs
         return None
     capacity = get_gpu(spec.gpu).capacity_bytes
     allowed = capacity - coeffs.cuda_context_bytes - communicators * coeffs.nccl_bytes_per_communicator
+    if spec.training.memory_cap_bytes and spec.training.memory_cap_bytes < allowed:  # the allocator stops there
+        allowed = spec.training.memory_cap_bytes
+        capacity = residuals.device_from_reserved(allowed, coeffs, communicators)
     stop = residuals.reserved_fit_limit_bytes(capacity, coeffs, communicators) if decide_fit else None
     options = dict(workspace_bytes=coeffs.cublas_workspace_bytes, workspaces=coeffs.cublas_workspaces,
                    allowed_bytes=max(allowed, 0), conf_text=alloc_conf, rank=rank, stop_above_bytes=stop)
@@ -512,7 +562,8 @@ def _replayed(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs
 def _reserved_note(spec: RunSpec, profile: dict, worst: RankEstimate, alloc_conf: str | None,
                    num_layers: int, sequence: StepSequence | None = None) -> str:
     if worst.reserved_source == "replayed":
-        oom = "; the allocator runs OUT OF MEMORY under the GPU's capacity" if worst.allocator_oom else ""
+        limit = "the allocator cap" if spec.training.memory_cap_bytes else "the GPU's capacity"
+        oom = f"; the allocator runs OUT OF MEMORY under {limit}" if worst.allocator_oom else ""
         steps = f"{worst.replayed_steps} steps until the cache repeats"
         if worst.reserved_lower_bound:
             where = f"step {worst.replayed_steps}" if worst.replayed_steps else "the setup"
@@ -756,8 +807,10 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
                      "prepare_model_for_kbit_training: other weights and the adapters in fp32)")
         notes += qlora_experts_note(table)
     notes += residuals.range_notes(coeffs, spec, gpu_key=gpu.key, params=total, model_family=arch.model_type)
+    notes += cap_notes(spec, gpu.capacity_bytes, worst)
     upper = residuals.upper_bound_bytes(worst.peak_device_bytes, coeffs)
-    return Estimate(spec=asked, ranks=ranks, worst_rank=worst.rank, capacity_bytes=gpu.capacity_bytes,
+    return Estimate(spec=asked, ranks=ranks, worst_rank=worst.rank,
+                    capacity_bytes=capacity_under_cap_bytes(spec, gpu.capacity_bytes, worst),
                     upper_bound_bytes=upper, host_ram_bytes=int(model.host_bytes) if model else 0,
                     calibrated=coeffs.calibrated, gpu_key=gpu.key, params=total, trainable_params=trainable,
                     notes=notes, alloc_conf=conf or "", model_code=traced_release(profile) or "",
@@ -815,7 +868,9 @@ def _pipeline_result(spec: RunSpec, ranks: list[RankEstimate], arch: ModelArch, 
                             "reserved: prior allocated x (1 + slack ratio) + slack bytes (the allocator replay does "
                             "not cover pipeline schedules)"]
     notes += residuals.provenance_notes(coeffs)
-    return Estimate(spec=spec, ranks=ranks, worst_rank=worst.rank, capacity_bytes=gpu.capacity_bytes,
+    notes += cap_notes(spec, gpu.capacity_bytes, worst)
+    return Estimate(spec=spec, ranks=ranks, worst_rank=worst.rank,
+                    capacity_bytes=capacity_under_cap_bytes(spec, gpu.capacity_bytes, worst),
                     upper_bound_bytes=residuals.upper_bound_bytes(worst.peak_device_bytes, coeffs),
                     host_ram_bytes=0, calibrated=coeffs.calibrated, gpu_key=gpu.key, params=total,
                     trainable_params=trainable, notes=notes, model_code=traced_release(profile) or "")

@@ -27,7 +27,7 @@ MEASURE_COLUMNS = ["peak_allocated_bytes", "peak_reserved_bytes", "peak_active_b
                    "peak_device_bytes", "peak_forward_allocated_bytes", "peak_backward_allocated_bytes",
                    "peak_optimizer_allocated_bytes", "setup_allocated_bytes", "cuda_context_bytes",
                    "cuda_context_after_warmup_bytes", "num_alloc_retries", "num_ooms", "device_total_bytes",
-                   "memory_cap_bytes", "host_peak_rss_bytes", "step_time_s", "tokens_per_s", "num_steps",
+                   "host_peak_rss_bytes", "step_time_s", "tokens_per_s", "num_steps",
                    "seq_len_max", "effective_attn", "oom_step", "oom_phase", "oom_request_bytes"]
 RUN_COLUMNS = ["padding", "data_keep", "data_source", "tokenizer", "warmup_steps", "measured_steps",
                "finished_at", "error", "node"]
@@ -36,7 +36,7 @@ ENV_COLUMNS = ["gpu_name", "compute_capability", "driver_version", "cuda_version
 # Spec fields added after tables were first written; a table without the column means the field's default.
 ADDED_SPEC_FIELDS = ("loop", "batch", "outputs_fp32", "lora_dropout", "grad_sync", "model_code", "use_cache", "ce",
                      "ce_chunks", "activation_offload", "ckpt_policy", "ckpt_reentrant", "vocab_size",
-                     "full_range_slices", "lora_dtype", *PP_COLUMNS,
+                     "full_range_slices", "lora_dtype", "memory_cap_bytes", *PP_COLUMNS,
                      *(f"fsdp1_{f.name}" for f in dataclasses.fields(Fsdp1Spec)))
 COLUMNS = ID_COLUMNS + SPEC_COLUMNS + MEASURE_COLUMNS + RUN_COLUMNS + ENV_COLUMNS
 # Columns spec_from_columns reads (``world_size`` is an identity column; ``dp``/``zero_stage`` are derived).
@@ -51,6 +51,8 @@ def spec_columns(spec: RunSpec) -> dict[str, Any]:
                            "zero_stage": spec.parallel.zero_stage,
                            **{name: getattr(spec.parallel, name) for name in PP_COLUMNS}}
     row.update(dataclasses.asdict(spec.training))
+    # the allocator cap's cell was a measurement column before it was a spec field: empty = none, as before
+    row["memory_cap_bytes"] = spec.training.memory_cap_bytes or None
     row.update({f"zero_{k}": v for k, v in dataclasses.asdict(spec.parallel.zero).items()})
     row.update({f"fsdp1_{k}": v for k, v in dataclasses.asdict(spec.parallel.fsdp1).items()})
     return row

@@ -209,6 +209,11 @@ class TrainingSpec:
     # causal-LM loss's ``logits[..., :-1, :]`` then zero-fills a b x (s-1) x V fp32 gradient in backward before
     # the b x s x V one (``estimator.reserved.torch_slices``). Traced profiles (torch 2.13) have neither.
     full_range_slices: bool = False
+    # The caching allocator's cap in bytes (0: none): ``torch.cuda.set_per_process_memory_fraction(f)`` caps it at
+    # ``int(f x total_memory)`` (``estimator.hardware.gpus.cap_from_fraction``), the harness's ``memory.cap_gib``
+    # (the paper's 16 GB V100 on a larger GPU). Past it the allocator releases its cached blocks and retries, then
+    # runs out of memory, whatever the GPU has left; the reserved replay's allowance is the smaller of the two.
+    memory_cap_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check_positive_int("micro_batch_size", self.micro_batch_size)
@@ -263,6 +268,9 @@ class TrainingSpec:
                                     "needs --grad-ckpt and no --ckpt-policy")
         if not isinstance(self.full_range_slices, bool):
             _fail("full_range_slices", f"must be true or false, got {self.full_range_slices!r}")
+        if isinstance(self.memory_cap_bytes, bool) or not isinstance(self.memory_cap_bytes, int) \
+                or self.memory_cap_bytes < 0:
+            _fail("memory_cap_bytes", f"must be a positive number of bytes (0: no cap), got {self.memory_cap_bytes!r}")
         if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 0:
             _fail("vocab_size", f"must be a positive integer (0: the config's vocabulary), got {self.vocab_size!r}")
         if self.ce != "standard" and self.outputs_fp32:
@@ -555,7 +563,7 @@ class RunSpec:
     def _canonical_dict(self) -> dict[str, Any]:
         """to_dict without the settings of a method not used, nor settings added later at their default (FSDP1's
         ``lora_wrap``, ``ep``, ``moe_imbalance``, ``cp``, ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``, ``use_cache``,
-        the long-context techniques, ``ckpt_reentrant``, ``vocab_size``, ``full_range_slices``, ``lora_dtype``):
+        the long-context techniques, ``ckpt_reentrant``, ``vocab_size``, ``full_range_slices``, ``lora_dtype``, ``memory_cap_bytes``):
         ids stay as they were."""
         data = self.to_dict()
         if self.parallel.method != "fsdp1":
@@ -573,7 +581,7 @@ class RunSpec:
             if data["parallel"][name] == default:
                 data["parallel"].pop(name)
         for name in ("outputs_fp32", "lora_dropout", "model_code", "use_cache", "activation_offload", "ckpt_policy",
-                     "ckpt_reentrant", "vocab_size", "full_range_slices"):
+                     "ckpt_reentrant", "vocab_size", "full_range_slices", "memory_cap_bytes"):
             if not getattr(self.training, name):
                 data["training"].pop(name)
         if self.training.ce == "standard":

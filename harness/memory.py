@@ -101,6 +101,19 @@ def context_bytes(device_used_bytes: int | None, reserved_bytes: int | None) -> 
     return max(0, device_used_bytes - reserved_bytes)
 
 
+def cap_bytes_to_apply(spec_cap_bytes: int, cap_gib: float | None, cap_fraction: float | None,
+                       total_bytes: int | None) -> int | None:
+    """The allocator cap a rank applies (None: none): the spec's ``training.memory_cap_bytes`` (what the estimate
+    replays under), else ``memory.cap_gib`` / ``memory.cap_fraction``. Both, and different: ValueError (the run
+    would not be the spec's)."""
+    option = (cap_gib * GIB if cap_gib else cap_fraction * total_bytes if cap_fraction and total_bytes else None)
+    option = None if option is None else int(option)
+    if spec_cap_bytes and option is not None and option != spec_cap_bytes:
+        raise ValueError(f"memory.cap_gib: the spec caps the allocator at {spec_cap_bytes:,} B "
+                         f"(training.memory_cap_bytes) and the options at {option:,} B; set one")
+    return spec_cap_bytes or option
+
+
 def cap_fraction(cap_bytes: int | None, total_bytes: int | None) -> float | None:
     """Fraction for ``torch.cuda.set_per_process_memory_fraction`` that caps the allocator at ``cap_bytes``."""
     if cap_bytes is None or not total_bytes:

@@ -56,6 +56,7 @@ def rank_rows(spec: RunSpec, run: RunRecord, ranks: list[RankRecord], env: dict[
                     "data_source": record.data.get("source"), "tokenizer": record.data.get("tokenizer"),
                     "error": record.error, "node": record.node})
         row.update({k: getattr(record, k) for k in MEASURE_COLUMNS if hasattr(record, k)})
+        row["memory_cap_bytes"] = record.memory_cap_bytes  # the cap the worker applied (the spec's, or memory.cap_gib)
         rows.append(row)
     return rows
 

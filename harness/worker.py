@@ -117,7 +117,7 @@ def measure_rank(spec, opts, run_dir: Path, *, rank: int, world_size: int, local
         record.memory_source = probe.source
         probe.start()
         snapshot_path = _start_history(probe, opts, run_dir, rank)
-        _init_device(probe, record, opts)
+        _init_device(probe, record, opts, spec.training.memory_cap_bytes)
         if rank == 0:
             from harness.environment import enrich_env_file
 
@@ -156,20 +156,21 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def _init_device(probe, record, opts) -> None:
-    """Create the CUDA context, apply the memory cap and measure the context alone."""
+def _init_device(probe, record, opts, spec_cap_bytes: int = 0) -> None:
+    """Create the CUDA context, apply the memory cap (the spec's, else the options') and measure the context
+    alone. The cap applied is recorded (the rows' ``memory_cap_bytes``, which the spec read back carries)."""
     import torch
 
-    from harness.memory import GIB
+    from harness.memory import cap_bytes_to_apply
 
     if not probe.enabled:
         return
     torch.empty(1, device=probe.device)  # the context exists from here on
     probe.reset_counters()
     record.device_total_bytes = probe.total_bytes()
-    cap = opts.memory.cap_gib * GIB if opts.memory.cap_gib else (
-        opts.memory.cap_fraction * record.device_total_bytes if opts.memory.cap_fraction else None)
-    record.memory_cap_bytes = probe.set_cap(int(cap)) if cap else None
+    cap = cap_bytes_to_apply(spec_cap_bytes, opts.memory.cap_gib, opts.memory.cap_fraction,
+                             record.device_total_bytes)
+    record.memory_cap_bytes = probe.set_cap(cap) if cap else None
     record.cuda_context_bytes = probe.context_bytes()
 
 

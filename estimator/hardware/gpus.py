@@ -142,6 +142,19 @@ def get_gpu(key: str) -> GpuSpec:
     raise ValueError(f"gpu: unknown GPU {key!r}{hint}; known: {', '.join(known)}")
 
 
+def cap_from_fraction(key: str, fraction: float) -> int:
+    """The allocator cap ``torch.cuda.set_per_process_memory_fraction(fraction)`` sets on GPU ``key``: CUDA's
+    allocator allows ``size_t(fraction x total_memory)`` bytes (torch's total, else the catalogue's capacity)."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"memory_fraction: must be in (0, 1] as set_per_process_memory_fraction takes it, "
+                         f"got {fraction!r}")
+    gpu = get_gpu(key)
+    total = gpu.torch_total_bytes or gpu.capacity_bytes
+    if total is None:
+        raise ValueError(f"gpu: {gpu.key!r} has no known memory; a fraction needs one (give the cap in GiB)")
+    return int(fraction * total)
+
+
 def normalize_gpu_name(device_name: str, total_memory_bytes: int | None) -> str:
     """Catalogue key for a ``torch.cuda.get_device_name()`` string; ``"generic"`` when nothing fits.
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from estimator.batching.cli_args import add_batching_arguments, batching_from_args
+from estimator.options.cap_args import add_cap_arguments, cap_bytes_from_args, run_cap_bytes
 from estimator.options.fsdp1_args import add_fsdp1_arguments, fsdp1_from_args
 from estimator.options.technique_args import add_technique_arguments, technique_fields, technique_label
 from estimator.spec import (
@@ -144,7 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_fsdp1_arguments(p)
     add_batching_arguments(p)
     add_technique_arguments(p)
+    add_cap_arguments(p)
     return p
+
+
+def with_memory_cap(spec: RunSpec, cap_bytes: int | None) -> RunSpec:
+    """``spec`` with the allocator cap (``training.memory_cap_bytes``) when one is given."""
+    return spec if cap_bytes is None else spec.replace(**{"training.memory_cap_bytes": cap_bytes})
 
 
 def _training(args, base: TrainingSpec) -> TrainingSpec:
@@ -191,7 +198,9 @@ def spec_from_args(args) -> tuple[RunSpec, bool]:
             spec = spec.replace(gpu=args.gpu.lower())
         elif spec.gpu in CPU_RUN_GPUS:
             spec = spec.replace(gpu=CPU_RUN_PREDICT_GPU)
-        return spec, False
+        # the cap the run applied (harness memory.cap_gib: not in its spec.json), unless the flags give another
+        cap = cap_bytes_from_args(args, spec.gpu)
+        return with_memory_cap(spec, cap if cap is not None else run_cap_bytes(path.parent, spec.gpu)), False
     use_default = args.model is None
     base = TrainingSpec(micro_batch_size=DEFAULT["micro_batch_size"], seq_len=DEFAULT["seq_len"],
                         precision=DEFAULT["precision"], grad_ckpt=DEFAULT["grad_ckpt"], attn=DEFAULT["attn"]) \
@@ -213,7 +222,8 @@ def spec_from_args(args) -> tuple[RunSpec, bool]:
                                 ep=args.ep, moe_imbalance=args.moe_imbalance, cp=args.cp, pp=args.pp,
                                 pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
                                 pp_virtual=args.pp_virtual, pp_engine=args.pp_engine)
-    spec = RunSpec(model=args.model or DEFAULT["model"], parallel=parallel, training=training, gpu=gpu)
+    spec = with_memory_cap(RunSpec(model=args.model or DEFAULT["model"], parallel=parallel, training=training,
+                                   gpu=gpu), cap_bytes_from_args(args, gpu))
     if args.deepspeed:
         from estimator.configs.deepspeed_json import spec_from_deepspeed
         from estimator.models.arch import resolve_arch
@@ -266,6 +276,7 @@ def _loop_label(t) -> str:
             + (", key/value cache on" if t.use_cache else "") + (f", vocabulary {t.vocab_size:,}" if t.vocab_size else "")
             + (", reentrant checkpointing" if t.ckpt_reentrant else "")
             + (", full-range slices recorded (torch 2.4)" if t.full_range_slices else "")
+            + (f", allocator capped at {t.memory_cap_bytes / GIB:.2f} GiB" if t.memory_cap_bytes else "")
             + sync + technique_label(t))
 
 
@@ -289,9 +300,17 @@ def render_compare(results: list[tuple[str, object, str]], spec: RunSpec, gpus: 
                      f"{_gib(est.headroom_bytes):>10}  {est.phase:<28}{host:>9}")
         notes.extend(n for n in est.notes if n not in notes)
     if capacity:
-        lines.append(f"\ncapacity {capacity / GIB:.2f} GiB per GPU; peaks are per rank (worst rank).")
+        capped = (f" (allocator cap {t.memory_cap_bytes / GIB:.2f} GiB + context)"
+                  if t.memory_cap_bytes and capacity < get_capacity_bytes(spec.gpu) else "")
+        lines.append(f"\ncapacity {capacity / GIB:.2f} GiB per GPU{capped}; peaks are per rank (worst rank).")
     lines.extend(f"note: {n}" for n in notes)
     return "\n".join(lines)
+
+
+def get_capacity_bytes(gpu_key: str) -> int:
+    from estimator.hardware.gpus import get_gpu
+
+    return get_gpu(gpu_key).capacity_bytes or 0
 
 
 def render_detail(est) -> str:
@@ -320,9 +339,18 @@ def render_detail(est) -> str:
         if name in est.experts_breakdown:
             lines.append(f"    {'routed experts':<18}{_gib(est.experts_breakdown[name])} GiB")
     verdict = "fits" if est.fits else "DOES NOT FIT"
+    worst = next(r for r in est.ranks if r.rank == est.worst_rank)
+    if est.memory_cap_bytes and worst.allocator_oom:
+        verdict += " (OUT OF MEMORY under the allocator cap)"
+    elif est.memory_cap_bytes and worst.num_alloc_retries:
+        retry = f"release-and-retry, {worst.num_alloc_retries} under the allocator cap"
+        verdict += (f" only through {retry}" if est.fits else
+                    f" by the safety bound; the replayed steps fit only through {retry}")
+    of = (f"{est.capacity_bytes / GIB:.2f} GiB (allocator cap {est.memory_cap_bytes / GIB:.2f} GiB + context)"
+          if est.memory_cap_bytes and est.capacity_bytes < get_capacity_bytes(est.gpu_key) else
+          f"{est.capacity_bytes / GIB:.2f} GiB")
     lines.append(f"\n{verdict}: device peak {est.peak_device_bytes / GIB:.2f} GiB (safety bound "
-                 f"{est.upper_bound_bytes / GIB:.2f}) of {est.capacity_bytes / GIB:.2f} GiB; headroom "
-                 f"{est.headroom_bytes / GIB:.2f} GiB")
+                 f"{est.upper_bound_bytes / GIB:.2f}) of {of}; headroom {est.headroom_bytes / GIB:.2f} GiB")
     if est.host_ram_bytes:
         lines.append(f"host RAM (offloaded states, all ranks of a node share it): {est.host_ram_bytes / GIB:.2f} "
                      "GiB per rank")
@@ -352,6 +380,7 @@ def _run_configs(args, argv: list[str]) -> int:
     from estimator.configs.cli import spec_from_args
 
     spec, report = spec_from_args(args, argv, build_parser)
+    spec = with_memory_cap(spec, cap_bytes_from_args(args, spec.gpu))
     est = estimate(spec, args.coefficients)
     if args.plot:
         _plot([est], args.plot)

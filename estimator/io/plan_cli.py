@@ -12,6 +12,7 @@ import json
 import sys
 
 from estimator.batching.cli_args import add_batching_arguments, batching_from_args
+from estimator.options.cap_args import add_cap_arguments, cap_bytes_from_args
 from estimator.options.fsdp1_args import add_fsdp1_arguments, fsdp1_from_args
 from estimator.options.technique_args import add_technique_arguments
 from estimator.planning import plan as planner
@@ -94,6 +95,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--no-techniques", action="store_true",
                         help="never try the long-context techniques when nothing fits (default: chunked, then "
                              "fused cross-entropy, then activation offload, until a GPU-resident layout fits)")
+    add_cap_arguments(parser)
     return parser
 
 
@@ -135,7 +137,8 @@ def run_plan(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                               fsdp1=fsdp1_from_args(args, "fsdp1", getattr(args, "fsdp1_base", None)),
                               outputs_fp32=args.outputs_fp32, grad_sync=args.grad_sync, ckpt_reentrant=args.ckpt_reentrant,
                               model_code=args.model_code, techniques=_techniques(args),
-                              try_techniques=not args.no_techniques, moe_imbalance=args.moe_imbalance)
+                              try_techniques=not args.no_techniques, moe_imbalance=args.moe_imbalance,
+                              memory_cap_bytes=cap_bytes_from_args(args, args.gpu) or 0)
         baseline = None
         if args.llmem:
             from estimator.baselines import llmem_select

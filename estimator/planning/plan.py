@@ -896,7 +896,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
          epoch: Any = None, alloc_conf: str | None = None, batch: str = "full",
          fsdp1: Fsdp1Spec | None = None, outputs_fp32: bool = False, grad_sync: str = "every",
          model_code: str = "", techniques: dict[str, Any] | None = None, try_techniques: bool = True,
-         moe_imbalance: float = 1.0, ckpt_reentrant: bool = False) -> Plan:
+         moe_imbalance: float = 1.0, ckpt_reentrant: bool = False, memory_cap_bytes: int = 0) -> Plan:
     """Search, rank and advise. Raises ``ValueError("field: ...")`` for bad input (unknown GPU or model,
     impossible N, a global batch no candidate can split, a method with no layout on N GPUs).
 
@@ -913,6 +913,8 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     the EP layouts' memory and step time follow their busiest rank.
     ``model_code``: the transformers release whose model code runs (``TrainingSpec.model_code``).
     ``ckpt_reentrant``: the checkpointed layouts checkpoint reentrantly (``TrainingSpec.ckpt_reentrant``).
+    ``memory_cap_bytes``: every rank's caching allocator is capped there (``TrainingSpec.memory_cap_bytes``): a
+    layout fits under the cap plus the context.
     ``techniques``: TrainingSpec fields of long-context techniques every layout runs (``ce``, ``ce_chunks``,
     ``activation_offload``, ``ckpt_policy``: a policy plans the checkpointed layouts only). Without them and
     with ``try_techniques``, when no GPU-resident layout fits, the layouts are planned again under each rung of
@@ -932,7 +934,7 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
     training = TrainingSpec(micro_batch_size=1, seq_len=seq_len, precision=precision, optimizer=optimizer,
                             attn=attn, lora_rank=lora_rank, lora_targets=lora_targets, lora_dropout=lora_dropout,
                             loop=loop, batch=batch, outputs_fp32=outputs_fp32, grad_sync=grad_sync,
-                            model_code=model_code,
+                            model_code=model_code, memory_cap_bytes=memory_cap_bytes,
                             # a policy plans the checkpointed layouts only: the base spec checkpoints too
                             grad_ckpt=bool((techniques or {}).get("ckpt_policy")), **(techniques or {}))
     if training.ckpt_policy:
@@ -996,6 +998,10 @@ def plan(model: str, *, gpus: int, gpu: str, seq_len: int = 512, global_batch: i
                             f"and activations on the GPU; {technique} made it fit: every layout below is planned "
                             "with it")
     result.notes += _cp_note(results, best, seq_len)
+    if memory_cap_bytes:
+        result.notes.append(f"memory cap: every rank's caching allocator is capped at {memory_cap_bytes / GIB:.2f} GiB "
+                            "(set_per_process_memory_fraction): a layout fits under the cap plus the CUDA context "
+                            "and NCCL buffers, or the GPU's memory where smaller")
     if skipped:
         result.notes.append(f"long context: the techniques (chunked / fused cross-entropy, activation offload) "
                             f"were not planned {skipped}")

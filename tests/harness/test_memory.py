@@ -6,6 +6,7 @@ import torch
 from harness.memory import (
     GIB,
     MemoryProbe,
+    cap_bytes_to_apply,
     cap_fraction,
     context_bytes,
     is_oom,
@@ -52,6 +53,16 @@ def test_context_and_cap():
     assert cap_fraction(16 * GIB, 80 * GIB) == pytest.approx(0.2)
     assert cap_fraction(None, 80 * GIB) is None
     assert cap_fraction(200 * GIB, 80 * GIB) == 1.0
+
+
+def test_the_cap_a_rank_applies_is_the_specs_else_the_options():
+    assert cap_bytes_to_apply(0, None, None, 80 * GIB) is None
+    assert cap_bytes_to_apply(0, 16, None, 80 * GIB) == 16 * GIB
+    assert cap_bytes_to_apply(0, None, 0.25, 80 * GIB) == 20 * GIB
+    assert cap_bytes_to_apply(3 * GIB, None, None, 80 * GIB) == 3 * GIB
+    assert cap_bytes_to_apply(16 * GIB, 16, None, 80 * GIB) == 16 * GIB  # the same cap twice
+    with pytest.raises(ValueError, match="^memory.cap_gib: the spec caps"):
+        cap_bytes_to_apply(3 * GIB, 16, None, 80 * GIB)
 
 
 def test_oom_classification_and_request_size():

@@ -35,6 +35,18 @@ def test_spec_columns_round_trip_through_csv_strings():
     assert spec_columns(SPEC)["zero_stage"] == 3 and spec_columns(SPEC)["dp"] == 4
 
 
+def test_rows_carry_the_cap_the_worker_applied_and_read_back_into_the_spec():
+    """The harness's memory.cap_gib is not in its spec: the rank record's cap fills the column, which the spec
+    read back from the row carries (calibrate and the error tables then estimate under it)."""
+    ranks = [RankRecord(rank=0, world_size=4, status="ok", memory_cap_bytes=16 * 1024**3)]
+    run = merge_ranks(ranks, spec_id=SPEC.spec_id, run_id="capped", campaign="c", gpu_key="h100-80gb",
+                      world_size=4, expected_ranks=[0])
+    (row,) = rank_rows(SPEC, run, ranks, {}, {})
+    assert row["memory_cap_bytes"] == 16 * 1024**3 and row["spec_id"] == SPEC.spec_id
+    assert spec_from_columns(row).training.memory_cap_bytes == 16 * 1024**3
+    assert rows_for(SPEC, "uncapped")[0]["memory_cap_bytes"] is None
+
+
 def test_units_are_in_the_column_names():
     measured = [c for c in COLUMNS if c.startswith("peak_") or c.endswith("_context_bytes")]
     assert all(c.endswith("_bytes") for c in measured)
