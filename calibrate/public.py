@@ -227,14 +227,17 @@ DIAGNOSES = [
      "which keeps (b, heads, s, s) fp32 probabilities per layer (b2 x 32 heads x 8192^2 x 4 B = 17.2 GB): the "
      "estimate is for today's stack (transformers 5, torch 2.13), not the source's"),
     (lambda r, s: _litgpt(r) and r["qlora"] == "True",
-     "mechanism: LitGPT's QLoRA is not peft's and is not expressible (lora_dtype model is refused with QLoRA): "
-     "Lightning's BitsandbytesPrecision quantizes every Linear incl. the LM head to NF4, leaves the rest and the "
-     "adapters bf16 (no fp32 cast), PagedAdamW states live in managed memory; bitsandbytes 0.41.1 MatMul4Bit keeps "
-     "each quantized Linear's bf16 input (ctx.tensors). From the same table's LoRA row (Llama-2-7B b1 s1304: "
-     "19.84 GiB) less the Linears' bf16 weights over NF4 double-quant (6.61e9 x (2 - 0.516) B = 9.13 GiB) plus "
-     "the inputs MatMul4Bit keeps that LoRA does not (the two norm outputs, the o and down inputs: "
-     "(3 x 4,096 + 11,008) x 2 B x 32 layers x 1,304 tokens = 1.81 GiB) gives 12.52 GiB against 12.89 measured; "
-     "the estimator traces peft's recipe (embedding, norms and head in fp32, an fp32 residual stream)"),
+     "mechanism: LitGPT's QLoRA is Lightning's, not peft's, and is not expressible (lora_dtype model is refused "
+     "with QLoRA). Read at the rows' commits: Lightning 71aed751's BitsandbytesPrecision('nf4-dq', bf16) builds "
+     "every nn.Linear, the LM head included, as NF4 double-quant under a bf16 default dtype (norms, embedding and "
+     "adapters bf16, no fp32 cast), PagedAdamW for the adapters; bitsandbytes 0.41.1's MatMul4Bit keeps each "
+     "4-bit Linear's bf16 input for a backward that never reads it (dropped in 0.43.2, bitsandbytes #1270) and "
+     "dequantizes the weight to fp16, then bf16, in every call. Counted from the same table's LoRA rows "
+     "(benchmarks/litgpt_qlora_count.py): the LoRA peak less the Linears' bf16 weights over NF4 double-quant "
+     "(7B 9.13, 13B 17.76 GiB) plus the inputs MatMul4Bit keeps (1.81, 2.84 GiB) gives 12.52 / 20.57 GiB "
+     "(-2.9 / -2.0 %); with the LM head's two dequantized copies at the peak, 13.00 / 21.18 (+0.9 / +0.9 %), "
+     "against 12.89 / 21.00 published. The estimator traces peft's recipe (embedding, norms and head in fp32, an "
+     "fp32 residual stream and adapters, bitsandbytes >= 0.43.2)"),
     (lambda r, s: _litgpt(r) and r["method"] == "fsdp1",
      "mechanism: Lightning's FSDP1 over LitGPT's Blocks (fsdp1_lora_wrap layer, grad_sync last) is modelled: "
      "every frozen weight gets a gradient and no_backward_sync holds them unsharded; what is left is LitGPT's "
