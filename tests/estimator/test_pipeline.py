@@ -272,6 +272,18 @@ def _rank_events(spec: RunSpec, pp_rank: int) -> list[list]:
     return events
 
 
+@pytest.mark.parametrize("method, tp, counted", [("single", 1, 462_848), ("tp", 2, 235_520)])
+def test_a_stages_backward_holds_its_received_output_gradient(method, tp, counted):
+    """The unsplit profile's generic layer segment frees the gradient of its layer's output; a stage's first backward
+    layer reads it from the receive buffer, which stays: stage 0's first backward under GPipe pp 2 M 2 at (1, 64)
+    peaks at its embedding backward, counted 462,848 B above the action's start (235,520 under tp 2; the live-storage
+    oracle per operator, docs/error_matrix/README.md "The receive buffer through the backward"). Without the buffer
+    the estimate read 16,480 B under in both."""
+    par = ParallelSpec(method=method, world_size=2 * tp, tp=tp, pp=2, pp_schedule="gpipe", pp_microbatches=2)
+    kind, _, _, before, peak, _ = next(e for e in _rank_events(_tiny(par), 0) if e[0] == "B")
+    assert abs(peak - before - counted) <= 128
+
+
 def test_lora_with_checkpointing_keeps_the_first_stages_embedding_output():
     """Under checkpointing peft makes the embedding output require a gradient, so layer 0's checkpoint keeps it:
     each forward of the first stage holds it and each of its 4 layers' outputs (one hidden-sized tensor each) plus
