@@ -613,13 +613,12 @@ def check_pipeline(spec: RunSpec, model_type: str, tied: bool) -> None:
 def check_pp_dp_tp(spec: RunSpec) -> None:
     """ValueError("pp: ...") for what pp x dp x tp (method dp_tp under pp) has not been checked with against torch's
     run (``docs/error_matrix/pipeline_dp_tp*.csv``): FSDP2's mixed precision over TP shards is checked without
-    checkpointing only (LoRA, LoRA with checkpointing and every-k are checked in bf16; LoRA with every-k is refused
-    everywhere)."""
+    checkpointing and with every decoder layer checkpointed, not with every-k (LoRA, LoRA with checkpointing and
+    every-k are checked in bf16; LoRA with every-k is refused everywhere)."""
     training = spec.training
-    if spec.parallel.method == "dp_tp" and training.precision == PIPELINE_MIXED and \
-            (training.grad_ckpt or training.ckpt_policy):
-        raise ValueError(f"pp: pp x dp x tp with precision {PIPELINE_MIXED} and checkpointing is not checked yet; use "
-                         f"{PIPELINE_MIXED} without checkpointing, or bf16 with it")
+    if spec.parallel.method == "dp_tp" and training.precision == PIPELINE_MIXED and training.ckpt_policy:
+        raise ValueError(f"pp: pp x dp x tp with precision {PIPELINE_MIXED} and ckpt_policy {training.ckpt_policy} is "
+                         f"not checked yet; use {PIPELINE_MIXED} with every decoder layer checkpointed, or bf16 with it")
 
 
 def pipeline_notes(spec: RunSpec, num_layers: int) -> list[str]:

@@ -175,6 +175,8 @@ COMBINATIONS = {"pipeline_ckpt.csv": {"grad_ckpt": {"True"}},
                 "pipeline_dp_tp_lora.csv": {"tp": {"2"}, "dp": {"2"}, "lora_rank": {"8"}},
                 "pipeline_dp_tp_lora_ckpt.csv": {"tp": {"2"}, "dp": {"2"}, "lora_rank": {"8"}, "grad_ckpt": {"True"}},
                 "pipeline_dp_tp_mixed.csv": {"tp": {"2"}, "dp": {"2"}, "precision": {"mixed_bf16"}},
+                "pipeline_dp_tp_mixed_ckpt.csv": {"tp": {"2"}, "dp": {"2"}, "precision": {"mixed_bf16"},
+                                                  "grad_ckpt": {"True"}},
                 "pipeline_dp_tp_every_k.csv": {"tp": {"2"}, "dp": {"2"}, "grad_ckpt": {"True"},
                                                "ckpt_policy": {"every-k:2"}}}
 BAR_PCT = 1.0  # every table, every row (issue 18's bar)
@@ -695,17 +697,24 @@ def test_pp_x_dp_x_tp_mixed_precision_keeps_fp32_shards_and_gathers_bf16():
                for n in mixed.notes)
 
 
-@pytest.mark.parametrize("precision, training, message", [
-    ("mixed_bf16", dict(grad_ckpt=True), "pp: pp x dp x tp with precision mixed_bf16 and checkpointing is not checked"),
-    ("mixed_bf16", dict(grad_ckpt=True, ckpt_policy="every-k:2"),
-     "pp: pp x dp x tp with precision mixed_bf16 and checkpointing is not checked"),
-])
-def test_pp_x_dp_x_tp_refuses_what_no_run_checked(precision, training, message):
-    """Mixed precision, LoRA and every-k are each checked under pp x dp x tp (pipeline_dp_tp_*.csv); mixed precision
-    with checkpointing is not."""
+def test_pp_x_dp_x_tp_refuses_what_no_run_checked():
+    """Mixed precision (with and without checkpointing of every layer), LoRA and every-k are each checked under
+    pp x dp x tp (pipeline_dp_tp_*.csv); mixed precision with every-k is not."""
     with pytest.raises(ValueError) as err:
-        _pp_tp_estimate("dp_tp", 8, precision, **training)
+        _pp_tp_estimate("dp_tp", 8, "mixed_bf16", grad_ckpt=True, ckpt_policy="every-k:2")
+    message = "pp: pp x dp x tp with precision mixed_bf16 and ckpt_policy every-k:2 is not checked"
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_pp_x_dp_x_tp_mixed_precision_with_checkpointing_keeps_only_layer_inputs():
+    """mixed_bf16 with every decoder layer checkpointed under pp x dp x tp (pipeline_dp_tp_mixed_ckpt.csv): the same
+    fp32 shards and Adam states as without checkpointing, fewer activations, the shipped profile (no torch)."""
+    plain, ckpt = _pp_tp_estimate("dp_tp", 8, "mixed_bf16"), _pp_tp_estimate("dp_tp", 8, "mixed_bf16", grad_ckpt=True)
+    for whole, recomputed in zip(plain.ranks, ckpt.ranks):
+        assert recomputed.breakdown["weights"] == whole.breakdown["weights"]
+        assert recomputed.breakdown["optimizer_states"] == whole.breakdown["optimizer_states"]
+        assert recomputed.breakdown["activations"] < whole.breakdown["activations"]
+    assert any("every decoder layer of each stage checkpointed" in n for n in ckpt.notes)
 
 
 def test_cli_pp_x_dp_x_tp():
