@@ -117,11 +117,6 @@ def _kind(name: str, layer: int, kinds: list[bool] | None) -> str:
     return name + CKPT if kinds is not None and kinds[layer] else name
 
 
-def _checkpointed(layer: int, training, kinds: list[bool] | None) -> bool:
-    """Whether decoder ``layer`` runs under checkpointing (every layer, or its every-k kind)."""
-    return kinds[layer] if kinds is not None else training.grad_ckpt
-
-
 def every_k_segments(plain: dict, ckpt: dict, kinds: list[bool]) -> dict:
     """The segments of a pipeline under every-k checkpointing: each decoder layer's from the profile of its kind
     (``kinds``: checkpointed, by global layer index), named as ``long_context.mixed_layers`` names them; the
@@ -328,12 +323,12 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
             seq = _backward_segments(first, last, splits[st], num_layers, kinds)
         accumulating = action.kind == "B" and st in started
         phase = phase_of(action)
-        # A checkpointed stage's first backward layer leaves its output's gradient alone (the receive buffer,
-        # resident), which the unsplit profile's segment frees: every later level of the backward holds it
-        # (counted, --trace, under LoRA; the plain segments' levels were fitted with it freed: lifting them moved
-        # committed rows of pipeline.csv and pipeline_every_k.csv both ways)
-        incoming = boundary if action.kind == "B" and not last and _checkpointed(splits[st][-1], training,
-                                                                                 kinds) else 0.0
+        # A stage's first backward layer leaves its output's gradient alone (the receive buffer, resident), which
+        # the unsplit profile's segment frees: every later level of the backward holds it, to the stage module's
+        # own hooks at its end (counted, --trace, checkpointed under LoRA; plain: GPipe pp 2 M 2 stage 0's levels
+        # after each layer's backward read 15,472 to 15,520 B above the segments' without it, its embedding
+        # backward 16,480 B, docs/error_matrix/README.md "The receive buffer through the backward")
+        incoming = boundary if action.kind == "B" and not last else 0.0
         for seg_index, (name, reps) in enumerate(seq):
             seg = segments[name]
             net = poly(seg["net_act"], b, s)
@@ -367,9 +362,6 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
                              phase, {"activations": act, "gradients": grads + pending + reps * done_grad
                                      + last_layer_param[st], "gathered_params": gathered})
                 grads += reps * done_grad
-        act -= incoming
-        if input_leaf and action.kind == "B" and first and backwards[st] < m - 1:
-            act -= 2 * boundary  # the embedding output (a leaf) and its gradient go; the last backward's stay
         if mixed and action.kind == "B" and pending:  # the stage module's hook, when the stage's backward ends
             if not accumulating:
                 upcast = pending * FP32 / act_bytes
@@ -378,6 +370,9 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
                           "gathered_params": gathered})
                 grads += upcast
             pending = 0.0
+        act -= incoming
+        if input_leaf and action.kind == "B" and first and backwards[st] < m - 1:
+            act -= 2 * boundary  # the embedding output (a leaf) and its gradient go; the last backward's stay
         if action.kind == "F":
             if last:  # the stage output (logits) stays in fwd_cache until this backward, and what the final
                 # segment's backward frees beyond its forward's allocation is held until then
@@ -618,13 +613,12 @@ def check_pipeline(spec: RunSpec, model_type: str, tied: bool) -> None:
 def check_pp_dp_tp(spec: RunSpec) -> None:
     """ValueError("pp: ...") for what pp x dp x tp (method dp_tp under pp) has not been checked with against torch's
     run (``docs/error_matrix/pipeline_dp_tp*.csv``): FSDP2's mixed precision over TP shards is checked without
-    checkpointing only (LoRA, LoRA with checkpointing and every-k are checked in bf16; LoRA with every-k is refused
-    everywhere)."""
+    checkpointing and with every decoder layer checkpointed, not with every-k (LoRA, LoRA with checkpointing and
+    every-k are checked in bf16; LoRA with every-k is refused everywhere)."""
     training = spec.training
-    if spec.parallel.method == "dp_tp" and training.precision == PIPELINE_MIXED and \
-            (training.grad_ckpt or training.ckpt_policy):
-        raise ValueError(f"pp: pp x dp x tp with precision {PIPELINE_MIXED} and checkpointing is not checked yet; use "
-                         f"{PIPELINE_MIXED} without checkpointing, or bf16 with it")
+    if spec.parallel.method == "dp_tp" and training.precision == PIPELINE_MIXED and training.ckpt_policy:
+        raise ValueError(f"pp: pp x dp x tp with precision {PIPELINE_MIXED} and ckpt_policy {training.ckpt_policy} is "
+                         f"not checked yet; use {PIPELINE_MIXED} with every decoder layer checkpointed, or bf16 with it")
 
 
 def pipeline_notes(spec: RunSpec, num_layers: int) -> list[str]:
