@@ -1,7 +1,8 @@
 """Mixture-of-experts under every method the harness runs on CPU, each rank against the estimate (issue 17).
 
     PYTHONPATH=. .venv/bin/python benchmarks/moe_methods_table.py [--configs CONFIG.json ...]
-        [--methods ddp zero1 zero2 zero3 fsdp fsdp1 lora-attn lora-all-linear lora-experts lora-experts-ckpt]
+        [--methods ddp zero1 zero2 zero3 fsdp fsdp1 lora-attn lora-all-linear lora-experts lora-experts-ckpt
+                   lora-attn-every2 lora-experts-every2]
         [--world 2]
         [--points 1x64 2x128] [--precisions bf16 mixed_bf16] [--csv docs/error_matrix/moe_methods.csv]
     PYTHONPATH=. .venv/bin/python benchmarks/moe_methods_table.py --rescore docs/error_matrix/moe_methods.csv
@@ -14,7 +15,8 @@ routing. ZeRO runs with ``--buckets small`` by default (``zero_cpu_check``'s 1e5
 single-rank LoRA runs (rank 8) with the adapters on the attention projections (``q_proj,k_proj,v_proj,o_proj``), on
 every linear layer (``all-linear``: attention, routers, dense and shared MLPs) and on the experts' projections by
 name (``gate_proj,up_proj,down_proj``; Mixtral ``w1,w2,w3``); a ``-ckpt`` suffix (``lora-experts-ckpt``) adds
-gradient checkpointing, a ``METHOD+`` prefix (``zero3+lora-experts``) runs it under that multi-rank method.
+gradient checkpointing, ``-everyK`` (``lora-attn-every2``) every-k:K checkpointing (layers K-1, 2K-1, ...), a
+``METHOD+`` prefix (``zero3+lora-experts``) runs it under that multi-rank method.
 Transformers' fused experts hold parameters, not
 Linear modules: peft turns these names into ``target_parameters`` on the fused experts where it knows the family's
 conversion, and matches dense or shared-expert MLPs by name where the model has such modules. A point the harness
@@ -44,19 +46,22 @@ LORA_TARGETS = {"lora-attn": ATTENTION, "lora-all-linear": "all-linear", "lora-e
 EXPERT_PROJECTIONS = {"mixtral": "w1,w2,w3"}
 LORA_RANK = 8
 CKPT = "-ckpt"  # a LoRA method's suffix: with gradient checkpointing
+EVERY_K = re.compile(r"-every(\d+)$")  # a LoRA method's suffix: every-k:K checkpointing (``lora-attn-every2``)
 
 
 def harness_method(method: str, world: int, family: str) -> tuple[str, int, list[str]]:
     """The harness's method, world size and extra overrides of a table method (``lora-*-ckpt``: the LoRA method
     with gradient checkpointing; ``METHOD+lora-*``: that LoRA under a multi-rank method, e.g. ``zero3+lora-experts``)."""
     parallel, _, lora_method = method.rpartition("+")
-    lora, ckpt = lora_method.removesuffix(CKPT), lora_method.endswith(CKPT)
+    lora, ckpt = lora_method.removesuffix(CKPT), ["training.grad_ckpt=true"] if lora_method.endswith(CKPT) else []
+    if every := EVERY_K.search(lora_method):
+        lora = lora_method[:every.start()]
+        ckpt = ["training.grad_ckpt=true", f"training.ckpt_policy='every-k:{every.group(1)}'"]
     if lora in LORA_TARGETS:  # hydra splits on commas outside quotes
         targets = EXPERT_PROJECTIONS.get(family, LORA_TARGETS[lora]) if lora == "lora-experts" \
             else LORA_TARGETS[lora]
         return parallel or "single", world if parallel else 1, [
-            f"training.lora_rank={LORA_RANK}", f"training.lora_targets='{targets}'",
-            *(["training.grad_ckpt=true"] if ckpt else [])]
+            f"training.lora_rank={LORA_RANK}", f"training.lora_targets='{targets}'", *ckpt]
     return method, world, []
 
 

@@ -719,7 +719,7 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
     else:
         arch, profile = load_model_profile(spec.model, spec.training, spec.parallel.tp, allow_build=allow_build,
                                            adapters_16bit=adapters_16bit)
-    check_forward_only_layers(asked, profile)
+    check_forward_only_layers(asked, profile, arch.model_type)
     last = spec.parallel.world_size - 1
     table = _param_table(profile, arch.num_layers)
     if ring is not None and spec.training.lora:  # a frozen output projection may not keep the ring's output copy

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from estimator.models.params import layer_rows
+from estimator.spec import ckpt_every
 
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k")
@@ -201,6 +202,11 @@ def forward_only_refusal(spec, frozen: int) -> str | None:
     parallel = spec.parallel
     if not frozen:
         return None
+    if (ckpt_every(spec.training.ckpt_policy) or 1) > 1:  # the real runs: docs/error_matrix/moe_methods.csv
+        return (f"ckpt_policy: every-k with the first {frozen} decoder layer(s) outside LoRA's reach (adapters on "
+                "the experts past dense layers) is not modelled: with checkpointing on, peft makes the embedding "
+                "output need a gradient, so those layers, which every-k does not checkpoint, keep their activations "
+                "to backward; use full checkpointing (no --ckpt-policy) or add a target they have (e.g. attention)")
     if parallel.method in FORWARD_ONLY_METHODS and parallel.pp == 1 and parallel.ep == 1 and parallel.cp == 1 \
             and parallel.tp == 1:
         return None
@@ -217,7 +223,13 @@ _FUSED_EXPERT_NAMES = {"mixtral": {"w1", "w2", "w3"},
                           for family in ("deepseek_v2", "deepseek_v3", "qwen3_moe", "glm4_moe")}}
 
 
-def fused_expert_adapters_refusal(spec, adapted: bool) -> str | None:
+# DeepSpeed (0.19) makes these families' MoE blocks ZeRO-3 leaf modules by default (``zero_optimization.leaf_module``,
+# ``deepspeed.runtime.zero.leaf_module_config.DEFAULT_LEAF_MODULE_CLASSES``): no hooks inside, every parameter under
+# the block gathered at its pre-forward and released once its input gradients are done. DeepSeek's block is not one.
+ZERO3_LEAF_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def fused_expert_adapters_refusal(spec, adapted: bool, family: str = "") -> str | None:
     """Why LoRA on the fused routed experts (peft's ``ParamWrapper``: it reads its ``lora_A`` / ``lora_B`` weights
     directly and adds their product, one delta per expert of the whole layer, to the experts' 3-D tensor while
     they run) cannot run under this spec's parallelism, found by running it (docs/error_matrix/README.md, helper
@@ -230,6 +242,11 @@ def fused_expert_adapters_refusal(spec, adapted: bool) -> str | None:
                 "for all of a layer's experts to a rank's share of them, a DTensor (baddbmm: mixed Tensor and "
                 "DTensor), and applied before the sharding its renamed experts match no ep_plan rule (nothing is "
                 "split); use ep 1, or adapters on attention only")
+    if spec.parallel.method == "zero3" and family in ZERO3_LEAF_MOE_FAMILIES:
+        return (what + f"cannot run under zero3 on {family}: DeepSpeed makes its MoE block a ZeRO-3 leaf module, "
+                "released once the block's input gradients are done, and the adapters' gradients, which come "
+                "through peft's parametrized expert weights, arrive after that (AccumulateGrad meets an empty "
+                "partition); use zero2 or fsdp, or adapters on attention only")
     if spec.parallel.method == "fsdp1":
         return (what + "cannot run under fsdp1: peft's fsdp_auto_wrap_policy makes each adapter Linear an FSDP1 "
                 "unit, gathered only when it is called, and the experts' wrapper reads those weights without "
@@ -254,11 +271,12 @@ def adapts_fused_experts(profile: dict) -> bool:
     return any(r.get("trainable") and "lora_" in r["name"] and is_routed_expert(r["name"]) for r in rows)
 
 
-def check_forward_only_layers(spec, profile: dict) -> None:
+def check_forward_only_layers(spec, profile: dict, family: str = "") -> None:
     """Forward-only first layers (``frozen_layers``, as the profile traced them) under a layout whose replay does
-    not split the layers there, and adapters on the fused experts where they cannot run: refused in one line. (every-k checkpointing with LoRA is checked on dense
-    models only: docs/error_matrix/README.md.)"""
-    reason = fused_expert_adapters_refusal(spec, spec.training.lora and adapts_fused_experts(profile)) \
+    not split the layers there, and adapters on the fused experts where they cannot run: refused in one line.
+    (every-k over such layers is refused: measured in docs/error_matrix/moe_methods.csv's ``lora-experts-every2``
+    rows.)"""
+    reason = fused_expert_adapters_refusal(spec, spec.training.lora and adapts_fused_experts(profile), family) \
         or forward_only_refusal(spec, profile["params"].get("frozen_layers", 0))
     if reason:
         raise ValueError(reason)
@@ -266,7 +284,8 @@ def check_forward_only_layers(spec, profile: dict) -> None:
 
 def check_forward_only_layers_before_trace(spec, config: dict) -> None:
     """The same refusals where the config and the targets state them, before a profile is loaded or traced."""
-    reason = fused_expert_adapters_refusal(spec, predicted_fused_expert_adapters(spec.training, config)) \
+    reason = fused_expert_adapters_refusal(spec, predicted_fused_expert_adapters(spec.training, config),
+                                           config.get("model_type", "")) \
         or forward_only_refusal(spec, predicted_forward_only_layers(spec.training, config))
     if reason:
         raise ValueError(reason)

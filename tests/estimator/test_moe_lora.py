@@ -178,3 +178,32 @@ def test_the_table_s_ckpt_suffix_adds_gradient_checkpointing_to_a_lora_method():
     assert harness_method("lora-experts-ckpt", 2, "mixtral") == (
         "single", 1, ["training.lora_rank=8", "training.lora_targets='w1,w2,w3'", "training.grad_ckpt=true"])
     assert harness_method("zero2", 2, "qwen3_moe") == ("zero2", 2, [])
+
+
+def test_the_table_s_every_k_suffix_checkpoints_every_kth_layer():
+    from benchmarks.moe_methods_table import harness_method
+
+    assert harness_method("lora-attn-every2", 2, "qwen3_moe") == (
+        "single", 1, ["training.lora_rank=8", "training.lora_targets='q_proj,k_proj,v_proj,o_proj'",
+                      "training.grad_ckpt=true", "training.ckpt_policy='every-k:2'"])
+    assert harness_method("lora-experts-every3", 2, "mixtral")[2][1:] == [
+        "training.lora_targets='w1,w2,w3'", "training.grad_ckpt=true", "training.ckpt_policy='every-k:3'"]
+
+
+def test_every_k_over_forward_only_first_layers_is_refused_before_a_trace():
+    """Measured (moe_methods.csv, lora-experts-every2): with checkpointing on, peft makes the embedding output need a
+    gradient, so the dense first layer every-k does not checkpoint keeps its activations to backward, which the
+    profiles (traced with that layer forward only) do not hold. Full checkpointing (the layer checkpointed) and
+    every-k:1 are estimated; adapters on attention reach the first layer."""
+    import json
+
+    from estimator.models.moe import check_forward_only_layers_before_trace
+
+    config = json.loads((ROOT / "benchmarks" / "configs" / "qwen3_moe_tiny.json").read_text())
+    experts = {"lora_rank": 8, "lora_targets": "gate_proj,up_proj,down_proj", "grad_ckpt": True}
+    with pytest.raises(ValueError, match="ckpt_policy: every-k with the first 1 decoder layer"):
+        check_forward_only_layers_before_trace(
+            RunSpec(model="x", training=TrainingSpec(**experts, ckpt_policy="every-k:2")), config)
+    for training in (TrainingSpec(**experts), TrainingSpec(**experts, ckpt_policy="every-k:1"),
+                     TrainingSpec(**{**experts, "lora_targets": "q_proj,v_proj"}, ckpt_policy="every-k:2")):
+        check_forward_only_layers_before_trace(RunSpec(model="x", training=training), config)
