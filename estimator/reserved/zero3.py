@@ -21,7 +21,8 @@ requests sit among the default stream's does not change it.
   ``stage3_param_persistence_threshold``: the norms) into blocks that live until the next backward's
   ``release_and_reset_all``.
 * **Reduction stream**: a flush of several gradients concatenates them (``reduce_scatter_coalesced``'s flat
-  input, each padded to the world size), freed once reduced.
+  input, each padded to the world size), freed once reduced. A biased Linear's bias reaches the bucket after its
+  weight (the memory-efficient linear's backward order; torch's, the profile's, is the other: ``_Step3.hook``).
 * **Allgather stream**: the parameter coordinator's gathers, prefetches, copy-outs and releases
   (``estimator.reserved.zero3_gathers``), placed at the start of each step's ops.
 
@@ -195,6 +196,23 @@ def _adapters_wrap_projections(table: list[ParamInfo]) -> bool:
     return sum(".lora_A." in p.name for p in table) == sum(".lora_B." in p.name for p in table)
 
 
+def linear_weight_of_bias(table: list[ParamInfo]) -> dict[int, ParamInfo]:
+    """id(bias) -> weight of each biased ``nn.Linear``, whose forward under ``zero.Init`` is DeepSpeed's
+    memory-efficient linear (``F.linear`` replaced by ``zero3_linear_wrap``). Told apart from transformers'
+    ``Conv1D`` (GPT-2; ``torch.addmm``, torch's own backward) by the weight's layout: a Linear's is
+    ``(out, in)``, its bias ``out`` long; a Conv1D's ``(in, out)``. A table with any transposed biased weight
+    is taken for a Conv1D model throughout (its square weights cannot tell)."""
+    by_name = {p.name: p for p in table}
+    pairs = []
+    for p in table:
+        weight = by_name.get(p.name.removesuffix("bias") + "weight") if p.name.endswith(".bias") else None
+        if weight is not None and weight.module_kind == "linear" and len(weight.shape) == 2:
+            pairs.append((p, weight))
+    if any(w.shape[0] != b.numel for b, w in pairs):
+        return {}
+    return {id(b): w for b, w in pairs}
+
+
 def partition_numel(table: list[ParamInfo], world: int) -> int:
     """Elements of the rank's flat partition: every trainable tensor's ``ceil(numel / world)``."""
     return sum(math.ceil(p.numel / world) for p in table if p.trainable)
@@ -327,9 +345,32 @@ class _Step3(_Step):
                          overlap=True)
         self.table, self.world, self.master_elem = table, world, master_elem
         self.ipg = []  # the IPG bucket is the setup's
+        self.weight_of = linear_weight_of_bias(table)
+        self.deferred: dict[int, ParamInfo] = {}  # id(weight) -> its bias, hooked once the weight is
+        self.hooked: set[int] = set()
 
     def setup_buckets(self, out: list) -> None:
         return None
+
+    def hook(self, out: list, p: ParamInfo) -> None:
+        """A Linear's bias gradient is hooked after its weight's: ``LinearFunctionForZeroStage3.backward``
+        makes grad_weight before grad_bias, torch's linear (the profile's step) the bias first, and the hook
+        order decides which flush of the IPG bucket the bias joins."""
+        weight = self.weight_of.get(id(p))
+        if weight is not None and id(weight) in self.grad_of and id(weight) not in self.hooked:
+            self.deferred[id(weight)] = p
+            return
+        super().hook(out, p)
+        self.hooked.add(id(p))
+        bias = self.deferred.pop(id(p), None)
+        if bias is not None:
+            self.hook(out, bias)
+
+    def epilogue(self, out: list) -> None:
+        for bias in list(self.deferred.values()):  # a weight whose gradient never came (none expected)
+            super().hook(out, bias)
+        self.deferred = {}
+        self.flush(out)
 
     def flush(self, out: list) -> None:
         """``__reduce_and_partition_ipg_grads``: several gradients concatenated on the reduction stream (one is
@@ -341,9 +382,6 @@ class _Step3(_Step):
         if self.oversized is not None:
             self._free_grad(out, self.oversized)
         self.pending, self.elements, self.oversized = [], 0, None
-
-    def epilogue(self, out: list) -> None:
-        self.flush(out)
 
     def optimizer_step(self, out: list) -> None:
         """The norm's fp64 copy of each tensor's gradient partition, then the flat gradient cast to fp32 and

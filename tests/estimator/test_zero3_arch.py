@@ -176,7 +176,8 @@ def test_a_tiny_llamas_recorded_trace_is_the_derived_one():
 def test_the_allgather_stream_is_a_real_runs(tmp_path, arch, world):
     """A real DeepSpeed ZeRO-3 run on CPU of a tiny model built from config (rank 0, three steps, each storage on
     the stream a GPU run makes it on): the generated allgather stream is the run's, request by request, in every
-    step. (The default and reduction streams differ by the memory-efficient linear's bias gradients:
+    step. (The default stream differs at the head's backward and the dropout masks; the reduction stream
+    agrees since the bias hooks follow the memory-efficient linear: ``test_zero3_bias_order.py``,
     ``docs/error_matrix/zero3_arch_cpu.csv``.)"""
     pytest.importorskip("deepspeed")
     import sys
