@@ -50,7 +50,9 @@ profile recorded (``estimator.profiler.modules``: every module's pre-forward hoo
 pre-backward hook as backward ran it), stretched to full depth (``ParamTable.module_trace``,
 ``zero3_gathers.recorded_modules``); a profile traced without it keeps the prior (``why_not_zero3``). Checked
 against real CPU runs of tiny OPT, GPT-NeoX, BLOOM and GPT-2 (``benchmarks/zero3_arch_replay.py``,
-``docs/error_matrix/zero3_arch_cpu.csv``).
+``docs/error_matrix/zero3_arch_cpu.csv``). Full non-reentrant checkpointing too, the stopped output being the
+layer's last Linear's (``_last_projection`` off the recorded trace), where the hidden states are not dropped out
+after the MLP (``why_not_zero3_recomputation``: GPT-NeoX, BLOOM; ``docs/error_matrix/zero3_arch_ckpt_cpu.csv``).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from estimator.reserved.accumulate import MicroSteps
 from estimator.reserved.fsdp import _Builder, method_expansion
 from estimator.reserved.timeline import Setup, model_order
 from estimator.reserved.zero import FP32, FP64, REDUCTION, _backward_ops, _grad_params, _Step
-from estimator.reserved.zero3_gathers import emulate, is_adapter
+from estimator.reserved.zero3_gathers import _layer_of, emulate, is_adapter
 from estimator.spec import ckpt_every
 
 ALLGATHER = 2  # allocator stream of the coordinator's gathers (REDUCTION = 1: the reduce-scatter's)
@@ -125,16 +127,19 @@ def recorded_trace(table: list[ParamInfo]) -> tuple | None:
 def _why_not_module_trace(table: list[ParamInfo], training) -> str | None:
     """Why the coordinator's module trace is not known for this table (None: it is): Llama-style decoders'
     is derived from the table (``zero3_gathers.modules_of``); other architectures' is the profile's recorded one
-    (``ParamTable.module_trace``), without LoRA and checkpointing (their additions are modelled on Llama's
-    structure: peft's wrappers, the recomputation's stopped MLP output)."""
+    (``ParamTable.module_trace``), without LoRA (modelled on Llama's structure: peft's wrappers, the frozen
+    Linears' held inputs); checkpointing there: ``why_not_zero3_recomputation``."""
     if llama_like(table):
         return None
     if recorded_trace(table) is None:
         return ("zero3: the coordinator's module trace is derived for Llama-style decoders, or recorded in the "
                 "profile (not in this one, or its layers do not run alike)")
-    if training.lora or training.grad_ckpt:
-        return ("zero3 with LoRA or checkpointing: modelled on Llama-style decoders only (peft's wrappers, the "
-                "recomputation's stopped MLP output)")
+    if training.lora:
+        return ("zero3 with LoRA: modelled on Llama-style decoders only (peft's wrappers, the frozen Linears' "
+                "held inputs)")
+    if training.grad_ckpt and training.ckpt_policy:
+        return ("zero3 with every-k checkpointing outside Llama-style decoders: checked with every layer "
+                "checkpointed only")
     return None
 
 
@@ -439,7 +444,13 @@ class _Step3Offload(_Step3):
 
 
 def _last_projection(table: list[ParamInfo], layer: int) -> ParamInfo:
-    """The layer's MLP output projection: the last module its forward runs, the first its backward reaches."""
+    """The layer's MLP output projection: the last module with parameters its forward runs, the first its
+    backward reaches (Llama's ``mlp.down_proj``; elsewhere read off the recorded module trace)."""
+    recorded = recorded_trace(table)
+    if recorded is not None:
+        in_layer = [params for name, params, _ in recorded[0] if params and _layer_of(name) == layer]
+        weight = next(n for n in in_layer[-1] if n.endswith(".weight")) if in_layer else None
+        return next(p for p in table if p.name == weight)
     suffix = f"mlp.{LAYER_BLOCKS['mlp'][-1]}.weight"
     return next(p for p in table if p.layer == layer and p.name.replace(".base_layer", "").endswith(suffix))
 
@@ -449,10 +460,39 @@ def _stopped_output_size_index(table: list[ParamInfo], polys: list) -> int:
     by a recomputation before it stops (``_recompute_output_made_then_dropped``)."""
     layer = next(p.layer for p in table if p.layer is not None)
     down = _last_projection(table, layer)
-    index = _per_token_size_index(polys, float(down.shape[0] * down.elem_bytes))
+    index = _per_token_size_index(polys, float(_out_features(table, down) * down.elem_bytes))
     if index is None:
         raise ExpansionError("zero3 with checkpointing: the profile has no tensor of the MLP output's size")
     return index
+
+
+DROPPED_OUT = ("zero3 with checkpointing: the layers drop out their hidden states after the MLP (OPT, GPT-2), so "
+               "backward unpacks the mask first and the recomputation runs before the output projection's fetch: "
+               "not in the replay yet")
+
+
+def why_not_zero3_recomputation(training, table: list[ParamInfo], polys: list) -> str | None:
+    """Why a checkpointed ZeRO-3 step cannot be replayed from the profile's tensors (None: it can): on a
+    recorded module trace (not Llama's), a dropout of the hidden states after the MLP (``_drops_out_hidden_states``)."""
+    if not training.grad_ckpt or recorded_trace(table) is None:
+        return None
+    return DROPPED_OUT if _drops_out_hidden_states(table, polys) else None
+
+
+def _drops_out_hidden_states(table: list[ParamInfo], polys: list) -> bool:
+    """Whether the profile holds a dropout mask of the hidden states (``b * s * hidden`` bools: the profile is
+    traced with CUDA's fused dropout, ``estimator.profiler.cuda_path``). Where a layer's last saved tensor is such a
+    mask rather than its MLP output projection's inputs, a checkpointed layer's recomputation starts before that
+    projection's backward fetch (real CPU runs of tiny OPT and GPT-2: docs/error_matrix/zero3_arch_ckpt_cpu.csv)."""
+    down = _last_projection(table, next(p.layer for p in table if p.layer is not None))
+    return _per_token_size_index(polys, float(_out_features(table, down))) is not None
+
+
+def _out_features(table: list[ParamInfo], weight: ParamInfo) -> int:
+    """A Linear's output width: its bias's length where it has one (a ``Conv1D`` stores ``(in, out)``), else
+    the weight's rows."""
+    bias = next((p for p in table if p.name == weight.name.removesuffix("weight") + "bias"), None)
+    return bias.numel if bias is not None else weight.shape[0]
 
 
 def _per_token_size_index(polys: list, per_token: float) -> int | None:
@@ -597,7 +637,7 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
     (``master_elem_bytes``); ``saved_inputs``: (layer, bytes per token) of each frozen Linear input DeepSpeed's
     memory-efficient linear holds (``_hold_saved_inputs``). ExpansionError where the step cannot be built."""
     recorded = recorded_trace(table)
-    if not llama_like(table) and (recorded is None or recomputed or saved_inputs):
+    if not llama_like(table) and (recorded is None or saved_inputs):
         raise ExpansionError("zero3: the coordinator's module trace is derived for Llama-style decoders, or "
                              "recorded in the profile")
     gathers = emulate(table, world, steps=2 * accumulate, prefetch_bucket=zcfg.stage3_prefetch_bucket_size,
