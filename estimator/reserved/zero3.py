@@ -111,8 +111,9 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
         if reason is not None:
             return reason
         if training.lora and training.grad_ckpt and any(p.trainable and ".mlp." in p.name for p in table):
-            return ("zero3 with LoRA on the MLP and checkpointing: checked with attention adapters only (the "
-                    "recomputation stops at the MLP output)")
+            return ("zero3 with LoRA on the MLP and checkpointing: a real run's allgather stream differs from the "
+                    "replay's (the recomputation stops inside the MLP's adapters; "
+                    "docs/error_matrix/zero3_lora_mlp_ckpt_cpu.csv)")
         if partition_numel(table, parallel.world_size) > zcfg.sub_group_size:
             return "zero3 with more than one optimizer sub-group: not in the replay yet"
     return None
