@@ -3,7 +3,7 @@ trace recorded in the profile, ``estimator.profiler.modules``) beside real DeepS
 built from config, request by request on each of DeepSpeed's three streams.
 
     PYTHONPATH=. .venv/bin/python benchmarks/zero3_arch_replay.py [--archs opt gpt_neox bloom gpt2] \
-        [--worlds 2 4] [--csv docs/error_matrix/zero3_arch_cpu.csv]   # llama: the control
+        [--worlds 2 4] [--ckpt] [--recordings DIR] [--csv docs/error_matrix/zero3_arch_cpu.csv]   # llama: the control
 
 Per point (mixed_bf16, micro-batch 2, seq 64, 3 steps, eager attention; stage-3 knobs scaled to the tiny model: a
 prefetch of 0.8 of a layer's elements, the tensors of at most ``hidden`` elements persistent, 20,000-element
@@ -12,6 +12,8 @@ buckets): rank 0 of a real run on CPU, every storage recorded with the stream a 
 same spec (``zero3_ckpt_replay.generated_steps``). ``first_differences``: per stream and step (setup left out: a
 CPU run keeps ``zero.Init``'s construction partitions there), the first request whose kind or size differs
 (None: all agree). The peaks: each stream list replayed on the three streams, and the estimate's own.
+``--ckpt``: with full non-reentrant activation checkpointing (``docs/error_matrix/zero3_arch_ckpt_cpu.csv``);
+``--recordings``: keep each point's recorded events there and reuse them (the generated side is rebuilt).
 """
 
 from __future__ import annotations
@@ -49,12 +51,13 @@ COLUMNS = ("arch", "world", "recorded_three_streams_mib", "generated_three_strea
            "prior_mib", "streams_agreeing", "first_differences")
 
 
-def arch_spec(path: str, world: int):
-    """The point's spec: stage-3 knobs from the profile's table (a layer's elements, the hidden size)."""
+def arch_spec(path: str, world: int, ckpt: bool = False):
+    """The point's spec: stage-3 knobs from the profile's table (a layer's elements, the hidden size);
+    ``ckpt``: every layer checkpointed (non-reentrant)."""
     from estimator import api
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
 
-    training = TrainingSpec(precision="mixed_bf16", attn="eager", micro_batch_size=B, seq_len=S)
+    training = TrainingSpec(precision="mixed_bf16", attn="eager", micro_batch_size=B, seq_len=S, grad_ckpt=ckpt)
     arch, profile = api.load_model_profile(path, training, 1)
     table = api._param_table(profile, arch.num_layers)
     layer_numel = sum(p.numel for p in table if p.layer == 0)
@@ -64,15 +67,15 @@ def arch_spec(path: str, world: int):
     return RunSpec(model=path, training=training, parallel=ParallelSpec(method="zero3", world_size=world, zero=zero))
 
 
-def point(work: Path, arch: str, world: int) -> dict:
+def point(work: Path, arch: str, world: int, ckpt: bool = False, keep: Path | None = None) -> dict:
     from estimator.allocator.requests import simulate
     from estimator.api import estimate
 
     config = ARCHS[arch]
     path = work / f"config_{arch}.json"
     path.write_text(json.dumps(config))
-    spec = arch_spec(str(path), world)
-    recorded = recorded_steps(_record(work, config, spec, True))
+    spec = arch_spec(str(path), world, ckpt)
+    recorded = recorded_steps(_record(work, config, spec, True, keep))
     generated = generated_steps(spec, B, S, len(recorded) - 1)
     flat_rec, flat_gen = [r for p in recorded for r in p], [r for p in generated for r in p]
     replayed, prior = estimate(spec).ranks[0], estimate(spec, replay_reserved=False).ranks[0]
@@ -90,20 +93,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--archs", nargs="*", default=list(ARCHS))
     parser.add_argument("--worlds", nargs="*", type=int, default=[2, 4])
+    parser.add_argument("--ckpt", action="store_true", help="every layer checkpointed (non-reentrant)")
+    parser.add_argument("--recordings", help="a folder to keep each point's recorded events in (reused)")
     parser.add_argument("--csv")
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs:
             for world in args.worlds:
-                rows.append(point(Path(tmp), arch, world))
+                keep = (Path(args.recordings) / f"{arch}_x{world}{'_ckpt' if args.ckpt else ''}.json"
+                        if args.recordings else None)
+                rows.append(point(Path(tmp), arch, world, args.ckpt, keep))
                 print(" ".join(f"{k}={rows[-1][k]}" for k in COLUMNS), flush=True)
     if args.csv:
         import csv
 
         with open(args.csv, "w", newline="") as f:
             f.write("# PYTHONPATH=. .venv/bin/python benchmarks/zero3_arch_replay.py --archs "
-                    f"{' '.join(args.archs)} --worlds {' '.join(map(str, args.worlds))} --csv {args.csv}\n")
+                    f"{' '.join(args.archs)} --worlds {' '.join(map(str, args.worlds))}"
+                    f"{' --ckpt' if args.ckpt else ''} --csv {args.csv}\n")
             writer = csv.DictWriter(f, fieldnames=COLUMNS)
             writer.writeheader()
             writer.writerows(rows)

@@ -9,7 +9,8 @@ the prior it replaces, beside real DeepSpeed runs on CPU of tiny Llamas.
 non-reentrant checkpointing): the recording marks each allocation's stream as a GPU run makes it
 (``test_reserved_zero._StreamMarks``), so both streams are also replayed on DeepSpeed's three streams, and each
 stream's requests are compared in order, step by step (``first_differences``; each run of frees as a set).
-``--ckpt ckpt``: the checkpointed points only (docs/error_matrix/zero3_lora_ckpt_cpu.csv); ``--recordings``: keep
+``--ckpt ckpt``: the checkpointed points only (docs/error_matrix/zero3_lora_ckpt_cpu.csv); ``--targets``: the
+adapters' ``lora_targets`` (``q_proj,v_proj`` by default; ``all-linear``: docs/error_matrix/zero3_lora_mlp_ckpt_cpu.csv); ``--recordings``: keep
 each point's recorded events there and reuse them (the generated side is rebuilt every time).
 
 Per point (tiny Llama, hidden 64 or 256, 4 layers, mixed_bf16, 3 steps; norms persistent, a prefetch about a
@@ -53,7 +54,7 @@ def _config(hidden: int) -> dict:
 
 
 def _spec(path: str, config: dict, world: int, b: int, s: int, ckpt: bool, precision: str = "mixed_bf16",
-          accum: int = 1, lora: bool = False, offload: bool = False):
+          accum: int = 1, lora: bool = False, offload: bool = False, targets: str = "q_proj,v_proj"):
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
 
     hidden, inter = config["hidden_size"], config["intermediate_size"]
@@ -62,7 +63,7 @@ def _spec(path: str, config: dict, world: int, b: int, s: int, ckpt: bool, preci
                     stage3_prefetch_bucket_size=int(0.8 * layer_numel), stage3_param_persistence_threshold=hidden + 1,
                     offload_optimizer=offload)
     training = TrainingSpec(precision=precision, attn="eager", micro_batch_size=b, seq_len=s, grad_ckpt=ckpt,
-                            grad_accum_steps=accum, lora_rank=8 if lora else 0, lora_targets="q_proj,v_proj" if lora else "auto")
+                            grad_accum_steps=accum, lora_rank=8 if lora else 0, lora_targets=targets if lora else "auto")
     return RunSpec(model=path, training=training, parallel=ParallelSpec(method="zero3", world_size=world, zero=zero))
 
 
@@ -203,14 +204,14 @@ def _frees_sorted(sized: list[tuple]) -> list[tuple]:
 
 
 def _streams_point(work: Path, hidden: int, world: int, b: int, s: int, ckpt: bool, precision: str, accum: int,
-                   offload: bool, keep: Path | None = None) -> dict:
+                   offload: bool, keep: Path | None = None, targets: str = "q_proj,v_proj") -> dict:
     from estimator.allocator.requests import simulate
     from estimator.api import estimate
 
     config = _config(hidden)
     path = work / f"config_h{hidden}.json"
     path.write_text(json.dumps(config))
-    spec = _spec(str(path), config, world, b, s, ckpt, precision, accum, lora=True, offload=offload)
+    spec = _spec(str(path), config, world, b, s, ckpt, precision, accum, lora=True, offload=offload, targets=targets)
     recorded = recorded_steps(_record(work, config, spec, True, keep))
     generated = generated_steps(spec, b, s, len(recorded) - 1)
     flat_rec, flat_gen = [r for p in recorded for r in p], [r for p in generated for r in p]
@@ -238,9 +239,11 @@ def _lora_points(work: Path, args, argv: list[str] | None) -> int:
                 for accum in args.accum:
                     for ckpt in (mode == "ckpt" for mode in args.ckpt):
                         label = (f"h{hidden} x{world} {precision} k{accum} {'ckpt' if ckpt else 'plain'}"
-                                 f"{' offload' if args.offload else ''}")
+                                 f"{' offload' if args.offload else ''}"
+                                 f"{'' if args.targets == 'q_proj,v_proj' else ' ' + args.targets}")
                         keep = Path(args.recordings) / f"{label.replace(' ', '_')}.json" if args.recordings else None
-                        r = _streams_point(work, hidden, world, b, s, ckpt, precision, accum, args.offload, keep)
+                        r = _streams_point(work, hidden, world, b, s, ckpt, precision, accum, args.offload, keep,
+                                           args.targets)
                         diffs = "; ".join(f"s{st} step{step} @{at} {pair[0]} vs {pair[1]}"
                                           for st, step, at, pair in r["differences"] if at is not None)
                         rows.append({"point": label, **{k: r[k] for k in COLUMNS[1:-1]},
@@ -284,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precisions", nargs="*", default=["mixed_bf16", "bf16"])
     parser.add_argument("--offload", action="store_true", help="with offload_optimizer")
     parser.add_argument("--ckpt", nargs="*", choices=["plain", "ckpt"], default=["plain", "ckpt"])
+    parser.add_argument("--targets", default="q_proj,v_proj", help="the LoRA points' lora_targets")
     parser.add_argument("--csv", help="write the LoRA points here")
     parser.add_argument("--recordings", help="a folder to keep each LoRA point's recorded events in (reused)")
     args = parser.parse_args(argv)

@@ -21,7 +21,8 @@ requests sit among the default stream's does not change it.
   ``stage3_param_persistence_threshold``: the norms) into blocks that live until the next backward's
   ``release_and_reset_all``.
 * **Reduction stream**: a flush of several gradients concatenates them (``reduce_scatter_coalesced``'s flat
-  input, each padded to the world size), freed once reduced.
+  input, each padded to the world size), freed once reduced. A biased Linear's bias reaches the bucket after its
+  weight (the memory-efficient linear's backward order; torch's, the profile's, is the other: ``_Step3.hook``).
 * **Allgather stream**: the parameter coordinator's gathers, prefetches, copy-outs and releases
   (``estimator.reserved.zero3_gathers``), placed at the start of each step's ops.
 
@@ -49,7 +50,9 @@ profile recorded (``estimator.profiler.modules``: every module's pre-forward hoo
 pre-backward hook as backward ran it), stretched to full depth (``ParamTable.module_trace``,
 ``zero3_gathers.recorded_modules``); a profile traced without it keeps the prior (``why_not_zero3``). Checked
 against real CPU runs of tiny OPT, GPT-NeoX, BLOOM and GPT-2 (``benchmarks/zero3_arch_replay.py``,
-``docs/error_matrix/zero3_arch_cpu.csv``).
+``docs/error_matrix/zero3_arch_cpu.csv``). Full non-reentrant checkpointing too, the stopped output being the
+layer's last Linear's (``_last_projection`` off the recorded trace), where the hidden states are not dropped out
+after the MLP (``why_not_zero3_recomputation``: GPT-NeoX, BLOOM; ``docs/error_matrix/zero3_arch_ckpt_cpu.csv``).
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ from estimator.reserved.accumulate import MicroSteps
 from estimator.reserved.fsdp import _Builder, method_expansion
 from estimator.reserved.timeline import Setup, model_order
 from estimator.reserved.zero import FP32, FP64, REDUCTION, _backward_ops, _grad_params, _Step
-from estimator.reserved.zero3_gathers import emulate, is_adapter
+from estimator.reserved.zero3_gathers import _layer_of, emulate, is_adapter
 from estimator.spec import ckpt_every
 
 ALLGATHER = 2  # allocator stream of the coordinator's gathers (REDUCTION = 1: the reduce-scatter's)
@@ -108,8 +111,9 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
         if reason is not None:
             return reason
         if training.lora and training.grad_ckpt and any(p.trainable and ".mlp." in p.name for p in table):
-            return ("zero3 with LoRA on the MLP and checkpointing: checked with attention adapters only (the "
-                    "recomputation stops at the MLP output)")
+            return ("zero3 with LoRA on the MLP and checkpointing: a real run's allgather stream differs from the "
+                    "replay's (the recomputation stops inside the MLP's adapters; "
+                    "docs/error_matrix/zero3_lora_mlp_ckpt_cpu.csv)")
         if partition_numel(table, parallel.world_size) > zcfg.sub_group_size:
             return "zero3 with more than one optimizer sub-group: not in the replay yet"
     return None
@@ -124,16 +128,19 @@ def recorded_trace(table: list[ParamInfo]) -> tuple | None:
 def _why_not_module_trace(table: list[ParamInfo], training) -> str | None:
     """Why the coordinator's module trace is not known for this table (None: it is): Llama-style decoders'
     is derived from the table (``zero3_gathers.modules_of``); other architectures' is the profile's recorded one
-    (``ParamTable.module_trace``), without LoRA and checkpointing (their additions are modelled on Llama's
-    structure: peft's wrappers, the recomputation's stopped MLP output)."""
+    (``ParamTable.module_trace``), without LoRA (modelled on Llama's structure: peft's wrappers, the frozen
+    Linears' held inputs); checkpointing there: ``why_not_zero3_recomputation``."""
     if llama_like(table):
         return None
     if recorded_trace(table) is None:
         return ("zero3: the coordinator's module trace is derived for Llama-style decoders, or recorded in the "
                 "profile (not in this one, or its layers do not run alike)")
-    if training.lora or training.grad_ckpt:
-        return ("zero3 with LoRA or checkpointing: modelled on Llama-style decoders only (peft's wrappers, the "
-                "recomputation's stopped MLP output)")
+    if training.lora:
+        return ("zero3 with LoRA: modelled on Llama-style decoders only (peft's wrappers, the frozen Linears' "
+                "held inputs)")
+    if training.grad_ckpt and training.ckpt_policy:
+        return ("zero3 with every-k checkpointing outside Llama-style decoders: checked with every layer "
+                "checkpointed only")
     return None
 
 
@@ -193,6 +200,23 @@ def _adapters_wrap_projections(table: list[ParamInfo]) -> bool:
             if {f"{projection}.lora_B.{adapter}", f"{projection}.base_layer.weight"} - names:
                 return False
     return sum(".lora_A." in p.name for p in table) == sum(".lora_B." in p.name for p in table)
+
+
+def linear_weight_of_bias(table: list[ParamInfo]) -> dict[int, ParamInfo]:
+    """id(bias) -> weight of each biased ``nn.Linear``, whose forward under ``zero.Init`` is DeepSpeed's
+    memory-efficient linear (``F.linear`` replaced by ``zero3_linear_wrap``). Told apart from transformers'
+    ``Conv1D`` (GPT-2; ``torch.addmm``, torch's own backward) by the weight's layout: a Linear's is
+    ``(out, in)``, its bias ``out`` long; a Conv1D's ``(in, out)``. A table with any transposed biased weight
+    is taken for a Conv1D model throughout (its square weights cannot tell)."""
+    by_name = {p.name: p for p in table}
+    pairs = []
+    for p in table:
+        weight = by_name.get(p.name.removesuffix("bias") + "weight") if p.name.endswith(".bias") else None
+        if weight is not None and weight.module_kind == "linear" and len(weight.shape) == 2:
+            pairs.append((p, weight))
+    if any(w.shape[0] != b.numel for b, w in pairs):
+        return {}
+    return {id(b): w for b, w in pairs}
 
 
 def partition_numel(table: list[ParamInfo], world: int) -> int:
@@ -327,9 +351,32 @@ class _Step3(_Step):
                          overlap=True)
         self.table, self.world, self.master_elem = table, world, master_elem
         self.ipg = []  # the IPG bucket is the setup's
+        self.weight_of = linear_weight_of_bias(table)
+        self.deferred: dict[int, ParamInfo] = {}  # id(weight) -> its bias, hooked once the weight is
+        self.hooked: set[int] = set()
 
     def setup_buckets(self, out: list) -> None:
         return None
+
+    def hook(self, out: list, p: ParamInfo) -> None:
+        """A Linear's bias gradient is hooked after its weight's: ``LinearFunctionForZeroStage3.backward``
+        makes grad_weight before grad_bias, torch's linear (the profile's step) the bias first, and the hook
+        order decides which flush of the IPG bucket the bias joins."""
+        weight = self.weight_of.get(id(p))
+        if weight is not None and id(weight) in self.grad_of and id(weight) not in self.hooked:
+            self.deferred[id(weight)] = p
+            return
+        super().hook(out, p)
+        self.hooked.add(id(p))
+        bias = self.deferred.pop(id(p), None)
+        if bias is not None:
+            self.hook(out, bias)
+
+    def epilogue(self, out: list) -> None:
+        for bias in list(self.deferred.values()):  # a weight whose gradient never came (none expected)
+            super().hook(out, bias)
+        self.deferred = {}
+        self.flush(out)
 
     def flush(self, out: list) -> None:
         """``__reduce_and_partition_ipg_grads``: several gradients concatenated on the reduction stream (one is
@@ -341,9 +388,6 @@ class _Step3(_Step):
         if self.oversized is not None:
             self._free_grad(out, self.oversized)
         self.pending, self.elements, self.oversized = [], 0, None
-
-    def epilogue(self, out: list) -> None:
-        self.flush(out)
 
     def optimizer_step(self, out: list) -> None:
         """The norm's fp64 copy of each tensor's gradient partition, then the flat gradient cast to fp32 and
@@ -401,7 +445,13 @@ class _Step3Offload(_Step3):
 
 
 def _last_projection(table: list[ParamInfo], layer: int) -> ParamInfo:
-    """The layer's MLP output projection: the last module its forward runs, the first its backward reaches."""
+    """The layer's MLP output projection: the last module with parameters its forward runs, the first its
+    backward reaches (Llama's ``mlp.down_proj``; elsewhere read off the recorded module trace)."""
+    recorded = recorded_trace(table)
+    if recorded is not None:
+        in_layer = [params for name, params, _ in recorded[0] if params and _layer_of(name) == layer]
+        weight = next(n for n in in_layer[-1] if n.endswith(".weight")) if in_layer else None
+        return next(p for p in table if p.name == weight)
     suffix = f"mlp.{LAYER_BLOCKS['mlp'][-1]}.weight"
     return next(p for p in table if p.layer == layer and p.name.replace(".base_layer", "").endswith(suffix))
 
@@ -411,10 +461,39 @@ def _stopped_output_size_index(table: list[ParamInfo], polys: list) -> int:
     by a recomputation before it stops (``_recompute_output_made_then_dropped``)."""
     layer = next(p.layer for p in table if p.layer is not None)
     down = _last_projection(table, layer)
-    index = _per_token_size_index(polys, float(down.shape[0] * down.elem_bytes))
+    index = _per_token_size_index(polys, float(_out_features(table, down) * down.elem_bytes))
     if index is None:
         raise ExpansionError("zero3 with checkpointing: the profile has no tensor of the MLP output's size")
     return index
+
+
+DROPPED_OUT = ("zero3 with checkpointing: the layers drop out their hidden states after the MLP (OPT, GPT-2), so "
+               "backward unpacks the mask first and the recomputation runs before the output projection's fetch: "
+               "not in the replay yet")
+
+
+def why_not_zero3_recomputation(training, table: list[ParamInfo], polys: list) -> str | None:
+    """Why a checkpointed ZeRO-3 step cannot be replayed from the profile's tensors (None: it can): on a
+    recorded module trace (not Llama's), a dropout of the hidden states after the MLP (``_drops_out_hidden_states``)."""
+    if not training.grad_ckpt or recorded_trace(table) is None:
+        return None
+    return DROPPED_OUT if _drops_out_hidden_states(table, polys) else None
+
+
+def _drops_out_hidden_states(table: list[ParamInfo], polys: list) -> bool:
+    """Whether the profile holds a dropout mask of the hidden states (``b * s * hidden`` bools: the profile is
+    traced with CUDA's fused dropout, ``estimator.profiler.cuda_path``). Where a layer's last saved tensor is such a
+    mask rather than its MLP output projection's inputs, a checkpointed layer's recomputation starts before that
+    projection's backward fetch (real CPU runs of tiny OPT and GPT-2: docs/error_matrix/zero3_arch_ckpt_cpu.csv)."""
+    down = _last_projection(table, next(p.layer for p in table if p.layer is not None))
+    return _per_token_size_index(polys, float(_out_features(table, down))) is not None
+
+
+def _out_features(table: list[ParamInfo], weight: ParamInfo) -> int:
+    """A Linear's output width: its bias's length where it has one (a ``Conv1D`` stores ``(in, out)``), else
+    the weight's rows."""
+    bias = next((p for p in table if p.name == weight.name.removesuffix("weight") + "bias"), None)
+    return bias.numel if bias is not None else weight.shape[0]
 
 
 def _per_token_size_index(polys: list, per_token: float) -> int | None:
@@ -559,7 +638,7 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
     (``master_elem_bytes``); ``saved_inputs``: (layer, bytes per token) of each frozen Linear input DeepSpeed's
     memory-efficient linear holds (``_hold_saved_inputs``). ExpansionError where the step cannot be built."""
     recorded = recorded_trace(table)
-    if not llama_like(table) and (recorded is None or recomputed or saved_inputs):
+    if not llama_like(table) and (recorded is None or saved_inputs):
         raise ExpansionError("zero3: the coordinator's module trace is derived for Llama-style decoders, or "
                              "recorded in the profile")
     gathers = emulate(table, world, steps=2 * accumulate, prefetch_bucket=zcfg.stage3_prefetch_bucket_size,

@@ -122,9 +122,10 @@ def test_the_checkpointed_lora_runs_allgather_stream_is_generated(tmp_path):
 
 def test_zero3_lora_on_the_mlp_with_checkpointing_keeps_the_prior():
     """The replay was checked with attention adapters (q/v); an adapter on the MLP changes where the
-    recomputation stops (its output projection is then peft's wrapper, ``down_proj.base_layer``): those specs keep
-    the prior, with the reason, rather than a replay nobody checked (or a lookup that cannot find the layer's
-    plain ``down_proj``)."""
+    recomputation stops (its output projection is then peft's wrapper, ``down_proj.base_layer``), and a real CPU
+    run with ``all-linear`` adapters disagrees with the replay's allgather stream in every step
+    (``benchmarks/zero3_ckpt_replay.py --targets all-linear``, docs/error_matrix/zero3_lora_mlp_ckpt_cpu.csv):
+    those specs keep the prior, with the reason (the lookup still finds the wrapper's ``down_proj``)."""
     import dataclasses
 
     from estimator.reserved.zero3 import _last_projection, why_not_zero3
