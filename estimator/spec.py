@@ -553,6 +553,12 @@ class RunSpec:
                          padded=self.training.batch == "padded")
             except ValueError as err:
                 _fail("cp", str(err).removeprefix("cp: "))
+        if self.training.qlora and self.parallel.method == "fsdp1":
+            # FSDP1 can shard Params4bit, but only in a unit of one dtype: the packed weights stored as 16 bits
+            # beside 16-bit norms, which the estimator's QLoRA (fp32 after prepare_model_for_kbit_training) is not.
+            _fail("qlora", "fsdp1 shards 4-bit weights only as answer.ai's fsdp_qlora builds them (16-bit "
+                           "quant_storage, no fp32 cast of the rest), a recipe not modelled here "
+                           "(docs/fsdp1_qlora.md); use single, ddp or a ZeRO method")
         if self.training.qlora and self.parallel.method in QLORA_UNSUPPORTED_METHODS:
             _fail("qlora", f"bitsandbytes 4-bit weights cannot be sharded by {self.parallel.method} here (FSDP2 and "
                            "DTensor cannot wrap Params4bit); use single, ddp or a ZeRO method")

@@ -24,6 +24,13 @@ def test_qlora_with_fsdp_or_tp_is_refused():
     RunSpec(model="m", training=qlora, parallel=ParallelSpec(method="zero3", world_size=4))
 
 
+def test_qlora_with_fsdp1_is_refused_with_its_own_reason():
+    """FSDP1 can shard Params4bit (fsdp_qlora), so its refusal names the recipe it would need, not FSDP2's limit."""
+    qlora = TrainingSpec(lora_rank=8, qlora=True)
+    with pytest.raises(ValueError, match=r"^qlora: fsdp1 .*docs/fsdp1_qlora\.md"):
+        RunSpec(model="m", training=qlora, parallel=ParallelSpec(method="fsdp1", world_size=2))
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"micro_batch_size": 0}, "micro_batch_size"), ({"seq_len": -1}, "seq_len"),
     ({"precision": "fp8"}, "precision"), ({"optimizer": "lion"}, "optimizer"), ({"attn": "xformers"}, "attn"),
