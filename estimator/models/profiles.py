@@ -27,6 +27,12 @@ from estimator.spec import TrainingSpec, model_code_release
 # 6: each regime also holds ``outputs_held_16bit``: the part of ``outputs_held`` held by 16-bit float tensors
 #    (what accelerate's mixed-precision forward wrapper copies to fp32: ``TrainingSpec.outputs_fp32``).
 PROFILE_SCHEMA_VERSION = 6
+# The rule a profile's segment summaries follow (``summary_rule``, beside the schema; no field: before rule 1).
+# 1: a gradient's hook moment (DeepSpeed ZeRO's reduce) after the node's releases (``summary._hook_moments``).
+# A profile at the current rule loads as stored; an older one is summarised again from its events at every load
+# (``estimator.profiler.cache``; 1.10 s of a cold opt-125m plan's 3.52 s under cProfile, 7 profiles): ``python -m
+# estimator.profiler.ship --resummarise`` brings stored profiles to the current rule in place.
+SUMMARY_RULE = 1
 MONOMIALS = ("1", "s", "s^2", "b", "b*s", "b*s^2")
 
 
@@ -124,6 +130,11 @@ def _shipped_path(key: str):
 @functools.lru_cache(maxsize=512)
 def _read(path: str) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def summaries_current(profile: dict) -> bool:
+    """The profile's segment summaries follow today's rule (``SUMMARY_RULE``): no re-summary at load."""
+    return profile.get("summary_rule") == SUMMARY_RULE
 
 
 def has_events(profile: dict) -> bool:

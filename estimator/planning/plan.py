@@ -776,6 +776,49 @@ def _uses_technique(training: TrainingSpec) -> bool:
     return training.ce != "standard" or training.activation_offload or bool(training.ckpt_policy)
 
 
+# What a rung of TECHNIQUE_LADDER can take off the GPU at the plain step's peak: the loss's logits and their copies
+# (chunked / fused cross-entropy), the activations saved for backward (offload), the transients of forward and
+# backward. The model's states at any moment of the step (weights, gradients, optimizer states, master weights,
+# gathered parameters, communication buffers) are the same under every rung, and so is the optimizer step's own
+# scratch (``temporaries`` at an ``optimizer_step`` peak).
+TECHNIQUE_REMOVES = ("activations", "outputs_held", "allocator_rounding")
+
+
+def _technique_floor_bytes(est: Any) -> float | None:
+    """A lower bound of the upper bound of ``est``'s spec under any rung of TECHNIQUE_LADDER: what its plain
+    step holds at its peak besides what a rung can remove, with what lies outside the allocator (the CUDA context,
+    NCCL) and reserved >= allocated, scaled by the estimate's bound ratio. None: no breakdown to tell."""
+    breakdown = getattr(est, "breakdown", None)
+    if not breakdown or not est.peak_device_bytes:
+        return None
+    removes = TECHNIQUE_REMOVES + (() if est.phase.startswith("optimizer_step") else ("temporaries",))
+    kept = sum(v for k, v in breakdown.items() if k not in removes)
+    outside = est.peak_device_bytes - est.peak_reserved_bytes
+    return (outside + kept) * est.upper_bound_bytes / est.peak_device_bytes
+
+
+def _no_technique_can_fit(ctx: _Context, cands: list[Candidate]) -> bool:
+    """Whether no rung of TECHNIQUE_LADDER can make any of ``cands`` fit micro-batch 1: each layout's plain step
+    holds at its peak, besides everything a rung removes (``_technique_floor_bytes``), more than its GPU, and a
+    rung's step holds at least that at the same moment; a layout the plain step cannot be planned for (an invalid
+    layout: no flash attention for ring attention) is no more valid under a rung, which changes the loss and where
+    activations live only. Then the ladder would find nothing, and its profiles (torch: tens of seconds each for
+    a 2-7B model) are not traced: a short sequence whose model states do not fit. False without the default
+    estimator's prior estimates (its ``prior``) or a breakdown: the ladder decides."""
+    prior = getattr(ctx.estimate_fn, "prior", None)
+    if prior is None or ctx.epoch is not None or not cands:
+        return False
+    for cand in cands:
+        try:
+            est = prior(ctx.spec(cand, 1))
+        except ValueError:
+            continue
+        floor = _technique_floor_bytes(est)
+        if floor is None or floor <= est.capacity_bytes:
+            return False
+    return True
+
+
 def _on_gpu_fits(results: list[CandidateResult]) -> bool:
     return any(r.fits and not r.candidate.offload for r in results)
 
@@ -787,11 +830,13 @@ def _with_techniques(ctx: _Context, cands: list[Candidate], global_batch: int | 
     A rung's profiles are traced on first use (torch): without torch the rung is skipped."""
     if _on_gpu_fits(results) or _uses_technique(ctx.training) or ctx.training.lora or ctx.training.outputs_fp32:
         return ctx, results, replayed, ""
+    cands_gpu = [c for c in cands if not c.offload and c.tp == 1]  # no fused loss over a TP head
+    if _no_technique_can_fit(ctx, cands_gpu):
+        return ctx, results, replayed, ""  # what the ladder would return, without tracing its profiles
     for label, fields in TECHNIQUE_LADDER:
         if fields.get("ce") == "fused_linear" and ctx.training.precision.startswith("amp_"):
             continue
         trial = dataclasses.replace(ctx, training=dataclasses.replace(ctx.training, **fields), cache={})
-        cands_gpu = [c for c in cands if not c.offload and c.tp == 1]  # no fused loss over a TP head
         try:
             trial_results, trial_replayed = _evaluate_all(trial, cands_gpu, global_batch)
         except ValueError:

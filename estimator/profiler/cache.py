@@ -15,6 +15,7 @@ from estimator.models.profiles import (
     installed_version,
     profile_key,
     save_profile,
+    summaries_current,
     traced_release,
 )
 from estimator.spec import TrainingSpec, model_code_release
@@ -90,9 +91,11 @@ _HOOKED: dict[int, tuple[dict, dict]] = {}
 
 
 def _with_hook_moments(profile: dict) -> dict:
-    """``estimator.profiler.vocab.with_hook_moments`` once per loaded profile (a profile summarised by an older
-    rule for gradients' hook moments, as every shipped one is, summarised again from its events)."""
-    if not any("events" in regime for regime in profile.get("regimes", ())):
+    """``estimator.profiler.vocab.with_hook_moments`` once per loaded profile summarised by an older rule for
+    gradients' hook moments (no ``summary_rule``: a user's cached or carried-over profile), summarised again from
+    its events. A profile at today's rule (traced since, or ``ship --resummarise``d, as the shipped ones are) is
+    taken as it is."""
+    if summaries_current(profile) or not any("events" in regime for regime in profile.get("regimes", ())):
         return profile
     from estimator.profiler.vocab import with_hook_moments
 

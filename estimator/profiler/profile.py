@@ -19,7 +19,7 @@ from fractions import Fraction
 
 import torch
 
-from estimator.models.profiles import MONOMIALS, PROFILE_SCHEMA_VERSION
+from estimator.models.profiles import MONOMIALS, PROFILE_SCHEMA_VERSION, SUMMARY_RULE
 from estimator.profiler import build
 from estimator.profiler.events import compact_events, first_optimizer_events
 from estimator.profiler.modules import record_module_trace
@@ -628,6 +628,7 @@ def build_profile(config: dict, training: TrainingSpec, *, check: bool = True, t
 
     profile = {
         "schema_version": PROFILE_SCHEMA_VERSION,
+        "summary_rule": SUMMARY_RULE,  # summarised by today's rule (``estimator.profiler.summary``)
         "model_type": config.get("model_type"),
         "variant": _variant(training),
         "attn_effective": attn,

@@ -5,6 +5,8 @@
     python -m estimator.profiler.ship --rows data/public/measurements.csv [--models NAME ...] [--out DIR]
     python -m estimator.profiler.ship ... --sums-in-place   (autograd's sums as a GPU makes them; into an empty --out
                                                               re-traces everything: docs/allocator.md, helper sums)
+    python -m estimator.profiler.ship --resummarise [--out DIR]   (stored profiles' summaries to today's rule, in
+                                                                    place, no torch; rerun after merging re-traces)
 
 Variants are TrainingSpec field sets; a profile already present (current schema) is skipped, so the command resumes.
 ``--rows``: the profiles a measurement table's rows ask for with ``model_code`` equal to the transformers release
@@ -77,6 +79,25 @@ def carry_over_shipped(directory: Path, *, events: bool = False, models: list[st
             save_profile(path.stem, rebuilt, directory)
             how = "re-traced"
         print(f"{path.stem:<60}{how:<26}{time.perf_counter() - started:6.1f} s", flush=True)
+    return 0
+
+
+def resummarise_stored(directory: Path) -> int:
+    """Every profile in ``directory`` summarised by today's rule and marked so (``vocab.resummarised``), in place:
+    the loader then takes it as stored instead of summarising it again at every load. Pure Python; a profile
+    already marked is left as it is, so the command can be rerun after profiles are re-traced or merged."""
+    from estimator.models.profiles import summaries_current
+    from estimator.profiler.vocab import resummarised
+
+    changed = 0
+    for path in sorted(directory.glob("*.json")):
+        profile = json.loads(path.read_text())
+        if summaries_current(profile):
+            continue
+        save_profile(path.stem, resummarised(profile), directory)
+        changed += 1
+    print(f"{changed} of {len(list(directory.glob('*.json')))} profiles in {directory} re-summarised "
+          "(the others were current)")
     return 0
 
 
@@ -181,14 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sums-in-place", action="store_true",
                         help="trace autograd's gradient sums in place where torch's rule makes them so "
                              "(StorageRecorder.fold_engine_sums; docs/allocator.md, helper sums)")
+    parser.add_argument("--resummarise", action="store_true",
+                        help="summarise every profile in --out (default: the package's) again from its events by "
+                             "today's rule and mark it so (summary_rule), in place; no torch, idempotent")
     args = parser.parse_args(argv)
+    out = args.out or Path(str(resources.files("estimator") / "profiles"))
+    if args.resummarise:
+        return resummarise_stored(out)
     from estimator.profiler.profile import build_profile
     from estimator.profiler.trace import StorageRecorder
 
     if args.sums_in_place:
         StorageRecorder.fold_engine_sums_default = True
 
-    out = args.out or Path(str(resources.files("estimator") / "profiles"))
     if args.rows is not None:
         return ship_rows(args.rows, out, [resolve_arch(m).name for m in args.models] if args.models else None)
     if args.carry_over:

@@ -17,6 +17,7 @@ import itertools
 import json
 from fractions import Fraction
 
+from estimator.models.profiles import SUMMARY_RULE
 from estimator.profiler.summary import (
     _per_layer_events,
     _segment_summary,
@@ -120,6 +121,18 @@ def with_hook_moments(profile: dict) -> dict:
             regime = {**regime, **{name: found[name] for name in ("segments", "segments_manual") if name in regime}}
         regimes.append(regime)
     return {**profile, "regimes": regimes}
+
+
+def resummarised(profile: dict) -> dict:
+    """``with_hook_moments(profile)`` marked as summarised by today's rule (``SUMMARY_RULE``, beside the schema),
+    so that loading it skips the re-summary; every other field as stored. Idempotent."""
+    out = {}
+    for name, value in with_hook_moments(profile).items():
+        if name != "summary_rule":
+            out[name] = value
+        if name == "schema_version":
+            out["summary_rule"] = SUMMARY_RULE
+    return out if "summary_rule" in out else {"summary_rule": SUMMARY_RULE, **out}
 
 
 def _coeffs(events: dict) -> list[list[Fraction]]:

@@ -406,3 +406,43 @@ def test_plan_weighs_sharded_layouts_under_every_k():
             by_method.setdefault(r.candidate.method, r)
     for method in ("fsdp", "fsdp1", "zero3", "dp_tp"):
         assert by_method[method].fits and by_method[method].candidate.grad_ckpt, by_method[method].reason
+
+
+@pytest.mark.parametrize(("states_gib", "climbs"), [(20, True), (90, False)])
+def test_plan_climbs_the_ladder_only_where_a_technique_can_make_a_layout_fit(monkeypatch, states_gib, climbs):
+    """With the default estimator's prior (a breakdown), the ladder is not climbed (its profiles not traced) where
+    every layout's plain step holds more than the GPU besides what a technique removes: the model's states alone
+    (90 GiB on an 80 GB GPU). Where they leave room (20 GiB), it is, and picks the rung it picked without it."""
+    from estimator.planning import plan as P
+    from estimator.planning import throughput as T
+
+    gpu = T.gpu_perf("h100-80gb")
+    arch = SimpleNamespace(max_positions=None, num_heads=32, vocab_size=32000, hidden_size=4096, num_layers=32,
+                           config={})
+    monkeypatch.setattr(P, "model_facts", lambda model: {"arch": arch})
+    monkeypatch.setattr(P, "model_shape", lambda *a, **k: T.ModelShape(
+        params=8_000_000_000, matmul_params=7_000_000_000, layers=32, hidden_size=4096, head_params=131_000_000,
+        replicated_params=262_000_000, trainable_params=None))
+    seen = []
+
+    def estimate(spec):
+        t = spec.training
+        seen.append(t.ce)
+        per_token = {"standard": 3_000_000, "chunked": 1_500_000, "fused_linear": 400_000}[t.ce]
+        states, act = states_gib * 2**30, per_token * t.seq_len * t.micro_batch_size
+        peak = states + act + 2**30
+        return SimpleNamespace(peak_device_bytes=peak, peak_reserved_bytes=peak - 2**30, upper_bound_bytes=peak,
+                               capacity_bytes=gpu.capacity_bytes, host_ram_bytes=0, calibrated=False,
+                               phase="backward (steady step)",
+                               breakdown={"weights": states // 4, "optimizer_states": states - states // 4,
+                                          "activations": act})
+
+    estimate.prior = estimate
+    result = P.plan("m", gpus=8, gpu=gpu.key, gpu_info=gpu, seq_len=65536, estimate_fn=estimate,
+                    methods=("fsdp", "zero3"), ckpt_options=(True,), advise=False)
+    if climbs:
+        assert result.technique.startswith("Liger's fused linear") and result.best is not None
+        assert {"standard", "chunked", "fused_linear"} <= set(seen)
+    else:
+        assert result.technique == "" and result.best is None and set(seen) == {"standard"}
+        assert not any(n.startswith("long context:") for n in result.notes)

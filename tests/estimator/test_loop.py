@@ -51,6 +51,16 @@ def test_output_object_is_found_in_the_trace(tiny_profile):
         assert regime["outputs_held_16bit"] == held  # bf16 logits: all of it is what accelerate copies to fp32
 
 
+def test_a_new_profile_is_marked_with_today_s_summary_rule(tiny_profile):
+    """Its summaries are what the loader's re-summary gives, so the marker lets the loader skip it."""
+    from estimator.models.profiles import SUMMARY_RULE
+    from estimator.profiler.vocab import with_hook_moments
+
+    stored = json.loads(json.dumps(tiny_profile))
+    assert stored["summary_rule"] == SUMMARY_RULE
+    assert with_hook_moments(stored) == stored
+
+
 def test_fp32_outputs_are_not_16bit():
     profile = build_profile(TINY["llama"], TrainingSpec(precision="fp32", attn="eager"), check=False)
     for regime in profile["regimes"]:

@@ -299,22 +299,76 @@ def test_a_gradients_hook_before_the_next_nodes_allocations_stays_at_the_allocat
     assert summary["hooks"] == [0]
 
 
+def _without_hook_moments(profile: dict) -> dict:
+    """``profile`` as a trace before hook moments were kept summarised it (no ``hooks``, no ``summary_rule``)."""
+    def strip(segments: dict) -> dict:
+        return {name: {k: v for k, v in seg.items() if k != "hooks"} for name, seg in segments.items()}
+
+    regimes = [{**r, **{name: strip(r[name]) for name in ("segments", "segments_manual") if name in r}}
+               for r in profile["regimes"]]
+    return {**{k: v for k, v in profile.items() if k != "summary_rule"}, "regimes": regimes}
+
+
 def test_a_profile_summarised_before_hook_moments_is_summarised_again_at_load():
-    # The shipped profiles carry no hook moments; loaded, their backward segments are re-derived from their events
-    # (the stored summaries otherwise kept), so ZeRO's hooks fall after the node's releases.
-    from estimator.models.profiles import find_profile, profile_key
-    from estimator.profiler.cache import cached_arch, load_model_profile
-    from estimator.profiler.vocab import with_hook_moments
+    # A profile without today's summary rule (a user's cached one) has its backward segments re-derived from its
+    # events at load (the stored summaries otherwise kept), so ZeRO's hooks fall after the node's releases; the
+    # shipped ones carry the rule (``ship --resummarise``) and load as stored.
+    from estimator.models.profiles import find_profile, profile_key, summaries_current
+    from estimator.profiler.cache import _with_hook_moments, cached_arch, load_model_profile
+    from estimator.profiler.vocab import resummarised, with_hook_moments
     from estimator.spec import TrainingSpec
 
     training = TrainingSpec(precision="mixed_bf16", attn="sdpa", micro_batch_size=2, seq_len=1024)
-    stored = find_profile(profile_key(cached_arch("EleutherAI/pythia-1b").config_sha, training, 1, False))
-    assert not any("hooks" in segment for r in stored["regimes"] for segment in r["segments"].values())
-    _, profile = load_model_profile("EleutherAI/pythia-1b", training, allow_build=False)
+    shipped = find_profile(profile_key(cached_arch("EleutherAI/pythia-1b").config_sha, training, 1, False))
+    assert summaries_current(shipped)
+    _, loaded = load_model_profile("EleutherAI/pythia-1b", training, allow_build=False)
+    assert loaded["regimes"] == shipped["regimes"]  # taken as stored: no re-summary
+    stored = _without_hook_moments(shipped)
+    assert not summaries_current(stored)
+    profile = _with_hook_moments(stored)
     regime, before = profile["regimes"][-1], stored["regimes"][-1]
     assert "hooks" in regime["segments"]["mid_bw"] and "hooks" in regime["segments_manual"]["bw"]
     for name in ("prefix", "fw", "mid_fw"):  # no gradient: as stored
         assert regime["segments"][name] == before["segments"][name]
     assert regime["segments"]["mid_bw"]["net_act"] == before["segments"]["mid_bw"]["net_act"]
+    assert profile["regimes"] == shipped["regimes"]  # the shipped summaries are the re-summary's
     again = with_hook_moments(profile)
     assert again["regimes"][-1]["segments"] == regime["segments"]  # today's summaries: a fixed point
+    marked = resummarised(stored)
+    assert summaries_current(marked) and list(marked)[:2] == ["schema_version", "summary_rule"]
+    assert resummarised(marked) == marked and {k: v for k, v in marked.items() if k != "summary_rule"} == profile
+
+
+def test_every_shipped_profile_carries_today_s_summary_rule():
+    """The loader re-summarises a profile without it at every load (seconds of a cold plan): after re-tracing or
+    merging shipped profiles, ``python -m estimator.profiler.ship --resummarise``."""
+    from pathlib import Path
+
+    from estimator.models.profiles import SUMMARY_RULE
+
+    profiles = Path(__file__).resolve().parents[2] / "estimator" / "profiles"
+    marker = f'"summary_rule":{SUMMARY_RULE},'  # beside the schema, at the start of the file
+    stale = []
+    for path in sorted(profiles.glob("*.json")):
+        with path.open() as fh:
+            if marker not in fh.read(100):
+                stale.append(path.name)
+    assert not stale, f"{len(stale)} shipped profiles to re-summarise, e.g. {stale[0]}"
+
+
+def test_resummarise_marks_stored_profiles_in_place_once(tmp_path, capsys):
+    import json
+
+    from estimator.models.profiles import find_profile, profile_key, summaries_current
+    from estimator.profiler.cache import cached_arch
+    from estimator.profiler.ship import main as ship
+    from estimator.spec import TrainingSpec
+
+    training = TrainingSpec(precision="mixed_bf16", attn="sdpa")
+    source = find_profile(profile_key(cached_arch("EleutherAI/pythia-1b").config_sha, training, 1, False))
+    (tmp_path / "p.json").write_text(json.dumps(_without_hook_moments(source)))
+    assert ship(["--resummarise", "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "p.json").read_text()) == source
+    assert summaries_current(source)
+    assert ship(["--resummarise", "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("0 of 1 profiles")
