@@ -2,7 +2,7 @@
 rows were sampled.
 
     PYTHONPATH=<transformers 4.48.1, ...> python3 benchmarks/fms_full_capacity_gpu.py \\
-        [--batches 4,8] [--steps 6] [--cap-gib 79.5] [--lora-rank 16] [--snapshot-dir DIR] [--json OUT]
+        [--batches 4,8] [--steps 6] [--cap-gib 79.5] [--lora-rank 16] [--snapshot-dir DIR [--stack-frames]] [--json OUT]
 
 The rows (data/public, ``fms_acceleration:*:none:Mistral-7B-v0.1:full:x1:b{4,8}:nvml``): Mistral-7B-v0.1 in pure
 bf16 (``torch_dtype=bfloat16``: bf16 weights, gradients and AdamW states), packed rows of 4,096 tokens with no
@@ -36,7 +36,7 @@ import gzip, json, pickle, sys, threading, time
 import torch
 import transformers
 
-config, b, s, steps, cap_gib, snapshot, lora_rank = json.loads(sys.argv[1])
+config, b, s, steps, cap_gib, snapshot, lora_rank, frames = json.loads(sys.argv[1])
 torch.cuda.init()
 total = torch.cuda.get_device_properties(0).total_memory
 if cap_gib:
@@ -63,7 +63,9 @@ threads = [threading.Thread(target=sampler, args=(i,), daemon=True) for i in sam
 for t in threads:
     t.start()
 if snapshot:
-    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=3_000_000)
+    # frames: each request's Python stack (a larger history; names the temporaries a CPU trace lacks)
+    torch.cuda.memory._record_memory_history(enabled="all", context="all" if frames else None, stacks="python",
+                                             max_entries=3_000_000)
 torch.manual_seed(0)
 cfg = transformers.MistralConfig(**config)
 with torch.device("cuda"):
@@ -127,8 +129,8 @@ print(json.dumps({"batch": b, "seq_len": s, "steps": steps, "cap_gib": cap_gib, 
 
 
 def run_point(config: dict, batch: int, seq_len: int, steps: int, cap_gib: float | None,
-              snapshot: str | None, lora_rank: int = 0) -> dict:
-    return run_point_script(_POINT, [config, batch, seq_len, steps, cap_gib, snapshot, lora_rank],
+              snapshot: str | None, lora_rank: int = 0, frames: bool = False) -> dict:
+    return run_point_script(_POINT, [config, batch, seq_len, steps, cap_gib, snapshot, lora_rank, frames],
                             {"batch": batch, "seq_len": seq_len, "cap_gib": cap_gib, "lora_rank": lora_rank})
 
 
@@ -143,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="the rows' LoRA (q/k/v/o, alpha 16, dropout 0.1; needs peft) instead of full fine-tuning")
     parser.add_argument("--snapshot-dir", help="write each point's allocator history here")
+    parser.add_argument("--stack-frames", action="store_true",
+                        help="record each request's Python stack in the snapshot (with --snapshot-dir; larger files)")
     parser.add_argument("--json", help="append one JSON line per point to this file")
     args = parser.parse_args(argv)
     config = {**MISTRAL_7B, "num_hidden_layers": args.layers}
@@ -151,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         kind = f"lora{args.lora_rank}" if args.lora_rank else "full"
         snapshot = (f"{args.snapshot_dir}/fms_mistral7b_{kind}_b{batch}.snapshot.pickle.gz" if args.snapshot_dir
                     else None)
-        point = run_point(config, batch, args.seq_len, args.steps, args.cap_gib or None, snapshot, args.lora_rank)
+        point = run_point(config, batch, args.seq_len, args.steps, args.cap_gib or None, snapshot, args.lora_rank,
+                          args.stack_frames)
         if args.json:
             with open(args.json, "a") as out:
                 out.write(json.dumps(point) + "\n")
