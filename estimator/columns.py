@@ -112,7 +112,7 @@ def parse_cell(value: Any, default: Any) -> Any:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return None
     if isinstance(value, str):
-        if value == "":
+        if value == "" or (value == "None" and not isinstance(default, str)):  # str(None): an empty cell
             return None
         if isinstance(default, bool) or value in ("True", "False"):
             return value == "True"
