@@ -320,7 +320,8 @@ def test_cli_names_the_technique(capsys):
     assert "ckpt every-k:3" in out and "4 of 12 decoder layers checkpointed" in out
 
 
-def test_plan_climbs_the_ladder_only_when_nothing_fits(monkeypatch):
+def _an_8b_model_on_h100(monkeypatch):
+    """(plan module, throughput module, the h100's perf) with the plan's model facts those of an 8B decoder."""
     from estimator.planning import plan as P
     from estimator.planning import throughput as T
 
@@ -331,6 +332,11 @@ def test_plan_climbs_the_ladder_only_when_nothing_fits(monkeypatch):
     monkeypatch.setattr(P, "model_shape", lambda *a, **k: T.ModelShape(
         params=8_000_000_000, matmul_params=7_000_000_000, layers=32, hidden_size=4096, head_params=131_000_000,
         replicated_params=262_000_000, trainable_params=None))
+    return P, T, gpu
+
+
+def test_plan_climbs_the_ladder_only_when_nothing_fits(monkeypatch):
+    P, T, gpu = _an_8b_model_on_h100(monkeypatch)
     seen = []
 
     def estimate(spec):
@@ -413,16 +419,7 @@ def test_plan_climbs_the_ladder_only_where_a_technique_can_make_a_layout_fit(mon
     """With the default estimator's prior (a breakdown), the ladder is not climbed (its profiles not traced) where
     every layout's plain step holds more than the GPU besides what a technique removes: the model's states alone
     (90 GiB on an 80 GB GPU). Where they leave room (20 GiB), it is, and picks the rung it picked without it."""
-    from estimator.planning import plan as P
-    from estimator.planning import throughput as T
-
-    gpu = T.gpu_perf("h100-80gb")
-    arch = SimpleNamespace(max_positions=None, num_heads=32, vocab_size=32000, hidden_size=4096, num_layers=32,
-                           config={})
-    monkeypatch.setattr(P, "model_facts", lambda model: {"arch": arch})
-    monkeypatch.setattr(P, "model_shape", lambda *a, **k: T.ModelShape(
-        params=8_000_000_000, matmul_params=7_000_000_000, layers=32, hidden_size=4096, head_params=131_000_000,
-        replicated_params=262_000_000, trainable_params=None))
+    P, T, gpu = _an_8b_model_on_h100(monkeypatch)
     seen = []
 
     def estimate(spec):
