@@ -335,6 +335,12 @@ def _an_8b_model_on_h100(monkeypatch):
     return P, T, gpu
 
 
+def _activation_bytes(training) -> int:
+    """The ladder tests' activations: what each loss keeps per token (standard > chunked > fused linear)."""
+    per_token = {"standard": 3_000_000, "chunked": 1_500_000, "fused_linear": 400_000}[training.ce]
+    return per_token * training.seq_len * training.micro_batch_size
+
+
 def test_plan_climbs_the_ladder_only_when_nothing_fits(monkeypatch):
     P, T, gpu = _an_8b_model_on_h100(monkeypatch)
     seen = []
@@ -342,8 +348,7 @@ def test_plan_climbs_the_ladder_only_when_nothing_fits(monkeypatch):
     def estimate(spec):
         t = spec.training
         seen.append(t.ce)
-        per_token = {"standard": 3_000_000, "chunked": 1_500_000, "fused_linear": 400_000}[t.ce]
-        peak = 20 * 2**30 + per_token * t.seq_len * t.micro_batch_size
+        peak = 20 * 2**30 + _activation_bytes(t)
         return SimpleNamespace(peak_device_bytes=peak, upper_bound_bytes=peak, capacity_bytes=gpu.capacity_bytes,
                                host_ram_bytes=0, calibrated=False)
 
@@ -425,8 +430,7 @@ def test_plan_climbs_the_ladder_only_where_a_technique_can_make_a_layout_fit(mon
     def estimate(spec):
         t = spec.training
         seen.append(t.ce)
-        per_token = {"standard": 3_000_000, "chunked": 1_500_000, "fused_linear": 400_000}[t.ce]
-        states, act = states_gib * 2**30, per_token * t.seq_len * t.micro_batch_size
+        states, act = states_gib * 2**30, _activation_bytes(t)
         peak = states + act + 2**30
         return SimpleNamespace(peak_device_bytes=peak, peak_reserved_bytes=peak - 2**30, upper_bound_bytes=peak,
                                capacity_bytes=gpu.capacity_bytes, host_ram_bytes=0, calibrated=False,
