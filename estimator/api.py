@@ -80,6 +80,8 @@ class RankEstimate:
     # replayed: cache flushes and retries under the allowance (the GPU's memory less the context, or the allocator
     # cap ``training.memory_cap_bytes`` where smaller)
     num_alloc_retries: int | None = None
+    # replayed under a memory fraction with ``garbage_collection_threshold``: cached blocks its collection freed
+    gc_released_bytes: int = 0
     allocator_oom: bool = False                # replayed: the allocator runs out of memory under that allowance
     replayed_steps: int | None = None          # replayed: steps until the cache repeated
     # replayed with decide_fit: stopped once the reserved level proved the spec does not fit, so the reserved and
@@ -469,7 +471,8 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
         reserved = replayed.peak_reserved_bytes
         allocator_fields = {"reserved_source": "replayed", "fragmentation_bytes": replayed.fragmentation_bytes,
                             "num_alloc_retries": replayed.num_alloc_retries, "allocator_oom": replayed.oom,
-                            "replayed_steps": replayed.steps, "reserved_lower_bound": replayed.stopped_above}
+                            "replayed_steps": replayed.steps, "reserved_lower_bound": replayed.stopped_above,
+                            "gc_released_bytes": replayed.gc_released_bytes}
         if replayed.held_reserved_bytes is not None and replayed.held_reserved_bytes < reserved:
             allocator_fields["held_device_bytes"] = residuals.device_from_reserved(
                 replayed.held_reserved_bytes, coeffs, communicators)
@@ -511,12 +514,15 @@ def _replayed(spec: RunSpec, arch: ModelArch, profile: dict, table: list, coeffs
         return None
     capacity = get_gpu(spec.gpu).capacity_bytes
     allowed = capacity - coeffs.cuda_context_bytes - communicators * coeffs.nccl_bytes_per_communicator
-    if spec.training.memory_cap_bytes and spec.training.memory_cap_bytes < allowed:  # the allocator stops there
-        allowed = spec.training.memory_cap_bytes
-        capacity = residuals.device_from_reserved(allowed, coeffs, communicators)
+    # set_per_process_memory_fraction: the allocator stops at its cap, and only then runs its garbage collection
+    # (garbage_collection_threshold x the cap), whether or not the GPU would stop it first
+    fraction_cap = spec.training.memory_cap_bytes or None
+    if fraction_cap and fraction_cap < allowed:
+        capacity = residuals.device_from_reserved(fraction_cap, coeffs, communicators)
     stop = residuals.reserved_fit_limit_bytes(capacity, coeffs, communicators) if decide_fit else None
     options = dict(workspace_bytes=coeffs.cublas_workspace_bytes, workspaces=coeffs.cublas_workspaces,
-                   allowed_bytes=max(allowed, 0), conf_text=alloc_conf, rank=rank, stop_above_bytes=stop)
+                   allowed_bytes=max(allowed, 0), conf_text=alloc_conf, rank=rank, stop_above_bytes=stop,
+                   fraction_cap_bytes=fraction_cap)
     try:
         if sequence is not None:
             return replay_reserved_sequence(spec, profile, regime, table, arch.num_layers, list(sequence.shapes),

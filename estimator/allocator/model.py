@@ -128,18 +128,19 @@ class CachingAllocator:
 
     `capacity_bytes`: physical memory the driver can hand out (cudaMalloc / page mapping fails beyond it).
     `memory_fraction` with `device_total_bytes`: `torch.cuda.set_per_process_memory_fraction`, checked by
-    the allocator itself before it asks the driver (and the base of `garbage_collection_threshold`).
+    the allocator itself before it asks the driver (and the base of `garbage_collection_threshold`);
+    `allowed_bytes`: that cap in bytes, as PyTorch computes it (``int(fraction x total)``), in its place.
     `driver`: replaces the simulated device (trace replay passes one that answers from a recording).
     `events`: if a list, every segment event is appended to it as (kind, addr, size, stream).
     """
 
     def __init__(self, conf=None, capacity_bytes=None, memory_fraction=None, device_total_bytes=None,
-                 driver=None, events=None):
+                 driver=None, events=None, allowed_bytes=None):
         self.conf = conf or AllocatorConfig()
         total = device_total_bytes or capacity_bytes or 80 * 1024 ** 3
         self.driver = driver or SimulatedDevice(capacity_bytes, total_bytes=total)
         self.device_total_bytes = total
-        self.allowed_bytes = None if memory_fraction is None else int(memory_fraction * total)
+        self.allowed_bytes = allowed_bytes if memory_fraction is None else int(memory_fraction * total)
         self.small_pool, self.large_pool = Pool(True), Pool(False)
         self.blocks = {}  # addr -> Block, every block of every segment
         self.pending = {}  # stream -> deque of [block, completed] (record_stream end-of-life events)
@@ -148,6 +149,7 @@ class CachingAllocator:
         self.allocated_bytes = self.peak_allocated_bytes = 0
         self.num_alloc_retries = self.num_ooms = 0
         self.num_device_alloc = self.num_device_free = 0
+        self.gc_released_bytes = 0  # what garbage_collect_cached_blocks returned to the driver
         self._gc_on = self.allowed_bytes is not None and self.conf.garbage_collection_threshold > 0
         self._max_split = self.conf.max_split_size_bytes
         self._non_split_rounding = self.conf.max_non_split_rounding_bytes
@@ -400,6 +402,7 @@ class CachingAllocator:
                 if age >= threshold_age:
                     freed_one = True
                     reclaimed += block.size
+                    self.gc_released_bytes += block.size
                     total_age -= age
                     count -= 1
                     self._release_block(block, pool)

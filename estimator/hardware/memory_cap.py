@@ -25,7 +25,7 @@ def cap_notes(spec, gpu_capacity_bytes: int, worst) -> list[str]:
     if not cap:
         return []
     head = f"memory cap: the caching allocator is capped at {cap / GIB:.2f} GiB ({cap:,} B; set_per_process_memory_fraction)"
-    if cap + worst.peak_device_bytes - worst.peak_reserved_bytes >= gpu_capacity_bytes:
+    if cap + worst.peak_device_bytes - worst.peak_reserved_bytes >= gpu_capacity_bytes and not worst.gc_released_bytes:
         return [f"{head}, at or above what the GPU leaves it: no effect"]
     if worst.reserved_source != "replayed":
         verdict = "fits under it" if worst.peak_reserved_bytes <= cap else "does NOT fit under it"
@@ -39,4 +39,8 @@ def cap_notes(spec, gpu_capacity_bytes: int, worst) -> list[str]:
         return [f"{head}; the replayed steps fit only through release-and-retry: the allocator reaches the cap, releases its "
                 f"cached blocks and retries {worst.num_alloc_retries} time(s) (torch.cuda.memory_stats "
                 f"num_alloc_retries; slower steps), reserved peak {worst.peak_reserved_bytes / GIB:.2f} GiB"]
+    if worst.gc_released_bytes:
+        return [f"{head}; its garbage collection (garbage_collection_threshold) returned "
+                f"{worst.gc_released_bytes / GIB:.2f} GiB of cached blocks and kept the replayed steps under it "
+                f"without a release-and-retry, reserved peak {worst.peak_reserved_bytes / GIB:.2f} GiB"]
     return [f"{head}; the replay never reaches it (no retry)"]

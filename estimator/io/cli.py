@@ -346,6 +346,8 @@ def render_detail(est) -> str:
         retry = f"release-and-retry, {worst.num_alloc_retries} under the allocator cap"
         verdict += (f" only through {retry}" if est.fits else
                     f" by the safety bound; the replayed steps fit only through {retry}")
+    elif est.memory_cap_bytes and worst.gc_released_bytes and not est.fits:
+        verdict += " by the safety bound; the replayed steps stay under the allocator cap through its garbage collection"
     of = (f"{est.capacity_bytes / GIB:.2f} GiB (allocator cap {est.memory_cap_bytes / GIB:.2f} GiB + context)"
           if est.memory_cap_bytes and est.capacity_bytes < get_capacity_bytes(est.gpu_key) else
           f"{est.capacity_bytes / GIB:.2f} GiB")

@@ -380,7 +380,8 @@ def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[Para
                              shapes: list[tuple[int, int]], *, workspace_bytes: int, workspaces: int,
                              allowed_bytes: int | None, conf_text: str | None,
                              empty_cache_every: int | None = None, rank: int = 0,
-                             stop_above_bytes: int | None = None) -> ReservedReplay:
+                             stop_above_bytes: int | None = None,
+                             fraction_cap_bytes: int | None = None) -> ReservedReplay:
     """Steps of the (micro-batch, sequence) ``shapes`` in order, each at its own sizes, through one allocator
     (``replay_sequence``). Every step runs the spec's regime's events: shapes of another regime (a micro-batch of
     1 where the spec's has more rows: an epoch's last, short batch) are left out. The run's need is reported
@@ -404,28 +405,32 @@ def replay_reserved_sequence(spec, profile: dict, regime: dict, table: list[Para
     setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"),
                    _shard_world(spec), spec, rank)
     return _capped_then_needed(
-        lambda cap, stop: replay_sequence(setup, sequence, alloc_conf(conf_text), cap, empty_cache_every,
-                                          training.grad_accum_steps, stop), allowed_bytes, stop_above_bytes)
+        lambda cap, fraction, stop: replay_sequence(setup, sequence, alloc_conf(conf_text), cap, empty_cache_every,
+                                                    training.grad_accum_steps, stop, fraction),
+        allowed_bytes, stop_above_bytes, fraction_cap_bytes)
 
 
-def _capped_then_needed(replay, allowed_bytes: int | None, stop_above_bytes: int | None) -> ReservedReplay:
-    """``replay(cap, stop)`` under ``allowed_bytes``; when it runs out there, again without the cap, so the reserved
-    peak reported is what the run would need (``oom`` stays set). With ``stop_above_bytes`` (the question is only
-    whether it fits) an out-of-memory answers it: no second replay, the peak stays a lower bound."""
-    capped = replay(allowed_bytes, stop_above_bytes)
+def _capped_then_needed(replay, allowed_bytes: int | None, stop_above_bytes: int | None,
+                        fraction_cap_bytes: int | None = None) -> ReservedReplay:
+    """``replay(cap, fraction_cap, stop)`` under ``allowed_bytes`` and the memory fraction's cap; when it runs out
+    there, again without either, so the reserved peak reported is what the run would need (``oom`` stays set).
+    With ``stop_above_bytes`` (the question is only whether it fits) an out-of-memory answers it: no second replay,
+    the peak stays a lower bound."""
+    capped = replay(allowed_bytes, fraction_cap_bytes, stop_above_bytes)
     if not capped.oom:
         return capped
     if stop_above_bytes is not None:
         return dataclasses.replace(capped, stopped_above=True)
-    needed = replay(None, None)
+    needed = replay(None, None, None)
     return dataclasses.replace(needed, oom=True, num_alloc_retries=capped.num_alloc_retries)
 
 
 def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], num_layers: int, *,
                     workspace_bytes: int, workspaces: int, allowed_bytes: int | None, conf_text: str | None,
-                    rank: int = 0, stop_above_bytes: int | None = None) -> ReservedReplay:
-    """Replay the rank under ``allowed_bytes`` (``_capped_then_needed``); ``stop_above_bytes``: stop once the
-    reserved peak passes it. ExpansionError: no replay."""
+                    rank: int = 0, stop_above_bytes: int | None = None,
+                    fraction_cap_bytes: int | None = None) -> ReservedReplay:
+    """Replay the rank under ``allowed_bytes`` and ``fraction_cap_bytes`` (``_capped_then_needed``);
+    ``stop_above_bytes``: stop once the reserved peak passes it. ExpansionError: no replay."""
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
     events = _events(spec, regime, num_layers)
@@ -437,5 +442,7 @@ def replay_reserved(spec, profile: dict, regime: dict, table: list[ParamInfo], n
     setup = _setup(profile, table, num_layers, spec.parallel.method, training.precision.startswith("mixed_"),
                    _shard_world(spec), spec, rank)
     return _capped_then_needed(
-        lambda cap, stop: replay_rank(setup, plan, alloc_conf(conf_text), cap, accum=training.grad_accum_steps,
-                                      stop_above_bytes=stop), allowed_bytes, stop_above_bytes)
+        lambda cap, fraction, stop: replay_rank(setup, plan, alloc_conf(conf_text), cap,
+                                                accum=training.grad_accum_steps, stop_above_bytes=stop,
+                                                fraction_cap_bytes=fraction),
+        allowed_bytes, stop_above_bytes, fraction_cap_bytes)

@@ -42,6 +42,9 @@ class ReservedReplay:
     # level every later step holds, below the peak of the step that retried: what a sampler of the device's used
     # memory reads through the run, where the peak above it lasts only until the retry (docs/allocator.md).
     held_reserved_bytes: int | None = None
+    # Cached blocks ``garbage_collection_threshold`` returned to the driver (only under a memory fraction, as in
+    # PyTorch): what kept the reserved level under the cap without a release-and-retry.
+    gc_released_bytes: int = 0
 
 
 class _Exceeded(Exception):
@@ -182,8 +185,9 @@ def _step_ops(plan: StepPlan, previous: StepPlan, setup: Setup, kind: int, templ
 class _Run:
     """The allocator plus the bookkeeping of one replay."""
 
-    def __init__(self, conf, allowed_bytes: int | None, setup: Setup, stop_above_bytes: int | None = None) -> None:
-        self.allocator = CachingAllocator(conf, capacity_bytes=allowed_bytes)
+    def __init__(self, conf, allowed_bytes: int | None, setup: Setup, stop_above_bytes: int | None = None,
+                 fraction_cap_bytes: int | None = None) -> None:
+        self.allocator = CachingAllocator(conf, capacity_bytes=allowed_bytes, allowed_bytes=fraction_cap_bytes)
         # the reserved peak never falls, so once above this level the rest of the replay cannot change the answer
         self.stop_above_bytes = float("inf") if stop_above_bytes is None else stop_above_bytes
         self.setup_addr: list = [None] * (len(setup.allocations) + len(setup.rebuilt_buckets))
@@ -223,11 +227,13 @@ class _Run:
         """``repeated_steps``: every step is the same (the last one's level is what the later ones hold); False for
         a sequence of differently shaped steps, whose held level is then taken as its peak."""
         allocator = self.allocator
-        retried = allocator.num_alloc_retries > 0 and steps > 0 and not oom and repeated_steps
+        # a retry or a garbage collection freed cached blocks: the level later steps hold is below the peak
+        released = allocator.num_alloc_retries > 0 or allocator.gc_released_bytes > 0
+        retried = released and steps > 0 and not oom and repeated_steps
         return ReservedReplay(peak_reserved_bytes=self.peak, peak_allocated_bytes=allocator.peak_allocated_bytes,
                               peak_requested_bytes=self.requested_peak, fragmentation_bytes=self.fragmentation,
                               num_alloc_retries=allocator.num_alloc_retries, oom=oom, steps=steps, steady=steady,
-                              stopped_above=stopped_above,
+                              stopped_above=stopped_above, gc_released_bytes=allocator.gc_released_bytes,
                               held_reserved_bytes=self.step_peak if retried else self.peak)
 
     def run(self, ops: list[tuple], addr: list, previous: list, cycle: list | None = None,
@@ -281,13 +287,16 @@ class _Run:
 
 
 def replay_rank(setup: Setup, plan: StepPlan, conf=None, allowed_bytes: int | None = None,
-                max_steps: int = MAX_STEPS, accum: int = 1, stop_above_bytes: int | None = None) -> ReservedReplay:
+                max_steps: int = MAX_STEPS, accum: int = 1, stop_above_bytes: int | None = None,
+                fraction_cap_bytes: int | None = None) -> ReservedReplay:
     """``allowed_bytes``: what the allocator may reserve (the GPU's memory less what others hold); None:
-    unlimited. ``accum``: micro-steps per optimizer step (``max_steps`` then counts optimizer steps).
+    unlimited. ``fraction_cap_bytes``: ``set_per_process_memory_fraction``'s cap (None: no fraction set), which
+    also turns on ``garbage_collection_threshold``. ``accum``: micro-steps per optimizer step (``max_steps`` then counts optimizer steps).
     ``stop_above_bytes``: stop at the end of the step in which the reserved peak passes it (``stopped_above``)."""
     if accum > 1:
-        return _replay_accumulating(setup, plan, conf, allowed_bytes, max_steps, accum, stop_above_bytes)
-    run = _Run(conf, allowed_bytes, setup, stop_above_bytes)
+        return _replay_accumulating(setup, plan, conf, allowed_bytes, max_steps, accum, stop_above_bytes,
+                                    fraction_cap_bytes)
+    run = _Run(conf, allowed_bytes, setup, stop_above_bytes, fraction_cap_bytes)
     steps, steady, oom, stopped = 0, False, False, False
     steps_ops = _Steps(plan, setup)
     slots = plan.expansion.steady.keys + BATCH_TENSORS + plan.workspaces
@@ -314,10 +323,11 @@ def replay_rank(setup: Setup, plan: StepPlan, conf=None, allowed_bytes: int | No
 
 
 def _replay_accumulating(setup: Setup, plan: StepPlan, conf, allowed_bytes: int | None, max_cycles: int,
-                         k: int, stop_above_bytes: int | None = None) -> ReservedReplay:
+                         k: int, stop_above_bytes: int | None = None,
+                         fraction_cap_bytes: int | None = None) -> ReservedReplay:
     """``replay_rank`` with an optimizer step every ``k`` micro-steps (``estimator.reserved.accumulate``), until
     a cycle repeats the previous one's reserved peak and segments."""
-    run = _Run(conf, allowed_bytes, setup, stop_above_bytes)
+    run = _Run(conf, allowed_bytes, setup, stop_above_bytes, fraction_cap_bytes)
     templates = _micro_templates(plan.expansion, plan.workspaces, k)
     ops = {kinds: _step_ops(plan, plan, setup, 2, template) for kinds, template in templates.items()}
     # DDP rebuilds its buckets at the first forward after a synchronised backward (DistributedDataParallel.
@@ -354,14 +364,14 @@ def _replay_accumulating(setup: Setup, plan: StepPlan, conf, allowed_bytes: int 
 
 
 def replay_sequence(setup: Setup, plans: list[StepPlan], conf=None, allowed_bytes: int | None = None,
-                    empty_cache_every: int | None = None, accum: int = 1, stop_above_bytes: int | None = None
-                    ) -> ReservedReplay:
+                    empty_cache_every: int | None = None, accum: int = 1, stop_above_bytes: int | None = None,
+                    fraction_cap_bytes: int | None = None) -> ReservedReplay:
     """Setup, then one step per plan in order: batches of different shapes (one expansion, sizes per step)
     through one caching allocator, whose reserved level keeps what the blocks of every shape so far left
     split in its cache. ``accum``: the plans are micro-batches, an optimizer step every ``accum`` of them.
     ``empty_cache_every``: ``torch.cuda.empty_cache()`` after every that many optimizer steps (a training
     script's schedule). ``steady`` is False: the sequence is replayed whole, not until it repeats."""
-    run = _Run(conf, allowed_bytes, setup, stop_above_bytes)
+    run = _Run(conf, allowed_bytes, setup, stop_above_bytes, fraction_cap_bytes)
     expansion = plans[0].expansion
     slots = expansion.steady.keys + BATCH_TENSORS + plans[0].workspaces
     templates = _micro_templates(expansion, plans[0].workspaces, accum) if accum > 1 else None

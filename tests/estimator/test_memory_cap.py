@@ -74,6 +74,20 @@ def test_cap_above_the_gpu_changes_nothing():
     assert big.capacity_bytes == get_gpu("h200-141gb").capacity_bytes and any("no effect" in n for n in big.notes)
 
 
+def test_garbage_collection_under_the_cap_replaces_the_retry():
+    """PyTorch collects cached blocks above ``garbage_collection_threshold`` x the cap only when a memory fraction
+    is set: under the 16 GiB cap BLOOM-560m's retry gives way to collections; without a cap the setting is inert."""
+    gc = "garbage_collection_threshold:0.6"
+    capped = estimate(_capped(BLOOM, 16 * GIB), alloc_conf=gc)
+    rank = capped.ranks[0]
+    assert rank.gc_released_bytes > 0 and rank.num_alloc_retries == 0 and not rank.allocator_oom
+    assert capped.peak_reserved_bytes < estimate(_capped(BLOOM, 16 * GIB)).peak_reserved_bytes
+    assert any("garbage collection" in n and "without a release-and-retry" in n for n in capped.notes)
+    free = estimate(BLOOM, alloc_conf=gc)
+    assert free.ranks[0].gc_released_bytes == 0
+    assert free.peak_reserved_bytes == estimate(BLOOM).peak_reserved_bytes
+
+
 @pytest.mark.parametrize("flags", [["--memory-fraction", "0"], ["--memory-fraction", "1.5"],
                                    ["--memory-cap-gib", "-1"], ["--memory-cap-gib", "nan"],
                                    ["--memory-cap-gib", "16", "--memory-fraction", "0.5"]])
