@@ -130,7 +130,8 @@ def _why_not_module_trace(table: list[ParamInfo], training) -> str | None:
     """Why the coordinator's module trace is not known for this table (None: it is): Llama-style decoders'
     is derived from the table (``zero3_gathers.modules_of``); other architectures' is the profile's recorded one
     (``ParamTable.module_trace``), without LoRA (modelled on Llama's structure: peft's wrappers, the frozen
-    Linears' held inputs); checkpointing there: ``why_not_zero3_recomputation``."""
+    Linears' held inputs); checkpointing there: every layer only (a dropout after the MLP:
+    ``_drops_out_hidden_states``)."""
     if llama_like(table):
         return None
     if recorded_trace(table) is None:
