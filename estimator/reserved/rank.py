@@ -23,7 +23,6 @@ from estimator.reserved.zero3 import (
     master_elem_bytes,
     recomputed_layers,
     why_not_zero3,
-    why_not_zero3_recomputation,
     zero3_setup,
     zero3_step,
 )
@@ -85,10 +84,6 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
         return str(err)
     if events is None:
         return "the profile has no event list (traced before event lists were kept)"
-    if spec.parallel.method == "zero3" and table is not None:
-        reason = why_not_zero3_recomputation(training, table, events["polys"])
-        if reason is not None:
-            return reason
     if events.get("optimizer") != training.optimizer:
         return f"the profile's optimizer step was traced with {events.get('optimizer')}, not {training.optimizer}"
     if spec.parallel.method in ("fsdp", "fsdp1") and spec.parallel.world_size < 2:

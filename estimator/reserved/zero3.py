@@ -51,8 +51,9 @@ pre-backward hook as backward ran it), stretched to full depth (``ParamTable.mod
 ``zero3_gathers.recorded_modules``); a profile traced without it keeps the prior (``why_not_zero3``). Checked
 against real CPU runs of tiny OPT, GPT-NeoX, BLOOM and GPT-2 (``benchmarks/zero3_arch_replay.py``,
 ``docs/error_matrix/zero3_arch_cpu.csv``). Full non-reentrant checkpointing too, the stopped output being the
-layer's last Linear's (``_last_projection`` off the recorded trace), where the hidden states are not dropped out
-after the MLP (``why_not_zero3_recomputation``: GPT-NeoX, BLOOM; ``docs/error_matrix/zero3_arch_ckpt_cpu.csv``).
+layer's last Linear's (``_last_projection`` off the recorded trace: GPT-NeoX, BLOOM); where the hidden states are
+dropped out after the MLP (OPT, GPT-2: ``_drops_out_hidden_states``) the recomputation runs before that Linear's
+backward fetch and stops past it, with no output to drop (``docs/error_matrix/zero3_arch_ckpt_cpu.csv``).
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def _why_not_module_trace(table: list[ParamInfo], training) -> str | None:
     """Why the coordinator's module trace is not known for this table (None: it is): Llama-style decoders'
     is derived from the table (``zero3_gathers.modules_of``); other architectures' is the profile's recorded one
     (``ParamTable.module_trace``), without LoRA (modelled on Llama's structure: peft's wrappers, the frozen
-    Linears' held inputs); checkpointing there: ``why_not_zero3_recomputation``."""
+    Linears' held inputs); checkpointing there: every layer only (a dropout after the MLP:
+    ``_drops_out_hidden_states``)."""
     if llama_like(table):
         return None
     if recorded_trace(table) is None:
@@ -208,15 +210,35 @@ def linear_weight_of_bias(table: list[ParamInfo]) -> dict[int, ParamInfo]:
     ``Conv1D`` (GPT-2; ``torch.addmm``, torch's own backward) by the weight's layout: a Linear's is
     ``(out, in)``, its bias ``out`` long; a Conv1D's ``(in, out)``. A table with any transposed biased weight
     is taken for a Conv1D model throughout (its square weights cannot tell)."""
+    pairs = _biased_linears(table)
+    if _conv1d_model(pairs):
+        return {}
+    return {id(b): w for b, w in pairs}
+
+
+def unsaved_by_recomputation(table: list[ParamInfo]) -> frozenset[str]:
+    """Names of the trainable tensors a checkpointed layer's recomputation does not save for backward: a
+    ``Conv1D``'s bias (GPT-2: ``torch.addmm`` saves its two matrices, not the added bias), so its gathered copy
+    goes at the recomputation's release; the memory-efficient linear saves a Linear's bias with its weight
+    (``zero3_gathers.emulate``'s ``saved``; a real GPT-2 run on CPU: docs/error_matrix/zero3_arch_ckpt_cpu.csv)."""
+    pairs = _biased_linears(table)
+    return frozenset(b.name for b, _ in pairs) if _conv1d_model(pairs) else frozenset()
+
+
+def _biased_linears(table: list[ParamInfo]) -> list[tuple[ParamInfo, ParamInfo]]:
+    """(bias, weight) of each 2-D ``linear`` weight with a bias beside it."""
     by_name = {p.name: p for p in table}
     pairs = []
     for p in table:
         weight = by_name.get(p.name.removesuffix("bias") + "weight") if p.name.endswith(".bias") else None
         if weight is not None and weight.module_kind == "linear" and len(weight.shape) == 2:
             pairs.append((p, weight))
-    if any(w.shape[0] != b.numel for b, w in pairs):
-        return {}
-    return {id(b): w for b, w in pairs}
+    return pairs
+
+
+def _conv1d_model(pairs: list[tuple[ParamInfo, ParamInfo]]) -> bool:
+    """Whether any biased weight is stored ``(in, out)`` (a ``Conv1D``'s layout: ``linear_weight_of_bias``)."""
+    return any(w.shape[0] != b.numel for b, w in pairs)
 
 
 def partition_numel(table: list[ParamInfo], world: int) -> int:
@@ -467,24 +489,13 @@ def _stopped_output_size_index(table: list[ParamInfo], polys: list) -> int:
     return index
 
 
-DROPPED_OUT = ("zero3 with checkpointing: the layers drop out their hidden states after the MLP (OPT, GPT-2), so "
-               "backward unpacks the mask first and the recomputation runs before the output projection's fetch: "
-               "not in the replay yet")
-
-
-def why_not_zero3_recomputation(training, table: list[ParamInfo], polys: list) -> str | None:
-    """Why a checkpointed ZeRO-3 step cannot be replayed from the profile's tensors (None: it can): on a
-    recorded module trace (not Llama's), a dropout of the hidden states after the MLP (``_drops_out_hidden_states``)."""
-    if not training.grad_ckpt or recorded_trace(table) is None:
-        return None
-    return DROPPED_OUT if _drops_out_hidden_states(table, polys) else None
-
-
 def _drops_out_hidden_states(table: list[ParamInfo], polys: list) -> bool:
     """Whether the profile holds a dropout mask of the hidden states (``b * s * hidden`` bools: the profile is
     traced with CUDA's fused dropout, ``estimator.profiler.cuda_path``). Where a layer's last saved tensor is such a
-    mask rather than its MLP output projection's inputs, a checkpointed layer's recomputation starts before that
-    projection's backward fetch (real CPU runs of tiny OPT and GPT-2: docs/error_matrix/zero3_arch_ckpt_cpu.csv)."""
+    mask rather than its MLP output projection's inputs, a checkpointed layer's recomputation runs before that
+    projection's backward fetch (``zero3_gathers.recomputed_before_fetch``) and past its forward, so it stops
+    with no output of its own to drop (``_recompute_output_made_then_dropped`` is not theirs): real CPU runs of
+    tiny OPT and GPT-2, docs/error_matrix/zero3_arch_ckpt_cpu.csv."""
     down = _last_projection(table, next(p.layer for p in table if p.layer is not None))
     return _per_token_size_index(polys, float(_out_features(table, down))) is not None
 
@@ -641,10 +652,12 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
     if not llama_like(table) and (recorded is None or saved_inputs):
         raise ExpansionError("zero3: the coordinator's module trace is derived for Llama-style decoders, or "
                              "recorded in the profile")
+    dropped_out = bool(recomputed) and recorded is not None and _drops_out_hidden_states(table, polys)
     gathers = emulate(table, world, steps=2 * accumulate, prefetch_bucket=zcfg.stage3_prefetch_bucket_size,
                       max_live=zcfg.stage3_max_live_parameters, max_reuse=zcfg.stage3_max_reuse_distance,
                       persistence=zcfg.stage3_param_persistence_threshold, checkpointed=recomputed,
-                      accumulate=accumulate, recorded=recorded)
+                      accumulate=accumulate, recorded=recorded, dropped_out=dropped_out,
+                      unsaved=unsaved_by_recomputation(table) if recomputed else frozenset())
     if accumulate > 1:
         gathers.steps = _within_each_step(gathers.steps)
         # the plain steps' gathers: a step after an optimizer step that ends with one (a cycle's last micro-step
@@ -653,7 +666,7 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
     else:
         plain = gathers.steps
     build = _Builder(expansion.steady.keys, base_size_index)
-    stopped_output = _stopped_output_size_index(table, polys) if recomputed else None
+    stopped_output = _stopped_output_size_index(table, polys) if recomputed and not dropped_out else None
     first_marks, steady_marks = expansion.marks
     persistent = [p for p in model_order(table) if p.numel < zcfg.stage3_param_persistence_threshold]
     # the persistent tensors' gathered copies keep the same keys from step to step (the next step frees them)
@@ -680,7 +693,7 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
         _hold_saved_inputs(body, moved, marks, saved_inputs, polys,
                            lambda layer, start: _first_gradient(body, layer, table, step.grad_of, start)
                            if layer in recomputed else None)
-        for layer in sorted(recomputed):
+        for layer in sorted(recomputed) if not dropped_out else ():
             _recompute_output_made_then_dropped(body, moved, layer, table, step.grad_of, stopped_output, build)
         if not first if kept_freed is None else kept_freed:
             # the optimizer step's release_and_reset_all drops the persistent tensors' gathered copies

@@ -17,6 +17,9 @@ over the modules that hold parameters, in forward order and then in reverse for 
   early, so that projection stays gathered until its backward release. The frozen parameters it fetches are
   held for that projection and released with its backward release (``update_recompute_parameters``); a
   trainable one it releases keeps its storage to its module's backward (the checkpoint saved a detached alias).
+  Where the layer drops out its hidden states after the MLP (OPT, GPT-2) the mask is unpacked first, so the
+  recomputation runs before that projection's fetch and releases every module as forward does
+  (``recomputed_before_fetch``).
 * Later steps prefetch: after each fetch, parameters are popped off the trace's queue (those of the module just
   fetched, then up to ``stage3_prefetch_bucket_size`` elements, within ``stage3_max_live_parameters``) and
   gathered in one call; a release keeps what a module within ``stage3_max_reuse_distance`` elements of the trace
@@ -324,6 +327,35 @@ def with_recomputation(forward: list[Module], backward: list[Module], checkpoint
     return out, moved
 
 
+def recomputed_before_fetch(forward: list[Module], backward: list[Module], checkpointed: frozenset[int]
+                            ) -> tuple[list[Module], dict[int, int]]:
+    """The backward trace with each checkpointed layer's recomputation where the layer drops out its hidden
+    states after the MLP (OPT, GPT-2), and {a recomputation's fetch: the backward fetch it runs for}.
+
+    The first tensor backward unpacks in such a layer is the dropout's mask, and the dropout's backward runs
+    before the MLP output projection's pre-backward hook (hung on that projection's output, under the dropout):
+    so the recomputation comes right before the layer's first backward module with parameters, after the
+    parameter-less ones (the layer, GPT-2's ``mlp.dropout``). It stops once the mask is packed, past every
+    module's forward: each recomputed module is released as in forward, none moves (a trainable parameter keeps
+    its storage to its backward all the same: ``emulate``'s ``saved``), and the output projection is gathered
+    again for its backward. Real DeepSpeed runs on CPU of tiny OPT and GPT-2
+    (``docs/error_matrix/zero3_arch_ckpt_cpu.csv``)."""
+    out: list[Module] = []
+    owners: dict[int, int] = {}
+    base = len(forward)
+    recomputed: set[int] = set()
+    for m in backward:
+        layer = _layer_of(m.name)
+        if layer is not None and layer in checkpointed and m.params and layer not in recomputed:
+            recomputed.add(layer)
+            prefix = m.name.split(f".{layer}.")[0] + f".{layer}."
+            start = base + len(out)
+            out.extend(f for f in forward if f.name.startswith(prefix))
+            owners.update({at: base + len(out) for at in range(start, base + len(out))})
+        out.append(m)
+    return out, owners
+
+
 def recompute_owners(moved: dict[int, int | None]) -> dict[int, int]:
     """{a recomputation's fetch: the backward fetch that triggered the recomputation}, from
     ``with_recomputation``'s moved releases (the trigger's release moves to the recomputation's last fetch, whose
@@ -337,18 +369,27 @@ def recompute_owners(moved: dict[int, int | None]) -> dict[int, int]:
 
 def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket: int = 50_000_000,
             max_live: int = 1_000_000_000, max_reuse: int = 1_000_000_000, persistence: int = 100_000,
-            checkpointed: frozenset[int] = frozenset(), accumulate: int = 1, recorded: tuple | None = None
-            ) -> GatherOps:
+            checkpointed: frozenset[int] = frozenset(), accumulate: int = 1, recorded: tuple | None = None,
+            dropped_out: bool = False, unsaved: frozenset[str] = frozenset()) -> GatherOps:
     """The allgather stream's allocations and frees of ``steps`` training steps (module docstring);
     ``checkpointed``: the decoder layers recomputed in backward (``with_recomputation``); ``accumulate``: the
     steps are micro-steps, an optimizer step after every that many (``_micro_step_start``); ``recorded``: the
-    profile's module trace, where it stands for the derived one (``modules_of``)."""
+    profile's module trace, where it stands for the derived one (``modules_of``); ``dropped_out``: the layers
+    drop out their hidden states after the MLP, so their recomputation runs before its fetch
+    (``recomputed_before_fetch``); ``unsaved``: trainable parameters a recomputation does not save
+    (``zero3.unsaved_by_recomputation``), released as in forward."""
     index = ds_id_order(table)
     params = {p.name: _Param(p.name, p.numel, p.elem_bytes, p.numel < persistence, p.trainable) for p in table}
     forward, backward = modules_of(table, recorded, inputs_need_grad=bool(checkpointed))
     external = external_params(forward)
-    backward, moved = with_recomputation(_with_external(forward, external), _with_external(backward, external),
-                                         checkpointed)
+    if dropped_out:
+        moved: dict[int, int | None] = {}
+        backward, owner_of = recomputed_before_fetch(_with_external(forward, external),
+                                                     _with_external(backward, external), checkpointed)
+    else:
+        backward, moved = with_recomputation(_with_external(forward, external), _with_external(backward, external),
+                                             checkpointed)
+        owner_of = recompute_owners(moved)
     first_trace = forward + backward  # the first forward registers the external parameters
     trace = _with_external(forward, external) + backward
     holders: dict[str, set[int]] = {n: set() for ps in external.values() for n in ps}  # ds_active_sub_modules
@@ -361,7 +402,6 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
         elif moved[at] is not None:
             releases_after.setdefault(moved[at], []).append(at)
     _wrappers_released_last(releases_after, trace, len(forward), external)
-    owner_of = recompute_owners(moved)
     tied: dict[int, dict[str, None]] = {}  # owner's fetch -> the frozen parameters tied to it (ds_recompute_parameters)
     tied_to: dict[str, set[int]] = {}     # parameter -> the owners holding it (in ds_active_sub_modules)
 
@@ -442,13 +482,14 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
     def release(out: list, name: str) -> bool:
         """``__release_param``. A trainable parameter released by a recomputed module keeps its gathered storage:
         the recomputation saved it for backward as a detached alias (``torch.utils.checkpoint``'s pack hook
-        detaches what requires grad; a frozen parameter is saved as itself and follows its release)."""
+        detaches what requires grad; a frozen parameter is saved as itself and follows its release), unless
+        the recomputation does not save it (``unsaved``)."""
         if state[name] != "available":
             return False
         state[name] = "none"
         calls.append(("R", name))
         if name in storage:
-            if releasing[0] in owner_of and params[name].trainable:
+            if releasing[0] in owner_of and params[name].trainable and name not in unsaved:
                 saved[name] = storage.pop(name)
             else:
                 out.append((-1, *storage.pop(name)))

@@ -18,7 +18,7 @@ from estimator.models.params import ParamInfo
 from estimator.profiler.expand import alloc_on
 from estimator.reserved.fsdp import _Builder
 from estimator.reserved.zero import REDUCTION
-from estimator.reserved.zero3 import _Step3, linear_weight_of_bias
+from estimator.reserved.zero3 import _Step3, linear_weight_of_bias, unsaved_by_recomputation
 
 BUCKET = 20_000
 
@@ -64,6 +64,45 @@ def test_a_linears_bias_joins_the_flush_after_its_weight():
 def test_a_conv1d_keeps_torchs_order():
     # torch's order: fc1's bias joins fc2's flush before fc1's weight overflows it
     assert _flush_elements(_layer(conv1d=True), TORCH_ORDER) == [64 + 16_384 + 256, 16_384 + 128]
+
+
+def test_a_recomputation_saves_a_linears_bias_not_a_conv1ds():
+    """A checkpointed layer's recomputation saves what backward reads: the memory-efficient linear its input,
+    weight and bias, ``torch.addmm`` (a Conv1D) its two matrices only, so a Conv1D's bias gathered by the
+    recomputation goes at its release; with it, a tiny GPT-2's allgather stream is a real run's
+    (``zero3_arch_ckpt_cpu.csv``). In the emulation: the bias's gathered copy freed at the recomputed module's
+    release, not at its backward's."""
+    from estimator.reserved.zero3_gathers import Module, recomputed_before_fetch
+
+    assert unsaved_by_recomputation(_layer(conv1d=False)) == frozenset()
+    assert unsaved_by_recomputation(_layer(conv1d=True)) == {"layers.0.fc1.bias", "layers.0.fc2.bias"}
+    table = _layer(conv1d=True)
+    forward = [Module("layers.0", ()), Module("layers.0.ln", ("layers.0.ln.weight", "layers.0.ln.bias")),
+               Module("layers.0.fc1", ("layers.0.fc1.weight", "layers.0.fc1.bias")),
+               Module("layers.0.fc2", ("layers.0.fc2.weight", "layers.0.fc2.bias"))]
+    backward = [Module("layers.0", ()), *reversed(forward[1:])]
+    trace, owners = recomputed_before_fetch(forward, backward, frozenset({0}))
+    assert [m.name for m in trace] == ["layers.0", "layers.0.ln", "layers.0.fc1", "layers.0.fc2", "layers.0.fc2",
+                                       "layers.0.fc1", "layers.0.ln"]
+    assert owners == {5: 8, 6: 8, 7: 8}
+
+    from estimator.reserved.zero3_gathers import emulate
+
+    recorded = ([(m.name, m.params, 1) for m in forward], [m.name for m in backward])
+
+    def most_bias_copies(unsaved: frozenset[str]) -> int:
+        """The most gathered copies of fc1's bias (256 16-bit elements, its own storage) live at once."""
+        ops = emulate(table, 2, steps=1, persistence=1, checkpointed=frozenset({0}), recorded=recorded,
+                      dropped_out=True, unsaved=unsaved)
+        live, most = 0, 0
+        for sign, _, nbytes in ops.steps[0]:
+            if nbytes == 256 * 2:
+                live += sign
+                most = max(most, live)
+        return most
+
+    assert most_bias_copies(frozenset()) == 2  # the recomputation's copy kept beside the backward's
+    assert most_bias_copies(unsaved_by_recomputation(table)) == 1
 
 
 def test_the_biased_linears_of_the_shipped_profiles():
