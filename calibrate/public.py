@@ -360,13 +360,15 @@ DIAGNOSES = [
      "rest is not attributed: 4.29's OPT code cannot be traced here (4.44, the oldest traceable release, draws "
      "OPT's LayerDrop probability unguarded, a data-dependent branch on fake tensors), so the step is the shipped "
      "release's"),
-    (lambda r, s: r["source"] == "liger_kernel" and r["quantity"] == "max_reserved" and s.err_pct < 0,
-     "mechanism: a different padded length every step (Alpaca batches of 32 padded to their longest, a multiple "
-     "of 16) passes through one caching allocator, whose reserved level grows with the mix of block sizes: the "
-     "run's reserved peak climbs 45.8 -> 50.4 -> 56.2 -> 56.8 GiB over steps 2-6 while its allocated peak stays "
-     "at 33.74 GiB to the hundredth (the optimizer step, which the estimate matches). FSDP1 with forward "
-     "prefetch is not replayed: the estimate is the prior (allocated x 1.1 + 64 MiB), which holds no such growth; "
-     "the per-step lengths of rank 0 are not published (token counts are sums over the four ranks)"),
+    (lambda r, s: r["source"] == "liger_kernel" and r["quantity"] == "max_reserved",
+     "source ambiguity: rank 0's padded length per step is not logged. A different padded length every step "
+     "(Alpaca batches of 32 padded to their longest, a multiple of 16) passes through one caching allocator, "
+     "whose reserved level grows with the mix of block sizes (45.8 -> 50.4 -> 56.2 -> 56.8 GiB over steps 2-6 "
+     "while the allocated peak, the optimizer step, stays at 33.74 GiB); the estimate replays the ten steps in "
+     "order (FSDP1 with forward prefetch, data/public/lengths/liger_kernel_alpaca_mistral_steps.json), each at "
+     "the mean of the four ranks' padded lengths (the logged token sum over 128, rounded up to 16). The same "
+     "mean strays from rank 0's by -32 to +64 tokens in the Llama-3 run, whose allocated levels follow rank 0's "
+     "length (docs/error_matrix/liger_kernel_steps.csv)"),
     (lambda r, s: r["source"] == "ms_swift_benchmark" and s.err_pct < 0,
      "mechanism and source ambiguity: batch-1 samples of every length up to max_length (truncation 'delete') "
      "pass through one caching allocator for a whole epoch, whose reserved level grows with the mix of block "

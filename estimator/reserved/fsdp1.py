@@ -58,7 +58,14 @@ steps the host shards (no device op). A checkpointed recompute under mixed preci
 built: refused).
 
 BACKWARD_PRE prefetching: the root's pre-backward unshards the last layer; each layer's pre-backward the one
-before it (with LoRA: its last adapter; the first adapter's the layer before). Frees made with ``record_stream`` are taken as complete at the next allocation (the GPU keeping up
+before it (with LoRA: its last adapter; the first adapter's the layer before).
+
+Forward prefetch (``forward_prefetch``, ``_boundary``'s ``prefetch``): from the second step on, each pre-forward
+unshards the next unit in the pre-forward order the first step recorded (the root's: layer 0), after its own
+(``_pre_forward_unshard``; same streams as any ``_unshard``); the first step gathers each unit in its own
+pre-forward. Each layer's post-backward then comes a layer later (autograd reaches its flat parameter's split
+one layer later), layer 0's after the embeddings' backward; the new shards take reserved keys, so the next step
+frees them whichever order the two steps made them in. Not with gradient accumulation or LoRA (refused). Frees made with ``record_stream`` are taken as complete at the next allocation (the GPU keeping up
 with the CPU); ``limit_all_gathers`` bounds how far ahead it can run (docs/allocator.md).
 """
 
