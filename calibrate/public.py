@@ -11,6 +11,7 @@ never a correction.
 from __future__ import annotations
 
 import csv
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,6 +112,38 @@ def _baselines(spec) -> dict[str, float]:
     return report_baselines(spec, None)
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def step_lengths(row: dict) -> tuple[tuple[int, int], ...] | None:
+    """The (rows, padded length) of each step the measured rank ran, in order, where the row's ``lengths`` names
+    a file of them (``data/public/lengths/*.json`` of kind "steps"), else None. A file that is missing or not of
+    that kind is a one-line ``ValueError``."""
+    name = row.get("lengths", "")
+    if not name.startswith("data/public/lengths/"):
+        return None
+    path = REPO / name
+    if not path.is_file():
+        raise ValueError(f"lengths: no such file {name!r}")
+    data = json.loads(path.read_text())
+    if data.get("kind") != "steps" or not data.get("padded_lengths"):
+        raise ValueError(f"lengths: {name} holds no per-step padded lengths (kind 'steps')")
+    return tuple((int(data["rows"]), int(n)) for n in data["padded_lengths"])
+
+
+def _scored_spec(row: dict):
+    """The row's spec and, where its steps' lengths are known (``step_lengths``), their sequence for the reserved
+    replay, the spec then at the longest step (the allocated peak is the worst batch's)."""
+    from estimator.api import StepSequence
+
+    spec = spec_from_columns(row)
+    steps = step_lengths(row)
+    if steps is None:
+        return spec, None
+    rows, longest = max(steps, key=lambda step: step[1])
+    return spec.replace(**{"training.micro_batch_size": rows, "training.seq_len": longest}), StepSequence(shapes=steps)
+
+
 def score(rows: list[dict], *, allow_build: bool = True, with_baselines: bool = True) -> list[Scored]:
     from estimator.api import estimate
 
@@ -119,8 +152,8 @@ def score(rows: list[dict], *, allow_build: bool = True, with_baselines: bool = 
     for r in scorable(rows):
         item = Scored(row=r, measured_bytes=float(r["value_bytes"]))
         try:
-            spec = spec_from_columns(r)
-            est = estimate(spec, allow_build=allow_build)
+            spec, sequence = _scored_spec(r)
+            est = estimate(spec, allow_build=allow_build, sequence=sequence)
             ranks = spec.parallel.world_size if r["scope"] == "sum" else 1
             item.predicted_bytes = float(getattr(est, PREDICTED[r["quantity"]])) * ranks
             item.allocated_bytes = float(est.peak_allocated_bytes) * ranks
@@ -327,13 +360,15 @@ DIAGNOSES = [
      "rest is not attributed: 4.29's OPT code cannot be traced here (4.44, the oldest traceable release, draws "
      "OPT's LayerDrop probability unguarded, a data-dependent branch on fake tensors), so the step is the shipped "
      "release's"),
-    (lambda r, s: r["source"] == "liger_kernel" and r["quantity"] == "max_reserved" and s.err_pct < 0,
-     "mechanism: a different padded length every step (Alpaca batches of 32 padded to their longest, a multiple "
-     "of 16) passes through one caching allocator, whose reserved level grows with the mix of block sizes: the "
-     "run's reserved peak climbs 45.8 -> 50.4 -> 56.2 -> 56.8 GiB over steps 2-6 while its allocated peak stays "
-     "at 33.74 GiB to the hundredth (the optimizer step, which the estimate matches). FSDP1 with forward "
-     "prefetch is not replayed: the estimate is the prior (allocated x 1.1 + 64 MiB), which holds no such growth; "
-     "the per-step lengths of rank 0 are not published (token counts are sums over the four ranks)"),
+    (lambda r, s: r["source"] == "liger_kernel" and r["quantity"] == "max_reserved",
+     "source ambiguity: rank 0's padded length per step is not logged. A different padded length every step "
+     "(Alpaca batches of 32 padded to their longest, a multiple of 16) passes through one caching allocator, "
+     "whose reserved level grows with the mix of block sizes (45.8 -> 50.4 -> 56.2 -> 56.8 GiB over steps 2-6 "
+     "while the allocated peak, the optimizer step, stays at 33.74 GiB); the estimate replays the ten steps in "
+     "order (FSDP1 with forward prefetch, data/public/lengths/liger_kernel_alpaca_mistral_steps.json), each at "
+     "the mean of the four ranks' padded lengths (the logged token sum over 128, rounded up to 16). The same "
+     "mean strays from rank 0's by -32 to +64 tokens in the Llama-3 run, whose allocated levels follow rank 0's "
+     "length (docs/error_matrix/liger_kernel_steps.csv)"),
     (lambda r, s: r["source"] == "ms_swift_benchmark" and s.err_pct < 0,
      "mechanism and source ambiguity: batch-1 samples of every length up to max_length (truncation 'delete') "
      "pass through one caching allocator for a whole epoch, whose reserved level grows with the mix of block "

@@ -39,8 +39,15 @@ switched the script to Gemma with batch 24, after the Llama run). What the numbe
   does not give (the token counts are sums over the four ranks; Alpaca's longest of 32 samples is mostly far below
   the cap): the Llama rows are incomplete (``missing``), kept for the record.
 * reserved: Mistral's reserved peak grows step by step (45.8 -> 50.4 -> 56.2 -> 56.8 GiB) while its allocated
-  peak stays put: the cache grows with the mix of padded lengths, one shape per step. FSDP1 with forward prefetch
-  is not replayed by the estimator (its reserved level is the prior's): a prior-path ``max_reserved`` row.
+  peak stays put: the cache grows with the mix of padded lengths, one shape per step. The steps' lengths
+  (``step_lengths``, ``data/public/lengths/liger_kernel_alpaca_mistral_steps.json``, which the Mistral rows name
+  in ``lengths`` so ``calibrate public`` replays those steps in order): rank 0's padded length is not logged, only
+  each step's ``num_input_tokens_seen`` increment, the sum over the four ranks of 32 x each rank's padded length;
+  their mean, rounded up to the padding multiple of 16, stands in for rank 0's (each rank pads to the longest of
+  its own 32 samples, so rank 0's may be longer or shorter: the approximation's spread is measured in
+  docs/error_matrix/README.md, "FSDP1 forward prefetch"). Alpaca's own token lengths are not reachable here
+  (tatsu-lab/alpaca is on the hub; stanford_alpaca's ``alpaca_data.json``, blob 3779ddbc, is absent from every
+  stored copy); Mistral-7B-v0.1's tokenizer is (mistral_common 1.12.0's ``data/tokenizer.model.v1``), the data not.
 
 Versions: ``requirements.txt`` pins transformers 4.43.3 only (torch, trl, accelerate unpinned, Sep 2024). GPU:
 the example's README ("single node with 4xA100 80GB GPUs"). Standard library only.
@@ -49,9 +56,11 @@ the example's README ("single node with 4xA100 80GB GPUs"). Standard library onl
 from __future__ import annotations
 
 import ast
+import json
+import sys
 from pathlib import Path
 
-from common import SOURCES, manifest, ref, row
+from common import HERE, SOURCES, manifest, ref, row
 
 SOURCE = "liger_kernel"
 GPU = "a100-80gb"
@@ -61,6 +70,7 @@ PAD_MULTIPLE = 16
 MAX_SEQ_LEN = 512
 MAX_STEPS = 10
 UNIT = "MiB"  # callback.py: bytes / 2**20
+LENGTHS = "data/public/lengths/liger_kernel_alpaca_mistral_steps.json"
 # transformers 4.43.3 traced as 4.44: Llama's and Mistral's forwards are the same in 4.43-4.44 for memory (fp32
 # logits upcast in the forward, loss on a shifted copy inside the model).
 MODEL_CODE = "4.44"
@@ -76,7 +86,7 @@ RUNS = {
                 "over the four ranks; 512 is the cap, not the peak's length)"),
     "examples/huggingface/results/mistral_use_liger_False_patching_type_None.log": dict(
         key="Mistral-7B-v0.1", hub="mistralai/Mistral-7B-v0.1", model="mistralai/Mistral-7B-v0.1", note="",
-        missing=""),
+        missing="", lengths=LENGTHS),
 }
 QUANTITY_KEYS = {"max_allocated": "step_peak_memory_allocated_MB", "max_reserved": "step_peak_memory_reserved_MB"}
 TOTAL_KEYS = {"max_allocated": "total_peak_memory_allocated_MB", "max_reserved": "total_peak_memory_reserved_MB"}
@@ -104,6 +114,29 @@ def check_batch(lines: list[dict], path: str) -> None:
         if (after - before) % (BATCH * PAD_MULTIPLE):
             raise ValueError(f"{path}: a step of {after - before} tokens is not batch {BATCH} x a multiple of "
                              f"{PAD_MULTIPLE}")
+
+
+def step_lengths(lines: list[dict]) -> list[int]:
+    """Each step's padded length standing in for rank 0's: the step's ``num_input_tokens_seen`` increment (the sum
+    over the ranks of batch x padded length) over ranks x batch, rounded up to the padding multiple."""
+    seen = [line["num_input_tokens_seen"] for line in lines if "loss" in line and "train_runtime" not in line]
+    return [-(-(after - before) // (WORLD * BATCH * PAD_MULTIPLE)) * PAD_MULTIPLE
+            for before, after in zip([0] + seen, seen)]
+
+
+def lengths_file(entry: dict, lines: list[dict]) -> dict:
+    """The content of ``LENGTHS``: the Mistral run's steps, with where they come from."""
+    return {
+        "dataset": "tatsu-lab/alpaca 'text', SFTTrainer max_seq_length 512, Mistral-7B-v0.1 tokenizer",
+        "kind": "steps",
+        "rows": BATCH,
+        "padded_lengths": step_lengths(lines),
+        "source": f"{ref(entry)}: num_input_tokens_seen per step",
+        "notes": f"Global steps 1-{MAX_STEPS} in order. Rank 0's padded length is not logged: each value is the "
+                 f"step's token increment (the sum over {WORLD} ranks of {BATCH} x each rank's padded length) "
+                 f"over {WORLD * BATCH}, rounded up to a multiple of {PAD_MULTIPLE}. Written by "
+                 "data/public/extract_liger_kernel.py --lengths.",
+    }
 
 
 def peak_count(lines: list[dict], key: str) -> int:
@@ -173,8 +206,9 @@ def _rows(entry: dict, path: str, run: dict) -> list[dict]:
             source_key=f"step {top['step']} | {key}: {top[key]}", **_spec(run), model_hub_id=run["hub"],
             framework="HF Trainer / TRL SFTTrainer, FSDP1 via accelerate (Liger-Kernel examples/huggingface, "
                       "use_liger False)", adapter="full", padding="longest", max_length=MAX_SEQ_LEN,
-            seq_len_basis="max_length_cap", lengths="tatsu-lab/alpaca truncated to 512, padded to each batch's "
-            "longest (multiple of 16)", rescore_lengths=False, transformers_version="4.43.3",
+            seq_len_basis="max_length_cap", lengths=run.get("lengths") or "tatsu-lab/alpaca truncated to 512, "
+            "padded to each batch's longest (multiple of 16)", rescore_lengths=bool(run.get("lengths")),
+            transformers_version="4.43.3",
             other_versions="trl, accelerate, torch unpinned (Sep 2024)", quantity=quantity, scope="per_gpu",
             value=top[key], unit=UNIT, complete=not run["missing"], missing=run["missing"], in_scope=True,
             assumptions=notes))
@@ -189,6 +223,18 @@ def extract() -> list[dict]:
     return rows
 
 
+def write_lengths() -> Path:
+    """Writes ``LENGTHS`` from the Mistral log."""
+    path = next(p for p, run in RUNS.items() if run.get("lengths"))
+    entry = next(e for e in manifest(SOURCE).values() if e["path"] == path and e["commit"].startswith("38411af"))
+    out = HERE.parent.parent / LENGTHS
+    out.write_text(json.dumps(lengths_file(entry, log_lines((SOURCES / SOURCE / entry["file"]).read_text())),
+                              indent=2) + "\n")
+    return out
+
+
 if __name__ == "__main__":
+    if "--lengths" in sys.argv:
+        print(write_lengths())
     for r in extract():
         print(r["row_id"], r["value"], r["in_scope"], Path(r["source_ref"]).name)

@@ -74,13 +74,21 @@ class _Builder:
         self.sizes: list[int] = []
         self._size_index: dict[int, int] = {}
 
-    def tensor(self, nbytes: int) -> Tensor:
+    def tensor(self, nbytes: int, key: int | None = None) -> Tensor:
+        """A new tensor of ``nbytes``: the next key, or ``key`` where the caller reserved one (``reserve``)."""
         index = self._size_index.get(nbytes)
         if index is None:
             index = self._size_index[nbytes] = self.base + len(self.sizes)
             self.sizes.append(nbytes)
-        key, self.next_key = self.next_key, self.next_key + 1
+        if key is None:
+            key, self.next_key = self.next_key, self.next_key + 1
         return Tensor(key, index)
+
+    def reserve(self, count: int) -> list[int]:
+        """``count`` keys set aside for tensors that must keep one key across differently ordered steps."""
+        keys = list(range(self.next_key, self.next_key + count))
+        self.next_key += count
+        return keys
 
 
 def shard_numel(p: ParamInfo, world: int) -> int:
@@ -131,8 +139,8 @@ class BufferOps:
     def __init__(self, build: _Builder) -> None:
         self.build = build
 
-    def _alloc(self, out: list, nbytes: int, stream: int = DEFAULT) -> Tensor:
-        tensor = self.build.tensor(nbytes)
+    def _alloc(self, out: list, nbytes: int, stream: int = DEFAULT, key: int | None = None) -> Tensor:
+        tensor = self.build.tensor(nbytes, key)
         out.append((ALLOC if stream == DEFAULT else alloc_on(stream), tensor.key, tensor.size_index))
         return tensor
 

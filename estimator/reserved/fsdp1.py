@@ -58,7 +58,14 @@ steps the host shards (no device op). A checkpointed recompute under mixed preci
 built: refused).
 
 BACKWARD_PRE prefetching: the root's pre-backward unshards the last layer; each layer's pre-backward the one
-before it (with LoRA: its last adapter; the first adapter's the layer before). Frees made with ``record_stream`` are taken as complete at the next allocation (the GPU keeping up
+before it (with LoRA: its last adapter; the first adapter's the layer before).
+
+Forward prefetch (``forward_prefetch``, ``_boundary``'s ``prefetch``): from the second step on, each pre-forward
+unshards the next unit in the pre-forward order the first step recorded (the root's: layer 0), after its own
+(``_pre_forward_unshard``; same streams as any ``_unshard``); the first step gathers each unit in its own
+pre-forward. Each layer's post-backward then comes a layer later (autograd reaches its flat parameter's split
+one layer later), layer 0's after the embeddings' backward; the new shards take reserved keys, so the next step
+frees them whichever order the two steps made them in. Not with gradient accumulation or LoRA (refused). Frees made with ``record_stream`` are taken as complete at the next allocation (the GPU keeping up
 with the CPU); ``limit_all_gathers`` bounds how far ahead it can run (docs/allocator.md).
 """
 
@@ -105,8 +112,8 @@ def why_not_fsdp1(options) -> str | None:
     if options.cpu_offload and options.sharding_strategy not in ("FULL_SHARD", "HYBRID_SHARD"):
         return (f"fsdp1 with CPU offload under {options.sharding_strategy}: replayed resharding after forward "
                 "(FULL_SHARD, HYBRID_SHARD) only")
-    if options.backward_prefetch != "BACKWARD_PRE" or options.forward_prefetch:
-        return "fsdp1: only the default prefetching (BACKWARD_PRE, no forward prefetch) is modelled yet"
+    if options.backward_prefetch != "BACKWARD_PRE":
+        return "fsdp1: only BACKWARD_PRE prefetching is modelled yet"
     return None
 
 
@@ -247,9 +254,12 @@ class _Step(BufferOps):
     """One step's FSDP1 tensors and the ops that make and free them."""
 
     def __init__(self, build: _Builder, units: dict, grads: dict, micro: str = SYNC, held: dict | None = None,
-                 unit_pieces: dict | None = None) -> None:
+                 unit_pieces: dict | None = None, shard_keys: dict | None = None) -> None:
         super().__init__(build)
         self.units, self.grads = units, grads
+        # unit -> the key its new shard takes (forward prefetch: the first step, which does not prefetch, makes
+        # its FSDP tensors in another order than the steady step, yet the next step frees the shards by key)
+        self.shard_keys = shard_keys or {}
         self.unit_pieces = unit_pieces or {}  # unit -> bytes of each tensor's piece of this rank's shard
         self.micro = micro  # MICRO_BATCHES
         self.held: dict = dict(held or {})  # unit -> its unsharded flat gradient held under no_sync
@@ -352,7 +362,7 @@ class _Step(BufferOps):
         # micro-batch's is added into the saved one in place and goes as ``_reduce_grad`` returns. After no_sync the
         # held gradient (this micro-batch's added into it) is reduced; this micro-batch's stays referenced by
         # autograd until the hook returns
-        new_shard = self._alloc(out, flat.shard_numel * flat.reduce_elem, POST_BACKWARD)
+        new_shard = self._alloc(out, flat.shard_numel * flat.reduce_elem, POST_BACKWARD, self.shard_keys.get(g))
         self.grad_shards[g] = new_shard
         for tensor in (cast, padded, flat_grad, new_shard if self.micro == ADD_SHARD else None):
             if tensor is not None:
@@ -390,25 +400,37 @@ class _Step(BufferOps):
 
 
 def _boundary(step: _Step, out: list, name: str, layer: int | None, num_layers: int, prefix_at: list,
-              reshard_after_forward: bool, layer0_at_suffix: bool = True) -> None:
+              reshard_after_forward: bool, layer0_at_suffix: bool = True, prefetch: bool = False) -> None:
     """FSDP1's events at the start of a segment instance (``methods.fsdp1._schedule``, tensor by tensor).
     SHARD_GRAD_OP (``reshard_after_forward`` off) keeps each layer unsharded from its forward to its
     post-backward, so backward has nothing to unshard. With LoRA adapter units (``_adapter_events``) a layer's
     pre-backward prefetches its last adapter, not the layer before it: BACKWARD_PRE gathers the unit that
     finished its forward just before this one (``get_handle_to_backward_prefetch``), and the layer's adapters
     finish theirs inside the layer's. ``layer0_at_suffix``: layer 0's post-backward runs as its backward ends
-    (trainable, or its inputs require grad); else in backward's final callback, after the root's."""
+    (trainable, or its inputs require grad); else in backward's final callback, after the root's.
+
+    ``prefetch``: forward prefetch, from the second step on (``get_handle_to_forward_prefetch`` reads the
+    pre-forward order the first step records): each pre-forward, after its own unit's ``_unshard`` (skipped
+    where prefetched), unshards the next unit in that order on the same streams (the root's: layer 0). A layer's
+    flat parameter is then split into its views one layer earlier, so autograd, which runs ready nodes by
+    creation order, reaches its post-backward one layer later (``methods.fsdp1._backward_events``): layer L's
+    backward starts with layer L + 2's post-backward, the embeddings' with layer 1's, and layer 0's runs after
+    them (``_step_ops``)."""
     last = num_layers - 1
+    delay = int(prefetch)
     adapters = _adapters_of(step.units, layer) if layer is not None else []
     if name == "prefix":
         prefix_at.append(len(out))  # the root's pre-forward: lazy init (first step), previous shards freed
         step.unshard(out, "root")
-    elif name == "fw_first":
-        step.unshard(out, 0)
-    elif name in ("fw", "fw_last"):
-        if reshard_after_forward:
+        if prefetch:
+            step.unshard(out, 0)
+    elif name in ("fw_first", "fw", "fw_last"):
+        if name != "fw_first" and reshard_after_forward:
             step.reshard(out, layer - 1)
-        step.unshard(out, layer)
+        if not prefetch:
+            step.unshard(out, layer)
+        elif layer != last:
+            step.unshard(out, layer + 1)
     elif name == "mid_fw":
         if reshard_after_forward:
             step.reshard(out, last)
@@ -428,12 +450,14 @@ def _boundary(step: _Step, out: list, name: str, layer: int | None, num_layers: 
         if layer != last:
             step.post_backward(out, layer + 1)
     elif name in ("bw_first", "bw", "bw_last"):
-        if layer != last:
-            step.post_backward(out, layer + 1)
+        if layer + 1 + delay <= last:
+            step.post_backward(out, layer + 1 + delay)
         if layer > 0 and reshard_after_forward:
             step.unshard(out, layer - 1)
     elif name == "suffix":
-        if layer0_at_suffix:
+        if prefetch and num_layers > 1:
+            step.post_backward(out, 1)
+        elif layer0_at_suffix and not prefetch:
             step.post_backward(out, 0)
     else:
         raise ExpansionError(f"fsdp1: no boundary events for segment {name!r}")
@@ -699,16 +723,18 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
               optimizer: str, first: bool, num_layers: int, scalar: set[int], pieces: list[int],
               reshard_after_forward: bool, polys: list, recompute: bool, layer0_at_suffix: bool,
               adapter_out_elem: int | None, unit_pieces: dict, micro: str = SYNC, held: dict | None = None,
-              zero_grad_keys: set | None = None) -> tuple[list, dict[int, int], tuple[int, int], list, int, dict]:
+              zero_grad_keys: set | None = None, prefetch: bool = False, shard_keys: dict | None = None
+              ) -> tuple[list, dict[int, int], tuple[int, int], list, int, dict]:
     """The FSDP1 step's ops, where each old op index went, where its optimizer part begins (before and after the
     loss is freed), the gradient shards (the next step's root pre-forward frees them) and where the root's
     pre-forward begins. ``recompute``: checkpointing re-runs each layer's forward (its adapters') in backward.
     ``micro``: which micro-batch of an accumulation cycle (``MICRO_BATCHES``), ``held``: the flat gradients the
     cycle's first kept under no_sync; the flat gradients this one holds are returned last. ``zero_grad_keys`` gets
-    the keys of the new shards ``zero_grad`` frees (without ``use_orig_params``)."""
+    the keys of the new shards ``zero_grad`` frees (without ``use_orig_params``). ``prefetch``: this step forward
+    prefetches (``_boundary``); ``shard_keys``: unit -> its new shard's reserved key."""
     layer_grads = {g: list(keys) for g, keys in _grads_by_group(expansion, ops, table).items()}
     summed = _summed_grad_keys(layer_grads, table)
-    step = _Step(build, units, _adapter_grads(layer_grads, units), micro, held, unit_pieces)
+    step = _Step(build, units, _adapter_grads(layer_grads, units), micro, held, unit_pieces, shard_keys)
     grad_keys = expansion.grad_keys
     cut, at_mark, seed = boundary_marks(ops, marks, scalar)
     before, after, moved_frees = _adapter_events(ops, cut, at_mark, units, layer_grads, polys, recompute,
@@ -720,7 +746,8 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
 
     def boundaries(index: int) -> None:
         for name, layer in at_mark.get(index, ()):
-            _boundary(step, out, name, layer, num_layers, prefix_at, reshard_after_forward, layer0_at_suffix)
+            _boundary(step, out, name, layer, num_layers, prefix_at, reshard_after_forward, layer0_at_suffix,
+                      prefetch)
     for index, op in enumerate(ops[:cut]):
         boundaries(index)
         for method, g in before.get(index, ()):
@@ -735,6 +762,8 @@ def _step_ops(expansion: Expansion, ops: list, marks: tuple, build: _Builder, un
         for method, g in after.get(index, ()):
             getattr(step, method)(out, g)
     boundaries(cut)
+    if prefetch and layer0_at_suffix:  # split into its views in the root's pre-forward: after the embeddings'
+        step.post_backward(out, 0)
     step.post_backward(out, "root")
     if not layer0_at_suffix:  # backward's final callback reshards what is left, in pre-order: the root, layer 0
         step.post_backward(out, 0)
@@ -819,15 +848,20 @@ def fsdp1_step(expansion: Expansion, table: list[ParamInfo], sizes: Fsdp1Sizes, 
     build = _Builder(expansion.steady.keys, base_size_index)
     first_marks, steady_marks = expansion.marks
     scalar = {i for i, poly in enumerate(polys) if 0 < poly[0] <= 8 and not any(poly[1:])}
+    prefetch = sizes.options.forward_prefetch
+    if prefetch and (accumulating or sizes.adapters):
+        raise ExpansionError("fsdp1 with forward prefetch: replayed without gradient accumulation or LoRA")
+    shard_keys = dict(zip(_lazy_init_order(units, num_layers), build.reserve(len(units)))) if prefetch else None
     common = dict(build=build, units=units, table=table, optimizer=optimizer, num_layers=num_layers,
                   scalar=scalar, pieces=pieces, reshard_after_forward=sizes.frees_after_forward,
                   polys=_per_row_polys(polys),
                   recompute=grad_ckpt, layer0_at_suffix=_layer0_hooked(units, table, grad_ckpt),
-                  adapter_out_elem=autocast_elem, unit_pieces=unit_pieces)
+                  adapter_out_elem=autocast_elem, unit_pieces=unit_pieces, shard_keys=shard_keys)
     start = build.next_key
     zero_grad_keys: set[int] = set()  # without use_orig_params: the new shards, the flat parameters' .grad
     steady_ops, _moved, steady_optimizer, steady_shards, steady_prefix, _held = _step_ops(
-        expansion, expansion.steady.ops, steady_marks, first=False, zero_grad_keys=zero_grad_keys, **common)
+        expansion, expansion.steady.ops, steady_marks, first=False, zero_grad_keys=zero_grad_keys, prefetch=prefetch,
+        **common)
     steady_keys = build.next_key
     build.next_key = start  # the first step's tensors take the same keys in the same order
     first_ops, first_moved, first_optimizer, first_shards, first_prefix, _held = _step_ops(

@@ -103,6 +103,10 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
                       "micro-batches are not in the replay yet")
         if reason is None and spec.parallel.fsdp1.cpu_offload and training.grad_accum_steps > 1:
             reason = "fsdp1 with CPU offload under gradient accumulation: not in the replay yet"
+        if (reason is None and spec.parallel.fsdp1.forward_prefetch
+                and (training.grad_accum_steps > 1 or training.lora_rank)):
+            reason = ("fsdp1 forward prefetch under gradient accumulation or with LoRA: not in the replay yet (checked "
+                      "against a real run without either)")
         if (reason is None and spec.parallel.fsdp1.cpu_offload and training.grad_ckpt
                 and training.precision.startswith("mixed_")):
             reason = ("fsdp1 with CPU offload, mixed precision and checkpointing: the recompute's 16-bit shard "

@@ -1,6 +1,7 @@
 """The liger_kernel source (data/public/extract_liger_kernel.py): the committed logs map to the runs' specs."""
 
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -75,3 +76,43 @@ def test_batch_check_refuses_a_log_of_another_batch_size():
         mod.check_batch([{"loss": 1.0, "num_input_tokens_seen": 24 * 16 * 59}, summary], "log")
     with pytest.raises(ValueError, match="samples"):
         mod.check_batch([{"train_runtime": 10.0, "train_samples_per_second": 96.0}], "log")
+
+
+def test_mistral_step_lengths_file_is_the_logs_token_increments():
+    """The committed lengths file is what the extractor derives from the log: every step's token increment over
+    4 ranks x 32 rows, rounded up to the padding multiple (16); the Mistral rows name it for the re-score."""
+    mod = _liger()
+    seen = _log_values(mod, MISTRAL_LOG, "num_input_tokens_seen")
+    increments = [after - before for before, after in zip([0.0] + seen, seen)]
+    data = json.loads((PUBLIC.parents[1] / mod.LENGTHS).read_text())
+    assert data["kind"] == "steps" and data["rows"] == 32 and len(data["padded_lengths"]) == 10 == len(increments)
+    for padded, tokens in zip(data["padded_lengths"], increments):
+        assert padded % 16 == 0 and 0 <= padded * 128 - tokens < 16 * 128
+    entry = next(e for e in mod.manifest(mod.SOURCE).values()
+                 if e["path"] == MISTRAL_LOG and e["commit"].startswith("38411af"))
+    lines = mod.log_lines((mod.SOURCES / mod.SOURCE / entry["file"]).read_text())
+    assert mod.lengths_file(entry, lines) == data
+    rows = [r for r in mod.extract() if "Mistral" in r["row_id"]]
+    assert all(r["lengths"] == mod.LENGTHS and r["rescore_lengths"] for r in rows)
+
+
+def test_calibrate_replays_the_rows_steps_at_their_longest():
+    from calibrate.public import _scored_spec, step_lengths
+
+    mod = _liger()
+    row = next(r for r in mod.extract() if r["row_id"] == "liger_kernel:Mistral-7B-v0.1:full:x4:b32:max_reserved")
+    row = {k: str(v) for k, v in row.items()}
+    steps = step_lengths(row)
+    assert steps[:3] == ((32, 320), (32, 304), (32, 320)) and len(steps) == 10
+    spec, sequence = _scored_spec(row)
+    assert sequence.shapes == steps and spec.training.seq_len == max(n for _rows, n in steps) == 384
+    assert step_lengths({**row, "lengths": "tatsu-lab/alpaca truncated to 512"}) is None
+
+
+def test_a_missing_or_unusable_lengths_file_is_a_one_line_error():
+    from calibrate import public
+
+    with pytest.raises(ValueError, match="^lengths: no such file 'data/public/lengths/none.json'$"):
+        public.step_lengths({"lengths": "data/public/lengths/none.json"})
+    with pytest.raises(ValueError, match="^lengths: .* holds no per-step padded lengths"):
+        public.step_lengths({"lengths": "data/public/lengths/ms_swift_cls_fudan_news_zh.json"})

@@ -39,10 +39,12 @@ def llama_path(tmp_path_factory):
 
 def _spec(path: str, training: TrainingSpec, world: int, strategy: str = "FULL_SHARD", orig_params: bool = True,
           cpu_offload: bool = False) -> RunSpec:
-    """``strategy``: a sharding strategy; ``HYBRID_SHARD:N`` shards over N ranks per node."""
+    """``strategy``: a sharding strategy; ``HYBRID_SHARD:N`` shards over N ranks per node; a ``+prefetch`` suffix
+    turns on forward prefetch."""
+    strategy, prefetch, _ = strategy.partition("+prefetch")
     strategy, _, per_node = strategy.partition(":")
     options = Fsdp1Spec(sharding_strategy=strategy, use_orig_params=orig_params, cpu_offload=cpu_offload,
-                        **({"gpus_per_node": int(per_node)} if per_node else {}))
+                        forward_prefetch=bool(prefetch), **({"gpus_per_node": int(per_node)} if per_node else {}))
     return RunSpec(model=path, training=training,
                    parallel=ParallelSpec(method="fsdp1", world_size=world, fsdp1=options))
 
@@ -193,6 +195,24 @@ def test_generated_stream_equals_a_real_fsdp1_run(llama_path, precision, world, 
 
 
 @pytest.mark.parametrize("precision, world, rank, ckpt, strategy", [
+    # liger_kernel's rows: mixed_bf16, non-reentrant checkpointing, 4 ranks
+    ("mixed_bf16", 4, 0, True, "FULL_SHARD+prefetch"),
+    ("bf16", 3, 2, False, "FULL_SHARD+prefetch"),  # padded flat parameters, the last rank
+    pytest.param("fp32", 2, 1, True, "FULL_SHARD+prefetch", marks=pytest.mark.slow),
+    pytest.param("mixed_bf16", 2, 0, False, "SHARD_GRAD_OP+prefetch", marks=pytest.mark.slow),
+    pytest.param("bf16", 4, 3, True, "HYBRID_SHARD:2+prefetch", marks=pytest.mark.slow),
+], ids=lambda v: str(v))
+def test_forward_prefetch_stream_equals_a_real_fsdp1_run(llama_path, precision, world, rank, ckpt, strategy):
+    """``forward_prefetch``: from the second step each pre-forward gathers the next unit after its own, and each
+    layer's post-backward comes one layer later; the first step (no pre-forward order recorded yet) gathers each
+    unit in its own pre-forward. Setup and three steps, as above."""
+    training = TrainingSpec(precision=precision, attn="eager", micro_batch_size=B, seq_len=S, grad_ckpt=ckpt)
+    generated = _runs(_generated(llama_path, training, world, rank, strategy), True)
+    real = _runs(_in_fresh_process(_real_fsdp1_events, training, world, rank, strategy), False)
+    _assert_same_runs(generated, real)
+
+
+@pytest.mark.parametrize("precision, world, rank, ckpt, strategy", [
     ("bf16", 2, 0, False, "FULL_SHARD"),  # a frozen embedding: layer 0 resharded after the root, at backward's end
     ("bf16", 2, 1, True, "FULL_SHARD"),  # the recompute gathers each adapter again, resharding a prefetched one
     pytest.param("fp32", 3, 2, False, "FULL_SHARD", marks=pytest.mark.slow),  # padded adapters; input-buffer sums
@@ -262,6 +282,9 @@ def test_gradient_accumulation_stream_equals_a_real_fsdp1_run(llama_path, traini
     (TrainingSpec(precision="fp32", grad_ckpt=True, ckpt_policy="every-k:2", grad_accum_steps=2), 4, "FULL_SHARD"),
     (TrainingSpec(precision="mixed_bf16", grad_ckpt=True, ckpt_policy="every-k:3"), 2, "SHARD_GRAD_OP"),
     (TrainingSpec(precision="bf16", grad_ckpt=True, ckpt_policy="every-k:2"), 4, "HYBRID_SHARD:2"),
+    # forward prefetch: the next layer gathered in each pre-forward, the post-backwards a layer later
+    (TrainingSpec(precision="mixed_bf16", grad_ckpt=True), 4, "FULL_SHARD+prefetch"),
+    (TrainingSpec(precision="bf16"), 3, "FULL_SHARD+prefetch"),
 ])
 def test_fsdp1_replayed_allocated_level_equals_the_estimate(llama_path, training, world, strategy):
     """The requested bytes alive at once in the replayed stream = the estimator's FSDP1 allocated peak + the
@@ -323,7 +346,8 @@ def _assert_replayed_allocated_level(llama_path: str, training: TrainingSpec, wo
 def test_other_fsdp1_settings_keep_the_prior(llama_path):
     training = TrainingSpec(precision="mixed_bf16", micro_batch_size=B, seq_len=S)
     for options, steps, reason in ((Fsdp1Spec(use_orig_params=False), 2, "use_orig_params"),
-                                   (Fsdp1Spec(backward_prefetch="BACKWARD_POST"), 1, "prefetching")):
+                                   (Fsdp1Spec(backward_prefetch="BACKWARD_POST"), 1, "prefetching"),
+                                   (Fsdp1Spec(forward_prefetch=True), 2, "forward prefetch")):
         # the flat gradients held under no_sync without use_orig_params (reducing every micro-batch is replayed)
         spec = RunSpec(model=llama_path, training=dataclasses.replace(training, grad_accum_steps=steps,
                                                                       grad_sync="last" if steps > 1 else "every"),
