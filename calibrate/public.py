@@ -23,6 +23,7 @@ from estimator.columns import SPEC_INPUT_COLUMNS, spec_from_columns
 GIB = 1024**3
 OUTLIER_PCT = 8.0
 DEFAULT_DATA = Path("data/public/measurements.csv")
+REPO = Path(__file__).resolve().parents[1]   # the table's ``lengths`` paths are relative to the repository
 PREDICTED = {"max_allocated": "peak_allocated_bytes", "max_reserved": "peak_reserved_bytes",
              "nvml_used": "held_device_bytes"}
 BASELINES = ("llmem", "deepspeed", "accelerate", "rule_of_thumb")
@@ -38,6 +39,7 @@ class Scored:
     allocated_bytes: float | None = None      # the estimator's peak allocated (what a reserved fit starts from)
     reserved_source: str = ""                 # "replayed" or "prior" (estimator.api.RankEstimate)
     model_code: str = ""                      # the transformers release whose model code the estimate traced
+    epoch: str = ""                           # the epoch replayed (rows with their batch lengths), else empty
     baselines: dict[str, float] = field(default_factory=dict)
     error: str = ""
 
@@ -106,6 +108,36 @@ def refresh_cached_profiles(rows: list[dict], *, allow_build: bool = True) -> li
     return done
 
 
+def row_epoch(row: dict, seq_len: int):
+    """(lengths, EpochOptions, what) of a row to re-score over its epoch of variable-length batches, or None.
+
+    Rows marked ``rescore_lengths`` whose ``lengths`` names a JSON file of the dataset's length statistics
+    (``data/public/lengths/``) and of how the run formed its epoch (``run``: truncation, padding, order, and a
+    subsample the run drew above some ``max_length``). Without a published histogram the lengths are the
+    lognormal of the published mean and std (an assumption the JSON states)."""
+    from estimator.batching.epoch import EpochOptions
+    from estimator.batching.lengths import lognormal_lengths
+
+    name = row.get("lengths", "")
+    if row.get("rescore_lengths") != "True" or not name.endswith(".json") or not (REPO / name).is_file():
+        return None
+    info = json.loads((REPO / name).read_text())
+    run = info.get("run", {})
+    if "mean_tokens" not in info or "samples" not in info or not run:
+        return None
+    samples = info["samples"]
+    sampled = run.get("sampled")
+    if sampled and seq_len > sampled["when_max_length_above"]:
+        samples = min(samples, sampled["samples"])
+    lengths = lognormal_lengths(info["mean_tokens"], info["std_tokens"], samples=samples,
+                                minimum=info.get("min_tokens", 1), maximum=info.get("max_tokens"))
+    options = EpochOptions(padding=run.get("padding", "longest"), batching=run.get("batching", "random"),
+                           truncation=run.get("truncation", "cut"))
+    what = (f"{samples} lognormal lengths ({info['mean_tokens']:g} +- {info['std_tokens']:g}), "
+            f"{options.truncation} past {seq_len}, {options.batching} order")
+    return lengths, options, what
+
+
 def _baselines(spec) -> dict[str, float]:
     from calibrate.report import _baselines as report_baselines
 
@@ -153,7 +185,14 @@ def score(rows: list[dict], *, allow_build: bool = True, with_baselines: bool = 
         item = Scored(row=r, measured_bytes=float(r["value_bytes"]))
         try:
             spec, sequence = _scored_spec(r)
-            est = estimate(spec, allow_build=allow_build, sequence=sequence)
+            epoch = row_epoch(r, spec.training.seq_len)
+            if epoch is None:
+                est = estimate(spec, allow_build=allow_build, sequence=sequence)
+            else:   # the run's epoch of variable-length batches replayed through the allocator model
+                from estimator.batching.epoch import estimate_epoch
+
+                lengths, options, item.epoch = epoch
+                est = estimate_epoch(spec, lengths, options, allow_build=allow_build).estimate
             ranks = spec.parallel.world_size if r["scope"] == "sum" else 1
             item.predicted_bytes = float(getattr(est, PREDICTED[r["quantity"]])) * ranks
             item.allocated_bytes = float(est.peak_allocated_bytes) * ranks
@@ -369,22 +408,28 @@ DIAGNOSES = [
      "the mean of the four ranks' padded lengths (the logged token sum over 128, rounded up to 16). The same "
      "mean strays from rank 0's by -32 to +64 tokens in the Llama-3 run, whose allocated levels follow rank 0's "
      "length (docs/error_matrix/liger_kernel_steps.csv)"),
+    (lambda r, s: r["source"] == "ms_swift_benchmark" and bool(s.epoch),
+     "mechanism, now replayed, and the order it depends on: batch-1 samples of every length up to max_length "
+     "pass through one caching allocator for the epoch (ms-swift 4312aeb2: truncation_strategy 'delete' drops "
+     "longer samples, template.py; the Trainer's RandomSampler; no empty_cache() in swift's loop, and "
+     "transformers < 4.37 has no torch_empty_cache_steps), so the cache keeps blocks of many sizes side by side. "
+     "Scored over that epoch (data/public/lengths/ms_swift_cls_fudan_news_zh.json: 4,959 samples of a lognormal "
+     "of the page's 3,234 +- 2,548 Qwen tokens, deleted past max_length, 1,000 sampled above 2048 as "
+     "run_single.py does; the first 500 steps, seed 0): 512/1024/2048/4096 reserve 13.36/13.06/22.36/22.62 GiB, "
+     "where identical max_length steps gave 12.00/12.66/13.95/16.51 (the earlier --lengths replay cut the "
+     "long samples at max_length, which left 512-2048 unchanged: nearly every sample reached the cap). The "
+     "level depends on the order of the lengths: seeds 1 and 2 give 12.79/15.16/18.28 and 12.55/14.10/18.73 "
+     "GiB for 512-2048 (benchmarks/swift_epoch_orders.py), and at 4096 a 1,000-sample draw of every fifth "
+     "quantile gives 25.26/25.39/33.76 over seeds 0-2, so one published run is one draw of a spread of several GiB (the "
+     "page's own 2048 figure moved 16.28 -> 16.95 GiB when re-measured). Left: the Yi tokenizer's lengths are "
+     "not published (the Qwen statistics are, not a "
+     "histogram), and the profile is today's transformers, not the rows' 4.36 (fp32 logits in forward and a "
+     "contiguous shifted copy for the loss)"),
     (lambda r, s: r["source"] == "ms_swift_benchmark" and s.err_pct < 0,
-     "mechanism and source ambiguity: batch-1 samples of every length up to max_length (truncation 'delete') "
-     "pass through one caching allocator for a whole epoch, whose reserved level grows with the mix of block "
-     "sizes; the estimator replays identical steps of max_length (16 accumulated micro-batches each). With a "
-     "lognormal of the page's length statistics (mean 3,234, sd 2,548 Qwen tokens) replayed in order "
-     "(--lengths), the 4096 row rises from 16.4 to 19.1 GiB and the shorter ones do not move, so the mix of "
-     "lengths does not account for the gap either. The "
-     "page's own peaks do not grow as flash attention + checkpointing would (16.95 -> 28.25 -> 43.81 GiB for "
-     "2048 -> 4096 -> 8192; on the same page qwen-1_8b-chat full fine-tuning falls from 35.11 GiB at 2048 to "
-     "31.62 at 4096), and a re-measured value changed (16.28 -> 16.95 GiB at 2048); the longest kept sample is "
-     "not published. Read at the benchmark's commits (modelscope/ms-swift 97e4d198, 4312aeb2: "
-     "scripts/benchmark/test_memory_time/run_single.py, swift/llm/sft.py): above 2048 only 1,000 sampled rows "
-     "train (train_dataset_sample), sft.py sets use_cache False under checkpointing, the page's qwen tables kept "
-     "figures measured with truncation_left (97e4d198's settings) beside the Yi rows' 'delete', and its own "
-     "ablations do not behave as the configuration would: qwen-7b-chat at 2048 reserves 27.74 GiB with flash "
-     "attention and 27.71 without, and 43.11 at batch 2 (+15.4 GiB for 2,048 more tokens)"),
+     "source ambiguity: the page's own peaks do not grow as flash attention + checkpointing would (16.95 -> "
+     "28.25 -> 43.81 GiB for 2048 -> 4096 -> 8192; qwen-1_8b-chat full fine-tuning falls from 35.11 GiB at 2048 "
+     "to 31.62 at 4096), its qwen tables kept figures measured with truncation_left (97e4d198) beside the Yi "
+     "rows' 'delete', and qwen-7b-chat at 2048 reserves 27.74 GiB with flash attention and 27.71 without"),
     (lambda r, s: r["precision"] in ("bf16", "mixed_bf16") and r["outputs_fp32"] == "True" and r["qlora"] != "True"
      and _layer_norm(r) and s.err_pct < 0,
      "mechanism: the Trainer's --bf16 over bf16 weights (or over FSDP1's bf16 MixedPrecision) runs the step under "
@@ -398,7 +443,7 @@ DIAGNOSES = [
      "mechanism: reserved from the prior (allocated x (1 + slack ratio) + slack bytes) because the allocator "
      "replay cannot run for this profile; the estimator's peak allocated is within the threshold of the "
      "published reserved"),
-    (lambda r, s: r["rescore_lengths"] == "True" and s.err_pct > 0,
+    (lambda r, s: r["rescore_lengths"] == "True" and not s.epoch and s.err_pct > 0,
      "source ambiguity: seq_len is the max-length cap; the longest padded batch may be shorter (re-score with "
      "the batch lengths, --lengths)"),
     (lambda r, s: "generation eval" in r["assumptions"] and s.err_pct < 0,

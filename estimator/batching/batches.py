@@ -10,6 +10,12 @@ Padding (``PADDINGS``):
 
 ``pad_to_multiple_of`` rounds a padded length up, as ``tokenizer.pad`` does (also past ``seq_len``).
 
+Samples longer than ``seq_len`` (``TRUNCATIONS``; padding ``longest`` and ``max_length``):
+
+* ``cut`` -- cut at ``seq_len`` (the tokenizer's ``truncation=True``): every long sample becomes a ``seq_len`` batch;
+* ``delete`` -- dropped from the epoch (ms-swift's ``truncation_strategy delete``, TRL's length filters): the
+  epoch keeps only the samples up to ``seq_len``, of every length below it.
+
 Order (``ORDERS``) and the split over data-parallel ranks:
 
 * ``random`` -- a shuffled epoch split by ``DistributedSampler`` (sample ``i`` of the shuffled, wrap-padded
@@ -31,6 +37,7 @@ import random
 from dataclasses import dataclass
 
 PADDINGS = ("longest", "max_length", "packed")
+TRUNCATIONS = ("cut", "delete")
 ORDERS = ("random", "grouped", "sorted")
 MEGABATCH_MULT = 50      # transformers' get_length_grouped_indices default cap
 
@@ -59,7 +66,7 @@ class Epoch:
 
     ranks: tuple[tuple[BatchShape, ...], ...]
     samples: int          # samples (packed: rows) before any wrap-around fill
-    truncated: int        # samples longer than seq_len (cut; packing cuts none)
+    truncated: int        # samples longer than seq_len (cut, or deleted; packing cuts none)
     seq_len: int
     micro_batch: int
 
@@ -97,13 +104,20 @@ def grouped_order(lengths: list[int], group_size: int, order: list[int], mega_ba
     return [i for mb in megabatches for i in mb]
 
 
-def sample_lengths(lengths: list[int], seq_len: int, padding: str) -> tuple[list[int], int]:
-    """(the samples' lengths as the model sees them, how many were truncated)."""
+def sample_lengths(lengths: list[int], seq_len: int, padding: str, truncation: str = "cut"
+                   ) -> tuple[list[int], int]:
+    """(the samples' lengths as the model sees them, how many were truncated or deleted)."""
     if padding == "packed":
         total = sum(lengths)
         rows = [seq_len] * (total // seq_len)
         return rows + ([total % seq_len] if total % seq_len else []), 0
-    return [min(n, seq_len) for n in lengths], sum(n > seq_len for n in lengths)
+    longer = sum(n > seq_len for n in lengths)
+    if truncation == "delete":
+        kept = [n for n in lengths if n <= seq_len]
+        if not kept:
+            raise ValueError(f"lengths: every sample is longer than seq_len {seq_len} (truncation delete keeps none)")
+        return kept, longer
+    return [min(n, seq_len) for n in lengths], longer
 
 
 def _wrap(indices: list[int], total: int) -> list[int]:
@@ -168,9 +182,12 @@ def _shape(samples: list[int], index: int, rank: int, step: int, batch: list[int
     return BatchShape(index, rank, step, len(rows), padded, real, has_padding)
 
 
-def check_options(*, padding: str, order: str, pad_to_multiple_of: int | None, seed: int) -> None:
+def check_options(*, padding: str, order: str, pad_to_multiple_of: int | None, seed: int,
+                  truncation: str = "cut") -> None:
     if padding not in PADDINGS:
         raise ValueError(f"padding: {padding!r} is not one of {', '.join(PADDINGS)}")
+    if truncation not in TRUNCATIONS:
+        raise ValueError(f"truncation: {truncation!r} is not one of {', '.join(TRUNCATIONS)}")
     if order not in ORDERS:
         raise ValueError(f"batching: {order!r} is not one of {', '.join(ORDERS)}")
     if pad_to_multiple_of is not None and (isinstance(pad_to_multiple_of, bool)
@@ -181,17 +198,18 @@ def check_options(*, padding: str, order: str, pad_to_multiple_of: int | None, s
 
 
 def form_epoch(lengths: list[int], *, seq_len: int, micro_batch: int, dp: int = 1, padding: str = "longest",
-               order: str = "random", pad_to_multiple_of: int | None = None, seed: int = 0, grad_accum: int = 1
-               ) -> Epoch:
+               order: str = "random", pad_to_multiple_of: int | None = None, seed: int = 0, grad_accum: int = 1,
+               truncation: str = "cut") -> Epoch:
     """The batches of one epoch of ``lengths`` (token lengths) on each of ``dp`` data-parallel ranks."""
-    check_options(padding=padding, order=order, pad_to_multiple_of=pad_to_multiple_of, seed=seed)
+    check_options(padding=padding, order=order, pad_to_multiple_of=pad_to_multiple_of, seed=seed,
+                  truncation=truncation)
     for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch), ("dp", dp),
                         ("grad_accum_steps", grad_accum)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: must be a positive integer, got {value!r}")
     if not lengths:
         raise ValueError("lengths: no samples")
-    samples, truncated = sample_lengths(lengths, seq_len, padding)
+    samples, truncated = sample_lengths(lengths, seq_len, padding, truncation)
     per_rank = _rank_batches(samples, micro_batch=micro_batch, dp=dp, order=order, grad_accum=grad_accum, seed=seed)
     ranks = tuple(tuple(_shape(samples, index, rank, step, batch, seq_len=seq_len, padding=padding,
                                pad_to_multiple_of=pad_to_multiple_of)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from estimator.batching.batches import ORDERS, PADDINGS
+from estimator.batching.batches import ORDERS, PADDINGS, TRUNCATIONS
 from estimator.batching.epoch import REPLAY_STEPS, EpochOptions
 from estimator.batching.lengths import read_lengths
 
-FLAGS = ("padding", "batching", "pad_to_multiple_of", "seed", "empty_cache_steps", "replay_steps")
+FLAGS = ("padding", "batching", "pad_to_multiple_of", "seed", "empty_cache_steps", "replay_steps", "truncation")
 
 
 def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +18,9 @@ def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--padding", choices=PADDINGS, default=None,
                        help="longest (default): pad each batch to its longest sample; max_length: to --seq-len; "
                             "packed: TRL packing into rows of --seq-len tokens")
+    group.add_argument("--truncation", choices=TRUNCATIONS, default=None,
+                       help="cut (default): samples longer than --seq-len are cut to it; delete: they are dropped "
+                            "(ms-swift's truncation_strategy delete)")
     group.add_argument("--batching", choices=ORDERS, default=None,
                        help="random (default): shuffled; grouped: transformers' group_by_length; sorted: by length")
     group.add_argument("--pad-to-multiple-of", type=int, default=None, metavar="N",
@@ -41,5 +44,6 @@ def batching_from_args(args: argparse.Namespace) -> tuple[list[int], EpochOption
     options = EpochOptions(padding=args.padding or "longest", batching=args.batching or "random",
                            pad_to_multiple_of=args.pad_to_multiple_of,
                            seed=0 if args.seed is None else args.seed, empty_cache_steps=args.empty_cache_steps,
-                           replay_steps=REPLAY_STEPS if args.replay_steps is None else args.replay_steps)
+                           replay_steps=REPLAY_STEPS if args.replay_steps is None else args.replay_steps,
+                           truncation=args.truncation or "cut")
     return read_lengths(args.lengths), options

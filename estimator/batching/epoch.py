@@ -31,10 +31,11 @@ class EpochOptions:
     seed: int = 0
     empty_cache_steps: int | None = None  # the loop's torch.cuda.empty_cache() schedule (torch_empty_cache_steps)
     replay_steps: int = REPLAY_STEPS      # 0: the reserved level of the worst batch's shape repeated
+    truncation: str = "cut"               # batches.TRUNCATIONS: samples past seq_len cut, or deleted
 
     def __post_init__(self) -> None:
         check_options(padding=self.padding, order=self.batching, pad_to_multiple_of=self.pad_to_multiple_of,
-                      seed=self.seed)
+                      seed=self.seed, truncation=self.truncation)
         if self.empty_cache_steps is not None and self.empty_cache_steps < 1:
             raise ValueError(f"empty_cache_steps: must be >= 1, got {self.empty_cache_steps}")
         if self.replay_steps < 0:
@@ -52,7 +53,7 @@ def epoch_for(spec: RunSpec, lengths: list[int], options: EpochOptions) -> Epoch
     t = spec.training
     return form_epoch(lengths, seq_len=t.seq_len, micro_batch=t.micro_batch_size, dp=spec.parallel.dp,
                       padding=options.padding, order=options.batching, pad_to_multiple_of=options.pad_to_multiple_of,
-                      seed=options.seed, grad_accum=t.grad_accum_steps)
+                      seed=options.seed, grad_accum=t.grad_accum_steps, truncation=options.truncation)
 
 
 def shape_spec(spec: RunSpec, batch: BatchShape) -> RunSpec:
@@ -135,6 +136,7 @@ def summarize(epoch: Epoch, worst: BatchShape, options: EpochOptions, lengths: l
     padded_tokens = sum(b.padded_tokens for b in batches)
     return {
         "padding": options.padding, "batching": options.batching, "pad_to_multiple_of": options.pad_to_multiple_of,
+        "truncation": options.truncation,
         "seed": options.seed, "seq_len": seq_len, "micro_batch_size": micro_batch, "dp": dp,
         "lengths": {"samples": len(lengths), "p50": percentile(ordered, 50), "p90": percentile(ordered, 90),
                     "max": ordered[-1], "truncated": epoch.truncated},
@@ -151,7 +153,9 @@ def summarize(epoch: Epoch, worst: BatchShape, options: EpochOptions, lengths: l
 
 def render_summary(summary: dict[str, Any]) -> str:
     s, w, n = summary, summary["worst_batch"], summary["lengths"]
-    cut = f"; {n['truncated']} truncated at {s['seq_len']}" if n["truncated"] else ""
+    verb = "deleted (longer than" if s.get("truncation") == "delete" else "truncated at"
+    cut = f"; {n['truncated']} {verb} {s['seq_len']}" + (")" if s.get("truncation") == "delete" else "") \
+        if n["truncated"] else ""
     multiple = f", padded to a multiple of {s['pad_to_multiple_of']}" if s["pad_to_multiple_of"] else ""
     p = s["padded_len"]
     return "\n".join([
@@ -195,14 +199,16 @@ class EpochSource:
 
     def rows_per_rank(self, dp: int, seq_len: int) -> int:
         """Samples (packed: rows) each rank gets: no micro-batch can be larger."""
-        return -(-len(sample_lengths(self.lengths, seq_len, self.options.padding)[0]) // dp)
+        o = self.options
+        return -(-len(sample_lengths(self.lengths, seq_len, o.padding, o.truncation)[0]) // dp)
 
     def shapes(self, micro_batch: int, dp: int, seq_len: int) -> EpochShapes:
         key = (micro_batch, dp, seq_len)
         if key not in self._memo:
             o = self.options
             epoch = form_epoch(self.lengths, seq_len=seq_len, micro_batch=micro_batch, dp=dp, padding=o.padding,
-                               order=o.batching, pad_to_multiple_of=o.pad_to_multiple_of, seed=o.seed)
+                               order=o.batching, pad_to_multiple_of=o.pad_to_multiple_of, seed=o.seed,
+                               truncation=o.truncation)
             batches = [b for rank in epoch.ranks for b in rank]
             rows = sum(b.rows for b in batches)
             padded = sum(b.padded_tokens for b in batches)

@@ -55,3 +55,20 @@ def _integer(text: str, where: str, what: str, minimum: int = 1) -> int:
     if value < minimum:
         raise ValueError(f"{where}: {what} must be >= {minimum}, got {value}")
     return value
+
+
+def lognormal_lengths(mean: float, std: float, *, samples: int, minimum: int = 1, maximum: int | None = None
+                      ) -> list[int]:
+    """``samples`` token lengths of a lognormal with this mean and standard deviation, at evenly spaced quantiles
+    (deterministic: the shape of the distribution, not one draw), clipped to ``[minimum, maximum]``, ascending.
+    For a dataset published only as summary statistics (mean, std, min, max); the lognormal is an assumption."""
+    import math
+    from statistics import NormalDist
+
+    if mean <= 0 or std <= 0 or samples < 1:
+        raise ValueError(f"lengths: a lognormal needs mean > 0, std > 0 and samples >= 1, got {mean}, {std}, {samples}")
+    sigma2 = math.log1p((std / mean) ** 2)
+    normal = NormalDist(math.log(mean) - sigma2 / 2, math.sqrt(sigma2))
+    top = maximum if maximum is not None else math.inf
+    return [int(min(top, max(minimum, round(math.exp(normal.inv_cdf((i + 0.5) / samples))))))
+            for i in range(samples)]

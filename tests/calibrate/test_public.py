@@ -525,3 +525,30 @@ def test_full_range_slices_follow_the_rows_torch_release():
     with open(PUBLIC / "measurements.csv") as handle:
         rows = list(csv.DictReader(handle))
     assert all(r["full_range_slices"] == str(common.records_full_range_slices(r["torch_version"])) for r in rows)
+
+
+SWIFT_YI = "ms_swift_benchmark:LoRA:yi-6b-chat:max_length="
+
+
+def test_swift_rows_rescore_over_their_epoch_of_deleted_lengths():
+    """ms-swift's benchmark: batch-1 samples of cls-fudan-news-zh (4,959 rows, 3234 +- 2548 tokens), those past
+    max_length deleted, 1,000 sampled above 2048, in random order: the rows are scored over that epoch."""
+    rows = {r["row_id"]: r for r in P.load(P.DEFAULT_DATA)}
+    lengths, options, what = P.row_epoch(rows[SWIFT_YI + "512"], 512)
+    assert len(lengths) == 4959 and options.truncation == "delete" and options.batching == "random"
+    assert sum(n <= 512 for n in lengths) == 53 and "delete past 512" in what
+    lengths, _, _ = P.row_epoch(rows[SWIFT_YI + "4096"], 4096)
+    assert len(lengths) == 1000
+    assert P.row_epoch({**rows[SWIFT_YI + "512"], "rescore_lengths": "False"}, 512) is None
+
+
+@pytest.mark.slow
+def test_swift_512_row_reserves_more_over_its_epoch_than_over_identical_steps():
+    rows = {r["row_id"]: r for r in P.load(P.DEFAULT_DATA)}
+    # no shipped Yi profile: traced once (torch, meta device) into the cache
+    [item] = P.score([rows[SWIFT_YI + "512"]], with_baselines=False)
+    same = estimate(P.spec_from_columns(rows[SWIFT_YI + "512"]))
+    assert "53" not in item.epoch and "4959 lognormal lengths" in item.epoch
+    # the same allocated peak (the longest kept sample reaches 512); the cache holds blocks of 53 distinct lengths
+    assert item.allocated_bytes == pytest.approx(same.peak_allocated_bytes, rel=0.01)
+    assert item.predicted_bytes > same.peak_reserved_bytes + 2**30

@@ -17,7 +17,7 @@ from estimator.batching import (
     read_lengths,
 )
 from estimator.batching.batches import grouped_order
-from estimator.batching.epoch import epoch_for, percentile, shape_spec, step_sequence
+from estimator.batching.epoch import epoch_for, percentile, render_summary, shape_spec, step_sequence
 from estimator.io.cli import main
 from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
@@ -82,6 +82,31 @@ def test_packed_rows_are_seq_len_tokens_without_padding():
     assert shapes(epoch) == [(2, 8), (1, 3)]
     assert not any(b.has_padding for b in epoch.ranks[0]) and epoch.truncated == 0
     assert sum(b.real_tokens for b in epoch.ranks[0]) == 19
+
+
+def test_delete_drops_the_samples_past_seq_len_instead_of_cutting_them():
+    # ms-swift's truncation_strategy 'delete': the epoch keeps the short samples, of every length, and no batch of
+    # seq_len tokens unless a sample is exactly that long
+    epoch = form_epoch([5, 3, 9, 9, 2, 2], seq_len=8, micro_batch=2, order="sorted", truncation="delete")
+    assert shapes(epoch) == [(2, 5), (2, 2)] and epoch.truncated == 2
+    assert shapes(form_epoch([5, 3, 9, 9, 2, 2], seq_len=8, micro_batch=2, order="sorted")) == [(2, 8), (2, 5),
+                                                                                               (2, 2)]
+    with pytest.raises(ValueError, match="truncation delete keeps none"):
+        form_epoch([9, 9], seq_len=8, micro_batch=1, truncation="delete")
+
+
+def test_deleting_long_samples_replays_batches_of_many_lengths():
+    # most samples past the cap: cut, the epoch is the cap's shape repeated; deleted, it is every kept length, whose
+    # blocks of distinct sizes the cache holds side by side (a higher reserved level for the same allocated peak)
+    lengths = list(range(16, 257, 16)) + [400] * 40
+    cut = estimate_epoch(spec(mb=1, seq_len=256), lengths, EpochOptions(seed=1))
+    deleted = estimate_epoch(spec(mb=1, seq_len=256), lengths, EpochOptions(seed=1, truncation="delete"))
+    assert cut.summary["lengths"]["truncated"] == deleted.summary["lengths"]["truncated"] == 40
+    assert deleted.summary["batches"] == 16 and cut.summary["batches"] == 56
+    assert deleted.summary["padded_len"]["p50"] == 128 and cut.summary["padded_len"]["p50"] == 256
+    assert deleted.worst.padded_len == cut.worst.padded_len == 256
+    assert "16 deleted (longer than 256)" not in render_summary(cut.summary)
+    assert "40 deleted (longer than 256)" in render_summary(deleted.summary)
 
 
 def test_pad_to_multiple_of_rounds_up_like_the_collator():
@@ -187,7 +212,7 @@ def test_worst_shapes_keep_only_undominated_batches():
 @pytest.mark.parametrize("kwargs, message", [
     ({"padding": "pad"}, "padding: 'pad' is not one of"), ({"order": "magic"}, "batching: 'magic'"),
     ({"pad_to_multiple_of": 0}, "pad_to_multiple_of: must be a positive integer"),
-    ({"dp": 0}, "dp: must be a positive integer"),
+    ({"dp": 0}, "dp: must be a positive integer"), ({"truncation": "left"}, "truncation: 'left' is not one of"),
 ])
 def test_bad_options_are_value_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -302,6 +327,9 @@ def test_cli_compare_prints_each_split_once(capsys, lengths_file):
     (["--lengths", "GOOD", "--empty-cache-steps", "0"], "error: empty_cache_steps: must be >= 1, got 0"),
     (["--lengths", "GOOD", "--replay-steps", "-1"], "error: replay_steps: must be >= 0, got -1"),
     (["--empty-cache-steps", "10"], "error: empty_cache_steps: needs --lengths FILE"),
+    (["--truncation", "delete"], "error: truncation: needs --lengths FILE"),
+    (["--lengths", "GOOD", "--seq-len", "4", "--truncation", "delete"],
+     "error: lengths: every sample is longer than seq_len 4 (truncation delete keeps none)"),
 ])
 def test_cli_errors_are_one_line_exit_2(capsys, tmp_path, extra, message):
     (tmp_path / "bad.txt").write_text("5\nx\n")
