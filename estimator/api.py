@@ -320,8 +320,13 @@ def every_k_profile(model: str, training: TrainingSpec, tp: int, every: int, *, 
     regimes = []
     for mine, theirs in zip(plain["regimes"], ckpt["regimes"]):
         mixed = {k: v for k, v in mine.items() if k != "events"}
+        frozen = theirs.get("frozen_layers", 0)  # layers before the first adapter: the prefix's and suffix's
+        if mine.get("frozen_layers", 0) != frozen:
+            raise ValueError(f"ckpt_policy: every-k: the plain and the checkpointed profile disagree on the layers "
+                             f"before the first adapter ({mine.get('frozen_layers', 0)} and {frozen})")
         for key in ("segments", "segments_manual"):
-            mixed[key] = mixed_layers(mine[key], theirs[key], arch.num_layers, every)
+            mixed[key] = mixed_layers(mine[key], theirs[key], replayed_depth(theirs, arch.num_layers), every,
+                                      frozen)
         regimes.append(mixed)
     return arch, {**plain, "regimes": regimes, "mixed_layers": f"every-k:{every}"}
 

@@ -84,7 +84,7 @@ def _shifted(seg: dict, poly: list[float], sign: float) -> dict:
     return {**seg, "net_act": add(seg["net_act"]), "candidates": [(add(a), g) for a, g in seg["candidates"]]}
 
 
-def mixed_layers(plain: dict, ckpt: dict, num_layers: int, every: int) -> dict:
+def mixed_layers(plain: dict, ckpt: dict, num_layers: int, every: int, first_layer: int = 0) -> dict:
     """One segment set replaying every-k: each decoder layer's forward and backward from the profile of its kind
     (``sequence``: (segment, repetitions) in step order, for ``estimator.methods.timeline.replay``). A generic
     layer frees its own input in its segment when it is not checkpointed and keeps it when it is, so the layers
@@ -97,26 +97,36 @@ def mixed_layers(plain: dict, ckpt: dict, num_layers: int, every: int) -> dict:
       the attention mask: keyword arguments a checkpoint keeps alive): kept from the forward's end to the backward
       of the lowest checkpointed layer (K-1), where the checkpointed profile lets it go only at the first layer.
 
+    ``first_layer``: the model's layers before it are in both profiles' prefix and suffix (``frozen_layers``:
+    layers before the first adapter), so ``num_layers`` are the layers after them, each checkpointed or not by its
+    index in the model; those first layers are the plain profile's (every-k leaves them unchecked).
+
     Checked against both oracles on two families (docs/error_matrix/README.md)."""
     if num_layers < 2:
         raise ValueError("ckpt_policy: every-k needs at least 2 decoder layers")
-    kinds = checkpointed(num_layers, every)
+    every_layer = checkpointed(first_layer + num_layers, every)
+    if all(every_layer):
+        return dict(ckpt)
+    if any(every_layer[:first_layer]):
+        raise ValueError(f"ckpt_policy: every-k:{every} checkpoints one of the first {first_layer} decoder layers, "
+                         "which have no adapter (LoRA on the experts past dense layers): not modelled; use full "
+                         "checkpointing (no --ckpt-policy) or a K above that count")
+    kinds = every_layer[first_layer:]
     if not any(kinds):
         return dict(plain)
-    if all(kinds):
-        return dict(ckpt)
 
     def kept(profile: dict, end: str) -> list[float]:
         return [a - b for a, b in zip(profile[end]["net_act"], profile["fw"]["net_act"])]
 
-    first = [n - c for n, c in zip(kept(plain, "fw_first"), kept(ckpt, "fw_first"))]  # layer 0 is plain (K > 1)
+    first = [n - c for n, c in zip(kept(plain, "fw_first"), kept(ckpt, "fw_first"))]
     last = [n - c for n, c in zip(kept(plain, "fw_last"), kept(ckpt, "fw_last"))]
     shared = [c - p - f - la for c, p, f, la in zip(ckpt["mid_fw"]["net_act"], plain["mid_fw"]["net_act"], first,
                                                   last)]
     out = dict(plain)
     out.update({name + CKPT: ckpt[name] for name in LAYER_SEGMENTS})
-    # the checkpointed profile's middle, less what the plain first (and a plain last) layer leaves to it to free
-    out["mid_fw"] = _shifted(ckpt["mid_fw"], [f + (0.0 if kinds[-1] else la) for f, la in zip(first, last)], -1.0)
+    # the checkpointed profile's middle, less what a plain first and a plain last layer leave to it to free
+    out["mid_fw"] = _shifted(ckpt["mid_fw"], [(0.0 if kinds[0] else f) + (0.0 if kinds[-1] else la)
+                                              for f, la in zip(first, last)], -1.0)
     out["release"] = {"net_act": [-x for x in shared], "net_grad": 0.0, "candidates": []}
 
     def layer(name: str, i: int) -> list[tuple[str, int]]:

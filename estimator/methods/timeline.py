@@ -174,7 +174,9 @@ def loop_segments(regime: dict, loop: str, num_layers: int) -> dict:
     prefix: the layer segments repeat for the others, in an explicit ``sequence``."""
     depth = replayed_depth(regime, num_layers)
     segments = at_depth(regime["segments_manual"] if loop == "manual" else regime["segments"], depth)
-    return {**segments, "sequence": segment_sequence(depth)} if depth != num_layers else segments
+    if depth == num_layers or "sequence" in segments:  # every-k's mix has its own (``long_context.mixed_layers``)
+        return segments
+    return {**segments, "sequence": segment_sequence(depth)}
 
 
 def replayed_depth(regime: dict, num_layers: int) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from estimator.models.params import layer_rows
-from estimator.spec import ckpt_every
 
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k")
@@ -202,11 +201,6 @@ def forward_only_refusal(spec, frozen: int) -> str | None:
     parallel = spec.parallel
     if not frozen:
         return None
-    if (ckpt_every(spec.training.ckpt_policy) or 1) > 1:  # the real runs: docs/error_matrix/moe_methods.csv
-        return (f"ckpt_policy: every-k with the first {frozen} decoder layer(s) outside LoRA's reach (adapters on "
-                "the experts past dense layers) is not modelled: with checkpointing on, peft makes the embedding "
-                "output need a gradient, so those layers, which every-k does not checkpoint, keep their activations "
-                "to backward; use full checkpointing (no --ckpt-policy) or add a target they have (e.g. attention)")
     if parallel.method in FORWARD_ONLY_METHODS and parallel.pp == 1 and parallel.ep == 1 and parallel.cp == 1 \
             and parallel.tp == 1:
         return None
@@ -274,8 +268,8 @@ def adapts_fused_experts(profile: dict) -> bool:
 def check_forward_only_layers(spec, profile: dict, family: str = "") -> None:
     """Forward-only first layers (``frozen_layers``, as the profile traced them) under a layout whose replay does
     not split the layers there, and adapters on the fused experts where they cannot run: refused in one line.
-    (every-k over such layers is refused: measured in docs/error_matrix/moe_methods.csv's ``lora-experts-every2``
-    rows.)"""
+    (every-k over such layers is estimated for method single: docs/error_matrix/moe_methods.csv's
+    ``lora-experts-every2`` rows.)"""
     reason = fused_expert_adapters_refusal(spec, spec.training.lora and adapts_fused_experts(profile), family) \
         or forward_only_refusal(spec, profile["params"].get("frozen_layers", 0))
     if reason:

@@ -36,10 +36,11 @@ SUMMARY_RULE = 1
 MONOMIALS = ("1", "s", "s^2", "b", "b*s", "b*s^2")
 
 
-def variant_key(training: TrainingSpec, adapters_16bit: bool = False) -> str:
+def variant_key(training: TrainingSpec, adapters_16bit: bool = False, input_grads: bool = False) -> str:
     """``adapters_16bit``: LoRA adapters in the model's 16-bit dtype (DeepSpeed casts every parameter to its
     mixed-precision dtype; peft alone keeps them fp32): peft then feeds them the 16-bit inputs instead of fp32
-    copies (key suffix ``-a16``)."""
+    copies (key suffix ``-a16``). ``input_grads``: a LoRA model without checkpointing traced with peft's input
+    hook all the same (``estimator.profiler.build.embedding_output_grads``; key suffix ``-ig``)."""
     # flash attention has the memory shape of the SDPA flash kernel (output + logsumexp, no S×S matrix), but for
     # QLoRA, whose attention inputs are fp32: FlashAttention-2 casts them to 16 bits, SDPA runs fp32 kernels.
     attn = "sdpa" if training.attn == "flash" and not training.qlora else training.attn
@@ -49,6 +50,8 @@ def variant_key(training: TrainingSpec, adapters_16bit: bool = False) -> str:
         lora += "-dropout"
     if adapters_16bit:
         lora += "-a16"
+    if input_grads and training.lora:
+        lora += "-ig"
     # Padding changes only SDPA's trace: eager attention builds the 4-D mask for full-length batches too, and
     # FlashAttention-2 unpads the batch instead of masking it.
     padded = "_padded" if training.batch == "padded" and training.attn == "sdpa" else ""
@@ -77,11 +80,12 @@ def long_context_suffix(training: TrainingSpec) -> str:
     return ce + ("_offload" if training.activation_offload else "")
 
 
-def profile_key(config_sha: str, training: TrainingSpec, tp: int = 1, adapters_16bit: bool = False) -> str:
+def profile_key(config_sha: str, training: TrainingSpec, tp: int = 1, adapters_16bit: bool = False,
+                input_grads: bool = False) -> str:
     """``<config sha>_<variant>``, plus ``_tp<N>`` for the profile of one rank of an N-way tensor-parallel model and
     ``_tf<major.minor>`` for one traced with the model code of that transformers release (``model_code``)."""
     release = model_code_release(training.model_code) if training.model_code else None
-    return (f"{config_sha}_{variant_key(training, adapters_16bit)}" + (f"_tp{tp}" if tp > 1 else "")
+    return (f"{config_sha}_{variant_key(training, adapters_16bit, input_grads)}" + (f"_tp{tp}" if tp > 1 else "")
             + (f"_tf{release}" if release else ""))
 
 

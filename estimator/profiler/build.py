@@ -107,6 +107,11 @@ def build_model(config: dict[str, Any], training: TrainingSpec, device: torch.de
             quantize_4bit_weights(model, target)
     if training.lora:
         model = apply_lora(model, training)
+        if _INPUT_GRADS[0] and not training.grad_ckpt:
+            # what peft's ``_prepare_model_for_gradient_checkpointing`` does to a model with checkpointing on
+            # (get_peft_model only hooks it then): the embedding output needs a gradient, so autograd records
+            # every decoder layer, a layer without adapters too (``embedding_output_grads``)
+            model.get_base_model().enable_input_require_grads()
     model.train()
     return model
 
@@ -255,6 +260,20 @@ def lora_target_modules(model: torch.nn.Module, targets: str) -> list[str] | str
 
 
 _ADAPTERS_16BIT = [False]
+_INPUT_GRADS = [False]
+
+
+@contextlib.contextmanager
+def embedding_output_grads(on: bool) -> Iterator[None]:
+    """LoRA models built inside without checkpointing get peft's input hook all the same (the embedding output
+    needs a gradient), as a run with checkpointing on has it in the layers every-k leaves unchecked: the plain
+    profile every-k mixes with the checkpointed one where layers before the first adapter run
+    (``estimator.profiler.cache.load_plain_and_checkpointed``)."""
+    before, _INPUT_GRADS[0] = _INPUT_GRADS[0], on
+    try:
+        yield
+    finally:
+        _INPUT_GRADS[0] = before
 
 
 @contextlib.contextmanager

@@ -27,19 +27,20 @@ def _installed_release() -> str | None:
 
 
 def get_profile(config: dict, config_sha: str, training: TrainingSpec, *, allow_build: bool = True,
-                tp: int = 1, adapters_16bit: bool = False) -> dict:
+                tp: int = 1, adapters_16bit: bool = False, input_grads: bool = False) -> dict:
     """The cached profile, or one built now (torch + transformers, seconds) and cached. ``tp > 1``: the profile
     of one rank of the ``tp``-way tensor-parallel model (its own key); ``adapters_16bit``: LoRA adapters in the
-    model's 16-bit dtype (``estimator.models.profiles.adapters_in_16bit``)."""
+    model's 16-bit dtype (``estimator.models.profiles.adapters_in_16bit``); ``input_grads``: a plain LoRA model
+    traced with peft's input hook (``estimator.profiler.build.embedding_output_grads``)."""
     training = replace(training, vocab_size=0)  # profiles are the configured model's (``load_model_profile``)
-    key = profile_key(config_sha, training, tp, adapters_16bit)
+    key = profile_key(config_sha, training, tp, adapters_16bit, input_grads)
     found = find_profile(key)
     if found is not None:
         return found
     if training.model_code and not (allow_build and _installed_release() == model_code_release(training.model_code)):
         # That release's model code cannot be traced here: the default profile stands in (its note says so).
         return get_profile(config, config_sha, replace(training, model_code=""), allow_build=allow_build, tp=tp,
-                           adapters_16bit=adapters_16bit)
+                           adapters_16bit=adapters_16bit, input_grads=input_grads)
     if not allow_build:
         raise ValueError(f"model: no cached profile for this architecture and variant ({key}); "
                          "profiling it needs torch and transformers (pip install '.[profile]')")
@@ -54,9 +55,9 @@ def get_profile(config: dict, config_sha: str, training: TrainingSpec, *, allow_
         raise ValueError(f"model: this architecture/variant has not been profiled yet and profiling needs "
                          f"torch + transformers (+ peft for LoRA, bitsandbytes for QLoRA; {err.name} missing): "
                          "pip install '.[profile]'") from None
-    from estimator.profiler.build import lora_adapters_16bit
+    from estimator.profiler.build import embedding_output_grads, lora_adapters_16bit
 
-    with lora_adapters_16bit(adapters_16bit):
+    with lora_adapters_16bit(adapters_16bit), embedding_output_grads(input_grads):
         stale = find_profile(key, stale=True)
         if stale is not None and has_events(stale):  # without its event list, re-trace: the replay needs it
             from estimator.profiler.carry import carry_over
@@ -71,7 +72,7 @@ def get_profile(config: dict, config_sha: str, training: TrainingSpec, *, allow_
 
 
 def load_model_profile(model: str, training: TrainingSpec, tp: int = 1, *, allow_build: bool = True,
-                       adapters_16bit: bool = False) -> tuple[ModelArch, dict]:
+                       adapters_16bit: bool = False, input_grads: bool = False) -> tuple[ModelArch, dict]:
     """The architecture and its profile; ``tp > 1``: the profile of one rank of the ``tp``-way TP model (local
     shards in its parameter table, replicated parts and full logits in its activations). A resized vocabulary
     (``training.vocab_size``): the profile of the model as configured, re-sized (``estimator.profiler.vocab``)."""
@@ -79,7 +80,7 @@ def load_model_profile(model: str, training: TrainingSpec, tp: int = 1, *, allow
     resized = training.vocab_size and training.vocab_size != arch.vocab_size
     configured = replace(training, vocab_size=0)
     profile = get_profile(arch.config, arch.config_sha, configured, allow_build=allow_build, tp=tp,
-                          adapters_16bit=adapters_16bit)
+                          adapters_16bit=adapters_16bit, input_grads=input_grads)
     profile = with_layer_kinds_at_depth(_with_hook_moments(profile), arch, configured, allow_build=allow_build)
     if not resized:
         return arch, profile
@@ -124,17 +125,25 @@ def load_plain_and_checkpointed(model: str, training: TrainingSpec, tp: int = 1,
     """(arch, plain profile, checkpointed profile) for every-k checkpointing, both traced with one model code.
     Each profile falls back on its own to the default one when the spec's release (``model_code``) was not traced
     for it; a pair of two releases' code is not one run's step (transformers moves where a small tensor of the
-    decoder's prologue is freed between releases, so the two prefixes differ), so then both are the default's."""
-    def load(spec: TrainingSpec) -> tuple[ModelArch, dict]:
-        return load_model_profile(model, spec, tp, allow_build=allow_build, adapters_16bit=adapters_16bit)
+    decoder's prologue is freed between releases, so the two prefixes differ), so then both are the default's.
+
+    Where the checkpointed profile has layers before the first adapter (``frozen_layers``), the plain one is traced
+    with peft's input hook: with checkpointing on, get_peft_model makes the embedding output need a gradient,
+    so the layers every-k leaves unchecked there keep what autograd saves and get a backward (a plain run without
+    the hook runs them forward only; docs/error_matrix/README.md, helper moek)."""
+    def load(spec: TrainingSpec, input_grads: bool = False) -> tuple[ModelArch, dict]:
+        return load_model_profile(model, spec, tp, allow_build=allow_build, adapters_16bit=adapters_16bit,
+                                  input_grads=input_grads)
+
+    def pair(full: TrainingSpec) -> tuple[ModelArch, dict, dict]:
+        arch, ckpt = load(full)
+        _, plain = load(replace(full, grad_ckpt=False), bool(ckpt["params"].get("frozen_layers")))
+        return arch, plain, ckpt
 
     full = replace(training, ckpt_policy="")
-    arch, ckpt = load(full)
-    _, plain = load(replace(full, grad_ckpt=False))
+    arch, plain, ckpt = pair(full)
     if training.model_code and traced_release(plain) != traced_release(ckpt):
-        default = replace(full, model_code="")
-        arch, ckpt = load(default)
-        _, plain = load(replace(default, grad_ckpt=False))
+        arch, plain, ckpt = pair(replace(full, model_code=""))
     return arch, plain, ckpt
 
 

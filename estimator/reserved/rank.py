@@ -59,6 +59,9 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
     if regime.get("frozen_layers") and spec.parallel.method != "single":
         return (f"forward-only first decoder layers (LoRA past dense first layers) under {spec.parallel.method}: "
                 "replayed for method single only")
+    if regime.get("frozen_layers") and ckpt_every(training.ckpt_policy) is not None:
+        # the merged event list (``every_k.mixed_events``) maps layers at the model's depth, not past the prefix's
+        return "every-k checkpointing past forward-only first decoder layers: the merged event list is not replayed"
     if spec.parallel.method.startswith("zero"):
         reason = why_not_zero3(spec, table) if spec.parallel.method == "zero3" else why_not_zero(spec)
         if reason is not None:
