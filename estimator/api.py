@@ -773,9 +773,10 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         notes.append("qlora: traced as transformers + peft run it (bitsandbytes NF4 with double quantization, "
                      "prepare_model_for_kbit_training: other weights and the adapters in fp32)")
     elif spec.training.qlora:
+        adapters = ("adapters bf16, as answer.ai fsdp_qlora's train.py" if spec.training.lora_dtype == "model"
+                    else "adapters fp32, as peft 0.13 leaves them on a uint8-stored 4-bit base")
         notes.append("qlora: traced without kbit preparation (bitsandbytes NF4 with double quantization on every "
-                     "linear but the head; embedding, norms, head, residual stream and adapters bf16, as answer.ai "
-                     "fsdp_qlora's train.py)")
+                     f"linear but the head; embedding, norms, head and residual stream bf16; {adapters})")
     if spec.training.qlora:
         notes += qlora_experts_note(table)
     notes += residuals.range_notes(coeffs, spec, gpu_key=gpu.key, params=total, model_family=arch.model_type)

@@ -50,6 +50,8 @@ def variant_key(training: TrainingSpec, adapters_16bit: bool = False) -> str:
         lora += "-dropout"
     if adapters_16bit:
         lora += "-a16"
+    elif training.qlora and not training.qlora_kbit_prep:  # no kbit preparation, fp32 adapters (qlora_prep none)
+        lora += "-noprep"
     # Padding changes only SDPA's trace: eager attention builds the 4-D mask for full-length batches too, and
     # FlashAttention-2 unpads the batch instead of masking it.
     padded = "_padded" if training.batch == "padded" and training.attn == "sdpa" else ""
@@ -105,6 +107,8 @@ def adapters_in_16bit(training: TrainingSpec, method: str, lora_wrap: str = "ada
     (no kbit preparation, pure bf16 only) builds them in bf16: its profile key is the QLoRA key with ``-a16``."""
     if not training.lora or training.qlora_kbit_prep:
         return False
+    if training.qlora:  # without kbit preparation: bf16 adapters with lora_dtype model, fp32 with qlora_prep none
+        return training.lora_dtype == "model"
     if training.lora_dtype == "model":
         return training.precision == "bf16"
     if method == "fsdp1" and lora_wrap == "layer":

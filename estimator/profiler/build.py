@@ -282,7 +282,7 @@ def apply_lora(model: torch.nn.Module, training: TrainingSpec) -> torch.nn.Modul
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated", category=FutureWarning)
         # QLoRA without kbit preparation builds its adapters in the model's dtype whoever builds it (the oracle too)
         return get_peft_model(model, lora, autocast_adapter_dtype=not (_ADAPTERS_16BIT[0] or (
-            training.qlora and not training.qlora_kbit_prep)))
+            training.qlora and training.lora_dtype == "model")))
 
 
 def build_optimizer(params, training: TrainingSpec, lr: float = 1e-5) -> torch.optim.Optimizer:

@@ -661,7 +661,8 @@ def _variant(training: TrainingSpec) -> dict:
             "batch": training.batch, "lora_dropout": training.lora_dropout,
             "forward_autocast": training.forward_autocast, "use_cache": training.use_cache,
             # QLoRA without kbit preparation: a base built otherwise (LoRA's 16-bit adapters: the key's -a16 alone)
-            **({"lora_dtype": training.lora_dtype} if training.qlora and not training.qlora_kbit_prep else {})}
+            **({"lora_dtype": training.lora_dtype, "qlora_prep": training.qlora_prep}
+               if training.qlora and not training.qlora_kbit_prep else {})}
 
 
 def _check_depth(config: dict, training: TrainingSpec, regime: dict, fitted: dict, tp: int = 1,
