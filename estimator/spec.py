@@ -53,6 +53,10 @@ GRAD_SYNCS = ("every", "last")
 # the gradients of the hidden states and the head's weight computed chunk by chunk inside the forward).
 CES = ("standard", "chunked", "fused_linear")
 LORA_DTYPES = ("auto", "model")
+# QLoRA's preparation of the rest of the model: "kbit" (peft's prepare_model_for_kbit_training: fp32 embedding,
+# norms, head and residual stream), "none" (everything not quantized stays in the model's bf16), "auto" ("none"
+# with lora_dtype model, else "kbit").
+QLORA_PREPS = ("auto", "kbit", "none")
 # Which decoder layers are checkpointed when ``grad_ckpt`` is on: "" every layer (HF, full AC); "every-k:K" every
 # K-th layer (torchtitan/torchtune's selective layer AC: layers K-1, 2K-1, ...); "selective-ops" every layer with
 # torchtitan's op policy (torch's create_selective_checkpoint_contexts: matmul and attention outputs saved,
@@ -162,8 +166,17 @@ class TrainingSpec:
     # as Lightning's ``bf16-true`` builds a LitGPT model with its adapters (``fabric.init_module``) and as
     # ``get_peft_model(..., autocast_adapter_dtype=False)`` leaves them: a 16-bit run then feeds each adapter
     # its 16-bit input (no fp32 copy, no fp32 dropped input) and keeps 16-bit adapter states.
+    # With ``qlora``, "model" is the QLoRA recipe WITHOUT kbit preparation (answer.ai fsdp_qlora's train.py, most
+    # hand-written bitsandbytes loops): every nn.Linear but the head NF4, everything else (embedding, norms, head,
+    # residual stream) and the adapters kept in the model's dtype (pure bf16 only); "auto" with ``qlora`` is peft's
+    # ``prepare_model_for_kbit_training`` (fp32 embedding, norms, head and residual stream, fp32 adapters).
     lora_dtype: str = "auto"
     qlora: bool = False
+    # QLORA_PREPS. "none" with lora_dtype auto: no kbit preparation but fp32 adapters, as peft 0.13 leaves
+    # them on a 4-bit base stored as uint8 (``_move_adapter_to_device_of_base_layer`` casts adapters to the base
+    # weight's dtype only when it is a float; later peft reads ``compute_dtype``): each adapter then takes an fp32
+    # copy of its input and keeps an fp32 dropped input (peft-experiments' QLoRA notebook, peft 1b16753a).
+    qlora_prep: str = "auto"
     grad_accum_steps: int = 1
     loop: str = "trainer"
     batch: str = "full"
@@ -233,9 +246,17 @@ class TrainingSpec:
         if self.lora_dropout and self.lora_rank == 0:
             _fail("lora_dropout", "LoRA dropout needs a LoRA rank (--lora-rank R)")
         _check_choice("lora_dtype", self.lora_dtype, LORA_DTYPES)
-        if self.lora_dtype == "model" and (self.lora_rank == 0 or self.qlora):
-            _fail("lora_dtype", "adapters in the model's dtype need LoRA (--lora-rank R) without QLoRA (QLoRA's "
-                                "adapters are peft's prepare_model_for_kbit_training recipe)")
+        if self.lora_dtype == "model" and self.lora_rank == 0:
+            _fail("lora_dtype", "adapters in the model's dtype need LoRA (--lora-rank R)")
+        _check_choice("qlora_prep", self.qlora_prep, QLORA_PREPS)
+        if self.qlora_prep != "auto" and not self.qlora:
+            _fail("qlora_prep", "the kbit preparation is QLoRA's (--qlora)")
+        if self.qlora_prep == "kbit" and self.lora_dtype == "model":
+            _fail("qlora_prep", "peft's kbit preparation keeps the adapters fp32: use lora_dtype auto")
+        if self.qlora and not self.qlora_kbit_prep and self.precision != "bf16":
+            _fail("lora_dtype" if self.qlora_prep == "auto" else "qlora_prep",
+                  f"QLoRA without kbit preparation is modelled for a pure bf16 model (precision bf16), got "
+                  f"{self.precision}")
         if not isinstance(self.lora_targets, str) or not self.lora_targets.strip():
             _fail("lora_targets", f"must be 'auto', 'all-linear' or module names, got {self.lora_targets!r}")
         _check_positive_int("grad_accum_steps", self.grad_accum_steps)
@@ -295,6 +316,13 @@ class TrainingSpec:
     @property
     def lora(self) -> bool:
         return self.lora_rank > 0
+
+    @property
+    def qlora_kbit_prep(self) -> bool:
+        """QLoRA as peft's ``prepare_model_for_kbit_training`` leaves the model: the non-quantized parameters, the
+        residual stream and the adapters in fp32 (``lora_dtype`` auto). False for LoRA and for QLoRA without the
+        preparation (``lora_dtype`` model: everything in the model's bf16; ``qlora_prep`` none)."""
+        return self.qlora and (self.qlora_prep == "kbit" or (self.qlora_prep == "auto" and self.lora_dtype == "auto"))
 
     @property
     def forward_autocast(self) -> str | None:
@@ -553,6 +581,11 @@ class RunSpec:
                          padded=self.training.batch == "padded")
             except ValueError as err:
                 _fail("cp", str(err).removeprefix("cp: "))
+        if self.training.qlora and not self.training.qlora_kbit_prep and self.parallel.method not in (
+                "single", "ddp", "fsdp1"):
+            # DeepSpeed casts the whole model to its dtype whatever the recipe: QLoRA under ZeRO is peft's recipe only
+            _fail("lora_dtype" if self.training.qlora_prep == "auto" else "qlora_prep",
+                  f"QLoRA without kbit preparation is modelled on one GPU or DDP, not {self.parallel.method}")
         if self.training.qlora and self.parallel.method == "fsdp1":
             # FSDP1 can shard Params4bit, but only in a unit of one dtype: the packed weights stored as 16 bits
             # beside 16-bit norms, which the estimator's QLoRA (fp32 after prepare_model_for_kbit_training) is not.
@@ -569,7 +602,7 @@ class RunSpec:
     def _canonical_dict(self) -> dict[str, Any]:
         """to_dict without the settings of a method not used, nor settings added later at their default (FSDP1's
         ``lora_wrap``, ``ep``, ``moe_imbalance``, ``cp``, ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``, ``use_cache``,
-        the long-context techniques, ``ckpt_reentrant``, ``vocab_size``, ``full_range_slices``, ``lora_dtype``, ``memory_cap_bytes``):
+        the long-context techniques, ``ckpt_reentrant``, ``vocab_size``, ``full_range_slices``, ``lora_dtype``, ``qlora_prep``, ``memory_cap_bytes``):
         ids stay as they were."""
         data = self.to_dict()
         if self.parallel.method != "fsdp1":
@@ -594,6 +627,8 @@ class RunSpec:
             data["training"].pop("ce")
         if self.training.lora_dtype == "auto":
             data["training"].pop("lora_dtype")
+        if self.training.qlora_prep == "auto":
+            data["training"].pop("qlora_prep")
         if self.training.ce != "chunked":
             data["training"].pop("ce_chunks")
         if self.training.grad_sync == "every":

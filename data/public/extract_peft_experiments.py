@@ -35,9 +35,15 @@ What the numbers mean, from the scripts that wrote them:
   single-GPU LoRA run: 301 of 3,254 lines at the maximum to the byte): the batch shape is capped, at 2 x 512
   (``plateau_count``). Each run's maximum is that of a 2 x 512 batch.
 
-Out of scope, kept: the QLoRA runs (bitsandbytes NF4 with double quantization, but no
-``prepare_model_for_kbit_training``: embeddings, norms, head and adapters stay bf16, where the estimator's QLoRA is
-traced with them in fp32), torchtune's own model code (``log_torchtune.txt``, ``log_peft_in_torchtune.txt``), and
+The single-GPU QLoRA runs (``train-peft.ipynb`` at 5f91f40: ``BitsAndBytesConfig(load_in_4bit, nf4, double quant,
+compute bf16)``, ``torch_dtype=bfloat16``, no ``prepare_model_for_kbit_training``: embeddings, norms and head bf16)
+are the spec's ``qlora`` with ``qlora_prep`` none. Their adapters are fp32 although the notebook passes
+``autocast_adapter_dtype=False``: peft 1b16753a's ``_move_adapter_to_device_of_base_layer`` casts an adapter to its
+base weight's dtype only when that is a float, and the packed weight is uint8 (peft 0.21 reads the layer's
+``compute_dtype``), so ``lora_dtype`` stays auto. bitsandbytes 0.43.2 and 0.43.3 both postdate the kept-input fix of
+``MatMul4Bit`` (#1270, merged 2024-07-16).
+
+Out of scope, kept: torchtune's own model code (``log_torchtune.txt``, ``log_peft_in_torchtune.txt``), and
 the fsdp_qlora comparison (QLoRA/QDoRA under FSDP1 with CPU offload). Standard library only.
 """
 
@@ -80,14 +86,10 @@ RUNS = {
         out="torchtune's own Llama-3 model code and recipe, not transformers"),
     "torchtune/llama3-qlora-single-device/log_peft_bnb-0.43.2.txt": dict(
         key="qlora-1gpu-bnb0.43.2", world=1, method="single", targets=ALL_LINEAR, qlora=True, framework="peft",
-        code="torchtune/llama3-qlora-single-device/train-peft.ipynb (5f91f40)",
-        out="QLoRA without prepare_model_for_kbit_training: embeddings, norms, head and adapters bf16 "
-            "(torch_dtype=bfloat16, autocast_adapter_dtype=False); the estimator's QLoRA is traced with them fp32"),
+        code="torchtune/llama3-qlora-single-device/train-peft.ipynb (5f91f40)", out="", qlora_prep="none"),
     "torchtune/llama3-qlora-single-device/log_peft_bnb-0.43.3.txt": dict(
         key="qlora-1gpu-bnb0.43.3", world=1, method="single", targets=ALL_LINEAR, qlora=True, framework="peft",
-        code="torchtune/llama3-qlora-single-device/train-peft.ipynb (5f91f40)",
-        out="QLoRA without prepare_model_for_kbit_training: embeddings, norms, head and adapters bf16 "
-            "(torch_dtype=bfloat16, autocast_adapter_dtype=False); the estimator's QLoRA is traced with them fp32"),
+        code="torchtune/llama3-qlora-single-device/train-peft.ipynb (5f91f40)", out="", qlora_prep="none"),
     "torchtune/llama3-qlora-single-device/log_torchtune.txt": dict(
         key="torchtune-qlora-1gpu", world=1, method="single", targets="k_proj,o_proj,q_proj,v_proj,mlp",
         qlora=True, framework="torchtune", code="torchtune lora_finetune_single_device, bb_8B_qlora_single_device.yaml",
@@ -151,6 +153,7 @@ def _spec(run: dict) -> dict:
     return dict(model=MODEL, gpu=GPU, method=run["method"], world_size=world, micro_batch_size=2, seq_len=512,
                 precision="bf16", optimizer="adamw", grad_ckpt=False, attn="sdpa", lora_rank=8,
                 lora_targets=run["targets"], lora_dropout=0.05, qlora=run["qlora"], grad_accum_steps=4,
+                qlora_prep=run.get("qlora_prep", "auto"),
                 loop="trainer", batch="full", use_cache=False, model_code=MODEL_CODE, **fsdp)
 
 
@@ -159,6 +162,11 @@ def _assumptions(run: dict, path: str, lines: list[dict]) -> list[str]:
              f"{MODEL_HUB_ID} estimated as the catalogue's {MODEL}: the configs differ only in "
              "max_position_embeddings and rope_scaling, which shape no training memory",
              "transformers 7f552e28 (July 2024) traced as 4.45: Llama returns fp32 logits in 4.42-4.45 alike",
+             "pure bf16 (torch_dtype=bfloat16, no autocast); QLoRA without prepare_model_for_kbit_training: NF4 "
+             "double-quant linears (uint8 storage), embedding, norms and head bf16 (qlora_prep none); the adapters "
+             "fp32 despite autocast_adapter_dtype=False: peft 1b16753a casts them to the base weight's dtype only "
+             "when it is a float (uint8 here), so each adapter takes an fp32 copy of its input (lora_dtype auto)"
+             if run.get("qlora_prep") == "none" else
              "pure bf16 (torch_dtype=bfloat16, no autocast); LoRA adapters bf16 (autocast_adapter_dtype=False) where "
              "the estimator keeps peft's fp32 adapters (r8 q/v: 3.4M parameters, ~27 MB more in the estimate)",
              "attention at transformers' default (SDPA); tokens only, no attention mask: SDPA causal (batch=full)",

@@ -27,6 +27,7 @@ from estimator.spec import (
     PP_ENGINES,
     PP_SCHEDULES,
     PRECISIONS,
+    QLORA_PREPS,
     ParallelSpec,
     RunSpec,
     TrainingSpec,
@@ -87,8 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="peft's lora_dropout (default 0): above 0 each adapted module keeps a dropout mask")
     p.add_argument("--lora-dtype", choices=LORA_DTYPES, default=None,
                    help="LoRA adapters' dtype: auto (as the method leaves them; peft: fp32) or model (built in the "
-                        "model's dtype: Lightning bf16-true / LitGPT, peft autocast_adapter_dtype=False)")
+                        "model's dtype: Lightning bf16-true / LitGPT, peft autocast_adapter_dtype=False; with "
+                        "--qlora: no kbit preparation, everything bf16 as answer.ai fsdp_qlora)")
     p.add_argument("--qlora", action="store_true", help="4-bit base weights (needs --lora-rank)")
+    p.add_argument("--qlora-prep", choices=QLORA_PREPS, default=None,
+                   help="QLoRA's preparation of the rest: kbit (peft's prepare_model_for_kbit_training, fp32), none "
+                        "(bf16; adapters fp32 unless --lora-dtype model) or auto (none with --lora-dtype model)")
     p.add_argument("--grad-accum-steps", type=int, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--grad-sync", choices=GRAD_SYNCS, help="FSDP under gradient accumulation: reduce the gradients "
                    "on 'every' micro-batch (default: torchtitan, a plain loop, accelerate's sync_each_batch=True) or "
@@ -166,6 +171,7 @@ def _training(args, base: TrainingSpec) -> TrainingSpec:
                         lora_targets=args.lora_targets if args.lora_targets != "auto" else base.lora_targets,
                         lora_dropout=pick(args.lora_dropout, base.lora_dropout), qlora=args.qlora or base.qlora,
                         lora_dtype=pick(args.lora_dtype, base.lora_dtype),
+                        qlora_prep=pick(args.qlora_prep, base.qlora_prep),
                         loop=pick(args.loop, base.loop),
                         batch=pick(args.batch, base.batch), outputs_fp32=pick(args.outputs_fp32, base.outputs_fp32),
                         grad_accum_steps=pick(args.grad_accum_steps, base.grad_accum_steps),
@@ -265,7 +271,9 @@ def _gib(value: float) -> str:
 
 def _lora_label(t) -> str:
     dropout = f" dropout {t.lora_dropout:g}" if t.lora_dropout else ""
-    dtype = " adapters in the model's dtype" if t.lora_dtype == "model" else ""
+    dtype = (" without kbit preparation (bf16 throughout)" if t.qlora else " adapters in the model's dtype") \
+        if t.lora_dtype == "model" else " without kbit preparation (fp32 adapters)" if t.qlora and not t.qlora_kbit_prep \
+        else ""
     return f", {'QLoRA' if t.qlora else 'LoRA'} r={t.lora_rank}{dropout}{dtype}" if t.lora else ""
 
 

@@ -268,11 +268,19 @@ def test_peft_experiments_plateau_counts_lines_at_the_maximum():
     assert mod.reserved_drops(steps) == [(3, 2.0, 1.5)]
 
 
-def test_peft_experiments_scope_keeps_bf16_qlora_and_torchtune_code_out():
+def test_peft_experiments_scope_takes_bf16_qlora_and_keeps_torchtune_code_out():
+    """The single-GPU QLoRA notebook runs without kbit preparation (``qlora_prep`` none), its adapters fp32 (peft
+    1b16753a leaves them so on a uint8-stored base): ``lora_dtype`` auto."""
     rows = _peft_experiments().extract()
     scored = {r["row_id"]: r for r in rows if r["in_scope"]}
-    assert sorted(scored) == [f"peft_experiments:{run}:{q}" for run in ("lora-1gpu", "lora-fsdp1-2gpu")
-                              for q in ("max_allocated", "max_reserved")]
+    assert sorted(scored) == sorted(f"peft_experiments:{run}:{q}" for run in (
+        "lora-1gpu", "lora-fsdp1-2gpu", "qlora-1gpu-bnb0.43.2", "qlora-1gpu-bnb0.43.3")
+        for q in ("max_allocated", "max_reserved"))
+    for q in ("max_allocated", "max_reserved"):
+        qlora = scored[f"peft_experiments:qlora-1gpu-bnb0.43.3:{q}"]
+        assert (qlora["qlora"], qlora["qlora_prep"], qlora["lora_dtype"], qlora["precision"], qlora["method"]) == (
+            True, "none", "auto", "bf16", "single")
+        assert scored[f"peft_experiments:lora-1gpu:{q}"]["lora_dtype"] == "auto"
     fsdp = scored["peft_experiments:lora-fsdp1-2gpu:max_allocated"]
     assert (fsdp["method"], fsdp["world_size"], fsdp["fsdp1_sharding_strategy"], fsdp["fsdp1_use_orig_params"]) == (
         "fsdp1", 2, "FULL_SHARD", False)
@@ -281,16 +289,13 @@ def test_peft_experiments_scope_keeps_bf16_qlora_and_torchtune_code_out():
     for r in rows:
         if r["in_scope"]:
             continue
-        if "qlora-1gpu-bnb" in r["row_id"]:
-            assert r["qlora"] and "prepare_model_for_kbit_training" in r["assumptions"]
-        else:
-            assert "torchtune" in r["row_id"] or "fsdp1-offload" in r["row_id"]
+        assert "torchtune" in r["row_id"] or "fsdp1-offload" in r["row_id"]
 
 
 def test_peft_experiments_rows_estimate_from_shipped_profiles():
     rows = [r for r in P.load(PUBLIC / "measurements.csv") if r["source"] == "peft_experiments"]
     scored = P.score(rows, allow_build=False, with_baselines=False)
-    assert len(scored) == 4
+    assert len(scored) == 8
     for item in scored:  # the empty test cache: a profile traced with the rows' model code ships
         assert not item.error and item.model_code == "4.45", (item.row["row_id"], item.error)
         assert item.reserved_source == "replayed"
