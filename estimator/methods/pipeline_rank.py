@@ -9,7 +9,9 @@ What torch's ``PipelineStage`` holds besides the model's own tensors (torch 2.13
 - the stage output in ``fwd_cache`` until the micro-batch's backward (the last stage's: its logits, which the loss
   reads and the unsplit model's trainer loop would drop), then as long as the schedule's loop variable or a send
   work holds it;
-- the step's whole batch of input ids on the first stage and of labels on the last;
+- the step's whole batch of input ids, on every rank: the training loop makes (or loads) it on each pipeline rank,
+  and a rank whose stages neither embed nor score holds it through the schedule as well (torchtitan moves the
+  batch to the device on every rank; the harness's trainer and ``benchmarks/pipeline_table.py`` repeat it there);
 - under 1F1B, the output of the warmup's last fired forward send (micro-batch w - 2 of w warmup forwards): the
   schedule waits its ``send_work`` list without dropping it and gloo's send work holds its tensor, so the output
   outlives its backward until the 1B1F loop ends (``warmup_send_kept``).
@@ -247,7 +249,9 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     model = _state_model(spec, rank_table, mixed)
     resident = {k: v * shard for k, v in model.resident.items()}
     recv = sum(m * boundary * ((st != 0) + (st != num_stages - 1)) for st in mine)
-    batch = m * b * s * INT64 * ((0 in mine) + (num_stages - 1 in mine))
+    # the step's batch (one int64 id per token of every micro-batch) on every rank, the middle ones too (counted,
+    # --trace: before the first action a middle rank of pp 4 held M·b·s·8 B more than estimated, the loop's ids)
+    batch = m * b * s * INT64
     resident["comm_buffers"] = recv
     resident["activations"] = float(batch)
     base = sum(resident.values())

@@ -286,6 +286,20 @@ def test_a_stages_backward_holds_its_received_output_gradient(method, tp, counte
     assert abs(peak - before - counted) <= 128
 
 
+@pytest.mark.parametrize("pp_rank, counted, unmodelled", [(0, 3_413_200, 20 * 4 + 2 * 64),
+                                                          (2, 1_905_868, 19 * 4 + 2 * 64),
+                                                          (3, 3_413_972, 21 * 4 + 2 * 64)])
+def test_every_pipeline_rank_holds_the_steps_batch(pp_rank, counted, unmodelled):
+    """Before its first action every rank of GPipe pp 4 M 4 at (1, 64) with checkpointing holds the step's 4 x 64
+    int64 ids (2,048 B), the middle ranks too: the training loop makes the batch on every rank. Counted by the
+    live-storage oracle at the first action (each storage listed, session 32); what the estimate leaves out is
+    AdamW's 4-byte ``step`` per parameter and one more scalar (CPU tensors on a GPU too: foreach, not capturable)
+    and the rotary embedding's two 64-byte fp32 ``inv_freq`` buffers. The middle rank read 2,048 B more before."""
+    par = ParallelSpec(method="single", world_size=4, pp=4, pp_schedule="gpipe", pp_microbatches=4)
+    _, _, _, before, _, _ = _rank_events(_tiny(par, grad_ckpt=True), pp_rank)[0]
+    assert before == counted - unmodelled
+
+
 def test_lora_with_checkpointing_keeps_the_first_stages_embedding_output():
     """Under checkpointing peft makes the embedding output require a gradient, so layer 0's checkpoint keeps it:
     each forward of the first stage holds it and each of its 4 layers' outputs (one hidden-sized tensor each) plus
