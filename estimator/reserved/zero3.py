@@ -43,7 +43,9 @@ the generated stream's (``benchmarks/zero3_ckpt_replay.py --lora``, ``docs/error
 With checkpointing: the recomputation's frozen weights tied to the module that triggered it, recomputed adapters'
 storage kept to their backward (``zero3_gathers.emulate``), the embedding in backward
 (``enable_input_require_grads``), the held inputs made by the recomputation (``_hold_saved_inputs``);
-``docs/error_matrix/zero3_lora_ckpt_cpu.csv``.
+``docs/error_matrix/zero3_lora_ckpt_cpu.csv``. An adapter on the MLP's output projection moves the recomputation
+to its ``lora_B`` (``zero3_gathers.with_recomputation``) and the stopped output to ``lora_B``'s
+(``_stopping_linear``); ``docs/error_matrix/zero3_lora_mlp_ckpt_cpu.csv``.
 
 Other architectures (full fine-tuning without checkpointing): the coordinator's module trace is the one the
 profile recorded (``estimator.profiler.modules``: every module's pre-forward hook with its direct parameters, every
@@ -110,10 +112,6 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
         reason = _why_not_module_trace(table, training)
         if reason is not None:
             return reason
-        if training.lora and training.grad_ckpt and any(p.trainable and ".mlp." in p.name for p in table):
-            return ("zero3 with LoRA on the MLP and checkpointing: a real run's allgather stream differs from the "
-                    "replay's (the recomputation stops inside the MLP's adapters; "
-                    "docs/error_matrix/zero3_lora_mlp_ckpt_cpu.csv)")
         if partition_numel(table, parallel.world_size) > zcfg.sub_group_size:
             return "zero3 with more than one optimizer sub-group: not in the replay yet"
     return None
@@ -458,13 +456,26 @@ def _last_projection(table: list[ParamInfo], layer: int) -> ParamInfo:
 
 def _stopped_output_size_index(table: list[ParamInfo], polys: list) -> int:
     """The size index of the MLP output projection's output (``b * s * out_features`` 16-bit elements), made
-    by a recomputation before it stops (``_recompute_output_made_then_dropped``)."""
+    by a recomputation before it stops (``_recompute_output_made_then_dropped``). Where that projection is a
+    peft LoRA wrapper, the last tensor the layer saves is its ``lora_B``'s input, so the output made before the
+    stop is ``lora_B``'s, in the adapter's dtype (``_stopping_linear``)."""
     layer = next(p.layer for p in table if p.layer is not None)
-    down = _last_projection(table, layer)
+    down = _stopping_linear(table, _last_projection(table, layer))
     index = _per_token_size_index(polys, float(_out_features(table, down) * down.elem_bytes))
     if index is None:
         raise ExpansionError("zero3 with checkpointing: the profile has no tensor of the MLP output's size")
     return index
+
+
+def _stopping_linear(table: list[ParamInfo], down: ParamInfo) -> ParamInfo:
+    """The weight of the Linear whose inputs a checkpointed layer packs last: the MLP output projection's, or
+    under a peft LoRA wrapper its (last adapter's) ``lora_B`` (``LoraLayer.forward`` runs ``base_layer``, then
+    ``lora_A``, then ``lora_B``; real CPU runs with ``all-linear`` adapters:
+    docs/error_matrix/zero3_lora_mlp_ckpt_cpu.csv)."""
+    if ".base_layer." not in down.name:
+        return down
+    prefix = down.name.split(".base_layer.")[0] + ".lora_B."
+    return next((p for p in reversed(table) if p.name.startswith(prefix) and p.name.endswith(".weight")), down)
 
 
 DROPPED_OUT = ("zero3 with checkpointing: the layers drop out their hidden states after the MLP (OPT, GPT-2), so "
