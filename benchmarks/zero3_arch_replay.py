@@ -51,14 +51,17 @@ COLUMNS = ("arch", "world", "recorded_three_streams_mib", "generated_three_strea
            "prior_mib", "streams_agreeing", "first_differences")
 
 
-def arch_spec(path: str, world: int, ckpt: bool = False):
+def arch_spec(path: str, world: int, ckpt: bool = False, lora: bool = False):
     """The point's spec: stage-3 knobs from the profile's table (a layer's elements, the hidden size);
-    ``ckpt``: every layer checkpointed (non-reentrant)."""
+    ``ckpt``: every layer checkpointed (non-reentrant); ``lora``: peft LoRA r8 on the architecture's default
+    targets."""
     from estimator import api
+    from estimator.models.profiles import adapters_in_16bit
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec, ZeroSpec
 
-    training = TrainingSpec(precision="mixed_bf16", attn="eager", micro_batch_size=B, seq_len=S, grad_ckpt=ckpt)
-    arch, profile = api.load_model_profile(path, training, 1)
+    training = TrainingSpec(precision="mixed_bf16", attn="eager", micro_batch_size=B, seq_len=S, grad_ckpt=ckpt,
+                            lora_rank=8 if lora else 0)
+    arch, profile = api.load_model_profile(path, training, 1, adapters_16bit=adapters_in_16bit(training, "zero3"))
     table = api._param_table(profile, arch.num_layers)
     layer_numel = sum(p.numel for p in table if p.layer == 0)
     zero = ZeroSpec(reduce_bucket_size=20_000, allgather_bucket_size=20_000,
@@ -67,14 +70,15 @@ def arch_spec(path: str, world: int, ckpt: bool = False):
     return RunSpec(model=path, training=training, parallel=ParallelSpec(method="zero3", world_size=world, zero=zero))
 
 
-def point(work: Path, arch: str, world: int, ckpt: bool = False, keep: Path | None = None) -> dict:
+def point(work: Path, arch: str, world: int, ckpt: bool = False, keep: Path | None = None,
+          lora: bool = False) -> dict:
     from estimator.allocator.requests import simulate
     from estimator.api import estimate
 
     config = ARCHS[arch]
     path = work / f"config_{arch}.json"
     path.write_text(json.dumps(config))
-    spec = arch_spec(str(path), world, ckpt)
+    spec = arch_spec(str(path), world, ckpt, lora)
     recorded = recorded_steps(_record(work, config, spec, True, keep))
     generated = generated_steps(spec, B, S, len(recorded) - 1)
     flat_rec, flat_gen = [r for p in recorded for r in p], [r for p in generated for r in p]
@@ -94,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--archs", nargs="*", default=list(ARCHS))
     parser.add_argument("--worlds", nargs="*", type=int, default=[2, 4])
     parser.add_argument("--ckpt", action="store_true", help="every layer checkpointed (non-reentrant)")
+    parser.add_argument("--lora", action="store_true", help="peft LoRA r8 on the default targets")
     parser.add_argument("--recordings", help="a folder to keep each point's recorded events in (reused)")
     parser.add_argument("--csv")
     args = parser.parse_args(argv)
@@ -101,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs:
             for world in args.worlds:
-                keep = (Path(args.recordings) / f"{arch}_x{world}{'_ckpt' if args.ckpt else ''}.json"
-                        if args.recordings else None)
-                rows.append(point(Path(tmp), arch, world, args.ckpt, keep))
+                keep = (Path(args.recordings) / f"{arch}_x{world}{'_ckpt' if args.ckpt else ''}"
+                        f"{'_lora' if args.lora else ''}.json" if args.recordings else None)
+                rows.append(point(Path(tmp), arch, world, args.ckpt, keep, args.lora))
                 print(" ".join(f"{k}={rows[-1][k]}" for k in COLUMNS), flush=True)
     if args.csv:
         import csv
@@ -111,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.csv, "w", newline="") as f:
             f.write("# PYTHONPATH=. .venv/bin/python benchmarks/zero3_arch_replay.py --archs "
                     f"{' '.join(args.archs)} --worlds {' '.join(map(str, args.worlds))}"
-                    f"{' --ckpt' if args.ckpt else ''} --csv {args.csv}\n")
+                    f"{' --ckpt' if args.ckpt else ''}{' --lora' if args.lora else ''} --csv {args.csv}\n")
             writer = csv.DictWriter(f, fieldnames=COLUMNS)
             writer.writeheader()
             writer.writerows(rows)

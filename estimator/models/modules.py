@@ -22,7 +22,10 @@ def _stretched(entries: list[list], layer_prefix: str, num_layers: int, generic:
     if order not in (sorted(order), sorted(order, reverse=True)) or generic not in per_layer:
         return None
     template = per_layer[generic]
-    if any(rows != template for rows in per_layer.values()):
+    if any(rows != template for layer, rows in per_layer.items() if layer != 0):
+        return None
+    first_rows = per_layer.get(0, template)
+    if not _runs_apart_alike(first_rows, template, params):
         return None
 
     def full(layer: int, name: str) -> str:
@@ -36,8 +39,20 @@ def _stretched(entries: list[list], layer_prefix: str, num_layers: int, generic:
 
     layers = range(num_layers) if order == sorted(order) else range(num_layers - 1, -1, -1)
     return ([entry(None, tuple(e[1:])) for e in entries[:first]]
-            + [entry(i, row) for i in layers for row in template]
+            + [entry(i, row) for i in layers for row in (first_rows if i == 0 else template)]
             + [entry(None, tuple(e[1:])) for e in entries[last + 1:]])
+
+
+def _runs_apart_alike(first: list[tuple], template: list[tuple], params: bool) -> bool:
+    """Whether the first layer's rows are the generic layer's but for what LoRA changes there (its input needs no
+    gradient): in forward the same modules and parameters, only the counts of inputs needing a gradient lower;
+    in backward a subsequence of the generic layer's modules (a layer of another kind, such as a dense layer
+    before MoE ones, is not)."""
+    if params:
+        return (len(first) == len(template)
+                and all(a[:2] == b[:2] and a[2] <= b[2] for a, b in zip(first, template)))
+    rest = iter(template)
+    return all(row in rest for row in first)
 
 
 def _hashable(value):
@@ -51,7 +66,8 @@ def module_trace_at_depth(trace: dict, layer_prefix: str, num_layers: int, gener
     of the recorded trace for a model of ``num_layers`` decoder layers: the modules before the traced layers,
     the ``generic`` traced layer's modules once per layer, the modules after them; full names. None where the
     traced layers do not run alike one after another (a module outside them between two, or layers that
-    differ): the trace cannot be stretched."""
+    differ): the trace cannot be stretched. The first layer may differ from the generic one (under LoRA its input
+    needs no gradient: its modules count none, and backward reaches fewer of them); it is kept as recorded."""
     forward = _stretched(trace["forward"], layer_prefix, num_layers, generic, True)
     backward = _stretched(trace["backward"], layer_prefix, num_layers, generic, False)
     if forward is None or backward is None:

@@ -43,7 +43,9 @@ the generated stream's (``benchmarks/zero3_ckpt_replay.py --lora``, ``docs/error
 With checkpointing: the recomputation's frozen weights tied to the module that triggered it, recomputed adapters'
 storage kept to their backward (``zero3_gathers.emulate``), the embedding in backward
 (``enable_input_require_grads``), the held inputs made by the recomputation (``_hold_saved_inputs``);
-``docs/error_matrix/zero3_lora_ckpt_cpu.csv``.
+``docs/error_matrix/zero3_lora_ckpt_cpu.csv``. An adapter on the MLP's output projection moves the recomputation
+to its ``lora_B`` (``zero3_gathers.with_recomputation``) and the stopped output to ``lora_B``'s
+(``_stopping_linear``); ``docs/error_matrix/zero3_lora_mlp_ckpt_cpu.csv``.
 
 Other architectures (full fine-tuning without checkpointing): the coordinator's module trace is the one the
 profile recorded (``estimator.profiler.modules``: every module's pre-forward hook with its direct parameters, every
@@ -111,10 +113,6 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
         reason = _why_not_module_trace(table, training)
         if reason is not None:
             return reason
-        if training.lora and training.grad_ckpt and any(p.trainable and ".mlp." in p.name for p in table):
-            return ("zero3 with LoRA on the MLP and checkpointing: a real run's allgather stream differs from the "
-                    "replay's (the recomputation stops inside the MLP's adapters; "
-                    "docs/error_matrix/zero3_lora_mlp_ckpt_cpu.csv)")
         if partition_numel(table, parallel.world_size) > zcfg.sub_group_size:
             return "zero3 with more than one optimizer sub-group: not in the replay yet"
     return None
@@ -138,8 +136,9 @@ def _why_not_module_trace(table: list[ParamInfo], training) -> str | None:
         return ("zero3: the coordinator's module trace is derived for Llama-style decoders, or recorded in the "
                 "profile (not in this one, or its layers do not run alike)")
     if training.lora:
-        return ("zero3 with LoRA: modelled on Llama-style decoders only (peft's wrappers, the frozen Linears' "
-                "held inputs)")
+        return ("zero3 with LoRA outside Llama-style decoders: the coordinator's streams match a real run's, but "
+                "the frozen Linears' held inputs are found as Llama's layers make them "
+                "(docs/error_matrix/zero3_arch_lora_cpu.csv)")
     if training.grad_ckpt and training.ckpt_policy:
         return ("zero3 with every-k checkpointing outside Llama-style decoders: checked with every layer "
                 "checkpointed only")
@@ -480,13 +479,26 @@ def _last_projection(table: list[ParamInfo], layer: int) -> ParamInfo:
 
 def _stopped_output_size_index(table: list[ParamInfo], polys: list) -> int:
     """The size index of the MLP output projection's output (``b * s * out_features`` 16-bit elements), made
-    by a recomputation before it stops (``_recompute_output_made_then_dropped``)."""
+    by a recomputation before it stops (``_recompute_output_made_then_dropped``). Where that projection is a
+    peft LoRA wrapper, the last tensor the layer saves is its ``lora_B``'s input, so the output made before the
+    stop is ``lora_B``'s, in the adapter's dtype (``_stopping_linear``)."""
     layer = next(p.layer for p in table if p.layer is not None)
-    down = _last_projection(table, layer)
+    down = _stopping_linear(table, _last_projection(table, layer))
     index = _per_token_size_index(polys, float(_out_features(table, down) * down.elem_bytes))
     if index is None:
         raise ExpansionError("zero3 with checkpointing: the profile has no tensor of the MLP output's size")
     return index
+
+
+def _stopping_linear(table: list[ParamInfo], down: ParamInfo) -> ParamInfo:
+    """The weight of the Linear whose inputs a checkpointed layer packs last: the MLP output projection's, or
+    under a peft LoRA wrapper its (last adapter's) ``lora_B`` (``LoraLayer.forward`` runs ``base_layer``, then
+    ``lora_A``, then ``lora_B``; real CPU runs with ``all-linear`` adapters:
+    docs/error_matrix/zero3_lora_mlp_ckpt_cpu.csv)."""
+    if ".base_layer." not in down.name:
+        return down
+    prefix = down.name.split(".base_layer.")[0] + ".lora_B."
+    return next((p for p in reversed(table) if p.name.startswith(prefix) and p.name.endswith(".weight")), down)
 
 
 def _drops_out_hidden_states(table: list[ParamInfo], polys: list) -> bool:
@@ -649,7 +661,7 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
     (``master_elem_bytes``); ``saved_inputs``: (layer, bytes per token) of each frozen Linear input DeepSpeed's
     memory-efficient linear holds (``_hold_saved_inputs``). ExpansionError where the step cannot be built."""
     recorded = recorded_trace(table)
-    if not llama_like(table) and (recorded is None or saved_inputs):
+    if not llama_like(table) and recorded is None:  # LoRA there: why_not_zero3 refuses, the benchmarks compare
         raise ExpansionError("zero3: the coordinator's module trace is derived for Llama-style decoders, or "
                              "recorded in the profile")
     dropped_out = bool(recomputed) and recorded is not None and _drops_out_hidden_states(table, polys)

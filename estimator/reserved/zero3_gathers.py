@@ -20,6 +20,8 @@ over the modules that hold parameters, in forward order and then in reverse for 
   Where the layer drops out its hidden states after the MLP (OPT, GPT-2) the mask is unpacked first, so the
   recomputation runs before that projection's fetch and releases every module as forward does
   (``recomputed_before_fetch``).
+  Where that projection is a peft LoRA wrapper, its ``lora_B`` triggers the recomputation, which stops inside the
+  wrapper: the recomputed wrapper never releases.
 * Later steps prefetch: after each fetch, parameters are popped off the trace's queue (those of the module just
   fetched, then up to ``stage3_prefetch_bucket_size`` elements, within ``stage3_max_live_parameters``) and
   gathered in one call; a release keeps what a module within ``stage3_max_reuse_distance`` elements of the trace
@@ -247,10 +249,13 @@ def external_params(forward: list[Module]) -> dict[str, tuple[str, ...]]:
 
 
 def _wrappers_released_last(releases_after: dict[int, list[int]], trace: list[Module], backward_at: int,
-                            external: dict[str, tuple[str, ...]]) -> None:
+                            external: dict[str, tuple[str, ...]], moved: dict[int, int | None] | None = None
+                            ) -> None:
     """A wrapper's post-backward release (``PostBackwardFunctionModule`` on its inputs) runs once its input's
     gradient is complete, after its children's backward (the last: ``base_layer``); it matters only where the
-    wrapper holds parameters (``external_params``)."""
+    wrapper holds parameters (``external_params``). ``moved``: ``with_recomputation``'s; a recomputation that
+    one of the children triggers (``lora_B``) runs among them, the wrapper's release after it."""
+    moved = moved or {}
     for at in range(backward_at, len(trace)):
         name = trace[at].name
         if name not in external or at not in releases_after.get(at, ()):
@@ -258,7 +263,11 @@ def _wrappers_released_last(releases_after: dict[int, list[int]], trace: list[Mo
         end = at
         while end + 1 < len(trace) and trace[end + 1].name.startswith(name + "."):
             end += 1
+            if moved.get(end) is not None:  # a child triggered a recomputation: skip over it
+                end = moved[end]
         releases_after[at].remove(at)
+        if end in moved and moved[end] is None:
+            continue  # the recomputation stopped inside the wrapper: its release never runs
         releases_after.setdefault(end, []).append(at)
 
 
@@ -293,7 +302,8 @@ def _layer_of(module: str) -> int | None:
     return None
 
 
-def with_recomputation(forward: list[Module], backward: list[Module], checkpointed: frozenset[int]
+def with_recomputation(forward: list[Module], backward: list[Module], checkpointed: frozenset[int],
+                       external: dict[str, tuple[str, ...]] | None = None
                        ) -> tuple[list[Module], dict[int, int | None]]:
     """The backward trace with each checkpointed layer's recomputation, and where releases move: {fetch index:
     the index of the fetch after which its module's release runs, None for never}.
@@ -305,7 +315,12 @@ def with_recomputation(forward: list[Module], backward: list[Module], checkpoint
     forward and records them in the trace. It stops early (``torch.utils.checkpoint``'s early stop) once that last
     module has packed its inputs: its forward release never runs, and the projection stays gathered until its
     backward release, after the recomputation. Frozen parameters the recomputation fetches are tied to that
-    first module (``emulate``'s ``tie``: ``recompute_owners``)."""
+    first module (``emulate``'s ``tie``: ``recompute_owners``).
+
+    ``external``: peft LoRA wrappers' external parameters (``external_params``). A wrapper fetches them but its
+    own backward (the sum of the base output and the scaled adapter's) unpacks no saved tensor, so where the MLP's
+    last projection is a wrapper the recomputation starts at its ``lora_B``'s backward, the next module
+    (real CPU runs with ``all-linear`` adapters: docs/error_matrix/zero3_lora_mlp_ckpt_cpu.csv)."""
     if not checkpointed:
         return backward, {}
     out: list[Module] = []
@@ -315,7 +330,8 @@ def with_recomputation(forward: list[Module], backward: list[Module], checkpoint
     for m in backward:
         out.append(m)
         layer = _layer_of(m.name)
-        if layer is None or layer not in checkpointed or not m.params or layer in recomputed:
+        if (layer is None or layer not in checkpointed or layer in recomputed
+                or not set(m.params) - set((external or {}).get(m.name, ()))):
             continue
         recomputed.add(layer)
         prefix = m.name.split(f".{layer}.")[0] + f".{layer}."
@@ -388,11 +404,11 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
                                                      _with_external(backward, external), checkpointed)
     else:
         backward, moved = with_recomputation(_with_external(forward, external), _with_external(backward, external),
-                                             checkpointed)
+                                             checkpointed, external)
         owner_of = recompute_owners(moved)
     first_trace = forward + backward  # the first forward registers the external parameters
     trace = _with_external(forward, external) + backward
-    holders: dict[str, set[int]] = {n: set() for ps in external.values() for n in ps}  # ds_active_sub_modules
+    holders: dict[str, set[str]] = {n: set() for ps in external.values() for n in ps}  # ds_active_sub_modules
     releases_after: dict[int, list[int]] = {}
     for at in range(len(trace)):
         if at >= len(forward) and not trace[at].released_in_backward:
@@ -401,7 +417,7 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
             releases_after.setdefault(at, []).append(at)
         elif moved[at] is not None:
             releases_after.setdefault(moved[at], []).append(at)
-    _wrappers_released_last(releases_after, trace, len(forward), external)
+    _wrappers_released_last(releases_after, trace, len(forward), external, moved)
     tied: dict[int, dict[str, None]] = {}  # owner's fetch -> the frozen parameters tied to it (ds_recompute_parameters)
     tied_to: dict[str, set[int]] = {}     # parameter -> the owners holding it (in ds_active_sub_modules)
 
@@ -532,10 +548,12 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
 
     def held(name: str, module: int, fetched: bool) -> bool:
         """Whether an external parameter stays gathered for another module still running (``__release_param``
-        releases only a parameter no active module holds); ``fetched``: ``module`` fetched it, else releases."""
+        releases only a parameter no active module holds); ``fetched``: ``module`` fetched it, else releases.
+        A module holds by its identity (``ds_active_sub_modules``), so a recomputed wrapper's hold is its
+        backward's, dropped by the backward release."""
         if name not in holders:
             return False
-        (holders[name].add if fetched else holders[name].discard)(module)
+        (holders[name].add if fetched else holders[name].discard)(trace[module].name)
         return not fetched and bool(holders[name])
 
     def reset_all(out: list) -> None:

@@ -131,6 +131,25 @@ def test_a_trace_stretches_to_full_depth_or_not_at_all():
     assert module_trace_at_depth(differing, "layers", 4) is None
 
 
+def test_a_first_layer_that_runs_apart_keeps_its_own_modules():
+    """Under LoRA the first layer's input needs no gradient (a frozen embedding): its modules' inputs count none
+    and backward reaches fewer of them; that layer is kept as recorded, the generic one repeated after it."""
+    def layer(i, grad=1, modules=("", "fc")):
+        return [[i, n, [f"{n}.weight"] if n else [], grad] for n in modules]
+
+    trace = {"forward": [[None, "embed", ["embed.weight"], 0]] + layer(0, 0) + layer(1) + layer(2),
+             "backward": [[i, n] for i in (2, 1) for n in ("", "fc")] + [[0, "fc"]]}
+    forward, backward = module_trace_at_depth(trace, "layers", 4)
+    assert forward[1:3] == [("layers.0", (), 0), ("layers.0.fc", ("layers.0.fc.weight",), 0)]
+    assert forward[3:] == [(f"layers.{i}" + s, ((f"layers.{i}.fc.weight",) if s else ()), 1)
+                           for i in range(1, 4) for s in ("", ".fc")]
+    assert backward == [f"layers.{i}{s}" for i in (3, 2, 1) for s in ("", ".fc")] + ["layers.0.fc"]
+    second_apart = {**trace, "forward": layer(0) + layer(1, 0) + layer(2)}
+    assert module_trace_at_depth(second_apart, "layers", 4) is None
+    other_kind = {**trace, "forward": layer(0, 0, ("", "dense")) + layer(1) + layer(2)}  # a dense first layer
+    assert module_trace_at_depth(other_kind, "layers", 4) is None
+
+
 def test_zero3_refuses_a_non_llama_table_without_a_trace_and_with_lora():
     from estimator.models.params import ParamTable
     from estimator.reserved.zero3 import why_not_zero3
@@ -144,7 +163,7 @@ def test_zero3_refuses_a_non_llama_table_without_a_trace_and_with_lora():
     assert why_not_zero3(spec(), table) is None
     assert why_not_zero3(spec(), list(table)).startswith("zero3: the coordinator's module trace")
     assert why_not_zero3(spec(grad_ckpt=True), table) is None
-    assert why_not_zero3(spec(lora_rank=8), table).startswith("zero3 with LoRA: modelled on Llama")
+    assert why_not_zero3(spec(lora_rank=8), table).startswith("zero3 with LoRA outside Llama-style decoders")
     assert why_not_zero3(spec(grad_ckpt=True, ckpt_policy="every-k:2"), table).startswith(
         "zero3 with every-k checkpointing outside Llama")
     untraced = ParamTable(table)

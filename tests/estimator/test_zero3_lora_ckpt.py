@@ -95,10 +95,11 @@ def test_zero3_lora_with_checkpointing_refusals():
 
 
 @pytest.mark.slow
-def test_the_checkpointed_lora_runs_allgather_stream_is_generated(tmp_path):
-    """A real run (tiny Llama hidden 64, LoRA r8 on q/v, full non-reentrant checkpointing, three optimizer steps),
-    each allocation on the stream a GPU run makes it on: the allgather and reduction streams are the generated
-    ones request for request (each run of frees as a set), every step."""
+@pytest.mark.parametrize("targets", ["q_proj,v_proj", "all-linear"])
+def test_the_checkpointed_lora_runs_allgather_stream_is_generated(tmp_path, targets):
+    """A real run (tiny Llama hidden 64, LoRA r8 on q/v or on every Linear, full non-reentrant checkpointing,
+    three optimizer steps), each allocation on the stream a GPU run makes it on: the allgather and reduction
+    streams are the generated ones request for request (each run of frees as a set), every step."""
     pytest.importorskip("deepspeed")
     from benchmarks.zero3_ckpt_replay import (
         _config,
@@ -113,29 +114,83 @@ def test_the_checkpointed_lora_runs_allgather_stream_is_generated(tmp_path):
     config = _config(64)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    spec = _spec(str(path), config, 2, 2, 64, True, "mixed_bf16", 1, lora=True)
+    spec = _spec(str(path), config, 2, 2, 64, True, "mixed_bf16", 1, lora=True, targets=targets)
     recorded = recorded_steps(_record(tmp_path, config, spec, True))
     generated = generated_steps(spec, 2, 64, len(recorded) - 1)
     assert [len(_sized(p, 2)) for p in recorded[1:]] == [len(_sized(p, 2)) for p in generated[1:]]
     assert all(at is None for stream, _step, at, _ in first_differences(recorded, generated) if stream in (1, 2))
 
 
-def test_zero3_lora_on_the_mlp_with_checkpointing_keeps_the_prior():
-    """The replay was checked with attention adapters (q/v); an adapter on the MLP changes where the
-    recomputation stops (its output projection is then peft's wrapper, ``down_proj.base_layer``), and a real CPU
-    run with ``all-linear`` adapters disagrees with the replay's allgather stream in every step
-    (``benchmarks/zero3_ckpt_replay.py --targets all-linear``, docs/error_matrix/zero3_lora_mlp_ckpt_cpu.csv):
-    those specs keep the prior, with the reason (the lookup still finds the wrapper's ``down_proj``)."""
+def _peft_llama_on_down_proj() -> list:
+    """``_peft_llama`` with an adapter on each layer's ``mlp.down_proj`` too (its weight peft's ``base_layer``)."""
     import dataclasses
 
-    from estimator.reserved.zero3 import _last_projection, why_not_zero3
+    out = []
+    for p in _peft_llama():
+        if p.name.endswith("mlp.down_proj.weight"):
+            pre = p.name.removesuffix("weight")
+            out += [dataclasses.replace(p, name=pre + "base_layer.weight"),
+                    dataclasses.replace(p, name=pre + "lora_A.default.weight", shape=(16, p.shape[1]),
+                                        numel=16 * p.shape[1], elem_bytes=4, trainable=True),
+                    dataclasses.replace(p, name=pre + "lora_B.default.weight", shape=(p.shape[0], 16),
+                                        numel=16 * p.shape[0], elem_bytes=4, trainable=True)]
+        else:
+            out.append(p)
+    return out
 
-    table = _peft_llama()
-    assert why_not_zero3(lora_zero3_spec(grad_ckpt=True), table) is None
-    down = _last_projection(table, 0)
-    on_mlp = [dataclasses.replace(p, name=p.name.replace("down_proj.", "down_proj.base_layer.")) if p is down else p
-              for p in table]
-    on_mlp += [dataclasses.replace(p, name=p.name.replace("self_attn.q_proj", "mlp.down_proj"))
-               for p in table if p.trainable and p.layer == 0 and "self_attn.q_proj" in p.name]
-    assert _last_projection(on_mlp, 0).name.endswith("mlp.down_proj.base_layer.weight")
-    assert "MLP" in why_not_zero3(lora_zero3_spec(grad_ckpt=True), on_mlp)
+
+def test_a_wrapped_mlp_output_projection_is_recomputed_at_its_lora_B():
+    """peft's ``down_proj`` wrapper fetches its external ``lora_A`` but its backward unpacks nothing: the layer's
+    recomputation follows ``lora_B``'s backward fetch, and the recomputed wrapper, inside which it stops, never
+    releases (its hold on ``lora_A`` is the backward wrapper's: one module)."""
+    from estimator.reserved.zero3_gathers import _with_external, external_params, with_recomputation
+
+    table = _peft_llama_on_down_proj()
+    forward, backward = modules_of(table, inputs_need_grad=True)
+    external = external_params(forward)
+    down = _layer("mlp.down_proj")
+    assert external[down] == (down + ".lora_A.default.weight",)
+    forward, backward = _with_external(forward, external), _with_external(backward, external)
+    out, moved = with_recomputation(forward, backward, frozenset({1}), external)
+    names = [m.name for m in out]
+    trigger = names.index(down + ".lora_B.default")
+    assert names[trigger - 1] == down and names[trigger + 1] == _layer("input_layernorm")
+    assert moved[len(forward) + trigger] is not None
+    at_wrapper, _ = with_recomputation(forward, backward, frozenset({1}))  # the wrapper taken for the trigger
+    assert [m.name for m in at_wrapper].index(_layer("input_layernorm")) == names.index(down) + 1
+
+
+def test_a_wrapped_mlp_output_projections_lora_A_is_released_once_after_its_base_layer():
+    """From the second step the recomputation releases nothing of ``down_proj``'s: its ``lora_A`` goes at the
+    wrapper's backward release, after ``base_layer``'s backward gather (real CPU runs:
+    docs/error_matrix/zero3_lora_mlp_ckpt_cpu.csv)."""
+    table = _peft_llama_on_down_proj()
+    ops = emulate(table, WORLD, steps=2, persistence=0, checkpointed=BOTH)
+    calls = ops.calls[1]
+    lora_a, base = _layer("mlp.down_proj.lora_A.default.weight"), _layer("mlp.down_proj.base_layer.weight")
+    released = [k for k, c in enumerate(calls) if c == ("R", lora_a)]
+    regathered = [k for k, c in enumerate(calls) if c == ("G", (base,))]
+    assert len(released) == 1 and regathered and released[0] > regathered[-1]
+    # its gathered storage goes there too, not at the step's end (as a copy the recomputation saved would)
+    nbytes = next(-(-p.numel // WORLD) * WORLD * p.elem_bytes for p in table if p.name == lora_a)
+    last_alloc = max(k for k, op in enumerate(ops.steps[1]) if op[0] > 0)
+    assert not [op for op in ops.steps[1][last_alloc:] if op[0] < 0 and op[2] == nbytes]
+
+
+def test_a_wrapped_mlp_output_projections_recomputation_stops_after_lora_B_made_its_output():
+    """The memory-efficient linear makes ``lora_B``'s output (in the adapter's dtype) before it saves its input,
+    the layer's last: that output is the stopped recomputation's (``_recompute_output_made_then_dropped``)."""
+    from estimator.reserved.zero3 import _last_projection, _stopping_linear
+
+    plain, wrapped = _peft_llama(), _peft_llama_on_down_proj()
+    assert _stopping_linear(plain, _last_projection(plain, 0)).name.endswith("mlp.down_proj.weight")
+    stop = _stopping_linear(wrapped, _last_projection(wrapped, 0))
+    assert stop.name.endswith("mlp.down_proj.lora_B.default.weight") and stop.elem_bytes == 4
+
+
+def test_zero3_lora_on_the_mlp_with_checkpointing_is_replayed():
+    """An adapter on the MLP (its output projection peft's wrapper) is replayed with checkpointing, as attention
+    adapters are."""
+    from estimator.reserved.zero3 import why_not_zero3
+
+    assert why_not_zero3(lora_zero3_spec(grad_ckpt=True), _peft_llama_on_down_proj()) is None
