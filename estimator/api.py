@@ -769,9 +769,14 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         notes.append("lora: FSDP2's mixed precision all-gathers the adapters in 16 bits (param_dtype), so peft casts "
                      "no adapter input to fp32: the profile traced with 16-bit adapters (benchmarks/"
                      "fsdp_lora_mixed_check.py)")
-    if spec.training.qlora:
+    if spec.training.qlora_kbit_prep:
         notes.append("qlora: traced as transformers + peft run it (bitsandbytes NF4 with double quantization, "
                      "prepare_model_for_kbit_training: other weights and the adapters in fp32)")
+    elif spec.training.qlora:
+        notes.append("qlora: traced without kbit preparation (bitsandbytes NF4 with double quantization on every "
+                     "linear but the head; embedding, norms, head, residual stream and adapters bf16, as answer.ai "
+                     "fsdp_qlora's train.py)")
+    if spec.training.qlora:
         notes += qlora_experts_note(table)
     notes += residuals.range_notes(coeffs, spec, gpu_key=gpu.key, params=total, model_family=arch.model_type)
     notes += cap_notes(spec, gpu.capacity_bytes, worst)

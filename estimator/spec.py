@@ -162,6 +162,10 @@ class TrainingSpec:
     # as Lightning's ``bf16-true`` builds a LitGPT model with its adapters (``fabric.init_module``) and as
     # ``get_peft_model(..., autocast_adapter_dtype=False)`` leaves them: a 16-bit run then feeds each adapter
     # its 16-bit input (no fp32 copy, no fp32 dropped input) and keeps 16-bit adapter states.
+    # With ``qlora``, "model" is the QLoRA recipe WITHOUT kbit preparation (answer.ai fsdp_qlora's train.py, most
+    # hand-written bitsandbytes loops): every nn.Linear but the head NF4, everything else (embedding, norms, head,
+    # residual stream) and the adapters kept in the model's dtype (pure bf16 only); "auto" with ``qlora`` is peft's
+    # ``prepare_model_for_kbit_training`` (fp32 embedding, norms, head and residual stream, fp32 adapters).
     lora_dtype: str = "auto"
     qlora: bool = False
     grad_accum_steps: int = 1
@@ -233,9 +237,11 @@ class TrainingSpec:
         if self.lora_dropout and self.lora_rank == 0:
             _fail("lora_dropout", "LoRA dropout needs a LoRA rank (--lora-rank R)")
         _check_choice("lora_dtype", self.lora_dtype, LORA_DTYPES)
-        if self.lora_dtype == "model" and (self.lora_rank == 0 or self.qlora):
-            _fail("lora_dtype", "adapters in the model's dtype need LoRA (--lora-rank R) without QLoRA (QLoRA's "
-                                "adapters are peft's prepare_model_for_kbit_training recipe)")
+        if self.lora_dtype == "model" and self.lora_rank == 0:
+            _fail("lora_dtype", "adapters in the model's dtype need LoRA (--lora-rank R)")
+        if self.lora_dtype == "model" and self.qlora and self.precision != "bf16":
+            _fail("lora_dtype", f"QLoRA without kbit preparation (lora_dtype model) is modelled for a pure bf16 model "
+                                f"(precision bf16), got {self.precision}")
         if not isinstance(self.lora_targets, str) or not self.lora_targets.strip():
             _fail("lora_targets", f"must be 'auto', 'all-linear' or module names, got {self.lora_targets!r}")
         _check_positive_int("grad_accum_steps", self.grad_accum_steps)
@@ -295,6 +301,13 @@ class TrainingSpec:
     @property
     def lora(self) -> bool:
         return self.lora_rank > 0
+
+    @property
+    def qlora_kbit_prep(self) -> bool:
+        """QLoRA as peft's ``prepare_model_for_kbit_training`` leaves the model: the non-quantized parameters, the
+        residual stream and the adapters in fp32 (``lora_dtype`` auto). False for LoRA and for QLoRA without the
+        preparation (``lora_dtype`` model: everything in the model's bf16)."""
+        return self.qlora and self.lora_dtype == "auto"
 
     @property
     def forward_autocast(self) -> str | None:
@@ -553,7 +566,12 @@ class RunSpec:
                          padded=self.training.batch == "padded")
             except ValueError as err:
                 _fail("cp", str(err).removeprefix("cp: "))
-        if self.training.qlora and self.parallel.method == "fsdp1" and self.training.lora_dtype != "model":
+        if self.training.qlora and self.training.lora_dtype == "model" and self.parallel.method not in (
+                "single", "ddp", "fsdp1"):
+            # DeepSpeed casts the whole model to its dtype whatever the recipe: QLoRA under ZeRO is peft's recipe only
+            _fail("lora_dtype", f"QLoRA without kbit preparation (lora_dtype model) is modelled on one GPU, DDP or "
+                                f"FSDP1, not {self.parallel.method}")
+        if self.training.qlora_kbit_prep and self.parallel.method == "fsdp1":
             # FSDP1 flattens one dtype per unit: peft's kbit preparation leaves fp32 norms beside the packed weights.
             _fail("qlora", "fsdp1 shards 4-bit weights only as answer.ai's fsdp_qlora builds them (lora_dtype model: "
                            "no kbit preparation, 16-bit quant_storage and norms); peft's recipe mixes fp32 norms into "

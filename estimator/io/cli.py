@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="peft's lora_dropout (default 0): above 0 each adapted module keeps a dropout mask")
     p.add_argument("--lora-dtype", choices=LORA_DTYPES, default=None,
                    help="LoRA adapters' dtype: auto (as the method leaves them; peft: fp32) or model (built in the "
-                        "model's dtype: Lightning bf16-true / LitGPT, peft autocast_adapter_dtype=False)")
+                        "model's dtype: Lightning bf16-true / LitGPT, peft autocast_adapter_dtype=False; with "
+                        "--qlora: no kbit preparation, everything bf16 as answer.ai fsdp_qlora)")
     p.add_argument("--qlora", action="store_true", help="4-bit base weights (needs --lora-rank)")
     p.add_argument("--grad-accum-steps", type=int, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--grad-sync", choices=GRAD_SYNCS, help="FSDP under gradient accumulation: reduce the gradients "
@@ -265,7 +266,8 @@ def _gib(value: float) -> str:
 
 def _lora_label(t) -> str:
     dropout = f" dropout {t.lora_dropout:g}" if t.lora_dropout else ""
-    dtype = " adapters in the model's dtype" if t.lora_dtype == "model" else ""
+    dtype = (" without kbit preparation (bf16 throughout)" if t.qlora else " adapters in the model's dtype") \
+        if t.lora_dtype == "model" else ""
     return f", {'QLoRA' if t.qlora else 'LoRA'} r={t.lora_rank}{dropout}{dtype}" if t.lora else ""
 
 

@@ -41,8 +41,9 @@ def variant_key(training: TrainingSpec, adapters_16bit: bool = False) -> str:
     mixed-precision dtype; peft alone keeps them fp32): peft then feeds them the 16-bit inputs instead of fp32
     copies (key suffix ``-a16``)."""
     # flash attention has the memory shape of the SDPA flash kernel (output + logsumexp, no S×S matrix), but for
-    # QLoRA, whose attention inputs are fp32: FlashAttention-2 casts them to 16 bits, SDPA runs fp32 kernels.
-    attn = "sdpa" if training.attn == "flash" and not training.qlora else training.attn
+    # peft's QLoRA, whose attention inputs are fp32: FlashAttention-2 casts them to 16 bits, SDPA runs fp32 kernels.
+    # (QLoRA without kbit preparation, ``-a16``, keeps them bf16, as LoRA does.)
+    attn = "sdpa" if training.attn == "flash" and not training.qlora_kbit_prep else training.attn
     lora = f"{'qlora' if training.qlora else 'lora'}{training.lora_rank}-{training.lora_targets}" if training.lora \
         else "full"
     if training.lora_dropout:  # the masks exist whatever the probability: one profile for every p > 0
@@ -100,8 +101,9 @@ def adapters_in_16bit(training: TrainingSpec, method: str, lora_wrap: str = "ada
     layer's weights, one dtype per flat parameter: a bf16 run built its adapters in bf16 (Lightning's
     ``bf16-true`` builds the whole model in it). ``lora_dtype`` "model": built in the model's dtype whatever the
     method (Lightning's ``bf16-true``, ``autocast_adapter_dtype=False``): 16-bit in a pure bf16 run (amp_* and
-    mixed_* keep fp32 weights, so adapters in the model's dtype are fp32 there)."""
-    if not training.lora or training.qlora:
+    mixed_* keep fp32 weights, so adapters in the model's dtype are fp32 there). QLoRA with ``lora_dtype`` "model"
+    (no kbit preparation, pure bf16 only) builds them in bf16: its profile key is the QLoRA key with ``-a16``."""
+    if not training.lora or training.qlora_kbit_prep:
         return False
     if training.lora_dtype == "model":
         return training.precision == "bf16"

@@ -102,7 +102,7 @@ def build_model(config: dict[str, Any], training: TrainingSpec, device: torch.de
 
         install_loss(model, training)
     if training.qlora:
-        model = prepare_qlora_base(model, param_dtype(training.precision))
+        model = prepare_qlora_base(model, param_dtype(training.precision), kbit_prep=training.qlora_kbit_prep)
         if not meta:
             quantize_4bit_weights(model, target)
     if training.lora:
@@ -157,13 +157,15 @@ def _from_config(cfg, dtype: torch.dtype, attn: str) -> torch.nn.Module:
             attn = _ATTN_FALLBACK[attn]
 
 
-def prepare_qlora_base(model: torch.nn.Module, compute_dtype: torch.dtype) -> torch.nn.Module:
+def prepare_qlora_base(model: torch.nn.Module, compute_dtype: torch.dtype, kbit_prep: bool = True) -> torch.nn.Module:
     """The QLoRA recipe on a randomly initialised model, as ``from_pretrained(quantization_config=
     BitsAndBytesConfig(load_in_4bit, nf4, double quant, compute_dtype))`` then ``peft.prepare_model_for_kbit_training``
     (what TRL's SFTTrainer and the QLoRA reference code run) would leave it: every ``nn.Linear`` but the output
     head (and anything tied to the embeddings) becomes a bitsandbytes ``Linear4bit`` holding its weight unquantized
     until ``quantize_4bit_weights``; every other 16-bit parameter is cast to fp32. Gradient checkpointing stays as
-    ``build_model`` set it (non-reentrant: peft's input-grad hook is not needed)."""
+    ``build_model`` set it (non-reentrant: peft's input-grad hook is not needed). ``kbit_prep`` False: the recipe
+    without ``prepare_model_for_kbit_training`` (answer.ai fsdp_qlora's train.py, ``TrainingSpec.lora_dtype``
+    "model"): the other parameters stay in the model's dtype."""
     import bitsandbytes as bnb
     from peft import prepare_model_for_kbit_training
 
@@ -180,6 +182,8 @@ def prepare_qlora_base(model: torch.nn.Module, compute_dtype: torch.dtype) -> to
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, quantized)
     model.is_loaded_in_4bit = True
+    if not kbit_prep:
+        return model
     with warnings.catch_warnings():  # peft's fp32 cast may warn about the allocator cache on CPU: harmless
         warnings.simplefilter("ignore")
         return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
@@ -276,7 +280,9 @@ def apply_lora(model: torch.nn.Module, training: TrainingSpec) -> torch.nn.Modul
                       target_modules=lora_target_modules(model, training.lora_targets), task_type="CAUSAL_LM")
     with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing: harmless
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated", category=FutureWarning)
-        return get_peft_model(model, lora, autocast_adapter_dtype=not _ADAPTERS_16BIT[0])
+        # QLoRA without kbit preparation builds its adapters in the model's dtype whoever builds it (the oracle too)
+        return get_peft_model(model, lora, autocast_adapter_dtype=not (_ADAPTERS_16BIT[0] or (
+            training.qlora and not training.qlora_kbit_prep)))
 
 
 def build_optimizer(params, training: TrainingSpec, lr: float = 1e-5) -> torch.optim.Optimizer:
@@ -446,7 +452,7 @@ def as_on_gpu(batch: str = "full", training: TrainingSpec | None = None) -> Iter
     with contextlib.ExitStack() as stack:
         stack.enter_context(cuda_composites())
         stack.enter_context(full_length_attention_mask(padded=batch != "full"))
-        if training is not None and training.qlora and training.attn == "flash":
+        if training is not None and training.qlora_kbit_prep and training.attn == "flash":
             stack.enter_context(flash_attention_2(param_dtype(training.precision)))
         yield
 

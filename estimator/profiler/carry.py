@@ -159,7 +159,7 @@ def variant_training(profile: dict) -> TrainingSpec:
     return TrainingSpec(precision=variant["precision"], attn=variant["attn"], grad_ckpt=variant["grad_ckpt"],
                         lora_rank=variant["lora_rank"], lora_targets=variant["lora_targets"],
                         qlora=variant.get("qlora", False), batch=variant.get("batch", "full"),
-                        lora_dropout=variant.get("lora_dropout", 0.0),
+                        lora_dropout=variant.get("lora_dropout", 0.0), lora_dtype=variant.get("lora_dtype", "auto"),
                         use_cache=variant.get("use_cache", False),
                         # traced under accelerate's autocast over 16-bit weights (TrainingSpec.forward_autocast)
                         outputs_fp32=bool(variant.get("forward_autocast"))

@@ -659,7 +659,9 @@ def _variant(training: TrainingSpec) -> dict:
     return {"precision": training.precision, "attn": training.attn, "grad_ckpt": training.grad_ckpt,
             "lora_rank": training.lora_rank, "lora_targets": training.lora_targets, "qlora": training.qlora,
             "batch": training.batch, "lora_dropout": training.lora_dropout,
-            "forward_autocast": training.forward_autocast, "use_cache": training.use_cache}
+            "forward_autocast": training.forward_autocast, "use_cache": training.use_cache,
+            # QLoRA without kbit preparation: a base built otherwise (LoRA's 16-bit adapters: the key's -a16 alone)
+            **({"lora_dtype": training.lora_dtype} if training.qlora and not training.qlora_kbit_prep else {})}
 
 
 def _check_depth(config: dict, training: TrainingSpec, regime: dict, fitted: dict, tp: int = 1,

@@ -31,12 +31,38 @@ def test_adapters_in_the_model_dtype_are_16_bit_in_a_16_bit_run(method, precisio
 @pytest.mark.parametrize("fields, message", [
     ({"lora_dtype": "bf16", **LORA}, "lora_dtype"),
     ({"lora_dtype": "model"}, "need LoRA"),
-    ({"lora_dtype": "model", "qlora": True, **LORA}, "QLoRA"),
+    ({"lora_dtype": "model", "qlora": True, "precision": "mixed_bf16", **LORA}, "pure bf16"),
+    ({"lora_dtype": "model", "qlora": True, "precision": "amp_bf16", **LORA}, "pure bf16"),
 ])
 def test_lora_dtype_refusals_are_one_line(fields, message):
     with pytest.raises(ValueError) as err:
-        TrainingSpec(precision="bf16", **fields)
+        TrainingSpec(**{"precision": "bf16", **fields})
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("method, refused", [("single", False), ("ddp", False), ("zero2", True), ("zero3", True)])
+def test_qlora_without_kbit_preparation_is_modelled_on_one_gpu_or_ddp(method, refused):
+    def spec():
+        return RunSpec(model="facebook/opt-125m", gpu="h100-80gb", parallel=ParallelSpec(method=method, world_size=2
+                                                                                           if method != "single" else 1),
+                       training=TrainingSpec(precision="bf16", qlora=True, lora_dtype="model", **LORA))
+    if not refused:
+        assert spec().training.qlora and not spec().training.qlora_kbit_prep
+        return
+    with pytest.raises(ValueError) as err:
+        spec()
+    assert str(err.value).startswith("lora_dtype") and "\n" not in str(err.value)
+
+
+def test_qlora_without_kbit_preparation_has_its_own_16_bit_profile_key():
+    """peft's QLoRA (auto) keeps its key; without kbit preparation (model) the QLoRA key with ``-a16``, and
+    flash attention reads the SDPA trace as LoRA's does (its attention inputs are bf16, not peft's fp32)."""
+    prepared = TrainingSpec(precision="bf16", qlora=True, attn="flash", **LORA)
+    plain = TrainingSpec(precision="bf16", qlora=True, attn="flash", lora_dtype="model", **LORA)
+    assert prepared.qlora_kbit_prep and not adapters_in_16bit(prepared, "single")
+    assert adapters_in_16bit(plain, "single") and adapters_in_16bit(plain, "ddp")
+    assert profile_key("0" * 16, prepared) == "0" * 16 + "_bf16_flash_nockpt_qlora8-q_proj,v_proj"
+    assert profile_key("0" * 16, plain, 1, True) == "0" * 16 + "_bf16_sdpa_nockpt_qlora8-q_proj,v_proj-a16"
 
 
 def test_auto_leaves_spec_ids_as_they_were_and_model_changes_them():
