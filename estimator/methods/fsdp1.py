@@ -678,7 +678,7 @@ def fsdp1(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> StepModel:
         # CPUOffload moves flat parameters only: the quant states stay where bitsandbytes quantized them (the GPU).
         weights += sizes.quant_state_bytes
         notes.append(f"fsdp1 QLoRA: packed 4-bit weights sharded as 16-bit elements of their unit (numel / 4); "
-                     f"their quant states ({sizes.quant_state_bytes / 2**30:.3f} GiB) whole on every rank")
+                     f"their quant states ({sizes.quant_state_bytes / 2**20:.1f} MiB) whole on every rank")
     return StepModel(resident={"weights": weights, "optimizer_states": states},
                      grad_policy=lambda prev, within: prev + within, segment_extra=None,
                      step_grads=0.0 if options.cpu_offload else grads, step_temp=temp, host_bytes=host, notes=notes,
