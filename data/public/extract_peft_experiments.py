@@ -219,30 +219,25 @@ def _answerai_rows(entry: dict, key: str, batch: int, framework: str) -> list[di
              "--use_gradient_checkpointing false --use_cpu_offload true --lora_rank 8 --lora_alpha 16 "
              "--gradient_accumulation_steps 4 --dataset alpaca_sample; peaks /1e9 per logged step, reset before "
              "the loop and after every line")
-    # fsdp_qlora's own QLoRA is the estimator's qlora with lora_dtype model (docs/fsdp1_qlora.md); DoRA is not
-    # modelled, and peft's run through BitsAndBytesConfig is another recipe, not read here
-    expressible = key == "qlora-fsdp1-offload-answerai"
-    if not expressible:
-        notes += "; not expressible: " + ("DoRA" if "qdora" in key else "peft's QLoRA loading path under FSDP1 "
-                                          "(its kbit preparation not read)")
-    else:
-        notes += ("; fsdp_qlora's QLoRA: NF4 with quant_storage bf16, the rest and the adapters bf16, no "
-                  "prepare_model_for_kbit_training (lora_dtype model)")
+    # the fsdp_qlora runs are --train_type custom_qlora / bnb_dora: fsdp_qlora's own LORA / DoRA modules, not peft's
+    # (the estimator's LoRA is peft's); the peft runs load through BitsAndBytesConfig (their preparation not read)
+    notes += ("; not expressible: " + ("DoRA" if "qdora" in key else "fsdp_qlora's own LORA module (train_type "
+              "custom_qlora), not peft's" if "answerai" in key else "peft's QLoRA loading path under FSDP1 (its kbit "
+              "preparation not read)") + "; the packed 4-bit weights under FSDP1 are modelled (qlora, lora_dtype model)")
     rows = []
     for quantity, field in QUANTITY_KEYS.items():
         rows.append(row(
             row_id=f"{SOURCE}:{key}:{quantity}", source=SOURCE, source_ref=ref(entry),
             **_peak_fields(lines, field, "step"), model="meta-llama/Llama-2-7b-hf", gpu=GPU,
             method="fsdp1", world_size=2, micro_batch_size=batch, seq_len=512, precision="bf16", optimizer="adamw",
-            grad_ckpt=False, attn="sdpa", lora_rank=8, lora_targets="auto", qlora=True,
-            lora_dtype="model" if expressible else "auto", grad_accum_steps=4,
+            grad_ckpt=False, attn="sdpa", lora_rank=8, lora_targets="auto", qlora=True, grad_accum_steps=4,
             loop="manual", batch="padded", fsdp1_use_orig_params=False, fsdp1_cpu_offload=True,
             fsdp1_gpus_per_node=2, model_code="4.44", model_hub_id="meta-llama/Llama-2-7b-hf", framework=framework,
             adapter="qdora" if "qdora" in key else "qlora", padding="longest", max_length=512,
             seq_len_basis="max_length_cap", lengths="alpaca_sample truncated to 512",
             rescore_lengths=False, torch_version="2.3.1", transformers_version="e4522fe3 (git)",
             peft_version="22f042a1 (git)", bitsandbytes_version="0.43.3", quantity=quantity, scope="per_gpu",
-            unit=UNIT, in_scope=expressible, assumptions=notes))
+            unit=UNIT, in_scope=False, assumptions=notes))
     return rows
 
 
