@@ -20,7 +20,7 @@ METHODS = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp1", "tp", "d
 ZERO_METHODS = ("zero1", "zero2", "zero3", "zero_offload")
 # FSDP shards (dp_tp: FSDP2 over the mesh's dp axis): what TrainingSpec.grad_sync changes and the methods share.
 FSDP_METHODS = ("fsdp", "fsdp1", "dp_tp")
-QLORA_UNSUPPORTED_METHODS = ("fsdp", "fsdp1", "tp", "dp_tp")
+QLORA_UNSUPPORTED_METHODS = ("fsdp", "tp", "dp_tp")
 # torch.distributed.fsdp.ShardingStrategy names (FSDP1); HYBRID_SHARD shards within a node, replicates across.
 FSDP1_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 # torch.distributed.fsdp.BackwardPrefetch names, "NONE" for backward_prefetch=None.
@@ -585,13 +585,12 @@ class RunSpec:
                 "single", "ddp", "fsdp1"):
             # DeepSpeed casts the whole model to its dtype whatever the recipe: QLoRA under ZeRO is peft's recipe only
             _fail("lora_dtype" if self.training.qlora_prep == "auto" else "qlora_prep",
-                  f"QLoRA without kbit preparation is modelled on one GPU or DDP, not {self.parallel.method}")
-        if self.training.qlora and self.parallel.method == "fsdp1":
-            # FSDP1 can shard Params4bit, but only in a unit of one dtype: the packed weights stored as 16 bits
-            # beside 16-bit norms, which the estimator's QLoRA (fp32 after prepare_model_for_kbit_training) is not.
-            _fail("qlora", "fsdp1 shards 4-bit weights only as answer.ai's fsdp_qlora builds them (16-bit "
-                           "quant_storage, no fp32 cast of the rest), a recipe not modelled here "
-                           "(docs/fsdp1_qlora.md); use single, ddp or a ZeRO method")
+                  f"QLoRA without kbit preparation is modelled on one GPU, DDP or FSDP1, not {self.parallel.method}")
+        if self.training.qlora_kbit_prep and self.parallel.method == "fsdp1":
+            # FSDP1 flattens one dtype per unit: peft's kbit preparation leaves fp32 norms beside the packed weights.
+            _fail("qlora", "fsdp1 shards 4-bit weights only as answer.ai's fsdp_qlora builds them (lora_dtype model: "
+                           "no kbit preparation, 16-bit quant_storage and norms); peft's recipe mixes fp32 norms into "
+                           "each layer's flat parameter (docs/fsdp1_qlora.md); use single, ddp or a ZeRO method")
         if self.training.qlora and self.parallel.method in QLORA_UNSUPPORTED_METHODS:
             _fail("qlora", f"bitsandbytes 4-bit weights cannot be sharded by {self.parallel.method} here (FSDP2 and "
                            "DTensor cannot wrap Params4bit); use single, ddp or a ZeRO method")

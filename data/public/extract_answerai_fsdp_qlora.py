@@ -37,8 +37,9 @@ v0.10.0), so the adapters, their gradients and AdamW states are bf16 where the e
 adapters outside DeepSpeed; and Llama's model code of those releases returns fp32 logits (``logits.float()``),
 which the manual loop holds through backward, where the shipped profiles trace a newer release's bf16 logits.
 
-QLoRA under FSDP (bnb 4-bit weights with ``quant_storage`` bf16, sharded by FSDP1) is not expressible; Yi-34B
-and Mistral-7B-v0.2 are not in the catalogue; the Llama-2-70B rows are QLoRA. Those rows are kept, out of scope.
+QLoRA under FSDP1 (bnb 4-bit weights with ``quant_storage`` bf16, no kbit preparation, bf16 adapters) is the
+estimator's ``qlora`` with ``lora_dtype model`` (docs/fsdp1_qlora.md). Yi-34B and Mistral-7B-v0.2 are not in the
+catalogue: those rows are kept, out of scope.
 Standard library only.
 """
 
@@ -120,9 +121,6 @@ def _rows(entry, machine, heading, caption, cells, allocated=None):
     out = []
     if model is None:
         out.append(f"{hub} is not in the estimator's catalogue")
-    if adapter == "qlora":
-        out.append("QLoRA under FSDP1 (bnb 4-bit weights stored as bf16 and sharded): the estimator's QLoRA is not "
-                   "shardable by fsdp1")
     notes = [f"code semantics: {TRAIN_REF} (the page pins no commit: runs of Feb-Mar 2024; --dataset_samples, "
              "used by the page's template, exists from 049515f of 2024-03-19, and the LoRA path's memory-shaping "
              "code is unchanged from there to the page's commit)",
@@ -144,10 +142,15 @@ def _rows(entry, machine, heading, caption, cells, allocated=None):
         notes.append("DDP True: --sharding_strategy ddp, FSDP1 NO_SHARD (the page's footnote)")
     if offload:
         notes.append("CPU Offload True: FSDP1 CPUOffload(offload_params=True)")
+    if adapter == "qlora":
+        notes.append("QLoRA: every Linear of model.model NF4 with quant_storage bf16, the rest and the adapters bf16, "
+                     "no prepare_model_for_kbit_training (lora_dtype model); the packed weights sharded by FSDP1, "
+                     "their quant states whole on each rank (docs/fsdp1_qlora.md)")
     spec = dict(
         source=SOURCE, source_ref=ref(entry), model=model or hub, gpu=gpu, method="fsdp1", world_size=WORLD,
         micro_batch_size=batch, seq_len=seq, precision="bf16", optimizer="adamw", grad_ckpt=True, attn="sdpa",
-        lora_rank=64, lora_targets=TARGETS, lora_dropout=0.1, qlora=adapter == "qlora", grad_accum_steps=1,
+        lora_rank=64, lora_targets=TARGETS, lora_dropout=0.1, qlora=adapter == "qlora",
+        lora_dtype="model" if adapter == "qlora" else "auto", grad_accum_steps=1,
         loop="manual", batch="full", use_cache=False, fsdp1_sharding_strategy="NO_SHARD" if ddp else "FULL_SHARD",
         fsdp1_use_orig_params=False, fsdp1_cpu_offload=offload, fsdp1_backward_prefetch="BACKWARD_PRE",
         fsdp1_forward_prefetch=False, fsdp1_limit_all_gathers=True, fsdp1_gpus_per_node=WORLD, model_hub_id=hub,

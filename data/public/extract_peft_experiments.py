@@ -226,7 +226,12 @@ def _answerai_rows(entry: dict, key: str, batch: int, framework: str) -> list[di
              f"--train_type qlora|qdora --batch_size {batch} --context_length 512 --precision bf16 "
              "--use_gradient_checkpointing false --use_cpu_offload true --lora_rank 8 --lora_alpha 16 "
              "--gradient_accumulation_steps 4 --dataset alpaca_sample; peaks /1e9 per logged step, reset before "
-             "the loop and after every line; not expressible: QLoRA/QDoRA weights sharded by FSDP1 with CPU offload")
+             "the loop and after every line")
+    # the fsdp_qlora runs are --train_type custom_qlora / bnb_dora: fsdp_qlora's own LORA / DoRA modules, not peft's
+    # (the estimator's LoRA is peft's); the peft runs load through BitsAndBytesConfig (their preparation not read)
+    notes += ("; not expressible: " + ("DoRA" if "qdora" in key else "fsdp_qlora's own LORA module (train_type "
+              "custom_qlora), not peft's" if "answerai" in key else "peft's QLoRA loading path under FSDP1 (its kbit "
+              "preparation not read)") + "; the packed 4-bit weights under FSDP1 are modelled (qlora, lora_dtype model)")
     rows = []
     for quantity, field in QUANTITY_KEYS.items():
         rows.append(row(

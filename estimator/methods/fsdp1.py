@@ -49,7 +49,7 @@ concatenated into.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from estimator.methods.fsdp_replay import (
     BACKWARD_LAYER,
@@ -156,6 +156,8 @@ class Fsdp1Sizes:
     # Bytes per token a decoder layer's unit keeps from its backward to the end of backward (its input and the
     # input's gradient: ``reentrant_kept_input_bytes``); 0: none kept.
     kept_input_bytes_per_token: float = 0.0
+    # QLoRA: every 4-bit weight's quant state, whole on this rank (not a parameter: neither flattened nor sharded).
+    quant_state_bytes: float = 0.0
 
     def unit_of(self, index: int) -> FlatUnit:
         """Decoder layer ``index``'s unit."""
@@ -505,6 +507,35 @@ def _units(table: list[ParamInfo]) -> tuple[list[ParamInfo], list[list[ParamInfo
     return root, [layers[i] for i in sorted(layers)]
 
 
+# Bytes of one packed 4-bit weight's values: two NF4 values a byte.
+NF4_VALUES_PER_BYTE = 2
+# The CUDA caching allocator's block (the profile's ``stored_bytes`` rounds each quantized tensor to it).
+BLOCK_BYTES = 512
+
+
+def packed_flat(p: ParamInfo, storage_elem: int) -> tuple[ParamInfo, float]:
+    """(the tensor as a flat parameter holds it, the bytes every rank keeps beside the flat parameter). A 4-bit row
+    (``stored_bytes_per_elem``: packed values and quant state, as the profiler recorded it) becomes its packed values
+    viewed in ``storage_elem``-byte elements (``Params4bit(quant_storage=<16-bit dtype>)``: ``numel / 4``
+    elements, checked on real CPU FSDP1 ranks, benchmarks/fsdp1_qlora_packed.py); the rest of its stored bytes is the
+    quant state, not flattened. Other rows: unchanged, nothing beside."""
+    if p.stored_bytes_per_elem is None:
+        return p, 0.0
+    packed_bytes = math.ceil(p.numel / NF4_VALUES_PER_BYTE)
+    elements = math.ceil(packed_bytes / storage_elem)
+    state_bytes = max(p.nbytes - math.ceil(packed_bytes / BLOCK_BYTES) * BLOCK_BYTES, 0)
+    return replace(p, shape=(elements, 1), numel=elements, elem_bytes=storage_elem,
+                   stored_bytes_per_elem=None), float(state_bytes)
+
+
+def _flattened(params: list[ParamInfo], unit: str) -> tuple[list[ParamInfo], float]:
+    """A unit's tensors as FSDP1 flattens them (packed 4-bit rows in the unit's dtype) and the quant states' bytes
+    kept whole on every rank."""
+    storage = _uniform_elem(params, unit)
+    rows = [packed_flat(p, storage) for p in params]
+    return [row for row, _ in rows], sum(state for _, state in rows)
+
+
 def _uniform_elem(params: list[ParamInfo], unit: str) -> int:
     sizes = {p.elem_bytes for p in params}
     if len(sizes) > 1:
@@ -588,19 +619,27 @@ def fsdp1_sizes(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> Fsdp1Si
         raise ValueError("grad_sync: fsdp1 holding its gradients between micro-batches (no_sync) is modelled for "
                          "sharded strategies without LoRA or with lora_wrap layer; use grad_sync every, or fsdp")
 
+    packed = any(p.stored_bytes_per_elem is not None for p in table)
+    if packed and mixed:
+        raise ValueError("method: fsdp1 with 4-bit weights under mixed_* is not modelled (FSDP1 would hold the "
+                         "packed weights in fp32 shards and cast them); use bf16 as fsdp_qlora does")
+
     def unit(params: list[ParamInfo], name: str) -> FlatUnit:
         # mixed_*: built in fp32, so one dtype per unit whatever the model keeps in fp32 at 16 bits (DeepSeek's
         # router), and MixedPrecision gathers the whole flat parameter in 16 bits
         compute = HALF if mixed else _uniform_elem(params, name)
         param_elem = FP32 if mixed else compute
         reduce = FP32 if mixed else compute
-        return flat_unit(params, world, rank % world, compute, param_elem, reduce, options.use_orig_params)
+        flat = _flattened(params, name)[0] if packed else params
+        return flat_unit(flat, world, rank % world, compute, param_elem, reduce, options.use_orig_params)
     each = tuple(unit(params, "decoder layer") for params in layers)
     generic = unit(layer, "decoder layer")
     kept = reentrant_kept_input_bytes(training, table, generic) if not any(u.trainable for u in each) else 0.0
+    states = sum(_flattened(params, "unit")[1] for params in [root, *layers]) if packed else 0.0
     return Fsdp1Sizes(root=unit(root, "root unit"), layer=generic, options=options,
                       mixed=mixed, adapters=tuple(unit([p], f"adapter {p.name}") for p in adapters),
-                      layers=each if len(set(each)) > 1 else (), kept_input_bytes_per_token=kept)
+                      layers=each if len(set(each)) > 1 else (), kept_input_bytes_per_token=kept,
+                      quant_state_bytes=states)
 
 
 def fsdp1(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> StepModel:
@@ -635,6 +674,11 @@ def fsdp1(spec: RunSpec, table: list[ParamInfo], rank: int = 0) -> StepModel:
         notes.append("fsdp1 cpu_offload: shards, gradients' host copies, optimizer states and the step on the host "
                      "(host_ram_bytes); checked on a real H200 (FULL_SHARD, mixed_bf16), not on the CPU oracle (no separate "
                      "device)")
+    if sizes.quant_state_bytes:
+        # CPUOffload moves flat parameters only: the quant states stay where bitsandbytes quantized them (the GPU).
+        weights += sizes.quant_state_bytes
+        notes.append(f"fsdp1 QLoRA: packed 4-bit weights sharded as 16-bit elements of their unit (numel / 4); "
+                     f"their quant states ({sizes.quant_state_bytes / 2**20:.1f} MiB) whole on every rank")
     return StepModel(resident={"weights": weights, "optimizer_states": states},
                      grad_policy=lambda prev, within: prev + within, segment_extra=None,
                      step_grads=0.0 if options.cpu_offload else grads, step_temp=temp, host_bytes=host, notes=notes,

@@ -115,7 +115,9 @@ def why_not(spec, regime: dict, num_layers: int, table: list[ParamInfo] | None =
             reason = ("fsdp1 with CPU offload, mixed precision and checkpointing: the recompute's 16-bit shard "
                       "copies (its pre-forward's pre_unshard) are not in the replay yet")
         if reason is None and training.qlora:
-            reason = "fsdp1 with QLoRA: the packed weights' units are not in the replay yet"
+            # allocated is modelled (packed units, whole quant states); the block replay is unchecked for them
+            reason = ("fsdp1 with QLoRA: the packed units' and quant states' blocks are not in the replay yet (no "
+                      "real run to check them)")
         if reason is None and table is not None and fsdp1_sizes(spec, table).kept_input_bytes_per_token:
             reason = ("fsdp1 with reentrant checkpointing around frozen units (ckpt_reentrant, model code before "
                       "4.52): the layer inputs and gradients kept to the end of backward are not in the replay yet")

@@ -210,11 +210,15 @@ def test_universal_trainer_bf16_loss_path_is_out_of_scope_and_qlora_is_not():
 
 
 
-def test_answerai_rows_read_the_page_and_keep_sharded_qlora_out():
+def test_answerai_rows_read_the_page_and_bring_sharded_qlora_in_as_qlora_without_kbit_preparation():
     rows = {r["row_id"]: r for r in _load("public_answerai", "extract_answerai_fsdp_qlora.py").extract()}
     lora = {k: r for k, r in rows.items() if ":lora:" in k}
     assert len(lora) == 10 and all(r["in_scope"] and r["complete"] for r in lora.values())
-    assert not any(r["in_scope"] for k, r in rows.items() if ":qlora:" in k)
+    qlora = {k: r for k, r in rows.items() if ":qlora:" in k}
+    # fsdp_qlora's QLoRA is qlora + lora_dtype model; Yi-34B and Mistral-7B-v0.2 stay out (not in the catalogue)
+    assert {k for k, r in qlora.items() if r["in_scope"]} == {k for k in qlora if "Llama-2" in k} != set()
+    assert all(r["lora_dtype"] == "model" and r["qlora"] for r in qlora.values())
+    assert all(r["lora_dtype"] == "auto" for r in lora.values())
     b1 = rows["answerai_fsdp_qlora:3090:Llama-2-7b-hf:lora:b1:s512:allocated"]
     assert b1["quantity"] == "max_allocated" and b1["value"] == 8.28 and b1["value_bytes"] == round(8.28 * 2**30)
     assert rows["answerai_fsdp_qlora:3090:Llama-2-7b-hf:lora:b1:s2048:allocated"]["value"] == 9.16

@@ -416,3 +416,75 @@ def test_mixed_precision_flattens_a_router_kept_in_fp32_with_the_rest():
     assert layer.unsharded_bytes == 2 * (512 + 32)  # no padding: 544 elements split evenly, 16-byte aligned
     with pytest.raises(ValueError, match=r"needs one dtype per unit; the decoder layer mixes \[2, 4\]"):
         fsdp1_sizes(mixed.replace(**{"training.precision": "bf16"}), table)
+
+
+# Measured on bitsandbytes 0.50.2 (docs/fsdp1_qlora.md): a 4,096 x 4,096 NF4 weight's nested quant state.
+QUANT_STATE_4096_BYTES = 267_332
+
+
+def _packed(name, out_f, in_f, state_bytes, layer):
+    """A 4-bit row as the profiler records it: the logical bf16 weight, its stored bytes (packed values and quant
+    state, each in 512-byte blocks)."""
+    numel = out_f * in_f
+    stored = -(-numel // 2 // 512) * 512 + -(-state_bytes // 512) * 512
+    return ParamInfo(name, (out_f, in_f), numel, 2, False, "linear", layer, stored_bytes_per_elem=stored / numel)
+
+
+def test_a_packed_weight_is_a_quarter_of_its_elements_in_the_flat_parameter_and_its_quant_state_beside_it():
+    from estimator.methods.fsdp1 import packed_flat
+
+    row, state = packed_flat(_packed("q", 4096, 4096, QUANT_STATE_4096_BYTES, 0), storage_elem=2)
+    assert (row.numel, row.elem_bytes, row.stored_bytes_per_elem) == (4_194_304, 2, None)
+    assert state == -(-QUANT_STATE_4096_BYTES // 512) * 512
+    plain = _param("norm", 4096, elem=2, trainable=False)
+    assert packed_flat(plain, 2) == (plain, 0.0)
+
+
+def _qlora_table(norm_elem=2):
+    table = [ParamInfo("model.embed_tokens.weight", (1000, 4096), 4_096_000, 2, False, "embedding", None)]
+    for i in (0, 1):
+        table += [_packed(f"model.layers.{i}.self_attn.q_proj.weight", 4096, 4096, QUANT_STATE_4096_BYTES, i),
+                  ParamInfo(f"model.layers.{i}.input_layernorm.weight", (4096,), 4096, norm_elem, False, "norm", i),
+                  ParamInfo(f"model.layers.{i}.self_attn.q_proj.lora_A.default.weight", (8, 4096), 32_768, 2, True,
+                            "linear", i),
+                  ParamInfo(f"model.layers.{i}.self_attn.q_proj.lora_B.default.weight", (4096, 8), 32_768, 2, True,
+                            "linear", i)]
+    return table
+
+
+def _qlora_fsdp1(**options):
+    # LoRA in the model's dtype: what fsdp_qlora runs (the sizing reads the 4-bit rows from the table)
+    return RunSpec(model="x", parallel=ParallelSpec(method="fsdp1", world_size=2, fsdp1=Fsdp1Spec(**options)),
+                   training=TrainingSpec(precision="bf16", lora_rank=8, lora_dtype="model"))
+
+
+def test_fsdp1_shards_the_packed_layer_and_keeps_every_quant_state_whole_on_each_rank():
+    """fsdp_qlora's FSDP1 (use_orig_params false, FULL_SHARD, 2 ranks): each decoder layer's flat parameter is its
+    packed weights as bf16 (numel / 4) and its bf16 norm, half on each rank; the quant states are not divided."""
+    from estimator.methods.fsdp1 import fsdp1, fsdp1_sizes
+
+    table = _qlora_table()
+    sizes = fsdp1_sizes(_qlora_fsdp1(use_orig_params=False), table)
+    assert sizes.layer.numel == 4_194_304 + 4096 and sizes.layer.shard_numel == (4_194_304 + 4096) // 2
+    assert sizes.layer.unsharded_bytes == 2 * (4_194_304 + 4096)   # the all-gather moves the packed layer
+    state = -(-QUANT_STATE_4096_BYTES // 512) * 512
+    assert sizes.quant_state_bytes == 2 * state
+    model = fsdp1(_qlora_fsdp1(use_orig_params=False), table)
+    shards = sizes.root.shard_numel * 2 + 2 * sizes.layer.shard_numel * 2 + 2 * sum(
+        a.shard_numel * 2 for a in sizes.adapters)
+    assert model.resident["weights"] == shards + 2 * state
+    offloaded = fsdp1(_qlora_fsdp1(use_orig_params=False, cpu_offload=True), table)
+    assert offloaded.resident["weights"] == 2 * state  # CPUOffload moves flat parameters, not the quant states
+
+
+def test_fsdp1_refuses_packed_weights_beside_fp32_norms_and_under_mixed_precision():
+    """peft's kbit preparation (fp32 norms beside the packed bf16 weights) cannot be flattened; MixedPrecision
+    would hold the packed values in fp32 shards."""
+    from estimator.methods.fsdp1 import fsdp1_sizes
+
+    with pytest.raises(ValueError, match=r"needs one dtype per unit; the decoder layer mixes \[2, 4\]"):
+        fsdp1_sizes(_qlora_fsdp1(use_orig_params=False), _qlora_table(norm_elem=4))
+    spec = RunSpec(model="x", parallel=ParallelSpec(method="fsdp1", world_size=2),
+                   training=TrainingSpec(precision="mixed_bf16"))
+    with pytest.raises(ValueError, match=r"^method: fsdp1 with 4-bit weights under mixed_\*"):
+        fsdp1_sizes(spec, [dataclasses.replace(p, trainable=False) for p in _qlora_table()])

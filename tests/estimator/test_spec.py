@@ -24,11 +24,15 @@ def test_qlora_with_fsdp_or_tp_is_refused():
     RunSpec(model="m", training=qlora, parallel=ParallelSpec(method="zero3", world_size=4))
 
 
-def test_qlora_with_fsdp1_is_refused_with_its_own_reason():
-    """FSDP1 can shard Params4bit (fsdp_qlora), so its refusal names the recipe it would need, not FSDP2's limit."""
+def test_qlora_with_fsdp1_is_modelled_for_fsdp_qlora_recipe_only():
+    """FSDP1 shards Params4bit as fsdp_qlora builds them (lora_dtype model: no kbit preparation, everything bf16);
+    peft's kbit recipe keeps its refusal, which names the recipe FSDP1 needs, not FSDP2's limit."""
     qlora = TrainingSpec(lora_rank=8, qlora=True)
-    with pytest.raises(ValueError, match=r"^qlora: fsdp1 .*docs/fsdp1_qlora\.md"):
+    with pytest.raises(ValueError, match=r"^qlora: fsdp1 .*docs/fsdp1_qlora\.md") as err:
         RunSpec(model="m", training=qlora, parallel=ParallelSpec(method="fsdp1", world_size=2))
+    assert "\n" not in str(err.value)
+    plain = TrainingSpec(lora_rank=8, qlora=True, lora_dtype="model", precision="bf16")
+    assert RunSpec(model="m", training=plain, parallel=ParallelSpec(method="fsdp1", world_size=2)).training.qlora
 
 
 @pytest.mark.parametrize("kwargs, field", [
