@@ -144,13 +144,11 @@ def _baselines(spec) -> dict[str, float]:
     return report_baselines(spec, None)
 
 
-REPO = Path(__file__).resolve().parents[1]
-
-
 def step_lengths(row: dict) -> tuple[tuple[int, int], ...] | None:
     """The (rows, padded length) of each step the measured rank ran, in order, where the row's ``lengths`` names
-    a file of them (``data/public/lengths/*.json`` of kind "steps"), else None. A file that is missing or not of
-    that kind is a one-line ``ValueError``."""
+    a file of them (``data/public/lengths/*.json`` of kind "steps"), else None (a file of the dataset's length
+    statistics is ``row_epoch``'s). A missing file, or a "steps" file without its lengths, is a one-line
+    ``ValueError``."""
     name = row.get("lengths", "")
     if not name.startswith("data/public/lengths/"):
         return None
@@ -158,7 +156,9 @@ def step_lengths(row: dict) -> tuple[tuple[int, int], ...] | None:
     if not path.is_file():
         raise ValueError(f"lengths: no such file {name!r}")
     data = json.loads(path.read_text())
-    if data.get("kind") != "steps" or not data.get("padded_lengths"):
+    if data.get("kind") != "steps":
+        return None
+    if not data.get("padded_lengths"):
         raise ValueError(f"lengths: {name} holds no per-step padded lengths (kind 'steps')")
     return tuple((int(data["rows"]), int(n)) for n in data["padded_lengths"])
 

@@ -549,6 +549,8 @@ def test_swift_rows_rescore_over_their_epoch_of_deleted_lengths():
     lengths, _, _ = P.row_epoch(rows[SWIFT_YI + "4096"], 4096)
     assert len(lengths) == 1000
     assert P.row_epoch({**rows[SWIFT_YI + "512"], "rescore_lengths": "False"}, 512) is None
+    spec, sequence = P._scored_spec(rows[SWIFT_YI + "512"])  # statistics, not a step sequence: the epoch scores it
+    assert sequence is None and spec.training.seq_len == 512
 
 
 @pytest.mark.slow

@@ -109,10 +109,16 @@ def test_calibrate_replays_the_rows_steps_at_their_longest():
     assert step_lengths({**row, "lengths": "tatsu-lab/alpaca truncated to 512"}) is None
 
 
-def test_a_missing_or_unusable_lengths_file_is_a_one_line_error():
+def test_a_missing_or_unusable_lengths_file_is_a_one_line_error(tmp_path, monkeypatch):
     from calibrate import public
 
     with pytest.raises(ValueError, match="^lengths: no such file 'data/public/lengths/none.json'$"):
         public.step_lengths({"lengths": "data/public/lengths/none.json"})
+    # a file of the dataset's length statistics is no step sequence: row_epoch reads it (ms-swift's rows)
+    assert public.step_lengths({"lengths": "data/public/lengths/ms_swift_cls_fudan_news_zh.json"}) is None
+    empty = tmp_path / "data" / "public" / "lengths" / "empty_steps.json"
+    empty.parent.mkdir(parents=True)
+    empty.write_text('{"kind": "steps", "rows": 32, "padded_lengths": []}')
+    monkeypatch.setattr(public, "REPO", tmp_path)
     with pytest.raises(ValueError, match="^lengths: .* holds no per-step padded lengths"):
-        public.step_lengths({"lengths": "data/public/lengths/ms_swift_cls_fudan_news_zh.json"})
+        public.step_lengths({"lengths": "data/public/lengths/empty_steps.json"})
