@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from estimator.allocator.model import MIN_BLOCK_BYTES
 from estimator.methods.fsdp_replay import (
     BACKWARD_LAYER,
     FIRST,
@@ -509,8 +510,6 @@ def _units(table: list[ParamInfo]) -> tuple[list[ParamInfo], list[list[ParamInfo
 
 # Bytes of one packed 4-bit weight's values: two NF4 values a byte.
 NF4_VALUES_PER_BYTE = 2
-# The CUDA caching allocator's block (the profile's ``stored_bytes`` rounds each quantized tensor to it).
-BLOCK_BYTES = 512
 
 
 def packed_flat(p: ParamInfo, storage_elem: int) -> tuple[ParamInfo, float]:
@@ -523,7 +522,8 @@ def packed_flat(p: ParamInfo, storage_elem: int) -> tuple[ParamInfo, float]:
         return p, 0.0
     packed_bytes = math.ceil(p.numel / NF4_VALUES_PER_BYTE)
     elements = math.ceil(packed_bytes / storage_elem)
-    state_bytes = max(p.nbytes - math.ceil(packed_bytes / BLOCK_BYTES) * BLOCK_BYTES, 0)
+    # the profile's stored bytes round each quantized tensor to the caching allocator's block
+    state_bytes = max(p.nbytes - math.ceil(packed_bytes / MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES, 0)
     return replace(p, shape=(elements, 1), numel=elements, elem_bytes=storage_elem,
                    stored_bytes_per_elem=None), float(state_bytes)
 
