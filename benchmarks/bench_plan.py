@@ -9,8 +9,11 @@ make this a no-op). Also printed: the same plan repeated inside one warm process
 
 ``--cold``: a fresh install instead — every process gets an empty profile cache (``LLMEM_CACHE_DIR``), nothing
 is built beforehand, and the whole ``python -m estimator plan ...`` command is timed, interpreter start-up
-included: what a user waits for the first time. Only shipped profiles can make that fast. ``--paper``: the
-LLMem paper's settings (its models on 4 x V100-16GB, sequence 512). Exit 1 when a plan is over the budget.
+included: what a user waits for the first time. Only shipped profiles can make that fast. The package's bytecode
+exists, as ``pip install`` compiles it and a first run writes it (one untimed plan writes it to a temporary
+``PYTHONPYCACHEPREFIX``, so a machine with ``PYTHONDONTWRITEBYTECODE`` set does not time the compiler: ~0.5 s of
+every command there); ``--no-bytecode`` times the source compile too. ``--paper``: the LLMem paper's settings (its
+models on 4 x V100-16GB, sequence 512). Exit 1 when a plan is over the budget.
 A benchmark, not a test: timings depend on the machine.
 
     python benchmarks/bench_plan.py --cold --paper
@@ -76,7 +79,7 @@ def _cold_command(model: str, args: argparse.Namespace) -> dict:
                    "--gpu", args.gpu, "--seq-len", str(args.seq_len), "--attn", args.attn]
         t, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
         out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False,
-                             env={**os.environ, "LLMEM_CACHE_DIR": cache})
+                             env={**_bytecode_env(args), "LLMEM_CACHE_DIR": cache})
         wall, after = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
         built = sorted(p.stem for p in Path(cache).glob("profiles/*.json"))
@@ -85,6 +88,16 @@ def _cold_command(model: str, args: argparse.Namespace) -> dict:
         return {"error": lines[-1]}
     best = next((line for line in out.stdout.splitlines() if line.startswith("Recommendation")), "")
     return {"wall_s": wall, "cpu_s": cpu, "built": built, "best": best.removeprefix("Recommendation: ")[:60]}
+
+
+def _bytecode_env(args: argparse.Namespace) -> dict[str, str]:
+    """The children's environment: with the estimator's bytecode in ``args.pycache`` (compiled once, untimed) unless
+    ``--no-bytecode``."""
+    env = dict(os.environ)
+    if args.pycache is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = args.pycache
+    return env
 
 
 def cold(models: list[str], args: argparse.Namespace) -> int:
@@ -126,13 +139,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="in-process repeats (warm caches)")
     parser.add_argument("--cold", action="store_true", help="time the whole command on an empty profile cache")
     parser.add_argument("--paper", action="store_true", help="the paper's models on 4 x v100-16gb, seq 512")
+    parser.add_argument("--no-bytecode", action="store_true",
+                        help="--cold: no compiled bytecode of the package (time the source compile too)")
     args = parser.parse_args(argv)
     if args.paper:
         for key, value in PAPER.items():
             setattr(args, key, value)
     models = args.models or (list(PAPER_MODELS) if args.paper else catalogue_models())
     if args.cold:
-        return cold(models, args)
+        if args.no_bytecode:
+            args.pycache = None
+            return cold(models, args)
+        with tempfile.TemporaryDirectory() as pycache:
+            args.pycache = pycache
+            # what `pip install` does, untimed: one plan writes the bytecode of everything a plan imports (the
+            # prefix holds the standard library's too)
+            _cold_command(models[0], args)
+            return cold(models, args)
 
     print(f"plan on {args.gpus} x {args.gpu}, seq {args.seq_len}, {args.attn}; budget {BUDGET_MS:.0f} ms per plan")
     print(f"{'model':<48}{'estimates':>10}{'fresh ms':>10}{'cpu ms':>8}{'warm ms':>9}  {'ok':<4}recommendation")

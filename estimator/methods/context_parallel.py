@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from estimator.methods.timeline import event_walk, poly
+from estimator.models.memo import memo_by_owner
 
 FP32 = 4
 
@@ -397,6 +398,20 @@ def cp_segments(segments: dict, regime: dict, rank: int, cp: int, b: int, s_loca
     recomputation: the state before the call plus what the ring holds at its peak) and the output copy of
     ``output_copied`` when the output projection saves it (``output_saved``: ``output_projection_saves_input``).
     ValueError("cp: ...") when the trace shows no flash call (another kernel ran)."""
+    names = tuple(name for name in LAYER_SEGMENTS if name in segments)
+    key = (id(regime), names, rank, cp, b, s_local, heads, kv_heads, head_dim, act_bytes, output_saved)
+    # a plan asks the same rank's segments at one (b, s) for its floor, prior and replayed estimates
+    rewalked = memo_by_owner(_CP_LAYERS, key, regime, lambda: _cp_layer_segments(
+        names, regime, rank, cp, b, s_local, heads, kv_heads, head_dim, act_bytes, output_saved))
+    return {**segments, **rewalked}
+
+
+_CP_LAYERS: dict[tuple, tuple] = {}
+
+
+def _cp_layer_segments(names: tuple[str, ...], regime: dict, rank: int, cp: int, b: int, s_local: int, heads: int,
+                       kv_heads: int, head_dim: int, act_bytes: int, output_saved: bool) -> dict:
+    """``cp_segments``' re-walked layer segments (``names``: the layer segments the step has)."""
     events = regime.get("events")
     if not events:
         raise ValueError("cp: the profile has no event list to place the ring attention in (re-trace it)")
@@ -404,12 +419,12 @@ def cp_segments(segments: dict, regime: dict, rank: int, cp: int, b: int, s_loca
     extra = {"forward": ring_forward_extra(shape, rank, cp)[0], "backward": ring_backward_extra(shape, rank, cp)[0]}
     copy_bytes = float(shape.q * shape.act_bytes) if output_saved and output_copied(rank, cp) else 0.0
     found = {name: _attention_moments(events["segments"][name], events, shape, b, s_local)
-             for name in LAYER_SEGMENTS if name in segments and name in events["segments"]}
+             for name in names if name in events["segments"]}
     if not any(found.values()):
         raise ValueError("cp: no flash attention call in the traced layers (ring attention runs over flash, "
                          "memory-efficient or cuDNN SDPA; use 16-bit sdpa attention)")
     recomputed = any(kind == "forward" for name in ("bw_first", "bw", "bw_last") for _, kind in found.get(name, ()))
-    out = dict(segments)
+    out = {}
     for name, moments in found.items():
         backward = name.startswith("bw")
         # checkpointed: the forward's copy is not saved (only the recomputation's is, until the backward call);
