@@ -159,14 +159,18 @@ def on_one_stream(requests: list[tuple]) -> list[tuple]:
     return [(*r[:3], 0) if r[0] == "alloc" else r for r in requests]
 
 
-def first_differences(recorded: list[list[tuple]], generated: list[list[tuple]]) -> list[tuple]:
+def first_differences(recorded: list[list[tuple]], generated: list[list[tuple]], allocs_sorted: bool = False
+                      ) -> list[tuple]:
     """Per stream (0 default, 1 reduction, 2 allgather) and step (the setup left out: a CPU run keeps
     ``zero.Init``'s construction partitions there), the index of the first request whose kind or size differs,
-    with the two requests (None: the step's requests agree on that stream)."""
+    with the two requests (None: the step's requests agree on that stream). ``allocs_sorted``: each run of
+    allocations between two frees sorted too (``_runs_sorted``)."""
     out = []
     for stream in (0, 1, 2):
         for step, (rec, gen) in enumerate(zip(recorded[1:], generated[1:])):
             a, b = _sized(rec, stream), _sized(gen, stream)
+            if allocs_sorted:
+                a, b = _runs_sorted(a, "a"), _runs_sorted(b, "a")
             at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else
                       min(len(a), len(b)))
             out.append((stream, step, at, None if at is None else (a[at:at + 1], b[at:at + 1])))
@@ -190,10 +194,19 @@ def _sized(requests: list[tuple], stream: int) -> list[tuple]:
 
 
 def _frees_sorted(sized: list[tuple]) -> list[tuple]:
+    return _runs_sorted(sized, "f")
+
+
+def _runs_sorted(sized: list[tuple], kind: str) -> list[tuple]:
+    """``sized`` with each run of consecutive requests of ``kind`` ("a" or "f") sorted. Allocations: on CPU a
+    Linear's backward makes its input gradient before its weight gradient, a GPU run (and the profile) the other
+    way round; the tiny Llama's control run without reentrancy differs from the generated stream by exactly
+    these swaps (docs/error_matrix/zero3_reentrant_cpu.csv)."""
     out: list[tuple] = []
     run: list[tuple] = []
-    for r in sized + [("a", None)]:
-        if r[0] == "f":
+    other = "a" if kind == "f" else "f"
+    for r in sized + [(other, None)]:
+        if r[0] == kind:
             run.append(r)
             continue
         out += sorted(run)

@@ -288,12 +288,14 @@ def _method_step(spec, events: dict, expansion: Expansion, table: list[ParamInfo
         training, parallel = spec.training, spec.parallel
         recomputed = recomputed_layers(training, num_layers)
         key = ("zero3", id(expansion), id(table), parallel.world_size, parallel.zero, training.optimizer,
-               base_size_index, recomputed, training.grad_accum_steps, master_elem_bytes(training), attention_view)
+               base_size_index, recomputed, training.grad_accum_steps, master_elem_bytes(training), attention_view,
+               training.ckpt_reentrant)
         return _memo_step(key, expansion, table, lambda: zero3_step(
             expansion, table, parallel.world_size, _elem16(table), parallel.zero.reduce_bucket_size,
             training.optimizer, base_size_index, events["polys"], parallel.zero, recomputed,
             accumulate=training.grad_accum_steps, offload_optimizer=parallel.zero.offload_optimizer,
-            master_elem=master_elem_bytes(training), saved_inputs=_zero3_held_inputs(spec, table, attention_view)))
+            master_elem=master_elem_bytes(training), saved_inputs=_zero3_held_inputs(spec, table, attention_view),
+            reentrant=training.ckpt_reentrant))
     if spec.parallel.method not in SHARDED:
         return expansion, []
     training, world = spec.training, _shard_world(spec)

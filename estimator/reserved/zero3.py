@@ -56,6 +56,14 @@ against real CPU runs of tiny OPT, GPT-NeoX, BLOOM and GPT-2 (``benchmarks/zero3
 layer's last Linear's (``_last_projection`` off the recorded trace: GPT-NeoX, BLOOM); where the hidden states are
 dropped out after the MLP (OPT, GPT-2: ``_drops_out_hidden_states``) the recomputation runs before that Linear's
 backward fetch and stops past it, with no output to drop (``docs/error_matrix/zero3_arch_ckpt_cpu.csv``).
+
+Reentrant checkpointing (``ckpt_reentrant``, Llama-style decoders without LoRA): the coordinator's trace is
+``zero3_gathers.emulate(reentrant=True)``'s (the whole recomputation before the layer's first backward fetch); on
+the default stream the recomputation makes the stopped output and the layer's output too, and the checkpoint
+keeps its hidden-states input, its incoming gradient and that output to its backward's end, its keyword inputs
+to backward's end (``_reentrant_lifetimes``). Real DeepSpeed runs on CPU of a tiny Llama, all three streams
+request for request (``benchmarks/zero3_arch_replay.py --archs llama --ckpt --reentrant``,
+``docs/error_matrix/zero3_reentrant_cpu.csv``).
 """
 
 from __future__ import annotations
@@ -102,9 +110,9 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
         return f"zero3 under {training.precision}: not in the replay yet"
     if training.optimizer != "adamw":
         return f"zero3 with {training.optimizer}: only AdamW's step over the partition is checked"
-    if training.grad_ckpt and training.ckpt_reentrant:
-        return ("zero3 with reentrant checkpointing: the recomputation runs as a forward of its own, its fetches "
-                "not in the replay yet")
+    if training.grad_ckpt and training.ckpt_reentrant and training.lora:
+        return ("zero3 with LoRA and reentrant checkpointing: checked without LoRA only "
+                "(docs/error_matrix/zero3_reentrant_cpu.csv)")
     if training.grad_ckpt and training.ckpt_policy and ckpt_every(training.ckpt_policy) is None:
         return f"zero3 with {training.ckpt_policy} checkpointing: not in the replay yet"
     if training.grad_ckpt and training.activation_offload:
@@ -113,6 +121,9 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
         reason = _why_not_module_trace(table, training)
         if reason is not None:
             return reason
+        if training.grad_ckpt and training.ckpt_reentrant and not llama_like(table):
+            return ("zero3 with reentrant checkpointing outside Llama-style decoders: checked on Llama's only "
+                    "(docs/error_matrix/zero3_reentrant_cpu.csv)")
         if partition_numel(table, parallel.world_size) > zcfg.sub_group_size:
             return "zero3 with more than one optimizer sub-group: not in the replay yet"
     return None
@@ -623,14 +634,18 @@ def _first_gradient(body: list, layer: int, table: list[ParamInfo], grad_of: dic
 
 
 def _recompute_output_made_then_dropped(body: list, moved: dict[int, int], layer: int, table: list[ParamInfo],
-                                        grad_of: dict, size_index: int, build: _Builder) -> None:
+                                        grad_of: dict, size_index: int, build: _Builder,
+                                        layer_output: bool = False) -> int | None:
     """Under ``zero.Init`` a Linear runs DeepSpeed's ``LinearFunctionForZeroStage3``, an autograd Function that
     computes its output before it saves its inputs; torch's own linear saves them first. So a checkpointed
     layer's recomputation, stopping early once the MLP output projection has packed its inputs (the last tensors
     the layer saves), has made that projection's output first, freed as the stop unwinds: one
     ``b * s * hidden`` 16-bit tensor per recomputed layer, right after the recomputation's last allocation,
     which precedes the layer's first gradient. ZeRO-1/2 (torch's linear) have none: their streams match a real
-    run's without it (tests/estimator/test_zero3_recompute.py)."""
+    run's without it (tests/estimator/test_zero3_recompute.py).
+
+    ``layer_output``: a reentrant recomputation does not stop: it also makes the layer's output (the residual
+    sum, of the same size), which lives on (``_reentrant_lifetimes``); its key is returned (else None)."""
     grads = {grad_of[id(p)][0] for p in table if p.layer == layer and id(p) in grad_of}
     first_grad = next((i for i, op in enumerate(body) if op[0] == ALLOC and op[1] in grads), None)
     if first_grad is None or not any(op[0] == ALLOC for op in body[:first_grad]):
@@ -638,10 +653,66 @@ def _recompute_output_made_then_dropped(body: list, moved: dict[int, int], layer
     after = max(i for i in range(first_grad) if body[i][0] == ALLOC) + 1
     key = build.next_key
     build.next_key += 1
-    body[after:after] = [(ALLOC, key, size_index), (FREE, key, size_index)]
+    made = [(ALLOC, key, size_index)]
+    output = None
+    if layer_output:
+        output = build.next_key
+        build.next_key += 1
+        made.append((ALLOC, output, size_index))
+    body[after:after] = made + [(FREE, key, size_index)]
     for index, at in moved.items():
         if at >= after:
-            moved[index] = at + 2
+            moved[index] = at + len(made) + 1
+    return output
+
+
+def _reentrant_lifetimes(body: list, moved: dict[int, int], marks: tuple, outputs: dict[int, int],
+                         hidden_size_index: int, cut: int) -> None:
+    """What a reentrant checkpoint (``CheckpointFunction``) keeps to the end of its layer's backward, where a
+    non-reentrant one frees it at its last use: the recomputed layer's output (``outputs``: layer -> key), the
+    layer's incoming gradient (the backward's argument) and its hidden-states input (``save_for_backward``,
+    released with the node's variables once its backward returns). The checkpoint's keyword inputs (attention
+    mask, position ids, the rotary ``cos`` / ``sin``: ``partial(layer.__call__, **kwargs)`` is the node's
+    ``run_function``) live as long as the nodes, to the end of backward (after its last allocation): a layer
+    input made before the first layer's forward that is not the earliest of the hidden states' size
+    (``hidden_size_index``). ``cut``: the old op index where the optimizer part begins. Checked against real
+    DeepSpeed runs on CPU of a tiny Llama (docs/error_matrix/zero3_reentrant_cpu.csv). ``body`` and ``moved``
+    updated in place."""
+    order = [(name, layer, moved[at]) for name, layer, at in marks if at in moved]
+    first_layer_at = next(at for name, _layer, at in order if name.startswith("fw"))
+    born = {op[1]: i for i, op in enumerate(body) if op[0] == ALLOC}
+    backward_end = 1 + max(i for i in range(moved[cut]) if body[i][0] == ALLOC)
+    inserted: dict[int, list] = {}
+    removed: set[int] = set()
+    for k, (name, layer, start) in enumerate(order):
+        if not name.startswith("bw") or outputs.get(layer) is None:
+            continue
+        end = order[k + 1][2]
+        early = [i for i in range(start, end) if body[i][0] == FREE and born.get(body[i][1], start) < start]
+        hidden = min((i for i in early if born[body[i][1]] < first_layer_at and body[i][2] == hidden_size_index),
+                     key=lambda i: born[body[i][1]], default=None)
+        for i in early:
+            keyword = born[body[i][1]] < first_layer_at and i != hidden
+            inserted.setdefault(backward_end if keyword else end, []).append(body[i])
+            removed.add(i)
+        inserted.setdefault(end, []).append((FREE, outputs[layer], hidden_size_index))
+    _rebuilt(body, moved, removed, inserted)
+
+
+def _rebuilt(body: list, moved: dict[int, int], removed: set[int], inserted: dict[int, list]) -> None:
+    """``body`` less the ops at ``removed``, with ``inserted[i]`` before old op ``i``; ``moved`` (old op index
+    -> new) follows."""
+    new_at, out = [], []
+    for i, op in enumerate(body):
+        out += inserted.get(i, [])
+        new_at.append(len(out))
+        if i not in removed:
+            out.append(op)
+    out += inserted.get(len(body), [])
+    new_at.append(len(out))
+    body[:] = out
+    for index, at in moved.items():
+        moved[index] = new_at[at]
 
 
 @dataclass(frozen=True)
@@ -653,13 +724,15 @@ class Zero3Step:
 def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16: int, bucket_numel: int,
                optimizer: str, base_size_index: int, polys: list, zcfg,
                recomputed: frozenset[int] = frozenset(), accumulate: int = 1,
-               offload_optimizer: bool = False, master_elem: int = FP32, saved_inputs: tuple = ()) -> Zero3Step:
+               offload_optimizer: bool = False, master_elem: int = FP32, saved_inputs: tuple = (),
+               reentrant: bool = False) -> Zero3Step:
     """The expansion with ZeRO-3's events (module docstring); new tensors' sizes take indices from
     ``base_size_index`` on; ``recomputed``: the checkpointed layers (their recomputation's fetches; the
     expansion holds their recomputed activations); ``accumulate``: micro-steps per optimizer step
     (``_accumulating``); ``master_elem``: the master weights' and optimizer states' element size
     (``master_elem_bytes``); ``saved_inputs``: (layer, bytes per token) of each frozen Linear input DeepSpeed's
-    memory-efficient linear holds (``_hold_saved_inputs``). ExpansionError where the step cannot be built."""
+    memory-efficient linear holds (``_hold_saved_inputs``); ``reentrant``: the checkpoints re-enter
+    (``zero3_gathers.emulate``'s). ExpansionError where the step cannot be built."""
     recorded = recorded_trace(table)
     if not llama_like(table) and recorded is None:  # LoRA there: why_not_zero3 refuses, the benchmarks compare
         raise ExpansionError("zero3: the coordinator's module trace is derived for Llama-style decoders, or "
@@ -669,7 +742,7 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
                       max_live=zcfg.stage3_max_live_parameters, max_reuse=zcfg.stage3_max_reuse_distance,
                       persistence=zcfg.stage3_param_persistence_threshold, checkpointed=recomputed,
                       accumulate=accumulate, recorded=recorded, dropped_out=dropped_out,
-                      unsaved=unsaved_by_recomputation(table) if recomputed else frozenset())
+                      unsaved=unsaved_by_recomputation(table) if recomputed else frozenset(), reentrant=reentrant)
     if accumulate > 1:
         gathers.steps = _within_each_step(gathers.steps)
         # the plain steps' gathers: a step after an optimizer step that ends with one (a cycle's last micro-step
@@ -705,8 +778,12 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
         _hold_saved_inputs(body, moved, marks, saved_inputs, polys,
                            lambda layer, start: _first_gradient(body, layer, table, step.grad_of, start)
                            if layer in recomputed else None)
-        for layer in sorted(recomputed) if not dropped_out else ():
-            _recompute_output_made_then_dropped(body, moved, layer, table, step.grad_of, stopped_output, build)
+        outputs = {layer: _recompute_output_made_then_dropped(body, moved, layer, table, step.grad_of,
+                                                              stopped_output, build, layer_output=reentrant)
+                   for layer in (sorted(recomputed) if not dropped_out else ())}
+        if reentrant and outputs:
+            cut = next(at for name, _layer, at in marks if name == "optimizer_pre")
+            _reentrant_lifetimes(body, moved, marks, outputs, stopped_output, cut)
         if not first if kept_freed is None else kept_freed:
             # the optimizer step's release_and_reset_all drops the persistent tensors' gathered copies
             body += [(FREE_PREVIOUS, kept_keys + j, build.tensor(_aligned_bytes(p, world)).size_index)

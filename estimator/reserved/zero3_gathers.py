@@ -22,6 +22,13 @@ over the modules that hold parameters, in forward order and then in reverse for 
   (``recomputed_before_fetch``).
   Where that projection is a peft LoRA wrapper, its ``lora_B`` triggers the recomputation, which stops inside the
   wrapper: the recomputed wrapper never releases.
+* Reentrant checkpointing (``use_reentrant=True``: ``torch.utils.checkpoint``'s ``CheckpointFunction``) is one
+  autograd node on the layer's output, so its backward runs before any of the layer's modules' pre-backward
+  hooks: it runs the layer's whole forward again (no early stop: every recomputed module fetched and released
+  as in forward, and recorded in the trace), then backward through that new graph, each module fetched again.
+  The new graph saves the gathered parameters themselves, not detached aliases, so a release frees their
+  storage at once (the pre-backward fetch gathers them again): ``recomputed_before_fetch``'s trace with no
+  parameter saved. Real DeepSpeed runs on CPU of a tiny Llama (``docs/error_matrix/zero3_reentrant_cpu.csv``).
 * Later steps prefetch: after each fetch, parameters are popped off the trace's queue (those of the module just
   fetched, then up to ``stage3_prefetch_bucket_size`` elements, within ``stage3_max_live_parameters``) and
   gathered in one call; a release keeps what a module within ``stage3_max_reuse_distance`` elements of the trace
@@ -386,14 +393,19 @@ def recompute_owners(moved: dict[int, int | None]) -> dict[int, int]:
 def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket: int = 50_000_000,
             max_live: int = 1_000_000_000, max_reuse: int = 1_000_000_000, persistence: int = 100_000,
             checkpointed: frozenset[int] = frozenset(), accumulate: int = 1, recorded: tuple | None = None,
-            dropped_out: bool = False, unsaved: frozenset[str] = frozenset()) -> GatherOps:
+            dropped_out: bool = False, unsaved: frozenset[str] = frozenset(), reentrant: bool = False
+            ) -> GatherOps:
     """The allgather stream's allocations and frees of ``steps`` training steps (module docstring);
     ``checkpointed``: the decoder layers recomputed in backward (``with_recomputation``); ``accumulate``: the
     steps are micro-steps, an optimizer step after every that many (``_micro_step_start``); ``recorded``: the
     profile's module trace, where it stands for the derived one (``modules_of``); ``dropped_out``: the layers
     drop out their hidden states after the MLP, so their recomputation runs before its fetch
     (``recomputed_before_fetch``); ``unsaved``: trainable parameters a recomputation does not save
-    (``zero3.unsaved_by_recomputation``), released as in forward."""
+    (``zero3.unsaved_by_recomputation``), released as in forward; ``reentrant``: the checkpoints re-enter
+    (``use_reentrant=True``), so each recomputation runs the layer's whole forward before its first backward
+    fetch and saves the parameters themselves (module docstring)."""
+    if reentrant and checkpointed:
+        dropped_out, unsaved = True, frozenset(p.name for p in table)
     index = ds_id_order(table)
     params = {p.name: _Param(p.name, p.numel, p.elem_bytes, p.numel < persistence, p.trainable) for p in table}
     forward, backward = modules_of(table, recorded, inputs_need_grad=bool(checkpointed))

@@ -166,6 +166,8 @@ def test_zero3_refuses_a_non_llama_table_without_a_trace_and_with_lora():
     assert why_not_zero3(spec(lora_rank=8), table).startswith("zero3 with LoRA outside Llama-style decoders")
     assert why_not_zero3(spec(grad_ckpt=True, ckpt_policy="every-k:2"), table).startswith(
         "zero3 with every-k checkpointing outside Llama")
+    assert why_not_zero3(spec(grad_ckpt=True, ckpt_reentrant=True), table).startswith(
+        "zero3 with reentrant checkpointing outside Llama")
     untraced = ParamTable(table)
     assert why_not_zero3(spec(), untraced).startswith("zero3: the coordinator's module trace")
 

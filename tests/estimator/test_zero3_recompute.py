@@ -6,6 +6,9 @@ The fast tests read the coordinator's calls recorded from real runs (``data/zero
 norms are persistent), no torch. The slow test records them again live. Regenerate the file with
 
     PYTHONPATH=. .venv/bin/python -m tests.estimator.test_zero3_recompute
+
+Reentrant checkpointing (``use_reentrant=True``, every layer): ``data/zero3_reentrant_calls.json``, the same model
+and knobs, regenerated with ``... -m tests.estimator.test_zero3_recompute --reentrant``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from estimator.models.params import ParamInfo
 from estimator.reserved.zero3_gathers import emulate, modules_of, with_recomputation
 
 DATA = pathlib.Path(__file__).parent / "data" / "zero3_coordinator_calls.json"
+REENTRANT_DATA = DATA.with_name("zero3_reentrant_calls.json")
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 160,
          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
          "max_position_embeddings": 512, "tie_word_embeddings": True}
@@ -37,9 +41,11 @@ CASES = [(knobs, policy) for knobs in KNOBS for policy in POLICIES]
 
 
 def _recomputed(policy: str, num_layers: int) -> frozenset[int]:
+    """``policy``: none, full, every-k:K or reentrant (every layer, ``use_reentrant=True``)."""
     if policy == "none":
         return frozenset()
-    on = [True] * num_layers if policy == "full" else checkpointed(num_layers, int(policy.split(":")[1]))
+    every = policy.startswith("every-k")
+    on = checkpointed(num_layers, int(policy.split(":")[1])) if every else [True] * num_layers
     return frozenset(i for i, layer_on in enumerate(on) if layer_on)
 
 
@@ -64,7 +70,7 @@ def _emulation(table: list[ParamInfo], knobs: str, policy: str):
                    persistence=k["stage3_param_persistence_threshold"],
                    max_reuse=k.get("stage3_max_reuse_distance", 1_000_000_000),
                    max_live=k.get("stage3_max_live_parameters", 1_000_000_000),
-                   checkpointed=_recomputed(policy, num_layers))
+                   checkpointed=_recomputed(policy, num_layers), reentrant=policy == "reentrant")
 
 
 @pytest.fixture(scope="module")
@@ -143,9 +149,9 @@ def test_the_stopped_recomputations_output_goes_before_the_layers_first_gradient
     assert moved == {0: 0, 1: 1, 2: 4, 3: 5, 4: 6} and build.next_key == 101
 
 
-def test_zero3_replays_checkpointing_and_refuses_reentrant(tmp_path):
-    """Full and every-k non-reentrant checkpointing are replayed; reentrant checkpointing (its recomputation a
-    forward of its own, outside backward's hooks) keeps the prior, with the reason."""
+def test_zero3_replays_checkpointing_reentrant_too(tmp_path):
+    """Full and every-k non-reentrant checkpointing are replayed, and reentrant checkpointing on a Llama-style
+    decoder without LoRA (checked against real runs: ``test_the_reentrant_recomputation_...``)."""
     from estimator.reserved.zero3 import why_not_zero3
     from estimator.spec import ParallelSpec, RunSpec, TrainingSpec
 
@@ -156,7 +162,9 @@ def test_zero3_replays_checkpointing_and_refuses_reentrant(tmp_path):
 
     assert why_not_zero3(spec(grad_ckpt=True)) is None
     assert why_not_zero3(spec(grad_ckpt=True, ckpt_policy="every-k:2")) is None
-    assert why_not_zero3(spec(grad_ckpt=True, ckpt_reentrant=True)).startswith("zero3 with reentrant")
+    assert why_not_zero3(spec(grad_ckpt=True, ckpt_reentrant=True)) is None
+    assert why_not_zero3(spec(grad_ckpt=True, ckpt_reentrant=True, lora_rank=8)).startswith(
+        "zero3 with LoRA and reentrant")
     assert why_not_zero3(spec(grad_ckpt=True, ckpt_policy="selective-ops")).startswith("zero3 with selective-ops")
 
 
@@ -183,6 +191,70 @@ def test_llama_1b_with_checkpointing_is_replayed(b, policy):
             > plain.peak_reserved_bytes - plain.peak_allocated_bytes)
 
 
+@pytest.mark.parametrize("knobs", KNOBS)
+def test_the_reentrant_recomputation_makes_the_real_runs_calls(knobs):
+    """Reentrant checkpointing: every gather and release of three steps of a real run. Each layer's
+    recomputation comes before its first backward fetch and runs the whole forward, each module released as in
+    forward; the backward then fetches every module again (``zero3_gathers.emulate(reentrant=True)``)."""
+    recorded = json.loads(REENTRANT_DATA.read_text())
+    table = _table(recorded["table"])
+    assert _emulation(table, knobs, "reentrant").calls == _comparable(recorded["calls"][knobs]["reentrant"], table)
+    plain = _emulation(table, knobs, "full").calls[0]
+    assert _emulation(table, knobs, "reentrant").calls[0] != plain  # the non-reentrant trace is not it
+
+
+def test_a_reentrant_checkpoint_keeps_its_inputs_and_output_to_its_backwards_end():
+    """``_reentrant_lifetimes`` on a one-layer body: the layer's incoming gradient (made in ``mid_bw``), its
+    hidden-states input (the earliest tensor of the hidden size made before the layer's forward) and the
+    recomputed output go at the end of the layer's backward; the keyword inputs (a mask of the same size, a
+    rotary table) after backward's last allocation; every other op keeps its order."""
+    from estimator.profiler.expand import ALLOC, FREE
+    from estimator.reserved.zero3 import _reentrant_lifetimes
+
+    hidden, mask, cos, act, logits, grad, recomputed, out, grad_in, emb = 1, 2, 3, 4, 10, 11, 12, 21, 13, 14
+    body = [(ALLOC, hidden, 5), (ALLOC, mask, 5), (ALLOC, cos, 6),                      # prefix
+            (ALLOC, act, 7), (FREE, act, 7),                                             # fw_first
+            (ALLOC, logits, 8),                                                          # mid_fw
+            (ALLOC, grad, 5), (FREE, logits, 8),                                         # mid_bw
+            (ALLOC, recomputed, 7), (ALLOC, 20, 5), (ALLOC, out, 5), (FREE, 20, 5),      # bw_last
+            (FREE, grad, 5), (ALLOC, grad_in, 5), (FREE, mask, 5), (FREE, cos, 6), (FREE, hidden, 5),
+            (FREE, recomputed, 7),
+            (ALLOC, emb, 9), (FREE, grad_in, 5)]                                         # suffix
+    marks = (("prefix", None, 0), ("fw_first", 0, 3), ("mid_fw", None, 5), ("mid_bw", None, 6),
+             ("bw_last", 0, 8), ("suffix", None, 18), ("optimizer_pre", None, 20), ("optimizer", None, 20))
+    moved = {i: i for i in range(21)}
+    _reentrant_lifetimes(body, moved, marks, {0: out}, 5, 20)
+    assert body[:12] == [(ALLOC, hidden, 5), (ALLOC, mask, 5), (ALLOC, cos, 6), (ALLOC, act, 7), (FREE, act, 7),
+                         (ALLOC, logits, 8), (ALLOC, grad, 5), (FREE, logits, 8), (ALLOC, recomputed, 7),
+                         (ALLOC, 20, 5), (ALLOC, out, 5), (FREE, 20, 5)]
+    assert body[12:] == [(ALLOC, grad_in, 5), (FREE, recomputed, 7),
+                         (FREE, grad, 5), (FREE, hidden, 5), (FREE, out, 5),
+                         (ALLOC, emb, 9), (FREE, mask, 5), (FREE, cos, 6), (FREE, grad_in, 5)]
+    assert moved[18] == 17 and moved[20] == 21
+
+
+@pytest.mark.slow
+def test_a_reentrant_runs_three_streams_are_generated(tmp_path):
+    """A real run (tiny Llama hidden 64, every layer checkpointed reentrantly, rank 0 of 2, three optimizer
+    steps), each allocation on the stream a GPU run makes it on: every stream's requests are the generated ones in
+    every step, each run of frees and of allocations as a set (a CPU run's Linear backward makes its input gradient
+    before its weight gradient, as in the non-reentrant control), and the three-stream reserved peaks equal."""
+    pytest.importorskip("deepspeed")
+    from benchmarks import zero3_arch_replay as arch
+    from benchmarks.zero3_ckpt_replay import _record, first_differences, generated_steps, recorded_steps
+    from estimator.allocator.requests import simulate
+
+    path = tmp_path / "config_llama.json"
+    path.write_text(json.dumps(arch.ARCHS["llama"]))
+    spec = arch.arch_spec(str(path), 2, ckpt=True, reentrant=True)
+    assert spec.training.ckpt_reentrant
+    recorded = recorded_steps(_record(tmp_path, arch.ARCHS["llama"], spec, True))
+    generated = generated_steps(spec, arch.B, arch.S, len(recorded) - 1)
+    assert all(at is None for _stream, _step, at, _ in first_differences(recorded, generated, allocs_sorted=True))
+    assert (simulate([r for p in recorded for r in p])["peak_reserved_bytes"]
+            == simulate([r for p in generated for r in p])["peak_reserved_bytes"])
+
+
 def _real_coordinator_calls(config: dict, knobs: str, policy: str) -> tuple[list[dict], list[list]]:
     """(the parameter table, per step the coordinator's gather calls and releases) of a real DeepSpeed ZeRO-3 run
     on CPU (fake process group, rank 0), built and stepped as the harness runs it."""
@@ -201,11 +273,12 @@ def _real_coordinator_calls(config: dict, knobs: str, policy: str) -> tuple[list
     path = pathlib.Path(__import__("tempfile").mkdtemp()) / "config.json"
     path.write_text(json.dumps(config))
     training = TrainingSpec(precision="mixed_bf16", attn="eager", micro_batch_size=B, seq_len=S,
-                            grad_ckpt=policy != "none", ckpt_policy="" if policy in ("none", "full") else policy)
+                            grad_ckpt=policy != "none", ckpt_reentrant=policy == "reentrant",
+                            ckpt_policy="" if policy in ("none", "full", "reentrant") else policy)
     zero = ZeroSpec(reduce_bucket_size=20_000, allgather_bucket_size=20_000, **KNOBS[knobs])
     spec = RunSpec(model=str(path), training=training,
                    parallel=ParallelSpec(method="zero3", world_size=WORLD, zero=zero))
-    plain = dataclasses.replace(training, grad_ckpt=False, ckpt_policy="")
+    plain = dataclasses.replace(training, grad_ckpt=False, ckpt_policy="", ckpt_reentrant=False)
     arch, profile = api.load_model_profile(str(path), plain, 1)
     table = api._param_table(profile, arch.num_layers)
 
@@ -320,18 +393,20 @@ def test_what_checkpointing_adds_to_the_stream_is_what_it_adds_to_a_real_run(tmp
     assert added[0][B * S * LLAMA["hidden_size"] * 2] > 0
 
 
-def _record() -> None:
-    """Rewrite ``DATA`` from three real runs (each in a spawned process: DeepSpeed's groups outlive a teardown)."""
+def _record(reentrant: bool = False) -> None:
+    """Rewrite ``DATA`` from real runs (each in a spawned process: DeepSpeed's groups outlive a teardown);
+    ``reentrant``: ``REENTRANT_DATA``, from a reentrant run per knob set."""
     from tests.estimator.test_reserved import _in_fresh_process
 
     out: dict = {"config": LLAMA, "world": WORLD, "micro_batch_size": B, "seq_len": S, "knobs": KNOBS, "calls": {}}
-    for knobs, policy in CASES:
+    for knobs, policy in [(knobs, "reentrant") for knobs in KNOBS] if reentrant else CASES:
         out["table"], out["calls"].setdefault(knobs, {})[policy] = _in_fresh_process(
             _real_coordinator_calls, LLAMA, knobs, policy)
-    DATA.parent.mkdir(exist_ok=True)
-    DATA.write_text(json.dumps(out, separators=(",", ":")) + "\n")
-    print(f"wrote {DATA}", file=sys.stderr)
+    path = REENTRANT_DATA if reentrant else DATA
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(out, separators=(",", ":")) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    _record()
+    _record(reentrant="--reentrant" in sys.argv[1:])

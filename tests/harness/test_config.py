@@ -104,6 +104,7 @@ def test_unknown_group_option_lists_the_choices():
 @pytest.mark.parametrize(("overrides", "key"), [
     (["training.seq_len=-1"], "training.seq_len"),
     (["training.precision=fp8"], "training.precision"),
+    (["training.ckpt_reentrant=true"], "training.ckpt_reentrant"),
     (["parallel.zero.reduce_bucket_size=-5"], "parallel.zero.reduce_bucket_size"),
     (["method=dp_tp", "parallel.world_size=2"], "parallel.tp"),
     (["method=single", "parallel.world_size=2"], "parallel.world_size"),
@@ -114,6 +115,13 @@ def test_unknown_group_option_lists_the_choices():
 def test_spec_value_errors_name_the_dotted_key(overrides, key):
     with pytest.raises(ValueError, match=f"^{key}:"):
         to_run(compose(*overrides))
+
+
+def test_reentrant_checkpointing_reaches_the_spec():
+    spec, _ = to_run(compose("method=zero3", "parallel.world_size=2", "training.grad_ckpt=true",
+                             "training.ckpt_reentrant=true"), gpu_key="cpu")
+    assert spec.training.ckpt_reentrant and spec.training.grad_ckpt
+    assert not to_run(compose(), gpu_key="cpu")[0].training.ckpt_reentrant
 
 
 @pytest.mark.parametrize(("override", "key"), [
