@@ -64,6 +64,11 @@ keeps its hidden-states input, its incoming gradient and that output to its back
 to backward's end (``_reentrant_lifetimes``). Real DeepSpeed runs on CPU of a tiny Llama, all three streams
 request for request (``benchmarks/zero3_arch_replay.py --archs llama --ckpt --reentrant``,
 ``docs/error_matrix/zero3_reentrant_cpu.csv``).
+
+LoRA on those other architectures (no checkpointing): the frozen Linears whose inputs the memory-efficient linear holds are the trace's
+(those whose input needs a gradient: ``_traced_linears``), their inputs found in the layer's events from its last
+Linear back (``_held_by_trace``) and each freed once its Linear's backward made the input's gradient
+(``docs/error_matrix/zero3_arch_lora_cpu.csv``).
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ import math
 from dataclasses import dataclass, replace
 
 from estimator.methods.long_context import checkpointed
-from estimator.methods.state import zero_layout
+from estimator.methods.state import _linear_input_key, zero_layout
 from estimator.models.params import ParamInfo
 from estimator.profiler.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, ExpansionError
 from estimator.reserved.accumulate import MicroSteps
@@ -138,18 +143,17 @@ def recorded_trace(table: list[ParamInfo]) -> tuple | None:
 def _why_not_module_trace(table: list[ParamInfo], training) -> str | None:
     """Why the coordinator's module trace is not known for this table (None: it is): Llama-style decoders'
     is derived from the table (``zero3_gathers.modules_of``); other architectures' is the profile's recorded one
-    (``ParamTable.module_trace``), without LoRA (modelled on Llama's structure: peft's wrappers, the frozen
-    Linears' held inputs); checkpointing there: every layer only (a dropout after the MLP:
+    (``ParamTable.module_trace``; under LoRA the frozen Linears' held inputs read off it, ``_traced_linears``,
+    without checkpointing); checkpointing there: every layer only (a dropout after the MLP:
     ``_drops_out_hidden_states``)."""
     if llama_like(table):
         return None
     if recorded_trace(table) is None:
         return ("zero3: the coordinator's module trace is derived for Llama-style decoders, or recorded in the "
                 "profile (not in this one, or its layers do not run alike)")
-    if training.lora:
-        return ("zero3 with LoRA outside Llama-style decoders: the coordinator's streams match a real run's, but "
-                "the frozen Linears' held inputs are found as Llama's layers make them "
-                "(docs/error_matrix/zero3_arch_lora_cpu.csv)")
+    if training.lora and training.grad_ckpt:
+        return ("zero3 with LoRA and checkpointing outside Llama-style decoders: checked without checkpointing "
+                "only (docs/error_matrix/zero3_arch_lora_cpu.csv)")
     if training.grad_ckpt and training.ckpt_policy:
         return ("zero3 with every-k checkpointing outside Llama-style decoders: checked with every layer "
                 "checkpointed only")
@@ -542,13 +546,17 @@ def _per_token_size_index(polys: list, per_token: float) -> int | None:
 
 
 def _hold_saved_inputs(body: list, moved: dict[int, int], marks: tuple, saved: tuple, polys: list,
-                       recomputation_end=None) -> None:
+                       recomputation_end=None, linears=None) -> None:
     """DeepSpeed's memory-efficient linear (``LinearFunctionForZeroStage3``, ``zero.Init``'s replacement of
     ``F.linear``) saves each frozen Linear's input, which plain autograd (the profile's step) frees in forward
     (``estimator.methods.state.zero3_saved_linear_input_tensors``: under LoRA a layer's norm outputs and
     down_proj's input, the head's input). So those tensors' frees move from their forward segment to the end
     of their layer's backward segment (the head's: to the end of ``mid_bw``), the blocks staying where they
-    were made. Found in the segment as Llama's forward makes them (``_held_in_segment``). ``body`` and ``moved``
+    were made. Found in the segment as Llama's forward makes them (``_held_in_segment``), or, where the profile's
+    recorded module trace stands for Llama's (``linears(layer)``: ``_traced_linears``), a decoder layer's from
+    the trace's frozen Linears (``_held_by_trace``), each freed right after the first tensor of its size in the
+    layer's backward past the one before (its Linear's input gradient; real CPU runs of GPT-NeoX and BLOOM free
+    them so, not at the layer's end). ``body`` and ``moved``
     (old op index -> new) are updated in place; ExpansionError where a held tensor is not found. A checkpointed
     layer's forward saves nothing: its recomputation (``recomputation_end(layer, start)``: the index in ``body``
     where it ends, None for a layer not recomputed) makes the held tensors, kept likewise to the layer's
@@ -577,6 +585,14 @@ def _hold_saved_inputs(body: list, moved: dict[int, int], marks: tuple, saved: t
         if end is not None:
             forward = (backward[0], end)
         backward_end = backward[1] if layer is not None else _after_head_backward(body, *backward, sizes)
+        traced = None if linears is None or layer is None else linears(layer)
+        if traced is not None:  # each freed once its Linear's backward has made the input's gradient
+            after = backward[0]
+            for at in _held_by_trace(body, *forward, traced):
+                after = _after_head_backward(body, after, backward[1], [body[at][2]])
+                removed.add(at)
+                inserted.setdefault(after, []).append(body[at])
+            continue
         for at in _held_in_segment(body, *forward, sizes):
             removed.add(at)
             inserted.setdefault(backward_end, []).append(body[at])
@@ -621,6 +637,69 @@ def _held_in_segment(body: list, start: int, end: int, sizes: list[int]) -> list
                                  "the layer's forward")
         found += [freed_at[key] for key in keys]
     return found
+
+
+def _traced_linears(table: list[ParamInfo], layer: int, polys: list) -> list[tuple[bool, int | None, int | None]]:
+    """Each frozen Linear the recorded module trace runs in ``layer``'s forward, one per input tensor (q/k/v read
+    one: ``state._linear_input_key``), in forward order: (whether the memory-efficient linear holds its input,
+    the size indices of its input and output, ``b * s * features`` 16-bit elements; None: the profile has no
+    tensor of that size). Held: its positional input needs a gradient (the trace's count: none in a first layer
+    whose branch reads only the frozen embedding's activations, as GPT-NeoX's parallel MLP) and it is an
+    ``nn.Linear`` (``F.linear``, which ``zero.Init`` replaces; a ``Conv1D`` runs ``torch.addmm``:
+    ``linear_weight_of_bias``)."""
+    by_name = {p.name: p for p in table}
+    conv1d = _conv1d_model(_biased_linears(table))
+    out: list[tuple[bool, int | None, int | None]] = []
+    seen: set = set()
+    for name, params, grad_inputs in recorded_trace(table)[0]:
+        weight = next((by_name[n] for n in params if n.endswith(".weight") and n in by_name), None)
+        if (_layer_of(name) != layer or weight is None or weight.module_kind != "linear" or len(weight.shape) != 2
+                or weight.trainable or is_adapter(weight) or _linear_input_key(weight.name) in seen):
+            continue
+        seen.add(_linear_input_key(weight.name))
+        features_out = _out_features(table, weight)
+        out.append((grad_inputs > 0 and not conv1d,
+                    _per_token_size_index(polys, float(weight.numel // features_out * weight.elem_bytes)),
+                    _per_token_size_index(polys, float(features_out * weight.elem_bytes))))
+    return out
+
+
+def _held_by_trace(body: list, start: int, end: int, linears: list[tuple[bool, int | None, int | None]]
+                   ) -> list[int]:
+    """Op indices of the frees of the held inputs made in ``body[start:end]`` (a decoder layer's forward segment
+    of a plain-autograd profile), from its frozen Linears (``_traced_linears``): a Linear's input is the
+    allocation right before its output, both of their sizes, freed in the segment (plain autograd saves no
+    frozen Linear's input; a LayerNorm's statistics may come between). The Linears are matched from the last one back, each at the latest such pair whose
+    output precedes the next Linear's input (attention's internals and the residual sums make tensors of the
+    hidden size too). A Linear with no such pair reads a tensor autograd saves anyway (a LoRA adapter's or a
+    ReLU's): nothing of its own to hold. Real DeepSpeed CPU runs of GPT-NeoX, OPT, BLOOM with peft LoRA:
+    docs/error_matrix/zero3_arch_lora_cpu.csv."""
+    ops = body[start:end]
+    freed_at = {op[1]: start + k for k, op in enumerate(ops) if op[0] == FREE}
+    allocs = [op for op in ops if op[0] == ALLOC]
+    limit, found = len(allocs), []
+    for held, input_index, output_index in reversed(linears):
+        pair = next(((i, k) for k in range(limit - 1, 0, -1) if output_index is not None
+                     and allocs[k][2] == output_index
+                     for i in [_input_before(allocs, k, input_index, output_index)]
+                     if i is not None and allocs[i][1] in freed_at), None)
+        if pair is None:
+            continue
+        limit = pair[0]
+        if held:
+            found.append(freed_at[allocs[pair[0]][1]])
+    return found
+
+
+def _input_before(allocs: list, k: int, input_index: int | None, output_index: int) -> int | None:
+    """The latest allocation of the input's size before ``allocs[k]`` with none of the output's size between
+    (a LayerNorm's per-token statistics come between its output and the next Linear's)."""
+    for i in range(k - 1, -1, -1):
+        if allocs[i][2] == input_index:
+            return i
+        if allocs[i][2] == output_index:
+            return None
+    return None
 
 
 def _first_gradient(body: list, layer: int, table: list[ParamInfo], grad_of: dict, start: int) -> int:
@@ -734,7 +813,7 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
     memory-efficient linear holds (``_hold_saved_inputs``); ``reentrant``: the checkpoints re-enter
     (``zero3_gathers.emulate``'s). ExpansionError where the step cannot be built."""
     recorded = recorded_trace(table)
-    if not llama_like(table) and recorded is None:  # LoRA there: why_not_zero3 refuses, the benchmarks compare
+    if not llama_like(table) and recorded is None:
         raise ExpansionError("zero3: the coordinator's module trace is derived for Llama-style decoders, or "
                              "recorded in the profile")
     dropped_out = bool(recomputed) and recorded is not None and _drops_out_hidden_states(table, polys)
@@ -777,7 +856,8 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
         body, moved, loss = _backward_ops(expansion, events.ops, marks, table, step, polys)
         _hold_saved_inputs(body, moved, marks, saved_inputs, polys,
                            lambda layer, start: _first_gradient(body, layer, table, step.grad_of, start)
-                           if layer in recomputed else None)
+                           if layer in recomputed else None,
+                           None if recorded is None else lambda layer: _traced_linears(table, layer, polys))
         outputs = {layer: _recompute_output_made_then_dropped(body, moved, layer, table, step.grad_of,
                                                               stopped_output, build, layer_output=reentrant)
                    for layer in (sorted(recomputed) if not dropped_out else ())}
