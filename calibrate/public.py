@@ -385,12 +385,12 @@ DIAGNOSES = [
      "settings (the b10 CPU-offload row is replayed since 2026-11-27: -21.1 % on the prior, -2.7 % replayed, "
      "offload's mechanism exact on an H200 snapshot). The "
      "allocated peak is not published for these rows; for the same runs at batch 1 it is (8.28 / 9.16 GiB, s512 / "
-     "s2048), and the estimate is +0.40 / +0.33 GiB above it, about what the estimator's fp32 adapters add on each "
-     "rank (sharded weights +0.13 GiB, AdamW states +0.27) where peft 0.8-0.10 kept them in the base layer's bf16 "
-     "(LoraLayer.update_layer casts to weight.dtype). There the source's reserved exceeds its allocated by 1.06 / "
-     "1.96 GiB. From batch 4 to 6 (FULL_SHARD, s2048) the published reserved grows 2.6 GiB per sample (16.14 -> "
-     "21.35) against 1.5 GiB per sample in the estimate's allocated peak (14.09 -> 17.16, model code 4.44: fp32 "
-     "logits held through backward by the loop): the rest is the caching allocator's growth near the 24 GiB "
+     "s2048), and the estimate is -0.11 / -0.06 GiB from it with the runs' bf16 adapters (peft 0.8-0.10: "
+     "LoraLayer.update_layer casts them to weight.dtype; lora_dtype model) and model code 4.44 (fp32 logits held "
+     "through backward by the loop); with peft's later fp32 adapters it was +0.43 / +0.36. There the source's "
+     "reserved exceeds its allocated by 1.06 / 1.96 GiB. From batch 4 to 6 (FULL_SHARD, s2048) the published "
+     "reserved grows 2.6 GiB per sample (16.14 -> 21.35) against 1.5 GiB per sample in the estimate's allocated "
+     "peak (13.62 -> 16.64): the rest is the caching allocator's growth near the 24 GiB "
      "board (89 % of it at batch 6), which the prior does not replay; not attributed further (the runs' torch and "
      "allocator settings are unpinned)"),
     (lambda r, s: r["source"] == "deepspeed_chat" and s.err_pct < 0,

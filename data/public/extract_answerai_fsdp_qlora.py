@@ -31,11 +31,13 @@ memory-shaping code for ``--train_type lora`` is the same from 049515f, 2024-03-
 
 Unpinned: torch ("Pytorch >= 2.2 is recommended", train.py's comment "torch 2.2 sdpa uses flash attn 2"),
 transformers and peft (``pip install llama-recipes`` in Feb-Mar 2024: transformers 4.37-4.39, peft 0.8-0.10).
-Two consequences the estimator cannot express, recorded on each row: peft before 0.12 casts new LoRA weights to
-the base layer's dtype (``self.to(weight.device, dtype=weight.dtype)`` in ``LoraLayer.update_layer``, peft
-v0.10.0), so the adapters, their gradients and AdamW states are bf16 where the estimator keeps peft's fp32
-adapters outside DeepSpeed; and Llama's model code of those releases returns fp32 logits (``logits.float()``),
-which the manual loop holds through backward, where the shipped profiles trace a newer release's bf16 logits.
+What those releases change, recorded on each row: peft before 0.12 casts new LoRA weights to the base layer's
+dtype (``self.to(weight.device, dtype=weight.dtype)`` in ``LoraLayer.update_layer``, peft v0.8.2 to v0.11.1; 0.12
+added ``autocast_adapter_dtype``, fp32 adapters), so the adapters, their gradients and AdamW states are bf16 and
+peft feeds them the bf16 inputs: ``lora_dtype model`` for LoRA as for QLoRA (train.py casts the model to bf16
+before ``get_peft_model``); and Llama's model code of those releases returns fp32 logits (``logits.float()``),
+which the manual loop holds through backward: ``model_code`` 4.44 (profiles traced with transformers 4.44.2 and
+peft 0.12.0 building the adapters in bf16 ship for these rows).
 
 QLoRA under FSDP1 (bnb 4-bit weights with ``quant_storage`` bf16, no kbit preparation, bf16 adapters) is the
 estimator's ``qlora`` with ``lora_dtype model`` (docs/fsdp1_qlora.md). Yi-34B and Mistral-7B-v0.2 are not in the
@@ -134,9 +136,9 @@ def _rows(entry, machine, heading, caption, cells, allocated=None):
              "loop: the output object is set to None only after backward and the optimizer step",
              "versions unpinned (pip install llama-recipes, Feb-Mar 2024): transformers 4.37-4.39 (model_code 4.44, the "
              "oldest release the profiler traces, stands in: Llama's forward returns fp32 logits, held by the manual "
-             "loop, and the loss takes a shifted fp32 copy, in 4.37-4.45 alike), peft 0.8-0.10 "
-             "(LoRA weights cast to the base layer's bf16; the estimator keeps peft's fp32 adapters outside "
-             "DeepSpeed), torch >= 2.2",
+             "loop, and the loss takes a shifted fp32 copy, in 4.37-4.45 alike; 4.38-4.39 also pass SDPA a "
+             "materialized causal mask, not modelled), peft 0.8-0.10 (LoRA weights cast to the base layer's bf16: "
+             "lora_dtype model), bitsandbytes >= 0.43.0, torch >= 2.2",
              "rank 0's figure; both ranks run the same shapes"]
     if ddp:
         notes.append("DDP True: --sharding_strategy ddp, FSDP1 NO_SHARD (the page's footnote)")
@@ -150,7 +152,7 @@ def _rows(entry, machine, heading, caption, cells, allocated=None):
         source=SOURCE, source_ref=ref(entry), model=model or hub, gpu=gpu, method="fsdp1", world_size=WORLD,
         micro_batch_size=batch, seq_len=seq, precision="bf16", optimizer="adamw", grad_ckpt=True, attn="sdpa",
         lora_rank=64, lora_targets=TARGETS, lora_dropout=0.1, qlora=adapter == "qlora",
-        lora_dtype="model" if adapter == "qlora" else "auto", grad_accum_steps=1,
+        lora_dtype="model", grad_accum_steps=1,
         loop="manual", batch="full", use_cache=False, fsdp1_sharding_strategy="NO_SHARD" if ddp else "FULL_SHARD",
         fsdp1_use_orig_params=False, fsdp1_cpu_offload=offload, fsdp1_backward_prefetch="BACKWARD_PRE",
         fsdp1_forward_prefetch=False, fsdp1_limit_all_gathers=True, fsdp1_gpus_per_node=WORLD, model_hub_id=hub,

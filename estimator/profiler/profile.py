@@ -584,6 +584,16 @@ def _module_kind(module: torch.nn.Module) -> str:
     return "other"
 
 
+def adapter_libraries(training: TrainingSpec) -> dict[str, str]:
+    """The releases of the libraries that built a LoRA / QLoRA model, for its provenance: peft decides the adapters'
+    dtype (before 0.12 it cast them to the base weight's, from 0.12 it keeps fp32) and bitsandbytes the 4-bit
+    layout, so a profile says which it was traced with as it does for transformers and torch."""
+    from estimator.models.profiles import installed_version
+
+    wanted = (["peft"] if training.lora else []) + (["bitsandbytes"] if training.qlora else [])
+    return {name: version for name in wanted if (version := installed_version(name))}
+
+
 def build_profile(config: dict, training: TrainingSpec, *, check: bool = True, tp: int = 1) -> dict:
     """Trace, fit and summarise. Seconds of CPU on fake tensors; no real memory is used.
 
@@ -638,6 +648,7 @@ def build_profile(config: dict, training: TrainingSpec, *, check: bool = True, t
         "params": params,
         "regimes": regimes,
         "provenance": {"torch": torch.__version__, "transformers": transformers.__version__,
+                       **adapter_libraries(training),
                        "created": _dt.date.today().isoformat(), "trace_s": round(time.perf_counter() - started, 2),
                        "profile_layers": frozen + PROFILE_LAYERS},
     }

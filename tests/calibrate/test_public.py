@@ -218,7 +218,8 @@ def test_answerai_rows_read_the_page_and_bring_sharded_qlora_in_as_qlora_without
     # fsdp_qlora's QLoRA is qlora + lora_dtype model; Yi-34B and Mistral-7B-v0.2 stay out (not in the catalogue)
     assert {k for k, r in qlora.items() if r["in_scope"]} == {k for k in qlora if "Llama-2" in k} != set()
     assert all(r["lora_dtype"] == "model" and r["qlora"] for r in qlora.values())
-    assert all(r["lora_dtype"] == "auto" for r in lora.values())
+    # peft 0.8-0.10 (the runs' llama-recipes install) casts new adapters to the base layer's bf16: LoRA's too
+    assert all(r["lora_dtype"] == "model" and not r["qlora"] for r in lora.values())
     b1 = rows["answerai_fsdp_qlora:3090:Llama-2-7b-hf:lora:b1:s512:allocated"]
     assert b1["quantity"] == "max_allocated" and b1["value"] == 8.28 and b1["value_bytes"] == round(8.28 * 2**30)
     assert rows["answerai_fsdp_qlora:3090:Llama-2-7b-hf:lora:b1:s2048:allocated"]["value"] == 9.16
@@ -229,6 +230,27 @@ def test_answerai_rows_read_the_page_and_bring_sharded_qlora_in_as_qlora_without
     assert (off["lora_rank"], off["lora_dropout"], off["loop"], off["model_code"]) == (64, 0.1, "manual", "4.44")
     assert "o_proj" not in off["lora_targets"]
 
+
+
+def test_answerai_rows_have_profiles_of_their_versions_shipped():
+    """answer.ai's in-scope rows ask for transformers 4.44's model code (their 4.37-4.39 Llama returns fp32 logits)
+    with bf16 adapters (peft 0.8-0.10 casts them to the base's dtype): those profiles ship, traced with that release
+    and a peft building the adapters in bf16, so the report needs no torch and no fallback to today's model code."""
+    import json
+
+    from estimator.columns import spec_from_columns
+    from estimator.models.arch import resolve_arch
+    from estimator.models.profiles import profile_key, run_adapters_in_16bit, traced_release
+
+    rows = [r for r in P.load(PUBLIC / "measurements.csv")
+            if r["source"] == "answerai_fsdp_qlora" and r["in_scope"] == "True"]
+    specs = [spec_from_columns(r) for r in rows]
+    keys = {profile_key(resolve_arch(s.model).config_sha, s.training, s.parallel.tp, run_adapters_in_16bit(s))
+            for s in specs}
+    assert len(rows) == 20 and len(keys) == 3 and all(k.endswith("-a16_tf4.44") for k in keys)
+    for key in keys:
+        provenance = json.loads((ROOT / "estimator" / "profiles" / f"{key}.json").read_text())["provenance"]
+        assert traced_release({"provenance": provenance}) == "4.44" and provenance["peft"] == "0.12.0"
 
 
 def _peft_experiments():
