@@ -23,12 +23,20 @@ def layout_of(spec: RunSpec, arch: ModelArch, profile: dict, table: list) -> EpL
     total, _ = param_counts(profile["params"], arch.num_layers)
     facts = moe_facts(arch.config, profile["params"], arch.num_layers, total)
     return ep_layout(arch.config, facts, spec.parallel.world_size, spec.parallel.ep, spec.parallel.moe_imbalance,
-                     experts_trainable(table))
+                     experts_trainable(table), block_input_saved(table))
 
 
 def experts_trainable(table: list) -> bool:
     """Whether any routed expert gets a gradient (not under LoRA on other modules)."""
     return any(p.trainable and is_routed_expert(p.name) for p in table)
+
+
+def block_input_saved(table: list) -> bool:
+    """Whether something in a MoE block besides its routed experts trains (the router, a shared expert or its
+    gate, their adapters), and so saves the block's input for its gradient. The block is the routed experts'
+    parent module (``model.layers.3.mlp.``)."""
+    blocks = {p.name.split(".experts.")[0] + "." for p in table if is_routed_expert(p.name)}
+    return any(p.trainable and not is_routed_expert(p.name) and p.name.startswith(tuple(blocks)) for p in table)
 
 
 def grads_before_experts(params: dict, table: list) -> dict[int, float]:

@@ -62,6 +62,9 @@ class EpLayout:
     expert_ffn: int             # one expert's intermediate size
     imbalance: float = 1.0
     experts_trainable: bool = True  # False: frozen experts (LoRA on other modules)
+    router_fp32: bool = False       # the router computes its logits in fp32 (DeepSeek's ``.type(torch.float32)``)
+    block_input_saved: bool = True  # something in the MoE block that trains saves its input (the router, a
+                                    # shared expert); False: frozen, the input lives only while the block runs
 
     @property
     def experts_per_rank(self) -> int:
@@ -185,22 +188,48 @@ class EpLayout:
         * the experts' un-permuted weighted rows (``grouped_mm_experts_forward``): the received rows (held by
           ``AllToAllEP.__call__``), the masked down projection, the weighted rows and their un-permuted copy
           (4 R h a); the sorted expert ids, the sort permutation, the received expert ids (int64), ``histc``'s
-          float ids and the unit weights per row; less the rows put back in token order and the block's output,
-          which come later (S h a + T h a);
+          float ids and the unit weights per row, ``histc``'s float counts per local expert; less the rows put
+          back in token order, which come later (S h a). The layer's output replaces its post-attention residual,
+          live here, so it adds nothing at the end;
         * the combine's per-token sum: the received rows and the experts' output (2 R h a), the received expert ids
-          and unit weights, the returned rows twice (the collective's output and its autograd wrapper) and the
-          routing-weighted product (3 S h a).
+          and unit weights, the returned rows (S h a), the routing-weighted product (S h p) and the sum (T h p), in
+          the routing weights' dtype p promoted (fp32 from an fp32 router). The collective's autograd wrapper
+          (``AsyncCollectiveTensor``) holds no storage of its own: the S h a the oracle once counted for it is
+          gone since the unwrapping oracle (docs/error_matrix/README.md, helper asyncwrap).
 
+        At both, the MoE block still holds what it made or took and nothing saved (``block_held_bytes``): the
+        router's logits, and the block's input where nothing that trains in the block saved it.
         Frozen experts: at the first moment the routed rows (``selected_hidden_states_g``) are still held by the
         experts function, though nothing saved them (``row_bytes``): R h a more; gone by the combine.
+        Checked against the busiest rank's live storages, op by op (Qwen3-MoE, docs/error_matrix/README.md).
         """
+        return (max(self.unpermute_forward_bytes(tokens, act_bytes), self.combine_forward_bytes(tokens, act_bytes))
+                + self.block_held_bytes(tokens, act_bytes))
+
+    def unpermute_forward_bytes(self, tokens: int, act_bytes: int) -> float:
+        """``forward_transient_bytes``' first moment, the block's held bytes aside."""
         rows = self.received_rows_factor() * tokens * self.top_k
         sent = tokens * self.top_k
         h, a = self.hidden, act_bytes
         routed = 0 if self.experts_trainable else rows * h * a
-        experts = 4 * rows * h * a + routed + rows * (3 * INT64 + 4 + a) - (sent + tokens) * h * a
-        combine = 2 * rows * h * a + rows * (INT64 + a) + 3 * sent * h * a
-        return max(experts, combine)
+        counts = self.experts_per_rank * 4  # histc's float32 counts
+        return 4 * rows * h * a + routed + rows * (3 * INT64 + 4 + a) + counts - sent * h * a
+
+    def combine_forward_bytes(self, tokens: int, act_bytes: int) -> float:
+        """``forward_transient_bytes``' second moment, the block's held bytes aside."""
+        rows = self.received_rows_factor() * tokens * self.top_k
+        sent = tokens * self.top_k
+        h, a = self.hidden, act_bytes
+        p = 4 if self.router_fp32 else a
+        return 2 * rows * h * a + rows * (INT64 + a) + sent * h * a + sent * h * p + tokens * h * p
+
+    def block_held_bytes(self, tokens: int, act_bytes: int) -> float:
+        """What the MoE block holds while its experts run and not after it returns, nothing having saved it: the
+        router's logits (T x experts, bound to ``_`` in the block's frame: fp32 where the router computes in fp32)
+        and, where nothing in the block trains (LoRA on other modules), the block's input (T h a; else the router
+        or a shared expert saves it, and the layer's end-of-forward level has it)."""
+        logits = tokens * self.experts * (4 if self.router_fp32 else act_bytes)
+        return logits + (0 if self.block_input_saved else tokens * self.hidden * act_bytes)
 
     def dispatch_bytes(self, tokens: int) -> float:
         """What the all-to-all path keeps per rank above the one-device experts, every MoE layer, at balanced
@@ -209,13 +238,18 @@ class EpLayout:
 
 
 _FFN_KEYS = ("moe_intermediate_size", "intermediate_size")
+# routers that cast the block's input and their weight to fp32 before the logits (transformers 5.24's
+# ``DeepseekV2TopkRouter`` / ``DeepseekV3TopkRouter``: ``F.linear(hidden_states.type(torch.float32), ...)``);
+# the others compute them in the activations' dtype
+FP32_ROUTER_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
-def ep_layout(config: dict, facts, world: int, ep: int, imbalance: float, experts_trainable: bool = True
-              ) -> EpLayout:
+def ep_layout(config: dict, facts, world: int, ep: int, imbalance: float, experts_trainable: bool = True,
+              block_input_saved: bool = True) -> EpLayout:
     """``facts``: ``estimator.models.moe.MoeFacts``; ``experts_trainable``: whether the routed experts get
-    gradients (False under LoRA on other modules). Raises ValueError (one line) for a layout transformers
-    refuses."""
+    gradients (False under LoRA on other modules); ``block_input_saved``: whether anything in the MoE block that
+    trains saves its input (``EpLayout.block_held_bytes``). Raises ValueError (one line) for a layout
+    transformers refuses."""
     if facts is None:
         raise ValueError("ep: expert parallelism needs a mixture-of-experts model; this one has no routed experts")
     if facts.experts % ep:
@@ -225,7 +259,9 @@ def ep_layout(config: dict, facts, world: int, ep: int, imbalance: float, expert
     ffn = next((config[k] for k in _FFN_KEYS if isinstance(config.get(k), int)), 0)
     return EpLayout(ep=ep, world=world, experts=facts.experts, top_k=facts.top_k or 1, moe_layers=facts.moe_layers,
                     hidden=int(config["hidden_size"]), expert_ffn=int(ffn), imbalance=float(imbalance),
-                    experts_trainable=experts_trainable)
+                    experts_trainable=experts_trainable,
+                    router_fp32=config.get("model_type") in FP32_ROUTER_FAMILIES,
+                    block_input_saved=block_input_saved)
 
 
 def ep_notes(layout: EpLayout | None, tokens: int, grad_ckpt: bool = False) -> list[str]:
