@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO-3 leaf modules (``zero_optimization.leaf_module``) against the estimate (issue 17).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/zero3_leaf_table.py [--points CONFIG:PRECISION:LEAF ...]
+    PYTHONPATH=. .venv/bin/python benchmarks/zero3_leaf_table.py [--points CONFIG[+lora-experts]:PRECISION:LEAF ...]
         [--csv docs/error_matrix/zero3_leaf_cpu.csv] [--append]
+    PYTHONPATH=. .venv/bin/python benchmarks/zero3_leaf_table.py --rescore docs/error_matrix/zero3_leaf_cpu.csv
 
 Each point is a real harness run of a tiny config (``benchmarks/configs/*_tiny.json``) under zero3 on 2 emulated
 ranks (``backend=cpu``, the counted-cpu source, ``--buckets small`` as ``zero_cpu_check``), b1 s64, scored as
@@ -9,7 +10,8 @@ ranks (``backend=cpu``, the counted-cpu source, ``--buckets small`` as ``zero_cp
 ``default`` (DeepSpeed 0.19.8's class list: Mixtral's, Qwen2-MoE's and Qwen3-MoE's MoE blocks), ``cleared`` (no
 leaf module), ``names=A+B`` (classes cleared, modules A and B named) or ``suffixes=S`` (the default classes and
 every module whose name ends with S). The rows also give the measured backward phase's peak, where a leaf module
-changes what is held (its gradients wait for its backward), and the estimate's phase.
+changes what is held (its gradients wait for its backward), and the estimate's phase. A ``+lora-experts`` suffix on
+the config (``qwen3_moe+lora-experts``) runs ``moe_methods_table``'s LoRA on the routed experts under zero3.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.moe_methods_table import harness_method
 from benchmarks.table_csv import read_rows, write_rows
-from benchmarks.zero_cpu_check import compare, run_point
+from benchmarks.zero_cpu_check import compare, estimate_ranks, point_spec, run_point
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_POINTS = ["qwen3_moe:bf16:cleared", "qwen3_moe:bf16:names=model.layers.1.mlp+model.layers.3.mlp",
@@ -54,11 +57,14 @@ def phase_peak(run_dir: Path, rank: int, phase: str) -> int:
 
 def point_rows(point: str, results: Path) -> list[dict]:
     config, precision, leaf = point.split(":", 2)
+    config, _, lora = config.partition("+")  # qwen3_moe+lora-experts: moe_methods_table's LoRA under zero3
     path = HERE / "configs" / f"{config}_tiny.json"
-    base = {"config": path.name, "precision": precision, "leaf": leaf, "micro_batch_size": 1, "seq_len": 64}
+    extra = harness_method(f"zero3+{lora}", 2, json.loads(path.read_text())["model_type"])[2] if lora else []
+    base = {"config": path.name, "method": f"zero3+{lora}" if lora else "zero3", "precision": precision,
+            "leaf": leaf, "micro_batch_size": 1, "seq_len": 64}
     try:
         run_dir = run_point("custom", "zero3", 2, precision, "small", results, 1, 64,
-                            [f"model.name={path.resolve()}", *leaf_overrides(leaf)])
+                            [f"model.name={path.resolve()}", *extra, *leaf_overrides(leaf)])
     except RuntimeError as exc:
         return [{**base, "rank": "", "measured_bytes": "", "measured_backward_bytes": "", "estimate_bytes": "",
                  "error_pct": "", "measured_phase": "", "estimated_phase": "",
@@ -74,14 +80,36 @@ def point_rows(point: str, results: Path) -> list[dict]:
     return rows
 
 
+def rescored(row: dict) -> dict:
+    """A committed row estimated again by today's estimator (its measurement kept, nothing run)."""
+    if row["result"] != "ok":
+        return row
+    config, _, lora = row["method"].partition("+")
+    path = HERE / "configs" / row["config"]
+    extra = harness_method(row["method"], 2, json.loads(path.read_text())["model_type"])[2] if lora else []
+    spec = point_spec("custom", "zero3", 2, row["precision"], "small", Path(tempfile.gettempdir()) / "zero3_leaf",
+                      int(row["micro_batch_size"]), int(row["seq_len"]),
+                      [f"model.name={path.resolve()}", *extra, *leaf_overrides(row["leaf"])])
+    mine = estimate_ranks(spec, [int(row["rank"])])[int(row["rank"])]
+    measured, predicted = int(row["measured_bytes"]), mine.traced_allocated_bytes
+    return {**row, "estimate_bytes": predicted, "error_pct": round(100 * (predicted - measured) / measured, 2),
+            "estimated_phase": mine.phase}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", nargs="*", default=DEFAULT_POINTS)
     parser.add_argument("--csv", type=Path, default=None)
     parser.add_argument("--append", action="store_true", help="keep the CSV's rows of points not run again")
+    parser.add_argument("--rescore", type=Path, default=None, metavar="CSV",
+                        help="estimate a committed table's rows again (measurements kept, nothing run)")
     args = parser.parse_args(argv)
     rows: list[dict] = []
     started = time.perf_counter()
+    if args.rescore:
+        rows = [rescored(row) for row in read_rows(args.rescore)]
+        write_rows(args.rescore, rows)
+        args.points = []
     with tempfile.TemporaryDirectory(prefix="zero3_leaf-") as tmp:
         for point in args.points:
             new = point_rows(point, Path(tmp))
@@ -89,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             for row in new:
                 print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
             if args.csv:  # after every point: a long sweep keeps what it measured
-                key = ("config", "precision", "leaf")
+                key = ("config", "method", "precision", "leaf")
                 done = {tuple(r[k] for k in key) for r in rows}
                 kept = [r for r in read_rows(args.csv) if tuple(r[k] for k in key) not in done] \
                     if args.append and args.csv.exists() else []

@@ -825,6 +825,9 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
                          "Linear's input for backward, which plain autograd does not: counted with the activations")
 
         grads_alive = _stage3_grads_alive(trainable, zcfg.reduce_bucket_size, leaves)
+        if leaves:
+            notes.append(f"zero3 leaf modules (zero_optimization.leaf_module): {len(leaves)}, e.g. {leaves[0]}; each "
+                         "is gathered whole when entered and its gradients are reduced once its backward is done")
 
         def held(prev: float, within: float, since: float = 0.0, hook: bool | None = None) -> float:
             return grads_alive(prev, within, since, hook)
