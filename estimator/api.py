@@ -54,6 +54,7 @@ from estimator.models.moe_ep import EpLayout, ep_notes
 from estimator.models.params import buffer_bytes, expand_params, param_counts
 from estimator.models.profiles import adapters_in_16bit, run_adapters_in_16bit, traced_release, versions_note
 from estimator.models.tp_plans import check_tp
+from estimator.models.zero3_leaf import table_leaves
 from estimator.profiler.cache import load_model_profile, load_plain_and_checkpointed
 from estimator.spec import FSDP_METHODS, ParallelSpec, RunSpec, TrainingSpec, ckpt_every
 
@@ -257,7 +258,7 @@ _STEP_MODELS: dict[tuple, tuple[list, methods.StepModel]] = {}
 
 
 def _step_model(spec: RunSpec, table, rank: int = 0, path: methods.Zero12Rank | None = None,
-                attention_view: bool = True) -> methods.StepModel:
+                attention_view: bool = True, leaves: tuple[str, ...] = ()) -> methods.StepModel:
     """The method's step model, memoized per table: it depends on the layout, the precision and the optimizer,
     not on the micro-batch or the sequence (a plan's search asks for the same one at every micro-batch)."""
     training = spec.training  # checkpointing's flavour and the model code: what FSDP1 keeps of the layer inputs
@@ -265,13 +266,13 @@ def _step_model(spec: RunSpec, table, rank: int = 0, path: methods.Zero12Rank | 
            (training.grad_ckpt, training.ckpt_reentrant, training.model_code) if spec.parallel.method == "fsdp1"
            # ZeRO-3's frozen Linear inputs: which are saved, and for how long
            else (training.lora_dropout, training.grad_ckpt, training.ckpt_policy, training.ce, training.qlora)
-           if spec.parallel.zero_stage == 3 else None, attention_view)
-    return memo_by_owner(_STEP_MODELS, key, table, lambda: _new_step_model(spec, table, rank, path, attention_view),
-                         limit=1024)
+           if spec.parallel.zero_stage == 3 else None, attention_view, leaves)
+    return memo_by_owner(_STEP_MODELS, key, table,
+                         lambda: _new_step_model(spec, table, rank, path, attention_view, leaves), limit=1024)
 
 
 def _new_step_model(spec: RunSpec, table, rank: int, path: methods.Zero12Rank | None,
-                    attention_view: bool = True) -> methods.StepModel:
+                    attention_view: bool = True, leaves: tuple[str, ...] = ()) -> methods.StepModel:
     method = spec.parallel.method
     if method in ("single", "tp"):
         return methods.single(spec, table)
@@ -284,7 +285,7 @@ def _new_step_model(spec: RunSpec, table, rank: int, path: methods.Zero12Rank | 
         sharded = spec if method == "fsdp" else spec.replace(parallel=ParallelSpec(method="fsdp",
                                                                                    world_size=spec.parallel.dp))
         return methods.fsdp(sharded, table)
-    return methods.zero(spec, table, rank, path, attention_view)
+    return methods.zero(spec, table, rank, path, attention_view, leaves)
 
 
 def _activation_split(segments: dict, peak: Replay, num_layers: int, b: int, s: int) -> tuple[float, float]:
@@ -367,8 +368,11 @@ def _technique_notes(training: TrainingSpec, profile: dict, num_layers: int) -> 
 
 def _param_table(profile: dict, num_layers: int) -> list:
     """The expanded parameter table, memoized per loaded profile (a plan asks for it ~100 times)."""
-    return memo_by_owner(_TABLES, (id(profile), num_layers), profile,
-                         lambda: expand_params(profile["params"], num_layers))
+    def table() -> list:
+        out = expand_params(profile["params"], num_layers)
+        out.model_type = profile.get("model_type", "")
+        return out
+    return memo_by_owner(_TABLES, (id(profile), num_layers), profile, table)
 
 
 def _replay(model: methods.StepModel, segments: dict, num_layers: int, b: int, s: int, *, accumulating: bool
@@ -414,7 +418,9 @@ def _rank_estimate(spec: RunSpec, arch: ModelArch, profile: dict, table: list, c
                    ) -> tuple[RankEstimate, methods.StepModel]:
     training = spec.training
     b, s = training.micro_batch_size, training.seq_len
-    model = _step_model(spec, table, rank, path, attention_view=methods.attention_output_saved(profile))
+    leaves = table_leaves(spec.parallel.zero, table) if spec.parallel.zero_stage == 3 else ()
+    model = _step_model(spec, table, rank, path, attention_view=methods.attention_output_saved(profile),
+                        leaves=leaves)
     regime = _regime(profile, b, s)
     segments = technique_segments(loop_segments(regime, training.loop, arch.num_layers), profile, training)
     if ring is not None:  # the ring attention's transients at each flash call (spec: this rank's local sequence)

@@ -11,6 +11,7 @@ Pure standard library.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -53,7 +54,9 @@ def spec_columns(spec: RunSpec) -> dict[str, Any]:
     row.update(dataclasses.asdict(spec.training))
     # the allocator cap's cell was a measurement column before it was a spec field: empty = none, as before
     row["memory_cap_bytes"] = spec.training.memory_cap_bytes or None
-    row.update({f"zero_{k}": v for k, v in dataclasses.asdict(spec.parallel.zero).items()})
+    # ZeRO-3's leaf module lists as JSON lists: a cleared list ("[]") is not an empty cell (the default)
+    row.update({f"zero_{k}": json.dumps(list(v)) if isinstance(v, tuple) else v
+                for k, v in dataclasses.asdict(spec.parallel.zero).items()})
     row.update({f"fsdp1_{k}": v for k, v in dataclasses.asdict(spec.parallel.fsdp1).items()})
     return row
 
@@ -66,7 +69,8 @@ def spec_from_columns(row: dict[str, Any]) -> RunSpec:
         for f in dataclasses.fields(cls):
             default = getattr(cls(), f.name)
             value = parse_cell(row.get(prefix + f.name), default)
-            if value is None and (f.name in ADDED_SPEC_FIELDS or prefix + f.name in ADDED_SPEC_FIELDS):
+            if value is None and (f.name in ADDED_SPEC_FIELDS or prefix + f.name in ADDED_SPEC_FIELDS
+                                  or isinstance(default, tuple)):
                 continue  # a table written before the field existed: the harness ran the default
             out[f.name] = value
         return out
@@ -120,6 +124,8 @@ def parse_cell(value: Any, default: Any) -> Any:
             return int(value)
         if isinstance(default, float):
             return float(value)
+        if isinstance(default, tuple):  # a JSON list (spec_columns)
+            return tuple(json.loads(value))
         return value
     if isinstance(default, bool) and not isinstance(value, bool) and value in (0, 1):
         return bool(value)

@@ -341,6 +341,28 @@ class TrainingSpec:
         return self.micro_batch_size * self.seq_len
 
 
+# DeepSpeed 0.19.8's default ZeRO-3 leaf module classes (``zero_optimization.leaf_module.classes``):
+# ``DEFAULT_LEAF_MODULE_CLASSES`` in ``deepspeed/runtime/zero/leaf_module_config.py``, copied as it is there
+# (tests/estimator/test_zero3_leaf.py compares it with the installed DeepSpeed's). ``names`` and ``name_suffixes``
+# default to none.
+DEFAULT_LEAF_MODULE_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+LEAF_FIELDS = ("leaf_classes", "leaf_names", "leaf_name_suffixes")
+
+
+def _names_tuple(field_name: str, value: Any) -> tuple[str, ...]:
+    """A list of names as DeepSpeed's ``DeepSpeedZeroLeafModuleConfig`` takes it: a lone string is a list of one,
+    duplicates dropped in order."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
+        _fail(field_name, f"must be a list of module names, got {value!r}")
+    return tuple(dict.fromkeys(v.strip() for v in value))
+
+
 @dataclass(frozen=True)
 class ZeroSpec:
     """DeepSpeed ZeRO settings, with DeepSpeed's own defaults (deepspeed/runtime/zero/config.py).
@@ -362,8 +384,16 @@ class ZeroSpec:
     offload_optimizer: bool = False
     offload_param: bool = False
     pin_memory: bool = False
+    # ZeRO-3 leaf modules (``zero_optimization.leaf_module``: ``classes``, ``names``, ``name_suffixes``): DeepSpeed
+    # puts no hooks inside one, gathers every parameter under it when it is entered and reduces their gradients
+    # when its backward is done (``estimator.models.zero3_leaf``)
+    leaf_classes: tuple[str, ...] = DEFAULT_LEAF_MODULE_CLASSES
+    leaf_names: tuple[str, ...] = ()
+    leaf_name_suffixes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in LEAF_FIELDS:
+            object.__setattr__(self, name, _names_tuple(f"zero.{name}", getattr(self, name)))
         for name in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                      "stage3_param_persistence_threshold", "stage3_max_live_parameters",
                      "stage3_max_reuse_distance", "sub_group_size"):
@@ -601,7 +631,7 @@ class RunSpec:
     def _canonical_dict(self) -> dict[str, Any]:
         """to_dict without the settings of a method not used, nor settings added later at their default (FSDP1's
         ``lora_wrap``, ``ep``, ``moe_imbalance``, ``cp``, ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``, ``use_cache``,
-        the long-context techniques, ``ckpt_reentrant``, ``vocab_size``, ``full_range_slices``, ``lora_dtype``, ``qlora_prep``, ``memory_cap_bytes``):
+        the long-context techniques, ``ckpt_reentrant``, ``vocab_size``, ``full_range_slices``, ``lora_dtype``, ``qlora_prep``, ``memory_cap_bytes``, ZeRO-3's leaf modules):
         ids stay as they were."""
         data = self.to_dict()
         if self.parallel.method != "fsdp1":
@@ -632,6 +662,9 @@ class RunSpec:
             data["training"].pop("ce_chunks")
         if self.training.grad_sync == "every":
             data["training"].pop("grad_sync")
+        for name in LEAF_FIELDS:  # added later: at DeepSpeed's default, ids stay as they were
+            if getattr(self.parallel.zero, name) == getattr(ZeroSpec, name):
+                data["parallel"]["zero"].pop(name)
         return data
 
     def to_json(self) -> str:

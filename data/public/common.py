@@ -27,7 +27,8 @@ SPEC = ["model", "gpu", "method", "world_size", "tp", "micro_batch_size", "seq_l
         "zero_contiguous_gradients",
         "zero_reduce_scatter", "zero_stage3_prefetch_bucket_size", "zero_stage3_param_persistence_threshold",
         "zero_stage3_max_live_parameters", "zero_stage3_max_reuse_distance", "zero_sub_group_size",
-        "zero_offload_optimizer", "zero_offload_param", "zero_pin_memory", "fsdp1_sharding_strategy",
+        "zero_offload_optimizer", "zero_offload_param", "zero_pin_memory", "zero_leaf_classes", "zero_leaf_names",
+        "zero_leaf_name_suffixes", "fsdp1_sharding_strategy",
         "fsdp1_use_orig_params", "fsdp1_cpu_offload", "fsdp1_backward_prefetch", "fsdp1_forward_prefetch",
         "fsdp1_limit_all_gathers", "fsdp1_gpus_per_node", "fsdp1_lora_wrap", "pp", "pp_schedule", "pp_microbatches", "pp_virtual",
         "pp_engine"]
@@ -38,7 +39,13 @@ ZERO_DEFAULTS = {"zero_reduce_bucket_size": 500_000_000, "zero_allgather_bucket_
                  "zero_stage3_prefetch_bucket_size": 50_000_000, "zero_stage3_param_persistence_threshold": 100_000,
                  "zero_stage3_max_live_parameters": 1_000_000_000, "zero_stage3_max_reuse_distance": 1_000_000_000,
                  "zero_sub_group_size": 1_000_000_000, "zero_offload_optimizer": False, "zero_offload_param": False,
-                 "zero_pin_memory": False}
+                 "zero_pin_memory": False,
+                 # DeepSpeed 0.19.8's leaf_module default (estimator.spec.DEFAULT_LEAF_MODULE_CLASSES), as JSON lists
+                 "zero_leaf_classes": json.dumps([
+                     "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+                     "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+                     "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"]),
+                 "zero_leaf_names": "[]", "zero_leaf_name_suffixes": "[]"}
 # torch's FSDP1 defaults (use_orig_params as accelerate sets it); the rows' FSDP runs are FSDP1 where their
 # extractor says so.
 FSDP1_DEFAULTS = {"fsdp1_sharding_strategy": "FULL_SHARD", "fsdp1_use_orig_params": True, "fsdp1_cpu_offload": False,

@@ -4,7 +4,8 @@ Pure standard library. Defaults are DeepSpeed 0.19.8's (``deepspeed/runtime/zero
 ``offload_config.py``, ``runtime/constants.py``), and they match ``ZeroSpec``'s:
 reduce/allgather bucket 5e8, overlap_comm = (stage == 3), contiguous_gradients and reduce_scatter true,
 stage3_prefetch_bucket_size 5e7, stage3_param_persistence_threshold 1e5, stage3_max_live_parameters and
-stage3_max_reuse_distance 1e9, sub_group_size 1e9, offload ``pin_memory`` true.
+stage3_max_reuse_distance 1e9, sub_group_size 1e9, offload ``pin_memory`` true, ``leaf_module``: the MoE block
+classes of ``DEFAULT_LEAF_MODULE_CLASSES`` (``leaf_module_config.py``), no names, no suffixes.
 
 ``"auto"`` is resolved the way Hugging Face's integration does (``transformers/integrations/deepspeed.py``,
 ``HfTrainerDeepSpeedConfig``):
@@ -201,6 +202,34 @@ def _batch(config: dict[str, Any], base: RunSpec) -> tuple[int, int]:
     return micro or base.training.micro_batch_size, accum or base.training.grad_accum_steps
 
 
+_LEAF_KEYS = {"classes": "leaf_classes", "names": "leaf_names", "name_suffixes": "leaf_name_suffixes"}
+
+
+def _leaf_module(zero: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """``zero_optimization.leaf_module`` as ``ZeroSpec``'s ``leaf_*`` fields: a key left out keeps DeepSpeed's
+    default (``DeepSpeedZeroLeafModuleConfig``: the MoE block classes, no names, no suffixes); a lone string is a
+    list of one, as DeepSpeed coerces it. Which modules they match is found against the model
+    (``estimator.models.zero3_leaf``)."""
+    section = zero.get("leaf_module")
+    if section is None or section == AUTO:
+        return {}
+    if not isinstance(section, dict):
+        _fail("zero_optimization.leaf_module", f"must be an object of classes, names and name_suffixes, "
+                                               f"got {section!r}")
+    unknown = sorted(set(section) - set(_LEAF_KEYS))
+    if unknown:
+        _fail(f"zero_optimization.leaf_module.{unknown[0]}", "unknown key (known: classes, names, name_suffixes)")
+    out = {}
+    for key, name in _LEAF_KEYS.items():
+        if key not in section or section[key] == AUTO:
+            continue
+        value = [section[key]] if isinstance(section[key], str) else section[key]
+        if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+            _fail(f"zero_optimization.leaf_module.{key}", f"must be a list of strings, got {section[key]!r}")
+        out[name] = tuple(value)
+    return out
+
+
 def _hf_prefetch(hidden_size: int) -> int:
     return int(0.9 * hidden_size * hidden_size)  # HF's exact expression (float order matters for int())
 
@@ -250,6 +279,7 @@ def spec_from_deepspeed(ds_config: dict[str, Any] | str | Path, base: RunSpec, h
     if opt_on and stage == 0:
         _fail("zero_optimization.offload_optimizer", "optimizer offload needs ZeRO stage 1, 2 or 3, got stage 0")
     zero3 = stage == 3
+    leaf = _leaf_module(zero)
     zero_spec = ZeroSpec(
         reduce_bucket_size=count("reduce_bucket_size", minimum=1,
                                  auto=lambda: hidden("zero_optimization.reduce_bucket_size") ** 2),
@@ -266,7 +296,7 @@ def spec_from_deepspeed(ds_config: dict[str, Any] | str | Path, base: RunSpec, h
         stage3_max_reuse_distance=count("stage3_max_reuse_distance"),
         sub_group_size=count("sub_group_size"),
         offload_optimizer=opt_on, offload_param=param_on,
-        pin_memory=(opt_pin if opt_on else param_pin) if (opt_on or param_on) else False)
+        pin_memory=(opt_pin if opt_on else param_pin) if (opt_on or param_on) else False, **leaf)
 
     if base.parallel.tp != 1:
         _fail("zero_optimization", f"the base spec has tensor parallelism (tp={base.parallel.tp}); a DeepSpeed "

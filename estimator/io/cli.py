@@ -16,6 +16,7 @@ from estimator.batching.cli_args import add_batching_arguments, batching_from_ar
 from estimator.options.cap_args import add_cap_arguments, cap_bytes_from_args, run_cap_bytes
 from estimator.options.fsdp1_args import add_fsdp1_arguments, fsdp1_from_args
 from estimator.options.technique_args import add_technique_arguments, technique_fields, technique_label
+from estimator.options.zero_args import add_zero3_leaf_arguments, zero3_leaf_from_args
 from estimator.spec import (
     ATTENTIONS,
     BATCHES,
@@ -148,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list-models", action="store_true", help="list catalogue models")
     p.add_argument("--list-gpus", action="store_true", help="list GPU keys")
     add_fsdp1_arguments(p)
+    add_zero3_leaf_arguments(p)
     add_batching_arguments(p)
     add_technique_arguments(p)
     add_cap_arguments(p)
@@ -237,8 +239,14 @@ def spec_from_args(args) -> tuple[RunSpec, bool]:
         base_spec = spec if method != "all" else spec.replace(parallel=ParallelSpec(method="zero2", world_size=gpus)
                                                                if gpus > 1 else ParallelSpec())
         spec = spec_from_deepspeed(args.deepspeed, base_spec, resolve_arch(spec.model).hidden_size)
-        return spec, False
-    return spec, method == "all"
+        return _with_leaf_args(args, spec), False
+    return _with_leaf_args(args, spec), method == "all"
+
+
+def _with_leaf_args(args, spec: RunSpec) -> RunSpec:
+    """The ZeRO-3 leaf module flags over the spec's (a --deepspeed file's) settings."""
+    zero = zero3_leaf_from_args(args, spec.parallel.method, spec.parallel.zero)
+    return spec if zero is spec.parallel.zero else spec.replace(**{"parallel.zero": zero})
 
 
 def compare_specs(spec: RunSpec, gpus: int) -> list[tuple[str, RunSpec | None, str]]:

@@ -18,6 +18,7 @@ from estimator.methods.timeline import ExtraBytes
 from estimator.models.memo import memo_by_owner
 from estimator.models.moe import is_routed_expert
 from estimator.models.params import ParamInfo, forward_only_layers, largest_layer
+from estimator.models.zero3_leaf import leaf_of
 from estimator.spec import RunSpec, ZeroSpec
 
 FP32 = 4
@@ -711,20 +712,52 @@ def _stage2_grads_alive(path: Zero12Rank, in_flight: float) -> Callable[..., flo
     return _grads_alive(path.produced, path.arrival_held, path.after_held)
 
 
-def _stage3_grads_alive(trainable: list[ParamInfo], bucket: float) -> Callable[..., float]:
+def _stage3_grads_alive(trainable: list[ParamInfo], bucket: float, leaves: tuple[str, ...] = ()
+                        ) -> Callable[..., float]:
     """ZeRO-3's gradients in backward (``__add_grad_to_ipg_bucket``): one that fits the bucket is copied into it
     and its storage freed; a larger one stays as it is until the next gradient's hook flushes the bucket
-    (``__reduce_and_partition_ipg_grads``), as under ZeRO-2."""
+    (``__reduce_and_partition_ipg_grads``), as under ZeRO-2. The gradients of a leaf module's parameters
+    (``leaves``: ``estimator.models.zero3_leaf``) get no hook of their own: they stay until the module's
+    backward is done (``_leaf_held``)."""
     order = _zero_backward_order(trainable, _zero_flat_order(trainable))
     produced = [0.0]
     for p in order:
         produced.append(produced[-1] + p.numel * p.elem_bytes)
-    arrival, after = _stage2_held(order, bucket)
+    arrival, after = _leaf_held(order, bucket, leaves) if leaves else _stage2_held(order, bucket)
     return _grads_alive(tuple(produced), tuple(arrival), tuple(after))
 
 
+def _leaf_held(order: list[ParamInfo], bucket: float, leaves: tuple[str, ...]) -> tuple[list[float], list[float]]:
+    """``_stage2_held`` where some gradients belong to ZeRO-3 leaf modules: DeepSpeed hooks no parameter of a leaf
+    (``create_reduce_and_remove_grad_hooks`` skips ``z3_leaf_parameter``s) and reduces them all in the module's
+    full backward hook (``reduce_leaf_module_grads``), taken here as at the hook of its last gradient in
+    ``order``: each of them is alive from its arrival to then. The others as ``_stage2_held``: a gradient that
+    fits the bucket is freed by its own hook, an extra-large one kept to the next hook."""
+    def size(k: int) -> float:
+        return float(order[k].numel * order[k].elem_bytes) if 0 <= k < len(order) else 0.0
+
+    leaf = [leaf_of(p.name, leaves) for p in order]
+    done = {name: k for k, name in enumerate(leaf) if name is not None}  # the last gradient of each leaf
+
+    total: dict[str, float] = {}
+    for k, name in enumerate(leaf):
+        if name is not None:
+            total[name] = total.get(name, 0.0) + size(k)
+    pending = [0.0]  # pending[u]: leaf gradients among the first u whose module's backward is not done by then
+    for k, name in enumerate(leaf):
+        pending.append(pending[-1] + (size(k) if name is not None else 0.0)
+                       - (total[name] if name is not None and done[name] == k else 0.0))
+
+    def extra_large(k: int) -> float:  # a hooked gradient above the bucket, kept to the next hook
+        return size(k) if 0 <= k < len(order) and order[k].numel > bucket and (
+            leaf[k] is None or done[leaf[k]] == k) else 0.0
+    arrival = [0.0] + [size(i - 1) + extra_large(i - 2) + pending[i - 1] for i in range(1, len(order) + 1)]
+    after = [0.0] + [extra_large(i - 1) + pending[i] for i in range(1, len(order) + 1)]
+    return arrival, after
+
+
 def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank | None = None,
-         attention_view: bool = True) -> StepModel:
+         attention_view: bool = True, leaves: tuple[str, ...] = ()) -> StepModel:
     """DeepSpeed ZeRO-1/2/3 and ZeRO-Offload as DeepSpeed 0.19 allocates (``harness/methods/deepspeed.py``
     config: torch AdamW on the partitions), checked against real DeepSpeed runs on CPU with every storage
     counted (``benchmarks/zero_cpu_check.py``).
@@ -741,7 +774,8 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
     order, freeing each gradient that fits the bucket as it goes. Both are per rank (``zero12_ranks``). The step
     flattens the partition, casts it to fp32, computes the norm in fp64 per gradient piece, and runs Adam.
     Stage 3: the weight partition, an IPG bucket and the gradient partition buffer live from initialization;
-    gathered parameters follow ``_zero3_gathered``."""
+    gathered parameters follow ``_zero3_gathered``; ``leaves``: the ZeRO-3 leaf modules
+    (``estimator.models.zero3_leaf.leaf_modules``), whose gradients wait for the module's backward."""
     training, parallel = spec.training, spec.parallel
     zcfg = parallel.zero
     world = parallel.world_size
@@ -790,7 +824,10 @@ def zero(spec: RunSpec, table: list[ParamInfo], rank: int = 0, path: Zero12Rank 
             notes.append("zero3: zero.Init's memory-efficient linear (LinearFunctionForZeroStage3) saves each frozen "
                          "Linear's input for backward, which plain autograd does not: counted with the activations")
 
-        grads_alive = _stage3_grads_alive(trainable, zcfg.reduce_bucket_size)
+        grads_alive = _stage3_grads_alive(trainable, zcfg.reduce_bucket_size, leaves)
+        if leaves:
+            notes.append(f"zero3 leaf modules (zero_optimization.leaf_module): {len(leaves)}, e.g. {leaves[0]}; each "
+                         "is gathered whole when entered and its gradients are reduced once its backward is done")
 
         def held(prev: float, within: float, since: float = 0.0, hook: bool | None = None) -> float:
             return grads_alive(prev, within, since, hook)

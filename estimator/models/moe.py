@@ -217,17 +217,18 @@ _FUSED_EXPERT_NAMES = {"mixtral": {"w1", "w2", "w3"},
                           for family in ("deepseek_v2", "deepseek_v3", "qwen3_moe", "glm4_moe")}}
 
 
-# DeepSpeed (0.19) makes these families' MoE blocks ZeRO-3 leaf modules by default (``zero_optimization.leaf_module``,
-# ``deepspeed.runtime.zero.leaf_module_config.DEFAULT_LEAF_MODULE_CLASSES``): no hooks inside, every parameter under
-# the block gathered at its pre-forward and released once its input gradients are done. DeepSeek's block is not one.
-ZERO3_LEAF_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# DeepSpeed (0.19) makes Mixtral's, Qwen2-MoE's and Qwen3-MoE's MoE blocks ZeRO-3 leaf modules by default
+# (``zero_optimization.leaf_module``, ``estimator.spec.DEFAULT_LEAF_MODULE_CLASSES``): no hooks inside, every
+# parameter under the block gathered at its pre-forward and released once its input gradients are done. DeepSeek's
+# block is not one. A run's own leaf modules (``ZeroSpec.leaf_*``) are found by ``estimator.models.zero3_leaf``.
 
 
-def fused_expert_adapters_refusal(spec, adapted: bool, family: str = "") -> str | None:
+def fused_expert_adapters_refusal(spec, adapted: bool, family: str = "", in_leaf: bool | None = None) -> str | None:
     """Why LoRA on the fused routed experts (peft's ``ParamWrapper``: it reads its ``lora_A`` / ``lora_B`` weights
     directly and adds their product, one delta per expert of the whole layer, to the experts' 3-D tensor while
     they run) cannot run under this spec's parallelism, found by running it (docs/error_matrix/README.md, helper
-    moe28); None where it runs or ``adapted`` is false."""
+    moe28); None where it runs or ``adapted`` is false. ``in_leaf``: whether a ZeRO-3 leaf module holds the
+    adapted experts (None: by the spec's leaf classes alone, ``zero3_leaf.experts_in_leaf_by_class``)."""
     if not adapted:
         return None
     what = "lora_targets: LoRA on the fused routed experts (peft's target_parameters) "
@@ -236,11 +237,17 @@ def fused_expert_adapters_refusal(spec, adapted: bool, family: str = "") -> str 
                 "for all of a layer's experts to a rank's share of them, a DTensor (baddbmm: mixed Tensor and "
                 "DTensor), and applied before the sharding its renamed experts match no ep_plan rule (nothing is "
                 "split); use ep 1, or adapters on attention only")
-    if spec.parallel.method == "zero3" and family in ZERO3_LEAF_MOE_FAMILIES:
-        return (what + f"cannot run under zero3 on {family}: DeepSpeed makes its MoE block a ZeRO-3 leaf module, "
-                "released once the block's input gradients are done, and the adapters' gradients, which come "
-                "through peft's parametrized expert weights, arrive after that (AccumulateGrad meets an empty "
-                "partition); use zero2 or fsdp, or adapters on attention only")
+    if in_leaf is None:
+        from estimator.models.zero3_leaf import experts_in_leaf_by_class
+
+        in_leaf = experts_in_leaf_by_class(spec.parallel.zero, family)
+    if spec.parallel.method == "zero3" and in_leaf:
+        return (what + f"cannot run under zero3 on {family or 'this model'}: the experts sit in a ZeRO-3 leaf "
+                "module (DeepSpeed's default for this family's MoE block, or zero.leaf_*), released once its input "
+                "gradients are done, and the adapters' gradients, which come through peft's parametrized expert "
+                "weights, arrive after that (AccumulateGrad meets an empty partition); use zero2 or fsdp, "
+                "adapters on attention only, or zero.leaf_classes without the block (DeepSpeed's "
+                "zero_optimization.leaf_module.classes: [])")
     if spec.parallel.method == "fsdp1":
         return (what + "cannot run under fsdp1: peft's fsdp_auto_wrap_policy makes each adapter Linear an FSDP1 "
                 "unit, gathered only when it is called, and the experts' wrapper reads those weights without "
@@ -270,7 +277,17 @@ def check_forward_only_layers(spec, profile: dict, family: str = "") -> None:
     not split the layers there, and adapters on the fused experts where they cannot run: refused in one line.
     (every-k over such layers is estimated for method single: docs/error_matrix/moe_methods.csv's
     ``lora-experts-every2`` rows.)"""
-    reason = fused_expert_adapters_refusal(spec, spec.training.lora and adapts_fused_experts(profile), family) \
+    adapted = spec.training.lora and adapts_fused_experts(profile)
+    in_leaf = None
+    if adapted and spec.parallel.method == "zero3":
+        from estimator.models.zero3_leaf import leaf_holds_adapted_experts
+
+        params = profile["params"]
+        kinds = params.get("layer_kinds", {}).get("rows", [])
+        rows = [*params.get("per_layer", ()), *(r for kind in kinds for r in kind)]
+        in_leaf = leaf_holds_adapted_experts(spec.parallel.zero, family, params["layer_prefix"], [
+            r["name"] for r in rows if r.get("trainable") and is_routed_expert(r["name"])])
+    reason = fused_expert_adapters_refusal(spec, adapted, family, in_leaf) \
         or forward_only_refusal(spec, profile["params"].get("frozen_layers", 0))
     if reason:
         raise ValueError(reason)

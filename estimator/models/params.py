@@ -56,6 +56,7 @@ class ParamTable(list):
     ZeRO-3's hooks fetch modules in; None otherwise)."""
 
     module_trace: tuple | None = None
+    model_type: str = ""  # the profile's (which classes DeepSpeed's ZeRO-3 leaf module list matches)
 
 
 def expand_params(params: dict, num_layers: int) -> list[ParamInfo]:

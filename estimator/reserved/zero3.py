@@ -79,6 +79,7 @@ from dataclasses import dataclass, replace
 from estimator.methods.long_context import checkpointed
 from estimator.methods.state import _linear_input_key, zero_layout
 from estimator.models.params import ParamInfo
+from estimator.models.zero3_leaf import table_leaves
 from estimator.profiler.expand import ALLOC, FREE, FREE_PREVIOUS, Expansion, ExpansionError
 from estimator.reserved.accumulate import MicroSteps
 from estimator.reserved.fsdp import _Builder, method_expansion
@@ -129,6 +130,10 @@ def why_not_zero3(spec, table: list[ParamInfo] | None = None) -> str | None:
         if training.grad_ckpt and training.ckpt_reentrant and not llama_like(table):
             return ("zero3 with reentrant checkpointing outside Llama-style decoders: checked on Llama's only "
                     "(docs/error_matrix/zero3_reentrant_cpu.csv)")
+        if training.grad_ckpt and table_leaves(zcfg, table):
+            return ("zero3 with ZeRO-3 leaf modules (DeepSpeed's default for Mixtral's, Qwen2-MoE's and "
+                    "Qwen3-MoE's MoE blocks, or zero.leaf_*) and checkpointing: the recomputation's fetches inside "
+                    "a leaf are not in the replay yet")
         if partition_numel(table, parallel.world_size) > zcfg.sub_group_size:
             return "zero3 with more than one optimizer sub-group: not in the replay yet"
     return None
@@ -821,7 +826,8 @@ def zero3_step(expansion: Expansion, table: list[ParamInfo], world: int, elem16:
                       max_live=zcfg.stage3_max_live_parameters, max_reuse=zcfg.stage3_max_reuse_distance,
                       persistence=zcfg.stage3_param_persistence_threshold, checkpointed=recomputed,
                       accumulate=accumulate, recorded=recorded, dropped_out=dropped_out,
-                      unsaved=unsaved_by_recomputation(table) if recomputed else frozenset(), reentrant=reentrant)
+                      unsaved=unsaved_by_recomputation(table) if recomputed else frozenset(), reentrant=reentrant,
+                      leaves=table_leaves(zcfg, table))
     if accumulate > 1:
         gathers.steps = _within_each_step(gathers.steps)
         # the plain steps' gathers: a step after an optimizer step that ends with one (a cycle's last micro-step

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from estimator.models.params import ParamInfo
 from estimator.reserved.timeline import model_order
@@ -210,6 +210,28 @@ def recorded_modules(recorded: tuple) -> tuple[list[Module], list[Module]]:
     grad_inputs = {n: k for n, _, k in forward}
     return ([Module(n, ps) for n, ps, _ in forward],
             [Module(n, params_of.get(n, ()), grad_inputs.get(n, 0) > 0) for n in backward])
+
+
+def with_leaves(forward: list[Module], backward: list[Module], leaves: tuple[str, ...]
+                ) -> tuple[list[Module], list[Module]]:
+    """The module traces as DeepSpeed hooks them when some modules are ZeRO-3 leaves
+    (``estimator.models.zero3_leaf``): no module inside a leaf is hooked (``_register_deepspeed_module`` stops
+    at it), and the leaf fetches and releases every parameter under it (``iter_params(recurse=True)``)."""
+    if not leaves:
+        return forward, backward
+
+    def inside(name: str) -> bool:
+        return any(name.startswith(f"{leaf}.") for leaf in leaves)
+    under: dict[str, list[str]] = {}
+    for m in forward:
+        leaf = m.name if m.name in leaves else next((x for x in leaves if m.name.startswith(f"{x}.")), None)
+        if leaf is not None:
+            under.setdefault(leaf, []).extend(p for p in m.params if p not in under[leaf])
+
+    def collapsed(modules: list[Module]) -> list[Module]:
+        return [replace(m, params=tuple(under[m.name])) if m.name in under else m
+                for m in modules if not inside(m.name)]
+    return collapsed(forward), collapsed(backward)
 
 
 def _projection_modules(projection: str, owners: list[str], direct: dict, needs_grad, reads_grad: bool
@@ -393,7 +415,8 @@ def recompute_owners(moved: dict[int, int | None]) -> dict[int, int]:
 def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket: int = 50_000_000,
             max_live: int = 1_000_000_000, max_reuse: int = 1_000_000_000, persistence: int = 100_000,
             checkpointed: frozenset[int] = frozenset(), accumulate: int = 1, recorded: tuple | None = None,
-            dropped_out: bool = False, unsaved: frozenset[str] = frozenset(), reentrant: bool = False
+            dropped_out: bool = False, unsaved: frozenset[str] = frozenset(), reentrant: bool = False,
+            leaves: tuple[str, ...] = ()
             ) -> GatherOps:
     """The allgather stream's allocations and frees of ``steps`` training steps (module docstring);
     ``checkpointed``: the decoder layers recomputed in backward (``with_recomputation``); ``accumulate``: the
@@ -403,12 +426,13 @@ def emulate(table: list[ParamInfo], world: int, steps: int = 3, prefetch_bucket:
     (``recomputed_before_fetch``); ``unsaved``: trainable parameters a recomputation does not save
     (``zero3.unsaved_by_recomputation``), released as in forward; ``reentrant``: the checkpoints re-enter
     (``use_reentrant=True``), so each recomputation runs the layer's whole forward before its first backward
-    fetch and saves the parameters themselves (module docstring)."""
+    fetch and saves the parameters themselves (module docstring); ``leaves``: ZeRO-3 leaf modules, each fetched
+    whole (``with_leaves``)."""
     if reentrant and checkpointed:
         dropped_out, unsaved = True, frozenset(p.name for p in table)
     index = ds_id_order(table)
     params = {p.name: _Param(p.name, p.numel, p.elem_bytes, p.numel < persistence, p.trainable) for p in table}
-    forward, backward = modules_of(table, recorded, inputs_need_grad=bool(checkpointed))
+    forward, backward = with_leaves(*modules_of(table, recorded, inputs_need_grad=bool(checkpointed)), leaves)
     external = external_params(forward)
     if dropped_out:
         moved: dict[int, int | None] = {}

@@ -4,7 +4,9 @@ the spec (or the user's JSON, ``deepspeed_config=path``, with the batch-size key
 Generated config, exactly:
 
 * ``zero_optimization``: ``stage`` = spec.parallel.zero_stage (zero_offload = stage 2); every ZeroSpec field
-  under its DeepSpeed name (bucket sizes in elements, ``overlap_comm`` = ZeroSpec.overlap_comm_for(stage)).
+  under its DeepSpeed name (bucket sizes in elements, ``overlap_comm`` = ZeroSpec.overlap_comm_for(stage));
+  at stage 3 ``leaf_module: {classes, names, name_suffixes}`` from ZeroSpec's ``leaf_*`` where not DeepSpeed's
+  default.
   ``offload_optimizer: {device: cpu, pin_memory}`` for zero_offload or ZeroSpec.offload_optimizer;
   ``offload_param: {device: cpu, pin_memory}`` for ZeroSpec.offload_param (stage 3).
 * Precision: ``mixed_fp16`` -> ``fp16.enabled`` (dynamic loss scale starting at 1), ``mixed_bf16`` -> ``bf16.enabled``: 16-bit
@@ -42,7 +44,7 @@ from typing import Any
 import torch
 
 from estimator.profiler.build import HeldOutputs, offload_context
-from estimator.spec import RunSpec
+from estimator.spec import LEAF_FIELDS, RunSpec, ZeroSpec
 from harness.methods.base import WrapContext, build_on_device
 
 LR = 1e-5
@@ -73,10 +75,13 @@ def zero_section(spec: RunSpec) -> dict[str, Any]:
     zero = spec.parallel.zero
     section: dict[str, Any] = {"stage": stage}
     for f in dataclasses.fields(zero):
-        if f.name in ("offload_optimizer", "offload_param", "pin_memory", "overlap_comm"):
+        if f.name in ("offload_optimizer", "offload_param", "pin_memory", "overlap_comm", *LEAF_FIELDS):
             continue
         section[f.name] = getattr(zero, f.name)
     section["overlap_comm"] = zero.overlap_comm_for(stage)
+    leaf = {key: list(getattr(zero, name)) for key, name in zip(("classes", "names", "name_suffixes"), LEAF_FIELDS)}
+    if stage == 3 and any(getattr(zero, name) != getattr(ZeroSpec, name) for name in LEAF_FIELDS):
+        section["leaf_module"] = leaf  # DeepSpeed's default otherwise: the generated config as before
     if zero.offload_optimizer or spec.parallel.method == "zero_offload":
         section["offload_optimizer"] = {"device": "cpu", "pin_memory": zero.pin_memory}
     if zero.offload_param and stage == 3:

@@ -312,7 +312,9 @@ def test_zero3_refuses_adapters_on_the_experts_inside_deepspeed_s_leaf_moe_block
     if runs:
         check_forward_only_layers_before_trace(spec, config)
     else:
-        with pytest.raises(ValueError, match=f"cannot run under zero3 on {family}: DeepSpeed makes its MoE block"):
+        with pytest.raises(ValueError, match=f"cannot run under zero3 on {family}: the experts sit in a ZeRO-3 leaf"):
             check_forward_only_layers_before_trace(spec, config)
+        cleared = spec.replace(**{"parallel.zero": ZeroSpec(leaf_classes=())})  # DeepSpeed's leaf_module.classes []
+        check_forward_only_layers_before_trace(cleared, config)
     attention = spec.replace(**{"training.lora_targets": "q_proj,v_proj"})
     check_forward_only_layers_before_trace(attention, config)
