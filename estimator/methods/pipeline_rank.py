@@ -227,12 +227,13 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     sends_held = par.pp_schedule != "1f1b"
     rotary = poly(segments["prefix"]["net_act"], b, s) - boundary
     # The stage module's position ids (``harness.pipeline.HfStage``: ``torch.arange(s)[None]``, one int64 per
-    # position whatever b) are a local of its forward: the rotary tables are computed from them and nothing saves them,
-    # so they go when the stage's forward returns, which the unsplit profile's prefix (its model frees them only when
-    # its whole forward returns) does not say; a checkpointed layer keeps them among its inputs for its recomputation
-    # (non-reentrant checkpointing holds its arguments to its backward). Counted (--trace): each stage forward of the
-    # interleaved pp 4 M 4 run at (1, 64) rose 536 B less than estimated (512 B of them these; 24 B a flash call's
-    # philox state, a GPU's), released by its backward: 7 in flight at the middle rank's peak
+    # position whatever b) are a local of its forward: the rotary tables are computed from them and nothing saves
+    # them, so they go when the stage's forward returns (as a DeepSpeed pipeline layer's do, ``ds_pipeline``); the
+    # unsplit profile's prefix holds them (its model frees them only when its whole forward returns). A checkpointed
+    # layer keeps them among its inputs for its recomputation (non-reentrant checkpointing holds its arguments to its
+    # backward). Counted (--trace): each stage forward of the interleaved pp 4 M 4 run at (1, 64) rose 536 B less
+    # than estimated (512 B of them these; 24 B a flash call's philox state, a GPU's), released by its backward:
+    # 7 in flight at the middle rank's peak
     def positions_freed(stage: int) -> float:
         checkpointed = training.grad_ckpt if kinds is None else any(kinds[i] for i in splits[stage])
         return 0.0 if checkpointed else float(s * INT64)
