@@ -226,6 +226,17 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
     # before its next forward
     sends_held = par.pp_schedule != "1f1b"
     rotary = poly(segments["prefix"]["net_act"], b, s) - boundary
+    # The stage module's position ids (``harness.pipeline.HfStage``: ``torch.arange(s)[None]``, one int64 per
+    # position whatever b) are a local of its forward: the rotary tables are computed from them and nothing saves
+    # them, so they go when the stage's forward returns (as a DeepSpeed pipeline layer's do, ``ds_pipeline``); the
+    # unsplit profile's prefix holds them (its model frees them only when its whole forward returns). A checkpointed
+    # layer keeps them among its inputs for its recomputation (non-reentrant checkpointing holds its arguments to its
+    # backward). Counted (--trace): each stage forward of the interleaved pp 4 M 4 run at (1, 64) rose 536 B less
+    # than estimated (512 B of them these; 24 B a flash call's philox state, a GPU's), released by its backward:
+    # 7 in flight at the middle rank's peak
+    def positions_freed(stage: int) -> float:
+        checkpointed = training.grad_ckpt if kinds is None else any(kinds[i] for i in splits[stage])
+        return 0.0 if checkpointed else float(s * INT64)
     # Counted (benchmarks/pipeline_table.py --trace): a stage fed by received activations holds one hidden-sized
     # tensor per micro-batch more than its layers' generic segments, the one the unsplit profile's first-layer
     # segment holds above a generic layer's (a first stage, fed by its embedding, does not).
@@ -378,6 +389,7 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
         if input_leaf and action.kind == "B" and first and backwards[st] < m - 1:
             act -= 2 * boundary  # the embedding output (a leaf) and its gradient go; the last backward's stay
         if action.kind == "F":
+            act -= positions_freed(st)  # the stage's forward returns: its position ids go
             if last:  # the stage output (logits) stays in fwd_cache until this backward, and what the final
                 # segment's backward frees beyond its forward's allocation is held until then
                 act += logits + final_unmatched
@@ -391,7 +403,7 @@ def pipeline_rank(spec: RunSpec, segments: dict, table: list[ParamInfo], num_lay
                 act -= logits  # backward_one_chunk (its stage_output local) until it returns
             if not first:  # the rotary cos/sin go with the graph; the gradient of the received input is sent back,
                 # held by its send work: to the schedule's end, or (1F1B) until the next backward's send replaces it
-                act += boundary - rotary - received_extra_of(st)
+                act += boundary - (rotary - positions_freed(st)) - received_extra_of(st)
                 if not sends_held and grad_sent:
                     act -= boundary
                 grad_sent = True

@@ -778,3 +778,18 @@ def test_the_plan_weighs_pp_x_dp_x_tp_with_mixed_precision():
     piped = {r.candidate.label: r for r in result.results}["pp2 x dp2 x tp2"]
     assert piped.fits and piped.candidate.pp == 2 and piped.time is not None
     assert piped.time.parts["dp_gather_scatter"] > 0
+
+
+@pytest.mark.parametrize("grad_ckpt, rise", [(False, 337_408 + 24), (True, 16_384 + 8_192 + 512)])
+def test_a_stages_position_ids_go_when_its_forward_returns(grad_ckpt, rise):
+    """The stage module's position ids (int64, one per position: 512 B at s 64) are a local of its forward: counted
+    (the interleaved pp 4 M 4 run at (1, 64), rank 2, --trace), each forward of a stage of one plain layer rose
+    337,408 B, where the estimate read 512 B more (its 24 B above the count: a flash call's philox state, a GPU's), and
+    the rank's peak, seven forwards in flight, 4,825,292 B. A checkpointed layer keeps them among its inputs to its
+    backward: the forward holds its output, the rotary tables and the ids (the checkpointed tables' rows, as counted)."""
+    par = ParallelSpec(method="single", world_size=4, pp=4, pp_schedule="interleaved_1f1b", pp_microbatches=4,
+                       pp_virtual=2)
+    events = _rank_events(_tiny(par, grad_ckpt=grad_ckpt), 2)
+    assert {after - before for kind, _, _, before, _, after in events if kind == "F"} == {rise}
+    if not grad_ckpt:  # less AdamW's host-side step scalars and the rotary buffers (the test above), plus 7 x 24 B
+        assert max(peak for *_, peak, _ in events) == 4_825_292 - (19 * 4 + 2 * 64) + 7 * 24
