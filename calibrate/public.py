@@ -299,13 +299,13 @@ DIAGNOSES = [
      "which keeps (b, heads, s, s) fp32 probabilities per layer (b2 x 32 heads x 8192^2 x 4 B = 17.2 GB): the "
      "estimate is for today's stack (transformers 5, torch 2.13), not the source's"),
     (lambda r, s: r["source"] == "answerai_fsdp_qlora" and r["qlora"] == "True" and r["quantity"] == "max_reserved",
-     "mechanism: reserved from the prior (allocated x 1.1): FSDP1 with QLoRA is sized (packed NF4 weights as bf16 "
-     "flat elements, quant states whole on each rank: exact on real CPU FSDP1 ranks, docs/error_matrix/"
-     "fsdp1_qlora.csv) but its reserved replay is not lifted (no real run checks the packed units' blocks), while "
-     "the same source's LoRA rows, replayed, are within 3 %. Lifted for a check (session 32, helper qlfsdp: "
-     "packed_flat in estimator.reserved.fsdp1._units, the quant states one setup block): Llama-2-7B FULL_SHARD b1 "
-     "s2048 +0.2 %, b4 +0.3 %, b10 +8.7 %, b12 offload +12.5 %, b1 s512 -9.8 %; NO_SHARD (ddp) and the 70B rows "
-     "keep the prior either way"),
+     "mechanism: FSDP1 with QLoRA is sized (packed NF4 weights as bf16 flat elements, quant states whole on each "
+     "rank: exact on real CPU FSDP1 ranks, docs/error_matrix/fsdp1_qlora.csv) and, with flat parameters, replayed "
+     "(its stream equal to a real CPU FSDP1 run's event for event, tests/estimator/test_reserved_fsdp1.py; session "
+     "33): b1 / b4 s2048 within 0.5 %. Left: the NO_SHARD rows (ddp) keep the prior (LoRA under NO_SHARD is not "
+     "replayed), -18.3 %; b10 +8.8 % and b12 offload +12.5 % over, b1 s512 -9.6 % and 70B offload -12.4 % under, "
+     "not located (the rows ran reentrant checkpointing and transformers 4.37-4.39, the profile traces "
+     "non-reentrant; fsdp_qlora's low_memory loading and the quant states' own tensors are not replayed)"),
     (lambda r, s: _litgpt(r) and r["qlora"] == "True",
      "mechanism: LitGPT's QLoRA is Lightning's, not peft's, and is not expressible (lora_dtype model is refused "
      "with QLoRA). Read at the rows' commits: Lightning 71aed751's BitsandbytesPrecision('nf4-dq', bf16) builds "

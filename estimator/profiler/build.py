@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -181,7 +182,12 @@ def prepare_qlora_base(model: torch.nn.Module, compute_dtype: torch.dtype, kbit_
             continue
         quantized = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
                                       compute_dtype=compute_dtype, device=module.weight.device, **NF4)
-        quantized.weight = bnb.nn.Params4bit(module.weight.data.to(compute_dtype), requires_grad=False, **NF4)
+        # ``module``: quantizing also sets ``quantized.quant_state``, from which bitsandbytes restores the weight's
+        # state once FSDP1 has swapped the weight for a view of its flat parameter (fsdp_qlora builds it so; the
+        # keyword exists from bitsandbytes 0.43)
+        owner = {"module": quantized} if "module" in inspect.signature(bnb.nn.Params4bit.__new__).parameters else {}
+        quantized.weight = bnb.nn.Params4bit(module.weight.data.to(compute_dtype), requires_grad=False, **owner,
+                                             **NF4)
         if module.bias is not None:
             quantized.bias = module.bias
         parent, _, leaf = name.rpartition(".")

@@ -57,6 +57,13 @@ input); the new shards stay on the device until backward's final callback (``fin
 steps the host shards (no device op). A checkpointed recompute under mixed precision makes its copies again (not
 built: refused).
 
+QLoRA as answer.ai fsdp_qlora runs it (bitsandbytes NF4 with bf16 ``quant_storage``, bf16 adapters, flat parameters):
+each packed weight is ``numel / 4`` bf16 elements of its layer's flat parameter (``packed_flat``), so its gathers,
+reshards and shards are the packed unit's; each quant state is made once at setup, kept whole on the device (also
+under CPU offload) and never freed; the dequantized bf16 copy each ``MatMul4Bit`` makes in forward, the recompute
+and backward is in the profile's trace. Checked against a real CPU run event for event (bitsandbytes 0.50.2,
+use_orig_params false, with and without checkpointing, the padded last rank); with ``use_orig_params`` refused.
+
 BACKWARD_PRE prefetching: the root's pre-backward unshards the last layer; each layer's pre-backward the one
 before it (with LoRA: its last adapter; the first adapter's the layer before).
 
@@ -73,7 +80,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from estimator.methods.fsdp1 import FlatUnit, Fsdp1Sizes, flat_layout, shard_pieces
+from estimator.methods.fsdp1 import FlatUnit, Fsdp1Sizes, flat_layout, packed_flat, shard_pieces
 from estimator.models.params import ParamInfo
 from estimator.profiler.expand import (
     ALLOC,
@@ -127,6 +134,9 @@ class _Unit:
     sharded: bool = True       # False: NO_SHARD (the flat parameter is whole on every rank)
     orig_params: bool = True   # use_orig_params; False: the optimizer steps the flat shards themselves
     offload: bool = False      # CPU offload: the shard lives on the host (``_local_shard``), the step runs there
+    # bytes of each tensor's quant state (QLoRA's packed 4-bit rows, ``packed_flat``; 0 for the others), kept whole
+    # on the device beside the flat parameter
+    quant_states: tuple[int, ...] = ()
 
     @property
     def stepped_bytes(self) -> int:
@@ -169,9 +179,13 @@ def _units(table: list[ParamInfo], num_layers: int, sizes: Fsdp1Sizes) -> dict:
     lora = bool(sizes.adapters)
 
     def unit(params: list[ParamInfo], flat: FlatUnit) -> _Unit:
+        # QLoRA's packed 4-bit rows as the flat parameter holds them (16-bit elements, numel / 4), their quant states
+        # beside it (packed weights under mixed_* are refused by ``fsdp1_sizes``: one 16-bit dtype per unit)
+        packed = [packed_flat(p, flat.param_elem) for p in params]
+        params = [row for row, _ in packed]
         offsets, paddings, _total = flat_layout(params, flat.world, flat.compute_elem, aligned)
         return _Unit(params, flat, sizes.mixed, tuple(paddings), tuple(offsets), sizes.sharded, aligned,
-                     sizes.options.cpu_offload)
+                     sizes.options.cpu_offload, tuple(int(state) for _, state in packed))
     units = {"root": unit([p for p in model_order(table) if p.layer is None], sizes.root)}
     for layer in range(num_layers):
         params = [p for p in table if p.layer == layer]
@@ -190,15 +204,21 @@ def fsdp1_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: in
                 rank: int = 0) -> Setup:
     """Per unit in wrap order (``_wrap_order``): its tensors moved, the flat parameter, the shard (without
     ``use_orig_params`` a short chunk's clone padded into a new tensor); the moved tensors and the full flat
-    parameter freed. Then the module buffers."""
+    parameter freed. QLoRA: each packed weight's quant state (``quant_state.``) moves with it (bitsandbytes'
+    ``Params4bit.to`` moves the state too) and stays, whole, under CPU offload as well (only flat parameters go to
+    the host). Then the module buffers."""
     allocations: list[tuple[str, int]] = []
     frees: list[tuple[int, tuple[int, ...]]] = []
     units = _units(table, num_layers, sizes)
     for name in _wrap_order(units, num_layers):
         unit = units[name]
         elem = unit.flat.param_elem
-        first = len(allocations)
-        allocations.extend((f"moved.{p.name}", p.numel * elem) for p in unit.params)
+        moved_at = []
+        for p, state in zip(unit.params, unit.quant_states or (0,) * len(unit.params)):
+            if state:
+                allocations.append((f"quant_state.{p.name}", state))
+            moved_at.append(len(allocations))
+            allocations.append((f"moved.{p.name}", p.numel * elem))
         paddings = []
         for n in unit.paddings:  # ones(n) * a magic value: the ones go at once
             allocations.extend([(f"padding_ones.{name}", n * elem), (f"padding.{name}", n * elem)])
@@ -206,7 +226,7 @@ def fsdp1_setup(table: list[ParamInfo], buffers: tuple[int, int], num_layers: in
             paddings.append(len(allocations) - 1)
         allocations.append((f"flat.{name}", unit.flat.numel * elem))
         frees.append((len(allocations) - 1, tuple(paddings)))  # the list that held them goes after the cat
-        moved = tuple(range(first, first + len(unit.params)))
+        moved = tuple(moved_at)
         if not unit.sharded:  # NO_SHARD keeps the flat parameter itself (``FlatParamHandle.shard``: no clone)
             frees.append((len(allocations) - 1, moved))
             continue

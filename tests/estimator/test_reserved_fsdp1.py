@@ -66,7 +66,7 @@ def _generated(path: str, training: TrainingSpec, world: int, rank: int, strateg
     names = [name for name, _ in setup.allocations]
     out = []
     for i, (name, nbytes) in enumerate(setup.allocations):
-        if not name.startswith(("buffers", "moved.")):
+        if not name.startswith(("buffers", "moved.", "quant_state.")):  # the CPU run builds these before wrapping
             out.append(("alloc", ("setup", i), nbytes, 0))
         out.extend(("free", ("setup", j)) for j in frees.get(i, ()) if not names[j].startswith("moved."))
     return out + run_requests(plan, STEPS, training.grad_accum_steps)
@@ -113,6 +113,9 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
         return shard
 
     ignore_mask = masking_utils._ignore_causal_mask_sdpa
+    nf4 = build.NF4
+    if training.qlora:  # fsdp_qlora's Linear4bit(quant_storage=torch_dtype): packed values FSDP1 can flatten
+        build.NF4 = {**nf4, "quant_storage": build.param_dtype(training.precision)}
     masking_utils._ignore_causal_mask_sdpa = lambda padding_mask, *a, **k: ignore_mask(None, *a, **k)
     flat_param_mod._alloc_storage, flat_param_mod._free_storage = alloc_recorded, free_recorded
     handle_cls._get_shard = staticmethod(get_shard_recorded)
@@ -142,6 +145,7 @@ def _real_fsdp1_events(training: TrainingSpec, world: int, rank: int, strategy: 
                 rec.mark("end")
     finally:
         masking_utils._ignore_causal_mask_sdpa = ignore_mask
+        build.NF4 = nf4
         flat_param_mod._alloc_storage, flat_param_mod._free_storage = alloc_storage, free_storage
         handle_cls._get_shard = get_shard
     events, sizes = rec.timeline.events, rec.timeline.sizes
@@ -321,6 +325,54 @@ def test_cpu_offload_replayed_allocated_level_equals_the_estimate(llama_path, tr
     shard (cast to 16 bits under mixed precision) and the new shards held to backward's end are transient, so the
     replay's allocated level is the estimator's."""
     _assert_replayed_allocated_level(llama_path, training, world, "FULL_SHARD", orig_params, cpu_offload=True)
+
+
+def _qlora(**fields) -> TrainingSpec:
+    """answer.ai fsdp_qlora's recipe: NF4 on every Linear of the decoder, everything else and the adapters bf16 (no
+    kbit preparation), LoRA on the six Linears its ``all`` names."""
+    return TrainingSpec(**{"precision": "bf16", "lora_rank": 8, "qlora": True, "lora_dtype": "model",
+                           "lora_targets": ALL_SIX, **fields})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("training, world, rank", [
+    (_qlora(), 2, 0),
+    (_qlora(grad_ckpt=True), 2, 0),  # the published rows' checkpointing: the recompute dequantizes again
+    (_qlora(grad_ckpt=True), 3, 2),  # short chunks of the packed flat parameters, the last rank
+], ids=lambda v: str(v) if not isinstance(v, TrainingSpec) else f"qlora-ckpt{int(v.grad_ckpt)}")
+def test_qlora_stream_equals_a_real_fsdp1_run(llama_path, training, world, rank):
+    """QLoRA as fsdp_qlora runs it (bitsandbytes ``Linear4bit`` NF4 with ``quant_storage`` bf16, so each layer's
+    packed weights are ``numel / 4`` bf16 elements of its flat parameter; peft's wrap policy, use_orig_params
+    false, FULL_SHARD): the packed units' setup, gathers and reshards, the adapters' units, and the dequantized
+    copies each ``MatMul4Bit`` makes in forward, recompute and backward (the profile's trace). The quant states are
+    made when the CPU run builds the model, before wrapping, so the comparison leaves them out as it leaves out the
+    moved tensors; ``test_qlora_replayed_allocated_level_equals_the_estimate`` counts them. Setup and three steps."""
+    training = dataclasses.replace(training, attn="eager", micro_batch_size=B, seq_len=S)
+    generated = _runs(_generated(llama_path, training, world, rank, "FULL_SHARD", False), True)
+    real = _runs(_in_fresh_process(_real_fsdp1_events, training, world, rank, "FULL_SHARD", False, False), False)
+    _assert_same_runs(generated, real)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("training, world, cpu_offload", [
+    (_qlora(grad_ckpt=True), 2, False),
+    (_qlora(), 3, False),
+    (_qlora(grad_ckpt=True), 2, True),  # the quant states stay on the device, the packed shards go to the host
+])
+def test_qlora_replayed_allocated_level_equals_the_estimate(llama_path, training, world, cpu_offload):
+    """The quant states, one setup block per packed weight kept whole on every rank, are the estimate's
+    ``Fsdp1Sizes.quant_state_bytes``: the replay's allocated level is the estimator's, to the byte."""
+    _assert_replayed_allocated_level(llama_path, training, world, "FULL_SHARD", False, cpu_offload=cpu_offload)
+
+
+@pytest.mark.slow
+def test_qlora_with_orig_params_keeps_the_prior(llama_path):
+    """fsdp_qlora's flat parameters are what the real run checks; use_orig_params is not."""
+    training = _qlora(micro_batch_size=B, seq_len=S)
+    est = api.estimate(_spec(llama_path, training, 2, orig_params=True), alloc_conf="")
+    assert est.reserved_source == "prior"
+    assert any(n.startswith("reserved: prior") and "QLoRA and use_orig_params" in n for n in est.notes)
+    assert api.estimate(_spec(llama_path, training, 2, orig_params=False), alloc_conf="").reserved_source == "replayed"
 
 
 def _assert_replayed_allocated_level(llama_path: str, training: TrainingSpec, world: int, strategy: str,
