@@ -29,8 +29,10 @@ Measured 2026-11-28 (this script):
 | Llama-2-7b-hf | 19.84 | 9.132 | 1.811 | 12.52 (-2.9 %) | 0.488 | 13.00 (+0.9 %) | 12.89 |
 | Llama-2-13b-hf | 35.50 | 17.764 | 2.835 | 20.57 (-2.0 %) | 0.610 | 21.18 (+0.9 %) | 21.00 |
 
-(GiB.) The estimator's QLoRA is peft's recipe (head, norms and embedding fp32, an fp32 residual stream, fp32
-adapters, bitsandbytes >= 0.43.2's MatMul4Bit): +19.0 / +17.6 % on these rows.
+(GiB.) Scored as peft's recipe (head, norms and embedding fp32, an fp32 residual stream, fp32 adapters,
+bitsandbytes >= 0.43.2's MatMul4Bit) the rows were +19.0 / +17.6 %; with the recipe modelled (session 33:
+``qlora_quantizer lightning``, ``qlora_bnb 0.41.1``) -9.4 / -8.8 %, the rest being LitGPT's model code (its LoRA
+rows -2.9 / -2.8 %, the chunked head's dequantized copies).
 """
 
 from __future__ import annotations

@@ -307,17 +307,16 @@ DIAGNOSES = [
      "not located (the rows ran reentrant checkpointing and transformers 4.37-4.39, the profile traces "
      "non-reentrant; fsdp_qlora's low_memory loading and the quant states' own tensors are not replayed)"),
     (lambda r, s: _litgpt(r) and r["qlora"] == "True",
-     "mechanism: LitGPT's QLoRA is Lightning's, not peft's, and is not expressible (lora_dtype model is refused "
-     "with QLoRA). Read at the rows' commits: Lightning 71aed751's BitsandbytesPrecision('nf4-dq', bf16) builds "
-     "every nn.Linear, the LM head included, as NF4 double-quant under a bf16 default dtype (norms, embedding and "
-     "adapters bf16, no fp32 cast), PagedAdamW for the adapters; bitsandbytes 0.41.1's MatMul4Bit keeps each "
-     "4-bit Linear's bf16 input for a backward that never reads it (dropped in 0.43.2, bitsandbytes #1270) and "
-     "dequantizes the weight to fp16, then bf16, in every call. Counted from the same table's LoRA rows "
-     "(benchmarks/litgpt_qlora_count.py): the LoRA peak less the Linears' bf16 weights over NF4 double-quant "
-     "(7B 9.13, 13B 17.76 GiB) plus the inputs MatMul4Bit keeps (1.81, 2.84 GiB) gives 12.52 / 20.57 GiB "
-     "(-2.9 / -2.0 %); with the LM head's two dequantized copies at the peak, 13.00 / 21.18 (+0.9 / +0.9 %), "
-     "against 12.89 / 21.00 published. The estimator traces peft's recipe (embedding, norms and head in fp32, an "
-     "fp32 residual stream and adapters, bitsandbytes >= 0.43.2)"),
+     "mechanism: LitGPT's own model code around Lightning's QLoRA. The recipe is modelled (qlora_quantizer "
+     "lightning: every Linear incl. the LM head NF4 double-quant from fp16, bf16 elsewhere; qlora_bnb 0.41.1: each "
+     "4-bit Linear's input kept, checked to the byte against a count from bitsandbytes 0.41.1's source, docs/"
+     "error_matrix/qlora_lightning_bnb041.csv): session 33 scores 11.68 / 19.15 GiB against 12.89 / 21.00 published "
+     "(-9.4 / -8.8 %; +19.0 / +17.6 % as peft's recipe). What is left is LitGPT's code, not the recipe: the same "
+     "table's LoRA rows (same shapes, transformers' trace) are -2.9 / -2.8 % (19.27 vs 19.84, 34.51 vs 35.50 GiB), "
+     "and LitGPT evaluates the LM head in 128-token chunks, each dequantizing the 4-bit head to fp16 then bf16 "
+     "(2 x 32,000 x hidden x 2 B: 0.49 / 0.61 GiB) while the chunks' outputs are held, where transformers' one "
+     "head call frees its copies before the logits' peak (benchmarks/litgpt_qlora_count.py: with them at the peak "
+     "the hand count is +0.9 / +0.9 %)"),
     (lambda r, s: _litgpt(r) and r["method"] == "fsdp1",
      "mechanism: Lightning's FSDP1 over LitGPT's Blocks (fsdp1_lora_wrap layer, grad_sync last) is modelled: "
      "every frozen weight gets a gradient and no_backward_sync holds them unsharded; what is left is LitGPT's "

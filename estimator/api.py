@@ -790,10 +790,22 @@ def estimate(spec: RunSpec, coefficients: Any = None, *, allow_build: bool = Tru
         notes.append("qlora: traced as transformers + peft run it (bitsandbytes NF4 with double quantization, "
                      "prepare_model_for_kbit_training: other weights and the adapters in fp32)")
     elif spec.training.qlora:
-        adapters = ("adapters bf16, as answer.ai fsdp_qlora's train.py" if spec.training.lora_dtype == "model"
+        lightning = spec.training.qlora_quantizer == "lightning"
+        adapters = (("adapters bf16, as LitGPT's bf16-true builds them" if lightning else
+                     "adapters bf16, as answer.ai fsdp_qlora's train.py") if spec.training.lora_dtype == "model"
                     else "adapters fp32, as peft 0.13 leaves them on a uint8-stored 4-bit base")
-        notes.append("qlora: traced without kbit preparation (bitsandbytes NF4 with double quantization on every "
-                     f"linear but the head; embedding, norms, head and residual stream bf16; {adapters})")
+        if lightning:
+            notes.append("qlora: traced as Lightning's BitsandbytesPrecision('nf4-dq') builds it (LitGPT): NF4 with "
+                         "double quantization on every linear, the LM head included, quantized from fp16 (each matmul "
+                         "dequantizes to fp16, then casts to bf16); embedding, norms and residual stream bf16; "
+                         f"{adapters}")
+        else:
+            notes.append("qlora: traced without kbit preparation (bitsandbytes NF4 with double quantization on every "
+                         f"linear but the head; embedding, norms, head and residual stream bf16; {adapters})")
+    if spec.training.qlora_keeps_inputs:
+        notes.append(f"qlora: bitsandbytes {spec.training.qlora_bnb or 'as installed'} (before 0.43.2): each 4-bit "
+                     "linear's MatMul4Bit keeps its input until the autograd graph is freed (bitsandbytes #1270), "
+                     "traced with a copy of 0.41.1's MatMul4Bit")
     if spec.training.qlora:
         notes += qlora_experts_note(table)
     notes += residuals.range_notes(coeffs, spec, gpu_key=gpu.key, params=total, model_family=arch.model_type)

@@ -57,6 +57,15 @@ LORA_DTYPES = ("auto", "model")
 # norms, head and residual stream), "none" (everything not quantized stays in the model's bf16), "auto" ("none"
 # with lora_dtype model, else "kbit").
 QLORA_PREPS = ("auto", "kbit", "none")
+# Who quantizes QLoRA's base: "transformers" (``BitsAndBytesConfig``: every nn.Linear but the output head, quantized
+# from the loaded 16-bit weight) or "lightning" (Lightning's ``BitsandbytesPrecision("nf4-dq")``, LitGPT: every
+# nn.Linear, the LM head included, each weight quantized from ``weight.to(torch.half)``, so every 4-bit matmul
+# dequantizes to fp16 and casts that to the bf16 input's dtype).
+QLORA_QUANTIZERS = ("transformers", "lightning")
+# The first bitsandbytes release whose ``MatMul4Bit`` no longer keeps its input for backward (0.43.2, 9e753741,
+# "fix QLoRA mem bug", bitsandbytes #1270): before it, ``ctx.tensors = (A, B)`` holds each 4-bit Linear's input
+# until the autograd graph is freed, a backward that never reads it.
+BNB_DROPS_4BIT_INPUTS = (0, 43, 2)
 # Which decoder layers are checkpointed when ``grad_ckpt`` is on: "" every layer (HF, full AC); "every-k:K" every
 # K-th layer (torchtitan/torchtune's selective layer AC: layers K-1, 2K-1, ...); "selective-ops" every layer with
 # torchtitan's op policy (torch's create_selective_checkpoint_contexts: matmul and attention outputs saved,
@@ -104,6 +113,30 @@ def model_code_release(version: str) -> str | None:
     minor = "".join(ch for ch in parts[1] if ch.isdigit()) if parts[1][:1].isdigit() else ""
     return f"{int(parts[0])}.{int(minor)}" if minor else None
 
+
+def bnb_release(version: str) -> tuple[int, int, int] | None:
+    """'0.41.1' -> (0, 41, 1) (a missing patch is 0); None when it is not a release number."""
+    parts = str(version).strip().split(".")
+    if len(parts) < 2 or not all(p[:1].isdigit() for p in parts[:3]):
+        return None
+    a, b, c = ([int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts[:3]] + [0])[:3]
+    return a, b, c
+
+
+def installed_bnb_release() -> tuple[int, int, int] | None:
+    """The installed bitsandbytes' release (no import: the predict path stays torch-free); None when absent."""
+    from importlib import metadata
+
+    try:
+        return bnb_release(metadata.version("bitsandbytes"))
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def bnb_keeps_4bit_inputs(release: tuple[int, int, int] | None) -> bool:
+    """Whether that bitsandbytes release's ``MatMul4Bit`` keeps each 4-bit Linear's input (None: no release known,
+    today's behaviour)."""
+    return release is not None and release < BNB_DROPS_4BIT_INPUTS
 
 
 # Methods ring attention is modelled with: FSDP2 over the dp x cp ranks (torchtitan), and dp_tp: torchtitan's
@@ -177,6 +210,12 @@ class TrainingSpec:
     # weight's dtype only when it is a float; later peft reads ``compute_dtype``): each adapter then takes an fp32
     # copy of its input and keeps an fp32 dropped input (peft-experiments' QLoRA notebook, peft 1b16753a).
     qlora_prep: str = "auto"
+    # QLORA_QUANTIZERS. "lightning" needs QLoRA without kbit preparation (Lightning's ``bf16-true`` leaves the rest
+    # in bf16); a head tied to the embedding stays unquantized (the embedding is no Linear).
+    qlora_quantizer: str = "transformers"
+    # The bitsandbytes release the run uses ("0.41.1"; "": the installed one): before 0.43.2 every 4-bit Linear
+    # keeps its input for backward (``qlora_keeps_inputs``), traced by a copy of that release's ``MatMul4Bit``.
+    qlora_bnb: str = ""
     grad_accum_steps: int = 1
     loop: str = "trainer"
     batch: str = "full"
@@ -257,6 +296,14 @@ class TrainingSpec:
             _fail("lora_dtype" if self.qlora_prep == "auto" else "qlora_prep",
                   f"QLoRA without kbit preparation is modelled for a pure bf16 model (precision bf16), got "
                   f"{self.precision}")
+        _check_choice("qlora_quantizer", self.qlora_quantizer, QLORA_QUANTIZERS)
+        if self.qlora_quantizer != "transformers" and (not self.qlora or self.qlora_kbit_prep):
+            _fail("qlora_quantizer", "Lightning's quantization is QLoRA without kbit preparation (--qlora "
+                                     "--lora-dtype model)")
+        if not isinstance(self.qlora_bnb, str) or (self.qlora_bnb and bnb_release(self.qlora_bnb) is None):
+            _fail("qlora_bnb", f"must be a bitsandbytes release such as 0.41.1, got {self.qlora_bnb!r}")
+        if self.qlora_bnb and not self.qlora:
+            _fail("qlora_bnb", "the bitsandbytes release matters to QLoRA only (--qlora)")
         if not isinstance(self.lora_targets, str) or not self.lora_targets.strip():
             _fail("lora_targets", f"must be 'auto', 'all-linear' or module names, got {self.lora_targets!r}")
         _check_positive_int("grad_accum_steps", self.grad_accum_steps)
@@ -323,6 +370,14 @@ class TrainingSpec:
         residual stream and the adapters in fp32 (``lora_dtype`` auto). False for LoRA and for QLoRA without the
         preparation (``lora_dtype`` model: everything in the model's bf16; ``qlora_prep`` none)."""
         return self.qlora and (self.qlora_prep == "kbit" or (self.qlora_prep == "auto" and self.lora_dtype == "auto"))
+
+    @property
+    def qlora_keeps_inputs(self) -> bool:
+        """QLoRA under a bitsandbytes release whose ``MatMul4Bit`` keeps each 4-bit Linear's input (before 0.43.2):
+        the declared ``qlora_bnb``, else the installed release."""
+        if not self.qlora:
+            return False
+        return bnb_keeps_4bit_inputs(bnb_release(self.qlora_bnb) if self.qlora_bnb else installed_bnb_release())
 
     @property
     def forward_autocast(self) -> str | None:
@@ -616,6 +671,14 @@ class RunSpec:
             # DeepSpeed casts the whole model to its dtype whatever the recipe: QLoRA under ZeRO is peft's recipe only
             _fail("lora_dtype" if self.training.qlora_prep == "auto" else "qlora_prep",
                   f"QLoRA without kbit preparation is modelled on one GPU, DDP or FSDP1, not {self.parallel.method}")
+        if self.parallel.method not in ("single", "ddp"):
+            # traced and checked on one GPU's trace only (benchmarks/qlora_bf16_check.py --lightning)
+            if self.training.qlora_quantizer != "transformers":
+                _fail("qlora_quantizer", f"Lightning's QLoRA quantization is modelled on one GPU or DDP, not "
+                                         f"{self.parallel.method}")
+            if self.training.qlora_keeps_inputs:
+                _fail("qlora_bnb", f"bitsandbytes before 0.43.2 (4-bit inputs kept for backward) is modelled on one "
+                                   f"GPU or DDP, not {self.parallel.method}")
         if self.training.qlora_kbit_prep and self.parallel.method == "fsdp1":
             # FSDP1 flattens one dtype per unit: peft's kbit preparation leaves fp32 norms beside the packed weights.
             _fail("qlora", "fsdp1 shards 4-bit weights only as answer.ai's fsdp_qlora builds them (lora_dtype model: "
@@ -631,7 +694,8 @@ class RunSpec:
     def _canonical_dict(self) -> dict[str, Any]:
         """to_dict without the settings of a method not used, nor settings added later at their default (FSDP1's
         ``lora_wrap``, ``ep``, ``moe_imbalance``, ``cp``, ``outputs_fp32``, ``lora_dropout``, ``grad_sync``, ``model_code``, ``use_cache``,
-        the long-context techniques, ``ckpt_reentrant``, ``vocab_size``, ``full_range_slices``, ``lora_dtype``, ``qlora_prep``, ``memory_cap_bytes``, ZeRO-3's leaf modules):
+        the long-context techniques, ``ckpt_reentrant``, ``vocab_size``, ``full_range_slices``, ``lora_dtype``,
+        ``qlora_prep``, ``qlora_quantizer``, ``qlora_bnb``, ``memory_cap_bytes``, ZeRO-3's leaf modules):
         ids stay as they were."""
         data = self.to_dict()
         if self.parallel.method != "fsdp1":
@@ -658,6 +722,10 @@ class RunSpec:
             data["training"].pop("lora_dtype")
         if self.training.qlora_prep == "auto":
             data["training"].pop("qlora_prep")
+        if self.training.qlora_quantizer == "transformers":
+            data["training"].pop("qlora_quantizer")
+        if not self.training.qlora_bnb:
+            data["training"].pop("qlora_bnb")
         if self.training.ce != "chunked":
             data["training"].pop("ce_chunks")
         if self.training.grad_sync == "every":

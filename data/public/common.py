@@ -19,7 +19,7 @@ SOURCES = HERE / "sources"
 
 # Mirrors estimator.columns.SPEC_INPUT_COLUMNS (tests/calibrate/test_public.py checks they agree).
 SPEC = ["model", "gpu", "method", "world_size", "tp", "micro_batch_size", "seq_len", "precision", "optimizer",
-        "grad_ckpt", "attn", "lora_rank", "lora_targets", "lora_dropout", "lora_dtype", "qlora", "qlora_prep",
+        "grad_ckpt", "attn", "lora_rank", "lora_targets", "lora_dropout", "lora_dtype", "qlora", "qlora_prep", "qlora_quantizer", "qlora_bnb",
         "grad_accum_steps",
         "loop",
         "batch", "outputs_fp32", "grad_sync", "model_code", "use_cache", "ce", "ce_chunks", "activation_offload",
@@ -71,7 +71,7 @@ def row(**fields) -> dict:
     """A complete row: defaults for the ZeRO/TP columns, the value in bytes, every column present."""
     out = {c: "" for c in COLUMNS}
     out.update({"tp": 1, "grad_accum_steps": 1, "qlora": False, "lora_rank": 0, "lora_targets": "auto",
-                "lora_dropout": 0.0, "lora_dtype": "auto", "qlora_prep": "auto", "outputs_fp32": False, "grad_sync": "every", "use_cache": False,
+                "lora_dropout": 0.0, "lora_dtype": "auto", "qlora_prep": "auto", "qlora_quantizer": "transformers", "outputs_fp32": False, "grad_sync": "every", "use_cache": False,
                 "ckpt_reentrant": False, "vocab_size": 0, "memory_cap_bytes": 0, "value_offset_bytes": 0, "complete": True, "in_scope": True,
                 **ZERO_DEFAULTS, **FSDP1_DEFAULTS, **PP_DEFAULTS})
     unknown = set(fields) - set(COLUMNS)
@@ -80,6 +80,8 @@ def row(**fields) -> dict:
     out.update(fields)
     if not out["model_code"]:  # the model code the run executed is its transformers release's
         out["model_code"] = out["transformers_version"]
+    if out["qlora"] is True and not out["qlora_bnb"]:  # the 4-bit matmul the run executed is its release's
+        out["qlora_bnb"] = out["bitsandbytes_version"]
     if out["full_range_slices"] == "":
         out["full_range_slices"] = records_full_range_slices(out["torch_version"])
     if out["quantity"] not in QUANTITIES or out["scope"] not in SCOPES or out["loop"] not in LOOPS:

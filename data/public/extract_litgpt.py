@@ -48,7 +48,12 @@ only), so the LoRA rows cannot carry it. LitGPT's LoRA tensors are made under ``
 and states in bf16, not peft's fp32). Left unmodelled: LitGPT drops the input once per fused QKV where peft's
 q/k/v adapters each keep one, and ``zero_pad`` (``lora.py`` at 00af8b0d) pads the adapter output to the qkv width
 with ``new_zeros`` + ``index_copy_``, which saves no tensor for backward (a forward transient only). QLoRA rows
-keep peft's recipe (not LitGPT's: every Linear incl. the head NF4, bf16 elsewhere). Standard library only.
+are Lightning's recipe (``qlora_quantizer=lightning``: Lightning 71aed751's ``BitsandbytesPrecision`` quantizes
+every Linear, the LM head included, from fp16; norms, embedding and adapters bf16: ``lora_dtype=model``, no kbit
+preparation) under the row's bitsandbytes (``qlora_bnb``, from ``bitsandbytes_version``: 0.41.1 keeps each 4-bit
+Linear's input, ``estimator.profiler.bnb_041``); bitsandbytes' PagedAdamW holds the adapters' states in managed
+memory, outside ``max_memory_allocated`` (not modelled: AdamW's bf16 states of the adapters are counted, 4 x 2 B
+per trainable parameter, 17 MB for Llama-2-7B's q/v adapters). Standard library only.
 """
 
 from __future__ import annotations
@@ -87,9 +92,9 @@ COMMON = ["LitGPT's own model code: SDPA, LM head in chunks of 128 tokens and ch
           "(transformers computes the full logits)", "bf16-true: weights, gradients and AdamW states in bf16 "
           "(LoRA weights too)"]
 QLORA_NOTE = ("LitGPT QLoRA: Lightning's BitsandbytesPrecision quantizes every Linear incl. the LM head to "
-              "{kind}, the rest stays bf16, optimizer bitsandbytes PagedAdamW (states in managed memory, outside "
-              "the caching allocator); the estimator's QLoRA is peft's recipe (NF4 double quant, LM head and "
-              "norms in fp32)")
+              "{kind} from fp16 (qlora_quantizer lightning), the rest stays bf16 (lora_dtype model: no kbit "
+              "preparation), optimizer bitsandbytes PagedAdamW (states in managed memory, outside the caching "
+              "allocator; counted as AdamW's bf16 states of the adapters)")
 
 
 def _value(cell: str) -> float | None:
@@ -127,9 +132,14 @@ def _below_states(hub: str, kind: str, value_gb: float) -> str:
 
 def _lora_dtype(quantized: bool) -> str:
     """LitGPT's LoRA tensors are created with the model under ``fabric.init_module`` (finetune/lora.py at both
-    commits), so ``bf16-true`` builds them in bf16: ``model``. QLoRA keeps ``auto``: the estimator's QLoRA is
-    peft's recipe, whose adapters ``prepare_model_for_kbit_training`` sets (LitGPT's QLoRA is not expressible)."""
-    return "auto" if quantized else "model"
+    commits), so ``bf16-true`` builds them in bf16: ``model``; with QLoRA too (Lightning's ``BitsandbytesPrecision``
+    casts nothing to fp32: QLoRA without kbit preparation)."""
+    return "model"
+
+
+def _quantizer(quantized: bool) -> str:
+    """Lightning's ``BitsandbytesPrecision`` quantizes every Linear, the head included (``qlora_quantizer``)."""
+    return "lightning" if quantized else "transformers"
 
 
 def _targets(config: dict) -> str:
@@ -175,6 +185,7 @@ def _resource_rows(entry: dict, text: str) -> list[dict]:
                 micro_batch_size=int(cells["Microbatch size"]), seq_len=longest, precision="bf16",
                 optimizer="adamw", grad_ckpt=multi, attn="sdpa", lora_rank=8, lora_targets="q_proj,v_proj",
                 lora_dropout=RESOURCE_LORA_DROPOUT, lora_dtype=_lora_dtype(quant != "None"),
+                qlora_quantizer=_quantizer(quant != "None"),
                 grad_accum_steps=RESOURCE_BATCH // int(cells["Microbatch size"]),
                 grad_sync="last" if multi else "every", fsdp1_lora_wrap="layer" if multi else "adapter",
                 qlora=quant != "None", model_hub_id=hub, framework="litgpt 8641822 (Lightning Fabric)",
@@ -235,7 +246,8 @@ def _confighub_rows(entry: dict, text: str, configs: dict[str, tuple[dict, dict]
                 precision="bf16", optimizer="adamw", grad_ckpt=devices > 1, attn="sdpa", lora_rank=lora_rank,
                 lora_targets=_targets(config) if lora_rank else "auto",
                 lora_dropout=float(config.get("lora_dropout") or 0) if lora_rank else 0.0, qlora=bool(quant),
-                lora_dtype=_lora_dtype(bool(quant)) if lora_rank else "auto", grad_accum_steps=accum,
+                lora_dtype=_lora_dtype(bool(quant)) if lora_rank else "auto", qlora_quantizer=_quantizer(bool(quant)),
+                grad_accum_steps=accum,
                 model_hub_id=hub, framework="litgpt 00af8b0d (Lightning Fabric)",
                 adapter={"full": "full", "lora": "lora", "qlora": "qlora"}[kind], loop="manual", padding="longest",
                 max_length=int(config["train.max_seq_length"]), seq_len_basis="max_length_cap",

@@ -29,6 +29,7 @@ from estimator.spec import (
     PP_SCHEDULES,
     PRECISIONS,
     QLORA_PREPS,
+    QLORA_QUANTIZERS,
     ParallelSpec,
     RunSpec,
     TrainingSpec,
@@ -95,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--qlora-prep", choices=QLORA_PREPS, default=None,
                    help="QLoRA's preparation of the rest: kbit (peft's prepare_model_for_kbit_training, fp32), none "
                         "(bf16; adapters fp32 unless --lora-dtype model) or auto (none with --lora-dtype model)")
+    p.add_argument("--qlora-quantizer", choices=QLORA_QUANTIZERS, default=None,
+                   help="who quantizes QLoRA's base: transformers (every Linear but the head) or lightning "
+                        "(BitsandbytesPrecision nf4-dq, LitGPT: every Linear incl. the head, from fp16)")
+    p.add_argument("--qlora-bnb", default=None, metavar="RELEASE",
+                   help="the bitsandbytes release the run uses (default: the installed one); before 0.43.2 each "
+                        "4-bit Linear keeps its input for backward")
     p.add_argument("--grad-accum-steps", type=int, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--grad-sync", choices=GRAD_SYNCS, help="FSDP under gradient accumulation: reduce the gradients "
                    "on 'every' micro-batch (default: torchtitan, a plain loop, accelerate's sync_each_batch=True) or "
@@ -174,6 +181,8 @@ def _training(args, base: TrainingSpec) -> TrainingSpec:
                         lora_dropout=pick(args.lora_dropout, base.lora_dropout), qlora=args.qlora or base.qlora,
                         lora_dtype=pick(args.lora_dtype, base.lora_dtype),
                         qlora_prep=pick(args.qlora_prep, base.qlora_prep),
+                        qlora_quantizer=pick(args.qlora_quantizer, base.qlora_quantizer),
+                        qlora_bnb=pick(args.qlora_bnb, base.qlora_bnb),
                         loop=pick(args.loop, base.loop),
                         batch=pick(args.batch, base.batch), outputs_fp32=pick(args.outputs_fp32, base.outputs_fp32),
                         grad_accum_steps=pick(args.grad_accum_steps, base.grad_accum_steps),
@@ -282,7 +291,9 @@ def _lora_label(t) -> str:
     dtype = (" without kbit preparation (bf16 throughout)" if t.qlora else " adapters in the model's dtype") \
         if t.lora_dtype == "model" else " without kbit preparation (fp32 adapters)" if t.qlora and not t.qlora_kbit_prep \
         else ""
-    return f", {'QLoRA' if t.qlora else 'LoRA'} r={t.lora_rank}{dropout}{dtype}" if t.lora else ""
+    quantizer = ", every Linear incl. the head 4-bit (Lightning)" if t.qlora_quantizer == "lightning" else ""
+    kept = ", 4-bit inputs kept for backward (bitsandbytes < 0.43.2)" if t.qlora_keeps_inputs else ""
+    return f", {'QLoRA' if t.qlora else 'LoRA'} r={t.lora_rank}{dropout}{dtype}{quantizer}{kept}" if t.lora else ""
 
 
 def _loop_label(t) -> str:

@@ -53,6 +53,10 @@ def variant_key(training: TrainingSpec, adapters_16bit: bool = False, input_grad
         lora += "-a16"
     elif training.qlora and not training.qlora_kbit_prep:  # no kbit preparation, fp32 adapters (qlora_prep none)
         lora += "-noprep"
+    if training.qlora_quantizer == "lightning":  # every Linear incl. the head 4-bit, quantized from fp16
+        lora += "-lightning"
+    if training.qlora_keeps_inputs:  # bitsandbytes < 0.43.2's MatMul4Bit (estimator.profiler.bnb_041)
+        lora += "-keepin"
     if input_grads and training.lora:
         lora += "-ig"
     # Padding changes only SDPA's trace: eager attention builds the 4-D mask for full-length batches too, and

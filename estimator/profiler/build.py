@@ -103,7 +103,8 @@ def build_model(config: dict[str, Any], training: TrainingSpec, device: torch.de
 
         install_loss(model, training)
     if training.qlora:
-        model = prepare_qlora_base(model, param_dtype(training.precision), kbit_prep=training.qlora_kbit_prep)
+        model = prepare_qlora_base(model, param_dtype(training.precision), kbit_prep=training.qlora_kbit_prep,
+                                   quantizer=training.qlora_quantizer, keeps_inputs=training.qlora_keeps_inputs)
         if not meta:
             quantize_4bit_weights(model, target)
     if training.lora:
@@ -163,7 +164,8 @@ def _from_config(cfg, dtype: torch.dtype, attn: str) -> torch.nn.Module:
             attn = _ATTN_FALLBACK[attn]
 
 
-def prepare_qlora_base(model: torch.nn.Module, compute_dtype: torch.dtype, kbit_prep: bool = True) -> torch.nn.Module:
+def prepare_qlora_base(model: torch.nn.Module, compute_dtype: torch.dtype, kbit_prep: bool = True,
+                       quantizer: str = "transformers", keeps_inputs: bool = False) -> torch.nn.Module:
     """The QLoRA recipe on a randomly initialised model, as ``from_pretrained(quantization_config=
     BitsAndBytesConfig(load_in_4bit, nf4, double quant, compute_dtype))`` then ``peft.prepare_model_for_kbit_training``
     (what TRL's SFTTrainer and the QLoRA reference code run) would leave it: every ``nn.Linear`` but the output
@@ -171,22 +173,33 @@ def prepare_qlora_base(model: torch.nn.Module, compute_dtype: torch.dtype, kbit_
     until ``quantize_4bit_weights``; every other 16-bit parameter is cast to fp32. Gradient checkpointing stays as
     ``build_model`` set it (non-reentrant: peft's input-grad hook is not needed). ``kbit_prep`` False: the recipe
     without ``prepare_model_for_kbit_training`` (answer.ai fsdp_qlora's train.py, ``TrainingSpec.lora_dtype``
-    "model"): the other parameters stay in the model's dtype."""
+    "model"): the other parameters stay in the model's dtype. ``quantizer`` "lightning": Lightning's
+    ``BitsandbytesPrecision("nf4-dq")`` (71aed751 ``fabric/plugins/precision/bitsandbytes.py``, LitGPT's QLoRA)
+    replaces the class ``torch.nn.Linear`` at init, so the output head is 4-bit too (a head tied to the embedding
+    stays as it is: the embedding is no Linear), and ``_quantize_weight`` quantizes ``weight.to(torch.half)``: each
+    matmul dequantizes to fp16, then casts to the input's dtype. ``keeps_inputs``: bitsandbytes < 0.43.2's
+    ``MatMul4Bit`` (``estimator.profiler.bnb_041``)."""
     import bitsandbytes as bnb
     from peft import prepare_model_for_kbit_training
 
-    keep = {name for name, module in model.named_modules() if module is model.get_output_embeddings()}
+    linear = bnb.nn.Linear4bit
+    if keeps_inputs:
+        from estimator.profiler.bnb_041 import Linear4bitKeepsInput as linear
+    lightning = quantizer == "lightning"
+    quant_dtype = torch.float16 if lightning else compute_dtype
+    keep = set() if lightning else {name for name, module in model.named_modules()
+                                    if module is model.get_output_embeddings()}
     tied = {id(p) for p in model.get_input_embeddings().parameters()}
     for name, module in list(model.named_modules()):
         if type(module) is not torch.nn.Linear or name in keep or id(module.weight) in tied:
             continue
-        quantized = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
-                                      compute_dtype=compute_dtype, device=module.weight.device, **NF4)
+        quantized = linear(module.in_features, module.out_features, bias=module.bias is not None,
+                           compute_dtype=compute_dtype, device=module.weight.device, **NF4)
         # ``module``: quantizing also sets ``quantized.quant_state``, from which bitsandbytes restores the weight's
         # state once FSDP1 has swapped the weight for a view of its flat parameter (fsdp_qlora builds it so; the
         # keyword exists from bitsandbytes 0.43)
         owner = {"module": quantized} if "module" in inspect.signature(bnb.nn.Params4bit.__new__).parameters else {}
-        quantized.weight = bnb.nn.Params4bit(module.weight.data.to(compute_dtype), requires_grad=False, **owner,
+        quantized.weight = bnb.nn.Params4bit(module.weight.data.to(quant_dtype), requires_grad=False, **owner,
                                              **NF4)
         if module.bias is not None:
             quantized.bias = module.bias

@@ -161,6 +161,8 @@ def variant_training(profile: dict) -> TrainingSpec:
                         qlora=variant.get("qlora", False), batch=variant.get("batch", "full"),
                         lora_dropout=variant.get("lora_dropout", 0.0), lora_dtype=variant.get("lora_dtype", "auto"),
                         qlora_prep=variant.get("qlora_prep", "auto"),
+                        qlora_quantizer=variant.get("qlora_quantizer", "transformers"),
+                        qlora_bnb=variant.get("qlora_bnb", ""),
                         use_cache=variant.get("use_cache", False),
                         # traced under accelerate's autocast over 16-bit weights (TrainingSpec.forward_autocast)
                         outputs_fp32=bool(variant.get("forward_autocast"))

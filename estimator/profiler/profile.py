@@ -40,7 +40,7 @@ from estimator.profiler.trace import (
     label_grads,
     label_layers,
 )
-from estimator.spec import TrainingSpec
+from estimator.spec import TrainingSpec, installed_bnb_release
 
 PROFILE_LAYERS = 3
 CHECK_LAYERS = 4
@@ -673,7 +673,11 @@ def _variant(training: TrainingSpec) -> dict:
             "forward_autocast": training.forward_autocast, "use_cache": training.use_cache,
             # QLoRA without kbit preparation: a base built otherwise (LoRA's 16-bit adapters: the key's -a16 alone)
             **({"lora_dtype": training.lora_dtype, "qlora_prep": training.qlora_prep}
-               if training.qlora and not training.qlora_kbit_prep else {})}
+               if training.qlora and not training.qlora_kbit_prep else {}),
+            **({"qlora_quantizer": training.qlora_quantizer} if training.qlora_quantizer != "transformers" else {}),
+            # the release whose MatMul4Bit kept the inputs (declared, else the installed one)
+            **({"qlora_bnb": training.qlora_bnb or ".".join(map(str, installed_bnb_release() or ()))}
+               if training.qlora_keeps_inputs else {})}
 
 
 def _check_depth(config: dict, training: TrainingSpec, regime: dict, fitted: dict, tp: int = 1,

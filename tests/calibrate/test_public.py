@@ -183,9 +183,10 @@ def test_litgpt_fsdp_rows_run_fsdp1_over_blocks_holding_gradients_under_no_sync(
     assert (single["method"], single["grad_sync"], single["fsdp1_lora_wrap"]) == ("single", "every", "adapter")
 
 
-def test_litgpt_lora_rows_build_their_adapters_in_bf16_and_qlora_rows_keep_peft_recipe():
+def test_litgpt_lora_rows_build_their_adapters_in_bf16_and_qlora_rows_are_lightnings_recipe():
     """finetune/lora.py at both commits makes the LoRA tensors under ``fabric.init_module``: ``bf16-true`` builds
-    them in bf16 (``lora_dtype`` model); the estimator's QLoRA is peft's recipe, so QLoRA rows keep ``auto``."""
+    them in bf16 (``lora_dtype`` model), QLoRA's too; Lightning quantizes every Linear incl. the head
+    (``qlora_quantizer`` lightning) with the row's bitsandbytes (0.41.1: inputs kept)."""
     from estimator.columns import spec_from_columns
     from estimator.models.profiles import run_adapters_in_16bit
 
@@ -196,7 +197,12 @@ def test_litgpt_lora_rows_build_their_adapters_in_bf16_and_qlora_rows_keep_peft_
     for row_id in ("litgpt:resource-tables:single:Llama2-7B:None:mb1:x1",
                    "litgpt:resource-tables:multi:Llama2-7B:None:mb1:x2"):
         assert rows[row_id]["lora_dtype"] == "model"
-    assert rows["litgpt:resource-tables:single:Llama2-7B:bnb.nf4-dq:mb1:x1"]["lora_dtype"] == "auto"
+    qlora = rows["litgpt:resource-tables:single:Llama2-7B:bnb.nf4-dq:mb1:x1"]
+    assert (qlora["lora_dtype"], qlora["qlora_quantizer"], qlora["qlora_bnb"]) == ("model", "lightning", "0.41.1")
+    assert qlora["in_scope"]
+    spec = spec_from_columns({k: "" if v is None else str(v) for k, v in qlora.items()})
+    assert spec.training.qlora_keeps_inputs and not spec.training.qlora_kbit_prep
+    assert rows["litgpt:resource-tables:single:Llama2-7B:None:mb1:x1"]["qlora_bnb"] == ""  # LoRA: no 4-bit matmul
     assert rows["litgpt:config-hub:tiny-llama/full.yaml:1xA10G"]["lora_dtype"] == "auto"
     as_read = {k: "" if v is None else str(v) for k, v in tiny.items()}  # measurements.csv's strings
     assert run_adapters_in_16bit(spec_from_columns(as_read))
