@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from estimator.models.expert_names import is_routed_expert
 from estimator.models.params import layer_rows
 
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -73,12 +74,6 @@ def experts_entry(marks: dict) -> tuple[int, object] | None:
         if label.startswith(f"{EXPERTS_MARK}:w"):
             return int(label.removeprefix(f"{EXPERTS_MARK}:w")), state
     return None
-
-
-def is_routed_expert(name: str) -> bool:
-    """A routed expert's tensor (``mlp.experts.gate_up_proj``, ``block_sparse_moe.experts.3.w1.weight``), not a
-    shared expert's (``mlp.shared_experts.*``, ``mlp.shared_expert.*``) nor the router's."""
-    return ".experts." in f".{name}"
 
 
 def _shared(config: dict) -> str:

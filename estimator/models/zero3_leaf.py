@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from estimator.models.moe import is_routed_expert
+from estimator.models.expert_names import is_routed_expert
 
 # model_type -> (MoE block class, routed experts class, decoder layer class), transformers 5.24's names
 # (``models/<family>/modeling_<family>.py``)
