@@ -601,17 +601,7 @@ def _hold_saved_inputs(body: list, moved: dict[int, int], marks: tuple, saved: t
         for at in _held_in_segment(body, *forward, sizes):
             removed.add(at)
             inserted.setdefault(backward_end, []).append(body[at])
-    new_at, out = [], []
-    for i, op in enumerate(body):
-        out += inserted.get(i, [])
-        new_at.append(len(out))
-        if i not in removed:
-            out.append(op)
-    out += inserted.get(len(body), [])
-    new_at.append(len(out))
-    body[:] = out
-    for index, at in moved.items():
-        moved[index] = new_at[at]
+    _rebuilt(body, moved, removed, inserted)
 
 
 def _after_head_backward(body: list, start: int, end: int, sizes: list[int]) -> int:
