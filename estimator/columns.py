@@ -37,7 +37,8 @@ ENV_COLUMNS = ["gpu_name", "compute_capability", "driver_version", "cuda_version
 # Spec fields added after tables were first written; a table without the column means the field's default.
 ADDED_SPEC_FIELDS = ("loop", "batch", "outputs_fp32", "lora_dropout", "grad_sync", "model_code", "use_cache", "ce",
                      "ce_chunks", "activation_offload", "ckpt_policy", "ckpt_reentrant", "vocab_size",
-                     "full_range_slices", "lora_dtype", "qlora_prep", "qlora_quantizer", "qlora_bnb", "memory_cap_bytes", *PP_COLUMNS,
+                     "full_range_slices", "lora_dtype", "qlora_prep", "qlora_quantizer", "qlora_bnb", "memory_cap_bytes",
+                     "zero_leaf_classes", "zero_leaf_names", "zero_leaf_name_suffixes", *PP_COLUMNS,
                      *(f"fsdp1_{f.name}" for f in dataclasses.fields(Fsdp1Spec)))
 COLUMNS = ID_COLUMNS + SPEC_COLUMNS + MEASURE_COLUMNS + RUN_COLUMNS + ENV_COLUMNS
 # Columns spec_from_columns reads (``world_size`` is an identity column; ``dp``/``zero_stage`` are derived).
